@@ -1,0 +1,1 @@
+"""rlfuse.consistency layer (see DEVELOPERS layout)."""

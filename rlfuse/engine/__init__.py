@@ -1,0 +1,1 @@
+"""rlfuse.engine layer (see DEVELOPERS layout)."""

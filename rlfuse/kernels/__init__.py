@@ -1,0 +1,11 @@
+"""Functions on tensors: each op in its own file with a PyTorch reference (`*_ref`),
+a Triton kernel, a launcher and a public function that picks the backend.
+
+Backend choice is explicit: `use_backend("torch" | "triton" | "auto")` (a context
+manager) or the `backend=` argument where an op takes one. "auto" runs Triton on CUDA
+tensors and the reference elsewhere.
+"""
+
+from rlfuse.kernels.backend import current_backend, resolve_backend, triton_available, use_backend
+
+__all__ = ["current_backend", "resolve_backend", "triton_available", "use_backend"]

@@ -1,0 +1,93 @@
+"""Explicit kernel-backend selection.
+
+Three names: "torch" (the readable references), "triton" (the fused kernels; on CPU
+tensors they need Triton's interpreter, `TRITON_INTERPRET=1` set before the first
+import of triton) and "auto" (Triton for CUDA tensors, the reference otherwise).
+The choice lives in a context variable so tests and the CLI set it without touching
+module globals: `with use_backend("torch"): ...`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "torch", "triton")
+_backend: contextvars.ContextVar[str] = contextvars.ContextVar("rlfuse_kernel_backend", default="auto")
+
+
+def current_backend() -> str:
+    return _backend.get()
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Run the enclosed ops with backend `name` ("auto", "torch" or "triton")."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    token = _backend.set(name)
+    try:
+        yield
+    finally:
+        _backend.reset(token)
+
+
+def set_backend(name: str) -> None:
+    """Set the backend for the current context (the CLI calls this once at start-up)."""
+    if name not in BACKENDS:
+        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
+    _backend.set(name)
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@functools.cache
+def triton_interpreting() -> bool:
+    # Triton reads this variable itself when kernels are decorated; we only mirror it
+    # to know whether CPU tensors may go to a Triton kernel.
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_warned: set[str] = set()
+
+
+def resolve_backend(op: str, x: torch.Tensor, *, has_triton: bool = True) -> str:
+    """The backend `op` runs on for input `x`: "torch" or "triton".
+
+    `has_triton=False` marks an op without a Triton kernel yet; asking for "triton"
+    there is an error, "auto" falls back to the reference (logged once with the reason).
+    """
+    want = _backend.get()
+    if want == "torch":
+        return "torch"
+    if want == "triton":
+        if not has_triton:
+            raise NotImplementedError(f"{op}: no Triton kernel yet; use backend 'torch' or 'auto'")
+        if not triton_available():
+            raise RuntimeError(f"{op}: backend 'triton' requested but triton is not installed")
+        if not x.is_cuda and not triton_interpreting():
+            raise RuntimeError(f"{op}: Triton on CPU tensors needs TRITON_INTERPRET=1 set before import")
+        return "triton"
+    # auto
+    if x.is_cuda and has_triton and triton_available():
+        return "triton"
+    if x.is_cuda:
+        reason = "no Triton kernel for this op yet" if not has_triton else "triton is not installed"
+        if op not in _warned:
+            _warned.add(op)
+            log.warning("kernel %s: using the PyTorch reference on CUDA (%s)", op, reason)
+    return "torch"

@@ -1,0 +1,7 @@
+"""Model layer: config, the Llama/Qwen2/Qwen3 transformer, safetensors weights, tokenizer."""
+
+from rlfuse.model.config import ModelConfig
+from rlfuse.model.transformer import CausalLM, Packed, PagedKV
+from rlfuse.model.weights import load_model, save_model
+
+__all__ = ["CausalLM", "ModelConfig", "Packed", "PagedKV", "load_model", "save_model"]

@@ -1,0 +1,203 @@
+"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+
+Parameter names equal the Hugging Face ones (`model.layers.3.self_attn.q_proj.weight`,
+`lm_head.weight`, ...), so a safetensors checkpoint maps 1:1 onto `state_dict()` and
+what we save loads in `transformers` unchanged.
+
+The forward works on packed tokens: input_ids (T,), positions (T,) and an attention
+descriptor, and returns final hidden states (T, D) -- never logits, so log-probs come
+from `rlfuse.kernels.logprob` without a (T, V) tensor. Two descriptors:
+  * `Packed(cu_seqlens, max_seqlen)`: causal attention within each packed sequence
+    (training, evaluation, the naive reference generator);
+  * `PagedKV(...)`: the engine's paged KV cache (prefill chunks and decode).
+`forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
+path and scatters back, so padded and packed inputs give the same per-sequence results.
+
+Shape legend: T packed tokens, B sequences, D hidden, Hq/Hkv heads, Dh head dim, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlfuse.kernels.attention import varlen_attention
+from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
+from rlfuse.kernels.rmsnorm import rmsnorm
+from rlfuse.kernels.rope import rope, rope_inv_freq
+from rlfuse.kernels.swiglu import swiglu
+from rlfuse.model.config import ModelConfig
+
+
+@dataclasses.dataclass(slots=True)
+class Packed:
+    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]."""
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    max_seqlen: int
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device=None) -> "Packed":
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cls(cu.to(device), max(lengths) if lengths else 0)
+
+
+@dataclasses.dataclass(slots=True)
+class PagedKV:
+    """Attention against the engine's paged KV cache (see `rlfuse.kernels.paged_attention`).
+    The new tokens' K/V are written at `slot_mapping` before attention reads the cache."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (num_blocks, block_size, Hkv, Dh)
+    slot_mapping: torch.Tensor  # (T,) int64, -1 = padding row
+    cu_seqlens_q: torch.Tensor  # (B+1,) int32
+    seq_lens: torch.Tensor      # (B,) int32, cached tokens after this step
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    max_seqlen_q: int
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return rmsnorm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_q, self.n_kv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_q * self.dh, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
+        # Qwen2 has q/k/v biases but never an o_proj bias; Llama and Qwen3 follow attention_bias
+        self.o_proj = nn.Linear(self.n_q * self.dh, cfg.hidden_size,
+                                bias=cfg.attention_bias and cfg.model_type != "qwen2")
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x_TD, positions, attn, inv_freq):
+        T = x_TD.shape[0]
+        q = self.q_proj(x_TD).view(T, self.n_q, self.dh)
+        k = self.k_proj(x_TD).view(T, self.n_kv, self.dh)
+        v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        if isinstance(attn, PagedKV):
+            k_cache, v_cache = attn.kv_caches[self.layer_idx]
+            store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+            o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
+                                attn.block_tables, attn.max_seqlen_q)
+        else:
+            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen)
+        return self.o_proj(o.reshape(T, self.n_q * self.dh))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(cfg, layer_idx)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h, positions, attn, inv_freq):
+        h = h + self.self_attn(self.input_layernorm(h), positions, attn, inv_freq)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    """The policy model. `forward` returns final hidden states (T, D)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.gradient_checkpointing = False
+        self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """(V, D): the LM head, i.e. the embedding matrix when tied."""
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def inv_freq(self, device) -> torch.Tensor:
+        # fp32 RoPE frequencies kept outside the module's buffers so `.to(bf16)` never rounds them
+        device = torch.device(device)
+        if device not in self._inv_freq:
+            c = self.config
+            self._inv_freq[device] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+        return self._inv_freq[device]
+
+    def forward(self, input_ids, positions, attn: Packed | PagedKV):
+        """input_ids (T,), positions (T,) -> hidden (T, D)."""
+        h = self.model.embed_tokens(input_ids)
+        inv_freq = self.inv_freq(h.device)
+        for layer in self.model.layers:
+            if self.gradient_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, positions, attn, inv_freq, use_reentrant=False)
+            else:
+                h = layer(h, positions, attn, inv_freq)
+        return self.model.norm(h)
+
+    def forward_padded(self, input_ids, attention_mask=None):
+        """input_ids (B, S) with a 0/1 mask (left or right padding) -> hidden (B, S, D);
+        padded rows are zero. Positions count only unmasked tokens."""
+        B, S = input_ids.shape
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        mask = attention_mask.bool()
+        starts = (mask[:, 1:] & ~mask[:, :-1]).sum(1) + mask[:, 0].long()
+        if bool((starts > 1).any()):  # host sync: convenience path, not a hot loop
+            raise ValueError("attention_mask: each row's tokens must be contiguous (left or right padding)")
+        lens = mask.sum(1)
+        positions = (mask.long().cumsum(1) - 1).clamp_min(0)
+        flat = mask.flatten().nonzero().squeeze(1)
+        cu = F.pad(lens.cumsum(0), (1, 0)).to(torch.int32)
+        h = self.forward(input_ids.flatten()[flat], positions.flatten()[flat], Packed(cu, int(lens.max())))
+        out = h.new_zeros(B * S, h.shape[-1]).index_copy(0, flat, h)
+        return out.view(B, S, -1)
+
+    def logits(self, hidden):
+        """Full logits (..., V) in fp32 -- for tests and small vocabularies only."""
+        return hidden.float() @ self.lm_head_weight.float().t()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
+        """Random init like `transformers` (normal(0, std) matrices, zero biases, unit norms)."""
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                p.normal_(0.0, std, generator=generator)

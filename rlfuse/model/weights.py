@@ -1,0 +1,165 @@
+"""Hugging Face safetensors checkpoints: load onto the target device, save loadable by
+`transformers.AutoModelForCausalLM.from_pretrained` unchanged.
+
+Loading builds the module on the meta device, allocates it once on the target device
+and copies one tensor at a time out of the memory-mapped files, so host memory never
+holds a second full copy. Missing or unexpected tensors and shape mismatches raise
+ValueError naming the tensor and file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from rlfuse.model.config import ModelConfig
+from rlfuse.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+          "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+# files we carry along when saving next to the weights (tokenizer and generation settings)
+SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+              "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def _weight_files(folder: Path) -> dict[str, Path]:
+    """tensor name -> file, from model.safetensors or a sharded index."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ValueError(f"{index}: expected a JSON object with a 'weight_map' field ({e})") from None
+        return {name: folder / fname for name, fname in weight_map.items()}
+    single = folder / "model.safetensors"
+    if not single.exists():
+        raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
+    with safe_open(single, framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_model(folder: str | Path, *, device: str | torch.device = "cpu",
+               dtype: str | torch.dtype | None = None) -> CausalLM:
+    """Load an HF checkpoint folder. dtype defaults to the config's torch_dtype."""
+    folder = Path(folder)
+    cfg = ModelConfig.from_hf(folder)
+    dtype = parse_dtype(dtype or cfg.torch_dtype)
+    with torch.device("meta"):
+        model = CausalLM(cfg).to(dtype)
+    model = model.to_empty(device=device)
+    load_state_dict_from_files(model, folder)
+    log.info("loaded %s (%s, %d layers) from %s to %s in %s", cfg.architecture, cfg.model_type,
+             cfg.num_hidden_layers, folder, device, dtype)
+    return model
+
+
+@torch.no_grad()
+def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
+    params = dict(model.named_parameters())
+    files = _weight_files(folder)
+    tied = model.lm_head is None
+    unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
+                  and not n.endswith("rotary_emb.inv_freq")]
+    if unexpected:
+        raise ValueError(f"{folder}: unexpected tensors {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''} "
+                         f"(in {files[unexpected[0]].name})")
+    missing = [n for n in params if n not in files]
+    if missing:
+        raise ValueError(f"{folder}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    by_file: dict[Path, list[str]] = {}
+    for name, path in files.items():
+        if name in params:
+            by_file.setdefault(path, []).append(name)
+    device = next(iter(params.values())).device
+    for path, names in by_file.items():
+        with safe_open(path, framework="pt", device=str(device) if device.type != "meta" else "cpu") as f:
+            for name in names:
+                t = f.get_tensor(name)
+                p = params[name]
+                if tuple(t.shape) != tuple(p.shape):
+                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                                     f"the config expects {tuple(p.shape)}")
+                p.copy_(t)
+
+
+def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
+               max_shard_bytes: int = 5 * 1024**3, dtype: str | torch.dtype | None = None) -> Path:
+    """Write config.json + safetensors (sharded with an index above `max_shard_bytes`),
+    atomically: into a temporary sibling folder, then renamed over `folder`."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp", dir=folder.parent))
+    try:
+        _write_weights(model, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
+        cfg = model.config.to_hf()
+        out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
+        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        if tokenizer_dir is not None:
+            for name in SIDE_FILES:
+                src = Path(tokenizer_dir) / name
+                if src.exists():
+                    shutil.copy2(src, tmp / name)
+        if not (tmp / "generation_config.json").exists():
+            gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        if folder.exists():
+            old = folder.with_name(f".{folder.name}.old")
+            if old.exists():
+                shutil.rmtree(old)
+            os.replace(folder, old)
+            os.replace(tmp, folder)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def _write_weights(model: CausalLM, folder: Path, max_shard_bytes: int, dtype: torch.dtype | None) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if dtype is not None:
+            t = t.to(dtype)
+        t = t.contiguous().cpu()
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    meta = {"format": "pt"}
+    if len(shards) == 1:
+        save_file(shards[0], folder / "model.safetensors", metadata=meta)
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, folder / fname, metadata=meta)
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))

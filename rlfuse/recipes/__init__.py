@@ -1,0 +1,1 @@
+"""rlfuse.recipes layer (see DEVELOPERS layout)."""

@@ -1,0 +1,1 @@
+"""rlfuse.train layer (see DEVELOPERS layout)."""
