@@ -1,4 +1,8 @@
-"""The `rlfuse` command line: the only module that reads argv and the environment.
+"""The `rlfuse` command line: the only package that reads argv and the environment.
+
+Each subcommand with a real implementation lives in its own module here
+(`rlfuse/cli/<name>.py`) exposing `add_arguments(parser)` and `run(args) -> int`;
+`COMMANDS` maps the name to that module. Others answer "not yet implemented".
 
     rlfuse --help
     rlfuse demo                 # the embedded default: tiny model, SFT warm-up, GRPO, eval
@@ -9,6 +13,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import sys
 
@@ -23,7 +28,8 @@ SUBCOMMANDS = {
     "bench": "benchmarks (generate, kernels)",
 }
 
-_handlers: dict[str, callable] = {}
+# name -> module under rlfuse.cli with add_arguments(parser) and run(args)
+COMMANDS: dict[str, str] = {}
 
 
 def _not_yet(name):
@@ -39,7 +45,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_ in SUBCOMMANDS.items():
         sp = sub.add_parser(name, help=help_, description=help_)
-        sp.set_defaults(handler=_handlers.get(name, _not_yet(name)))
+        if name in COMMANDS:
+            mod = importlib.import_module(f"rlfuse.cli.{COMMANDS[name]}")
+            mod.add_arguments(sp)
+            sp.set_defaults(handler=mod.run)
+        else:
+            sp.set_defaults(handler=_not_yet(name))
     return p
 
 
