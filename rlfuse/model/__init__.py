@@ -2,6 +2,7 @@
 
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
+from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import load_model, save_model
 
-__all__ = ["CausalLM", "ModelConfig", "Packed", "PagedKV", "load_model", "save_model"]
+__all__ = ["CausalLM", "ModelConfig", "Packed", "PagedKV", "Tokenizer", "load_model", "save_model"]

@@ -1,0 +1,64 @@
+"""Tiny random-init `transformers` models of each family (no download), for parity tests.
+
+  llama : llama3 rope scaling chosen so the three regimes of the llama3 rule all occur
+          (theta 1e4, Dh 16, original_max 32, low/high freq factors 1/4: wavelengths
+          2*pi*1e4^(i/8) = 6.3 (< 8, kept), 19.9 (between 8 and 32, smoothed),
+          62.8.. (> 32, divided by 8)); untied LM head.
+  qwen2 : q/k/v biases, untied.
+  qwen3 : per-head q/k RMSNorm, head_dim (32) != hidden/heads (16), tied embeddings.
+Weights are redrawn so no parameter keeps its special init (norms 1 + N(0, 0.1^2),
+biases N(0, 0.1^2)): a swapped or ignored tensor changes the output.
+"""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+FAMILIES = ("llama", "qwen2", "qwen3")
+COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+              rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
+
+
+def hf_config(family: str, **over) -> transformers.PretrainedConfig:
+    if family == "llama":
+        rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 32, "rope_theta": 10000.0}
+        kw = dict(COMMON, head_dim=16, rope_parameters=rope, tie_word_embeddings=False)
+        return transformers.LlamaConfig(**{**kw, **over})
+    if family == "qwen2":
+        kw = dict(COMMON, rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False,
+                  use_sliding_window=False)
+        return transformers.Qwen2Config(**{**kw, **over})
+    if family == "qwen3":
+        kw = dict(COMMON, head_dim=32, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+                  tie_word_embeddings=True, use_sliding_window=False)
+        return transformers.Qwen3Config(**{**kw, **over})
+    raise ValueError(family)
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
+        elif name.endswith(".bias"):
+            p.copy_(0.1 * torch.randn(p.shape, generator=g))
+        else:
+            p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def hf_model(family: str, seed: int = 0, **over):
+    """A float32 eager-attention transformers model with random weights, in eval mode."""
+    cfg = hf_config(family, **over)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    return randomize_(model, seed).eval()
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
