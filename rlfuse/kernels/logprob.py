@@ -1,44 +1,461 @@
 """Per-token log-probabilities straight from hidden states and the LM head.
 
-    logits_i = h_i . W^T / T            (never materialized as (N, V) in the fast path)
-    logp_i   = logits_i[y_i] - logsumexp(logits_i)
-    H_i      = logsumexp(logits_i) - sum_v softmax(logits_i)_v * logits_i[v]   (entropy)
+    z_i      = (h_i . W^T) * (1 / T_i)          fp32 logits, never materialized as (N, V)
+    lse_i    = logsumexp_v z_iv
+    logp_i   = z_i[y_i] - lse_i
+    ent_i    = lse_i - sum_v p_iv z_iv           (p = softmax(z), entropy)
 
-Contract: hidden (N, D), weight (V, D), targets (N,) int64, temperature a Python float
-> 0. Outputs fp32 (N,) log-probs (and entropy when asked). fp32 accumulation for any
-input dtype. Differentiable w.r.t. hidden and weight. Batch-invariant in the Triton
-kernel: row i's result does not depend on the other rows.
+Contract: hidden (N, D), weight (V, D) (rows at any stride; a non-unit stride along D
+costs one copy), targets (N,) int in [0, V) (not checked: a sync; outside, logp = -lse);
+temperature a Python float or an (N,) tensor of per-row temperatures, all > 0 (a tensor is
+not checked: that would be a host sync). The temperature is an fp32 number: every path
+multiplies the fp32 logits by inv_T = fp32(1 / fp32(T)) (`_inv_temperature`), the
+reference included, so engine (per-row tensor) and trainer (float) agree bitwise on
+inv_T. Outputs fp32 (N,) log-probs (and entropy). Differentiable w.r.t. hidden and weight.
+This is THE log-prob of rlfuse: the engine reports rollout log-probs with it and the
+trainer optimizes it.
 
-This is THE log-prob of rlfuse: the engine reports rollout log-probs with this function
-and the trainer optimizes this quantity, so the two agree by construction.
+Triton path (hidden and weight of one dtype: fp32, bf16 or fp16; tl.dot with fp32
+accumulation, input_precision "ieee" for fp32 inputs so fp32 is not silently TF32 (that
+runs on CUDA cores: fp32 is the test dtype, bf16 the fast one); under the CPU
+interpreter the operands go to fp32 first, see `_dot`):
+  forward  the vocab is cut into fine splits of `split_v` columns; `group` consecutive
+           splits form a group. A program takes BLOCK_N rows and FOLD splits (FOLD = 1
+           for small N, to fill the GPU; FOLD = group for large N), streams their
+           BLOCK_V-column tiles of W (D loop of tl.dot) with an online (max, sum exp, sum
+           exp*z) per split, target logit by compare-and-sum, folds each split into the
+           program state with `_merge` and writes (N, P) partials; `_fold_kernel` folds
+           them group by group (fold = 1 only) and then the groups, left to right.
+           merge(identity, x) == x exactly, so both FOLDs give bitwise the same rows:
+           batch-invariant (a row never meets another row's numbers; tiles depend on
+           V, D and dtype only, never on N; FOLD, chosen from N and the SM count, changes
+           the grid, not the numbers). Extra memory: 4 floats x (N, P). No host sync:
+           CUDA-graph capturable (the engine's per-step call, no autograd).
+  backward with the saved lse and entropy, rows in chunks of C (C x V x dtype <=
+           `_DZ_CHUNK_BYTES`, independent of N): `_dz_kernel` recomputes the logits tile
+           by tile and writes
+               dz_iv = [g_i (1[v = y_i] - p_iv) + ge_i p_iv (lse_i - ent_i - z_iv)] / T_i
+           (ge: entropy grad; d ent / d z_v = p_v (E_p z - z_v), E_p z = lse - ent) to a
+           (C, V) scratch in the input dtype; then dH[chunk] = dz @ W (torch.mm) and
+           dW += dz^T @ H[chunk] (`_dw_kernel`, fp32 (V, D) accumulator, read-add-write by
+           the owner of each tile). No atomics: backward is deterministic run to run.
+           Extra memory: the dz scratch and the fp32 dW (V x D x 4 bytes) when weight
+           needs a gradient. dz in bf16 costs ~2^-9 relative per element in dH / dW.
+Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: benchmarks/kernels/gpu_check_logprob.py.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
+import triton
+import triton.language as tl
 
 from rlfuse.kernels.backend import resolve_backend
 
 
-def token_logprobs_ref(hidden, weight, targets, temperature: float = 1.0,
-                       return_entropy: bool = False):
-    logits = (hidden.float() @ weight.float().t()) / temperature  # (N, V) fp32
+def _inv_temperature(temperature, N: int, device) -> torch.Tensor:
+    """fp32 inv_T: a 0-d CPU tensor for a float, (N,) on `device` for a tensor."""
+    if isinstance(temperature, torch.Tensor):
+        if temperature.shape != (N,):
+            raise ValueError(f"token_logprobs: temperature tensor shape {tuple(temperature.shape)} != ({N},)")
+        return temperature.to(device=device, dtype=torch.float32).reciprocal()
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
+    return torch.tensor(temperature, dtype=torch.float32).reciprocal()
+
+
+def token_logprobs_ref(hidden, weight, targets, temperature=1.0, return_entropy: bool = False):
+    ct = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    inv_t = _inv_temperature(temperature, hidden.shape[0], hidden.device).to(hidden.device, ct)
+    logits = (hidden.to(ct) @ weight.to(ct).t()) * (inv_t[:, None] if inv_t.ndim else inv_t)  # (N, V)
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(1, targets.long()[:, None]).squeeze(1) - lse
     if not return_entropy:
         return logp
-    probs = torch.softmax(logits, dim=-1)
-    entropy = lse - (probs * logits).sum(-1)
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
 
 
-_HAS_TRITON = False
+@dataclasses.dataclass(frozen=True)
+class Tiles:
+    """Tile shape of the forward (and the logits recompute of backward). split_v is a
+    multiple of block_v, group a power of two. split_v 256: a V=151936 decode step
+    (fold=1) has 594 programs, ~2.25 per slot on 132 SMs x 2 CTAs; group 64 keeps the
+    unrolled fold of `_fold_kernel` small (64 slots). Not measured yet: run benchmarks/kernels/bench_logprob.py --sweep
+    on an H100 and pick per dtype (must stay independent of N: batch invariance)."""
+    block_n: int = 64
+    block_v: int = 128
+    block_d: int = 64
+    split_v: int = 256
+    group: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
 
 
-def token_logprobs(hidden, weight, targets, temperature: float = 1.0,
-                   return_entropy: bool = False):
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0 for log-probs, got {temperature}")
-    if resolve_backend("token_logprobs", hidden, has_triton=_HAS_TRITON) == "triton":
-        raise NotImplementedError
-    return token_logprobs_ref(hidden, weight, targets, temperature, return_entropy)
+# fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4 warps spills at fold=group on sm_90.
+# Registers / spills: benchmarks/kernels/compile_logprob_sm90.py (ptxas, no GPU needed).
+_FWD_TILES = {torch.bfloat16: Tiles(), torch.float16: Tiles(), torch.float32: Tiles(block_d=32, num_warps=8)}
+# backward: a plain GEMM-shaped dz kernel and a GEMM for dW (128x128 tiles, 8 warps: the
+# usual sm_90 Triton matmul shape; not tuned yet).
+_DZ_TILES = {torch.bfloat16: Tiles(block_n=128, num_warps=8), torch.float16: Tiles(block_n=128, num_warps=8),
+             torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
+_DW_TILES = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
+             torch.float32: (64, 128, 32, 8, 3)}  # (BLOCK_V, BLOCK_D, BLOCK_K, warps, stages)
+_DZ_CHUNK_BYTES = 1 << 30  # dz scratch: ~1 GiB bounds both memory and the dW fp32 re-reads (N / C passes)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+
+
+@triton.jit
+def _swizzle(pid, R, C, GROUP_R: tl.constexpr):
+    """pid -> (r, c) over an R x C grid, GROUP_R rows at a time, row fastest: programs
+    running together share W tiles (same c) and H blocks (same r) in L2."""
+    per_group = GROUP_R * C
+    first = (pid // per_group) * GROUP_R
+    size = tl.minimum(R - first, GROUP_R)
+    return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@triton.jit
+def _dot(a, b, acc, PREC: tl.constexpr):
+    """acc + a @ b. PREC "interp": Triton 3.9's CPU interpreter multiplies bf16 as raw
+    uint16, so there the operands go up to fp32 first (same products, fp32 sums)."""
+    if PREC == "interp":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a, b, acc, input_precision=PREC)
+
+
+def _dot_prec(x: torch.Tensor) -> str:
+    if x.device.type != "cuda":
+        return "interp"
+    return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
+
+
+@triton.jit
+def _logits_tile(H, W, rows, cols, D, s_hn, s_hd, s_wv, s_wd,
+                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                 EVEN_D: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(BLOCK_N, BLOCK_V) fp32 = H[rows] @ W[cols]^T; rows/cols int64, already clamped in range."""
+    acc = tl.zeros((BLOCK_N, BLOCK_V), dtype=tl.float32)
+    hp = H + rows[:, None] * s_hn
+    wp = W + cols[None, :] * s_wv
+    for d0 in range(0, D, BLOCK_D):
+        ds = d0 + tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            h = tl.load(hp + ds[None, :] * s_hd)
+            w = tl.load(wp + ds[:, None] * s_wd)
+        else:
+            h = tl.load(hp + ds[None, :] * s_hd, mask=ds[None, :] < D, other=0.0)
+            w = tl.load(wp + ds[:, None] * s_wd, mask=ds[:, None] < D, other=0.0)
+        acc = _dot(h, w, acc, DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _merge(M, S, T, E, m, s, t, e):
+    """Fold split state (m, s, t, e) into (M, S, T, E); (-inf, 0, 0, 0) is the identity.
+    Explicit fma: this runs in the forward kernel (fold=group) and in `_fold_kernel`
+    (fold=1), and must round the same in both, whatever the compiler would contract."""
+    Mn = tl.maximum(M, m)
+    Ms = tl.where(Mn == float("-inf"), 0.0, Mn)  # identity + identity: no nan
+    a = tl.exp(M - Ms)
+    b = tl.exp(m - Ms)
+    return Mn, tl.fma(S, a, s * b), T + t, tl.fma(E, a, e * b)
+
+
+@triton.jit
+def _fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s_wv, s_wd,
+                PER_ROW_T: tl.constexpr, ENTROPY: tl.constexpr, FOLD: tl.constexpr, SPLIT_V: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    r, p = _swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), P, GROUP_R)
+    rows = r * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # clamped: unmasked loads, results discarded
+    if PER_ROW_T:
+        inv_t = tl.load(INVT + rows_c)
+    else:
+        inv_t = tl.full((BLOCK_N,), inv_t_scalar, tl.float32)
+    tgt = tl.load(Y + rows_c).to(tl.int32)  # V < 2^31
+    ninf = tl.full((BLOCK_N,), float("-inf"), tl.float32)
+    zero = tl.zeros((BLOCK_N,), tl.float32)
+    M, S, T, E = ninf, zero, zero, zero
+    for f in range(FOLD):
+        v_start = (p * FOLD + f) * SPLIT_V
+        v_end = tl.minimum(v_start + SPLIT_V, V)  # <= v_start past the vocab: no tile, identity
+        m, s, t, e = ninf, zero, zero, zero
+        for v0 in range(v_start, v_end, BLOCK_V):
+            cols = v0 + tl.arange(0, BLOCK_V)
+            cmask = cols < V
+            acc = _logits_tile(H, W, rows_c, tl.minimum(cols, V - 1).to(tl.int64), D, s_hn, s_hd, s_wv, s_wd,
+                               BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PREC)
+            # columns past V: a finite -1e30 (exp -> 0 and 0 * z = 0 in the entropy sum, no nan)
+            z = tl.where(cmask[None, :], acc * inv_t[:, None], -1e30)
+            mn = tl.maximum(m, tl.max(z, 1))  # a real logit: the tile has >= 1 column
+            alpha = tl.exp(m - mn)
+            pz = tl.exp(z - mn[:, None])
+            s = s * alpha + tl.sum(pz, 1)
+            if ENTROPY:
+                e = e * alpha + tl.sum(pz * z, 1)
+            t += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), 1)
+            m = mn
+        M, S, T, E = _merge(M, S, T, E, m, s, t, e)
+    rmask = rows < N
+    off = rows.to(tl.int64) * P + p  # PART (3 or 4, N, P); NP = N * P from the host:
+    # an int argument equal to 1 arrives as a constexpr, which has no .to()
+    tl.store(PART + off, M, mask=rmask)
+    tl.store(PART + NP + off, S, mask=rmask)
+    tl.store(PART + 2 * NP + off, T, mask=rmask)
+    if ENTROPY:
+        tl.store(PART + 3 * NP + off, E, mask=rmask)
+
+
+@triton.jit
+def _col(x, j: tl.constexpr, cols):
+    """x[:, j] of a (B, C) tile, exactly: -0.0 + v == v for every v, whatever the sum order."""
+    return tl.sum(tl.where(cols[None, :] == j, x, -0.0), 1)
+
+
+@triton.jit
+def _fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
+                 C: tl.constexpr, ENTROPY: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr):
+    """Folds partials PIN (3|4, N, P) left to right, C slots per program: program (r, g)
+    takes slots [g C, g C + C) (past P: identity) of BLOCK rows. One 2D load, then an
+    unrolled register fold (no load latency per slot). FINAL: C >= P, one program per
+    row block, writes logp / entropy / lse; else writes POUT (3|4, N, cdiv(P, C))."""
+    g = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    rmask = rows < N
+    cols = tl.arange(0, C)
+    ok = rmask[:, None] & ((g * C + cols) < P)[None, :]
+    ptr = PIN + rows.to(tl.int64)[:, None] * P + g * C + cols[None, :]
+    pm = tl.load(ptr, mask=ok, other=float("-inf"))
+    ps = tl.load(ptr + NPI, mask=ok, other=0.0)
+    pt = tl.load(ptr + 2 * NPI, mask=ok, other=0.0)
+    if ENTROPY:
+        pe = tl.load(ptr + 3 * NPI, mask=ok, other=0.0)
+    else:
+        pe = ps
+    ninf = tl.full((BLOCK,), float("-inf"), tl.float32)
+    zero = tl.zeros((BLOCK,), tl.float32)
+    M, S, T, E = ninf, zero, zero, zero
+    for j in tl.static_range(C):
+        M, S, T, E = _merge(M, S, T, E, _col(pm, j, cols), _col(ps, j, cols), _col(pt, j, cols),
+                            _col(pe, j, cols) if ENTROPY else zero)
+    if FINAL:
+        S = tl.where(rmask, S, 1.0)  # rows past N: keep log/div quiet
+        lse = M + tl.log(S)
+        tl.store(LOGP + rows, T - lse, mask=rmask)
+        tl.store(LSE + rows, lse, mask=rmask)
+        if ENTROPY:
+            tl.store(ENT + rows, lse - tl.math.div_rn(E, S), mask=rmask)
+    else:
+        G = tl.num_programs(1)
+        out = POUT + rows.to(tl.int64) * G + g
+        tl.store(out, M, mask=rmask)
+        tl.store(out + NPO, S, mask=rmask)
+        tl.store(out + 2 * NPO, T, mask=rmask)
+        if ENTROPY:
+            tl.store(out + 3 * NPO, E, mask=rmask)
+
+
+def _check(hidden, weight, targets):
+    if hidden.ndim != 2 or weight.ndim != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"token_logprobs: hidden (N, D) and weight (V, D) expected, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")
+    if targets.shape != (hidden.shape[0],):
+        raise ValueError(f"token_logprobs: targets shape {tuple(targets.shape)} != ({hidden.shape[0]},)")
+    if hidden.dtype != weight.dtype or hidden.dtype not in _FWD_TILES:
+        raise ValueError(f"token_logprobs (triton): hidden and weight must share a dtype in "
+                         f"{list(_FWD_TILES)}, got {hidden.dtype} and {weight.dtype}")
+
+
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    # Rows may have any stride (read in place); elements along D must be adjacent for
+    # vectorized, pipelined loads (Triton specializes a stride of 1). Else one copy.
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def _t_args(inv_t: torch.Tensor):
+    """(pointer tensor or None, scalar) kernel arguments for inv_T."""
+    if inv_t.ndim:
+        return inv_t, 1.0
+    return None, float(inv_t)  # 0-d CPU tensor: no device sync; exact as a Triton fp32 arg
+
+
+def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=False, *, tiles=None,
+                              fold=None, out=None):
+    """-> (logp, entropy or None, lse), each (N,) fp32. `out` = (logp, entropy, lse)
+    buffers to write (static buffers for CUDA graphs); `fold` forces 1 or tiles.group."""
+    _check(hidden, weight, targets)
+    hidden, weight = _unit_stride(hidden), _unit_stride(weight)
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev = hidden.device
+    tl_ = tiles or _FWD_TILES[hidden.dtype]
+    if out is None:
+        f32 = dict(dtype=torch.float32, device=dev)
+        out = (torch.empty(N, **f32), torch.empty(N, **f32) if return_entropy else None, torch.empty(N, **f32))
+    logp, ent, lse = out
+    if N == 0:
+        return logp, ent, lse
+    splits = triton.cdiv(V, tl_.split_v)
+    groups = triton.cdiv(splits, tl_.group)
+    R = triton.cdiv(N, tl_.block_n)
+    if fold is None:  # one program per (row block, split) until the grid fills the GPU twice over
+        fold = 1 if R * groups < 2 * _num_sms(dev) else tl_.group
+    P = triton.cdiv(splits, fold)
+    part = torch.empty((4 if return_entropy else 3, N, P), dtype=torch.float32, device=dev)
+    t_ptr, t_val = _t_args(inv_t)
+    _fwd_kernel[(R * P,)](
+        hidden, weight, targets, t_ptr, part, N, V, D, P, N * P, t_val,
+        hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
+        PER_ROW_T=t_ptr is not None, ENTROPY=return_entropy, FOLD=fold, SPLIT_V=tl_.split_v,
+        BLOCK_N=tl_.block_n, BLOCK_V=tl_.block_v, BLOCK_D=tl_.block_d, EVEN_D=D % tl_.block_d == 0,
+        GROUP_R=8, DOT_PREC=_dot_prec(hidden),
+        num_warps=tl_.num_warps, num_stages=tl_.num_stages)
+    nstat = part.shape[0]
+    if fold == 1:  # splits -> groups, the same left fold the forward kernel does in registers
+        gpart = torch.empty((nstat, N, groups), dtype=torch.float32, device=dev)
+        _fold_kernel[(triton.cdiv(N, 16), groups)](part, gpart, None, None, None, N, P, N * P, N * groups,
+                                                   C=tl_.group, ENTROPY=return_entropy, FINAL=False, BLOCK=16)
+        part, P = gpart, groups
+    _fold_kernel[(triton.cdiv(N, 32), 1)](part, None, logp, ent if return_entropy else logp, lse, N, P, N * P, 0,
+                                          C=triton.next_power_of_2(P), ENTROPY=return_entropy, FINAL=True, BLOCK=32)
+    return logp, ent, lse
+
+
+@triton.jit
+def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t_scalar,
+               s_hn, s_hd, s_wv, s_wd, s_dz,
+               PER_ROW_T: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+               EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    r, c = _swizzle(tl.program_id(0), tl.cdiv(n_rows, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_R)
+    lrows = r * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the chunk
+    rows_c = row0 + tl.minimum(lrows, n_rows - 1).to(tl.int64)
+    cols = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    acc = _logits_tile(H, W, rows_c, tl.minimum(cols, V - 1).to(tl.int64), D, s_hn, s_hd, s_wv, s_wd,
+                       BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PREC)
+    if PER_ROW_T:
+        inv_t = tl.load(INVT + rows_c)
+    else:
+        inv_t = tl.full((BLOCK_N,), inv_t_scalar, tl.float32)
+    z = acc * inv_t[:, None]
+    lse = tl.load(LSE + rows_c)
+    p = tl.exp(z - lse[:, None])
+    dz = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
+    if HAS_GLP:
+        g = tl.load(GLP + rows_c)
+        tgt = tl.load(Y + rows_c).to(tl.int32)
+        dz = g[:, None] * (tl.where(cols[None, :] == tgt[:, None], 1.0, 0.0) - p)
+    if HAS_GENT:
+        ge = tl.load(GENT + rows_c)
+        c0 = lse - tl.load(ENT + rows_c)  # E_p[z]
+        dz += ge[:, None] * p * (c0[:, None] - z)
+    dz = dz * inv_t[:, None]
+    mask = (lrows < n_rows)[:, None] & (cols < V)[None, :]
+    tl.store(DZ + lrows.to(tl.int64)[:, None] * s_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _dw_kernel(DZ, H, DW, row0, K, V, D, s_dz, s_hn, s_hd, s_dw, ACCUM: tl.constexpr,
+               BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    """DW (V, D) fp32 (+)= DZ[:K]^T @ H[row0:row0+K]; each program owns one output tile."""
+    r, c = _swizzle(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(D, BLOCK_D), GROUP_R)
+    vs = r * BLOCK_V + tl.arange(0, BLOCK_V)
+    ds = c * BLOCK_D + tl.arange(0, BLOCK_D)
+    vs_c = tl.minimum(vs, V - 1).to(tl.int64)
+    ds_c = tl.minimum(ds, D - 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_V, BLOCK_D), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        km = ks < K
+        a = tl.load(DZ + ks.to(tl.int64)[None, :] * s_dz + vs_c[:, None], mask=km[None, :], other=0.0)
+        b = tl.load(H + (row0 + ks.to(tl.int64))[:, None] * s_hn + ds_c[None, :] * s_hd, mask=km[:, None], other=0.0)
+        acc = _dot(a, b, acc, DOT_PREC)
+    mask = (vs < V)[:, None] & (ds < D)[None, :]
+    ptr = DW + vs.to(tl.int64)[:, None] * s_dw + ds[None, :]
+    if ACCUM:
+        acc += tl.load(ptr, mask=mask, other=0.0)
+    tl.store(ptr, acc, mask=mask)
+
+
+def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse, ent, *,
+                              need_dh=True, need_dw=True, chunk_rows=None, tiles=None, alloc=torch.empty):
+    """-> (dH like hidden or None, dW like weight or None). g_logp / g_ent (N,) or None.
+    `alloc` makes every buffer (tests pass a NaN-filling one)."""
+    hidden, weight = _unit_stride(hidden), _unit_stride(weight)
+    N, D = hidden.shape
+    V = weight.shape[0]
+    dev, dt = hidden.device, hidden.dtype
+    tz = tiles or _DZ_TILES[dt]
+    bv, bd, bk, dw_warps, dw_stages = _DW_TILES[dt]
+    C = chunk_rows or max(tz.block_n, _DZ_CHUNK_BYTES // (V * hidden.element_size()) // tz.block_n * tz.block_n)
+    C = min(C, max(N, 1))
+    dh = alloc((N, D), dtype=dt, device=dev) if need_dh else None
+    dw = alloc((V, D), dtype=torch.float32, device=dev) if need_dw else None
+    if N == 0:
+        return (dh, dw.zero_().to(weight.dtype) if need_dw else None)
+    dz = alloc((C, V), dtype=dt, device=dev)
+    t_ptr, t_val = _t_args(inv_t)
+    prec = _dot_prec(hidden)
+    glp = g_logp.float().contiguous() if g_logp is not None else None
+    gent = g_ent.float().contiguous() if g_ent is not None else None
+    for r0 in range(0, N, C):  # host loop over shapes only
+        n = min(C, N - r0)
+        _dz_kernel[(triton.cdiv(n, tz.block_n) * triton.cdiv(V, tz.block_v),)](
+            hidden, weight, targets, t_ptr, lse, ent, glp, gent, dz, r0, n, V, D, t_val,
+            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+            PER_ROW_T=t_ptr is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,
+            BLOCK_N=tz.block_n, BLOCK_V=tz.block_v, BLOCK_D=tz.block_d, EVEN_D=D % tz.block_d == 0,
+            GROUP_R=8, DOT_PREC=prec, num_warps=tz.num_warps, num_stages=tz.num_stages)
+        if need_dh:
+            torch.mm(dz[:n], weight, out=dh[r0:r0 + n])
+        if need_dw:
+            _dw_kernel[(triton.cdiv(V, bv) * triton.cdiv(D, bd),)](
+                dz, hidden, dw, r0, n, V, D, dz.stride(0), hidden.stride(0), hidden.stride(1), dw.stride(0),
+                ACCUM=r0 > 0, BLOCK_V=bv, BLOCK_D=bd, BLOCK_K=bk, GROUP_R=8, DOT_PREC=prec,
+                num_warps=dw_warps, num_stages=dw_stages)
+    return dh, (dw.to(weight.dtype) if need_dw else None)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_t, return_entropy):
+        logp, ent, lse = token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy)
+        ctx.save_for_backward(hidden, weight, targets, inv_t, lse, ent)
+        ctx.return_entropy = return_entropy
+        ctx.set_materialize_grads(False)  # an unused output's grad stays None: no dead work
+        return (logp, ent) if return_entropy else logp
+
+    @staticmethod
+    def backward(ctx, g_logp, g_ent=None):
+        hidden, weight, targets, inv_t, lse, ent = ctx.saved_tensors
+        if g_logp is None and g_ent is None:
+            return None, None, None, None, None
+        dh, dw = token_logprobs_bwd_triton(g_logp, g_ent if ctx.return_entropy else None, hidden, weight,
+                                           targets, inv_t, lse, ent, need_dh=ctx.needs_input_grad[0],
+                                           need_dw=ctx.needs_input_grad[1])
+        return dh, dw, None, None, None
+
+
+_HAS_TRITON = True
+
+
+def token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy: bool = False):
+    """Public op: logp (N,) fp32 (and entropy (N,) fp32); see the module docstring."""
+    inv_t = _inv_temperature(temperature, hidden.shape[0], hidden.device)
+    if resolve_backend("token_logprobs", hidden, has_triton=_HAS_TRITON) != "triton":
+        return token_logprobs_ref(hidden, weight, targets, temperature, return_entropy)
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _TokenLogprobs.apply(hidden, weight, targets, inv_t, return_entropy)
+    logp, ent, _ = token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy)
+    return (logp, ent) if return_entropy else logp

@@ -2,13 +2,27 @@
 
 Contract: x (..., D) any float dtype, w (D,). The reduction runs in fp32; the
 normalized row is cast to x.dtype before the multiply by w (the Hugging Face
-convention, so our outputs match `transformers` bit for bit in fp32).
+convention, so our outputs match `transformers` bit for bit in fp32). The output dtype
+is torch's promotion of (w.dtype, x.dtype), the product rounded once.
 Batch-invariant: each row is reduced on its own, in a fixed order.
+
+Triton path, rows flattened to (N, D), r = rsqrt(mean(x^2) + eps) per row:
+  forward   tiles of ROWS x BLOCK_D (ROWS depends on D only, never on N, so a row's
+            reduction tree is the same in any batch); stores r (N,) fp32 for backward.
+  backward  with n = x r (fp32), dn = dy w (fp32):
+                dx = r (dn - n mean(dn n))                       per row
+                dw = sum_rows dy * rnd_x(n)                       (rnd_x: cast to x.dtype)
+            Each of P programs owns a fixed contiguous range of rows and writes its dw
+            partial sum (P, D) fp32; torch sums the P partials. P depends on N and the
+            GPU only, so dw is deterministic run to run (no atomics).
+Tests: `python -m pytest -q tests/test_kernel_layers.py -k rmsnorm`.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from rlfuse.kernels.backend import resolve_backend
 
@@ -19,6 +33,138 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
 
 
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """fp32 x rounded to nearest-even in DT, returned as fp32. bf16 by bit arithmetic:
+    Triton's interpreter truncates fp32 -> bf16 casts (the GPU rounds)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, N, D, stride_x, stride_y, eps,
+                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STORE_R: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
+    cols = tl.arange(0, BLOCK_D)
+    rmask = rows < N
+    mask = rmask[:, None] & (cols[None, :] < D)
+    x = tl.load(X_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    # 1. fp32 mean of squares, one row per tile row (fixed tree for a given BLOCK_D)
+    r = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=1), D.to(tl.float32)) + eps)  # (ROWS,)
+    # 2. normalized row rounded to x.dtype, 3. times w, one rounding to y.dtype
+    n = _rnd(x * r[:, None], X_ptr.dtype.element_ty)
+    w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
+    YT: tl.constexpr = Y_ptr.dtype.element_ty
+    y = _rnd(n * w[None, :], YT)
+    tl.store(Y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(YT), mask=mask)
+    if STORE_R:
+        tl.store(R_ptr + rows, r, mask=rmask)
+
+
+@triton.jit
+def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows_per_prog,
+                        stride_dy, stride_x, stride_dx,
+                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    w = tl.load(W_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    start = pid.to(tl.int64) * rows_per_prog
+    for r0 in range(0, rows_per_prog, ROWS):
+        rows = start + r0 + tl.arange(0, ROWS)
+        rmask = (rows < N) & (r0 + tl.arange(0, ROWS) < rows_per_prog)
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(X_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY_ptr + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R_ptr + rows, mask=rmask, other=0.0)
+        n = x * r[:, None]
+        dn = dy * w[None, :]
+        c = tl.math.div_rn(tl.sum(dn * n, axis=1), D.to(tl.float32))  # mean(dn n) per row
+        dx = r[:, None] * (dn - n * c[:, None])
+        DXT: tl.constexpr = DX_ptr.dtype.element_ty
+        tl.store(DX_ptr + rows[:, None] * stride_dx + cols[None, :], _rnd(dx, DXT).to(DXT), mask=mask)
+        dw += tl.sum(dy * _rnd(n, X_ptr.dtype.element_ty), axis=0)
+    tl.store(DWP_ptr + pid.to(tl.int64) * BLOCK_D + cols, dw, mask=cmask)
+
+
+def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_D, ROWS, num_warps) from D alone (batch invariance). About 4096 elements a
+    forward tile (a 1024-wide row: 4 rows, a 128-wide head row: 32), 2048 backward (it
+    holds x, dy, dx and the dw sum: ~120-180 registers a thread at 4096 for sm_90, see
+    benchmarks/kernels/compile_layers_sm90.py)."""
+    block_d = triton.next_power_of_2(D)
+    rows = max(1, min(64, (2048 if backward else 4096) // block_d))
+    warps = 4 if block_d * rows <= 2048 else 8 if block_d * rows <= 8192 else 16
+    return block_d, rows, warps
+
+
+def _flat(t: torch.Tensor, D: int) -> torch.Tensor:
+    t2 = t.reshape(-1, D)
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
+def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_r: bool = True):
+    """-> (y like x with dtype promote(w, x), r (N,) fp32 or None)."""
+    D = x.shape[-1]
+    if weight.shape != (D,):
+        raise ValueError(f"rmsnorm: weight shape {tuple(weight.shape)} != ({D},)")
+    x2 = _flat(x, D)
+    N = x2.shape[0]
+    y = torch.empty((N, D), dtype=torch.result_type(weight, x), device=x.device)
+    r = torch.empty((N,), dtype=torch.float32, device=x.device) if store_r else y
+    block_d, rows, warps = _tile(D)
+    if N:
+        _rmsnorm_fwd_kernel[(triton.cdiv(N, rows),)](
+            x2, weight.contiguous(), y, r, N, D, x2.stride(0), y.stride(0), float(eps),
+            ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, num_warps=warps)
+    return y.view(*x.shape[:-1], D), (r if store_r else None)
+
+
+def _num_partials(N: int, rows: int, device: torch.device) -> int:
+    # Enough programs to fill the GPU (4 per SM); a function of N and the device only.
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
+    return max(1, min(triton.cdiv(N, rows), 4 * sms))
+
+
+def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor):
+    D = x.shape[-1]
+    x2, dy2 = _flat(x, D), _flat(dy, D)
+    N = x2.shape[0]
+    block_d, rows, warps = _tile(D, backward=True)
+    dx = torch.empty((N, D), dtype=x.dtype, device=x.device)
+    P = _num_partials(N, rows, x.device)
+    rows_per_prog = triton.cdiv(triton.cdiv(N, P), rows) * rows
+    P = max(1, triton.cdiv(N, rows_per_prog))
+    dw_part = torch.empty((P, block_d), dtype=torch.float32, device=x.device)
+    if N:
+        _rmsnorm_bwd_kernel[(P,)](dy2, x2, weight.contiguous(), r, dx, dw_part, N, D, rows_per_prog,
+                                  dy2.stride(0), x2.stride(0), dx.stride(0),
+                                  ROWS=rows, BLOCK_D=block_d, num_warps=warps)
+        dw = dw_part[:, :D].sum(0)
+    else:
+        dw = torch.zeros((D,), dtype=torch.float32, device=x.device)
+    return dx.view(x.shape), dw.to(weight.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        y, r = rmsnorm_fwd_triton(x, weight, eps)
+        ctx.save_for_backward(x, weight, r)
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        dx, dw = rmsnorm_bwd_triton(dy, x, weight, r)
+        return dx, dw, None
+
+
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Public op: picks the backend (see `rlfuse.kernels.backend`)."""
     if resolve_backend("rmsnorm", x, has_triton=_HAS_TRITON) == "triton":
@@ -26,8 +172,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return rmsnorm_ref(x, weight, eps)
 
 
-_HAS_TRITON = False
+_HAS_TRITON = True
 
 
-def _rmsnorm_triton_autograd(x, weight, eps):  # replaced when the Triton kernel lands
-    raise NotImplementedError
+def _rmsnorm_triton_autograd(x, weight, eps):
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, eps)
+    return rmsnorm_fwd_triton(x, weight, eps, store_r=False)[0]

@@ -6,6 +6,15 @@ a = positions[:, None] * inv_freq[None, :] computed in fp32:
 Arithmetic in fp32, result cast to x.dtype. `inv_freq` (Dh/2,) fp32 already holds any
 frequency scaling (Llama-3 "llama3" rope type): see `rope_inv_freq`.
 Batch-invariant: each token uses only its own position.
+
+Triton path: one program per block of BLOCK_T tokens computes the fp32 angles
+pos * inv_freq in-kernel (the same product as the reference: int position -> fp32,
+times fp32 inv_freq) and their cos/sin once, then loops over the heads. The backward is
+the same kernel rotating by -a:
+    dx1 = dy1 cos a + dy2 sin a,   dx2 = dy2 cos a - dy1 sin a
+Output and gradient are new contiguous (T, H, Dh) tensors in x.dtype; x may be any
+(T, H, Dh) view with unit stride on the last dim (e.g. q_proj(x).view(T, H, Dh)).
+Tests: `python -m pytest -q tests/test_kernel_layers.py -k rope`.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from __future__ import annotations
 import math
 
 import torch
+import triton
+import triton.language as tl
 
 from rlfuse.kernels.backend import resolve_backend
 
@@ -51,10 +62,91 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-_HAS_TRITON = False
+@triton.jit
+def _rnd(x, DT: tl.constexpr):
+    """fp32 x rounded to nearest-even in DT, returned as fp32. bf16 by bit arithmetic:
+    Triton's interpreter truncates fp32 -> bf16 casts (the GPU rounds)."""
+    if DT == tl.bfloat16:
+        b = x.to(tl.uint32, bitcast=True)
+        b = b + 0x7FFF + ((b >> 16) & 1)
+        return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, stride_xt, stride_xh, stride_yt, stride_yh,
+                 HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                 BACKWARD: tl.constexpr):
+    toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    fr = tl.arange(0, BLOCK_F)
+    tmask = toks < T
+    mask = tmask[:, None] & (fr[None, :] < HALF)
+    # 1. angles in fp32, exactly as the reference: float(pos) * inv_freq
+    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
+    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
+    ang = pos[:, None] * inv[None, :]  # (BLOCK_T, BLOCK_F)
+    cos = tl.cos(ang)
+    sin = tl.sin(ang)
+    if BACKWARD:
+        sin = -sin
+    DT: tl.constexpr = Y_ptr.dtype.element_ty
+    xo = toks[:, None] * stride_xt + fr[None, :]
+    yo = toks[:, None] * stride_yt + fr[None, :]
+    # 2. every head of these tokens with the same cos/sin
+    for h in range(H):
+        x1 = tl.load(X_ptr + xo + h * stride_xh, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X_ptr + xo + h * stride_xh + HALF, mask=mask, other=0.0).to(tl.float32)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        tl.store(Y_ptr + yo + h * stride_yh, _rnd(y1, DT).to(DT), mask=mask)
+        tl.store(Y_ptr + yo + h * stride_yh + HALF, _rnd(y2, DT).to(DT), mask=mask)
+
+
+# 16 tokens a program: with HALF = 64 a (16, 64) tile per half and head, and the cos/sin
+# (the costly part, libdevice sin/cos) computed once per token for all heads.
+_BLOCK_T = 16
+
+
+def rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+                backward: bool = False) -> torch.Tensor:
+    if x.dim() != 3 or x.shape[-1] % 2 or inv_freq.numel() * 2 != x.shape[-1]:
+        raise ValueError(f"rope: x must be (T, H, Dh) with Dh = 2 * len(inv_freq), got "
+                         f"{tuple(x.shape)} and inv_freq {tuple(inv_freq.shape)}")
+    if positions.shape != (x.shape[0],):
+        raise ValueError(f"rope: positions must be ({x.shape[0]},), got {tuple(positions.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    T, H, Dh = x.shape
+    y = torch.empty((T, H, Dh), dtype=x.dtype, device=x.device)
+    if T and H:
+        half = Dh // 2
+        _rope_kernel[(triton.cdiv(T, _BLOCK_T),)](
+            x, y, positions.contiguous(), inv_freq.float().contiguous(), T, H,
+            x.stride(0), x.stride(1), y.stride(0), y.stride(1),
+            HALF=half, BLOCK_T=_BLOCK_T, BLOCK_F=triton.next_power_of_2(half),
+            BACKWARD=backward, num_warps=4)
+    return y
+
+
+class _Rope(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, positions, inv_freq):
+        ctx.save_for_backward(positions, inv_freq)
+        return rope_triton(x, positions, inv_freq)
+
+    @staticmethod
+    def backward(ctx, dy):
+        positions, inv_freq = ctx.saved_tensors
+        return rope_triton(dy, positions, inv_freq, backward=True), None, None
+
+
+_HAS_TRITON = True
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     if resolve_backend("rope", x, has_triton=_HAS_TRITON) == "triton":
-        raise NotImplementedError
+        if torch.is_grad_enabled() and x.requires_grad:
+            return _Rope.apply(x, positions, inv_freq)
+        return rope_triton(x, positions, inv_freq)
     return rope_ref(x, positions, inv_freq)

@@ -15,11 +15,49 @@ backend, batch size or batch order. The engine passes offset = the token's posit
 Returned log-prob: log softmax(logits / T)[id], the unfiltered policy (T := 1 when
 greedy); the engine's rollout log-probs come from `rlfuse.kernels.logprob` instead, the
 function the trainer shares.
+
+Triton path (`sample_triton`; no host syncs, CUDA-graph safe; every per-row decision is
+a branch inside the kernels). Per row, s_v = logit_v / T (IEEE division, as the
+reference); modes: greedy (T <= 0), plain (no filter on), filtered (0 < top_k < V,
+top_p < 1 or min_p > 0). top_p >= 1 disables top-p exactly (the reference's fp32 cumsum
+can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability event).
+  K1 `_partial_kernel`, grid (B, S), S = ceil(V / CHUNK) chunks (a function of V only,
+     so no reduction order depends on the batch):
+     1. one streaming pass, per-lane running max m and z = sum exp(s - m) with one exp
+        per element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax
+        of s + g (plain rows; g from the reference's hash) or of s (greedy rows);
+     2. filtered rows: a histogram on an absolute grid of width W = 1/8,
+        bin = floor(m_c / W) - floor(s / W) (exact: W is a power of two), so chunk
+        histograms merge by an integer shift.
+  K2 `_finish_kernel`, grid (B,): merges the partials (m, Z, id: max value, smallest
+     index among equals). Filtered rows:
+     3. a cutoff c <= the final threshold from the merged histogram: top-k: the highest
+        bin edge with count(s >= c) >= k (exact counts); top-p alone: where the estimated
+        mass (count x e^(bin middle - m)) reaches top_p Z, 4 bins lower; min-p: its floor
+        m + log(min_p). With top-k and top-p both on only the top-k rule may raise c (the
+        top-k mass Z_k must then be computable from the candidates);
+     4. compaction of the indices with s >= c in index order (block prefix sums, no
+        atomics) into a (B, CAP) scratch; exact counts/mass confirm c, else c = -inf;
+     5. thr = max tau with P(tau), where
+            P(tau) = [#(s >= tau) >= k] or [sum_{s >= tau} e^(s-m) >= top_p Z_k] or [tau <= floor]
+        (each clause only when its filter is on). P is monotone and P(tau) <=>
+        tau <= max(kth, p_thresh, floor), so the reference keeps exactly {s >= thr}:
+        top-p keeps v iff the mass strictly above v is < top_p, i.e. the largest value
+        below tau is dropped iff the mass at or above tau reaches top_p. Up to EXH
+        candidates: P at every candidate value at once (an all-pairs tile); else a
+        bisection on the order-preserving integer key of fp32 values, NP probes a sweep
+        (kth first when top-k and top-p are both on, for Z_k); over CAP candidates the
+        sweeps stream the whole row (exact, slow);
+     6. Gumbel-max over the candidates with s >= thr.
+Tests: `python -m pytest -q tests/test_kernel_sampling.py`; GPU: benchmarks/kernels/
+gpu_check_layers.py and bench_sampling.py.
 """
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from rlfuse.kernels.backend import resolve_backend
 
@@ -92,10 +130,345 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     return ids, logp_full.gather(1, ids[:, None]).squeeze(1)
 
 
-_HAS_TRITON = False
+_W_INV = 8.0  # histogram bins per nat of s (bin width 1/8: mass estimate within e^(1/16))
+_NB = 256     # histogram bins: 32 nats below the max, then the rest bin
+_NP = 16      # probes per bisection sweep: 2^32 keys in 8 sweeps
+_CHUNK = 16384  # elements per K1 program: V = 151936 -> 10 chunks a row
+_BLOCK = 2048   # elements per step in the streaming loops
+_BLOCK_C = 512  # candidates per step in the bisection
+_CAP = 16384    # candidates kept in scratch per row
+_EXH = 128      # up to this many candidates: one all-pairs tile instead of bisection
+
+
+# Interpreter note: Triton's interpreter re-patches the language on every call of a
+# @triton.jit helper (~1 ms each), so the per-element helpers are written inline below.
+
+@triton.jit
+def _gumbel(key, idx):  # key uint32 scalar, idx int32 -> -log(-log(u)), u as the reference
+    x = key ^ idx.to(tl.uint32)
+    x = x ^ (x >> 16)  # hash32: uint32 products wrap like the reference's & 0xFFFFFFFF
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x6A09E667
+    x = x ^ (x >> 16)
+    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    return -tl.log(-tl.log(u))
+
+
+@triton.jit
+def _row_params(b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr):
+    temp = tl.load(T_ptr + b).to(tl.float32)
+    greedy = temp <= 0
+    t = tl.where(greedy, 1.0, temp)
+    k = tl.load(K_ptr + b).to(tl.int32)
+    top_p = tl.load(P_ptr + b).to(tl.float32)
+    min_p = tl.load(MP_ptr + b).to(tl.float32)
+    use_k = (k > 0) & (k < V)
+    use_p = top_p < 1.0
+    use_f = min_p > 0.0
+    mode = tl.where(greedy, 0, tl.where(use_k | use_p | use_f, 2, 1))
+    # row_keys: hash32(hash32(hash32(seed_lo) ^ seed_hi) ^ offset_lo)
+    seed = tl.load(SEED_ptr + b).to(tl.int64)
+    key = seed.to(tl.uint32)  # truncation = & 0xFFFFFFFF
+    for r in tl.static_range(3):
+        key = key ^ (key >> 16)
+        key = key * 0x7FEB352D
+        key = key ^ (key >> 15)
+        key = key * 0x6A09E667
+        key = key ^ (key >> 16)
+        if r == 0:
+            key = key ^ ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        if r == 1:
+            key = key ^ tl.load(OFF_ptr + b).to(tl.int64).to(tl.uint32)
+    return mode, t, k, top_p, min_p, use_k, use_p, use_f, key
+
+
+@triton.jit
+def _scan_chunk(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+    """-> (max s, sum exp(s - max), max v, first index of max v) over one chunk,
+    v = s + g (NOISE) or s. Per-lane accumulators, one reduction at the end."""
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    bv = tl.full((BLOCK,), float("-inf"), tl.float32)
+    bi = tl.zeros((BLOCK,), tl.int32) + lo
+    for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        msk = idx < V
+        s = tl.math.div_rn(tl.load(row + idx, mask=msk, other=float("-inf")).to(tl.float32), t)
+        # online sum, one exp: z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)  (0 if both -inf)
+        big = tl.maximum(m, s)
+        e = tl.exp(tl.minimum(m, s) - tl.where(big == float("-inf"), 0.0, big))
+        z = tl.where(s > m, z * e + 1.0, z + e)
+        m = big
+        v = s
+        if NOISE:
+            v = tl.where(msk, s + _gumbel(key, idx), float("-inf"))
+        upd = v > bv  # strict: a lane keeps its first (smallest) index among equals
+        bv = tl.where(upd, v, bv)
+        bi = tl.where(upd, idx, bi)
+    mc = tl.max(m, axis=0)
+    zc = tl.sum(z * tl.exp(m - tl.where(mc == float("-inf"), 0.0, mc)), axis=0)
+    vc = tl.max(bv, axis=0)
+    return mc, zc, vc, tl.min(tl.where(bv == vc, bi, V), axis=0)
+
+
+@triton.jit
+def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                    M_part, Z_part, V_part, I_part, H_part, V, S,
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr):
+    b = tl.program_id(0)
+    c = tl.program_id(1)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    row = L_ptr + b.to(tl.int64) * stride_l
+    lo = c * CHUNK
+    if mode == 1:
+        mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, True)
+    else:
+        mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, False)
+    po = b * S + c
+    tl.store(M_part + po, mc)
+    tl.store(Z_part + po, zc)
+    tl.store(V_part + po, vc)
+    tl.store(I_part + po, ic)
+    if mode == 2:  # chunk histogram on the absolute grid (see the module notes)
+        a_top = tl.floor(mc * W_INV)
+        hist = tl.zeros((NB,), tl.int32)
+        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
+            d = a_top - tl.floor(s * W_INV)
+            hist += tl.histogram(tl.where(d < NB - 1, d, NB - 1).to(tl.int32), NB)
+        tl.store(H_part + po.to(tl.int64) * NB + tl.arange(0, NB), hist)
+
+
+@triton.jit
+def _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_f,
+            FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+    """Largest key in [lo, hi) with P true; P(lo) assumed true, P(hi) false. Keys are
+    fp32 bit patterns made order-preserving (negatives flipped), in int64."""
+    pr = tl.arange(0, NP).to(tl.int64)
+    while hi - lo > 1:
+        probe = lo + ((hi - lo) * (pr + 1)) // (NP + 1)  # (NP,) keys
+        bits = tl.where(probe >= 2147483648, probe - 2147483648, -1 - probe)
+        tau = bits.to(tl.int32).to(tl.float32, bitcast=True)
+        cnt = tl.zeros((NP,), tl.int32)
+        mass = tl.zeros((NP,), tl.float32)
+        for j0 in range(0, n, BLOCK_C):
+            j = j0 + tl.arange(0, BLOCK_C)
+            valid = j < n
+            idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
+            s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+            valid = valid & (s >= c)
+            e = tl.where(valid, tl.exp(s - m), 0.0)
+            ge = (s[:, None] >= tau[None, :]) & valid[:, None]
+            cnt += tl.sum(ge.to(tl.int32), axis=0)
+            mass += tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
+        # tl.where, not `scalar & vector`: Triton's interpreter cannot broadcast the bool
+        ok = tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= p_mass, False) | \
+            tl.where(use_f, tau <= floor, False)
+        lo, hi = tl.max(tl.where(ok, probe, lo), axis=0), tl.min(tl.where(ok, hi, probe), axis=0)
+    return lo
+
+
+@triton.jit
+def _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+             FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+    """Steps 5-6 over the candidates C_row[:n] (FULL: the row's s >= c, n = V) -> id."""
+    cb = c.to(tl.int32, bitcast=True).to(tl.int64)
+    mb = m.to(tl.int32, bitcast=True).to(tl.int64)
+    lo = tl.where(cb >= 0, cb + 2147483648, -1 - cb)
+    hi = tl.where(mb >= 0, mb + 2147483648, -1 - mb) + 1
+    zk = z
+    if use_k & use_p:  # kth first: top-p renormalizes over the top-k set
+        lo = _bisect(row, C_row, n, t, c, m, lo, hi, k, True, 0.0, False, floor, False,
+                     FULL, BLOCK_C, NP)
+        kth = tl.where(lo >= 2147483648, lo - 2147483648, -1 - lo).to(tl.int32).to(tl.float32, bitcast=True)
+        acc = tl.zeros((BLOCK_C,), tl.float32)
+        for j0 in range(0, n, BLOCK_C):
+            j = j0 + tl.arange(0, BLOCK_C)
+            valid = j < n
+            idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
+            s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+            acc += tl.where(valid & (s >= c) & (s >= kth), tl.exp(s - m), 0.0)
+        zk = tl.sum(acc, axis=0)
+    tk = _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, top_p * zk, use_p, floor, use_f,
+                 FULL, BLOCK_C, NP)
+    thr = tl.where(tk >= 2147483648, tk - 2147483648, -1 - tk).to(tl.int32).to(tl.float32, bitcast=True)
+    best_v = tl.full((), float("-inf"), tl.float32)
+    best_i = tl.full((), 0, tl.int32)
+    for j0 in range(0, n, BLOCK_C):
+        j = j0 + tl.arange(0, BLOCK_C)
+        valid = j < n
+        idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
+        s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+        v = tl.where(valid & (s >= c) & (s >= thr), s + _gumbel(key, idx), float("-inf"))
+        bv = tl.max(v, axis=0)
+        bi = tl.min(tl.where(v == bv, idx, 2147483647), axis=0)
+        upd = bv > best_v  # strict: the earlier block (smaller index) wins ties
+        best_i = tl.where(upd, bi, best_i)
+        best_v = tl.where(upd, bv, best_v)
+    return best_i, thr
+
+
+@triton.jit
+def _resolve_small(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+                   EXH: tl.constexpr):
+    """Steps 5-6 when the n <= EXH candidates fit one tile: P is evaluated at every
+    candidate value at once (an EXH x EXH compare), thr = the largest value with P true
+    (or the min-p floor when higher). kth, p_thresh are candidate values; floor is not."""
+    j = tl.arange(0, EXH)
+    valid = j < n
+    idx = tl.load(C_row + j, mask=valid, other=0)
+    s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+    s = tl.where(valid, s, float("-inf"))
+    e = tl.where(valid, tl.exp(s - m), 0.0)
+    ge = (s[None, :] >= s[:, None]) & valid[None, :]  # row i: tau = s_i; column: candidate
+    cnt = tl.sum(ge.to(tl.int32), axis=1)
+    mass = tl.sum(tl.where(ge, e[None, :], 0.0), axis=1)
+    zk = z
+    if use_k & use_p:  # top-p renormalizes over the top-k set
+        kth = tl.max(tl.where(valid & (cnt >= k), s, float("-inf")), axis=0)
+        zk = tl.sum(tl.where(s >= kth, e, 0.0), axis=0)
+    ok = valid & (tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= top_p * zk, False))
+    thr = tl.maximum(tl.max(tl.where(ok, s, float("-inf")), axis=0), c)
+    thr = tl.maximum(thr, tl.where(use_f, floor, float("-inf")))
+    v = tl.where(valid & (s >= thr), s + _gumbel(key, idx), float("-inf"))
+    bv = tl.max(v, axis=0)
+    return tl.min(tl.where(v == bv, idx, 2147483647), axis=0), thr
+
+
+@triton.jit
+def _compact(row, C_row, V, t, m, c, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Indices with s >= c into C_row[:CAP] in index order -> (count, sum exp(s - m))."""
+    n = tl.full((), 0, tl.int32)
+    mass = tl.zeros((BLOCK,), tl.float32)
+    for off in range(0, V, BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
+        keep = (idx < V) & (s >= c)
+        ki = keep.to(tl.int32)
+        nk = tl.sum(ki, axis=0)
+        if nk > 0:  # most blocks hold no candidate: skip the scan
+            pos = n + tl.cumsum(ki, axis=0) - 1
+            tl.store(C_row + pos, idx, mask=keep & (pos < CAP))
+            mass += tl.where(keep, tl.exp(s - m), 0.0)
+            n += nk
+    return n, tl.sum(mass, axis=0)
+
+
+@triton.jit
+def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                   M_part, Z_part, V_part, I_part, H_part, C_ptr, IDS_ptr, LP_ptr, THR_ptr, V, S,
+                   S_BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr, CAP: tl.constexpr,
+                   EXH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+    b = tl.program_id(0)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    row = L_ptr + b.to(tl.int64) * stride_l
+    cs = tl.arange(0, S_BLOCK)
+    cm = cs < S
+    mp = tl.load(M_part + b * S + cs, mask=cm, other=float("-inf"))
+    m = tl.max(mp, axis=0)
+    z = tl.sum(tl.load(Z_part + b * S + cs, mask=cm, other=0.0) *
+               tl.exp(mp - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    vp = tl.load(V_part + b * S + cs, mask=cm, other=float("-inf"))
+    idx = tl.min(tl.where(vp == tl.max(vp, axis=0), tl.load(I_part + b * S + cs, mask=cm, other=V), V),
+                 axis=0)
+    thr = tl.where(mode == 0, m, float("-inf"))  # greedy: the max; plain: everything
+    if mode == 2:
+        # 3. merged histogram (bin j: s in [(A - j) W, (A - j + 1) W)) -> cutoff c
+        a_top = tl.floor(m * W_INV)
+        j = tl.arange(0, NB)
+        hist = tl.zeros((NB,), tl.int32)
+        for ci in range(0, S):
+            shift = a_top - tl.floor(tl.load(M_part + b * S + ci) * W_INV)  # >= 0 or inf/nan
+            src = j - tl.where(shift < NB, shift, NB).to(tl.int32)
+            hist += tl.load(H_part + (b * S + ci).to(tl.int64) * NB + src,
+                            mask=(src >= 0) & (src < NB - 1), other=0)
+        edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # lower edge of bin j (exact)
+        inner = j < NB - 1
+        j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, NB), axis=0)
+        est = tl.cumsum(hist.to(tl.float32) * tl.exp(edge + 0.5 / W_INV - m), axis=0)
+        j_p = tl.min(tl.where(inner & (est >= top_p * z), j, NB), axis=0) + 4
+        floor = m + tl.log(tl.where(use_f, min_p, 1.0))
+        c_k = tl.where(j_k < NB - 1, (a_top - j_k) * (1.0 / W_INV), float("-inf"))
+        c_p = tl.where(j_p < NB - 1, (a_top - j_p) * (1.0 / W_INV), float("-inf"))
+        either = ~(use_k & use_p)
+        c = tl.where(use_k, c_k, float("-inf"))
+        c = tl.maximum(c, tl.where(either & use_p & ~use_k, c_p, float("-inf")))
+        c = tl.maximum(c, tl.where(either & use_f, floor, float("-inf")))
+        # 4. compaction; a cutoff the exact counts do not confirm falls back to -inf
+        C_row = C_ptr + b.to(tl.int64) * CAP
+        n, mass_c = _compact(row, C_row, V, t, m, c, CAP, BLOCK)
+        ok = (c == float("-inf")) | (use_k & (n >= k)) | \
+            (either & ((use_f & (c <= floor)) | (use_p & (mass_c >= top_p * z * 1.00001))))
+        c = tl.where(ok, c, float("-inf"))
+        if ok == 0:
+            n, mass_c = _compact(row, C_row, V, t, m, c, CAP, BLOCK)
+        # 5.-6. threshold and Gumbel-max over the candidates (or the whole row)
+        if n <= EXH:  # (EXH <= CAP)
+            idx, thr = _resolve_small(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor,
+                                 use_f, EXH)
+        elif n <= CAP:
+            idx, thr = _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+                           False, BLOCK_C, NP)
+        else:
+            idx, thr = _resolve(row, C_row, V, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+                           True, BLOCK_C, NP)
+    s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
+    tl.store(IDS_ptr + b, idx.to(tl.int64))
+    tl.store(LP_ptr + b, s_id - (m + tl.log(z)))
+    tl.store(THR_ptr + b, thr)  # kept set {s >= thr}: for tests and the GPU check
+
+
+def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
+                  chunk: int = _CHUNK, cap: int = _CAP, exh: int = _EXH,
+                  return_threshold: bool = False):
+    """Same contract as `sample_ref`. `chunk`, `cap` and `exh` (powers of two) are tuning
+    knobs; tests shrink them to reach the multi-chunk, bisection and over-capacity paths
+    at small V. `return_threshold=True` also returns thr (B,) fp32: a filtered row keeps
+    exactly {v : logit_v / T >= thr} (a plain row: -inf; a greedy row: its max)."""
+    if logits.dim() != 2:
+        raise ValueError(f"sample: logits must be (B, V), got {tuple(logits.shape)}")
+    B, V = logits.shape
+    for name, p in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p),
+                    ("min_p", min_p), ("seeds", seeds), ("offsets", offsets)):
+        if p.shape != (B,) or p.device != logits.device:
+            raise ValueError(f"sample: {name} must have shape ({B},) on {logits.device}, got "
+                             f"{tuple(p.shape)} on {p.device}")
+    if logits.stride(-1) != 1:
+        logits = logits.contiguous()
+    dev = logits.device
+    # block sizes follow V (and the knobs) only, never B: batch invariance
+    block = min(_BLOCK, chunk, triton.next_power_of_2(V))
+    block_c = min(_BLOCK_C, triton.next_power_of_2(V))
+    S = triton.cdiv(V, chunk)
+    f32 = dict(dtype=torch.float32, device=dev)
+    m_part, z_part, v_part = (torch.empty((B, S), **f32) for _ in range(3))
+    i_part = torch.empty((B, S), dtype=torch.int32, device=dev)
+    h_part = torch.empty((B, S, _NB), dtype=torch.int32, device=dev)
+    cand = torch.empty((B, cap), dtype=torch.int32, device=dev)
+    ids = torch.empty((B,), dtype=torch.int64, device=dev)
+    logprobs = torch.empty((B,), **f32)
+    thr = torch.empty((B,), **f32)
+    if B == 0:
+        return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
+    params = [p.contiguous() for p in (temperature, top_k, top_p, min_p, seeds, offsets)]
+    _partial_kernel[(B, S)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
+                            h_part, V, S, CHUNK=chunk, BLOCK=block, NB=_NB, W_INV=_W_INV,
+                            num_warps=8)
+    _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
+                         h_part, cand, ids, logprobs, thr, V, S, S_BLOCK=triton.next_power_of_2(S),
+                         NB=_NB, W_INV=_W_INV, CAP=cap, EXH=min(exh, block_c, cap), BLOCK=block,
+                         BLOCK_C=block_c, NP=_NP, num_warps=8)
+    return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
+
+
+_HAS_TRITON = True
 
 
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     if resolve_backend("sample", logits, has_triton=_HAS_TRITON) == "triton":
-        raise NotImplementedError
+        return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)

@@ -1,0 +1,164 @@
+"""RMSNorm / RoPE / SwiGLU: Triton kernels vs the PyTorch eager reference and
+torch.compile of the same reference, forward and forward+backward, bf16.
+
+Qwen3-0.6B shapes, T in {4096, 16384, 65536} tokens:
+    rmsnorm   x (T, 1024), w (1024,)            (the per-layer norms)
+    qk-norm   x (T * 16, 128), w (128,)         (Qwen3's per-head q norm)
+    rope      q (T, 16, 128), positions 0..T-1
+    swiglu    gate, up (T, 3072)
+Median of --reps calls, each timed alone with CUDA events after an L2 flush. GB/s
+counts the bytes the op must move at least (read inputs + write outputs once; for
+backward also the saved inputs), so it is comparable to the device-copy GB/s printed
+first (read + write bytes / time of a 1 GiB copy).
+
+Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile]
+Writes $OUT/bench_layers.json and $OUT/bench_layers.md (a table for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+from pathlib import Path
+
+import torch
+
+from rlfuse.kernels import use_backend
+from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
+from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
+from rlfuse.kernels.swiglu import swiglu, swiglu_ref
+
+DT = torch.bfloat16
+_flush = None
+
+
+def bench(fn, reps: int) -> float:
+    """Median seconds of one call, L2 flushed before each (a 256 MiB write)."""
+    global _flush
+    if _flush is None:
+        _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        _flush.zero_()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / bench(lambda: y.copy_(x), 20) / 1e9
+
+
+def triton_op(op):
+    def run(*args):
+        with use_backend("triton"):
+            return op(*args)
+    return run
+
+
+def cases(T: int):
+    """name -> (public op, reference, make_inputs() -> (args, differentiable args),
+    forward bytes, forward+backward bytes)."""
+    e = 2  # bf16
+    inv = rope_inv_freq(128, 1e6).to("cuda")
+
+    def rms_inputs(n, d):
+        def make():
+            x = torch.randn(n, d, device="cuda", dtype=DT, requires_grad=True)
+            w = torch.randn(d, device="cuda", dtype=DT, requires_grad=True)
+            return (x, w, 1e-6), (x, w)
+        return make
+
+    def rope_inputs():
+        q = torch.randn(T, 16, 128, device="cuda", dtype=DT, requires_grad=True)
+        return (q, torch.arange(T, device="cuda"), inv), (q,)
+
+    def swiglu_inputs():
+        g = torch.randn(T, 3072, device="cuda", dtype=DT, requires_grad=True)
+        u = torch.randn(T, 3072, device="cuda", dtype=DT, requires_grad=True)
+        return (g, u), (g, u)
+
+    n_rms, n_qk, n_rope, n_sw = T * 1024, T * 16 * 128, T * 16 * 128, T * 3072
+    return {
+        # fwd: x + y; bwd: dy, x -> dx (w, r, dw partials are negligible)
+        "rmsnorm": (rmsnorm, rmsnorm_ref, rms_inputs(T, 1024), 2 * n_rms * e, 5 * n_rms * e),
+        "qk-norm": (rmsnorm, rmsnorm_ref, rms_inputs(T * 16, 128), 2 * n_qk * e, 5 * n_qk * e),
+        "rope": (rope, rope_ref, rope_inputs, 2 * n_rope * e, 4 * n_rope * e),  # bwd: dy -> dx
+        # fwd: g, u -> y; bwd: dy, g, u -> dg, du
+        "swiglu": (swiglu, swiglu_ref, swiglu_inputs, 3 * n_sw * e, 8 * n_sw * e),
+    }
+
+
+def timed(fn, inputs, diff, backward: bool, reps: int) -> float:
+    if not backward:
+        with torch.no_grad():
+            return bench(lambda: fn(*inputs), reps)
+    dy = torch.randn_like(fn(*inputs))
+
+    def step():
+        out = fn(*inputs)
+        torch.autograd.grad(out, diff, dy)
+    return bench(step, reps)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true", help="T = 16384 only, fewer reps")
+    ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
+    ap.add_argument("--reps", type=int, default=30)
+    args = ap.parse_args()
+    out = Path(os.environ.get("OUT", "./out"))
+    out.mkdir(parents=True, exist_ok=True)
+    reps = 10 if args.quick else args.reps
+    torch._dynamo.config.cache_size_limit = 64
+    gpu = torch.cuda.get_device_name()
+    bw = copy_bandwidth()
+    print(f"{gpu}: device copy {bw:.0f} GB/s", flush=True)
+    rows = []
+    for T in ([16384] if args.quick else [4096, 16384, 65536]):
+        for name, (op, ref, make, fwd_bytes, fb_bytes) in cases(T).items():
+            inputs, diff = make()
+            impls = {"triton": triton_op(op), "eager": ref}
+            if not args.no_compile:
+                impls["compile"] = torch.compile(ref, dynamic=False)
+            for backward in (False, True):
+                nbytes = fb_bytes if backward else fwd_bytes
+                r = dict(op=name, T=T, pass_="fwd+bwd" if backward else "fwd", GB=nbytes / 1e9)
+                for impl, fn in impls.items():
+                    s = timed(fn, inputs, diff, backward, reps)
+                    r[f"{impl}_us"] = s * 1e6
+                    r[f"{impl}_GBps"] = nbytes / s / 1e9
+                rows.append(r)
+                print(f"T={T:<6d} {name:8s} {r['pass_']:8s} " + "  ".join(
+                    f"{i} {r[f'{i}_us']:8.1f} us {r[f'{i}_GBps']:6.0f} GB/s" for i in impls), flush=True)
+            del inputs, diff
+            torch.cuda.empty_cache()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    cmd = "python benchmarks/kernels/bench_layers.py" + (" --quick" if args.quick else "") + \
+        (" --no-compile" if args.no_compile else "")
+    meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, dtype="bf16", command=cmd)
+    (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    impls = ["triton", "eager"] + ([] if args.no_compile else ["compile"])
+    md = [f"### RMSNorm / RoPE / SwiGLU, Qwen3-0.6B shapes, bf16 ({gpu}, torch {torch.__version__}, commit {commit})",
+          "", f"`{cmd}`; device copy {bw:.0f} GB/s; GB/s = minimum bytes moved / time.", "",
+          "| op | T | pass | " + " | ".join(f"{i} us (GB/s)" for i in impls) + " |",
+          "|---|---|---|" + "---|" * len(impls)]
+    md += [f"| {r['op']} | {r['T']} | {r['pass_']} | " + " | ".join(
+        f"{r[f'{i}_us']:.1f} ({r[f'{i}_GBps']:.0f})" for i in impls) + " |" for r in rows]
+    (out / "bench_layers.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,259 @@
+"""GRPO-family policy losses: PPO-clip per token, fused in one Triton pass, plus
+segment-sum aggregation over sequences.
+
+Per token t of sequence i (mask m_t, advantage A_t, d_t = logp_t - old_t):
+    ratio     r_t = exp(d_t)                              grpo / dapo / dr_grpo
+              r_t = s_i = exp((1/n_i) sum_{u in i} m_u d_u)   gspo (sequence ratio; gradient
+              through the per-token form sg(s_i) exp(logp_t - sg(logp_t)): d r_t/d logp_t = s_i)
+    clip      c_t = clamp(r_t, 1 - clip_low, 1 + clip_high)
+    pg_t      = -min(r_t A_t, c_t A_t)
+    dual clip (c > 1; Ye et al. 2020 "dual-clip PPO", bounds the loss of negative
+              advantages when r_t explodes): where A_t < 0 and pg_t > -c A_t, pg_t = -c A_t
+    kl_t      = k1: e | k2: e^2 / 2 | k3: exp(-e) + e - 1,   e = logp_t - ref_t
+              (0 when ref_logp is None or kl_coef == 0)
+    l_t       = pg_t + kl_coef * kl_t
+Derivative w.r.t. logp_t (the "grad coefficient"):
+    d pg_t = 0 where the clipped branch won (c_t A_t < r_t A_t) or the dual-clip cap applies,
+             else -A_t r_t                     (ties split by torch.minimum sum to the same)
+    d kl_t = 1 | e | 1 - exp(-e)
+Aggregation: loss = sum_t w_t l_t with n_i = max(sum_{t in i} m_t, 1), B = num_seqs:
+    grpo, gspo: w_t = m_t / (n_i B)     (mean over sequences of the token mean)
+    dapo:       w_t = m_t / max(sum m, 1)             (token-level mean)
+    dr_grpo:    w_t = m_t / (B max_tokens)            (constant normalizer)
+Masked tokens (m_t = 0) contribute 0 loss and 0 grad even where their inputs are not
+finite (the kernel selects, it does not multiply). Stats, means over masked tokens:
+clip_frac (clipped branch or dual cap), clip_frac_low (r < 1 - clip_low, A < 0),
+clip_frac_high (r > 1 + clip_high, A > 0), ratio_mean, kl. Same definitions as
+`rlfuse.train.algorithms.policy_loss_ref` (tests compare the two).
+
+Triton path: the weights w_t (and gspo's s_i) come from torch segment ops (index_add, no
+host sync); `_pl_kernel` computes l_t, d l_t / d logp_t * w_t (saved: backward is one
+multiply) and per-block partial sums of the loss and the stats; torch adds the (P, 8)
+partials (fixed order: deterministic). Computes in fp64 for fp64 logp, else fp32.
+`grpo_loss_from_hidden` composes `token_logprobs` (fused linear log-prob, autograd)
+with `policy_loss`: hidden states to loss and gradients with no (N, V) logits.
+Tests: `python -m pytest -q tests/test_kernel_policy_loss.py`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.logprob import token_logprobs
+
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
+KL_TYPES = ("k1", "k2", "k3")
+
+
+def _seg_sum(x_N, seq_ids, num_seqs: int):
+    return x_N.new_zeros(num_seqs).index_add_(0, seq_ids, x_N)
+
+
+def _validate(loss_type, kl_type, dual_clip, max_tokens):
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    if loss_type == "dr_grpo" and not max_tokens:
+        raise ValueError("loss_type 'dr_grpo' needs max_tokens (the constant length normalizer)")
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+
+
+def _kl(d, kl_type):
+    if kl_type == "k1":
+        return d
+    if kl_type == "k2":
+        return 0.5 * d * d
+    return torch.exp(-d) + d - 1.0
+
+
+def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *, loss_type: str = "grpo",
+                    clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                    ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3", max_tokens: int | None = None):
+    """(loss, stats) by plain torch autograd; see the module docstring."""
+    _validate(loss_type, kl_type, dual_clip, max_tokens)
+    m = mask.to(logp.dtype)
+    old, adv, seq_ids = old_logp.to(logp.dtype), advantages.to(logp.dtype), seq_ids.long()
+    n_seq = _seg_sum(m, seq_ids, num_seqs).clamp_min(1.0)  # (B,)
+    if loss_type == "gspo":
+        log_s = _seg_sum(m * (logp - old), seq_ids, num_seqs) / n_seq
+        ratio = torch.exp(log_s.detach())[seq_ids] * torch.exp(logp - logp.detach())
+    else:
+        ratio = torch.exp(logp - old)
+    surr1, surr2 = ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    pg = -torch.minimum(surr1, surr2)
+    took_clip = surr2 < surr1
+    if dual_clip is not None:
+        cap = -dual_clip * adv
+        use_cap = (adv < 0) & (pg > cap)
+        pg = torch.where(use_cap, cap, pg)
+        took_clip = took_clip | use_cap
+    has_kl = ref_logp is not None and kl_coef != 0.0
+    kl = _kl(logp - ref_logp.to(logp.dtype), kl_type) if has_kl else torch.zeros_like(logp)
+    lm = (pg + kl_coef * kl if has_kl else pg) * m
+    if loss_type in ("grpo", "gspo"):
+        loss = (_seg_sum(lm, seq_ids, num_seqs) / n_seq).sum() / num_seqs
+    elif loss_type == "dapo":
+        loss = lm.sum() / m.sum().clamp_min(1.0)
+    else:
+        loss = lm.sum() / (num_seqs * max_tokens)
+    with torch.no_grad():
+        tot, r = m.sum().clamp_min(1.0), ratio.detach()
+        stats = {"clip_frac": (took_clip.to(m.dtype) * m).sum() / tot,
+                 "clip_frac_low": (((r < 1.0 - clip_low) & (adv < 0)).to(m.dtype) * m).sum() / tot,
+                 "clip_frac_high": (((r > 1.0 + clip_high) & (adv > 0)).to(m.dtype) * m).sum() / tot,
+                 "ratio_mean": (r * m).sum() / tot,
+                 "kl": (kl.detach() * m).sum() / tot}
+    return loss, stats
+
+
+@triton.jit
+def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
+               GSPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr):
+    """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, 8): sum w l, clip, low, high, r m, kl m, m, 0.
+    Scalars arrive as fp32 (Triton's float arguments), as torch rounds them for fp32 tensors;
+    for fp64 logp they differ from the double constants by < 1e-7 relative."""
+    pid = tl.program_id(0)
+    offs = pid * BLOCK + tl.arange(0, BLOCK)
+    valid = offs < N
+    CT = COEF.dtype.element_ty
+    logp = tl.load(LOGP + offs, mask=valid, other=0.0).to(CT)
+    m = tl.load(MASK + offs, mask=valid, other=0.0).to(CT)
+    act = valid & (m != 0)
+    adv = tl.load(ADV + offs, mask=valid, other=0.0).to(CT)
+    w = tl.load(WGT + offs, mask=valid, other=0.0).to(CT)
+    if GSPO:
+        lr = tl.load(LOGR + offs, mask=valid, other=0.0).to(CT)
+    else:
+        lr = logp - tl.load(OLD + offs, mask=valid, other=0.0).to(CT)
+    r = tl.exp(lr)
+    s1 = r * adv
+    s2 = tl.minimum(tl.maximum(r, lo), hi) * adv
+    took = s2 < s1
+    pg = -tl.minimum(s1, s2)
+    dpg = tl.where(took, 0.0, -adv * r)
+    if DUAL:
+        cap = -dual_c * adv
+        use_cap = (adv < 0) & (pg > cap)
+        pg = tl.where(use_cap, cap, pg)
+        dpg = tl.where(use_cap, 0.0, dpg)
+        took = took | use_cap
+    lt = pg
+    dl = dpg
+    kl = tl.zeros_like(pg)
+    if KL != 0:
+        e = logp - tl.load(REF + offs, mask=valid, other=0.0).to(CT)
+        if KL == 1:
+            kl = e
+            dk = tl.full(e.shape, 1.0, CT)
+        elif KL == 2:
+            kl = 0.5 * e * e
+            dk = e
+        else:
+            ee = tl.exp(-e)
+            kl = ee + e - 1.0
+            dk = 1.0 - ee
+        lt = lt + kl_coef * kl
+        dl = dl + kl_coef * dk
+    tl.store(COEF + offs, tl.where(act, w * dl, 0.0), mask=valid)
+    zero = tl.zeros_like(pg)
+    base = PART + pid * 8
+    tl.store(base + 0, tl.sum(tl.where(act, w * lt, zero)))
+    tl.store(base + 1, tl.sum(tl.where(act & took, m, zero)))
+    tl.store(base + 2, tl.sum(tl.where(act & (r < lo) & (adv < 0), m, zero)))
+    tl.store(base + 3, tl.sum(tl.where(act & (r > hi) & (adv > 0), m, zero)))
+    tl.store(base + 4, tl.sum(tl.where(act, r * m, zero)))
+    tl.store(base + 5, tl.sum(tl.where(act, kl * m, zero)))
+    tl.store(base + 6, tl.sum(tl.where(act, m, zero)))
+    tl.store(base + 7, tl.sum(zero))
+
+
+class _ScaledGrad(torch.autograd.Function):
+    """value = loss (precomputed), d value / d logp = coef."""
+
+    @staticmethod
+    def forward(ctx, logp, loss, coef):
+        ctx.save_for_backward(coef)
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        (coef,) = ctx.saved_tensors
+        return g * coef, None, None
+
+
+def _block(N: int) -> int:
+    return 1024 if N > 65536 else 256
+
+
+def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *, loss_type: str = "grpo",
+                       clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
+                       ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3", max_tokens: int | None = None):
+    _validate(loss_type, kl_type, dual_clip, max_tokens)
+    N = logp.shape[0]
+    ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
+    with torch.no_grad():
+        lp = logp.detach().to(ct).contiguous()
+        m = mask.to(ct).contiguous()
+        seq_ids = seq_ids.long()
+        old = old_logp.contiguous()
+        if loss_type in ("grpo", "gspo"):
+            n_seq = _seg_sum(m, seq_ids, num_seqs).clamp_min(1.0)
+            w = m / (n_seq[seq_ids] * num_seqs)
+        elif loss_type == "dapo":
+            w = m / m.sum().clamp_min(1.0)
+        else:
+            w = m / float(num_seqs * max_tokens)
+        logr = None
+        if loss_type == "gspo":
+            logr = (_seg_sum(m * (lp - old.to(ct)), seq_ids, num_seqs) / n_seq)[seq_ids].contiguous()
+        has_kl = ref_logp is not None and kl_coef != 0.0
+        coef = torch.empty(N, dtype=ct, device=logp.device)
+        blk = _block(N)
+        P = max(1, triton.cdiv(N, blk))
+        part = torch.zeros((P, 8), dtype=ct, device=logp.device)
+        if N:
+            _pl_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
+                             ref_logp.contiguous() if has_kl else None, coef, part, N,
+                             1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(kl_coef),
+                             GSPO=loss_type == "gspo", DUAL=dual_clip is not None,
+                             KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, BLOCK=blk)
+        sums = part.sum(0)
+        tot = sums[6].clamp_min(1.0)
+        stats = {"clip_frac": sums[1] / tot, "clip_frac_low": sums[2] / tot, "clip_frac_high": sums[3] / tot,
+                 "ratio_mean": sums[4] / tot, "kl": sums[5] / tot}
+        loss = sums[0].to(logp.dtype)
+    if torch.is_grad_enabled() and logp.requires_grad:
+        loss = _ScaledGrad.apply(logp, loss, coef.to(logp.dtype))
+    return loss, stats
+
+
+_HAS_TRITON = True
+
+
+def policy_loss(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, **kwargs):
+    """(loss scalar, stats dict of scalars); keyword arguments and math in the module docstring."""
+    if resolve_backend("policy_loss", logp, has_triton=_HAS_TRITON) == "triton":
+        return policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
+    return policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
+
+
+def grpo_loss_from_hidden(hidden, weight, targets, temperature, old_logp, advantages, mask, seq_ids,
+                          num_seqs: int, *, with_entropy: bool = False, **loss_kwargs):
+    """hidden (N, D) at the positions predicting targets (N,) -> (loss, stats, logp (N,) detached).
+    Gradients flow to hidden and weight through `token_logprobs`; no (N, V) tensor is made.
+    with_entropy adds stats["entropy"], the masked token mean of the policy entropy (no grad)."""
+    if with_entropy:
+        logp, ent = token_logprobs(hidden, weight, targets, temperature, return_entropy=True)
+    else:
+        logp = token_logprobs(hidden, weight, targets, temperature)
+    loss, stats = policy_loss(logp, old_logp, advantages, mask, seq_ids, num_seqs, **loss_kwargs)
+    if with_entropy:
+        with torch.no_grad():
+            m = mask.to(ent.dtype)
+            stats["entropy"] = (ent.detach() * m).sum() / m.sum().clamp_min(1.0)
+    return loss, stats, logp.detach()
