@@ -29,7 +29,10 @@ SUBCOMMANDS = {
 }
 
 # name -> module under rlfuse.cli with add_arguments(parser) and run(args)
-COMMANDS: dict[str, str] = {}
+COMMANDS: dict[str, str] = {
+    "generate": "generate",
+    "bench": "bench",
+}
 
 
 def _not_yet(name):

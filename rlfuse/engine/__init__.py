@@ -1,1 +1,9 @@
-"""rlfuse.engine layer (see DEVELOPERS layout)."""
+"""rlfuse.engine: the inference engine (paged KV cache, prefix caching, continuous
+batching, CUDA graphs) on the trainer's own weights. Public API: `LLM`, `EngineConfig`,
+`SamplingParams`, `Completion`; `naive` holds the full-recompute oracle for tests."""
+
+from rlfuse.engine.config import EngineConfig, SamplingParams
+from rlfuse.engine.llm import LLM, EngineStats
+from rlfuse.engine.sequence import Completion
+
+__all__ = ["LLM", "Completion", "EngineConfig", "EngineStats", "SamplingParams"]

@@ -1,0 +1,76 @@
+"""`rlfuse bench generate`: engine throughput vs transformers vs the bandwidth bound.
+
+    rlfuse bench generate                    # on the GPU: Qwen3-0.6B-shaped, bf16, 3 cases
+    rlfuse bench generate --small --no-peer  # CPU smoke test
+Writes $OUT (or --out) /bench_generate.json and /bench_generate.md (a section ready to
+append to docs/benchmarks.md; --append-docs FILE appends it) and prints the table.
+The protocol and the bound are described in `rlfuse.engine.benchmark`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("what", choices=["generate"], help="which benchmark")
+    p.add_argument("--small", action="store_true", help="tiny fp32 model, small cases (CPU smoke test)")
+    p.add_argument("--cases", default="nanovllm,fixed,grpo", help="comma-separated: nanovllm, fixed, grpo")
+    p.add_argument("--no-peer", action="store_true", help="skip transformers generate")
+    p.add_argument("--peer-batch", type=int, default=128, help="rows per transformers generate call")
+    p.add_argument("--peer-max-seqs", type=int, default=None, help="time the peer on the first N sequences only")
+    p.add_argument("--device", default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
+    p.add_argument("--append-docs", default=None, metavar="MD", help="append the markdown section to this file")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def run(args) -> int:
+    from rlfuse.engine.benchmark import BenchConfig, run as run_bench, table
+
+    cfg = BenchConfig(small=args.small, cases=tuple(c for c in args.cases.split(",") if c), peer=not args.no_peer,
+                      peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager)
+    try:
+        result = run_bench(cfg)
+    except ValueError as e:
+        print(f"rlfuse bench generate: {e}", file=sys.stderr)
+        return 2
+    result["commit"] = _commit()
+    result["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
+    out = Path(args.out or os.environ.get("OUT") or "out")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_generate.json").write_text(json.dumps(result, indent=2))
+    tab = table(result)
+    md = (f"\n## Generation throughput: engine vs transformers vs bandwidth bound\n\n"
+          f"{result['device']}, torch {result['torch']}, {result['dtype']}, commit {result['commit']}, "
+          f"{datetime.date.today()}; command `{result['command']}`. Model: "
+          f"{'tiny (--small)' if args.small else 'Qwen3-0.6B-shaped, random weights'}; copy bandwidth "
+          f"{result['copy_bandwidth_GBps']:.0f} GB/s (read + write); {result['kv_blocks']} KV blocks. "
+          f"Protocol and bound: `rlfuse/engine/benchmark.py`."
+          + (f" {result['peer_note']}." if result["peer_note"] else "")
+          + (f" Peer logits rel. error vs ours {result['peer_logits_rel_err']:.1e}." if "peer_logits_rel_err" in
+             result else "") + f"\n\n{tab}\n")
+    (out / "bench_generate.md").write_text(md)
+    if args.append_docs:
+        with open(args.append_docs, "a") as f:
+            f.write(md)
+    print(tab)
+    return 0

@@ -1,0 +1,271 @@
+"""Generation throughput: the engine vs transformers `generate` vs the bandwidth bound.
+
+Model: Qwen3-0.6B-shaped, random weights (hidden 1024, 28 layers, 16 q / 8 kv heads of
+128, vocab 151936, tied), bf16. Cases (all temperature-sampled, ignore_eos):
+  nanovllm  the protocol nano-vllm and RL.cu publish: Python random.seed(0); 256 prompts
+            of U[100, 1024] ids ~ U[0, 10000], then per sequence max_tokens ~ U[100, 1024]
+            (drawn in that order), temperature 0.6; one-sequence warm-up first;
+  fixed     256 prompts of 128 ids, 512 new tokens each, temperature 0.6;
+  grpo      32 prompts of 250 ids x n = 8 completions of 512 tokens, temperature 1.0;
+            counts prompt tokens computed vs taken from the prefix cache (each prompt
+            once + 7 x (250 mod 16) tail tokens: 32 * 250 + 32 * 7 * 10 = 10,240).
+Throughput = output tokens / wall time of the whole `generate` (prefill included).
+
+Bandwidth bound (an upper limit no schedule can beat): every decode step reads all
+weights once (`W` bytes: every parameter, the tied LM head once) and, for each sequence,
+the K/V of its context (`kv` bytes/token = 2 * L * Hkv * Dh * 2). With all sequences in
+one batch, sequence i (prompt P_i, O_i outputs, the first from prefill) costs decode
+steps j = 1 .. O_i - 1 reading P_i + j tokens; the batch takes max_i O_i - 1 steps:
+    bytes = (max_i O_i - 1) * W + kv * sum_i [(O_i - 1) P_i + O_i (O_i - 1) / 2]
+    bound = sum_i O_i / (bytes / BW),  BW = device-to-device copy (read + write bytes / s)
+measured in the same run. Prefill time is not in the bound, so % of bound is conservative.
+
+Peer: transformers `generate` on the same weights (our state_dict loaded into the HF
+model built from `ModelConfig.to_hf()`; a logits check confirms they match) and the same
+prompts; the nanovllm case runs in left-padded batches of `peer_batch` to the batch's
+longest output (useful tokens only are counted); the engine sleeps meanwhile.
+`small=True`: a tiny fp32 model and small cases for a CPU smoke test.
+Run: rlfuse bench generate [--small]   or   python benchmarks/bench_generate.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+import time
+
+import torch
+
+from rlfuse.engine.config import EngineConfig, SamplingParams
+from rlfuse.engine.llm import LLM
+from rlfuse.model.config import ModelConfig
+from rlfuse.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
+                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                 qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)
+TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
+            tie_word_embeddings=True, max_position_embeddings=512)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class BenchConfig:
+    small: bool = False
+    """Tiny fp32 model and small cases (CPU smoke test)."""
+    cases: tuple[str, ...] = ("nanovllm", "fixed", "grpo")
+    peer: bool = True
+    """Also time transformers generate (skipped with a note when transformers is missing)."""
+    peer_batch: int = 128
+    peer_max_seqs: int | None = None
+    """Time the peer on the first this-many sequences of each case only (tok/s stays comparable)."""
+    device: str | None = None
+    """Default: cuda if available, else cpu."""
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 16384
+    gpu_memory_fraction: float = 0.9
+    enforce_eager: bool = False
+    seed: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class Case:
+    name: str
+    prompts: list[list[int]]
+    params: list[SamplingParams]
+
+    @property
+    def n(self) -> list[int]:
+        return [p.n for p in self.params]
+
+
+def make_cases(small: bool, names) -> list[Case]:
+    """The three cases; `small` divides lengths and counts (ids < 150 for the tiny vocab)."""
+    d, id_hi = (32, 150) if small else (1, 10000)
+    out = []
+    for name in names:
+        if name == "nanovllm":  # draws in nano-vllm's order: prompt lengths and ids, then max_tokens
+            rng = random.Random(0)
+            n, lo, hi = 256 // d, 100 // d, 1024 // d
+            prompts = [[rng.randint(0, id_hi) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=rng.randint(lo, hi))
+                      for _ in range(n)]
+        elif name == "fixed":
+            rng = random.Random(1)
+            n, P, O = (8, 16, 16) if small else (256, 128, 512)
+            prompts = [[rng.randint(0, id_hi) for _ in range(P)] for _ in range(n)]
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=O)] * n
+        elif name == "grpo":
+            rng = random.Random(2)
+            n, g, P, O = (4, 4, 25, 16) if small else (32, 8, 250, 512)
+            prompts = [[rng.randint(0, id_hi) for _ in range(P)] for _ in range(n)]
+            params = [SamplingParams(n=g, temperature=1.0, ignore_eos=True, max_tokens=O, seed=i) for i in range(n)]
+        else:
+            raise ValueError(f"bench case {name!r}: expected one of nanovllm, fixed, grpo")
+        out.append(Case(name, prompts, params))
+    return out
+
+
+def bound_bytes(case: Case, weight_bytes: int, kv_per_token: int) -> int:
+    steps, kv = 0, 0
+    for prompt, p in zip(case.prompts, case.params):
+        P, O = len(prompt), p.max_tokens
+        steps = max(steps, O - 1)
+        kv += p.n * ((O - 1) * P + O * (O - 1) // 2)
+    return steps * weight_bytes + kv * kv_per_token
+
+
+def copy_bandwidth(device: torch.device, nbytes: int) -> float:
+    """Bytes per second of a device-to-device copy, counting read + write."""
+    x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    reps = 20
+    _sync(device)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        y.copy_(x)
+    _sync(device)
+    return 2 * nbytes * reps / (time.perf_counter() - t0)
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_model(small: bool, device: torch.device, seed: int) -> CausalLM:
+    cfg = ModelConfig(**(TINY if small else QWEN3_06B))
+    dtype = torch.float32 if small else torch.bfloat16
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = CausalLM(cfg)
+    model.init_weights(std=0.02)
+    return model.to(dtype).eval()
+
+
+def _hf_model(model: CausalLM):
+    import transformers
+
+    hf_dict = model.config.to_hf()
+    hf_cfg = transformers.AutoConfig.for_model(**hf_dict)
+    W = model.lm_head_weight
+    with torch.device(W.device):
+        hf = transformers.AutoModelForCausalLM.from_config(hf_cfg, dtype=W.dtype, attn_implementation="sdpa")
+    missing, unexpected = hf.load_state_dict(model.state_dict(), strict=False)
+    if unexpected or set(missing) - {"lm_head.weight"}:
+        raise RuntimeError(f"peer weights do not match: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    hf.eval()
+    ids = torch.randint(0, min(1000, model.config.vocab_size), (1, 32), device=W.device)
+    with torch.no_grad():
+        ours = model.logits(model.forward_padded(ids))
+        theirs = hf(ids).logits.float()
+    rel = float((ours - theirs).norm() / ours.norm())
+    return hf, rel
+
+
+@torch.no_grad()
+def _peer_generate(hf, case: Case, peer_batch: int, max_seqs: int | None, pad_id: int) -> tuple[int, float]:
+    """(useful output tokens, seconds) of transformers generate on the case."""
+    items = list(zip(case.prompts, case.params))[:max_seqs]
+    dev = next(hf.parameters()).device
+    tokens, t0 = 0, time.perf_counter()
+    per = max(1, peer_batch // max(p.n for _, p in items))
+    for i in range(0, len(items), per):
+        chunk = items[i:i + per]
+        L = max(len(pr) for pr, _ in chunk)
+        ids = torch.full((len(chunk), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(chunk), L), dtype=torch.long)
+        for r, (pr, _) in enumerate(chunk):
+            ids[r, L - len(pr):] = torch.tensor(pr)
+            mask[r, L - len(pr):] = 1
+        O = max(p.max_tokens for _, p in chunk)
+        p0 = chunk[0][1]
+        hf.generate(input_ids=ids.to(dev), attention_mask=mask.to(dev), do_sample=True, temperature=p0.temperature,
+                    top_k=0, top_p=1.0, max_new_tokens=O, min_new_tokens=O, num_return_sequences=p0.n,
+                    pad_token_id=pad_id, eos_token_id=None)
+        tokens += sum(p.max_tokens * p.n for _, p in chunk)
+    _sync(dev)
+    return tokens, time.perf_counter() - t0
+
+
+def run(cfg: BenchConfig) -> dict:
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    bw = copy_bandwidth(device, (64 if cfg.small else 1024) * 2**20)
+    model = build_model(cfg.small, device, cfg.seed)
+    mc = model.config
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
+    ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        max_model_len=(128 if cfg.small else 2048), gpu_memory_fraction=cfg.gpu_memory_fraction,
+                        enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+    t0 = time.perf_counter()
+    llm = LLM(model, None, ecfg)
+    llm.capture_graphs()
+    init_s = time.perf_counter() - t0
+    llm.generate([[1] * 16], SamplingParams(max_tokens=8))  # nano-vllm's one-sequence warm-up
+    hf, peer_note = None, ""
+    if cfg.peer:
+        try:
+            import transformers  # noqa: F401
+        except ImportError:
+            peer_note = "transformers not installed: no peer"
+    result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                  torch=torch.__version__, dtype=str(model.lm_head_weight.dtype).replace("torch.", ""),
+                  copy_bandwidth_GBps=bw / 1e9, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
+                  kv_blocks=llm.kv.num_blocks, engine_init_s=init_s, engine=dataclasses.asdict(ecfg),
+                  bench=dataclasses.asdict(cfg), peer_note=peer_note, cases=[])
+    for case in make_cases(cfg.small, cfg.cases):
+        llm.capture_graphs()  # after a wake() the graphs are gone: capture outside the timing
+        llm.stats.reset()
+        _sync(device)
+        t0 = time.perf_counter()
+        outs = llm.generate(case.prompts, case.params)
+        _sync(device)
+        dt = time.perf_counter() - t0
+        n_out = sum(len(o.output_token_ids) for o in outs)
+        expect = sum(p.max_tokens * p.n for p in case.params)
+        bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token) / bw)
+        row = dict(case=case.name, sequences=len(outs), prompt_tokens=sum(len(p) * q.n for p, q in
+                   zip(case.prompts, case.params)), output_tokens=n_out, complete=n_out == expect,
+                   engine_s=dt, engine_tok_s=n_out / dt, bound_tok_s=bound, pct_bound=100 * n_out / dt / bound,
+                   stats=dataclasses.asdict(llm.stats))
+        if case.name == "grpo":
+            g = case.params[0].n
+            P = len(case.prompts[0])
+            once = len(case.prompts) * (P + (g - 1) * (P % ecfg.block_size))
+            row["prefill_once_expected"] = once
+            row["prefill_once"] = llm.stats.prompt_tokens_computed == once
+        if cfg.peer and not peer_note:
+            llm.sleep()
+            if hf is None:
+                hf, rel = _hf_model(model)
+                result["peer_logits_rel_err"] = rel
+                _peer_generate(hf, Case("warm", case.prompts[:1], [SamplingParams(max_tokens=4)]), 1, 1, 0)
+            tok, pdt = _peer_generate(hf, case, cfg.peer_batch, cfg.peer_max_seqs, 0)
+            row.update(peer_tok_s=tok / pdt, peer_s=pdt, peer_seqs=min(len(case.prompts), cfg.peer_max_seqs or 10**9),
+                       x_peer=(n_out / dt) / (tok / pdt))
+            llm.wake()
+        result["cases"].append(row)
+        log.info("bench %s: %.0f tok/s engine, %.0f%% of bound%s", case.name, row["engine_tok_s"], row["pct_bound"],
+                 f", {row['x_peer']:.1f}x peer" if "x_peer" in row else "")
+    return result
+
+
+def table(result: dict) -> str:
+    lines = ["| case | seqs | output tokens | engine tok/s | bound tok/s | % of bound | peer tok/s | x peer | notes |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in result["cases"]:
+        st = r["stats"]
+        notes = f"{st['steps']} steps ({st['graph_steps']} graph), {st['preemptions']} preemptions"
+        if r["case"] == "grpo":
+            notes += (f"; prompt tokens computed {st['prompt_tokens_computed']:,} (once per group: "
+                      f"{r['prefill_once_expected']:,}), cached {st['prompt_tokens_cached']:,}")
+        peer = (f"{r['peer_tok_s']:,.0f}", f"{r['x_peer']:.1f}") if "peer_tok_s" in r else ("n/a", "n/a")
+        lines.append(f"| {r['case']} | {r['sequences']} | {r['output_tokens']:,} | {r['engine_tok_s']:,.0f} | "
+                     f"{r['bound_tok_s']:,.0f} | {r['pct_bound']:.0f}% | {peer[0]} | {peer[1]} | {notes} |")
+    return "\n".join(lines)

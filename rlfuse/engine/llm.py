@@ -1,0 +1,334 @@
+"""`LLM`: the inference engine on an already-loaded model (the trainer's own weights).
+
+    llm = LLM(model, tokenizer, EngineConfig())
+    outs = llm.generate(["2+2=", [1, 2, 3]], SamplingParams(n=4, temperature=1.0, max_tokens=64))
+    # -> 8 Completions, prompt-major: outs[i * n + k] is sample k of prompt i
+
+The engine owns no weights. Every step reads the model's parameters as they are, so an
+in-place update (optimizer step, `p.copy_`) is used by the next `generate` with no copy
+and no sync step; CUDA graphs replay over the same parameter tensors. Cached prompt K/V
+would be stale after an update: the prefix cache is dropped when the parameters' version
+counters changed since the last request (in-place ops bump them; writes through `.data`
+do not -- call `reset_prefix_cache()` after those), and on `wake()`.
+
+Streaming: `add_request` (validates, names the request in any ValueError, leaves the
+other requests untouched), `step()` (one scheduler step; returns the completions that
+finished in it), `abort(request_id)`, `has_unfinished()`. `sleep()` frees the KV pool and
+the graphs' memory for training (running requests are preempted and resume by
+recompute after `wake()`), `wake()` re-creates the pool with the same number of blocks.
+
+Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
+filtering, from `rlfuse.kernels.logprob.token_logprobs`, the function the trainer uses.
+Test: python -m pytest -q tests/test_engine.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import random
+import time
+from array import array
+
+import torch
+
+from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.config import EngineConfig, SamplingParams
+from rlfuse.engine.model_runner import ModelRunner
+from rlfuse.engine.scheduler import Scheduler
+from rlfuse.engine.sequence import Completion, Sequence, Status
+from rlfuse.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+def sample_key_base(seed: int, prompt: list[int]) -> bytes:
+    return hashlib.blake2b(seed.to_bytes(8, "little") + array("q", prompt).tobytes(), digest_size=16).digest()
+
+
+def sample_key(base: bytes, k: int) -> int:
+    """63-bit sampling key of sample k: a hash of (seed, prompt tokens, k), so the draws of a
+    sequence depend on nothing else (not the batch, not other prompts sharing the seed)."""
+    return int.from_bytes(hashlib.blake2b(base + k.to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
+
+
+@dataclasses.dataclass(slots=True)
+class EngineStats:
+    """Counters since construction (or `reset()`)."""
+    steps: int = 0
+    decode_steps: int = 0
+    graph_steps: int = 0
+    prompt_tokens_computed: int = 0
+    """Prompt tokens whose K/V was computed (prefill chunks, recompute after preemption)."""
+    prompt_tokens_cached: int = 0
+    """Prompt tokens taken from the prefix cache at admission instead of computed."""
+    tokens_computed: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+
+    def reset(self) -> None:
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, 0)
+
+
+class LLM:
+    def __init__(self, model: CausalLM, tokenizer=None, config: EngineConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.config = cfg = config or EngineConfig()
+        mcfg = model.config
+        self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
+        if self.max_model_len > mcfg.max_position_embeddings:
+            log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
+                        mcfg.max_position_embeddings)
+        eos = tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids
+        self.eos_ids = frozenset(int(e) for e in eos)
+        self.vocab_size = mcfg.vocab_size
+        self.runner = ModelRunner(model, cfg, self.max_model_len)
+        self.kv = self.runner.plan_and_allocate(self.max_model_len)
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        self.stats = EngineStats()
+        self._rng = random.Random(cfg.seed)
+        self._next_id = 0
+        self._next_seq = 0
+        self._requests: dict[str, list[Sequence]] = {}
+        self._weights_version = self._param_version()
+        self.asleep = False
+        log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
+                 "max_num_batched_tokens %d, prefix caching %s, decode %s", mcfg.architecture,
+                 self.runner.device, self.max_model_len, self.kv.num_blocks, cfg.block_size, cfg.max_num_seqs,
+                 cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
+                 "CUDA graphs" if self.runner.use_graphs else
+                 ("static buffers (no capture on CPU)" if self.runner.static else "eager"))
+
+    # ------------------------------------------------------------------ weights
+    def _param_version(self) -> int:
+        return sum(p._version for p in self.model.parameters())
+
+    def reset_prefix_cache(self) -> None:
+        self.block_manager.reset_prefix_cache()
+
+    def _check_weights(self) -> None:
+        v = self._param_version()
+        if v != self._weights_version:
+            self._weights_version = v
+            self.block_manager.reset_prefix_cache()
+            log.debug("parameters changed in place: prefix cache dropped")
+
+    # ------------------------------------------------------------------ requests
+    def _validate(self, rid: str, prompt, params) -> list[int]:
+        def bad(msg):
+            return ValueError(f"request {rid!r}: {msg}")
+        if not isinstance(params, SamplingParams):
+            raise bad(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise bad("a text prompt needs a tokenizer (LLM(model, tokenizer, ...)); pass token ids instead")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise bad("the prompt is empty")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise bad(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if len(ids) >= self.max_model_len:
+            raise bad(f"the prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room "
+                      f"for output")
+        if params.stop and self.tokenizer is None:
+            raise bad("stop strings need a tokenizer")
+        need = self.block_manager.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
+        if need > self.block_manager.num_blocks:
+            raise bad(f"needs {need} KV blocks, the pool has {self.block_manager.num_blocks}")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request (its `params.n` samples); returns its id. Raises ValueError naming
+        the request if it is invalid; nothing is queued then."""
+        if request_id is None:
+            request_id = f"req-{self._next_id}"
+            self._next_id += 1
+        request_id = str(request_id)
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r}: the id is already in use")
+        params = SamplingParams() if params is None else params
+        ids = self._validate(request_id, prompt, params)
+        self._enqueue(request_id, ids, params)
+        return request_id
+
+    def _enqueue(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+        if not self.scheduler.has_unfinished():
+            self._check_weights()
+        seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
+        stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
+        base = sample_key_base(seed, ids)
+        seqs = []
+        for k in range(params.n):
+            seq = Sequence(self._next_seq, rid, k, ids, params, sample_key(base, k), stop)
+            seq.max_total = min(len(ids) + params.max_tokens, self.max_model_len)
+            seqs.append(seq)
+            self._next_seq += 1
+        self._requests[rid] = seqs
+        for s in seqs:
+            self.scheduler.add(s)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def abort(self, request_id: str) -> list[Completion]:
+        """Stop a request now; returns its unfinished samples with finish_reason "abort"."""
+        seqs = [s for s in self._requests.pop(str(request_id), []) if not s.is_finished()]
+        self.scheduler.abort(seqs)
+        for s in seqs:
+            self.runner.release(s)
+        return [self._completion(s) for s in seqs]
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[Completion]:
+        """One scheduler step; returns the samples that finished in it."""
+        if self.asleep:
+            raise RuntimeError("LLM.step: the engine is asleep; call wake() first")
+        batch = self.scheduler.schedule()
+        for s in batch.preempted:
+            self.runner.release(s)
+        self.stats.preemptions += len(batch.preempted)
+        self.stats.prompt_tokens_cached += batch.num_prompt_cached
+        if not batch.seqs:
+            assert not self.scheduler.running, "scheduler produced an empty batch with running sequences"
+            return []
+        graph_before = self.runner.graph_steps
+        sampled, ids, lps = self.runner.run(batch.seqs, batch.num_new)
+        st = self.stats
+        st.steps += 1
+        st.decode_steps += batch.is_decode
+        st.graph_steps += self.runner.graph_steps - graph_before
+        st.tokens_computed += batch.num_tokens
+        bs, mark = self.config.block_size, self.block_manager.mark_computed
+        for seq, n in zip(batch.seqs, batch.num_new):
+            c = seq.num_computed
+            if c < seq.num_prompt_tokens:
+                st.prompt_tokens_computed += min(c + n, seq.num_prompt_tokens) - c
+            seq.num_computed = c + n
+            if (c + n) // bs > seq.num_ready_blocks:  # a block just became complete
+                mark(seq)
+        finished = []
+        for j, tok, lp in zip(sampled, ids, lps):
+            seq = batch.seqs[j]
+            seq.token_ids.append(tok)
+            seq.logprobs.append(lp)
+            if tok in seq.stop_ids or seq.params.stop or len(seq.token_ids) >= seq.max_total:  # cheap pre-check
+                reason = self._stop_reason(seq, tok)
+                if reason is not None:
+                    seq.status, seq.finish_reason = Status.FINISHED, reason
+                    finished.append(seq)
+        st.output_tokens += len(sampled)
+        self.scheduler.finish(finished)
+        out = []
+        for seq in finished:
+            self.runner.release(seq)
+            reqs = self._requests.get(seq.request_id)
+            if reqs is not None and all(s.is_finished() for s in reqs):
+                del self._requests[seq.request_id]
+            out.append(self._completion(seq))
+        return out
+
+    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
+        p, n_out = seq.params, seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if tok in seq.stop_ids:
+                return "stop"
+            if p.stop and self._stop_string(seq) is not None:
+                return "stop"
+        if seq.num_tokens >= seq.max_total:  # max_tokens or the context length
+            return "length"
+        return None
+
+    def _stop_string(self, seq: Sequence, text: str | None = None) -> int | None:
+        """Index in `text` (default: the decoded tail) of the first stop string, or None."""
+        if text is None:
+            # a stop string of c characters spans at most 4c byte-level tokens; it is checked
+            # every step, so it can only newly appear at the tail
+            w = 4 * max(len(s) for s in seq.params.stop) + 4
+            text = self.tokenizer.decode(seq.output_token_ids[-w:])
+        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _completion(self, seq: Sequence) -> Completion:
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+            if seq.params.stop and seq.finish_reason == "stop":
+                cut = self._stop_string(seq, text)
+                if cut is not None:
+                    text = text[:cut]
+        return seq.to_completion(text)
+
+    # ------------------------------------------------------------------ batch API
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+        """Complete every prompt (text, or a list of token ids; a single prompt is accepted
+        too). `params`: one SamplingParams for all, or one per prompt. Returns
+        len(prompts) * n Completions, prompt-major (sample k of prompt i at i * n + k when
+        n is shared). All requests are validated before any runs: an invalid one raises
+        ValueError naming it (request "i" is prompt i) and nothing is queued."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if self.scheduler.has_unfinished():
+            raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
+        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        if len(plist) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
+        errors, checked = [], []
+        for i, (prompt, p) in enumerate(zip(prompts, plist)):
+            try:
+                checked.append(self._validate(f"{i}", prompt, p))
+            except ValueError as e:  # collect all, report together
+                errors.append(str(e))
+        if errors:
+            raise ValueError("; ".join(errors))
+        t0, out0 = time.perf_counter(), self.stats.output_tokens
+        rids = []
+        for i, (ids, p) in enumerate(zip(checked, plist)):
+            rid = f"gen-{self._next_id}-{i}"
+            self._enqueue(rid, ids, p)
+            rids.append(rid)
+        self._next_id += 1
+        done: dict[tuple[str, int], Completion] = {}
+        while self.scheduler.has_unfinished():
+            for c in self.step():
+                done[(c.request_id, c.index)] = c
+        n_out, dt = self.stats.output_tokens - out0, time.perf_counter() - t0
+        log.info("generate: %d completions, %d tokens in %.2f s (%.0f tok/s)", len(done), n_out, dt,
+                 n_out / max(dt, 1e-9))
+        return [done[(rid, k)] for rid, p in zip(rids, plist) for k in range(p.n)]
+
+    # ------------------------------------------------------------------ sleep / wake
+    def sleep(self) -> None:
+        """Free the KV pool and the CUDA graphs' memory (training phase). Running requests
+        are preempted and resume by recompute after wake()."""
+        if self.asleep:
+            return
+        for s in self.scheduler.preempt_all():
+            self.runner.release(s)
+        self.block_manager.reset_prefix_cache()
+        self.runner.drop_graphs()
+        self.kv.release()
+        if self.runner.device.type == "cuda":
+            torch.cuda.empty_cache()
+        self.asleep = True
+        log.info("engine asleep: KV pool of %.2f GiB released", self.kv.nbytes / 1024**3)
+
+    def wake(self) -> None:
+        """Re-create the KV pool (same number of blocks); graphs are recaptured on use."""
+        if not self.asleep:
+            return
+        self.kv.allocate()
+        self.block_manager.reset_prefix_cache()
+        self.asleep = False
+        log.info("engine awake: KV pool of %.2f GiB allocated", self.kv.nbytes / 1024**3)
+
+    def capture_graphs(self) -> None:
+        """Capture all decode CUDA graphs now (benchmarks: keeps capture out of timings)."""
+        if self.asleep:
+            raise RuntimeError("LLM.capture_graphs: the engine is asleep; call wake() first")
+        self.runner.capture_graphs()

@@ -1,0 +1,143 @@
+"""Continuous batching: which sequences compute how many tokens in the next step.
+
+Every step, in this order, under two limits (`max_num_batched_tokens` tokens computed,
+`max_num_seqs` sequences running):
+  1. Running sequences, oldest first: a decoding sequence computes 1 token (the last
+     sampled one), a sequence still prefilling computes the next chunk of its prompt
+     that fits in the remaining token budget (chunked prefill). A decode that needs a
+     new block when none is free preempts the NEWEST running sequence (recompute: its
+     blocks are freed, it goes back to the front of the waiting queue with its tokens
+     so far and is prefilled again later) -- possibly itself; the batch never fails.
+  2. Waiting sequences, first come first served, while there is budget, a free running
+     slot and blocks for all their tokens (prefix-cache hits count as free). A sequence
+     whose prefix is being computed by another one (a GRPO sibling) is skipped this
+     step and admitted once that prefix is ready. No admissions in a step that preempted.
+A sequence's sample is drawn in the step whose chunk reaches its last token.
+
+Test: python -m pytest -q tests/test_scheduler.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+
+from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.config import EngineConfig
+from rlfuse.engine.sequence import Sequence, Status
+
+
+@dataclasses.dataclass(slots=True)
+class Batch:
+    seqs: list[Sequence]
+    num_new: list[int]
+    """Tokens each sequence computes this step: positions num_computed .. + num_new."""
+    preempted: list[Sequence]
+    num_prompt_cached: int = 0
+    """Prompt tokens admitted this step whose K/V came from the prefix cache."""
+
+    @property
+    def is_decode(self) -> bool:
+        return all(n == 1 for n in self.num_new)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new)
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, block_manager: BlockManager):
+        self.max_num_seqs = config.max_num_seqs
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.bm = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.bm.free_seq(seq)
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def preempt_all(self) -> list[Sequence]:
+        """Free every running sequence's blocks (they resume by recompute); for sleep()."""
+        out = list(reversed(self.running))
+        for seq in out:
+            self._preempt(seq)
+        return out
+
+    def schedule(self) -> Batch:
+        budget = self.max_num_batched_tokens
+        batch = Batch([], [], [])
+        bs, running = self.bm.block_size, self.running
+        i = 0
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            if (seq.num_computed + n + bs - 1) // bs <= len(seq.block_table):  # fast path: no new block
+                batch.seqs.append(seq)
+                batch.num_new.append(n)
+                budget -= n
+                i += 1
+                continue
+            while self.bm.blocks_needed(seq, seq.num_computed + n) > self.bm.num_free:
+                victim = running[-1]
+                self._preempt(victim)
+                batch.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status is not Status.RUNNING:
+                break
+            self.bm.append_blocks(seq, seq.num_computed + n)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+            i += 1
+        if batch.preempted:
+            return batch
+        skipped = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            hits, pending = self.bm.match_prefix(seq)
+            if pending:
+                skipped.append(self.waiting.popleft())
+                continue
+            if not self.bm.can_allocate(seq, hits):
+                break
+            self.waiting.popleft()
+            self.bm.allocate(seq, hits)
+            if seq.num_cached_prompt < 0:
+                seq.num_cached_prompt = min(seq.num_computed, seq.num_prompt_tokens)
+                batch.num_prompt_cached += seq.num_cached_prompt
+            seq.status = Status.RUNNING
+            self.running.append(seq)
+            n = min(seq.num_tokens - seq.num_computed, budget)
+            batch.seqs.append(seq)
+            batch.num_new.append(n)
+            budget -= n
+        self.waiting.extendleft(reversed(skipped))
+        return batch
+
+    def finish(self, seqs: list[Sequence]) -> None:
+        """Remove finished sequences (status already FINISHED) and free their blocks."""
+        if not seqs:
+            return
+        for seq in seqs:
+            self.bm.free_seq(seq)
+        self.running = [s for s in self.running if s.status is Status.RUNNING]
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            if seq.status is Status.RUNNING:
+                self.running.remove(seq)
+                self.bm.free_seq(seq)
+            elif seq.status is Status.WAITING:
+                self.waiting.remove(seq)
+            seq.status = Status.FINISHED
+            seq.finish_reason = "abort"

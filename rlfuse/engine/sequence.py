@@ -1,0 +1,103 @@
+"""One sequence (one of the `n` samples of a request) and the finished `Completion`.
+
+A Sequence owns its token ids (prompt + output so far), its block table (KV-cache block
+ids, one per `block_size` tokens) and how many of its tokens already have K/V in the
+cache (`num_computed`). Invariant: the last sampled token is never computed before the
+next step feeds it, so a running sequence always has num_computed < num_tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from array import array
+
+import torch
+
+from rlfuse.engine.config import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclasses.dataclass(slots=True)
+class Completion:
+    """One finished sample.
+
+    `logprobs[i]` is log softmax(logits / temperature)[output_token_ids[i]] under the
+    weights at sampling time, BEFORE top-k/top-p/min-p filtering and min_tokens masking
+    (temperature 1 for greedy requests): the policy the trainer optimizes, computed by
+    the trainer's own function `rlfuse.kernels.logprob.token_logprobs`. fp32, CPU.
+    """
+    request_id: str
+    index: int
+    """Sample index within the request (0..n-1)."""
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    logprobs: torch.Tensor
+    finish_reason: str
+    """"stop" (EOS, a stop id or a stop string), "length" (max_tokens or the context) or "abort"."""
+    text: str | None = None
+    num_cached_prompt_tokens: int = 0
+    """Prompt tokens whose K/V came from the prefix cache at first admission."""
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.output_token_ids
+
+
+class Sequence:
+    __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens", "status",
+                 "block_table", "num_computed", "num_ready_blocks", "block_hashes", "logprobs", "finish_reason",
+                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total")
+
+    def __init__(self, seq_id: int, request_id: str, index: int, prompt: list[int], params: SamplingParams,
+                 seed: int, stop_ids: frozenset[int]):
+        self.seq_id = seq_id
+        self.request_id = request_id
+        self.index = index
+        self.params = params
+        self.token_ids = list(prompt)
+        self.num_prompt_tokens = len(prompt)
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_computed = 0       # tokens with K/V in the cache
+        self.num_ready_blocks = 0   # leading blocks whose K/V is complete (shareable)
+        self.block_hashes: list[bytes] = []  # chained hashes of full blocks, grown lazily
+        self.logprobs = array("f")
+        self.finish_reason: str | None = None
+        self.seed = seed
+        self.temperature_lp = params.temperature if params.temperature > 0 else 1.0
+        self.stop_ids = stop_ids    # EOS (unless ignore_eos) + stop_token_ids
+        self.num_cached_prompt = -1  # prefix-cache hits at first admission (-1: not admitted yet)
+        self.row = -1               # row in the model runner's block-table buffer
+        self.row_len = 0            # block-table entries already written to that row
+        self.max_total = 1 << 62    # length at which it stops ("length"): set by the engine
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def to_completion(self, text: str | None) -> Completion:
+        return Completion(self.request_id, self.index, self.token_ids[:self.num_prompt_tokens],
+                          self.output_token_ids, torch.frombuffer(bytearray(self.logprobs), dtype=torch.float32)
+                          if len(self.logprobs) else torch.zeros(0), self.finish_reason, text,
+                          max(self.num_cached_prompt, 0))
+
+    def __repr__(self):
+        return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed}, blocks={self.block_table})")
