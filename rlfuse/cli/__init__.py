@@ -30,6 +30,11 @@ SUBCOMMANDS = {
 
 # name -> module under rlfuse.cli with add_arguments(parser) and run(args)
 COMMANDS: dict[str, str] = {
+    "demo": "demo",
+    "sft": "sft",
+    "grpo": "grpo",
+    "eval": "eval",
+    "report": "report",
     "generate": "generate",
     "bench": "bench",
 }

@@ -1,0 +1,53 @@
+"""`rlfuse demo`: the embedded default -- tiny Qwen3-style model, SFT warm-up, GRPO on
+arithmetic, held-out accuracy before and after (rlfuse.recipes.demo). Nothing downloaded."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import torch
+
+from rlfuse.cli.common import fail, setup_threads
+
+log = logging.getLogger("rlfuse.cli")
+
+
+def add_arguments(p):
+    from rlfuse.recipes.demo import SIZES
+
+    p.add_argument("--size", choices=SIZES, default=None,
+                   help="cpu (~5 min on 2 cores), ci (shortened), gpu (larger); default: gpu with CUDA, else cpu")
+    p.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default 1 for the CPU sizes: the ops of a 0.4M-parameter model "
+                        "are too small to gain from intra-op threads)")
+
+
+def run(args) -> int:
+    from rlfuse.recipes.demo import run_demo
+
+    size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
+    if args.size is None:
+        log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")
+    threads = args.threads if args.threads is not None else (None if size == "gpu" else 1)
+    if args.threads is None and threads == 1:
+        log.info("torch CPU threads: 1 (tiny model: intra-op threading costs more than it saves; --threads N to change)")
+    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+        # the engine logs every generate call at INFO: hundreds of lines between progress bars
+        logging.getLogger("rlfuse.engine").setLevel(logging.WARNING)
+        log.info("engine INFO messages muted for the demo (--log-level DEBUG shows them)")
+    try:
+        if threads is not None and args.threads is not None:
+            setup_threads(threads)
+        elif threads is not None:
+            torch.set_num_threads(threads)
+        res = run_demo(size, args.run_dir, seed=args.seed)
+    except ValueError as e:
+        return fail(e)
+    summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
+    with open(f"{args.run_dir}/demo.json", "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"wrote {args.run_dir}/demo.json; plots: rlfuse report {args.run_dir}")
+    return 0

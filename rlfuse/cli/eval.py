@@ -1,0 +1,44 @@
+"""`rlfuse eval CONFIG [--checkpoint DIR]`: greedy evaluation on the recipe's eval set.
+
+DIR is an HF model folder or a checkpoint folder (its model/ is used); default: the
+recipe's model.path. Prints the metrics and writes RUN_DIR/eval.json."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+
+
+def add_arguments(p):
+    add_config_arguments(p, resume=False)
+    p.add_argument("--checkpoint", default=None, help="model folder or checkpoint folder to evaluate")
+    p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
+
+
+def run(args) -> int:
+    from rlfuse.train.config import replace
+    from rlfuse.train.evaluate import evaluate
+    from rlfuse.train.session import open_session
+
+    try:
+        cfg = load_run_config(args)
+        setup_threads(args.threads)
+        if args.checkpoint:
+            path = Path(args.checkpoint)
+            path = path / "model" if (path / "model" / "config.json").exists() else path
+            tok = cfg.model.tokenizer if cfg.model.tokenizer not in ("", "char") else str(path)
+            cfg = replace(cfg, **{"model.path": str(path), "model.random_init": None, "model.tokenizer": tok})
+        ses = open_session(cfg, write_config=False)
+        prompts = ses.eval_prompts()
+        if not prompts:
+            raise ValueError("eval: the recipe has no eval set (data.eval) and its train set is not a builtin task")
+        prompts = prompts[:args.limit] if args.limit else prompts
+        res = evaluate(ses.sampler, prompts, ses.rewards(), max_new_tokens=cfg.grpo.max_new_tokens)
+    except ValueError as e:
+        return fail(e)
+    res = {"model": cfg.model.path, **res}
+    (ses.run_dir / "eval.json").write_text(json.dumps(res, indent=2))
+    print(json.dumps(res, indent=2))
+    return 0

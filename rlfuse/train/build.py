@@ -1,0 +1,126 @@
+"""Build the run's objects from a RunConfig: device, tokenizer, model, engine.
+
+Every automatic choice is logged with its reason (device "auto", tokenizer source,
+vocabulary size of a random model). The model is built once; the engine is constructed
+on that same object (no copy), so trainer updates are what the next rollout uses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from rlfuse.kernels.backend import set_backend
+from rlfuse.model import CausalLM, ModelConfig, load_model
+from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.model.weights import parse_dtype
+from rlfuse.train.config import ModelSpec, RunConfig
+
+log = logging.getLogger(__name__)
+
+CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
+
+
+def pick_device(spec: str) -> torch.device:
+    if spec == "auto":
+        dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        log.info("device auto -> %s (%s)", dev, "CUDA available" if dev.type == "cuda" else "no CUDA device")
+        return dev
+    return torch.device(spec)
+
+
+def char_tokenizer(alphabet: str) -> Tokenizer:
+    """A character-level tokenizer built in memory: ids 0..2 = <pad>, <eos>, <unk>, then
+    one id per character of `alphabet` (sorted, deduplicated)."""
+    vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
+    for c in sorted(set(alphabet)):
+        vocab.setdefault(c, len(vocab))
+    backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return Tokenizer(backend, eos_token="<eos>", pad_token="<pad>", special_tokens={"unk_token": "<unk>"},
+                     generation_config={"eos_token_id": 1, "pad_token_id": 0}, source="char tokenizer")
+
+
+def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:
+    if spec.tokenizer == "char":
+        if not alphabet:
+            raise ValueError("model.tokenizer: 'char' needs a builtin task (the alphabet comes from its data)")
+        tok = char_tokenizer(alphabet)
+        log.info("tokenizer: character-level over %d characters (model.tokenizer=char)", len(set(alphabet)))
+        return tok
+    folder = spec.tokenizer or spec.path
+    if not folder:
+        raise ValueError("model.tokenizer: give a tokenizer folder, 'char', or model.path")
+    return Tokenizer.from_pretrained(folder)
+
+
+def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, seed: int = 0) -> CausalLM:
+    set_backend(spec.kernel_backend)
+    dtype = parse_dtype(spec.dtype)
+    if spec.path and spec.random_init:
+        raise ValueError("model: give either model.path or model.random_init, not both")
+    if spec.path:
+        model = load_model(spec.path, device=device, dtype=dtype)
+    elif spec.random_init:
+        fields = {f.name for f in dataclasses.fields(ModelConfig)}
+        bad = [k for k in spec.random_init if k not in fields]
+        if bad:
+            raise ValueError(f"model.random_init.{bad[0]}: unknown ModelConfig field; valid: {sorted(fields)}")
+        kw = {"model_type": "qwen3", "qk_norm": True, "tie_word_embeddings": True, **spec.random_init}
+        vocab = -(-tokenizer.vocab_size // 8) * 8
+        if "vocab_size" not in kw:
+            log.info("random model: vocab_size %d (tokenizer's %d rounded up to a multiple of 8)",
+                     vocab, tokenizer.vocab_size)
+        kw.setdefault("vocab_size", vocab)
+        kw.setdefault("eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)
+        kw.setdefault("pad_token_id", tokenizer.pad_token_id)
+        kw["torch_dtype"] = str(dtype).replace("torch.", "")
+        try:
+            cfg = ModelConfig(**kw)
+        except TypeError as e:
+            raise ValueError(f"model.random_init: {e}") from None
+        model = CausalLM(cfg)
+        model.init_weights(generator=torch.Generator().manual_seed(seed))
+        model = model.to(device=device, dtype=dtype)
+        n = sum(p.numel() for p in model.parameters())
+        log.info("random %s model: %d layers, hidden %d, %.2fM params, %s on %s", cfg.model_type,
+                 cfg.num_hidden_layers, cfg.hidden_size, n / 1e6, dtype, device)
+    else:
+        raise ValueError("model: set model.path (an HF folder) or model.random_init (ModelConfig fields)")
+    model.gradient_checkpointing = spec.gradient_checkpointing
+    return model
+
+
+def build_engine(model: CausalLM, tokenizer: Tokenizer, engine_kwargs: dict):
+    """rlfuse.engine.LLM on the live model object."""
+    from rlfuse.engine import LLM, EngineConfig
+
+    names = [f.name for f in dataclasses.fields(EngineConfig)]
+    bad = [k for k in engine_kwargs if k not in names]
+    if bad:
+        raise ValueError(f"engine.{bad[0]}: unknown key; valid keys of engine: {', '.join(names)}")
+    return LLM(model, tokenizer, EngineConfig(**engine_kwargs))
+
+
+def save_tokenizer_files(tokenizer: Tokenizer, run_dir: str | Path) -> Path:
+    return tokenizer.save(Path(run_dir) / "tokenizer")
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def describe_run(cfg: RunConfig) -> str:
+    return f"model={cfg.model.path or 'random:' + str(cfg.model.random_init)} data={cfg.data.train}"

@@ -1,0 +1,48 @@
+"""Held-out evaluation: greedy completions of the eval prompts, scored by the reward set.
+
+accuracy = mean of the correctness reward (math_accuracy / arithmetic / countdown, the
+first one in the list) -- 1 per solved problem; reward = mean weighted total.
+Greedy (temperature 0) so the number is a property of the weights, not of a seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlfuse.train.data import Prompt
+from rlfuse.train.rewards import RewardSet
+from rlfuse.train.rollout import Sampler
+
+
+def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
+    """(total, per-function) rewards of samples (prompt-major, n per prompt)."""
+    p_text = [prompts[s.prompt_index].text for s in samples]
+    cols: dict[str, list] = {}
+    keys = [k for k in dict.fromkeys(k for p in prompts for k in p.columns) if k not in ("prompts", "completions")]
+    for k in keys:
+        cols[k] = [prompts[s.prompt_index].columns.get(k) for s in samples]
+    cols["completion_ids"] = [s.token_ids for s in samples]
+    cols["truncated"] = [s.truncated for s in samples]
+    return rewards.score(p_text, [s.text for s in samples], cols)
+
+
+def evaluate(sampler: Sampler, prompts: list[Prompt], rewards: RewardSet, *, max_new_tokens: int,
+             batch_size: int = 256) -> dict:
+    totals, correct, lengths, trunc = [], [], [], []
+    sampler.wake()
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i:i + batch_size]
+        samples = sampler.generate([p.ids for p in chunk], n=1, temperature=0.0, top_p=1.0, top_k=0,
+                                   max_tokens=max_new_tokens, seed=0)
+        total, per = score_samples(chunk, samples, rewards, 1)
+        totals += total
+        if rewards.correctness:
+            correct += [0.0 if math.isnan(v) else v for v in per[rewards.correctness]]
+        lengths += [len(s.token_ids) for s in samples]
+        trunc += [float(s.truncated) for s in samples]
+    n = max(len(totals), 1)
+    out = {"reward": sum(totals) / n, "completion_len": sum(lengths) / n, "truncated_frac": sum(trunc) / n,
+           "num_problems": float(len(totals))}
+    if correct:
+        out["accuracy"] = sum(correct) / n
+    return out

@@ -1,0 +1,288 @@
+"""GRPO (and DAPO / Dr. GRPO / GSPO) on the engine's own weights.
+
+One step:
+  1. generate  : P prompts x G completions from the engine (it shares the parameters),
+                 with per-token log-probs; then the engine sleeps (KV pool freed).
+  2. score     : reward functions -> total reward r (P*G,), group-relative advantages
+                 (rlfuse.train.algorithms.group_advantages); optional dynamic sampling
+                 drops zero-variance groups; optional masking of truncated completions.
+  3. train     : mu passes over the batch, each split into `mini_batches` optimizer
+                 steps; each optimizer step packs its sequences into micro-batches of at
+                 most `micro_batch_tokens` tokens and accumulates gradients of the policy
+                 loss (rlfuse.kernels.policy_loss, reference in algorithms.py), each
+                 micro-batch weighted by its share of the full batch's normalizer, so the
+                 accumulated gradient equals that of the loss on the whole mini-batch.
+                 Old log-probs = the engine's; the first forward (before any update)
+                 recomputes them, and the difference is logged (rlfuse.consistency).
+  With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term.
+The optimizer writes into the same parameter tensors, so the next generate uses them.
+Run: rlfuse grpo RECIPE.yaml   Test: python -m pytest -q tests/test_grpo_trainer.py
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.train.algorithms import accumulation_weight, group_advantages, policy_loss, zero_variance_groups
+from rlfuse.train.batching import PackedBatch, pack_by_tokens
+from rlfuse.train.config import RunConfig
+from rlfuse.train.data import Prompt, PromptStream
+from rlfuse.train.evaluate import score_samples
+from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
+from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.rewards import RewardSet
+from rlfuse.train.rollout import Sample, Sampler
+
+log = logging.getLogger(__name__)
+
+
+def frozen_copy(model):
+    """A separate, grad-free copy of `model`'s weights (not deepcopy: that would also copy
+    whatever the parameters' hooks reference, e.g. the optimizer)."""
+    with torch.device("meta"):
+        ref = type(model)(model.config).to(model.lm_head_weight.dtype)
+    ref = ref.to_empty(device=model.lm_head_weight.device)
+    ref.load_state_dict(model.state_dict())
+    return ref.requires_grad_(False).eval()
+
+
+def _mean(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
+                 optimizer: MasterAdamW, ref_model=None):
+        self.cfg, self.g = cfg, cfg.grpo
+        self.model, self.sampler, self.rewards, self.stream, self.opt = model, sampler, rewards, stream, optimizer
+        self.device = model.lm_head_weight.device
+        if self.g.kl_coef > 0 and ref_model is None:
+            ref_model = frozen_copy(model)  # the starting weights (only when beta > 0)
+        self.ref_model = ref_model if self.g.kl_coef > 0 else None
+        if self.ref_model is not None:
+            self.ref_model.requires_grad_(False).eval()
+        self.opt_steps_total = self.g.steps * self.g.mu * self.g.mini_batches
+        self.last_samples: list[dict] = []
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict:
+        g = self.g
+        timer = PhaseTimer(self.device)
+        prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
+        with timer("generate"):
+            self.sampler.wake()
+            samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
+                                            top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                            seed=g.seed + step)
+            self.sampler.sleep()
+        with timer("score"):
+            total, per = score_samples(prompts, samples, self.rewards, g.group_size)
+            r = torch.tensor(total, dtype=torch.float32)
+            adv = group_advantages(r, g.group_size, g.adv_scale, g.adv_eps)
+            flat_zero = zero_variance_groups(r, g.group_size)
+            keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
+        m: dict = {}
+        m["reward/mean"], m["reward/std"] = r.mean(), r.std()
+        for name, vals in per.items():
+            m[f"reward/{name}"] = _mean(vals)
+            if self.rewards.error_counts.get(name):
+                m[f"reward_errors/{name}"] = float(self.rewards.error_counts[name])
+        if self.rewards.correctness:
+            m["accuracy"] = _mean(per[self.rewards.correctness])
+        lens = [len(s.token_ids) for s in samples]
+        m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
+        m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
+        m["adv/mean"], m["adv/std"], m["adv/abs_max"] = adv.mean(), adv.std(), adv.abs().max()
+        m["groups/zero_variance_frac"] = flat_zero.float().mean()
+        kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
+        m["groups/kept"] = float(len(kept_groups))
+        with timer("train"):
+            m.update(self._train(prompts, samples, adv, kept_groups, step))
+        t = timer.times
+        n_gen = sum(lens)
+        m["time/generate"], m["time/score"], m["time/train"] = t["generate"], t["score"], t["train"]
+        m["time/step"] = sum(t.values())
+        m["tokens_per_s/rollout"] = n_gen / max(t["generate"], 1e-9)
+        m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
+        m["memory/peak_mb"] = peak_memory_mb(self.device)
+        self.last_samples = [{"prompt": prompts[s.prompt_index].text, "completion": s.text, "reward": total[j],
+                              **{f"reward/{k}": v[j] for k, v in per.items()}, "advantage": float(adv[j]),
+                              "truncated": s.truncated} for j, s in enumerate(samples)]
+        return m
+
+    # ------------------------------------------------------------------ the update
+    def _train(self, prompts: list[Prompt], samples: list[Sample], adv: torch.Tensor, kept_groups: list[int],
+               step: int) -> dict:
+        g = self.g
+        G = g.group_size
+        if not kept_groups:
+            log.info("step %d: every group has zero reward variance; no update", step)
+            return {"_train_tokens": 0.0, "skipped_update": 1.0}
+        seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
+        # mini-batches: kept groups split evenly, in order
+        nmb = min(g.mini_batches, len(kept_groups))
+        bounds = [round(k * len(kept_groups) / nmb) for k in range(nmb + 1)]
+        minis = [seqs[bounds[k] * G:bounds[k + 1] * G] for k in range(nmb)]
+        acc: dict[str, list] = {}
+        n_trained = 0
+        first_logp, first_old, first_mask = [], [], []
+        for it in range(g.mu):
+            for k, mini in enumerate(minis):
+                stats = self._optimizer_step(prompts, samples, adv, mini, step * g.mu * nmb + it * nmb + k,
+                                             capture=(first_logp, first_old, first_mask) if it == 0 and k == 0 else None)
+                n_trained += stats.pop("_tokens")
+                for key, v in stats.items():
+                    acc.setdefault(key, []).append(v)
+        out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
+               for key, v in acc.items()}
+        mm = logprob_mismatch(torch.cat(first_logp), torch.cat(first_old), torch.cat(first_mask))
+        out.update({f"mismatch/{key}": v for key, v in mm.items()})
+        out["_train_tokens"] = float(n_trained)
+        return out
+
+    def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, capture=None) -> dict:
+        o = self.cfg.optim
+        sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture)
+        grad_norm = clip_grad_norm_(self.opt.grads(), o.max_grad_norm)
+        lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
+                   schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        self.opt.step(lr)
+        self.opt.zero_grad()
+        return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
+
+    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None):
+        """Backward of the policy loss over sequences `seq_idx` (indices into samples),
+        micro-batched by token budget; grads accumulate in the params' .grad. Returns
+        (stats summed into full-batch averages, tokens processed)."""
+        g = self.g
+        dev = self.device
+        self.model.train()
+        # per-sequence loss mask (truncated completions optionally masked)
+        live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
+        total_seqs = len(seq_idx)
+        total_tokens = sum(len(samples[j].token_ids) * w for j, w in zip(seq_idx, live))
+        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        sums: dict[str, torch.Tensor] = {}
+        n_tok = 0
+        for mb in pack_by_tokens(lengths, g.micro_batch_tokens):
+            js = [seq_idx[i] for i in mb]
+            batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
+                                        len(prompts[samples[j].prompt_index].ids)) for j in js], dev)
+            old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
+            adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
+            mask_N = torch.cat([torch.full((len(samples[j].token_ids),), live[i]) for i, j in zip(mb, js)]).to(dev)
+            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            want_ent = g.log_entropy and capture is not None
+            out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, g.temperature,
+                                 return_entropy=want_ent)
+            logp_N, ent_N = out if want_ent else (out, None)
+            ref_N = self._ref_logprobs(batch) if self.ref_model is not None else None
+            loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
+                                   loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
+                                   dual_clip=g.dual_clip, ref_logp=ref_N, kl_coef=g.kl_coef, kl_type=g.kl_type,
+                                   max_tokens=g.max_new_tokens)
+            mb_tokens = sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
+            w = accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
+            (loss * w).backward()
+            tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
+            for key, v in st.items():
+                sums[key] = sums.get(key, 0.0) + v.detach() * tw
+            if ent_N is not None:
+                sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
+            if capture is not None:
+                capture[0].append(logp_N.detach())
+                capture[1].append(old_N)
+                capture[2].append(mask_N)
+            n_tok += batch.num_tokens
+        return sums, n_tok
+
+    @torch.no_grad()
+    def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
+        h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
+        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.g.temperature)
+
+
+# ---------------------------------------------------------------------- the run
+def run_grpo(cfg: RunConfig, *, session=None, stop_after: int | None = None) -> dict:
+    """GRPO for cfg.grpo.steps (resuming per cfg.checkpoint.resume); evaluation on the
+    held-out prompts before the first and after the last step (and every eval_every).
+    `stop_after` ends this invocation after that many steps (tests of resume)."""
+    from rlfuse.train.build import build_model
+    from rlfuse.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+    from rlfuse.train.data import build_prompts
+    from rlfuse.train.evaluate import evaluate
+    from rlfuse.train.metrics import RunLog
+    from rlfuse.train.session import open_session
+    from rlfuse.train.sft import make_optimizer
+
+    ses = session or open_session(cfg)
+    g = cfg.grpo
+    model, tok = ses.model, ses.tokenizer
+    rewards = ses.rewards()
+    prompts = build_prompts(ses.train_rows, tok, cfg.data, "train")
+    eval_prompts = ses.eval_prompts()
+    stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    opt = make_optimizer(model, cfg)
+    ref = None
+    if g.kl_coef > 0 and session is None:
+        # the reference is the run's starting point, also after a resume
+        ref = build_model(cfg.model, tok, ses.device, seed=cfg.seed)
+    start = 0
+    ckpt = resolve_resume(cfg.checkpoint.resume, ses.run_dir)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, model, opt)
+        stream.load_state_dict(state["data"])
+        start = state["step"]
+    trainer = GRPOTrainer(cfg, model, ses.sampler, rewards, stream, opt, ref_model=ref)
+    runlog = RunLog(ses.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                    total=g.steps, desc="grpo", initial=start)
+    history, evals = [], []
+
+    def do_eval(step):
+        if not eval_prompts:
+            return
+        res = evaluate(trainer.sampler, eval_prompts, rewards, max_new_tokens=g.max_new_tokens)
+        trainer.sampler.sleep()
+        runlog.log(step, res, stage="eval")
+        evals.append({"step": step, **res})
+        log.info("grpo eval step %d: %s", step, {k: round(v, 4) for k, v in res.items()})
+
+    def save(step):
+        save_checkpoint(ses.run_dir, step, model, opt, {"data": stream.state_dict()}, tokenizer=tok,
+                        keep_last=cfg.checkpoint.keep_last)
+
+    try:
+        if start == 0:
+            do_eval(0)
+        for step in range(start, g.steps):
+            if stop_after is not None and step - start >= stop_after:
+                break
+            m = trainer.step(step)
+            done = step + 1
+            if done % cfg.logging.log_every == 0 or done == g.steps:
+                row = runlog.log(done, m, stage="grpo")
+                history.append(row)
+                runlog.progress(1, reward=row["reward/mean"], s_per_step=row["time/step"])
+            else:
+                runlog.progress(1)
+            if g.sample_every and done % g.sample_every == 0:
+                runlog.samples(done, trainer.last_samples[:cfg.logging.num_samples])
+            if g.eval_every and done % g.eval_every == 0 and done < g.steps:
+                do_eval(done)
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < g.steps:
+                save(done)
+        else:
+            if cfg.checkpoint.save_final:
+                save(g.steps)
+            save_final(ses.run_dir, model, tok)
+            do_eval(g.steps)
+    finally:
+        runlog.close()
+    return {"history": history, "evals": evals, "run_dir": str(ses.run_dir), "model": model, "tokenizer": tok}

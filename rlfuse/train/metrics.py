@@ -1,0 +1,145 @@
+"""Observability: per-step metrics to metrics.jsonl and TensorBoard, a progress bar,
+sample completions, phase timers and peak memory.
+
+RUN_DIR/metrics.jsonl   one JSON object per logged step: {"step", "stage", <name>: float, ...}
+RUN_DIR/samples.jsonl   {"step", "prompt", "completion", "reward", ...} every N steps
+RUN_DIR/tb/             TensorBoard event files (same scalars; `tensorboard --logdir RUN_DIR/tb`)
+Metric names use "/" groups: reward/<fn>, time/generate, tokens_per_s/train, ...
+`rlfuse report RUN_DIR` reads these files back (rlfuse.train.report).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+def device_sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)  # host sync: phase timing, a few per step
+
+
+class PhaseTimer:
+    """Wall time of named phases; `with timer("generate"): ...` (syncs the device at the
+    boundaries so GPU work is attributed to its phase)."""
+
+    def __init__(self, device="cpu"):
+        self.device = device
+        self.times: dict[str, float] = {}
+
+    def __call__(self, name: str):
+        timer = self
+
+        class _Ctx:
+            def __enter__(self):
+                device_sync(timer.device)
+                self.t0 = time.perf_counter()
+
+            def __exit__(self, *exc):
+                device_sync(timer.device)
+                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t0
+
+        return _Ctx()
+
+
+def peak_memory_mb(device) -> float:
+    """Peak allocated CUDA memory since the last reset, or the process peak RSS on CPU."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 1024 if sys.platform != "darwin" else rss / 2**20
+
+
+def to_floats(metrics: dict) -> dict:
+    """Python floats (None for NaN/inf); tensors come to the host in one transfer per
+    device (host sync: metrics, once per logged step)."""
+    out = {}
+    by_dev: dict[torch.device, list[str]] = {}
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            by_dev.setdefault(v.device, []).append(k)
+        else:
+            out[k] = float(v)
+    for dev, keys in by_dev.items():
+        vals = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).cpu().tolist()
+        out.update(zip(keys, vals))
+    return {k: (out[k] if math.isfinite(out[k]) else None) for k in metrics}
+
+
+class RunLog:
+    """Metric and sample sink for one run folder."""
+
+    def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
+                 total: int | None = None, desc: str = "train", initial: int = 0):
+        """`initial` = the step the run starts from: 0 starts the files afresh; a resumed run
+        keeps the rows up to `initial` and drops later ones (logged after the checkpoint)."""
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.samples_path = self.run_dir / "samples.jsonl"
+        for path in (self.metrics_path, self.samples_path):
+            if path.exists():
+                rows = [x for x in path.read_text().splitlines() if x.strip()]
+                keep = [x for x in rows if initial and json.loads(x).get("step", 0) <= initial]
+                if len(keep) < len(rows):
+                    log.info("%s: %s %d rows %s", path, "dropping" if initial else "starting afresh; removed",
+                             len(rows) - len(keep), f"after step {initial} (resume)" if initial else "of a previous run")
+                path.write_text("".join(x + "\n" for x in keep))
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as e:  # tensorboard is a declared dependency; say so if it is gone
+                log.warning("TensorBoard logging off: %s (pip install tensorboard)", e)
+            else:
+                self._tb = SummaryWriter(str(self.run_dir / "tb"))
+        self._bar = None
+        if progress:
+            from tqdm import tqdm
+            self._bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True, leave=True)
+
+    def log(self, step: int, metrics: dict, stage: str = "train") -> dict:
+        row = {"step": step, "stage": stage}
+        row.update(to_floats(metrics))
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "stage") and v is not None:
+                    self._tb.add_scalar(f"{stage}/{k}", v, step)
+            self._tb.flush()
+        return row
+
+    def progress(self, n: int = 1, **postfix) -> None:
+        if self._bar is not None:
+            self._bar.update(n)
+            if postfix:
+                self._bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v) for k, v in postfix.items()},
+                                      refresh=False)
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        with self.samples_path.open("a") as f:
+            for r in rows:
+                f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(run_dir: str | Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

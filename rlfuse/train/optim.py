@@ -1,0 +1,152 @@
+"""AdamW with fp32 master weights written back into the live parameters in place,
+a warmup + cosine learning-rate schedule and global grad-norm clipping.
+
+Why in place: the inference engine captured pointers to these parameter tensors (CUDA
+graphs, the model object it runs); replacing a Parameter or its storage would leave the
+engine on stale weights. So the optimizer never rebinds `p.data`; it updates an fp32
+master copy and `p.copy_(master)` under no_grad (a rounding cast for bf16/fp16 params).
+For fp32 params the master IS the parameter (no second copy).
+
+Update (decoupled weight decay, bias-corrected moments; the op order of
+`torch.optim.AdamW`'s single-tensor path, so fp32 results match it bit for bit on CPU):
+    w  <- w * (1 - lr * wd)
+    m  <- lerp(m, g, 1 - b1)             v <- b2 v + (1 - b2) g^2
+    w  <- w - (lr / (1 - b1^t)) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+Gradients of bf16/fp16 params are accumulated in fp32 buffers across backward passes
+(a post-accumulate-grad hook moves each .grad into the buffer), so micro-batch sums do
+not round to bf16; clip with `clip_grad_norm_(opt.grads(), ...)`. No host syncs in
+`step`: the step count and lr are Python numbers kept on the host.
+Test: python -m pytest -q tests/test_train_optim.py
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class MasterAdamW:
+    """AdamW over `params` (an iterable of tensors with .grad) with fp32 master weights."""
+
+    def __init__(self, params, *, lr: float = 1e-3, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0):
+        self.params = [p for p in params if p.requires_grad]
+        if not self.params:
+            raise ValueError("MasterAdamW: no parameters require grad")
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.step_count = 0
+        with torch.no_grad():
+            self.master = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.params]
+        self.exp_avg = [torch.zeros_like(m) for m in self.master]
+        self.exp_avg_sq = [torch.zeros_like(m) for m in self.master]
+        # fp32 gradient accumulation for low-precision params: each backward's grad is added
+        # into an fp32 buffer and the bf16 .grad dropped, so micro-batch sums keep fp32 precision
+        self.grad32: list[torch.Tensor | None] = [None] * len(self.params)
+        for i, p in enumerate(self.params):
+            if p.dtype != torch.float32:
+                p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
+
+    def _accumulate_hook(self, i: int):
+        def hook(p):
+            with torch.no_grad():
+                if self.grad32[i] is None:
+                    self.grad32[i] = p.grad.float()
+                else:
+                    self.grad32[i].add_(p.grad)
+            p.grad = None
+        return hook
+
+    def grads(self) -> list[torch.Tensor]:
+        """The fp32 gradients the next step uses (for clipping and norms)."""
+        return [g for g in (self.grad32[i] if self.grad32[i] is not None else p.grad
+                            for i, p in enumerate(self.params)) if g is not None]
+
+    @torch.no_grad()
+    def step(self, lr: float | None = None) -> None:
+        lr = self.lr if lr is None else lr
+        b1, b2 = self.betas
+        self.step_count += 1
+        bc1 = 1 - b1 ** self.step_count
+        bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
+        step_size = lr / bc1
+        for i, (p, w, m, v) in enumerate(zip(self.params, self.master, self.exp_avg, self.exp_avg_sq)):
+            g = self.grad32[i] if self.grad32[i] is not None else p.grad
+            if g is None:
+                continue
+            g = g if g.dtype == torch.float32 else g.float()
+            w.mul_(1 - lr * self.weight_decay)
+            m.lerp_(g, 1 - b1)
+            v.mul_(b2).addcmul_(g, g, value=1 - b2)
+            denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
+            w.addcdiv_(m, denom, value=-step_size)
+            if w is not p:
+                p.copy_(w)  # in place: the engine's pointers stay valid
+
+    def zero_grad(self) -> None:
+        for i, p in enumerate(self.params):
+            p.grad = None
+            self.grad32[i] = None
+
+    @torch.no_grad()
+    def sync_master_from_params(self) -> None:
+        """Re-read master weights from the params (after loading weights into them)."""
+        for p, w in zip(self.params, self.master):
+            if w is not p:
+                w.copy_(p)
+
+    def state_dict(self) -> dict:
+        return {"step": self.step_count, "lr": self.lr, "betas": list(self.betas), "eps": self.eps,
+                "weight_decay": self.weight_decay,
+                "master": [None if w is p else w for p, w in zip(self.params, self.master)],
+                "exp_avg": self.exp_avg, "exp_avg_sq": self.exp_avg_sq}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd: dict) -> None:
+        if len(sd["exp_avg"]) != len(self.params):
+            raise ValueError(f"optimizer state has {len(sd['exp_avg'])} tensors, the model {len(self.params)}")
+        self.step_count = int(sd["step"])
+        for i, p in enumerate(self.params):
+            if tuple(sd["exp_avg"][i].shape) != tuple(p.shape):
+                raise ValueError(f"optimizer state tensor {i}: shape {tuple(sd['exp_avg'][i].shape)}, "
+                                 f"parameter {tuple(p.shape)}")
+            self.exp_avg[i].copy_(sd["exp_avg"][i])
+            self.exp_avg_sq[i].copy_(sd["exp_avg_sq"][i])
+            src = sd["master"][i]
+            if src is not None and self.master[i] is not p:
+                self.master[i].copy_(src)
+                p.copy_(self.master[i])
+
+
+def clip_grad_norm_(grads, max_norm: float) -> torch.Tensor:
+    """Global L2 norm of `grads` (tensors, e.g. MasterAdamW.grads(); fp32 result, no
+    sync); scales them in place by min(1, max_norm / (norm + 1e-6)) when max_norm > 0."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
+    return norm
+
+
+def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, schedule: str = "cosine",
+          min_lr_ratio: float = 0.0) -> float:
+    """Learning rate of optimizer step `step` (0-based): linear warmup over warmup_steps
+    (step 0 gets lr / warmup_steps, not 0, so no step is wasted), then constant, linear or
+    cosine decay reaching min_lr_ratio * lr at step total_steps - 1."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    if schedule == "constant":
+        return lr
+    span = max(total_steps - 1 - warmup_steps, 1)
+    frac = min(max((step - warmup_steps) / span, 0.0), 1.0)
+    if schedule == "linear":
+        decay = 1.0 - frac
+    elif schedule == "cosine":
+        decay = 0.5 * (1.0 + math.cos(math.pi * frac))
+    else:
+        raise ValueError(f"schedule must be 'cosine', 'constant' or 'linear', got {schedule!r}")
+    return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * decay)

@@ -1,0 +1,73 @@
+"""Run set-up shared by `rlfuse sft`, `rlfuse grpo`, `rlfuse eval` and the demo.
+
+`open_session(cfg)` creates the run folder, writes the resolved config (config.yaml),
+seeds the RNGs, loads the data rows, builds (or adopts) the tokenizer and the model and
+returns them together; `session.sampler` builds the engine on first use, on the same
+model object. Callers may pass `model`, `tokenizer` and `sampler` in (the demo chains SFT
+and GRPO on one model; tests use a tiny sampler).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+
+import torch
+
+from rlfuse.train.build import build_engine, build_model, build_tokenizer, pick_device, seed_everything
+from rlfuse.train.config import RunConfig, save_config
+from rlfuse.train.data import build_prompts, load_rows
+from rlfuse.train.rewards import RewardSet
+from rlfuse.train.rollout import EngineSampler
+from rlfuse.train.tasks import task_alphabet
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Session:
+    cfg: RunConfig
+    run_dir: Path
+    device: torch.device
+    tokenizer: object
+    model: torch.nn.Module
+    train_rows: list
+    eval_rows: list
+    _sampler: object = None
+
+    @property
+    def sampler(self):
+        if self._sampler is None:
+            self._sampler = EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
+        return self._sampler
+
+    def rewards(self) -> RewardSet:
+        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
+
+    def eval_prompts(self):
+        return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval") if self.eval_rows else []
+
+
+def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
+                 write_config: bool = True) -> Session:
+    run_dir = Path(cfg.logging.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if write_config:
+        save_config(cfg, run_dir / "config.yaml")
+    seed_everything(cfg.seed)
+    train_rows = load_rows(cfg.data, "train", need_target=need_target)
+    has_eval = bool(cfg.data.eval) or cfg.data.train.startswith("builtin:")
+    eval_rows = load_rows(cfg.data, "eval") if has_eval else []
+    if tokenizer is None:
+        alphabet = ""
+        if cfg.model.tokenizer == "char" and cfg.data.train.startswith("builtin:"):
+            alphabet = task_alphabet(cfg.data.train.removeprefix("builtin:"),
+                                     [r for _, r in train_rows] + [r for _, r in eval_rows])
+        tokenizer = build_tokenizer(cfg.model, alphabet)
+    if model is None:
+        device = pick_device(cfg.model.device)
+        model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
+    else:
+        device = model.lm_head_weight.device
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, sampler)

@@ -1,0 +1,75 @@
+"""Typed configs: YAML recipes, --set overrides, unknown keys, round trip, built-in recipes."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlfuse.train.config import RunConfig, apply_override, describe, load_config, replace, save_config, to_dict
+
+RECIPES = Path(__file__).resolve().parents[1] / "rlfuse" / "recipes"
+
+
+def test_overrides_are_typed():
+    cfg = load_config(None, ["grpo.clip_high=0.28", "grpo.steps=7", "grpo.dual_clip=3", "optim.betas=[0.9, 0.95]",
+                             "model.path=/x/y", "grpo.mask_truncated=true", "data.task={digits: 3}"])
+    assert cfg.grpo.clip_high == 0.28 and cfg.grpo.steps == 7 and cfg.grpo.dual_clip == 3.0
+    assert cfg.optim.betas == (0.9, 0.95) and cfg.model.path == "/x/y" and cfg.grpo.mask_truncated is True
+    assert cfg.data.task == {"digits": 3}
+
+
+def test_unknown_key_lists_valid_ones():
+    with pytest.raises(ValueError, match=r"unknown key 'clip_hi' in grpo; valid keys: .*clip_high"):
+        load_config(None, ["grpo.clip_hi=0.3"])
+    with pytest.raises(ValueError, match=r"unknown key 'grp'; valid keys: model, engine"):
+        load_config(None, ["grp.steps=3"])
+
+
+def test_yaml_unknown_key_and_bad_type_name_the_field(tmp_path):
+    p = tmp_path / "r.yaml"
+    p.write_text("grpo:\n  stepz: 3\n")
+    with pytest.raises(ValueError, match=r"r.yaml: grpo.stepz: unknown key; valid keys of grpo: steps"):
+        load_config(p)
+    p.write_text("grpo:\n  steps: three\n")
+    with pytest.raises(ValueError, match=r"grpo.steps: expected an integer, got 'three'"):
+        load_config(p)
+    p.write_text("rewards:\n  - {name: arithmetic, wieght: 2}\n")
+    with pytest.raises(ValueError, match=r"rewards\[0\].wieght: unknown key"):
+        load_config(p)
+
+
+def test_choices_are_checked():
+    with pytest.raises(ValueError, match="grpo.loss_type must be one of"):
+        load_config(None, ["grpo.loss_type=ppo"])
+    with pytest.raises(ValueError, match="group_size must be >= 2"):
+        load_config(None, ["grpo.group_size=1"])
+    with pytest.raises(ValueError, match="expected KEY=VALUE"):
+        apply_override({}, "grpo.steps", RunConfig)
+
+
+def test_round_trip_through_yaml(tmp_path):
+    cfg = load_config(None, ["grpo.clip_high=0.28", "rewards=[{name: format, weight: 0.5}]", "optim.betas=[0.8, 0.9]"])
+    path = save_config(cfg, tmp_path / "config.yaml")
+    assert load_config(path) == cfg
+    assert yaml.safe_load(path.read_text())["grpo"]["clip_high"] == 0.28
+
+
+def test_replace_dotted_and_validates():
+    cfg = replace(RunConfig(), **{"grpo.steps": 3, "rewards": [{"name": "arithmetic"}]})
+    assert cfg.grpo.steps == 3 and cfg.rewards[0].name == "arithmetic"
+    with pytest.raises(ValueError, match="expected an integer"):
+        replace(cfg, **{"grpo.steps": "x"})
+
+
+def test_describe_lists_every_leaf_with_docs():
+    lines = describe()
+    assert any(ln.startswith("grpo.clip_high (float, default 0.2)") for ln in lines)
+    assert any(ln.startswith("grpo.loss_type") and "dr_grpo" in ln for ln in lines)
+    assert len(lines) == len(set(lines)) > 60
+
+
+@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.yaml")))
+def test_builtin_recipes_load(recipe):
+    cfg = load_config(RECIPES / recipe)
+    assert cfg.rewards, "every recipe names its reward functions"
+    assert to_dict(cfg)["grpo"]["loss_type"] in ("grpo", "dapo", "dr_grpo", "gspo")

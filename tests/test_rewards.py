@@ -1,0 +1,91 @@
+"""Reward functions: built-ins, user functions by path, weights, None, and the error
+policy (raise with the failing example, or zero and count)."""
+
+import textwrap
+
+import pytest
+
+from rlfuse.train.config import RewardSpec
+from rlfuse.train.rewards import RewardError, RewardSet, format_reward, math_accuracy, overlong_penalty, resolve
+
+
+def test_math_accuracy_with_math_verify():
+    comps = ["so the answer is \\boxed{\\frac{1}{2}}", "\\boxed{0.5}", "\\boxed{3}", "no answer here"]
+    assert math_accuracy(None, comps, answer=["1/2", "1/2", "1/2", "1/2"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_format_and_overlong():
+    assert format_reward(None, ["<think>a</think> <answer>b</answer>", "<answer>b</answer>"]) == [1.0, 0.0]
+    ids = [[0] * 5, [0] * 9, [0] * 11, [0] * 3]
+    # max_len 12, buffer 4: free up to 8 tokens, then -(n-8)/4, -1 when truncated
+    assert overlong_penalty(None, [""] * 4, ids, [False, False, False, True], max_len=12, buffer=4) == \
+        [0.0, -0.25, -0.75, -1.0]
+
+
+def test_weighted_total_per_function_and_none():
+    rs = RewardSet([RewardSpec(name="arithmetic", weight=2.0), RewardSpec(name="format", weight=0.5),
+                    RewardSpec(name="length_penalty", weight=1.0, kwargs={"coef": 0.1, "max_len": 10})])
+    total, per = rs.score(["1+1="] * 2, ["2", "<think></think><answer>3</answer>"],
+                          {"answer": ["2", "2"], "completion_ids": [[5, 1], [5] * 10]})
+    assert per == {"arithmetic": [1.0, 0.0], "format": [0.0, 1.0], "length_penalty": [-0.02, -0.1]}
+    assert total == pytest.approx([2.0 - 0.02, 0.5 - 0.1])
+    assert rs.correctness == "arithmetic"
+
+
+def _user_module(tmp_path, body):
+    p = tmp_path / "myrewards.py"
+    p.write_text(textwrap.dedent(body))
+    return p
+
+
+def test_user_function_by_path_with_trl_signature(tmp_path):
+    p = _user_module(tmp_path, """
+        def shout(prompts, completions, level, **kwargs):
+            return [None if lv == 0 else float(c.isupper()) for c, lv in zip(completions, level)]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:shout")])
+    total, per = rs.score(["a", "b", "c"], ["HI", "hi", "HI"], {"level": [1, 1, 0]})
+    assert per["shout"][:2] == [1.0, 0.0] and per["shout"][2] != per["shout"][2]  # None -> NaN
+    assert total == [1.0, 0.0, 0.0]  # NaN counts 0 in the total
+
+
+def test_unknown_reward_names():
+    with pytest.raises(ValueError, match="not a builtin"):
+        resolve("acuracy")
+    with pytest.raises(ValueError, match="cannot import module 'no_such_mod'"):
+        resolve("no_such_mod:f")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        resolve("math:nope")
+
+
+def test_raising_reward_names_function_and_example(tmp_path):
+    p = _user_module(tmp_path, """
+        def picky(prompts, completions, **kwargs):
+            return [1.0 / (len(c) - 3) for c in completions]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:picky")])
+    with pytest.raises(RewardError, match=r"(?s)reward function 'picky' raised ZeroDivisionError.*on example 1: "
+                                          r"prompt='p1'.*completion='abc'.*on_reward_error: zero"):
+        rs.score(["p0", "p1", "p2"], ["abcd", "abc", "abcde"], {})
+
+
+def test_on_reward_error_zero_scores_failing_examples_only(tmp_path, caplog):
+    p = _user_module(tmp_path, """
+        def picky(prompts, completions, **kwargs):
+            return [1.0 / (len(c) - 3) for c in completions]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:picky")], on_error="zero")
+    total, per = rs.score(["p0", "p1", "p2"], ["abcd", "abc", "abcde"], {})
+    assert per["picky"] == [1.0, 0.0, 0.5]
+    assert rs.error_counts["picky"] == 1
+    assert "scoring 0 (on_reward_error=zero)" in caplog.text
+
+
+def test_wrong_return_shape_is_an_error_even_with_zero(tmp_path):
+    p = _user_module(tmp_path, """
+        def short(prompts, completions, **kwargs):
+            return [1.0]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:short")], on_error="zero")
+    with pytest.raises(RewardError, match="must return a list of 2 numbers, got list of length 1"):
+        rs.score(["a", "b"], ["x", "y"], {})

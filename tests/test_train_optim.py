@@ -1,0 +1,135 @@
+"""MasterAdamW vs torch.optim.AdamW, in-place write-back, bf16 masters, schedule, clipping."""
+
+import math
+
+import pytest
+import torch
+
+from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+
+
+def _params(seed, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in [(7, 5), (5,), (3, 4, 2)]]
+
+
+def _grads(params, step):
+    g = torch.Generator().manual_seed(100 + step)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.dtype)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_matches_torch_adamw_fp32_bitwise(wd):
+    ours, ref = _params(0), _params(0)
+    kw = dict(betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+    opt = MasterAdamW(ours, lr=1e-2, **kw)
+    topt = torch.optim.AdamW(ref, lr=1e-2, foreach=False, **kw)
+    for step in range(6):
+        lr = 1e-2 * (step + 1) / 6
+        _grads(ours, step)
+        _grads(ref, step)
+        opt.step(lr)
+        for group in topt.param_groups:
+            group["lr"] = lr
+        topt.step()
+        for a, b in zip(ours, ref):
+            assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max()}"
+
+
+def test_updates_in_place_and_keeps_parameter_objects():
+    ps = _params(1, torch.bfloat16)
+    ptrs = [p.data_ptr() for p in ps]
+    ids = [id(p) for p in ps]
+    opt = MasterAdamW(ps, lr=1e-1)
+    before = [p.detach().clone() for p in ps]
+    _grads(ps, 0)
+    opt.step()
+    assert [p.data_ptr() for p in ps] == ptrs and [id(p) for p in ps] == ids
+    assert all(not torch.equal(a, b) for a, b in zip(ps, before))
+
+
+def test_bf16_params_follow_fp32_masters():
+    """bf16 params get round(master); the master accumulates updates a bf16 weight would lose."""
+    p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+    ref = torch.nn.Parameter(torch.ones(4))
+    opt = MasterAdamW([p], lr=1e-4)
+    topt = torch.optim.AdamW([ref], lr=1e-4, foreach=False, weight_decay=0.0)
+    for _ in range(20):  # 1e-4 steps vanish against bf16's 2^-8 spacing at 1.0 ...
+        p.grad = torch.ones(4, dtype=torch.bfloat16)
+        ref.grad = torch.ones(4)
+        opt.step()
+        topt.step()
+    torch.testing.assert_close(opt.master[0], ref.detach(), rtol=0, atol=1e-7)  # ... but not in the master
+    assert torch.equal(p.detach(), ref.detach().to(torch.bfloat16))
+
+
+def test_fp32_master_is_the_parameter():
+    ps = _params(2)
+    opt = MasterAdamW(ps)
+    assert all(m is p for m, p in zip(opt.master, ps))
+
+
+def test_state_dict_round_trip_continues_identically():
+    a, b = _params(3, torch.bfloat16), _params(3, torch.bfloat16)
+    oa = MasterAdamW(a, lr=1e-2, weight_decay=0.01)
+    for s in range(3):
+        _grads(a, s)
+        oa.step()
+    sd = oa.state_dict()
+    ob = MasterAdamW(b, lr=1e-2, weight_decay=0.01)
+    ob.load_state_dict(sd)
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)  # params re-derived from the loaded masters
+    for s in range(3, 5):
+        _grads(a, s)
+        _grads(b, s)
+        oa.step()
+        ob.step()
+    for p, q in zip(a, b):
+        assert torch.equal(p, q)
+
+
+def test_clip_grad_norm():
+    ps = _params(4)
+    _grads(ps, 0)
+    total = math.sqrt(sum(float((p.grad ** 2).sum()) for p in ps))
+    ref = [p.grad.clone() for p in ps]
+    norm = clip_grad_norm_([p.grad for p in ps], 1.0)
+    assert norm.item() == pytest.approx(total, rel=1e-5)
+    for p, g in zip(ps, ref):
+        torch.testing.assert_close(p.grad, g * (1.0 / (total + 1e-6)))
+    _grads(ps, 0)
+    clip_grad_norm_([p.grad for p in ps], 1e9)  # far below the limit: coefficient clamps to exactly 1
+    assert all(torch.equal(p.grad, g) for p, g in zip(ps, ref))
+
+
+def test_lr_schedule():
+    kw = dict(lr=1.0, total_steps=11, warmup_steps=2)
+    assert lr_at(0, **kw) == 0.5 and lr_at(1, **kw) == 1.0
+    assert lr_at(2, **kw) == pytest.approx(1.0)              # cosine starts at the peak
+    assert lr_at(10, **kw) == pytest.approx(0.0, abs=1e-12)  # ... and ends at min_lr_ratio * lr
+    assert lr_at(6, **kw) == pytest.approx(0.5)               # half way: cos(pi/2)
+    assert lr_at(10, **kw, min_lr_ratio=0.1) == pytest.approx(0.1)
+    assert lr_at(6, lr=1.0, total_steps=11, warmup_steps=2, schedule="linear") == pytest.approx(0.5)
+    assert lr_at(9, lr=2.0, total_steps=11, schedule="constant") == 2.0
+    with pytest.raises(ValueError, match="schedule"):
+        lr_at(3, lr=1.0, total_steps=5, schedule="step")
+
+
+def test_bf16_grads_accumulate_in_fp32():
+    """Two backward passes into a bf16 param: the optimizer sees the fp32 sum, not bf16 rounding."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    opt = MasterAdamW([p], lr=1.0)
+    x1 = torch.tensor([1.0, 1.0, 1.0])
+    x2 = torch.tensor([1e-3, 2e-3, 3e-3])  # far below bf16 resolution at 1.0
+    (p.float() * x1).sum().backward()
+    (p.float() * x2).sum().backward()
+    assert p.grad is None  # moved into the fp32 buffer
+    (g,) = opt.grads()
+    assert g.dtype == torch.float32
+    torch.testing.assert_close(g, (x1.to(torch.bfloat16).float() + x2.to(torch.bfloat16).float()))
+    assert not torch.equal(g.to(torch.bfloat16).float(), g)  # bf16 accumulation would have lost it
+    opt.step()
+    opt.zero_grad()
+    assert opt.grads() == []
