@@ -15,6 +15,7 @@ Each stage runs on its own; a failing stage prints its traceback and the rest go
 Writes $OUT/gpu_engine_check.json and prints a table.
 """
 
+import gc
 import json
 import logging
 import os
@@ -66,7 +67,9 @@ def _decode_step_times(model, B, eager):
         llm.step()
         hosts.append(time.perf_counter() - t0)
     llm.runner.run = run
-    return statistics.median(walls), statistics.median(hosts), llm.stats.graph_steps
+    graph_steps = llm.stats.graph_steps
+    llm.sleep()  # free the KV pool and graphs now: the next engine needs the memory
+    return statistics.median(walls), statistics.median(hosts), graph_steps
 
 
 def stage_step_times():
@@ -78,8 +81,43 @@ def stage_step_times():
             rows.append(dict(batch=B, mode="eager" if eager else "graphs", step_ms=1e3 * wall,
                              host_ms_per_step=1e3 * host, tok_s=B / wall, graph_steps=graphs))
             print(rows[-1])
+            gc.collect()
             torch.cuda.empty_cache()
     return rows
+
+
+def stage_profile(B=256, steps=5):
+    """Device time per kernel over `steps` eager decode steps at batch B (1024-token prompts):
+    where a decode step's time goes. Top kernels by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = build_model(False, torch.device("cuda"), 0)
+    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, enforce_eager=True,
+                                        num_kv_blocks=B * 72 + 16))
+    g = torch.Generator().manual_seed(B)
+    for _ in range(B):
+        llm.add_request(torch.randint(0, 10000, (1024,), generator=g).tolist(),
+                        SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True))
+    while llm.stats.output_tokens < B:
+        llm.step()
+    llm.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            llm.step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if t > 0:
+            rows.append(dict(kernel=e.key[:90], ms_per_step=t / 1e3 / steps, calls_per_step=e.count / steps))
+    rows.sort(key=lambda r: -r["ms_per_step"])
+    total = sum(r["ms_per_step"] for r in rows)
+    print(f"decode B={B}: {total:.2f} ms device time per step")
+    for r in rows[:20]:
+        print(f"  {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:6.1f}x  {r['kernel']}")
+    llm.sleep()
+    return dict(batch=B, device_ms_per_step=total, top=rows[:25])
 
 
 def stage_logprobs():
@@ -103,7 +141,8 @@ def main():
     logging.basicConfig(level="INFO")
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(device=torch.cuda.get_device_name(), torch=torch.__version__)
-    for name, fn in (("pytest", stage_pytest), ("step_times", stage_step_times), ("logprobs", stage_logprobs)):
+    for name, fn in (("pytest", stage_pytest), ("step_times", stage_step_times), ("logprobs", stage_logprobs),
+                     ("profile", stage_profile)):
         try:
             res[name] = fn()
         except Exception:  # report and continue: one broken stage must not hide the others

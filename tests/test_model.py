@@ -155,3 +155,22 @@ def test_activation_checkpointing_same_grads(pair):
         grads.append({n: p.grad.clone() for n, p in ours.named_parameters()})
     for name in grads[0]:
         assert torch.equal(grads[0][name], grads[1][name]), name
+
+
+def test_checkpoint_recompute_keeps_the_forward_backend(pair):
+    """On CUDA, backward (and so the checkpoint recompute) runs on autograd's device thread,
+    where the backend context variable is back at its default. Simulated here by calling
+    backward outside the `use_backend` block: the recompute must still use the forward's
+    backend ("triton" under the interpreter; the default "auto" would pick the references
+    for CPU tensors and save a different set of tensors)."""
+    _, hf, ours = pair
+    seqs = _seqs(hf.config.vocab_size, seed=5)[:1]
+    ours.zero_grad(set_to_none=True)
+    ours.gradient_checkpointing = True
+    try:
+        with use_backend("triton"):
+            loss = _loss(_ours_logits(ours, seqs), seqs)
+        loss.backward()
+    finally:
+        ours.gradient_checkpointing = False
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in ours.parameters())

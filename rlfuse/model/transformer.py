@@ -26,11 +26,17 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlfuse.kernels.attention import varlen_attention
+from rlfuse.kernels.backend import current_backend, use_backend
 from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
 from rlfuse.kernels.rmsnorm import rmsnorm
 from rlfuse.kernels.rope import rope, rope_inv_freq
 from rlfuse.kernels.swiglu import swiglu
 from rlfuse.model.config import ModelConfig
+
+
+def _with_backend(backend: str, layer, *args):
+    with use_backend(backend):
+        return layer(*args)
 
 
 @dataclasses.dataclass(slots=True)
@@ -162,9 +168,13 @@ class CausalLM(nn.Module):
         """input_ids (T,), positions (T,) -> hidden (T, D)."""
         h = self.model.embed_tokens(input_ids)
         inv_freq = self.inv_freq(h.device)
+        backend = current_backend()
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, positions, attn, inv_freq, use_reentrant=False)
+                # The recompute runs inside backward, on autograd's device thread for CUDA,
+                # where the backend context variable is back at its default: pin the forward's
+                # backend so the recompute saves the same tensors (else CheckpointError).
+                h = checkpoint(_with_backend, backend, layer, h, positions, attn, inv_freq, use_reentrant=False)
             else:
                 h = layer(h, positions, attn, inv_freq)
         return self.model.norm(h)
