@@ -16,6 +16,11 @@ def test_overrides_are_typed():
     assert cfg.grpo.clip_high == 0.28 and cfg.grpo.steps == 7 and cfg.grpo.dual_clip == 3.0
     assert cfg.optim.betas == (0.9, 0.95) and cfg.model.path == "/x/y" and cfg.grpo.mask_truncated is True
     assert cfg.data.task == {"digits": 3}
+    # YAML 1.1 reads 1e-3 (no dot) as a string; a float field still takes it
+    cfg = load_config(None, ["optim.lr=1e-3", "grpo.clip_high=2E-1"])
+    assert cfg.optim.lr == 1e-3 and cfg.grpo.clip_high == 0.2
+    with pytest.raises(ValueError, match=r"optim.lr: expected a number, got 'fast'"):
+        load_config(None, ["optim.lr=fast"])
 
 
 def test_unknown_key_lists_valid_ones():

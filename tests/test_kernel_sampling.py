@@ -240,3 +240,16 @@ def test_cuda_full_vocab_and_graph_capture():
     graph.replay()
     ids, lp = sample_triton(logits.flip(0), *params)
     assert torch.equal(ids_g, ids) and torch.equal(lp_g, lp)
+
+
+def test_uniforms_stay_inside_the_open_interval():
+    """The extreme hash values map strictly inside (0, 1), so the Gumbel noise is finite
+    (with 24 bits the top value rounded to u = 1.0, the noise to +inf, and the reference
+    then sampled a filtered token through -inf + inf = nan; seen on an H100 at V=151936)."""
+    from rlfuse.kernels.sampling import bits_to_uniform
+
+    x = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
+    u = bits_to_uniform(x)
+    assert (u > 0).all() and (u < 1).all(), u
+    assert torch.isfinite(-torch.log(-torch.log(u))).all()
+    assert u[-1] == 1 - 2.0**-24 and u[0] == 2.0**-24

@@ -91,8 +91,11 @@ def check_logprob(dtype, N=4096, D=1024, V=151936):
         ok &= torch.equal(part[0], full[0][:k]) and torch.equal(part[1], full[1][:k])
     record(f"{name} batch invariance f(h)[:k] == f(h[:k])", ok)
     tiles = _FWD_TILES[dtype]
-    a = token_logprobs_fwd_triton(h, w, y, T.reciprocal(), True, fold=1)
-    b = token_logprobs_fwd_triton(h, w, y, T.reciprocal(), True, fold=tiles.group)
+    # fold=1 (one program per row block per vocab split) is the small-batch path: slow at
+    # N=4096 (the first GPU run timed out here), so compare the two modes on 256 rows
+    m = 256
+    a = token_logprobs_fwd_triton(h[:m], w, y[:m], T[:m].reciprocal(), True, fold=1)
+    b = token_logprobs_fwd_triton(h[:m], w, y[:m], T[:m].reciprocal(), True, fold=tiles.group)
     record(f"{name} fold=1 == fold=group bitwise", all(torch.equal(x, z) for x, z in zip(a, b)))
     with use_backend("triton"):
         t_float = token_logprobs(h, w, y, 0.7)

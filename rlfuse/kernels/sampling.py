@@ -86,10 +86,16 @@ def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 def uniform_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """(B, V) fp32 uniforms in (0, 1): 24 random bits, centred, so never 0 or 1."""
+    """(B, V) fp32 uniforms in (0, 1): 23 random bits, centred, so never 0 or 1.
+    23, not 24: bits + 0.5 must be exact in fp32 (24-bit significand); with 24 bits the top
+    value 2^24 - 0.5 rounds to 2^24, u = 1.0 and the Gumbel noise becomes +inf."""
     v = torch.arange(vocab, device=keys.device, dtype=torch.int64)
-    bits = hash32(keys[:, None] ^ v[None, :]) >> 8
-    return (bits.float() + 0.5) * (1.0 / 16777216.0)
+    return bits_to_uniform(hash32(keys[:, None] ^ v[None, :]))
+
+
+def bits_to_uniform(x: torch.Tensor) -> torch.Tensor:
+    """32-bit hash values (int64 holding uint32) -> fp32 in (0, 1), as the kernel maps them."""
+    return ((x >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def filter_logits_ref(scaled: torch.Tensor, top_k, top_p, min_p) -> torch.Tensor:
@@ -151,7 +157,7 @@ def _gumbel(key, idx):  # key uint32 scalar, idx int32 -> -log(-log(u)), u as th
     x = x ^ (x >> 15)
     x = x * 0x6A09E667
     x = x ^ (x >> 16)
-    u = ((x >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+    u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see uniform_from_keys
     return -tl.log(-tl.log(u))
 
 

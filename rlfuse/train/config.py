@@ -301,6 +301,12 @@ def _coerce(tp, v, where: str):
             raise ValueError(f"{where}: expected an integer, got {v!r}")
         return v
     if tp is float:
+        if isinstance(v, str):
+            # YAML 1.1 reads "1e-3" (no dot) as a string; accept what Python reads as a number
+            try:
+                v = float(v)
+            except ValueError:
+                raise ValueError(f"{where}: expected a number, got {v!r}") from None
         if isinstance(v, bool) or not isinstance(v, (int, float)):
             raise ValueError(f"{where}: expected a number, got {v!r}")
         return float(v)
