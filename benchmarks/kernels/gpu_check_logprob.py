@@ -188,7 +188,9 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
     for dtype in (torch.bfloat16, torch.float32):
-        check_logprob(dtype)
+        # fp32 at N=1024: the IEEE-fp32 dots are slow and the first fp32 run at N=4096 did not
+        # finish in 150 s beside the compile time
+        check_logprob(dtype, N=4096 if dtype == torch.bfloat16 else 1024)
         check_cuda_graph(dtype)
     check_policy_loss()
     check_grpo_from_hidden()
