@@ -70,12 +70,14 @@ def graph_profile(B=256, steps=5):
     from rlfuse.engine.benchmark import build_model
 
     model = build_model(False, torch.device("cuda"), 0)
-    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, num_kv_blocks=B * 72 + 16))
+    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, num_kv_blocks=B * 80 + 16))
     g = torch.Generator().manual_seed(B)
     for _ in range(B):
         llm.add_request(torch.randint(0, 10000, (1024,), generator=g).tolist(),
-                        SamplingParams(temperature=1.0, max_tokens=64, ignore_eos=True))
-    while llm.stats.output_tokens < B:
+                        SamplingParams(temperature=1.0, max_tokens=160, ignore_eos=True))
+    # until every prompt is prefilled: the scheduler mixes decodes of early sequences with
+    # later prefills, and those mixed steps run eager (the first probe timed them as decode)
+    while llm.scheduler.waiting or any(s.num_computed < s.num_prompt_tokens for s in llm.scheduler.running):
         llm.step()
     for _ in range(3):
         llm.step()
