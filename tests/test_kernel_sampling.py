@@ -61,7 +61,14 @@ def _check_same(logits, params, **knobs):
     scaled = logits.float()[filtered] / temperature[filtered, None]
     kept_ref = filter_logits_ref(scaled, top_k[filtered], top_p[filtered], min_p[filtered])
     kept = torch.where(scaled >= thr[filtered, None], scaled, float("-inf"))
-    assert torch.equal(kept, kept_ref), (kept > float("-inf")).sum(1) - (kept_ref > float("-inf")).sum(1)
+    if not torch.equal(kept, kept_ref):
+        rows = ((kept > float("-inf")) != (kept_ref > float("-inf"))).any(1).nonzero()[:, 0].tolist()
+        fi = filtered.nonzero()[:, 0]
+        info = [dict(row=int(fi[r]), dtype=str(logits.dtype), T=float(temperature[fi[r]]), k=int(top_k[fi[r]]),
+                     p=float(top_p[fi[r]]), min_p=float(min_p[fi[r]]), thr=float(thr[fi[r]]),
+                     n_kept=int((kept[r] > float("-inf")).sum()), n_ref=int((kept_ref[r] > float("-inf")).sum()),
+                     top=scaled[r].topk(8).values.tolist()) for r in rows]
+        raise AssertionError(f"kept sets differ: {info}")
 
 
 @pytest.mark.parametrize("V", [64, 997])

@@ -104,7 +104,7 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_s
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
 def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
                 n_rep, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, PREC: tl.constexpr):
@@ -140,7 +140,7 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_t
     tl.store(LSE + hq * n_tok + row0 + offs_m, (m_i + tl.log2(l_i)) * 0.6931471805599453, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
 def _bwd_delta_kernel(O, DO, DELTA, sot, soh, sdt, sdh, n_tok,
                       HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -172,7 +172,7 @@ def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
 def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqt, sqh, skt, skh, svt, svh,
                      sdt, sdh, sdkt, sdkh, sdvt, sdvh, n_tok, n_rep, qk_scale, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -231,7 +231,7 @@ def _bwd_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n,
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
 def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqt, sqh, skt, skh, svt, svh, sdt, sdh,
                    sdqt, sdqh, n_tok, n_rep, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):

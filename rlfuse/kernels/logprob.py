@@ -170,7 +170,7 @@ def _merge(M, S, T, E, m, s, t, e):
     return Mn, tl.fma(S, a, s * b), T + t, tl.fma(E, a, e * b)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'P', 'NP'])  # row counts vary per step: one compile
 def _fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s_wv, s_wd,
                 PER_ROW_T: tl.constexpr, ENTROPY: tl.constexpr, FOLD: tl.constexpr, SPLIT_V: tl.constexpr,
                 BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -222,7 +222,7 @@ def _col(x, j: tl.constexpr, cols):
     return tl.sum(tl.where(cols[None, :] == j, x, -0.0), 1)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'P', 'NPI', 'NPO'])  # row counts vary per step: one compile
 def _fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
                  C: tl.constexpr, ENTROPY: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr):
     """Folds partials PIN (3|4, N, P) left to right, C slots per program: program (r, g)
@@ -331,7 +331,7 @@ def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=Fal
     return logp, ent, lse
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['row0', 'n_rows'])  # row counts vary per step: one compile
 def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t_scalar,
                s_hn, s_hd, s_wv, s_wd, s_dz,
                PER_ROW_T: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
@@ -364,7 +364,7 @@ def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t
     tl.store(DZ + lrows.to(tl.int64)[:, None] * s_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['row0', 'K'])  # row counts vary per step: one compile
 def _dw_kernel(DZ, H, DW, row0, K, V, D, s_dz, s_hn, s_hd, s_dw, ACCUM: tl.constexpr,
                BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
                GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):

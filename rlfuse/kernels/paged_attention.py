@@ -140,7 +140,7 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
     return acc, l_i, m_new
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens'])  # row counts vary per step: one compile
 def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb, skt, skh,
                   svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -194,7 +194,7 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
                  mask=row_ok[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['n_tok', 'n_split'])  # row counts vary per step: one compile
 def _combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
                     HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)

@@ -111,7 +111,7 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
     return loss, stats
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
                GSPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr):
     """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, 8): sum w l, clip, low, high, r m, kl m, m, 0.

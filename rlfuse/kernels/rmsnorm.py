@@ -45,7 +45,7 @@ def _rnd(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, N, D, stride_x, stride_y, eps,
                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STORE_R: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
@@ -65,7 +65,7 @@ def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, N, D, stride_x, stride_y, ep
         tl.store(R_ptr + rows, r, mask=rmask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N', 'rows_per_prog'])  # row counts vary per step: one compile
 def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows_per_prog,
                         stride_dy, stride_x, stride_dx,
                         ROWS: tl.constexpr, BLOCK_D: tl.constexpr):

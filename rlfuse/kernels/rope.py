@@ -74,7 +74,7 @@ def _rnd(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['T'])  # row counts vary per step: one compile
 def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, stride_xt, stride_xh, stride_yt, stride_yh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                  BACKWARD: tl.constexpr):

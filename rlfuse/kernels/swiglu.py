@@ -48,7 +48,7 @@ def _rnd(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
@@ -62,7 +62,7 @@ def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
     tl.store(Y_ptr + offs, y.to(DT), mask=mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
