@@ -104,9 +104,15 @@ def main() -> int:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small,
               "steps": step_bench(out, args.small)}
+    (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
-        result["demo"] = demo_bench(out)
-    (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))
+        try:
+            result["demo"] = demo_bench(out)
+        except (subprocess.CalledProcessError, OSError, ValueError) as e:
+            result["demo_error"] = repr(e)
+            print(f"demo failed: {e!r}", file=sys.stderr)
+            args.demo = False
+        (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))
     shape = "tiny (smoke)" if args.small else "Qwen3-0.6B-shaped random, bf16, 8 prompts x 8, 128-token prompts, <=1024 new"
     lines = [f"### GRPO step: {shape}", f"GPU {gpu}, torch {torch.__version__}, commit {commit}, "
              f"command `python benchmarks/bench_grpo_step.py{' --demo' if args.demo else ''}`", "",

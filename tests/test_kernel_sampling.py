@@ -61,14 +61,36 @@ def _check_same(logits, params, **knobs):
     scaled = logits.float()[filtered] / temperature[filtered, None]
     kept_ref = filter_logits_ref(scaled, top_k[filtered], top_p[filtered], min_p[filtered])
     kept = torch.where(scaled >= thr[filtered, None], scaled, float("-inf"))
+    bad, fi = [], filtered.nonzero()[:, 0]
     if not torch.equal(kept, kept_ref):
         rows = ((kept > float("-inf")) != (kept_ref > float("-inf"))).any(1).nonzero()[:, 0].tolist()
-        fi = filtered.nonzero()[:, 0]
+        # Top-p ties in mass: an element whose float64 mass-before is within MASS_TOL of top_p
+        # is a rounding decision (fp32 sums over ~10^4 kept tokens, GPU exp vs torch exp; seen
+        # on an H100: 22430 vs 22429 kept at V=151936). Any other difference fails.
+        bad = [r for r in rows
+               if not _top_p_boundary_only(scaled[r], kept[r], kept_ref[r], top_k[fi[r]], top_p[fi[r]])]
+    if bad:
         info = [dict(row=int(fi[r]), dtype=str(logits.dtype), T=float(temperature[fi[r]]), k=int(top_k[fi[r]]),
                      p=float(top_p[fi[r]]), min_p=float(min_p[fi[r]]), thr=float(thr[fi[r]]),
                      n_kept=int((kept[r] > float("-inf")).sum()), n_ref=int((kept_ref[r] > float("-inf")).sum()),
-                     top=scaled[r].topk(8).values.tolist()) for r in rows]
+                     top=scaled[r].topk(8).values.tolist()) for r in bad]
         raise AssertionError(f"kept sets differ: {info}")
+
+
+MASS_TOL = 1e-5
+
+
+def _top_p_boundary_only(s, kept, kept_ref, k, p) -> bool:
+    """True if every element the two kept sets disagree on sits at the top-p boundary."""
+    if p >= 1:
+        return False
+    d = ((kept > float("-inf")) != (kept_ref > float("-inf"))).nonzero()[:, 0]
+    s64 = s.double()
+    if 0 < k < s.numel():
+        s64 = s64.masked_fill(s64 < s64.topk(int(k)).values[-1], float("-inf"))
+    prob = torch.softmax(s64, 0)
+    before = torch.stack([prob[s64 > s64[i]].sum() for i in d.tolist()])
+    return bool(((before - float(p)).abs() < MASS_TOL).all())
 
 
 @pytest.mark.parametrize("V", [64, 997])
