@@ -133,3 +133,22 @@ def test_bf16_grads_accumulate_in_fp32():
     opt.step()
     opt.zero_grad()
     assert opt.grads() == []
+
+
+def test_second_optimizer_on_the_same_bf16_params_owns_the_gradients():
+    """SFT's optimizer, then GRPO's on the same weights (the demo does this): the newer one
+    gets the fp32 gradients, the older one none, and nothing crashes (the first GPU demo run
+    died here: the first optimizer's hook cleared .grad before the second's ran)."""
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16))
+    first = MasterAdamW([p], lr=1.0)
+    (p.float() * 2).sum().backward()
+    assert len(first.grads()) == 1
+    first.zero_grad()
+    second = MasterAdamW([p], lr=1.0)
+    (p.float() * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert first.grads() == [] and p.grad is None
+    (g,) = second.grads()
+    torch.testing.assert_close(g, torch.tensor([1.0, 2.0, 3.0]))
+    del first, second  # no owner left: gradients accumulate in .grad as usual
+    (p.float() * 3).sum().backward()
+    assert p.grad is not None

@@ -23,7 +23,16 @@ from __future__ import annotations
 
 import math
 
+import weakref
+
 import torch
+
+
+def _fp32_grad_hook(p: torch.Tensor) -> None:
+    ref = getattr(p, "_rlfuse_grad_owner", None)
+    opt = ref() if ref is not None else None
+    if opt is not None and p.grad is not None:
+        opt._accumulate(p)
 
 
 class MasterAdamW:
@@ -43,19 +52,26 @@ class MasterAdamW:
         # fp32 gradient accumulation for low-precision params: each backward's grad is added
         # into an fp32 buffer and the bf16 .grad dropped, so micro-batch sums keep fp32 precision
         self.grad32: list[torch.Tensor | None] = [None] * len(self.params)
-        for i, p in enumerate(self.params):
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        # One hook per parameter for the parameter's lifetime, dispatching to the newest
+        # MasterAdamW built on it (a weak reference): an SFT optimizer followed by a GRPO one
+        # on the same weights must not leave a stale hook that eats the gradients (seen on a
+        # GPU: the first hook cleared .grad and the second found None).
+        for p in self.params:
             if p.dtype != torch.float32:
-                p.register_post_accumulate_grad_hook(self._accumulate_hook(i))
+                p._rlfuse_grad_owner = weakref.ref(self)
+                if not getattr(p, "_rlfuse_grad_hooked", False):
+                    p.register_post_accumulate_grad_hook(_fp32_grad_hook)
+                    p._rlfuse_grad_hooked = True
 
-    def _accumulate_hook(self, i: int):
-        def hook(p):
-            with torch.no_grad():
-                if self.grad32[i] is None:
-                    self.grad32[i] = p.grad.float()
-                else:
-                    self.grad32[i].add_(p.grad)
-            p.grad = None
-        return hook
+    def _accumulate(self, p: torch.Tensor) -> None:
+        i = self._index[id(p)]
+        with torch.no_grad():
+            if self.grad32[i] is None:
+                self.grad32[i] = p.grad.float()
+            else:
+                self.grad32[i].add_(p.grad)
+        p.grad = None
 
     def grads(self) -> list[torch.Tensor]:
         """The fp32 gradients the next step uses (for clipping and norms)."""
