@@ -88,40 +88,12 @@ def stage_step_times():
     return rows
 
 
-def stage_profile(B=256, steps=5):
-    """Device time per kernel over `steps` eager decode steps at batch B (1024-token prompts):
-    where a decode step's time goes. Top kernels by total CUDA time."""
-    from torch.profiler import ProfilerActivity, profile
+def stage_profile():
+    """Kernel profile of eager decode steps at batch 256 (the graph-replay profile is
+    `benchmarks/probe_decode.py`)."""
+    from probe_decode import decode_profile  # benchmarks/ is the script's directory
 
-    model = build_model(False, torch.device("cuda"), 0)
-    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, enforce_eager=True,
-                                        num_kv_blocks=B * 80 + 16))
-    g = torch.Generator().manual_seed(B)
-    for _ in range(B):
-        llm.add_request(torch.randint(0, 10000, (1024,), generator=g).tolist(),
-                        SamplingParams(temperature=1.0, max_tokens=160, ignore_eos=True))
-    # until every prompt is prefilled: the scheduler mixes decodes of early sequences with
-    # later prefills, and those mixed steps run eager (the first probe timed them as decode)
-    while llm.scheduler.waiting or any(s.num_computed < s.num_prompt_tokens for s in llm.scheduler.running):
-        llm.step()
-    llm.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            llm.step()
-        torch.cuda.synchronize()
-    rows = []
-    for e in prof.key_averages():
-        t = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if t > 0:
-            rows.append(dict(kernel=e.key[:90], ms_per_step=t / 1e3 / steps, calls_per_step=e.count / steps))
-    rows.sort(key=lambda r: -r["ms_per_step"])
-    total = sum(r["ms_per_step"] for r in rows)
-    print(f"decode B={B}: {total:.2f} ms device time per step")
-    for r in rows[:20]:
-        print(f"  {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:6.1f}x  {r['kernel']}")
-    llm.sleep()
-    return dict(batch=B, device_ms_per_step=total, top=rows[:25])
+    return decode_profile(eager=True)
 
 
 def stage_logprobs():

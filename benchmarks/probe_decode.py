@@ -63,14 +63,17 @@ def gemms():
     return rows
 
 
-def graph_profile(B=256, steps=5):
+def decode_profile(B=256, steps=5, eager=False):
+    """Device time per kernel over `steps` decode steps at batch B (1024-token prompts),
+    CUDA-graph replay or eager: where a decode step's time goes. Top kernels first."""
     from torch.profiler import ProfilerActivity, profile
 
     from rlfuse.engine import LLM, EngineConfig, SamplingParams
     from rlfuse.engine.benchmark import build_model
 
     model = build_model(False, torch.device("cuda"), 0)
-    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, num_kv_blocks=B * 80 + 16))
+    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, enforce_eager=eager,
+                                        num_kv_blocks=B * 80 + 16))
     g = torch.Generator().manual_seed(B)
     for _ in range(B):
         llm.add_request(torch.randint(0, 10000, (1024,), generator=g).tolist(),
@@ -92,19 +95,20 @@ def graph_profile(B=256, steps=5):
         if t > 0:
             rows.append(dict(kernel=e.key[:90], ms_per_step=t / 1e3 / steps, calls_per_step=e.count / steps))
     rows.sort(key=lambda r: -r["ms_per_step"])
-    print(f"graph decode B={B}: {sum(r['ms_per_step'] for r in rows):.2f} ms device time per step "
+    total = sum(r["ms_per_step"] for r in rows)
+    print(f"{'eager' if eager else 'graph'} decode B={B}: {total:.2f} ms device time per step "
           f"(graph steps so far {llm.stats.graph_steps})")
     for r in rows[:15]:
         print(f"  {r['ms_per_step']:8.3f} ms  {r['calls_per_step']:6.1f}x  {r['kernel']}")
     llm.sleep()
-    return rows[:25]
+    return dict(batch=B, eager=eager, device_ms_per_step=total, top=rows[:25])
 
 
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(device=torch.cuda.get_device_name(), gemms=gemms())
     try:
-        res["graph_profile"] = graph_profile()
+        res["graph_profile"] = decode_profile()
     except Exception as e:  # diagnostic: report and keep the GEMM table
         res["graph_profile_error"] = repr(e)
         print(repr(e))

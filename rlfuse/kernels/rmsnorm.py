@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels._triton_common import round_to
 from rlfuse.kernels.backend import resolve_backend
 
 
@@ -31,18 +32,6 @@ def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
-
-
-@triton.jit
-def _rnd(x, DT: tl.constexpr):
-    """fp32 x rounded to nearest-even in DT, returned as fp32. bf16 by bit arithmetic:
-    Triton's interpreter truncates fp32 -> bf16 casts (the GPU rounds)."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        return x.to(DT).to(tl.float32)
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
@@ -56,10 +45,10 @@ def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, N, D, stride_x, stride_y, ep
     # 1. fp32 mean of squares, one row per tile row (fixed tree for a given BLOCK_D)
     r = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=1), D.to(tl.float32)) + eps)  # (ROWS,)
     # 2. normalized row rounded to x.dtype, 3. times w, one rounding to y.dtype
-    n = _rnd(x * r[:, None], X_ptr.dtype.element_ty)
+    n = round_to(x * r[:, None], X_ptr.dtype.element_ty)
     w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     YT: tl.constexpr = Y_ptr.dtype.element_ty
-    y = _rnd(n * w[None, :], YT)
+    y = round_to(n * w[None, :], YT)
     tl.store(Y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(YT), mask=mask)
     if STORE_R:
         tl.store(R_ptr + rows, r, mask=rmask)
@@ -87,8 +76,8 @@ def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows
         c = tl.math.div_rn(tl.sum(dn * n, axis=1), D.to(tl.float32))  # mean(dn n) per row
         dx = r[:, None] * (dn - n * c[:, None])
         DXT: tl.constexpr = DX_ptr.dtype.element_ty
-        tl.store(DX_ptr + rows[:, None] * stride_dx + cols[None, :], _rnd(dx, DXT).to(DXT), mask=mask)
-        dw += tl.sum(dy * _rnd(n, X_ptr.dtype.element_ty), axis=0)
+        tl.store(DX_ptr + rows[:, None] * stride_dx + cols[None, :], round_to(dx, DXT).to(DXT), mask=mask)
+        dw += tl.sum(dy * round_to(n, X_ptr.dtype.element_ty), axis=0)
     tl.store(DWP_ptr + pid.to(tl.int64) * BLOCK_D + cols, dw, mask=cmask)
 
 

@@ -25,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels._triton_common import round_to
 from rlfuse.kernels.backend import resolve_backend
 
 
@@ -62,18 +63,6 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-@triton.jit
-def _rnd(x, DT: tl.constexpr):
-    """fp32 x rounded to nearest-even in DT, returned as fp32. bf16 by bit arithmetic:
-    Triton's interpreter truncates fp32 -> bf16 casts (the GPU rounds)."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        return x.to(DT).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=['T'])  # row counts vary per step: one compile
 def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, stride_xt, stride_xh, stride_yt, stride_yh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -99,8 +88,8 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, stride_xt, stride_xh, stride_
         x2 = tl.load(X_ptr + xo + h * stride_xh + HALF, mask=mask, other=0.0).to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
-        tl.store(Y_ptr + yo + h * stride_yh, _rnd(y1, DT).to(DT), mask=mask)
-        tl.store(Y_ptr + yo + h * stride_yh + HALF, _rnd(y2, DT).to(DT), mask=mask)
+        tl.store(Y_ptr + yo + h * stride_yh, round_to(y1, DT).to(DT), mask=mask)
+        tl.store(Y_ptr + yo + h * stride_yh + HALF, round_to(y2, DT).to(DT), mask=mask)
 
 
 # 16 tokens a program: with HALF = 64 a (16, 64) tile per half and head, and the cos/sin

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from rlfuse.kernels._triton_common import round_to
 from rlfuse.kernels.backend import resolve_backend
 
 
@@ -35,19 +36,6 @@ _BLOCK = 2048
 _WARPS = 8
 
 
-@triton.jit
-def _rnd(x, DT: tl.constexpr):
-    """fp32 x rounded to nearest-even in DT, returned as fp32. bf16 by bit arithmetic:
-    Triton's interpreter truncates fp32 -> bf16 casts (the GPU rounds), so the explicit
-    rounding gives both the same bits; the final cast is then exact."""
-    if DT == tl.bfloat16:
-        b = x.to(tl.uint32, bitcast=True)
-        b = b + 0x7FFF + ((b >> 16) & 1)
-        return (b & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        return x.to(DT).to(tl.float32)
-
-
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -56,9 +44,9 @@ def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
     u = tl.load(U_ptr + offs, mask=mask, other=0.0)
     DT: tl.constexpr = U_ptr.dtype.element_ty
     # 1. silu in fp32, rounded to the input dtype like F.silu
-    s = _rnd(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DT)
+    s = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DT)
     # 2. product in fp32 (exact for bf16/fp16 operands), one rounding
-    y = _rnd(s * u.to(tl.float32), DT)
+    y = round_to(s * u.to(tl.float32), DT)
     tl.store(Y_ptr + offs, y.to(DT), mask=mask)
 
 
@@ -72,10 +60,10 @@ def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, N, BLOCK: tl.conste
     DT: tl.constexpr = U_ptr.dtype.element_ty
     den = 1.0 + tl.exp(-g)
     sig = tl.math.div_rn(1.0, den)
-    s = _rnd(tl.math.div_rn(g, den), DT)  # the forward's silu, rounded as it was
-    du = _rnd(dy * s, DT)
-    t = _rnd(dy * u, DT)  # autograd's grad wrt silu(g), rounded by the mul's backward
-    dg = _rnd(t * (sig * (1.0 + g * (1.0 - sig))), DT)
+    s = round_to(tl.math.div_rn(g, den), DT)  # the forward's silu, rounded as it was
+    du = round_to(dy * s, DT)
+    t = round_to(dy * u, DT)  # autograd's grad wrt silu(g), rounded by the mul's backward
+    dg = round_to(t * (sig * (1.0 + g * (1.0 - sig))), DT)
     tl.store(DU_ptr + offs, du.to(DT), mask=mask)
     tl.store(DG_ptr + offs, dg.to(DT), mask=mask)
 
