@@ -223,7 +223,8 @@ def main():
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "commit": commit or "unknown",
             "heads": [HQ, HKV, DH], "dtype": "bf16"}
     import triton

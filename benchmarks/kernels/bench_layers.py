@@ -144,7 +144,8 @@ def main():
                     f"{i} {r[f'{i}_us']:8.1f} us {r[f'{i}_GBps']:6.0f} GB/s" for i in impls), flush=True)
             del inputs, diff
             torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/kernels/bench_layers.py" + (" --quick" if args.quick else "") + \
         (" --no-compile" if args.no_compile else "")
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, dtype="bf16", command=cmd)

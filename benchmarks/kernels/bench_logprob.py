@@ -195,7 +195,8 @@ def main():
     names, rows = train_table([8, 64] if args.quick else [8, 32, 64, 128, 256], reps)
     dec = decode_table(max(reps, 20)) if args.decode else []
     sw = sweep_table(reps) if args.sweep else []
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/kernels/bench_logprob.py" + "".join(
         f" --{k}" for k in ("quick", "decode", "sweep") if getattr(args, k))
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, dtype="bf16", command=cmd)

@@ -120,7 +120,8 @@ def main():
                           f"bound {r['bound_ms']:6.3f} ms  ids==ref {r['ids_equal_ref']}", flush=True)
                 del logits
                 torch.cuda.empty_cache()
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, V=V,
                 command="python benchmarks/kernels/bench_sampling.py" + (" --quick" if args.quick else ""))
     (out / "bench_sampling.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))

@@ -34,6 +34,8 @@ def add_arguments(p) -> None:
 
 
 def _commit() -> str:
+    if os.environ.get("RLFUSE_COMMIT"):  # benchmarks/run_gpu.sh: the device's .git may be stale
+        return os.environ["RLFUSE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
