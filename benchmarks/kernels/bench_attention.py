@@ -23,7 +23,6 @@ import functools
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.attention import varlen_attention, varlen_bwd, varlen_fwd
 from rlfuse.kernels.paged_attention import paged_attention_triton
@@ -42,18 +42,7 @@ DT = torch.bfloat16
 
 def bench(fn, reps: int = 20, warmup: int = 3) -> float:
     """Median seconds per call, timed with CUDA events (each call timed on its own)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, reps, warmup=warmup)
 
 
 def lengths(total: int, lo: int, hi: int, seed: int = 0) -> list[int]:
@@ -69,12 +58,6 @@ def matmul_ceiling() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=DT)
     b = torch.randn(8192, 8192, device="cuda", dtype=DT)
     return 2 * 8192**3 / bench(lambda: a @ b) / 1e12
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / bench(lambda: y.copy_(x)) / 1e9
 
 
 @functools.cache

@@ -20,44 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
+from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
 from rlfuse.kernels.swiglu import swiglu, swiglu_ref
 
 DT = torch.bfloat16
-_flush = None
-
-
 def bench(fn, reps: int) -> float:
     """Median seconds of one call, L2 flushed before each (a 256 MiB write)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        _flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / bench(lambda: y.copy_(x), 20) / 1e9
+    return median_seconds(fn, reps, flush_l2=True)
 
 
 def triton_op(op):

@@ -26,12 +26,12 @@ import argparse
 import dataclasses
 import json
 import os
-import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
+from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import Tiles, token_logprobs, token_logprobs_fwd_triton
 
@@ -40,17 +40,7 @@ SHAPES = [(1024, 151936), (4096, 128256)]
 
 
 def timeit(fn, reps: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, reps, warmup=1)
 
 
 def impls():

@@ -20,36 +20,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 from pathlib import Path
 
 import torch
 
+from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels.sampling import sample_ref, sample_triton
 
 V = 151936
 SETTINGS = {"none": (0, 1.0), "top-p 0.9": (0, 0.9), "top-k 50": (50, 1.0), "top-k 50 + top-p 0.9": (50, 0.9)}
-_flush = None
-
-
 def bench(fn, reps: int) -> float:
     """Median seconds of one call, L2 flushed before each (a 256 MiB write)."""
-    global _flush
-    if _flush is None:
-        _flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(reps):
-        _flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return median_seconds(fn, reps, flush_l2=True)
 
 
 def graphed(fn):
@@ -64,12 +47,6 @@ def graphed(fn):
     with torch.cuda.graph(g):
         fn()
     return g.replay
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / bench(lambda: y.copy_(x), 20) / 1e9
 
 
 def zipf_logits(B: int, a: float, dtype) -> torch.Tensor:
