@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from probe_decode import decode_profile, decoding_engine  # benchmarks/probe_decode.py (the script's directory)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.benchmark import build_model
 from rlfuse.engine.naive import teacher_forced_logprobs
@@ -43,18 +44,7 @@ def stage_pytest():
 
 
 def _decode_step_times(model, B, eager):
-    llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, enforce_eager=eager,
-                                        num_kv_blocks=B * 80 + 16))
-    g = torch.Generator().manual_seed(B)
-    for _ in range(B):
-        llm.add_request(torch.randint(0, 10000, (1024,), generator=g).tolist(),
-                        SamplingParams(temperature=1.0, max_tokens=160, ignore_eos=True))
-    # until every prompt is prefilled: the scheduler mixes decodes of early sequences with
-    # later prefills, and those mixed steps run eager (the first probe timed them as decode)
-    while llm.scheduler.waiting or any(s.num_computed < s.num_prompt_tokens for s in llm.scheduler.running):
-        llm.step()
-    for _ in range(3):                  # first decode steps: capture the graph
-        llm.step()
+    llm = decoding_engine(model, B, eager)
     walls, hosts = [], []
     run = llm.runner.run
     for _ in range(40):
@@ -91,8 +81,6 @@ def stage_step_times():
 def stage_profile():
     """Kernel profile of eager decode steps at batch 256 (the graph-replay profile is
     `benchmarks/probe_decode.py`)."""
-    from probe_decode import decode_profile  # benchmarks/ is the script's directory
-
     return decode_profile(eager=True)
 
 

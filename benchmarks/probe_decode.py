@@ -63,15 +63,12 @@ def gemms():
     return rows
 
 
-def decode_profile(B=256, steps=5, eager=False):
-    """Device time per kernel over `steps` decode steps at batch B (1024-token prompts),
-    CUDA-graph replay or eager: where a decode step's time goes. Top kernels first."""
-    from torch.profiler import ProfilerActivity, profile
-
+def decoding_engine(model, B: int, eager: bool):
+    """An engine on `model` with B sequences of 1024-token prompts (160 new tokens each),
+    stepped until every prompt is prefilled and 3 decode steps ran (graph captured): the
+    next steps are pure decode at batch B."""
     from rlfuse.engine import LLM, EngineConfig, SamplingParams
-    from rlfuse.engine.benchmark import build_model
 
-    model = build_model(False, torch.device("cuda"), 0)
     llm = LLM(model, None, EngineConfig(max_model_len=2048, max_num_seqs=256, enforce_eager=eager,
                                         num_kv_blocks=B * 80 + 16))
     g = torch.Generator().manual_seed(B)
@@ -82,8 +79,19 @@ def decode_profile(B=256, steps=5, eager=False):
     # later prefills, and those mixed steps run eager (the first probe timed them as decode)
     while llm.scheduler.waiting or any(s.num_computed < s.num_prompt_tokens for s in llm.scheduler.running):
         llm.step()
-    for _ in range(3):
+    for _ in range(3):  # first decode steps: capture the graph
         llm.step()
+    return llm
+
+
+def decode_profile(B=256, steps=5, eager=False):
+    """Device time per kernel over `steps` decode steps at batch B (1024-token prompts),
+    CUDA-graph replay or eager: where a decode step's time goes. Top kernels first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rlfuse.engine.benchmark import build_model
+
+    llm = decoding_engine(build_model(False, torch.device("cuda"), 0), B, eager)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
