@@ -14,29 +14,15 @@ Run (CPU is fine; TRITON_INTERPRET must be unset):
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from _sm90 import compile_sm90  # benchmarks/kernels/_sm90.py (the script's directory)
 from rlfuse.kernels import attention as A
 from rlfuse.kernels import paged_attention as P
 
 SMEM_LIMIT = 227 * 1024
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def _ptxas() -> str:
-    # the newest bundled ptxas understands the PTX version this triton emits
-    for name in ("ptxas-blackwell", "ptxas"):
-        if os.path.exists(os.path.join(BIN, name)):
-            return os.path.join(BIN, name)
-    raise SystemExit(f"no ptxas under {BIN}")
 
 
 def compile_one(fn, ptrs: dict, constexprs: dict, num_warps: int, num_stages: int) -> dict:
@@ -53,18 +39,8 @@ def compile_one(fn, ptrs: dict, constexprs: dict, num_warps: int, num_stages: in
             sig[name] = "i32"
             if name.startswith("s"):  # strides: multiples of 16 elements at our shapes
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                       capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    return {"smem": k.metadata.shared, "regs": int(regs[0]) if regs else -1,
-            "spill": int(spill[0]) if spill else -1, "wgmma": "wgmma" in ptx}
+    k, ptx, regs, spill = compile_sm90(fn, sig, constexprs, dict(num_warps=num_warps, num_stages=num_stages), attrs)
+    return {"smem": k.metadata.shared, "regs": regs, "spill": spill, "wgmma": "wgmma" in ptx}
 
 
 def main():

@@ -12,46 +12,22 @@ Run (CPU is fine; TRITON_INTERPRET must be unset):
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from _sm90 import compile_sm90  # benchmarks/kernels/_sm90.py (the script's directory)
 from rlfuse.kernels import rmsnorm as R
 from rlfuse.kernels import rope as P
 from rlfuse.kernels import sampling as S
 from rlfuse.kernels import swiglu as G
 
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def _ptxas() -> str:
-    for name in ("ptxas-blackwell", "ptxas"):  # the newest understands this triton's PTX
-        if os.path.exists(os.path.join(BIN, name)):
-            return os.path.join(BIN, name)
-    raise SystemExit(f"no ptxas under {BIN}")
-
 
 def compile_one(fn, types: dict, constexprs: dict, num_warps: int) -> dict:
     """types: arg name -> triton type for pointers and non-i32 scalars (others i32)."""
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps))
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                       capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    return dict(smem=k.metadata.shared, regs=int(regs[0]) if regs else -1,
-                spill=int(spill[0]) if spill else -1,
+    k, ptx, regs, spill = compile_sm90(fn, sig, constexprs, dict(num_warps=num_warps))
+    return dict(smem=k.metadata.shared, regs=regs, spill=spill,
                 math={o: ptx.count(o) for o in ("div.rn", "div.full", "rsqrt.approx", "__nv_")})
 
 

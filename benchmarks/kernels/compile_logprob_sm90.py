@@ -13,27 +13,13 @@ Run (CPU is fine; TRITON_INTERPRET must be unset):
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import sys
-import tempfile
 
 import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
 
+from _sm90 import compile_sm90  # benchmarks/kernels/_sm90.py (the script's directory)
 from rlfuse.kernels import logprob as L
 from rlfuse.kernels import policy_loss as PL
-
-BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-
-
-def _ptxas() -> str:
-    for name in ("ptxas-blackwell", "ptxas"):
-        if os.path.exists(os.path.join(BIN, name)):
-            return os.path.join(BIN, name)
-    raise SystemExit(f"no ptxas under {BIN}")
-
 
 # int arguments a real launch sees as multiples of 16 (Triton specializes those): strides
 # and sizes of the benchmark shapes (D = 1024/4096, V = 151936/128256, N = G * 512)
@@ -46,18 +32,8 @@ def compile_one(fn, types: dict, constexprs: dict, num_warps: int, num_stages: i
     sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in fn.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
              if n not in constexprs and (sig[n].startswith("*") or n in DIV16)}
-    k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptx = k.asm["ptx"]
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(ptx)
-    r = subprocess.run([_ptxas(), "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                       capture_output=True, text=True)
-    os.unlink(f.name)
-    regs = re.findall(r"Used (\d+) registers", r.stderr)
-    spill = re.findall(r"(\d+) bytes spill stores", r.stderr)
-    return dict(smem=k.metadata.shared, regs=int(regs[0]) if regs else -1,
-                spill=int(spill[0]) if spill else -1, wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))
+    k, ptx, regs, spill = compile_sm90(fn, sig, constexprs, dict(num_warps=num_warps, num_stages=num_stages), attrs)
+    return dict(smem=k.metadata.shared, regs=regs, spill=spill, wgmma=ptx.count("wgmma.mma_async"), mma=ptx.count("mma.sync"))
 
 
 def jobs():
