@@ -160,7 +160,7 @@ def decode_case(batch: int, ctx: int, page: int = 16) -> dict:
     return row
 
 
-def sweep(lens: list[int]) -> list[dict]:
+def sweep(lens: list[int], fwd: bool = True) -> list[dict]:
     T, Lmax = sum(lens), max(lens)
     flops = 4 * sum(n * n for n in lens) / 2 * HQ * DH
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -168,18 +168,18 @@ def sweep(lens: list[int]) -> list[dict]:
     cu = torch.tensor([0, *lens], device="cuda").cumsum(0).to(torch.int32)
     o, lse = varlen_fwd(q, k, v, cu, Lmax, DH ** -0.5)
     rows = []
-    for bm in (64, 128):
+    for bm in (64, 128) if fwd else ():
         for bn in (32, 64, 128):
             for w in (4, 8):
                 for st in (2, 3, 4):
                     cfg = dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
                     r = _try(lambda: flops / bench(lambda: varlen_fwd(q, k, v, cu, Lmax, DH ** -0.5, config=cfg)) / 1e12)
                     rows.append({"kernel": "fwd", **cfg, "tflops": r})
-    for kern, bms, bns in (("dkdv", (32, 64), (64, 128)), ("dq", (64, 128), (32, 64))):
+    for kern, bms, bns in (("dkdv", (16, 32, 64), (64, 128)), ("dq", (64, 128), (32, 64))):
         for bm in bms:
             for bn in bns:
                 for w in (4, 8):
-                    for st in (1, 2, 3):
+                    for st in (2, 3) if not fwd else (1, 2, 3):
                         cfg = {kern: dict(BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)}
                         r = _try(lambda: 2.5 * flops / bench(
                             lambda: varlen_bwd(do, q, k, v, o, lse, cu, Lmax, DH ** -0.5, config=cfg)) / 1e12)
@@ -201,6 +201,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="32k tokens only, decode batch {1, 64}")
     ap.add_argument("--sweep", action="store_true", help="also time alternative varlen tile settings")
+    ap.add_argument("--sweep-bwd", action="store_true", help="only the backward kernels' tile sweep (smaller)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compile takes minutes)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
@@ -218,6 +219,8 @@ def main():
           flush=True)
 
     totals = (32768,) if args.quick else (16384, 32768, 65536)
+    if args.sweep_bwd:  # the backward sweep alone: no main tables
+        totals = ()
     varlen_rows = []
     for lo, hi in ((100, 1024), (1024, 4096)):
         for total in totals:
@@ -226,7 +229,7 @@ def main():
             print(f"  varlen {row['lengths']} T={total}: ours fwd {fmt(row['ours_fwd'])} fwd+bwd "
                   f"{fmt(row['ours_fwdbwd'])} TFLOP/s ({time.time() - t0:.0f}s)", flush=True)
 
-    batches = (1, 64) if args.quick else (1, 4, 16, 64, 256)
+    batches = () if args.sweep_bwd else (1, 64) if args.quick else (1, 4, 16, 64, 256)
     decode_rows = []
     for b in batches:
         for ctx in (512, 1024, 2048, 4096):
@@ -234,7 +237,7 @@ def main():
     for r in decode_rows:
         r["graph_pct_copy"] = 100 * r["graph_GBs"] / meta["copy_GBs"]
 
-    sweep_rows = sweep(lengths(32768, 1024, 4096)) if args.sweep else []
+    sweep_rows = sweep(lengths(32768, 1024, 4096), fwd=not args.sweep_bwd) if args.sweep or args.sweep_bwd else []
 
     vcols = ["lengths", "tokens", "seqs", "max_len", "ours_fwd", "sdpa_pad_fwd", "flex_fwd",
              "ours_fwdbwd", "sdpa_pad_fwdbwd", "flex_fwdbwd"]
