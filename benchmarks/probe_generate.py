@@ -2,7 +2,7 @@
 case (256 prompts of 128 ids, 512 new tokens, temperature 0.6) on the Qwen3-0.6B-shaped
 model, stepped by hand.
 
-Pass 1 times every step (wall, batch size, graph or eager). Pass 2 wraps the step's
+Run with look-ahead off, then on (EngineConfig.look_ahead). Pass 1 times every step (wall, batch size, graph or eager). Pass 2 wraps the step's
 parts (scheduler, block-table upload + host arrays, decode graph replay, LM head,
 sampler, log-prob, read-back, the engine's bookkeeping) with a device sync before and
 after each, so each part's time is attributed to it (this serializes host and device:
@@ -40,11 +40,12 @@ def sync():
         torch.cuda.synchronize()
 
 
-def engine():
+def engine(look_ahead=True):
     b = BenchConfig()
     model = build_model(SMALL, DEV, 0)
     llm = LLM(model, None, EngineConfig(max_num_seqs=b.max_num_seqs, max_num_batched_tokens=b.max_num_batched_tokens,
-                                        max_model_len=128 if SMALL else 2048, gpu_memory_fraction=b.gpu_memory_fraction))
+                                        max_model_len=128 if SMALL else 2048, gpu_memory_fraction=b.gpu_memory_fraction,
+                                        look_ahead=look_ahead))
     llm.capture_graphs()
     llm.generate([[1] * 16], mr_params(8))
     return llm
@@ -168,12 +169,17 @@ def pass_profile(llm, skip=100, steps=5):
 
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
-    llm = engine()
     res = dict(device=torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu", commit=os.environ.get("RLFUSE_COMMIT", "?"))
-    res["steps"] = pass_steps(llm)
-    res["steps_again"] = pass_steps(llm)
-    res["parts"] = pass_parts(llm)
-    res["profile"] = pass_profile(llm)
+    for la in (False, True):
+        llm = engine(look_ahead=la)
+        key = "look_ahead" if la else "plain"
+        print(f"--- {key}", flush=True)
+        res[key] = dict(first=pass_steps(llm), again=pass_steps(llm), stats=str(llm.stats))
+        if not la:
+            res[key]["parts"] = pass_parts(llm)  # synced parts: only meaningful without look-ahead
+        res[key]["profile"] = pass_profile(llm)
+        llm.sleep()
+        del llm
     (OUT / "probe_generate.json").write_text(json.dumps(res, indent=1))
 
 

@@ -308,3 +308,43 @@ def test_triton_kernels_drive_the_engine_on_cpu(model, monkeypatch):
         b = [o.output_token_ids for o in _llm(model, **kw).generate(prompts, sampled)]
     assert greedy == greedy_generate_naive(model, prompts, 5)
     assert a == b
+
+
+def test_kernel_warmup_runs_every_paged_variant_and_writes_nothing(model, prompts, oracle):
+    """The warm-up that compiles the paged-attention variants before any timed step (run
+    by hand here: it is CUDA-only at init) goes through the real forward with the Triton
+    kernels, leaves the KV pool bit-identical (slots -1), and generation still equals the
+    oracle afterwards."""
+    from rlfuse.kernels import use_backend
+
+    llm = _llm(model, max_num_seqs=40)  # 40 rows: the no-split prefill shape (2 x 4 "SMs" / 2 kv heads) fits
+    with use_backend("triton"):
+        before = llm.kv.pool.clone()
+        llm.runner._warm_paged_kernels(force=True)
+        assert torch.equal(llm.kv.pool, before)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outs] == oracle
+
+
+def test_look_ahead_changes_nothing_but_the_overlap(model, prompts):
+    """Look-ahead decode (the next step launched before the current one is read, its input
+    ids fed on the device) gives the same tokens, log-probs and finish reasons as the
+    plain loop, including sequences that stop on a token (their look-ahead sample is
+    discarded) or by length, and leaves the block pool and table rows clean."""
+    params = [SamplingParams(temperature=1.0, max_tokens=m, seed=7 + i, stop_token_ids=[3, 11])
+              for i, m in enumerate([24, 5, 24, 9, 24, 17])]
+    runs = {}
+    for la in (True, False):
+        llm = _llm(model, look_ahead=la)
+        outs = llm.generate(prompts, params)
+        runs[la] = ([o.output_token_ids for o in outs], [o.finish_reason for o in outs],
+                    torch.stack([torch.nn.functional.pad(o.logprobs, (0, 24 - len(o.logprobs))) for o in outs]))
+        assert llm.block_manager.num_free == llm.block_manager.num_blocks
+        assert len(llm.runner.free_rows) == llm.config.max_num_seqs
+        if la:
+            assert llm.stats.look_ahead_steps > 10 and llm.stats.discarded_tokens > 0
+        else:
+            assert llm.stats.look_ahead_steps == 0
+    assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
+    assert set(runs[True][1]) == {"stop", "length"}
+    assert torch.equal(runs[True][2], runs[False][2])

@@ -67,9 +67,6 @@ def jobs():
                  inv_t_scalar="fp32"), \
             dict(PER_ROW_T=True, HAS_GLP=True, HAS_GENT=True, BLOCK_N=tz.block_n, BLOCK_V=tz.block_v,
                  BLOCK_D=tz.block_d, EVEN_D=True, GROUP_R=8, DOT_PREC=prec, **unit), tz.num_warps, tz.num_stages, True
-        bv, bd, bk, w, st = L._DW_TILES[tdt]
-        yield f"dW {dt} {bv}x{bd}x{bk} w{w}", L._dw_kernel, dict(DZ=p, H=p, DW="*fp32"), \
-            dict(ACCUM=True, BLOCK_V=bv, BLOCK_D=bd, BLOCK_K=bk, GROUP_R=8, DOT_PREC=prec, s_hd=1), w, st, True
     for ct in ("fp32", "fp64"):
         yield f"policy loss {ct} gspo dual k3", PL._pl_kernel, \
             dict(LOGP="*" + ct, OLD="*fp32", LOGR="*" + ct, ADV="*fp32", MASK="*" + ct, WGT="*" + ct, REF="*fp32",

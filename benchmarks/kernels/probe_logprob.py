@@ -1,7 +1,7 @@
 """Where the fused log-prob's forward+backward time goes, and which tiles help (GPU,
 diagnostic). At N = 16384 rows (G = 32 x 512), bf16, Qwen3-0.6B and Llama-3-8B LM-head
 dims, times each stage alone -- forward (fold = group path), the backward's dz kernel,
-dH = dz @ W (cuBLAS), the dW kernel -- over a few tile shapes each, next to cuBLAS doing
+dH = dz @ W (cuBLAS), the dW accumulation (cuBLAS) -- over a few tile shapes each, next to cuBLAS doing
 the same logits GEMM (fp32 out) as the matmul ceiling for these shapes.
     OUT=./out python benchmarks/kernels/probe_logprob.py
 Writes $OUT/probe_logprob.json.
@@ -20,15 +20,12 @@ from rlfuse.kernels.logprob import Tiles
 OUT = Path(os.environ.get("OUT", "./out"))
 N = 16384
 SHAPES = [(1024, 151936), (4096, 128256)]
-FWD = [Tiles(), Tiles(block_n=128, num_warps=8), Tiles(block_n=128, num_warps=8, num_stages=4),
-       Tiles(block_n=128, block_v=256, num_warps=8), Tiles(block_n=64, block_v=256, num_warps=8),
-       Tiles(block_n=128, block_v=128, block_d=128, num_warps=8, num_stages=2),
-       Tiles(block_n=256, block_v=128, num_warps=8)]
-DZ = [Tiles(block_n=128, num_warps=8), Tiles(block_n=128, num_warps=8, num_stages=4),
-      Tiles(block_n=128, block_v=256, num_warps=8), Tiles(block_n=64, num_warps=4),
-      Tiles(block_n=128, block_d=128, num_warps=8, num_stages=2), Tiles(block_n=256, num_warps=8)]
-DW = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (256, 128, 64, 8, 3),
-      (128, 128, 128, 8, 2), (64, 128, 64, 4, 4)]
+FWD = [Tiles(block_n=128, block_v=256, num_warps=8), Tiles(block_n=128, block_v=256, num_warps=8, num_stages=4),
+       Tiles(block_n=128, block_v=256, block_d=32, num_warps=8, num_stages=5),
+       Tiles(block_n=256, block_v=128, num_warps=8, num_stages=4), Tiles(block_n=128, block_v=128, num_warps=4)]
+DZ = [Tiles(block_n=128, block_v=256, num_warps=8), Tiles(block_n=128, block_v=256, num_warps=8, num_stages=4),
+      Tiles(block_n=128, block_v=256, block_d=32, num_warps=8, num_stages=5),
+      Tiles(block_n=256, block_v=128, num_warps=8, num_stages=4)]
 
 
 def tf(flop, s):
@@ -90,17 +87,8 @@ def main():
         s = median_seconds(lambda: torch.mm(dz.t(), h, out_dtype=torch.float32), 5)
         row(D=D, stage="dW cublas fp32-out (no accumulate)", ms=s * 1e3, TFLOPs=tf(flop, s))
         dw = torch.zeros(V, D, dtype=torch.float32, device="cuda")
-        for bv, bd, bk, nw, ns in DW:
-            def go():
-                lp._dw_kernel[(triton_cdiv(V, bv) * triton_cdiv(D, bd),)](
-                    dz, h, dw, 0, N, V, D, dz.stride(0), h.stride(0), h.stride(1), dw.stride(0),
-                    ACCUM=True, BLOCK_V=bv, BLOCK_D=bd, BLOCK_K=bk, GROUP_R=8, DOT_PREC="tf32",
-                    num_warps=nw, num_stages=ns)
-            try:
-                s = median_seconds(go, 5)
-                row(D=D, stage="dW", tiles=str((bv, bd, bk, nw, ns)), ms=s * 1e3, TFLOPs=tf(flop, s))
-            except Exception as e:
-                row(D=D, stage="dW", tiles=str((bv, bd, bk, nw, ns)), error=repr(e)[:150])
+        s = median_seconds(lambda: lp._accumulate_dw(dw, dz, h, first=False), 5)
+        row(D=D, stage="dW accumulate (cuBLAS addmm fp32 out)", ms=s * 1e3, TFLOPs=tf(flop, s))
         del h, w, dz, dw, dh
         torch.cuda.empty_cache()
     (OUT / "probe_logprob.json").write_text(json.dumps(res, indent=1))

@@ -36,7 +36,8 @@ import torch
 from rlfuse.engine.block_manager import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner
-from rlfuse.engine.scheduler import Scheduler
+from rlfuse.engine.model_runner import Pending
+from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status
 from rlfuse.model.transformer import CausalLM
 
@@ -66,10 +67,23 @@ class EngineStats:
     tokens_computed: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    look_ahead_steps: int = 0
+    """Decode steps launched before the previous step's results were read (look-ahead)."""
+    discarded_tokens: int = 0
+    """Look-ahead samples of sequences that had stopped on a token in the step before."""
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):
             setattr(self, f.name, 0)
+
+
+@dataclasses.dataclass(slots=True)
+class _Launched:
+    batch: Batch
+    pending: Pending
+    graph: bool
+    void: list[bool] | None = None
+    """Per sequence: stopped in the step before this look-ahead one (sample discarded)."""
 
 
 class LLM:
@@ -93,6 +107,8 @@ class LLM:
         self._next_id = 0
         self._next_seq = 0
         self._requests: dict[str, list[Sequence]] = {}
+        self._pending: _Launched | None = None  # a look-ahead step launched, not read yet
+        self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
         self._weights_version = self._param_version()
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
@@ -158,7 +174,7 @@ class LLM:
         return request_id
 
     def _enqueue(self, rid: str, ids: list[int], params: SamplingParams) -> None:
-        if not self.scheduler.has_unfinished():
+        if not self.has_unfinished():
             self._check_weights()
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
@@ -174,10 +190,12 @@ class LLM:
             self.scheduler.add(s)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        """Requests still running or waiting, or finished samples `step()` has not returned yet."""
+        return self.scheduler.has_unfinished() or self._pending is not None or bool(self._ready)
 
     def abort(self, request_id: str) -> list[Completion]:
         """Stop a request now; returns its unfinished samples with finish_reason "abort"."""
+        self._drain()
         seqs = [s for s in self._requests.pop(str(request_id), []) if not s.is_finished()]
         self.scheduler.abort(seqs)
         for s in seqs:
@@ -186,26 +204,79 @@ class LLM:
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Completion]:
-        """One scheduler step; returns the samples that finished in it."""
+        """One engine step; returns the samples that finished in it.
+
+        With `EngineConfig.look_ahead`, a decode step's successor is launched before the
+        step's own results are read (`_look_ahead`): this call then reads the step the
+        previous call launched, launches the next one, and does the bookkeeping while the
+        device runs it. Results and their order are the same as without look-ahead."""
         if self.asleep:
             raise RuntimeError("LLM.step: the engine is asleep; call wake() first")
-        batch = self.scheduler.schedule()
-        for s in batch.preempted:
-            self.runner.release(s)
-        self.stats.preemptions += len(batch.preempted)
-        self.stats.prompt_tokens_cached += batch.num_prompt_cached
-        if not batch.seqs:
-            assert not self.scheduler.running, "scheduler produced an empty batch with running sequences"
-            return []
-        graph_before = self.runner.graph_steps
-        sampled, ids, lps = self.runner.run(batch.seqs, batch.num_new)
+        out, self._ready = self._ready, []
+        cur, self._pending = self._pending, None
+        if cur is None:
+            batch = self.scheduler.schedule()
+            for s in batch.preempted:
+                self.runner.release(s)
+            self.stats.preemptions += len(batch.preempted)
+            self.stats.prompt_tokens_cached += batch.num_prompt_cached
+            if not batch.seqs:
+                assert not self.scheduler.running, "scheduler produced an empty batch with running sequences"
+                return out
+            cur = self._launch(batch)
+        nxt = self._look_ahead(cur) if self.config.look_ahead else None
+        finished = self._absorb(cur)
+        if nxt is not None:
+            # a sequence that stopped on a token in `cur` has a void sample in `nxt`
+            gone = {id(s) for s in finished}
+            nxt.void = [id(s) in gone for s in nxt.batch.seqs]
+            self._pending = nxt
+        return out + [self._completion(seq) for seq in finished]
+
+    def _launch(self, batch: Batch, feed: torch.Tensor | None = None) -> _Launched:
+        g0 = self.runner.graph_steps
+        pending = self.runner.launch(batch.seqs, batch.num_new, feed)
+        return _Launched(batch, pending, self.runner.graph_steps > g0)
+
+    def _look_ahead(self, cur: _Launched) -> _Launched | None:
+        """Launch the decode step after `cur` before reading `cur`: the same sequences
+        (minus those `cur` ends by length) compute the token `cur` samples, fed on the
+        device. Only when the plain scheduler would schedule exactly that: `cur` is a
+        decode step on the static path, nothing waits for admission, and the pool has the
+        blocks (else no look-ahead: the next step is scheduled after reading `cur`)."""
+        b, r, bm = cur.batch, self.runner, self.block_manager
+        if (not r.static or self.scheduler.waiting or not b.is_decode or len(b.seqs) > r.max_graph_bs
+                or len(cur.pending.sampled) != len(b.seqs)):
+            return None
+        void = cur.void or [False] * len(b.seqs)
+        keep = [j for j, s in enumerate(b.seqs) if not void[j] and len(s.token_ids) + 1 < s.max_total]
+        if not keep:
+            return None
+        seqs = [b.seqs[j] for j in keep]
+        if sum(bm.blocks_needed(s, s.num_computed + 2) for s in seqs) > bm.num_free:
+            return None
+        for s in seqs:
+            bm.append_blocks(s, s.num_computed + 2)
+        ids = cur.pending.ids
+        feed = ids if len(keep) == len(b.seqs) else ids[r._upload(keep, torch.int64)]
+        self.stats.look_ahead_steps += 1
+        return self._launch(Batch(seqs, [1] * len(seqs), []), feed)
+
+    def _absorb(self, cur: _Launched) -> list[Sequence]:
+        """Read a launched step's results and apply them to the sequences; returns the
+        sequences that finished (already released)."""
+        batch = cur.batch
+        sampled, ids, lps = self.runner.collect(cur.pending)
+        void = cur.void or [False] * len(batch.seqs)
         st = self.stats
         st.steps += 1
         st.decode_steps += batch.is_decode
-        st.graph_steps += self.runner.graph_steps - graph_before
+        st.graph_steps += cur.graph
         st.tokens_computed += batch.num_tokens
         bs, mark = self.config.block_size, self.block_manager.mark_computed
-        for seq, n in zip(batch.seqs, batch.num_new):
+        for seq, n, dead in zip(batch.seqs, batch.num_new, void):
+            if dead:
+                continue
             c = seq.num_computed
             if c < seq.num_prompt_tokens:
                 st.prompt_tokens_computed += min(c + n, seq.num_prompt_tokens) - c
@@ -214,24 +285,32 @@ class LLM:
                 mark(seq)
         finished = []
         for j, tok, lp in zip(sampled, ids, lps):
+            if void[j]:
+                st.discarded_tokens += 1
+                continue
             seq = batch.seqs[j]
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
+            st.output_tokens += 1
             if tok in seq.stop_ids or seq.params.stop or len(seq.token_ids) >= seq.max_total:  # cheap pre-check
                 reason = self._stop_reason(seq, tok)
                 if reason is not None:
                     seq.status, seq.finish_reason = Status.FINISHED, reason
                     finished.append(seq)
-        st.output_tokens += len(sampled)
         self.scheduler.finish(finished)
-        out = []
         for seq in finished:
             self.runner.release(seq)
             reqs = self._requests.get(seq.request_id)
             if reqs is not None and all(s.is_finished() for s in reqs):
                 del self._requests[seq.request_id]
-            out.append(self._completion(seq))
-        return out
+        return finished
+
+    def _drain(self) -> None:
+        """Read the launched look-ahead step, if any (before abort / sleep touch sequences);
+        its finished samples are returned by the next `step()`."""
+        if self._pending is not None:
+            cur, self._pending = self._pending, None
+            self._ready += [self._completion(s) for s in self._absorb(cur)]
 
     def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
         p, n_out = seq.params, seq.num_output_tokens
@@ -273,7 +352,7 @@ class LLM:
         ValueError naming it (request "i" is prompt i) and nothing is queued."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if self.scheduler.has_unfinished():
+        if self.has_unfinished():
             raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
@@ -294,7 +373,7 @@ class LLM:
             rids.append(rid)
         self._next_id += 1
         done: dict[tuple[str, int], Completion] = {}
-        while self.scheduler.has_unfinished():
+        while self.has_unfinished():
             for c in self.step():
                 done[(c.request_id, c.index)] = c
         n_out, dt = self.stats.output_tokens - out0, time.perf_counter() - t0
@@ -308,6 +387,7 @@ class LLM:
         are preempted and resume by recompute after wake()."""
         if self.asleep:
             return
+        self._drain()
         for s in self.scheduler.preempt_all():
             self.runner.release(s)
         self.block_manager.reset_prefix_cache()

@@ -20,11 +20,15 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      seeds and offset = the sampled token's position (no host sync), then the reported
      log-prob from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the
      trainer's function, per distinct temperature (T = 1 for greedy rows).
-  4. one host sync: ids and log-probs come back together in one `.tolist()`.
+  4. read-back: ids and log-probs are copied together into pinned host memory behind an
+     event; `collect` waits for it (the step's one host sync). `launch` returns before
+     that, so the engine can enqueue the next decode step first (`launch(feed=...)`,
+     look-ahead: see `LLM.step`) and do its bookkeeping while the device works.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -34,12 +38,22 @@ import torch
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.logprob import _num_sms, token_logprobs
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)
 _STATIC_FIELDS = 8  # ids, positions, slots, rows, seq_lens, top_k, seeds, offsets
+
+
+@dataclasses.dataclass(slots=True)
+class Pending:
+    """A launched step: `ids` (S,) device tensor of its samples (the next look-ahead step's
+    inputs), `out` (2, S) ids and log-probs (pinned host copy on CUDA, valid once `done`)."""
+    sampled: list[int]
+    ids: torch.Tensor | None
+    out: torch.Tensor | None
+    done: "torch.cuda.Event | None"
 
 
 class ModelRunner:
@@ -72,7 +86,36 @@ class ModelRunner:
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
         n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup)
         self.kv = KVCache(self.mcfg, n, self.block_size, self.dtype, self.device)
+        self._warm_paged_kernels()
         return self.kv
+
+    @torch.no_grad()
+    def _warm_paged_kernels(self, force: bool = False) -> None:
+        """Compile the paged-attention variants a generate can meet before any is timed:
+        prefill-shaped steps with and without a KV split (the split count follows the
+        batch size) and the eager decode step, through the real model forward over the
+        allocated cache. Slots are -1 (nothing written) and tables point at block 0 (read,
+        discarded). The decode graphs compile their own variants when captured. CUDA only:
+        the CPU path has nothing to compile."""
+        if (self.device.type != "cuda" and not force) or self.kv is None:
+            return
+        t0 = time.perf_counter()
+        n_kv = self.mcfg.num_key_value_heads
+        big = -(-2 * _num_sms(self.device) // n_kv)  # programs >= 2 per SM: no split
+        width = min(self.max_blocks, -(-256 // self.block_size))  # >= 4 KV blocks of 64: a split is possible
+        for B, q_len in ((1, 2), (min(big, self.cfg.max_num_seqs), 2), (1, 1), (self.cfg.max_num_seqs, 1)):
+            T = B * q_len
+            lens = torch.full((B,), q_len, dtype=torch.int32, device=self.device)
+            cu = torch.zeros(B + 1, dtype=torch.int32, device=self.device)
+            cu[1:] = torch.cumsum(lens, 0)
+            attn = PagedKV(self.kv.kv_caches, torch.full((T,), -1, dtype=torch.int64, device=self.device), cu, lens,
+                           torch.zeros((B, width), dtype=torch.int32, device=self.device), q_len)
+            ids = torch.zeros(T, dtype=torch.long, device=self.device)
+            self.model(ids, torch.arange(q_len, device=self.device).repeat(B), attn)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        log.info("paged-attention kernels warmed (prefill and decode, split and unsplit) in %.1f s",
+                 time.perf_counter() - t0)
 
     @torch.no_grad()
     def _warmup(self) -> None:
@@ -115,56 +158,103 @@ class ModelRunner:
                 seq.row_len = n
             rows.append(seq.row)
         if r:
-            upd = torch.tensor([r, c, v], dtype=torch.int64).to(self.device, non_blocking=True)
+            upd = self._upload([r, c, v], torch.int64)
             self.bt[upd[0], upd[1]] = upd[2].to(torch.int32)
         return rows
 
     # ------------------------------------------------------------------ step
+    def _upload(self, x, dtype) -> torch.Tensor:
+        """Host list / array -> device, without waiting for the stream: pinned staging on
+        CUDA (a pageable copy would block the host until the device reached it, which
+        defeats launching a step ahead); the caching host allocator keeps the staging
+        buffer alive until its copy ran."""
+        t = torch.as_tensor(x, dtype=dtype)
+        if self.device.type == "cuda":
+            t = t.pin_memory()
+        return t.to(self.device, non_blocking=True)
+
     @torch.no_grad()
     def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[int], list[int], list[float]]:
-        """Compute the scheduled tokens; sample every sequence whose chunk reaches its last
-        token. Returns (batch indices sampled, token ids, log-probs). A sequence with fewer
-        than min_tokens outputs has its stop ids (EOS included) masked out of the sampling."""
+        """launch + collect: the synchronous step."""
+        return self.collect(self.launch(seqs, num_new))
+
+    @torch.no_grad()
+    def launch(self, seqs: list[Sequence], num_new: list[int], feed: torch.Tensor | None = None) -> "Pending":
+        """Enqueue one step on the device and return without waiting for it: compute the
+        scheduled tokens; sample every sequence whose chunk reaches its last token. A
+        sequence with fewer than min_tokens outputs has its stop ids (EOS included) masked
+        out of the sampling. `collect` reads the result back.
+
+        `feed` (look-ahead decode): each sequence is ONE STEP AHEAD of its host state -- the
+        step still running samples its next token, which the host has not seen yet. Then
+        every sequence computes position num_computed + 1, its input id is taken on the
+        device from `feed` (B,) (that step's sampled ids, in this batch's order), and it
+        is sampled (decode). Its blocks must already cover num_computed + 2 tokens."""
         assert self.kv is not None and self.kv.allocated, "KV cache released (engine asleep)"
         B, bs = len(seqs), self.block_size
+        ahead = int(feed is not None)
         rows = self._sync_block_tables(seqs)
-        starts = [s.num_computed for s in seqs]
-        sampled = [j for j in range(B) if starts[j] + num_new[j] == len(seqs[j].token_ids)]
+        starts = [s.num_computed + ahead for s in seqs]
+        if ahead:
+            assert all(n == 1 for n in num_new) and B <= self.max_graph_bs and self.static
+            sampled = list(range(B))
+        else:
+            sampled = [j for j in range(B) if starts[j] + num_new[j] == len(seqs[j].token_ids)]
         S = len(sampled)
         samp = [(seqs[j].params, seqs[j]) for j in sampled]
         top_k = [p.top_k for p, _ in samp]
         seeds = [s.seed for _, s in samp]
-        offsets = [len(s.token_ids) for _, s in samp]  # position of the token being sampled
+        offsets = [len(s.token_ids) + ahead for _, s in samp]  # position of the token being sampled
         decode = all(n == 1 for n in num_new)
         if decode and self.static and B <= self.max_graph_bs:
             nb = next(g for g in self.graph_sizes if g >= B)
             host = np.zeros((_STATIC_FIELDS, nb), dtype=np.int64)
             host[2], host[3] = -1, self.num_rows  # padding rows: no K/V write, the zero table row
-            host[0, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
+            if not ahead:
+                host[0, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
             host[1, :B] = starts
             host[2, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
             host[3, :B] = rows
             host[4, :B] = host[1, :B] + 1
             host[5, :S], host[6, :S], host[7, :S] = top_k, seeds, offsets
-            self.s_i64[:_STATIC_FIELDS * nb].copy_(torch.from_numpy(host.reshape(-1)), non_blocking=True)
+            self.s_i64[:_STATIC_FIELDS * nb].copy_(self._upload(host.reshape(-1), torch.int64))
+            if ahead:
+                self.s_i64[:B].copy_(feed)  # the input ids: the running step's samples, on the device
             self._replay(nb)
-            h = self.s_out[:B] if S == B else self.s_out[torch.tensor(sampled, device=self.device)]
+            h = self.s_out[:B] if S == B else self.s_out[self._upload(sampled, torch.int64)]
             k_t, seed_t, off_t = (self.s_i64[f * nb:f * nb + S] for f in (5, 6, 7))
         else:
             h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds, offsets)
         if S == 0:
-            return [], [], []
-        fl = torch.tensor([[p.temperature for p, _ in samp], [p.top_p for p, _ in samp],
-                           [p.min_p for p, _ in samp]], dtype=torch.float32).to(self.device, non_blocking=True)
+            return Pending(sampled, None, None, None)
+        fl = self._upload([[p.temperature for p, _ in samp], [p.top_p for p, _ in samp],
+                           [p.min_p for p, _ in samp]], torch.float32)
         logits = self._logits(h)
-        masks = [(i, t) for i, (p, s) in enumerate(samp) if s.num_output_tokens < p.min_tokens for t in s.stop_ids]
+        masks = [(i, t) for i, (p, s) in enumerate(samp) if s.num_output_tokens + ahead < p.min_tokens
+                 for t in s.stop_ids]
         if masks:
-            idx = torch.tensor(masks, dtype=torch.int64).to(self.device, non_blocking=True)
+            idx = self._upload(masks, torch.int64)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
         ids, _ = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
         lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
-        out = torch.stack((ids.double(), lps.double())).tolist()  # host sync: the step's one read-back
-        return sampled, [int(t) for t in out[0]], out[1]
+        out = torch.stack((ids.double(), lps.double()))
+        if self.device.type == "cuda":
+            host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+            host_out.copy_(out, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return Pending(sampled, ids, host_out, done)
+        return Pending(sampled, ids, out, None)
+
+    @staticmethod
+    def collect(p: "Pending") -> tuple[list[int], list[int], list[float]]:
+        """Wait for a launched step; (batch indices sampled, token ids, log-probs)."""
+        if p.ids is None:
+            return [], [], []
+        if p.done is not None:
+            p.done.synchronize()  # host sync: the step's one read-back
+        out = p.out.tolist()
+        return p.sampled, [int(t) for t in out[0]], out[1]
 
     def _run_eager(self, seqs, num_new, starts, rows, sampled, top_k, seeds, offsets):
         B, bs = len(seqs), self.block_size
@@ -190,7 +280,7 @@ class ModelRunner:
         c = b + 3 * B + 1
         host[c:c + S] = [host[b + 2 * B + 1 + j] - 1 for j in sampled]
         host[c + S:c + 2 * S], host[c + 2 * S:c + 3 * S], host[c + 3 * S:c + 4 * S] = top_k, seeds, offsets
-        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        dev = self._upload(host, torch.int64)
         rows_t = dev[b:b + B]
         seq_lens = dev[b + B:b + 2 * B].to(torch.int32)
         cu = dev[b + 2 * B:b + 3 * B + 1].to(torch.int32)
@@ -288,6 +378,6 @@ class ModelRunner:
             return token_logprobs(h, W, ids, distinct[0])
         out = torch.empty(len(temps), dtype=torch.float32, device=h.device)
         for t in distinct:  # one call per temperature: bitwise what the trainer computes per row
-            idx = torch.tensor([i for i, x in enumerate(temps) if x == t], device=h.device)
+            idx = self._upload([i for i, x in enumerate(temps) if x == t], torch.int64)
             out[idx] = token_logprobs(h[idx], W, ids[idx], t)
         return out

@@ -270,8 +270,11 @@ def _configs(head_dim: int, itemsize: int) -> dict:
     """Tile sizes and launch settings. 16-bit: starting points from the public Triton FA2
     configs for H100 (query tile 128 x KV 64 forward), then picked so that ptxas (sm_90a,
     Triton 3.9, compiled offline) reports no register spills: e.g. dK/dV with a 64-row
-    query tile spilled 72 B at Dh 128, a 32-row one none. Not yet timed on our GPU
-    (`benchmarks/kernels/bench_attention.py --sweep` measures the alternatives).
+    query tile spilled 72 B at Dh 128, a 32-row one none. Backward at Dh 128 timed on an
+    H100 (`bench_attention.py --sweep-bwd`, commit bd39990, 32k tokens U[1024, 4096], whole
+    backward in TFLOP/s, one kernel varied at a time): dK/dV 32x64 with 4 warps 197 (8 warps:
+    125, the former setting; the best of 24); dQ 64x64 with 4 warps 153 (8 warps: 127; the
+    best of 16 ties at 152-154). Dh 64 / 256 and the forward: not timed yet.
     fp32 runs IEEE FMA dots (a test dtype): small tiles, again chosen for no spills."""
     if itemsize == 4:
         return {"fwd": dict(BLOCK_M=32, num_warps=8, num_stages=2),
@@ -279,8 +282,9 @@ def _configs(head_dim: int, itemsize: int) -> dict:
                 "dq": dict(BLOCK_M=16, BLOCK_N=32, num_warps=4, num_stages=1)}
     small, huge = head_dim <= 64, head_dim > 128
     return {"fwd": dict(BLOCK_M=64 if huge else 128, num_warps=4 if small else 8, num_stages=2 if huge else 3),
-            "dkdv": dict(BLOCK_M=32, BLOCK_N=128 if small else (32 if huge else 64), num_warps=8, num_stages=2),
-            "dq": dict(BLOCK_M=64, BLOCK_N=32 if huge else 64, num_warps=4 if small else 8, num_stages=2)}
+            "dkdv": dict(BLOCK_M=32, BLOCK_N=128 if small else (32 if huge else 64),
+                         num_warps=4 if head_dim == 128 else 8, num_stages=2),
+            "dq": dict(BLOCK_M=64, BLOCK_N=32 if huge else 64, num_warps=4 if head_dim <= 128 else 8, num_stages=2)}
 
 
 def _check(q, k, v, cu_seqlens):

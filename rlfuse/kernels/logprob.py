@@ -36,9 +36,9 @@ interpreter the operands go to fp32 first, see `_dot`):
            by tile and writes
                dz_iv = [g_i (1[v = y_i] - p_iv) + ge_i p_iv (lse_i - ent_i - z_iv)] / T_i
            (ge: entropy grad; d ent / d z_v = p_v (E_p z - z_v), E_p z = lse - ent) to a
-           (C, V) scratch in the input dtype; then dH[chunk] = dz @ W (torch.mm) and
-           dW += dz^T @ H[chunk] (`_dw_kernel`, fp32 (V, D) accumulator, read-add-write by
-           the owner of each tile). No atomics: backward is deterministic run to run.
+           (C, V) scratch in the input dtype; then dH[chunk] = dz @ W and dW += dz^T @ H[chunk]
+           (cuBLAS, fp32 output and in-place fp32 (V, D) accumulation, `_accumulate_dw`).
+           No atomics: backward is deterministic run to run.
            Extra memory: the dz scratch and the fp32 dW (V x D x 4 bytes) when weight
            needs a gradient. dz in bf16 costs ~2^-9 relative per element in dH / dW.
 Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: benchmarks/kernels/gpu_check_logprob.py.
@@ -84,8 +84,8 @@ class Tiles:
     """Tile shape of the forward (and the logits recompute of backward). split_v is a
     multiple of block_v, group a power of two. split_v 256: a V=151936 decode step
     (fold=1) has 594 programs, ~2.25 per slot on 132 SMs x 2 CTAs; group 64 keeps the
-    unrolled fold of `_fold_kernel` small (64 slots). Not measured yet: run benchmarks/kernels/bench_logprob.py --sweep
-    on an H100 and pick per dtype (must stay independent of N: batch invariance)."""
+    unrolled fold of `_fold_kernel` small (64 slots). The per-dtype choices below were
+    measured (see there); they must stay independent of N (batch invariance)."""
     block_n: int = 64
     block_v: int = 128
     block_d: int = 64
@@ -95,15 +95,15 @@ class Tiles:
     num_stages: int = 3
 
 
-# fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4 warps spills at fold=group on sm_90.
-# Registers / spills: benchmarks/kernels/compile_logprob_sm90.py (ptxas, no GPU needed).
-_FWD_TILES = {torch.bfloat16: Tiles(), torch.float16: Tiles(), torch.float32: Tiles(block_d=32, num_warps=8)}
-# backward: a plain GEMM-shaped dz kernel and a GEMM for dW (128x128 tiles, 8 warps: the
-# usual sm_90 Triton matmul shape; not tuned yet).
-_DZ_TILES = {torch.bfloat16: Tiles(block_n=128, num_warps=8), torch.float16: Tiles(block_n=128, num_warps=8),
-             torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
-_DW_TILES = {torch.bfloat16: (128, 128, 64, 8, 3), torch.float16: (128, 128, 64, 8, 3),
-             torch.float32: (64, 128, 32, 8, 3)}  # (BLOCK_V, BLOCK_D, BLOCK_K, warps, stages)
+# 16-bit tiles from benchmarks/kernels/probe_logprob.py on an H100 (commit bd39990, N=16384,
+# bf16): forward 128x256 (8 warps, 3 stages) 539 / 561 TFLOP/s at D=1024 / 4096, against
+# 338 / 350 for the former 64x128 (4 warps); the best of 7 shapes at both D (cuBLAS
+# computing the same logits: 594 / 666). fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4
+# warps spills at fold=group on sm_90 (benchmarks/kernels/compile_logprob_sm90.py).
+_T16 = Tiles(block_n=128, block_v=256, num_warps=8)
+_FWD_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_d=32, num_warps=8)}
+# backward dz kernel: 128x256, 8 warps: 499 / 581 TFLOP/s (same probe; 128x128 498 / 517).
+_DZ_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
 _DZ_CHUNK_BYTES = 1 << 30  # dz scratch: ~1 GiB bounds both memory and the dW fp32 re-reads (N / C passes)
 
 
@@ -364,28 +364,24 @@ def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t
     tl.store(DZ + lrows.to(tl.int64)[:, None] * s_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=['row0', 'K'])  # row counts vary per step: one compile
-def _dw_kernel(DZ, H, DW, row0, K, V, D, s_dz, s_hn, s_hd, s_dw, ACCUM: tl.constexpr,
-               BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr,
-               GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
-    """DW (V, D) fp32 (+)= DZ[:K]^T @ H[row0:row0+K]; each program owns one output tile."""
-    r, c = _swizzle(tl.program_id(0), tl.cdiv(V, BLOCK_V), tl.cdiv(D, BLOCK_D), GROUP_R)
-    vs = r * BLOCK_V + tl.arange(0, BLOCK_V)
-    ds = c * BLOCK_D + tl.arange(0, BLOCK_D)
-    vs_c = tl.minimum(vs, V - 1).to(tl.int64)
-    ds_c = tl.minimum(ds, D - 1).to(tl.int64)
-    acc = tl.zeros((BLOCK_V, BLOCK_D), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        km = ks < K
-        a = tl.load(DZ + ks.to(tl.int64)[None, :] * s_dz + vs_c[:, None], mask=km[None, :], other=0.0)
-        b = tl.load(H + (row0 + ks.to(tl.int64))[:, None] * s_hn + ds_c[None, :] * s_hd, mask=km[:, None], other=0.0)
-        acc = _dot(a, b, acc, DOT_PREC)
-    mask = (vs < V)[:, None] & (ds < D)[None, :]
-    ptr = DW + vs.to(tl.int64)[:, None] * s_dw + ds[None, :]
-    if ACCUM:
-        acc += tl.load(ptr, mask=mask, other=0.0)
-    tl.store(ptr, acc, mask=mask)
+def _accumulate_dw(dw, dz, h, first: bool):
+    """dw (V, D) fp32 (+)= dz^T @ h (dz (C, V), h (C, D) in the input dtype). On CUDA with
+    16-bit inputs: one cuBLAS GEMM with fp32 output accumulating in place (addmm out_dtype;
+    H100, commit bd39990: 736 TFLOP/s at N=16384, D=1024, against 44-72 for the Triton
+    tile kernel this replaced); fp32 inputs: an IEEE fp32 GEMM (torch keeps TF32 off for
+    matmuls unless the user turns it on); CPU (the interpreter tests): the same product in fp32."""
+    a = dz.t()
+    if dw.device.type == "cuda" and dz.dtype != torch.float32:
+        if first:
+            torch.mm(a, h, out_dtype=torch.float32, out=dw)
+        else:
+            torch.addmm(dw, a, h, out_dtype=torch.float32, out=dw)
+        return
+    a, h = a.float(), h.float()
+    if first:
+        torch.mm(a, h, out=dw)
+    else:
+        dw.addmm_(a, h)
 
 
 def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse, ent, *,
@@ -397,7 +393,6 @@ def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
     tz = tiles or _DZ_TILES[dt]
-    bv, bd, bk, dw_warps, dw_stages = _DW_TILES[dt]
     C = chunk_rows or max(tz.block_n, _DZ_CHUNK_BYTES // (V * hidden.element_size()) // tz.block_n * tz.block_n)
     C = min(C, max(N, 1))
     dh = alloc((N, D), dtype=dt, device=dev) if need_dh else None
@@ -420,10 +415,7 @@ def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse
         if need_dh:
             torch.mm(dz[:n], weight, out=dh[r0:r0 + n])
         if need_dw:
-            _dw_kernel[(triton.cdiv(V, bv) * triton.cdiv(D, bd),)](
-                dz, hidden, dw, r0, n, V, D, dz.stride(0), hidden.stride(0), hidden.stride(1), dw.stride(0),
-                ACCUM=r0 > 0, BLOCK_V=bv, BLOCK_D=bd, BLOCK_K=bk, GROUP_R=8, DOT_PREC=prec,
-                num_warps=dw_warps, num_stages=dw_stages)
+            _accumulate_dw(dw, dz[:n], hidden[r0:r0 + n], first=r0 == 0)
     return dh, (dw.to(weight.dtype) if need_dw else None)
 
 

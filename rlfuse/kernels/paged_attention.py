@@ -292,7 +292,11 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     cfg = _config(dh, q.element_size(), decode=max_seqlen_q == 1)
     cfg.update(config or {})
     rows = cfg.pop("BLOCK_M")
-    block_q = 1 if max_seqlen_q == 1 else min(triton.next_power_of_2(max_seqlen_q), max(1, rows // group))
+    # two query-tile shapes only (decode: 1 token; else the largest), never a function of
+    # the step's lengths: each new shape is a Triton compile (0.5-5 s on an H100), and a
+    # generate whose chunks had many lengths spent most of its first run compiling
+    # (bench_generate nanovllm case: 16% of the bound first run, 47% the second, commit b5ea3ab)
+    block_q = 1 if max_seqlen_q == 1 else max(1, rows // group)
     block_m = max(16, block_q * group)  # tl.dot needs >= 16 rows
     n_qblk = triton.cdiv(max_seqlen_q, block_q)
     max_ctx = block_tables.shape[1] * page
@@ -317,8 +321,9 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         T, Hq, n_rep, num_splits, split_tokens, scale * _LOG2E, PAGE=page, HEAD_DIM=dh, BLOCK_Q=block_q,
         GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q), **cfg)
     if split:
+        # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
         _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, num_splits, HEAD_DIM=dh,
-                                 BLOCK_S=triton.next_power_of_2(num_splits), num_warps=2)
+                                 BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
     return o
 
 
