@@ -27,6 +27,7 @@ from rlfuse.engine import model_runner as mr
 from rlfuse.engine.benchmark import BenchConfig, build_model, make_cases
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.llm import LLM
+from rlfuse.kernels._triton_common import compiled_variants, new_variants
 
 OUT = Path(os.environ.get("OUT", "out"))
 
@@ -66,6 +67,7 @@ def pass_steps(llm):
     add_case(llm)
     rows = []
     sync()
+    v0 = compiled_variants()
     t_all = time.perf_counter()
     while llm.has_unfinished():
         g0, d0 = llm.runner.graph_steps, llm.stats.decode_steps
@@ -77,7 +79,7 @@ def pass_steps(llm):
     total = time.perf_counter() - t_all
     dec = [r["ms"] for r in rows if r["decode"]]
     eag = [r["ms"] for r in rows if not r["decode"]]
-    res = dict(total_s=total, steps=len(rows), graph_steps=sum(r["graph"] for r in rows), decode_steps=len(dec),
+    res = dict(total_s=total, compiles=new_variants(v0, compiled_variants()), steps=len(rows), graph_steps=sum(r["graph"] for r in rows), decode_steps=len(dec),
                decode_median_ms=statistics.median(dec),
                decode_mean_ms=statistics.mean(dec), decode_p90_ms=sorted(dec)[int(0.9 * len(dec))],
                non_decode_ms=[round(x, 1) for x in eag][:20], first_graph_ms=[round(r["ms"], 1) for r in rows[:12]],

@@ -319,6 +319,7 @@ def test_kernel_warmup_runs_every_paged_variant_and_writes_nothing(model, prompt
 
     llm = _llm(model, max_num_seqs=40)  # 40 rows: the no-split prefill shape (2 x 4 "SMs" / 2 kv heads) fits
     with use_backend("triton"):
+        llm.kv.pool.normal_()  # known, NaN-free contents (the pool is uninitialized memory)
         before = llm.kv.pool.clone()
         llm.runner._warm_paged_kernels(force=True)
         assert torch.equal(llm.kv.pool, before)

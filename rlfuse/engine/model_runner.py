@@ -259,8 +259,16 @@ class ModelRunner:
     def _run_eager(self, seqs, num_new, starts, rows, sampled, top_k, seeds, offsets):
         B, bs = len(seqs), self.block_size
         T, S = sum(num_new), len(sampled)
-        host = np.empty(3 * T + 3 * B + 1 + 4 * S, dtype=np.int64)
-        ids, pos, slots = host[:T], host[T:2 * T], host[2 * T:3 * T]
+        # one upload; every section starts on a 16-byte boundary: Triton specializes kernels
+        # on pointer alignment, so a section at an odd int64 offset (it moves with T, B, S)
+        # would compile a second variant of the sampler mid-run (~5 s on an H100, commit d4277b1)
+        lens = dict(ids=T, pos=T, slots=T, rows=B, seq_lens=B, cu=B + 1, samp=S, top_k=S, seeds=S, offsets=S)
+        at, o = {}, 0
+        for k, n in lens.items():
+            at[k], o = o, o + n + (n & 1)
+        host = np.zeros(o, dtype=np.int64)
+        sec = {k: host[at[k]:at[k] + n] for k, n in lens.items()}
+        ids, pos, slots = sec["ids"], sec["pos"], sec["slots"]
         o = 0
         for seq, st, n in zip(seqs, starts, num_new):
             if n == 1:
@@ -272,23 +280,19 @@ class ModelRunner:
                 pos[o:o + n] = p
                 slots[o:o + n] = np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs
             o += n
-        b = 3 * T
-        host[b:b + B] = rows
-        host[b + B:b + 2 * B] = [st + n for st, n in zip(starts, num_new)]
-        host[b + 2 * B] = 0
-        host[b + 2 * B + 1:b + 3 * B + 1] = np.cumsum(num_new)
-        c = b + 3 * B + 1
-        host[c:c + S] = [host[b + 2 * B + 1 + j] - 1 for j in sampled]
-        host[c + S:c + 2 * S], host[c + 2 * S:c + 3 * S], host[c + 3 * S:c + 4 * S] = top_k, seeds, offsets
+        sec["rows"][:] = rows
+        sec["seq_lens"][:] = [st + n for st, n in zip(starts, num_new)]
+        sec["cu"][1:] = np.cumsum(num_new)
+        sec["samp"][:] = [sec["cu"][j + 1] - 1 for j in sampled]
+        sec["top_k"][:], sec["seeds"][:], sec["offsets"][:] = top_k, seeds, offsets
         dev = self._upload(host, torch.int64)
-        rows_t = dev[b:b + B]
-        seq_lens = dev[b + B:b + 2 * B].to(torch.int32)
-        cu = dev[b + 2 * B:b + 3 * B + 1].to(torch.int32)
+        d = {k: dev[at[k]:at[k] + n] for k, n in lens.items()}
         w = -(-max(st + n for st, n in zip(starts, num_new)) // bs)
-        attn = PagedKV(self.kv.kv_caches, dev[2 * T:3 * T], cu, seq_lens, self.bt[rows_t, :w], max(num_new))
-        h = self.model(dev[:T], dev[T:2 * T], attn)
-        h = h if S == T else h[dev[c:c + S]]
-        return h, (dev[c + S:c + 2 * S], dev[c + 2 * S:c + 3 * S], dev[c + 3 * S:c + 4 * S])
+        attn = PagedKV(self.kv.kv_caches, d["slots"], d["cu"].to(torch.int32), d["seq_lens"].to(torch.int32),
+                       self.bt[d["rows"], :w], max(num_new))
+        h = self.model(d["ids"], d["pos"], attn)
+        h = h if S == T else h[d["samp"]]
+        return h, (d["top_k"], d["seeds"], d["offsets"])
 
     # ------------------------------------------------------------------ decode graphs
     def _decode_body(self, nb: int) -> None:

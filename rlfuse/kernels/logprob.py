@@ -216,38 +216,28 @@ def _fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s
         tl.store(PART + 3 * NP + off, E, mask=rmask)
 
 
-@triton.jit
-def _col(x, j: tl.constexpr, cols):
-    """x[:, j] of a (B, C) tile, exactly: -0.0 + v == v for every v, whatever the sum order."""
-    return tl.sum(tl.where(cols[None, :] == j, x, -0.0), 1)
-
-
 @triton.jit(do_not_specialize=['N', 'P', 'NPI', 'NPO'])  # row counts vary per step: one compile
 def _fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
                  C: tl.constexpr, ENTROPY: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr):
     """Folds partials PIN (3|4, N, P) left to right, C slots per program: program (r, g)
-    takes slots [g C, g C + C) (past P: identity) of BLOCK rows. One 2D load, then an
-    unrolled register fold (no load latency per slot). FINAL: C >= P, one program per
+    takes slots [g C, g C + C) (past P: identity) of BLOCK rows, an unrolled fold with
+    one load per slot and statistic (the loads do not depend on the fold, so they issue
+    ahead of it; the former (BLOCK, C) tile + per-slot extraction cost O(C^2) and took
+    0.21 ms per B=256 decode step on an H100). FINAL: C >= P, one program per
     row block, writes logp / entropy / lse; else writes POUT (3|4, N, cdiv(P, C))."""
     g = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     rmask = rows < N
-    cols = tl.arange(0, C)
-    ok = rmask[:, None] & ((g * C + cols) < P)[None, :]
-    ptr = PIN + rows.to(tl.int64)[:, None] * P + g * C + cols[None, :]
-    pm = tl.load(ptr, mask=ok, other=float("-inf"))
-    ps = tl.load(ptr + NPI, mask=ok, other=0.0)
-    pt = tl.load(ptr + 2 * NPI, mask=ok, other=0.0)
-    if ENTROPY:
-        pe = tl.load(ptr + 3 * NPI, mask=ok, other=0.0)
-    else:
-        pe = ps
+    base = PIN + rows.to(tl.int64) * P + g * C
     ninf = tl.full((BLOCK,), float("-inf"), tl.float32)
     zero = tl.zeros((BLOCK,), tl.float32)
     M, S, T, E = ninf, zero, zero, zero
     for j in tl.static_range(C):
-        M, S, T, E = _merge(M, S, T, E, _col(pm, j, cols), _col(ps, j, cols), _col(pt, j, cols),
-                            _col(pe, j, cols) if ENTROPY else zero)
+        ok = rmask & (tl.full((BLOCK,), g * C + j, tl.int32) < P)
+        e = tl.load(base + 3 * NPI + j, mask=ok, other=0.0) if ENTROPY else zero
+        M, S, T, E = _merge(M, S, T, E, tl.load(base + j, mask=ok, other=float("-inf")),
+                            tl.load(base + NPI + j, mask=ok, other=0.0), tl.load(base + 2 * NPI + j, mask=ok, other=0.0),
+                            e)
     if FINAL:
         S = tl.where(rmask, S, 1.0)  # rows past N: keep log/div quiet
         lse = M + tl.log(S)

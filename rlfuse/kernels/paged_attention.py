@@ -140,7 +140,8 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
     return acc, l_i, m_new
 
 
-@triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens'])  # row counts vary per step: one compile
+@triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
+# (sbt: the eager path's block tables are (B, w) copies, w = the step's longest context in blocks)
 def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb, skt, skh,
                   svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
