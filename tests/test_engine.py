@@ -349,3 +349,34 @@ def test_look_ahead_changes_nothing_but_the_overlap(model, prompts):
     assert runs[True][0] == runs[False][0] and runs[True][1] == runs[False][1]
     assert set(runs[True][1]) == {"stop", "length"}
     assert torch.equal(runs[True][2], runs[False][2])
+
+
+def test_runner_passes_16_byte_aligned_tensors_to_kernels(model, monkeypatch):
+    """Triton specializes a kernel on each pointer's 16-byte alignment: a tensor argument
+    whose offset moves with the batch (a slice of one upload) compiles a second variant
+    mid-generate (seconds on a GPU; the nano-vllm protocol's first run paid four). Every
+    tensor the runner hands to the sampler, the log-prob and the attention kernels must
+    start on a 16-byte boundary, whatever the batch: odd batch sizes, B = 1, chunked
+    prefill, mixed steps, min_tokens masks, several temperatures."""
+    import rlfuse.engine.model_runner as mr
+    import rlfuse.model.transformer as tr
+
+    bad = []
+
+    def checked(name, fn):
+        def w(*a, **k):
+            for i, x in enumerate(list(a) + list(k.values())):
+                if isinstance(x, torch.Tensor) and x.data_ptr() % 16:
+                    bad.append((name, i, tuple(x.shape)))
+            return fn(*a, **k)
+        return w
+
+    for mod, name in ((mr, "sample"), (mr, "token_logprobs"), (tr, "paged_attention"), (tr, "store_kvcache"),
+                      (tr, "rope")):
+        monkeypatch.setattr(mod, name, checked(name, getattr(mod, name)))
+    llm = _llm(model, max_num_seqs=7, max_num_batched_tokens=23)
+    prompts = random_prompts([1, 2, 3, 5, 7, 17, 30, 9, 4])
+    params = [SamplingParams(temperature=[0.0, 0.7, 1.0][i % 3], max_tokens=3 + 2 * i, min_tokens=i % 3,
+                             top_p=0.9, seed=i) for i in range(len(prompts))]
+    llm.generate(prompts, params)
+    assert not bad, bad[:5]

@@ -126,6 +126,71 @@ def test_internal_paths_equal_reference(knobs):
     _check_same(logits, _params(logits.shape[0], settings, seed=4), **knobs)
 
 
+def _check_rows_alone(logits, params, **knobs):
+    """Batch invariance: each row sampled alone gives the batch's id and log-prob bitwise."""
+    ids, lp = sample_triton(logits, *params, **knobs)
+    for b in range(logits.shape[0]):
+        ids_b, lp_b = sample_triton(logits[b:b + 1], *(p[b:b + 1] for p in params), **knobs)
+        assert torch.equal(ids_b, ids[b:b + 1]) and torch.equal(lp_b, lp[b:b + 1]), b
+
+
+def test_flat_rows_many_candidates():
+    """Flat logits: top-p 0.9 keeps ~90% of V = 2048, so thousands of candidates spread
+    over all 8 chunks (the bisection over the compacted list, not the all-pairs tile);
+    top-k larger than any chunk's share; top-p + min-p (the cutoff snapped to a bin edge)."""
+    g = torch.Generator().manual_seed(11)
+    V = 2048
+    settings = [(1.0, 0, 0.9, 0.0), (1.0, 700, 1.0, 0.0), (0.9, 0, 0.95, 0.5), (1.0, 900, 0.8, 0.0)]
+    logits = torch.randn(2 * len(settings), V, generator=g) * 0.3
+    params = _params(logits.shape[0], settings, seed=12)
+    _check_same(logits, params, chunk=256)
+    _check_rows_alone(logits[::3], [p[::3] for p in params], chunk=256)
+
+
+@pytest.mark.parametrize("k", [40, 150, 299])
+def test_top_k_larger_than_a_chunk(k):
+    """k above a chunk's length (chunk = 64): the top-k cutoff comes from several chunks'
+    histograms, each chunk's candidates land at its prefix-sum offset."""
+    g = torch.Generator().manual_seed(k)
+    V = 300
+    logits = torch.cat([torch.randn(4, V, generator=g) * 2, (torch.randn(4, V, generator=g) * 2).round()])
+    _check_same(logits, _params(8, [(1.0, k, 1.0, 0.0), (0.8, k, 0.9, 0.0)], seed=k), chunk=64)
+
+
+def test_over_capacity_rows_mixed_with_listed_rows():
+    """cap = 32: the top-p rows on flat logits overflow (the whole-row path, decided per
+    row), the top-k 5 and min-p rows in the same batch keep their compacted list; greedy
+    and plain rows alongside. Each row alone gives the same result."""
+    g = torch.Generator().manual_seed(13)
+    V = 500
+    settings = [(1.0, 0, 0.95, 0.0), (1.0, 5, 1.0, 0.0), (0.0, 5, 0.5, 0.0), (1.0, 0, 1.0, 0.0),
+                (1.0, 0, 1.0, 0.3), (1.2, 40, 0.9, 0.0)]
+    logits = torch.randn(2 * len(settings), V, generator=g) * 0.5
+    params = _params(logits.shape[0], settings, seed=14)
+    knobs = dict(chunk=128, cap=32, exh=8)
+    _check_same(logits, params, **knobs)
+    _check_rows_alone(logits, params, **knobs)
+
+
+def test_mixed_modes_multi_chunk_batch_invariant():
+    """Greedy, plain and every filter combination in one batch, many chunks and a masked
+    vocabulary (all -inf chunks); a row's result never depends on the other rows."""
+    g = torch.Generator().manual_seed(15)
+    V = 997
+    logits = torch.randn(len(_SETTINGS), V, generator=g) * 3
+    logits[3, :400] = float("-inf")
+    logits[5, 100:700] = float("-inf")
+    params = _params(len(_SETTINGS), _SETTINGS, seed=16)
+    _check_same(logits, params, chunk=128)
+    _check_rows_alone(logits, params, chunk=128)
+
+
+def test_rejects_too_many_chunks():
+    params = _params(2, _SETTINGS, seed=0)
+    with pytest.raises(ValueError, match="chunks"):
+        sample_triton(torch.zeros(2, 1000), *params, chunk=8)
+
+
 def test_same_seed_offset_reproduces_across_batches():
     g = torch.Generator().manual_seed(5)
     B, V = 10, 200

@@ -52,14 +52,17 @@ def jobs():
                 dict(X_ptr=p, Y_ptr=p, P_ptr="*i64", F_ptr="*fp32"), \
                 dict(HALF=64, BLOCK_T=P._BLOCK_T, BLOCK_F=64, BACKWARD=bwd), 4
         prm = dict(L_ptr=p, T_ptr="*fp32", K_ptr="*i64", P_ptr="*fp32", MP_ptr="*fp32", SEED_ptr="*i64",
-                   OFF_ptr="*i64", M_part="*fp32", Z_part="*fp32", V_part="*fp32", I_part="*i32", H_part="*i32")
+                   OFF_ptr="*i64", M_part="*fp32", Z_part="*fp32", V_part="*fp32", I_part="*i32", H_part="*i32",
+                   CUT_ptr="*fp32", OFS_ptr="*i32", N_part="*i32", Q_part="*fp32", C_ptr="*i32", SV_ptr="*fp32",
+                   IDS_ptr="*i64", LP_ptr="*fp32", THR_ptr="*fp32")
         yield f"sample partial {dt}", S._partial_kernel, prm, \
-            dict(CHUNK=S._CHUNK, BLOCK=S._BLOCK, NB=S._NB, W_INV=S._W_INV), 8
-        yield f"sample finish {dt}", S._finish_kernel, prm | dict(C_ptr="*i32", IDS_ptr="*i64", LP_ptr="*fp32",
-                                                                  THR_ptr="*fp32"), \
-            dict(S_BLOCK=16, NB=S._NB, W_INV=S._W_INV, CAP=S._CAP, EXH=S._EXH, BLOCK=S._BLOCK,
-                 BLOCK_C=S._BLOCK_C, NP=S._NP), 8
-
+            dict(CHUNK=S._CHUNK, BLOCK=S._BLOCK, BLOCK_H=S._BLOCK_H, NB=S._NB, W_INV=S._W_INV), 8
+        yield f"sample cutoff {dt}", S._cutoff_kernel, prm, \
+            dict(CHUNK=S._CHUNK, S_BLOCK=16, NB=S._NB, W_INV=S._W_INV), 4
+        yield f"sample compact {dt}", S._compact_kernel, prm, \
+            dict(CHUNK=S._CHUNK, CAP=S._CAP, BLOCK=S._BLOCK_K2), S._WARPS_K2
+        yield f"sample finish {dt}", S._finish_kernel, prm, \
+            dict(S_BLOCK=16, CAP=S._CAP, EXH=S._EXH, BLOCK_C=S._BLOCK_C, NP=S._NP), 8
 
 def main():
     bad = n = 0

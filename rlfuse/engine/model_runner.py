@@ -46,6 +46,13 @@ log = logging.getLogger(__name__)
 _STATIC_FIELDS = 8  # ids, positions, slots, rows, seq_lens, top_k, seeds, offsets
 
 
+def _field_stride(nb: int) -> int:
+    """int64 elements between static fields of bucket nb: even, so every field starts on a
+    16-byte boundary (Triton specializes kernels on pointer alignment: an odd bucket would
+    give the sampler a second compiled variant)."""
+    return nb + (nb & 1)
+
+
 @dataclasses.dataclass(slots=True)
 class Pending:
     """A launched step: `ids` (S,) device tensor of its samples (the next look-ahead step's
@@ -75,7 +82,7 @@ class ModelRunner:
         self.graph_pool = None
         if self.static:
             n = self.max_graph_bs
-            self.s_i64 = torch.zeros(_STATIC_FIELDS * n, dtype=torch.int64, device=self.device)
+            self.s_i64 = torch.zeros(_STATIC_FIELDS * _field_stride(n), dtype=torch.int64, device=self.device)
             self.s_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
             self.s_out = torch.zeros((n, self.mcfg.hidden_size), dtype=self.dtype, device=self.device)
         self.kv: KVCache | None = None
@@ -208,7 +215,8 @@ class ModelRunner:
         decode = all(n == 1 for n in num_new)
         if decode and self.static and B <= self.max_graph_bs:
             nb = next(g for g in self.graph_sizes if g >= B)
-            host = np.zeros((_STATIC_FIELDS, nb), dtype=np.int64)
+            fs = _field_stride(nb)
+            host = np.zeros((_STATIC_FIELDS, fs), dtype=np.int64)
             host[2], host[3] = -1, self.num_rows  # padding rows: no K/V write, the zero table row
             if not ahead:
                 host[0, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
@@ -217,18 +225,19 @@ class ModelRunner:
             host[3, :B] = rows
             host[4, :B] = host[1, :B] + 1
             host[5, :S], host[6, :S], host[7, :S] = top_k, seeds, offsets
-            self.s_i64[:_STATIC_FIELDS * nb].copy_(self._upload(host.reshape(-1), torch.int64))
+            self.s_i64[:_STATIC_FIELDS * fs].copy_(self._upload(host.reshape(-1), torch.int64))
             if ahead:
                 self.s_i64[:B].copy_(feed)  # the input ids: the running step's samples, on the device
             self._replay(nb)
             h = self.s_out[:B] if S == B else self.s_out[self._upload(sampled, torch.int64)]
-            k_t, seed_t, off_t = (self.s_i64[f * nb:f * nb + S] for f in (5, 6, 7))
+            k_t, seed_t, off_t = (self.s_i64[f * fs:f * fs + S] for f in (5, 6, 7))
         else:
             h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds, offsets)
         if S == 0:
             return Pending(sampled, None, None, None)
-        fl = self._upload([[p.temperature for p, _ in samp], [p.top_p for p, _ in samp],
-                           [p.min_p for p, _ in samp]], torch.float32)
+        pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see _field_stride)
+        fl = self._upload([[p.temperature for p, _ in samp] + pad, [p.top_p for p, _ in samp] + pad,
+                           [p.min_p for p, _ in samp] + pad], torch.float32)[:, :S]
         logits = self._logits(h)
         masks = [(i, t) for i, (p, s) in enumerate(samp) if s.num_output_tokens + ahead < p.min_tokens
                  for t in s.stop_ids]
@@ -297,8 +306,9 @@ class ModelRunner:
     # ------------------------------------------------------------------ decode graphs
     def _decode_body(self, nb: int) -> None:
         st = self.s_i64
-        ids, pos, slots, rows = (st[f * nb:(f + 1) * nb] for f in range(4))
-        seq_lens = st[4 * nb:5 * nb].to(torch.int32)
+        fs = _field_stride(nb)
+        ids, pos, slots, rows = (st[f * fs:f * fs + nb] for f in range(4))
+        seq_lens = st[4 * fs:4 * fs + nb].to(torch.int32)
         attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens, self.bt.index_select(0, rows), 1)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))
 
@@ -336,10 +346,10 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         nb = self.max_graph_bs
-        host = np.zeros((_STATIC_FIELDS, nb), dtype=np.int64)
-        host[2], host[3] = -1, self.num_rows
         for size in todo:
-            self.s_i64[:_STATIC_FIELDS * size].copy_(torch.from_numpy(host[:, :size].reshape(-1)))
+            host = np.zeros((_STATIC_FIELDS, _field_stride(size)), dtype=np.int64)
+            host[2], host[3] = -1, self.num_rows
+            self.s_i64[:host.size].copy_(torch.from_numpy(host.reshape(-1)))
             self._capture(size)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
                  f"{min(self.graph_sizes)}..{nb}", time.perf_counter() - t0)

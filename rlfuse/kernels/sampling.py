@@ -29,16 +29,26 @@ can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability
      2. filtered rows: a histogram on an absolute grid of width W = 1/8,
         bin = floor(m_c / W) - floor(s / W) (exact: W is a power of two), so chunk
         histograms merge by an integer shift.
-  K2 `_finish_kernel`, grid (B,): merges the partials (m, Z, id: max value, smallest
+  K2a `_cutoff_kernel`, grid (B,), filtered rows:
+     3. merges m, Z and the chunk histograms (bin j: s in [(A - j) W, (A - j + 1) W),
+        A = floor(m / W)) into a cutoff c <= the final threshold, always a bin edge
+        (A - jc) W or -inf: top-k: the highest edge with count(s >= c) >= k (exact
+        counts); top-p alone: where the mass lower bound (count x e^(bin lower edge - m))
+        reaches top_p Z, 1 bin lower; min-p: the edge at or below its floor m + log(min_p).
+        With top-k and top-p both on only the top-k rule may raise c (the top-k mass Z_k
+        must then be computable from the candidates). Since c is an edge, s >= c <=> the
+        element's bin is <= jc, so each chunk's count of candidates is read off its own
+        histogram, exactly: their exclusive prefix sum says where each chunk's candidates
+        start in the row's list (no atomics, no second counting pass).
+  K2b `_compact_kernel`, grid (B, S), filtered rows:
+     4. each chunk writes its indices with s >= c (and s) in index order at its offset
+        into a (B, CAP) scratch (nothing when the row's total exceeds CAP), with its exact
+        count and mass sum exp(s - m). A count that differs from the histogram's (only
+        NaN logits) marks the row's list unusable.
+  K3 `_finish_kernel`, grid (B,): merges the partials (m, Z, id: max value, smallest
      index among equals). Filtered rows:
-     3. a cutoff c <= the final threshold from the merged histogram: top-k: the highest
-        bin edge with count(s >= c) >= k (exact counts); top-p alone: where the estimated
-        mass lower bound (count x e^(bin lower edge - m)) reaches top_p Z, 1 bin lower; min-p: its floor
-        m + log(min_p). With top-k and top-p both on only the top-k rule may raise c (the
-        top-k mass Z_k must then be computable from the candidates);
-     4. compaction of the indices with s >= c in index order (block prefix sums, no
-        atomics) into a (B, CAP) scratch; exact counts/mass confirm c, else c = -inf;
-     5. thr = max tau with P(tau), where
+     5. the exact counts/mass (summed over chunks in order) confirm c, else c = -inf;
+     6. thr = max tau with P(tau), where
             P(tau) = [#(s >= tau) >= k] or [sum_{s >= tau} e^(s-m) >= top_p Z_k] or [tau <= floor]
         (each clause only when its filter is on). P is monotone and P(tau) <=>
         tau <= max(kth, p_thresh, floor), so the reference keeps exactly {s >= thr}:
@@ -46,9 +56,10 @@ can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability
         below tau is dropped iff the mass at or above tau reaches top_p. Up to EXH
         candidates: P at every candidate value at once (an all-pairs tile); else a
         bisection on the order-preserving integer key of fp32 values, NP probes a sweep
-        (kth first when top-k and top-p are both on, for Z_k); over CAP candidates the
-        sweeps stream the whole row (exact, slow);
-     6. Gumbel-max over the candidates with s >= thr.
+        (kth first when top-k and top-p are both on, for Z_k), over the candidates' stored
+        s; over CAP candidates, an unconfirmed c or an unusable list: the sweeps stream
+        the whole row (exact, slow: one program a row);
+     7. Gumbel-max over the candidates with s >= thr.
 Tests: `python -m pytest -q tests/test_kernel_sampling.py`; GPU: benchmarks/kernels/
 gpu_check_layers.py and bench_sampling.py.
 """
@@ -138,12 +149,20 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
 
 _W_INV = 8.0  # histogram bins per nat of s (bin width 1/8: mass estimate within e^(1/16))
 _NB = 256     # histogram bins: 32 nats below the max, then the rest bin
-_NP = 16      # probes per bisection sweep: 2^32 keys in 8 sweeps
+_NP = 8       # probes per bisection sweep (H100, B=256, flat top-p, ~4k candidates: K3 0.42 ms
+              # with 8 probes x 1024 candidates a step, 0.61 with 16 x 512, 0.71 with 32 x 512)
 _CHUNK = 16384  # elements per K1 program: V = 151936 -> 10 chunks a row
 _BLOCK = 2048   # elements per step in the streaming loops
-_BLOCK_C = 512  # candidates per step in the bisection
+_BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows: K1
+                 # 0.226 ms at 8192, 0.242 at 4096, 0.285 at 2048; unfiltered K1 0.148)
+_BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
+_BLOCK_K2 = 512  # elements per step in the compaction, and its warps (H100, B=256, top-k 50:
+_WARPS_K2 = 2    # K2b 0.085 ms; 1024 x 4 warps 0.10, 2048 x 4 0.14, 4096 x 8 0.28): small CTAs,
+                 # more of them in flight per SM; smaller ones not tried
 _CAP = 16384    # candidates kept in scratch per row
 _EXH = 128      # up to this many candidates: one all-pairs tile instead of bisection
+_MAX_S = 64     # chunks a row at most: K2a holds all chunk histograms as one (S, NB) tile;
+                # a bound on the `chunk` knob, not measured on the GPU beyond S = 10
 
 
 # Interpreter note: Triton's interpreter re-patches the language on every call of a
@@ -221,7 +240,8 @@ def _scan_chunk(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NO
 @triton.jit
 def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
                     M_part, Z_part, V_part, I_part, H_part, V, S,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr):
+                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, NB: tl.constexpr,
+                    W_INV: tl.constexpr):
     b = tl.program_id(0)
     c = tl.program_id(1)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
@@ -240,8 +260,8 @@ def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
     if mode == 2:  # chunk histogram on the absolute grid (see the module notes)
         a_top = tl.floor(mc * W_INV)
         hist = tl.zeros((NB,), tl.int32)
-        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
-            idx = off + tl.arange(0, BLOCK)
+        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK_H):
+            idx = off + tl.arange(0, BLOCK_H)
             s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
             d = a_top - tl.floor(s * W_INV)
             hist += tl.histogram(tl.where(d < NB - 1, d, NB - 1).to(tl.int32), NB)
@@ -249,7 +269,16 @@ def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
 
 
 @triton.jit
-def _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_f,
+def _cand(row, C_row, SV_row, j, valid, t, FULL: tl.constexpr):
+    """(index, s) of candidates j: the row itself (FULL) or the compacted list."""
+    if FULL:
+        return j, tl.math.div_rn(tl.load(row + j, mask=valid, other=float("-inf")).to(tl.float32), t)
+    idx = tl.load(C_row + j, mask=valid, other=0)
+    return idx, tl.load(SV_row + j, mask=valid, other=float("-inf"))
+
+
+@triton.jit
+def _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_f,
             FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
     """Largest key in [lo, hi) with P true; P(lo) assumed true, P(hi) false. Keys are
     fp32 bit patterns made order-preserving (negatives flipped), in int64."""
@@ -263,8 +292,7 @@ def _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_
         for j0 in range(0, n, BLOCK_C):
             j = j0 + tl.arange(0, BLOCK_C)
             valid = j < n
-            idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
-            s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+            idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
             valid = valid & (s >= c)
             e = tl.where(valid, tl.exp(s - m), 0.0)
             ge = (s[:, None] >= tau[None, :]) & valid[:, None]
@@ -278,27 +306,26 @@ def _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_
 
 
 @triton.jit
-def _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
              FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
-    """Steps 5-6 over the candidates C_row[:n] (FULL: the row's s >= c, n = V) -> id."""
+    """Steps 6-7 over the candidates C_row[:n] (FULL: the row's s >= c, n = V) -> id."""
     cb = c.to(tl.int32, bitcast=True).to(tl.int64)
     mb = m.to(tl.int32, bitcast=True).to(tl.int64)
     lo = tl.where(cb >= 0, cb + 2147483648, -1 - cb)
     hi = tl.where(mb >= 0, mb + 2147483648, -1 - mb) + 1
     zk = z
     if use_k & use_p:  # kth first: top-p renormalizes over the top-k set
-        lo = _bisect(row, C_row, n, t, c, m, lo, hi, k, True, 0.0, False, floor, False,
+        lo = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, True, 0.0, False, floor, False,
                      FULL, BLOCK_C, NP)
         kth = tl.where(lo >= 2147483648, lo - 2147483648, -1 - lo).to(tl.int32).to(tl.float32, bitcast=True)
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j0 in range(0, n, BLOCK_C):
             j = j0 + tl.arange(0, BLOCK_C)
             valid = j < n
-            idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
-            s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+            idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
             acc += tl.where(valid & (s >= c) & (s >= kth), tl.exp(s - m), 0.0)
         zk = tl.sum(acc, axis=0)
-    tk = _bisect(row, C_row, n, t, c, m, lo, hi, k, use_k, top_p * zk, use_p, floor, use_f,
+    tk = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, top_p * zk, use_p, floor, use_f,
                  FULL, BLOCK_C, NP)
     thr = tl.where(tk >= 2147483648, tk - 2147483648, -1 - tk).to(tl.int32).to(tl.float32, bitcast=True)
     best_v = tl.full((), float("-inf"), tl.float32)
@@ -306,8 +333,7 @@ def _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_
     for j0 in range(0, n, BLOCK_C):
         j = j0 + tl.arange(0, BLOCK_C)
         valid = j < n
-        idx = j if FULL else tl.load(C_row + j, mask=valid, other=0)
-        s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
+        idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
         v = tl.where(valid & (s >= c) & (s >= thr), s + _gumbel(key, idx), float("-inf"))
         bv = tl.max(v, axis=0)
         bi = tl.min(tl.where(v == bv, idx, 2147483647), axis=0)
@@ -318,16 +344,15 @@ def _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_
 
 
 @triton.jit
-def _resolve_small(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
+def _resolve_small(C_row, SV_row, n, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
                    EXH: tl.constexpr):
-    """Steps 5-6 when the n <= EXH candidates fit one tile: P is evaluated at every
+    """Steps 6-7 when the n <= EXH candidates fit one tile: P is evaluated at every
     candidate value at once (an EXH x EXH compare), thr = the largest value with P true
     (or the min-p floor when higher). kth, p_thresh are candidate values; floor is not."""
     j = tl.arange(0, EXH)
     valid = j < n
     idx = tl.load(C_row + j, mask=valid, other=0)
-    s = tl.math.div_rn(tl.load(row + idx, mask=valid, other=float("-inf")).to(tl.float32), t)
-    s = tl.where(valid, s, float("-inf"))
+    s = tl.load(SV_row + j, mask=valid, other=float("-inf"))
     e = tl.where(valid, tl.exp(s - m), 0.0)
     ge = (s[None, :] >= s[:, None]) & valid[None, :]  # row i: tau = s_i; column: candidate
     cnt = tl.sum(ge.to(tl.int32), axis=1)
@@ -345,88 +370,159 @@ def _resolve_small(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor
 
 
 @triton.jit
-def _compact(row, C_row, V, t, m, c, CAP: tl.constexpr, BLOCK: tl.constexpr):
-    """Indices with s >= c into C_row[:CAP] in index order -> (count, sum exp(s - m))."""
-    n = tl.full((), 0, tl.int32)
-    mass = tl.zeros((BLOCK,), tl.float32)
-    for off in range(0, V, BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
-        keep = (idx < V) & (s >= c)
-        ki = keep.to(tl.int32)
-        nk = tl.sum(ki, axis=0)
-        if nk > 0:  # most blocks hold no candidate: skip the scan
-            pos = n + tl.cumsum(ki, axis=0) - 1
-            tl.store(C_row + pos, idx, mask=keep & (pos < CAP))
-            mass += tl.where(keep, tl.exp(s - m), 0.0)
-            n += nk
-    return n, tl.sum(mass, axis=0)
+def _row_merge(b, S, M_part, Z_part, S_BLOCK: tl.constexpr):
+    """-> (m, Z, per-chunk maxima (S_BLOCK,)) of row b (K2a and K3: the same m bitwise)."""
+    cs = tl.arange(0, S_BLOCK)
+    mp = tl.load(M_part + b * S + cs, mask=cs < S, other=float("-inf"))
+    m = tl.max(mp, axis=0)
+    z = tl.sum(tl.load(Z_part + b * S + cs, mask=cs < S, other=0.0) *
+               tl.exp(mp - tl.where(m == float("-inf"), 0.0, m)), axis=0)
+    return m, z, mp
+
+
+@triton.jit
+def _row_cutoff(b, S, V, m, z, mp, H_part, k, use_k, top_p, use_p, min_p, use_f,
+                CHUNK: tl.constexpr, S_BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr):
+    """Step 3: the cutoff c (a bin edge of the absolute grid, or -inf) from the merged
+    histogram, and the count of s >= c in each chunk (S_BLOCK,), read off the chunk
+    histograms: s >= (A - jc) W <=> floor(s / W) >= A - jc <=> merged bin <= jc (exact,
+    W a power of two)."""
+    a_top = tl.floor(m * W_INV)
+    cs = tl.arange(0, S_BLOCK)
+    j = tl.arange(0, NB)
+    # chunk histograms shifted onto the row's grid: merged bin j = chunk bin j - shift
+    shift = a_top - tl.floor(mp * W_INV)  # >= 0, or inf/nan for an all -inf chunk
+    src = j[None, :] - tl.where(shift < NB, shift, NB).to(tl.int32)[:, None]  # (S_BLOCK, NB)
+    h_sj = tl.load(H_part + (b * S + cs).to(tl.int64)[:, None] * NB + src,
+                   mask=(cs < S)[:, None] & (src >= 0) & (src < NB - 1), other=0)
+    hist = tl.sum(h_sj, axis=0)  # bin j: s in [(A - j) W, (A - j + 1) W); integer sums: exact
+    edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # lower edge of bin j (exact)
+    inner = j < NB - 1
+    # top-k: the highest edge with count(s >= edge) >= k (exact counts)
+    j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, NB), axis=0)
+    # top-p: lower bound of the mass at or above each bin's lower edge (every value in bin j
+    # is >= edge_j), so the first bin where it reaches top_p Z is a cutoff the exact check
+    # confirms (one bin of slack for rounding). A midpoint estimate could overshoot by
+    # e^(1/16) per bin: on heavy-tailed rows (Zipf) the exact check then failed and the row
+    # fell back to the full-row bisection (8-14 ms at B=256 on H100).
+    est = tl.cumsum(hist.to(tl.float32) * tl.exp(edge - m), axis=0)
+    j_p = tl.min(tl.where(inner & (est >= top_p * z * 1.00001), j, NB), axis=0) + 1
+    # min-p: the bin edge at or below floor = m + log(min_p) (nan, e.g. m = -inf: no cutoff)
+    floor = m + tl.log(tl.where(use_f, min_p, 1.0))
+    f_j = a_top - tl.floor(floor * W_INV)
+    j_f = tl.where(f_j < 0, 0, tl.where(f_j < NB - 1, f_j, NB - 1)).to(tl.int32)
+    # with top-k and top-p both on only the top-k rule may raise c (Z_k from the candidates)
+    either = ~(use_k & use_p)
+    jc = tl.minimum(tl.where(use_k, j_k, NB - 1), tl.where(use_p & ~use_k, j_p, NB - 1))
+    jc = tl.minimum(jc, tl.where(either & use_f, j_f, NB - 1))
+    c = tl.where(jc < NB - 1, (a_top - jc) * (1.0 / W_INV), float("-inf"))
+    cnt = tl.sum(tl.where(j[None, :] <= jc, h_sj, 0), axis=1)  # (S_BLOCK,)
+    every = tl.minimum(V - cs * CHUNK, CHUNK)  # c = -inf: the whole chunk
+    cnt = tl.where(jc < NB - 1, cnt, tl.where(cs < S, every, 0))
+    return c, floor, either, cnt
+
+
+@triton.jit
+def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_part, H_part,
+                   CUT_ptr, OFS_ptr, V, S, CHUNK: tl.constexpr, S_BLOCK: tl.constexpr,
+                   NB: tl.constexpr, W_INV: tl.constexpr):
+    """Step 3 for a filtered row b: CUT[b] = (c, m); OFS[b, :S + 1] = where each chunk's
+    candidates start in the row's list (exclusive prefix of the counts; OFS[b, S] = n)."""
+    b = tl.program_id(0)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    if mode == 2:
+        m, z, mp = _row_merge(b, S, M_part, Z_part, S_BLOCK)
+        c, floor, either, cnt = _row_cutoff(b, S, V, m, z, mp, H_part, k, use_k, top_p, use_p,
+                                            min_p, use_f, CHUNK, S_BLOCK, NB, W_INV)
+        tl.store(CUT_ptr + 2 * b, c)
+        tl.store(CUT_ptr + 2 * b + 1, m)
+        cs = tl.arange(0, S_BLOCK)
+        tl.store(OFS_ptr + b * (S + 1) + cs, tl.cumsum(cnt, axis=0) - cnt, mask=cs < S)
+        tl.store(OFS_ptr + b * (S + 1) + S, tl.sum(cnt, axis=0))
+
+
+@triton.jit
+def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                    CUT_ptr, OFS_ptr, N_part, Q_part, C_ptr, SV_ptr, V, S,
+                    CHUNK: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+    """Step 4 for chunk ci of a filtered row b (other rows: nothing to do)."""
+    b = tl.program_id(0)
+    ci = tl.program_id(1)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    if mode == 2:
+        c = tl.load(CUT_ptr + 2 * b)
+        m = tl.load(CUT_ptr + 2 * b + 1)
+        start = tl.load(OFS_ptr + b * (S + 1) + ci)
+        own = tl.load(OFS_ptr + b * (S + 1) + ci + 1) - start
+        # over CAP K3 streams the row: no list needed (a limit, not `scalar & vector`: the
+        # interpreter cannot broadcast a scalar bool)
+        limit = tl.where(tl.load(OFS_ptr + b * (S + 1) + S) <= CAP, CAP, 0)
+        row = L_ptr + b.to(tl.int64) * stride_l
+        C_row = C_ptr + b.to(tl.int64) * CAP
+        SV_row = SV_ptr + b.to(tl.int64) * CAP
+        lo = ci * CHUNK
+        n = tl.full((), 0, tl.int32)
+        mass = tl.zeros((BLOCK,), tl.float32)
+        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
+            keep = (idx < V) & (s >= c)
+            ki = keep.to(tl.int32)
+            nk = tl.sum(ki, axis=0)
+            if nk > 0:  # most blocks hold no candidate: skip the scan
+                pos = start + n + tl.cumsum(ki, axis=0) - 1
+                st = keep & (pos < limit)  # also guards a wrong count, which K3 rejects
+                tl.store(C_row + pos, idx, mask=st)
+                tl.store(SV_row + pos, s, mask=st)
+                mass += tl.where(keep, tl.exp(s - m), 0.0)
+                n += nk
+        # a count that differs from the histogram's (NaN logits) marks the list unusable
+        tl.store(N_part + b * S + ci, tl.where(n == own, n, -1))
+        tl.store(Q_part + b * S + ci, tl.sum(mass, axis=0))
 
 
 @triton.jit
 def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                   M_part, Z_part, V_part, I_part, H_part, C_ptr, IDS_ptr, LP_ptr, THR_ptr, V, S,
-                   S_BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr, CAP: tl.constexpr,
-                   EXH: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+                   M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, C_ptr, SV_ptr,
+                   IDS_ptr, LP_ptr, THR_ptr, V, S, S_BLOCK: tl.constexpr, CAP: tl.constexpr,
+                   EXH: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
     row = L_ptr + b.to(tl.int64) * stride_l
+    # merge the partials (m, Z, id: max value, smallest index among equals)
+    m, z, mp = _row_merge(b, S, M_part, Z_part, S_BLOCK)
     cs = tl.arange(0, S_BLOCK)
     cm = cs < S
-    mp = tl.load(M_part + b * S + cs, mask=cm, other=float("-inf"))
-    m = tl.max(mp, axis=0)
-    z = tl.sum(tl.load(Z_part + b * S + cs, mask=cm, other=0.0) *
-               tl.exp(mp - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     vp = tl.load(V_part + b * S + cs, mask=cm, other=float("-inf"))
     idx = tl.min(tl.where(vp == tl.max(vp, axis=0), tl.load(I_part + b * S + cs, mask=cm, other=V), V),
                  axis=0)
     thr = tl.where(mode == 0, m, float("-inf"))  # greedy: the max; plain: everything
     if mode == 2:
-        # 3. merged histogram (bin j: s in [(A - j) W, (A - j + 1) W)) -> cutoff c
-        a_top = tl.floor(m * W_INV)
-        j = tl.arange(0, NB)
-        hist = tl.zeros((NB,), tl.int32)
-        for ci in range(0, S):
-            shift = a_top - tl.floor(tl.load(M_part + b * S + ci) * W_INV)  # >= 0 or inf/nan
-            src = j - tl.where(shift < NB, shift, NB).to(tl.int32)
-            hist += tl.load(H_part + (b * S + ci).to(tl.int64) * NB + src,
-                            mask=(src >= 0) & (src < NB - 1), other=0)
-        edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # lower edge of bin j (exact)
-        inner = j < NB - 1
-        j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, NB), axis=0)
-        # lower bound of the mass at or above each bin's lower edge (every value in bin j is
-        # >= edge_j), so the first bin where it reaches top_p Z is a cutoff the exact check
-        # confirms (one bin of slack for rounding). The midpoint estimate used before could
-        # overshoot by e^(1/16) per bin: on heavy-tailed rows (Zipf) the +4-bin slack then
-        # failed and the row fell back to the full-row bisection (8-14 ms at B=256 on H100).
-        est = tl.cumsum(hist.to(tl.float32) * tl.exp(edge - m), axis=0)
-        j_p = tl.min(tl.where(inner & (est >= top_p * z * 1.00001), j, NB), axis=0) + 1
-        floor = m + tl.log(tl.where(use_f, min_p, 1.0))
-        c_k = tl.where(j_k < NB - 1, (a_top - j_k) * (1.0 / W_INV), float("-inf"))
-        c_p = tl.where(j_p < NB - 1, (a_top - j_p) * (1.0 / W_INV), float("-inf"))
+        c = tl.load(CUT_ptr + 2 * b)
+        floor = m + tl.log(tl.where(use_f, min_p, 1.0))  # as in _row_cutoff (same m)
         either = ~(use_k & use_p)
-        c = tl.where(use_k, c_k, float("-inf"))
-        c = tl.maximum(c, tl.where(either & use_p & ~use_k, c_p, float("-inf")))
-        c = tl.maximum(c, tl.where(either & use_f, floor, float("-inf")))
-        # 4. compaction; a cutoff the exact counts do not confirm falls back to -inf
-        C_row = C_ptr + b.to(tl.int64) * CAP
-        n, mass_c = _compact(row, C_row, V, t, m, c, CAP, BLOCK)
-        ok = (c == float("-inf")) | (use_k & (n >= k)) | \
-            (either & ((use_f & (c <= floor)) | (use_p & (mass_c >= top_p * z * 1.00001))))
+        # 5. exact counts/mass of the candidates confirm c, else c = -inf (whole row)
+        n_s = tl.load(N_part + b * S + cs, mask=cm, other=0)
+        n = tl.sum(n_s, axis=0)
+        mass_c = tl.sum(tl.load(Q_part + b * S + cs, mask=cm, other=0.0), axis=0)
+        ok = (tl.min(n_s, axis=0) >= 0) & ((c == float("-inf")) | (use_k & (n >= k)) |
+              (either & ((use_f & (c <= floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
         c = tl.where(ok, c, float("-inf"))
-        if ok == 0:
-            n, mass_c = _compact(row, C_row, V, t, m, c, CAP, BLOCK)
-        # 5.-6. threshold and Gumbel-max over the candidates (or the whole row)
-        if n <= EXH:  # (EXH <= CAP)
-            idx, thr = _resolve_small(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor,
-                                 use_f, EXH)
-        elif n <= CAP:
-            idx, thr = _resolve(row, C_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-                           False, BLOCK_C, NP)
+        C_row = C_ptr + b.to(tl.int64) * CAP
+        SV_row = SV_ptr + b.to(tl.int64) * CAP
+        # 6.-7. threshold and Gumbel-max over the candidates (or the whole row)
+        if ok & (n <= EXH):  # (EXH <= CAP)
+            idx, thr = _resolve_small(C_row, SV_row, n, c, m, z, key, k, use_k, top_p, use_p,
+                                      floor, use_f, EXH)
+        elif ok & (n <= CAP):
+            idx, thr = _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p,
+                                floor, use_f, False, BLOCK_C, NP)
         else:
-            idx, thr = _resolve(row, C_row, V, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-                           True, BLOCK_C, NP)
+            idx, thr = _resolve(row, C_row, SV_row, V, t, c, m, z, key, k, use_k, top_p, use_p,
+                                floor, use_f, True, BLOCK_C, NP)
     s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
     tl.store(IDS_ptr + b, idx.to(tl.int64))
     tl.store(LP_ptr + b, s_id - (m + tl.log(z)))
@@ -448,31 +544,41 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
         if p.shape != (B,) or p.device != logits.device:
             raise ValueError(f"sample: {name} must have shape ({B},) on {logits.device}, got "
                              f"{tuple(p.shape)} on {p.device}")
+    S = triton.cdiv(V, chunk)
+    if S > _MAX_S:
+        raise ValueError(f"sample_triton: chunk={chunk} splits V={V} into {S} chunks, at most {_MAX_S}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev = logits.device
     # block sizes follow V (and the knobs) only, never B: batch invariance
-    block = min(_BLOCK, chunk, triton.next_power_of_2(V))
+    block_v = triton.next_power_of_2(V)
+    block = min(_BLOCK, chunk, block_v)
     block_c = min(_BLOCK_C, triton.next_power_of_2(V))
-    S = triton.cdiv(V, chunk)
     f32 = dict(dtype=torch.float32, device=dev)
-    m_part, z_part, v_part = (torch.empty((B, S), **f32) for _ in range(3))
-    i_part = torch.empty((B, S), dtype=torch.int32, device=dev)
-    h_part = torch.empty((B, S, _NB), dtype=torch.int32, device=dev)
-    cand = torch.empty((B, cap), dtype=torch.int32, device=dev)
+    i32 = dict(dtype=torch.int32, device=dev)
+    m_part, z_part, v_part, q_part = (torch.empty((B, S), **f32) for _ in range(4))
+    i_part, n_part = (torch.empty((B, S), **i32) for _ in range(2))
+    cut, ofs = torch.empty((B, 2), **f32), torch.empty((B, S + 1), **i32)
+    h_part = torch.empty((B, S, _NB), **i32)
+    cand, cand_s = torch.empty((B, cap), **i32), torch.empty((B, cap), **f32)
     ids = torch.empty((B,), dtype=torch.int64, device=dev)
     logprobs = torch.empty((B,), **f32)
     thr = torch.empty((B,), **f32)
     if B == 0:
         return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
     params = [p.contiguous() for p in (temperature, top_k, top_p, min_p, seeds, offsets)]
+    s_block = triton.next_power_of_2(S)
     _partial_kernel[(B, S)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
-                            h_part, V, S, CHUNK=chunk, BLOCK=block, NB=_NB, W_INV=_W_INV,
-                            num_warps=8)
-    _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
-                         h_part, cand, ids, logprobs, thr, V, S, S_BLOCK=triton.next_power_of_2(S),
-                         NB=_NB, W_INV=_W_INV, CAP=cap, EXH=min(exh, block_c, cap), BLOCK=block,
-                         BLOCK_C=block_c, NP=_NP, num_warps=8)
+                            h_part, V, S, CHUNK=chunk, BLOCK=block, BLOCK_H=min(_BLOCK_H, chunk, block_v),
+                            NB=_NB, W_INV=_W_INV, num_warps=8)
+    _cutoff_kernel[(B,)](*params, m_part, z_part, h_part, cut, ofs, V, S, CHUNK=chunk,
+                         S_BLOCK=s_block, NB=_NB, W_INV=_W_INV, num_warps=4)
+    _compact_kernel[(B, S)](logits, logits.stride(0), *params, cut, ofs, n_part, q_part, cand,
+                            cand_s, V, S, CHUNK=chunk, CAP=cap, BLOCK=min(_BLOCK_K2, chunk, block_v),
+                            num_warps=_WARPS_K2)
+    _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
+                         n_part, q_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
+                         CAP=cap, EXH=min(exh, block_c, cap), BLOCK_C=block_c, NP=_NP, num_warps=8)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
 
