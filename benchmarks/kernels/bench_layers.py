@@ -6,12 +6,13 @@ Qwen3-0.6B shapes, T in {4096, 16384, 65536} tokens:
     qk-norm   x (T * 16, 128), w (128,)         (Qwen3's per-head q norm)
     rope      q (T, 16, 128), positions 0..T-1
     swiglu    gate, up (T, 3072)
-Median of --reps calls, each timed alone with CUDA events after an L2 flush. GB/s
+Median of --reps CUDA-graph replays of one call (forward, or forward + autograd.grad), each
+timed alone with CUDA events after an L2 flush (--no-graph: eager calls, host included). GB/s
 counts the bytes the op must move at least (read inputs + write outputs once; for
 backward also the saved inputs), so it is comparable to the device-copy GB/s printed
 first (read + write bytes / time of a 1 GiB copy).
 
-Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile]
+Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile] [--no-graph]
 Writes $OUT/bench_layers.json and $OUT/bench_layers.md (a table for docs/benchmarks.md).
 """
 
@@ -77,16 +78,33 @@ def cases(T: int):
     }
 
 
-def timed(fn, inputs, diff, backward: bool, reps: int) -> float:
+def timed(fn, inputs, diff, backward: bool, reps: int, graph: bool = True) -> float:
+    """Median seconds of one forward (no grad) or forward + backward call. With `graph`,
+    the call is captured once in a CUDA graph and the replays are timed: the host's launch
+    time drops out (eager fwd+bwd of these ~100 us ops was mostly host time, and the
+    device machine's host is noisy: the same kernels measured 350-900 us across runs)."""
     if not backward:
-        with torch.no_grad():
-            return bench(lambda: fn(*inputs), reps)
-    dy = torch.randn_like(fn(*inputs))
+        def step():
+            with torch.no_grad():
+                return fn(*inputs)
+    else:
+        dy = torch.randn_like(fn(*inputs))
 
-    def step():
-        out = fn(*inputs)
-        torch.autograd.grad(out, diff, dy)
-    return bench(step, reps)
+        def step():
+            out = fn(*inputs)
+            return torch.autograd.grad(out, diff, dy)
+    if not graph:
+        return bench(step, reps)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # compiles, autotuning, allocator warm-up off the capture
+            step()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    return bench(g.replay, reps)
 
 
 def main():
@@ -94,6 +112,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="T = 16384 only, fewer reps")
     ap.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-graph", action="store_true", help="time eager calls (host launch time included)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -113,7 +132,7 @@ def main():
                 nbytes = fb_bytes if backward else fwd_bytes
                 r = dict(op=name, T=T, pass_="fwd+bwd" if backward else "fwd", GB=nbytes / 1e9)
                 for impl, fn in impls.items():
-                    s = timed(fn, inputs, diff, backward, reps)
+                    s = timed(fn, inputs, diff, backward, reps, graph=not args.no_graph)
                     r[f"{impl}_us"] = s * 1e6
                     r[f"{impl}_GBps"] = nbytes / s / 1e9
                 rows.append(r)
@@ -124,7 +143,7 @@ def main():
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/kernels/bench_layers.py" + (" --quick" if args.quick else "") + \
-        (" --no-compile" if args.no_compile else "")
+        (" --no-compile" if args.no_compile else "") + (" --no-graph" if args.no_graph else "")
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, dtype="bf16", command=cmd)
     (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     impls = ["triton", "eager"] + ([] if args.no_compile else ["compile"])
