@@ -87,6 +87,13 @@ def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
     holds x, dy, dx and the dw sum: ~120-180 registers a thread at 4096 for sm_90, see
     benchmarks/kernels/compile_layers_sm90.py)."""
     block_d = triton.next_power_of_2(D)
+    if block_d <= 128:
+        # per-head norms (Qwen3 qk-norm, D = 128): H100 sweep under CUDA-graph replay
+        # (benchmarks/kernels/probe_rmsnorm.py, commit 7ebbc47, 262144 rows): forward 16 rows
+        # x 4 warps 50.0 us (the general rule's 32 x 8: 51.6; torch.compile 49.3); backward
+        # 16 rows x 2 warps 103.9 us (16 x 4: 119.5; 32 x 2 was 94.6 but spills 348 B in
+        # Triton 3.9's sm_90 build, compile_layers_sm90.py). D < 128 takes the same, not timed.
+        return (block_d, 16, 2) if backward else (block_d, 16, 4)
     rows = max(1, min(64, (2048 if backward else 4096) // block_d))
     warps = 4 if block_d * rows <= 2048 else 8 if block_d * rows <= 8192 else 16
     return block_d, rows, warps
