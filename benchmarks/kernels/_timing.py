@@ -30,6 +30,22 @@ def median_seconds(fn, reps: int, *, warmup: int = 3, flush_l2: bool = False) ->
     return statistics.median(times)
 
 
+def graphed(fn, warmup: int = 3):
+    """`fn` captured once in a CUDA graph after `warmup` calls on a side stream (compiles,
+    autotuning, allocator warm-up stay out of the capture); returns the graph's replay
+    (its outputs live in the graph pool). Timing replays leaves the host's launch time out."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
 def copy_bandwidth() -> float:
     """Device copy GB/s: (read + write bytes) / median time of a 1 GiB copy."""
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from _timing import copy_bandwidth, graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
@@ -93,18 +93,7 @@ def timed(fn, inputs, diff, backward: bool, reps: int, graph: bool = True) -> fl
         def step():
             out = fn(*inputs)
             return torch.autograd.grad(out, diff, dy)
-    if not graph:
-        return bench(step, reps)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):  # compiles, autotuning, allocator warm-up off the capture
-            step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        step()
-    return bench(g.replay, reps)
+    return bench(graphed(step) if graph else step, reps)
 
 
 def main():

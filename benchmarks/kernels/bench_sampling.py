@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from _timing import copy_bandwidth, graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels.sampling import sample_ref, sample_triton
 
 V = 151936
@@ -33,20 +33,6 @@ SETTINGS = {"none": (0, 1.0), "top-p 0.9": (0, 0.9), "top-k 50": (50, 1.0), "top
 def bench(fn, reps: int) -> float:
     """Median seconds of one call, L2 flushed before each (a 256 MiB write)."""
     return median_seconds(fn, reps, flush_l2=True)
-
-
-def graphed(fn):
-    """fn captured in a CUDA graph (its outputs live in the graph pool); returns replay."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g.replay
 
 
 def zipf_logits(B: int, a: float, dtype) -> torch.Tensor:

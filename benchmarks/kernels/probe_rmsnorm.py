@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import triton
 
-from _timing import median_seconds
+from _timing import graphed, median_seconds
 from rlfuse.kernels import rmsnorm as R
 
 OUT = Path(os.environ.get("OUT", "./out"))
@@ -21,16 +21,7 @@ T = 16384
 
 
 def graph_us(fn, reps=40):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return 1e6 * median_seconds(g.replay, reps, flush_l2=True)
+    return 1e6 * median_seconds(graphed(fn), reps, flush_l2=True)
 
 
 def main():
