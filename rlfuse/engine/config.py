@@ -51,9 +51,9 @@ class EngineConfig:
     """While a decode step runs on the device, schedule and launch the next one (its input
     ids fed on the device from the running step's samples) and do the host bookkeeping
     meanwhile: the device no longer idles through the engine's Python between steps.
-    Only for pure decode steps on the static (graph) path with nothing waiting; a
-    sequence that stops on a token (EOS, stop string) computes one extra token that is
-    discarded. Off: every step waits for the previous one (the plain loop)."""
+    Only for pure decode steps on the static (graph) path, with nothing waiting or the
+    running set full; a sequence that stops on a token (EOS, stop string) computes one
+    extra token that is discarded. Off: every step waits for the previous one (the plain loop)."""
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
     """Decode batch-size buckets captured as CUDA graphs; None: 1, 2, 4, 8, then every
     16 up to max_num_seqs. Larger decode batches run eagerly."""

@@ -242,15 +242,19 @@ class LLM:
         """Launch the decode step after `cur` before reading `cur`: the same sequences
         (minus those `cur` ends by length) compute the token `cur` samples, fed on the
         device. Only when the plain scheduler would schedule exactly that: `cur` is a
-        decode step on the static path, nothing waits for admission, and the pool has the
-        blocks (else no look-ahead: the next step is scheduled after reading `cur`)."""
-        b, r, bm = cur.batch, self.runner, self.block_manager
-        if (not r.static or self.scheduler.waiting or not b.is_decode or len(b.seqs) > r.max_graph_bs
+        decode step on the static path; nothing waits for admission, or the running set is
+        full (max_num_seqs, all in `cur`) and stays full (no sequence ends by length in
+        `cur`; one that stops on a token frees its slot a step late); and the pool has the
+        blocks. Else no look-ahead: the next step is scheduled after reading `cur`."""
+        b, r, bm, sch = cur.batch, self.runner, self.block_manager, self.scheduler
+        if (not r.static or not b.is_decode or len(b.seqs) > r.max_graph_bs
                 or len(cur.pending.sampled) != len(b.seqs)):
+            return None
+        if sch.waiting and not (len(sch.running) >= self.config.max_num_seqs and len(b.seqs) == len(sch.running)):
             return None
         void = cur.void or [False] * len(b.seqs)
         keep = [j for j, s in enumerate(b.seqs) if not void[j] and len(s.token_ids) + 1 < s.max_total]
-        if not keep:
+        if not keep or (sch.waiting and len(keep) < len(b.seqs)):  # a slot frees: admit in a plain step
             return None
         seqs = [b.seqs[j] for j in keep]
         if sum(bm.blocks_needed(s, s.num_computed + 2) for s in seqs) > bm.num_free:
