@@ -31,6 +31,7 @@ import torch
 from probe_decode import decode_profile, decoding_engine  # benchmarks/probe_decode.py (the script's directory)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.benchmark import build_model
+from rlfuse.engine.model_runner import Pending
 from rlfuse.engine.naive import teacher_forced_logprobs
 
 OUT = Path(os.environ.get("OUT", "out"))
@@ -46,19 +47,22 @@ def stage_pytest():
 def _decode_step_times(model, B, eager):
     llm = decoding_engine(model, B, eager)
     walls, hosts = [], []
-    run = llm.runner.run
+    launch = llm.runner.launch
     for _ in range(40):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         llm.step()
         walls.append(time.perf_counter() - t0)
-    # host share: the same step with the device work removed (the runner returns at once)
-    llm.runner.run = lambda seqs, n: (list(range(len(seqs))), [1] * len(seqs), [0.0] * len(seqs))
+    # host share: the same step with the device work removed (the runner's launch returns a
+    # finished step at once: token 1, log-prob 0 for every sequence)
+    llm.runner.launch = lambda seqs, n, feed=None: Pending(
+        list(range(len(seqs))), torch.ones(len(seqs), dtype=torch.long, device="cuda"),
+        torch.tensor([[1.0] * len(seqs), [0.0] * len(seqs)], dtype=torch.float64), None)
     for _ in range(10):
         t0 = time.perf_counter()
         llm.step()
         hosts.append(time.perf_counter() - t0)
-    llm.runner.run = run
+    llm.runner.launch = launch
     graph_steps = llm.stats.graph_steps
     llm.sleep()  # free the KV pool and graphs now: the next engine needs the memory
     return statistics.median(walls), statistics.median(hosts), graph_steps

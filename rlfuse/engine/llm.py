@@ -35,8 +35,7 @@ import torch
 
 from rlfuse.engine.block_manager import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
-from rlfuse.engine.model_runner import ModelRunner
-from rlfuse.engine.model_runner import Pending
+from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status
 from rlfuse.model.transformer import CausalLM

@@ -38,7 +38,8 @@ import torch
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
-from rlfuse.kernels.logprob import _num_sms, token_logprobs
+from rlfuse.kernels._triton_common import num_sms
+from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
@@ -108,7 +109,7 @@ class ModelRunner:
             return
         t0 = time.perf_counter()
         n_kv = self.mcfg.num_key_value_heads
-        big = -(-2 * _num_sms(self.device) // n_kv)  # programs >= 2 per SM: no split
+        big = -(-2 * num_sms(self.device) // n_kv)  # programs >= 2 per SM: no split
         width = min(self.max_blocks, -(-256 // self.block_size))  # >= 4 KV blocks of 64: a split is possible
         for B, q_len in ((1, 2), (min(big, self.cfg.max_num_seqs), 2), (1, 1), (self.cfg.max_num_seqs, 1)):
             T = B * q_len
@@ -179,11 +180,6 @@ class ModelRunner:
         if self.device.type == "cuda":
             t = t.pin_memory()
         return t.to(self.device, non_blocking=True)
-
-    @torch.no_grad()
-    def run(self, seqs: list[Sequence], num_new: list[int]) -> tuple[list[int], list[int], list[float]]:
-        """launch + collect: the synchronous step."""
-        return self.collect(self.launch(seqs, num_new))
 
     @torch.no_grad()
     def launch(self, seqs: list[Sequence], num_new: list[int], feed: torch.Tensor | None = None) -> "Pending":

@@ -1,7 +1,17 @@
 """Small Triton helpers shared by several kernels (one op per file keeps its own math)."""
 
+import functools
+
+import torch
 import triton
 import triton.language as tl
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes grids); 4 elsewhere (the CPU
+    interpreter: any small number)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @triton.jit

@@ -47,12 +47,12 @@ Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: benchmarks/kerne
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels._triton_common import num_sms
 from rlfuse.kernels.backend import resolve_backend
 
 
@@ -105,11 +105,6 @@ _FWD_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(bl
 # backward dz kernel: 128x256, 8 warps: 499 / 581 TFLOP/s (same probe; 128x128 498 / 517).
 _DZ_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
 _DZ_CHUNK_BYTES = 1 << 30  # dz scratch: ~1 GiB bounds both memory and the dW fp32 re-reads (N / C passes)
-
-
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 @triton.jit
@@ -299,7 +294,7 @@ def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=Fal
     groups = triton.cdiv(splits, tl_.group)
     R = triton.cdiv(N, tl_.block_n)
     if fold is None:  # one program per (row block, split) until the grid fills the GPU twice over
-        fold = 1 if R * groups < 2 * _num_sms(dev) else tl_.group
+        fold = 1 if R * groups < 2 * num_sms(dev) else tl_.group
     P = triton.cdiv(splits, fold)
     part = torch.empty((4 if return_entropy else 3, N, P), dtype=torch.float32, device=dev)
     t_ptr, t_val = _t_args(inv_t)

@@ -40,7 +40,6 @@ Tests: `python -m pytest -q tests/test_kernel_paged_attention.py`.
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +47,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.attention import KV_BLOCK, dot_precision, tl_dot
+from rlfuse.kernels._triton_common import num_sms
 from rlfuse.kernels.backend import resolve_backend
 
 _LOG2E = 1.4426950408889634
@@ -212,13 +212,6 @@ def _combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
 
 
 # ---------------------------------------------------------------- launchers
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 4  # interpreter: any small number
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _config(head_dim: int, itemsize: int, decode: bool) -> dict:
     """BLOCK_M = query rows per program (tokens x GQA group; decode always uses one token).
     Chosen so ptxas (sm_90a, Triton 3.9, offline) reports no register spills: 128 rows
@@ -303,7 +296,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     max_ctx = block_tables.shape[1] * page
     n_kvblk = triton.cdiv(max_ctx, KV_BLOCK)
     if num_splits is None:
-        progs, target = B * Hkv * n_qblk, 2 * _num_sms(q.device)
+        progs, target = B * Hkv * n_qblk, 2 * num_sms(q.device)
         # enough programs for ~2 waves on the GPU, each split >= _MIN_SPLIT_BLOCKS KV blocks
         num_splits = 1 if progs >= target else min(triton.cdiv(target, progs), n_kvblk // _MIN_SPLIT_BLOCKS,
                                                    _MAX_SPLITS)

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels._triton_common import round_to
+from rlfuse.kernels._triton_common import num_sms, round_to
 from rlfuse.kernels.backend import resolve_backend
 
 
@@ -123,8 +123,7 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
 
 def _num_partials(N: int, rows: int, device: torch.device) -> int:
     # Enough programs to fill the GPU (4 per SM); a function of N and the device only.
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
-    return max(1, min(triton.cdiv(N, rows), 4 * sms))
+    return max(1, min(triton.cdiv(N, rows), 4 * num_sms(device)))
 
 
 def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor):
