@@ -98,7 +98,9 @@ class Tiles:
 # 16-bit tiles from benchmarks/kernels/probe_logprob.py on an H100 (commit bd39990, N=16384,
 # bf16): forward 128x256 (8 warps, 3 stages) 539 / 561 TFLOP/s at D=1024 / 4096, against
 # 338 / 350 for the former 64x128 (4 warps); the best of 7 shapes at both D (cuBLAS
-# computing the same logits: 594 / 666). fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4
+# computing the same logits: 594 / 666). They spill 8-148 B a thread in Triton 3.9's
+# offline sm_90 build (compile_logprob_sm90.py flags them); timed as above on the H100's
+# Triton 3.6 anyway. fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4
 # warps spills at fold=group on sm_90 (benchmarks/kernels/compile_logprob_sm90.py).
 _T16 = Tiles(block_n=128, block_v=256, num_warps=8)
 _FWD_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_d=32, num_warps=8)}
