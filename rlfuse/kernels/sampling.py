@@ -26,7 +26,7 @@ can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability
      1. one streaming pass, per-lane running max m and z = sum exp(s - m) with one exp
         per element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax
         of s + g (plain rows; g from the reference's hash) or of s (greedy rows);
-     2. filtered rows: a histogram on an absolute grid of width W = 1/8,
+     2. filtered rows: a histogram on an absolute grid of width W = 1/2 (NB bins),
         bin = floor(m_c / W) - floor(s / W) (exact: W is a power of two), so chunk
         histograms merge by an integer shift.
   K2a `_cutoff_kernel`, grid (B,), filtered rows:
@@ -147,8 +147,10 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     return ids, logp_full.gather(1, ids[:, None]).squeeze(1)
 
 
-_W_INV = 8.0  # histogram bins per nat of s (bin width 1/8: mass estimate within e^(1/16))
-_NB = 256     # histogram bins: 32 nats below the max, then the rest bin
+_W_INV = 2.0  # histogram bins per nat of s (bin width 1/2; a power of two: exact bin edges)
+_NB = 64      # histogram bins: 31.5 nats below the chunk max, then the rest bin. tl.histogram
+              # costs log2(NB) warp ballots per element plus NB / 32 popcounts a lane: 256 bins
+              # of 1/8 were most of K1 (see benchmarks/kernels/probe_sampling.py)
 _NP = 8       # probes per bisection sweep (H100, B=256, flat top-p, ~4k candidates: K3 0.42 ms
               # with 8 probes x 1024 candidates a step, 0.61 with 16 x 512, 0.71 with 32 x 512)
 _CHUNK = 16384  # elements per K1 program: V = 151936 -> 10 chunks a row
