@@ -185,6 +185,41 @@ def test_mixed_modes_multi_chunk_batch_invariant():
     _check_rows_alone(logits, params, chunk=128)
 
 
+def _tie_across_bin_edge():
+    """(T, x1, x2): adjacent fp32 logits x1 < x2 with rnd(x1 / T) == rnd(x2 / T) but on two
+    sides of an edge of the kernel's grid floor(x kw), kw = rnd(W_INV / T)."""
+    from rlfuse.kernels.sampling import _W_INV
+    for T in (1.5, 1.25, 1.75, 1.1):
+        t = torch.tensor(T, dtype=torch.float32)
+        kw = torch.tensor(_W_INV, dtype=torch.float32) / t
+        for edge in range(2, 40):
+            x = torch.tensor(edge, dtype=torch.float32) / kw  # near the edge, then step onto it
+            while x * kw >= edge:
+                x = torch.nextafter(x, torch.tensor(float("-inf")))
+            while x * kw < edge:
+                x = torch.nextafter(x, torch.tensor(float("inf")))
+            x1 = torch.nextafter(x, torch.tensor(float("-inf")))
+            if x1 / t == x / t:
+                return T, float(x1), float(x)
+    raise AssertionError("no rounding tie across a bin edge found")
+
+
+def test_rounding_tie_across_the_cutoff_takes_the_exact_path():
+    """Candidates are listed by the raw logit (x kw >= cutoff), the threshold is kept on s =
+    rnd(x / T): a token just below the cutoff can share the k-th token's s, so the reference
+    keeps it. The kernel sees the left-out s_out reach the threshold and recomputes the row
+    exactly; the reference draws that token in some rows, and every id must match."""
+    T, x1, x2 = _tie_across_bin_edge()
+    V, B = 16, 64
+    row = torch.full((V,), -30.0)
+    row[3], row[7], row[11] = x2 + 0.1, x2, x1
+    logits = row.repeat(B, 1)
+    params = _params(B, [(T, 2, 1.0, 0.0)], seed=21)
+    ids_ref, _ = sample_ref(logits, *params)
+    assert (ids_ref == 11).any(), "the tied token is never drawn: the check would be vacuous"
+    _check_same(logits, params)
+
+
 def test_rejects_too_many_chunks():
     params = _params(2, _SETTINGS, seed=0)
     with pytest.raises(ValueError, match="chunks"):

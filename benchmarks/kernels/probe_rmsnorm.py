@@ -1,5 +1,5 @@
 """RMSNorm tile sweep (GPU, diagnostic): forward and backward at Qwen3-0.6B's two widths
-(D = 1024 hidden norms with T rows, D = 128 per-head q norm with 16 T rows), over rows per
+(D = 1024 hidden norms with 4096 and T rows, D = 128 per-head q norm with 16 T rows), over rows per
 tile x warps (and programs per SM for the backward), next to torch.compile of the
 reference, all under CUDA-graph replay (no host time).
     OUT=./out python benchmarks/kernels/probe_rmsnorm.py
@@ -28,23 +28,23 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"), rows=[])
     tile0, parts0 = R._tile, R._num_partials
-    for D, N in ((1024, T), (128, 16 * T)):
+    for D, N in ((1024, 4096), (1024, T), (128, 16 * T)):
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
         comp = torch.compile(R.rmsnorm_ref, dynamic=False)
         xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
-        res["rows"].append(dict(D=D, impl="compile", fwd_us=graph_us(lambda: comp(x, w, 1e-6)),
+        res["rows"].append(dict(D=D, N=N, impl="compile", fwd_us=graph_us(lambda: comp(x, w, 1e-6)),
                                 fwdbwd_us=graph_us(lambda: torch.autograd.grad(comp(xg, wg, 1e-6), (xg, wg), dy))))
         print(res["rows"][-1], flush=True)
         _, r = R.rmsnorm_fwd_triton(x, w, 1e-6)
         bd = triton.next_power_of_2(D)
-        for rows in (4, 8, 16, 32, 64):
+        for rows in (1, 2, 4, 8, 16, 32, 64):
             for warps in (2, 4, 8, 16):
                 if rows * bd > 16384 or rows * bd < 32 * warps:
                     continue
                 R._tile = lambda D_, backward=False, rows=rows, warps=warps: (bd, rows, warps)
-                row = dict(D=D, rows=rows, warps=warps)
+                row = dict(D=D, N=N, rows=rows, warps=warps)
                 try:
                     row["fwd_us"] = graph_us(lambda: R.rmsnorm_fwd_triton(x, w, 1e-6, store_r=False))
                     for per_sm in (2, 4, 8):

@@ -1,6 +1,6 @@
-"""Sampler histogram sweep (GPU, diagnostic): K1's per-chunk histogram (NB bins of width
-1 / W_INV nats, BLOCK_H elements a step) at B = 256, V = 151936, on bench_sampling's Zipf
-logits, filtered settings only. For each setting: ids == the sort-based reference, the
+"""Sampler sweep (GPU, diagnostic): K1's per-chunk histogram (NB bins of width 1 / W_INV
+nats, BLOCK_H elements a step) and K2b's step (BLOCK_K2 elements, WARPS_K2 warps) at
+B = 256, V = 151936, on bench_sampling's Zipf logits, filtered settings only. For each setting: ids == the sort-based reference, the
 whole call under CUDA-graph replay (median, L2 flushed), and each kernel's time from the
 profiler (eager calls).
     OUT=./out python benchmarks/kernels/probe_sampling.py
@@ -20,12 +20,17 @@ from rlfuse.kernels import sampling as S
 
 OUT = Path(os.environ.get("OUT", "./out"))
 B = 256
-# (NB, W_INV, BLOCK_H); the first is the setting timed at commit 17fac60
-VARIANTS = [(256, 8.0, 8192), (128, 4.0, 8192), (64, 2.0, 8192), (64, 2.0, 4096), (64, 2.0, 16384),
-            (64, 4.0, 8192), (32, 1.0, 8192), (32, 2.0, 8192)]
-CASES = [("typical", 1.5, torch.float32, 50, 1.0), ("typical", 1.5, torch.float32, 0, 0.9),
-         ("typical", 1.5, torch.float32, 50, 0.9), ("typical", 1.5, torch.bfloat16, 0, 0.9),
-         ("flat", 1.2, torch.float32, 0, 0.9), ("flat", 1.2, torch.float32, 50, 1.0)]
+# module constants patched per variant; the first is the module's default
+_D = dict(_NB=S._NB, _W_INV=S._W_INV, _BLOCK_H=S._BLOCK_H, _BLOCK_K2=S._BLOCK_K2, _WARPS_K2=S._WARPS_K2)
+VARIANTS = [_D, {**_D, "_NB": 256, "_W_INV": 8.0}, {**_D, "_NB": 128, "_W_INV": 4.0},
+            {**_D, "_NB": 32, "_W_INV": 1.0}, {**_D, "_BLOCK_H": 4096}, {**_D, "_BLOCK_H": 16384},
+            {**_D, "_BLOCK_K2": 1024, "_WARPS_K2": 2}, {**_D, "_BLOCK_K2": 1024, "_WARPS_K2": 4},
+            {**_D, "_BLOCK_K2": 2048, "_WARPS_K2": 4}, {**_D, "_BLOCK_K2": 256, "_WARPS_K2": 1}]
+# (logits, Zipf exponent, dtype, top_k, top_p, temperature)
+CASES = [("typical", 1.5, torch.float32, 50, 1.0, 1.0), ("typical", 1.5, torch.float32, 0, 0.9, 1.0),
+         ("typical", 1.5, torch.float32, 50, 0.9, 1.0), ("typical", 1.5, torch.bfloat16, 0, 0.9, 1.0),
+         ("typical", 1.5, torch.float32, 0, 0.9, 0.7), ("flat", 1.2, torch.float32, 0, 0.9, 1.0),
+         ("flat", 1.2, torch.float32, 50, 1.0, 1.0)]
 
 
 def kernel_us(fn, reps=10):
@@ -47,24 +52,25 @@ def kernel_us(fn, reps=10):
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"), rows=[])
-    saved = (S._NB, S._W_INV, S._BLOCK_H)
     refs = {}
-    for dist, a, dtype, k, p in CASES:
+    for dist, a, dtype, k, p, temp in CASES:
         logits = zipf_logits(B, a, dtype)
-        prm = params(B, k, p)
-        refs[(dist, dtype, k, p)] = (logits, prm, S.sample_ref(logits, *prm)[0])
-    for nb, w_inv, block_h in VARIANTS:
-        S._NB, S._W_INV, S._BLOCK_H = nb, w_inv, block_h
-        for (dist, dtype, k, p), (logits, prm, ref_ids) in refs.items():
+        prm = (params(B, k, p)[0] * temp, *params(B, k, p)[1:])
+        refs[(dist, dtype, k, p, temp)] = (logits, prm, S.sample_ref(logits, *prm)[0])
+    for var in VARIANTS:
+        for name, value in var.items():
+            setattr(S, name, value)
+        for (dist, dtype, k, p, temp), (logits, prm, ref_ids) in refs.items():
             ids, _, thr = S.sample_triton(logits, *prm, return_threshold=True)
-            row = dict(NB=nb, W_INV=w_inv, BLOCK_H=block_h, dist=dist, dtype=str(dtype).split(".")[-1],
-                       top_k=k, top_p=p, ids_equal_ref=bool(torch.equal(ids, ref_ids)),
+            row = dict(**{n.strip("_"): v for n, v in var.items()}, dist=dist, dtype=str(dtype).split(".")[-1],
+                       top_k=k, top_p=p, T=temp, ids_equal_ref=bool(torch.equal(ids, ref_ids)),
                        graph_ms=1e3 * median_seconds(graphed(lambda: S.sample_triton(logits, *prm)),  # noqa: B023
                                                      30, flush_l2=True),
                        kernels_us=kernel_us(lambda: S.sample_triton(logits, *prm)))  # noqa: B023
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
-    S._NB, S._W_INV, S._BLOCK_H = saved
+    for name, value in _D.items():
+        setattr(S, name, value)
     (OUT / "probe_sampling.json").write_text(json.dumps(res, indent=1))
 
 

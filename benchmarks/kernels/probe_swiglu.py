@@ -125,8 +125,8 @@ def main():
             if block // (32 * warps) < 1:
                 continue
             grid = (triton.cdiv(n, block),)
-            f = t_us(lambda: S._swiglu_fwd_kernel[grid](g, u, y, n, BLOCK=block, num_warps=warps))
-            b = t_us(lambda: S._swiglu_bwd_kernel[grid](dy, g, u, dg, du, n, BLOCK=block, num_warps=warps))
+            f = t_us(lambda: S._swiglu_fwd_kernel[grid](g, u, y, n, BLOCK=block, EVEN=True, num_warps=warps))
+            b = t_us(lambda: S._swiglu_bwd_kernel[grid](dy, g, u, dg, du, n, BLOCK=block, EVEN=True, num_warps=warps))
             res["rows"].append(dict(block=block, warps=warps, fwd_us=f, bwd_us=b))
             print(f"BLOCK={block:5d} warps={warps:2d}  fwd {f:7.1f} us  bwd {b:7.1f} us", flush=True)
     (OUT / "probe_swiglu.json").write_text(json.dumps(res, indent=1))

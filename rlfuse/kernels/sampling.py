@@ -25,40 +25,51 @@ can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability
      so no reduction order depends on the batch):
      1. one streaming pass, per-lane running max m and z = sum exp(s - m) with one exp
         per element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax
-        of s + g (plain rows; g from the reference's hash) or of s (greedy rows);
-     2. filtered rows: a histogram on an absolute grid of width W = 1/2 (NB bins),
-        bin = floor(m_c / W) - floor(s / W) (exact: W is a power of two), so chunk
-        histograms merge by an integer shift.
+        of s + g (plain rows; g from the reference's hash) or of s (greedy rows).
+        Filtered rows work on the raw logits x instead, no division per element (the
+        divisions were a large share of K1's instructions; H100 profile in
+        docs/benchmarks.md): max x, then max s = rnd(max x / T) exactly (x -> rnd(x / T)
+        is monotone), and z = sum 2^((x - max x) log2(e) / T), equal to the s-space sum
+        up to rounding (the reference's own sum rounds differently anyway);
+     2. filtered rows: a histogram of floor(x kw), kw = rnd(W_INV / T), relative to the
+        chunk's top bin; the grid is absolute (the same products x kw in every kernel),
+        so chunk histograms merge by an integer shift. Bin width 1 / kw in x is about
+        W = 1 / W_INV nats of s.
   K2a `_cutoff_kernel`, grid (B,), filtered rows:
-     3. merges m, Z and the chunk histograms (bin j: s in [(A - j) W, (A - j + 1) W),
-        A = floor(m / W)) into a cutoff c <= the final threshold, always a bin edge
-        (A - jc) W or -inf: top-k: the highest edge with count(s >= c) >= k (exact
-        counts); top-p alone: where the mass lower bound (count x e^(bin lower edge - m))
-        reaches top_p Z, 1 bin lower; min-p: the edge at or below its floor m + log(min_p).
-        With top-k and top-p both on only the top-k rule may raise c (the top-k mass Z_k
-        must then be computable from the candidates). Since c is an edge, s >= c <=> the
-        element's bin is <= jc, so each chunk's count of candidates is read off its own
-        histogram, exactly: their exclusive prefix sum says where each chunk's candidates
-        start in the row's list (no atomics, no second counting pass).
+     3. merges m, Z and the chunk histograms (bin j: x kw in [A - j, A - j + 1),
+        A = floor(max x kw)) into a cutoff c = A - jc or -inf on that grid: top-k: the
+        highest edge with count(x kw >= c) >= k (exact counts); top-p alone: where a lower
+        bound of the mass at or above the edge reaches top_p Z, 1 bin lower; min-p: 1 bin
+        below the edge at or below its floor m + log(min_p). With top-k and top-p both on
+        only the top-k rule may raise c (the top-k mass Z_k must then be computable from
+        the candidates). Candidates are {x kw >= c} = the bins <= jc, so each chunk's
+        count is read off its own histogram, exactly: their exclusive prefix sum says
+        where each chunk's candidates start in the row's list (no atomics, no second
+        counting pass).
   K2b `_compact_kernel`, grid (B, S), filtered rows:
-     4. each chunk writes its indices with s >= c (and s) in index order at its offset
-        into a (B, CAP) scratch (nothing when the row's total exceeds CAP), with its exact
-        count and mass sum exp(s - m). A count that differs from the histogram's (only
-        NaN logits) marks the row's list unusable.
+     4. each chunk writes its indices with x kw >= c (and their s, the only divisions) in
+        index order at its offset into a (B, CAP) scratch (nothing when the row's total
+        exceeds CAP), with its exact count, mass sum exp(s - m), and the largest x left
+        out. A count that differs from the histogram's (only NaN logits) marks the row's
+        list unusable.
   K3 `_finish_kernel`, grid (B,): merges the partials (m, Z, id: max value, smallest
      index among equals). Filtered rows:
-     5. the exact counts/mass (summed over chunks in order) confirm c, else c = -inf;
+     5. s_out = rnd(largest x left out / T): the candidates hold every s > s_out. Their
+        exact counts/mass (summed over chunks in order) must satisfy the rule that set c;
      6. thr = max tau with P(tau), where
             P(tau) = [#(s >= tau) >= k] or [sum_{s >= tau} e^(s-m) >= top_p Z_k] or [tau <= floor]
         (each clause only when its filter is on). P is monotone and P(tau) <=>
         tau <= max(kth, p_thresh, floor), so the reference keeps exactly {s >= thr}:
         top-p keeps v iff the mass strictly above v is < top_p, i.e. the largest value
-        below tau is dropped iff the mass at or above tau reaches top_p. Up to EXH
-        candidates: P at every candidate value at once (an all-pairs tile); else a
-        bisection on the order-preserving integer key of fp32 values, NP probes a sweep
-        (kth first when top-k and top-p are both on, for Z_k), over the candidates' stored
-        s; over CAP candidates, an unconfirmed c or an unusable list: the sweeps stream
-        the whole row (exact, slow: one program a row);
+        below tau is dropped iff the mass at or above tau reaches top_p. Over the
+        candidates P equals P over the row for tau > s_out, so their thr is the row's iff
+        it is > s_out (a token just below c can share the k-th token's s after rounding:
+        then thr <= s_out). Up to EXH candidates: P at every candidate value at once (an
+        all-pairs tile); else a bisection on the order-preserving integer key of fp32
+        values, NP probes a sweep (kth first when top-k and top-p are both on, for Z_k),
+        over the candidates' stored s; over CAP candidates, an unconfirmed rule, an
+        unusable list or thr <= s_out: the sweeps stream the whole row in s (exact, slow:
+        one program a row);
      7. Gumbel-max over the candidates with s >= thr.
 Tests: `python -m pytest -q tests/test_kernel_sampling.py`; GPU: benchmarks/kernels/
 gpu_check_layers.py and bench_sampling.py.
@@ -240,6 +251,24 @@ def _scan_chunk(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NO
 
 
 @triton.jit
+def _scan_chunk_x(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Filtered rows: -> (max x, sum 2^((x - max x) kl)) over one chunk of raw logits x,
+    kl = log2(e) / T: the sum of exp(s - max s) up to rounding, with no division per
+    element (max s = max x / T exactly: x -> rnd(x / T) is monotone)."""
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        big = tl.maximum(m, x)
+        e = tl.exp2((tl.minimum(m, x) - tl.where(big == float("-inf"), 0.0, big)) * kl)
+        z = tl.where(x > m, z * e + 1.0, z + e)
+        m = big
+    mc = tl.max(m, axis=0)
+    return mc, tl.sum(z * tl.exp2((m - tl.where(mc == float("-inf"), 0.0, mc)) * kl), axis=0)
+
+
+@triton.jit
 def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
                     M_part, Z_part, V_part, I_part, H_part, V, S,
                     CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, NB: tl.constexpr,
@@ -250,24 +279,31 @@ def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
     row = L_ptr + b.to(tl.int64) * stride_l
     lo = c * CHUNK
-    if mode == 1:
-        mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, True)
-    else:
-        mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, False)
     po = b * S + c
-    tl.store(M_part + po, mc)
-    tl.store(Z_part + po, zc)
-    tl.store(V_part + po, vc)
-    tl.store(I_part + po, ic)
-    if mode == 2:  # chunk histogram on the absolute grid (see the module notes)
-        a_top = tl.floor(mc * W_INV)
+    if mode == 2:  # filtered: max and sum in raw-logit units; V_part holds the max x
+        xc, zc = _scan_chunk_x(row, lo, V, tl.math.div_rn(1.4426950408889634, t), CHUNK, BLOCK)
+        tl.store(M_part + po, tl.math.div_rn(xc, t))
+        tl.store(Z_part + po, zc)
+        tl.store(V_part + po, xc)
+        tl.store(I_part + po, lo)
+        # chunk histogram of floor(x kw), kw = W_INV / T, on its absolute grid (module notes)
+        kw = tl.math.div_rn(W_INV, t)
+        a_top = tl.floor(xc * kw)
         hist = tl.zeros((NB,), tl.int32)
         for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK_H):
             idx = off + tl.arange(0, BLOCK_H)
-            s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
-            d = a_top - tl.floor(s * W_INV)
+            d = a_top - tl.floor(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * kw)
             hist += tl.histogram(tl.where(d < NB - 1, d, NB - 1).to(tl.int32), NB)
         tl.store(H_part + po.to(tl.int64) * NB + tl.arange(0, NB), hist)
+    else:
+        if mode == 1:
+            mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, True)
+        else:
+            mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, False)
+        tl.store(M_part + po, mc)
+        tl.store(Z_part + po, zc)
+        tl.store(V_part + po, vc)
+        tl.store(I_part + po, ic)
 
 
 @triton.jit
@@ -383,41 +419,49 @@ def _row_merge(b, S, M_part, Z_part, S_BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _row_cutoff(b, S, V, m, z, mp, H_part, k, use_k, top_p, use_p, min_p, use_f,
+def _row_cutoff(b, S, V, m, z, xp, kw, H_part, k, use_k, top_p, use_p, min_p, use_f,
                 CHUNK: tl.constexpr, S_BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr):
-    """Step 3: the cutoff c (a bin edge of the absolute grid, or -inf) from the merged
-    histogram, and the count of s >= c in each chunk (S_BLOCK,), read off the chunk
-    histograms: s >= (A - jc) W <=> floor(s / W) >= A - jc <=> merged bin <= jc (exact,
-    W a power of two)."""
-    a_top = tl.floor(m * W_INV)
+    """Step 3: the cutoff c on the grid of floor(x kw) (an integer A - jc, or -inf) from the
+    merged histogram, and the count of floor(x kw) >= c in each chunk (S_BLOCK,), read off
+    the chunk histograms (exact: the grid is absolute, so chunk bins shift by integers).
+    Bin j holds x kw in [A - j, A - j + 1), i.e. s = x / T in about [(A - j) W, (A - j + 1) W);
+    those s-edges only steer the estimates below, which the exact check in K3 confirms."""
+    a_top = tl.floor(tl.max(xp, axis=0) * kw)
     cs = tl.arange(0, S_BLOCK)
     j = tl.arange(0, NB)
     # chunk histograms shifted onto the row's grid: merged bin j = chunk bin j - shift
-    shift = a_top - tl.floor(mp * W_INV)  # >= 0, or inf/nan for an all -inf chunk
+    shift = a_top - tl.floor(xp * kw)  # >= 0, or inf/nan for an all -inf chunk
     src = j[None, :] - tl.where(shift < NB, shift, NB).to(tl.int32)[:, None]  # (S_BLOCK, NB)
     h_sj = tl.load(H_part + (b * S + cs).to(tl.int64)[:, None] * NB + src,
                    mask=(cs < S)[:, None] & (src >= 0) & (src < NB - 1), other=0)
-    hist = tl.sum(h_sj, axis=0)  # bin j: s in [(A - j) W, (A - j + 1) W); integer sums: exact
-    edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # lower edge of bin j (exact)
     inner = j < NB - 1
-    # top-k: the highest edge with count(s >= edge) >= k (exact counts)
+    hist = tl.sum(h_sj, axis=0)  # integer sums: exact; merged bin NB - 1 is not used
+    hist = tl.where(inner, hist, 0)
+    edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # about the lower s-edge of bin j
+    # top-k: the highest edge with count(x kw >= edge) >= k (exact counts)
     j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, NB), axis=0)
-    # top-p: lower bound of the mass at or above each bin's lower edge (every value in bin j
-    # is >= edge_j), so the first bin where it reaches top_p Z is a cutoff the exact check
-    # confirms (one bin of slack for rounding). A midpoint estimate could overshoot by
-    # e^(1/16) per bin: on heavy-tailed rows (Zipf) the exact check then failed and the row
-    # fell back to the full-row bisection (8-14 ms at B=256 on H100).
-    est = tl.cumsum(hist.to(tl.float32) * tl.exp(edge - m), axis=0)
+    # top-p: a lower bound of the mass at or above each bin's lower edge, the larger of
+    #   L_j = sum_{i <= j} n_i e^(edge_i - m)       (every value in bin i is >= edge_i)
+    #   Z - U_j, U_j = sum_{i > j} n_i e^(edge_i + W - m) + rest e^(edge_{NB-2} - m)
+    # (U_j bounds the mass below the edge; rest = elements in no inner bin). L alone loses up
+    # to e^-W a bin, so with W = 1/2 it never reached 0.9 Z and every top-p row fell back to
+    # the whole-row path (probe_sampling.py). The first bin reaching top_p Z, one bin lower.
+    wl = hist.to(tl.float32) * tl.exp(edge - m)
+    low = tl.cumsum(wl, axis=0)
+    wu = wl * 2.718281828459045 ** (1.0 / W_INV)
+    n_rest = V - tl.sum(hist, axis=0)
+    rest = n_rest.to(tl.float32) * tl.exp((a_top - (NB - 2)) * (1.0 / W_INV) - m)
+    est = tl.maximum(low, z - (tl.sum(wu, axis=0) - tl.cumsum(wu, axis=0) + rest))
     j_p = tl.min(tl.where(inner & (est >= top_p * z * 1.00001), j, NB), axis=0) + 1
-    # min-p: the bin edge at or below floor = m + log(min_p) (nan, e.g. m = -inf: no cutoff)
+    # min-p: one bin below the edge at or below floor = m + log(min_p) (nan, m = -inf: none)
     floor = m + tl.log(tl.where(use_f, min_p, 1.0))
-    f_j = a_top - tl.floor(floor * W_INV)
+    f_j = a_top - tl.floor(floor * W_INV) + 1
     j_f = tl.where(f_j < 0, 0, tl.where(f_j < NB - 1, f_j, NB - 1)).to(tl.int32)
     # with top-k and top-p both on only the top-k rule may raise c (Z_k from the candidates)
     either = ~(use_k & use_p)
     jc = tl.minimum(tl.where(use_k, j_k, NB - 1), tl.where(use_p & ~use_k, j_p, NB - 1))
     jc = tl.minimum(jc, tl.where(either & use_f, j_f, NB - 1))
-    c = tl.where(jc < NB - 1, (a_top - jc) * (1.0 / W_INV), float("-inf"))
+    c = tl.where(jc < NB - 1, a_top - jc, float("-inf"))
     cnt = tl.sum(tl.where(j[None, :] <= jc, h_sj, 0), axis=1)  # (S_BLOCK,)
     every = tl.minimum(V - cs * CHUNK, CHUNK)  # c = -inf: the whole chunk
     cnt = tl.where(jc < NB - 1, cnt, tl.where(cs < S, every, 0))
@@ -425,7 +469,7 @@ def _row_cutoff(b, S, V, m, z, mp, H_part, k, use_k, top_p, use_p, min_p, use_f,
 
 
 @triton.jit
-def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_part, H_part,
+def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_part, V_part, H_part,
                    CUT_ptr, OFS_ptr, V, S, CHUNK: tl.constexpr, S_BLOCK: tl.constexpr,
                    NB: tl.constexpr, W_INV: tl.constexpr):
     """Step 3 for a filtered row b: CUT[b] = (c, m); OFS[b, :S + 1] = where each chunk's
@@ -435,19 +479,20 @@ def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_par
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
     if mode == 2:
         m, z, mp = _row_merge(b, S, M_part, Z_part, S_BLOCK)
-        c, floor, either, cnt = _row_cutoff(b, S, V, m, z, mp, H_part, k, use_k, top_p, use_p,
-                                            min_p, use_f, CHUNK, S_BLOCK, NB, W_INV)
+        cs = tl.arange(0, S_BLOCK)
+        xp = tl.load(V_part + b * S + cs, mask=cs < S, other=float("-inf"))  # chunk max x
+        c, floor, either, cnt = _row_cutoff(b, S, V, m, z, xp, tl.math.div_rn(W_INV, t), H_part, k,
+                                            use_k, top_p, use_p, min_p, use_f, CHUNK, S_BLOCK, NB, W_INV)
         tl.store(CUT_ptr + 2 * b, c)
         tl.store(CUT_ptr + 2 * b + 1, m)
-        cs = tl.arange(0, S_BLOCK)
         tl.store(OFS_ptr + b * (S + 1) + cs, tl.cumsum(cnt, axis=0) - cnt, mask=cs < S)
         tl.store(OFS_ptr + b * (S + 1) + S, tl.sum(cnt, axis=0))
 
 
 @triton.jit
 def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                    CUT_ptr, OFS_ptr, N_part, Q_part, C_ptr, SV_ptr, V, S,
-                    CHUNK: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr):
+                    CUT_ptr, OFS_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr, V, S,
+                    CHUNK: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, W_INV: tl.constexpr):
     """Step 4 for chunk ci of a filtered row b (other rows: nothing to do)."""
     b = tl.program_id(0)
     ci = tl.program_id(1)
@@ -456,6 +501,7 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
     if mode == 2:
         c = tl.load(CUT_ptr + 2 * b)
         m = tl.load(CUT_ptr + 2 * b + 1)
+        kw = tl.math.div_rn(W_INV, t)  # bitwise K1's: the same products x kw
         start = tl.load(OFS_ptr + b * (S + 1) + ci)
         own = tl.load(OFS_ptr + b * (S + 1) + ci + 1) - start
         # over CAP K3 streams the row: no list needed (a limit, not `scalar & vector`: the
@@ -467,13 +513,16 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
         lo = ci * CHUNK
         n = tl.full((), 0, tl.int32)
         mass = tl.zeros((BLOCK,), tl.float32)
+        x_out = tl.full((BLOCK,), float("-inf"), tl.float32)  # largest x left out, per lane
         for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
             idx = off + tl.arange(0, BLOCK)
-            s = tl.math.div_rn(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32), t)
-            keep = (idx < V) & (s >= c)
+            x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: K1's bins <= jc
+            x_out = tl.maximum(x_out, tl.where(keep, float("-inf"), x))
             ki = keep.to(tl.int32)
             nk = tl.sum(ki, axis=0)
-            if nk > 0:  # most blocks hold no candidate: skip the scan
+            if nk > 0:  # most blocks hold no candidate: skip the scan and the divisions
+                s = tl.math.div_rn(x, t)
                 pos = start + n + tl.cumsum(ki, axis=0) - 1
                 st = keep & (pos < limit)  # also guards a wrong count, which K3 rejects
                 tl.store(C_row + pos, idx, mask=st)
@@ -483,11 +532,12 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
         # a count that differs from the histogram's (NaN logits) marks the list unusable
         tl.store(N_part + b * S + ci, tl.where(n == own, n, -1))
         tl.store(Q_part + b * S + ci, tl.sum(mass, axis=0))
+        tl.store(XO_part + b * S + ci, tl.max(x_out, axis=0))
 
 
 @triton.jit
 def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                   M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, C_ptr, SV_ptr,
+                   M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr,
                    IDS_ptr, LP_ptr, THR_ptr, V, S, S_BLOCK: tl.constexpr, CAP: tl.constexpr,
                    EXH: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
     b = tl.program_id(0)
@@ -503,28 +553,32 @@ def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_p
                  axis=0)
     thr = tl.where(mode == 0, m, float("-inf"))  # greedy: the max; plain: everything
     if mode == 2:
-        c = tl.load(CUT_ptr + 2 * b)
+        c = tl.load(CUT_ptr + 2 * b)  # on the x kw grid; -inf: every element is a candidate
         floor = m + tl.log(tl.where(use_f, min_p, 1.0))  # as in _row_cutoff (same m)
         either = ~(use_k & use_p)
-        # 5. exact counts/mass of the candidates confirm c, else c = -inf (whole row)
+        # 5. exact counts/mass of the candidates; s_out = the largest s left out (x -> rnd(x / T)
+        # is monotone, so one division): the candidates hold every s > s_out
         n_s = tl.load(N_part + b * S + cs, mask=cm, other=0)
         n = tl.sum(n_s, axis=0)
         mass_c = tl.sum(tl.load(Q_part + b * S + cs, mask=cm, other=0.0), axis=0)
+        s_out = tl.math.div_rn(tl.max(tl.load(XO_part + b * S + cs, mask=cm, other=float("-inf")), axis=0), t)
         ok = (tl.min(n_s, axis=0) >= 0) & ((c == float("-inf")) | (use_k & (n >= k)) |
-              (either & ((use_f & (c <= floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
-        c = tl.where(ok, c, float("-inf"))
+              (either & ((use_f & (s_out < floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
+        listed = ok & (n <= CAP)
         C_row = C_ptr + b.to(tl.int64) * CAP
         SV_row = SV_ptr + b.to(tl.int64) * CAP
-        # 6.-7. threshold and Gumbel-max over the candidates (or the whole row)
+        # 6.-7. threshold and Gumbel-max over the candidates; they decide it iff it ends above
+        # s_out (then nothing left out is kept), else over the whole row (exact, slow)
         if ok & (n <= EXH):  # (EXH <= CAP)
-            idx, thr = _resolve_small(C_row, SV_row, n, c, m, z, key, k, use_k, top_p, use_p,
+            idx, thr = _resolve_small(C_row, SV_row, n, s_out, m, z, key, k, use_k, top_p, use_p,
                                       floor, use_f, EXH)
-        elif ok & (n <= CAP):
-            idx, thr = _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p,
+        elif listed:
+            idx, thr = _resolve(row, C_row, SV_row, n, t, s_out, m, z, key, k, use_k, top_p, use_p,
                                 floor, use_f, False, BLOCK_C, NP)
-        else:
-            idx, thr = _resolve(row, C_row, SV_row, V, t, c, m, z, key, k, use_k, top_p, use_p,
-                                floor, use_f, True, BLOCK_C, NP)
+        if (~listed) | (thr <= s_out):
+            idx, thr = _resolve(row, C_row, SV_row, V, t, tl.full((), float("-inf"), tl.float32), m, z,
+                                key, k, use_k, top_p,
+                                use_p, floor, use_f, True, BLOCK_C, NP)
     s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
     tl.store(IDS_ptr + b, idx.to(tl.int64))
     tl.store(LP_ptr + b, s_id - (m + tl.log(z)))
@@ -558,7 +612,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     block_c = min(_BLOCK_C, triton.next_power_of_2(V))
     f32 = dict(dtype=torch.float32, device=dev)
     i32 = dict(dtype=torch.int32, device=dev)
-    m_part, z_part, v_part, q_part = (torch.empty((B, S), **f32) for _ in range(4))
+    m_part, z_part, v_part, q_part, xo_part = (torch.empty((B, S), **f32) for _ in range(5))
     i_part, n_part = (torch.empty((B, S), **i32) for _ in range(2))
     cut, ofs = torch.empty((B, 2), **f32), torch.empty((B, S + 1), **i32)
     h_part = torch.empty((B, S, _NB), **i32)
@@ -573,13 +627,13 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     _partial_kernel[(B, S)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
                             h_part, V, S, CHUNK=chunk, BLOCK=block, BLOCK_H=min(_BLOCK_H, chunk, block_v),
                             NB=_NB, W_INV=_W_INV, num_warps=8)
-    _cutoff_kernel[(B,)](*params, m_part, z_part, h_part, cut, ofs, V, S, CHUNK=chunk,
+    _cutoff_kernel[(B,)](*params, m_part, z_part, v_part, h_part, cut, ofs, V, S, CHUNK=chunk,
                          S_BLOCK=s_block, NB=_NB, W_INV=_W_INV, num_warps=4)
-    _compact_kernel[(B, S)](logits, logits.stride(0), *params, cut, ofs, n_part, q_part, cand,
+    _compact_kernel[(B, S)](logits, logits.stride(0), *params, cut, ofs, n_part, q_part, xo_part, cand,
                             cand_s, V, S, CHUNK=chunk, CAP=cap, BLOCK=min(_BLOCK_K2, chunk, block_v),
-                            num_warps=_WARPS_K2)
+                            W_INV=_W_INV, num_warps=_WARPS_K2)
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
-                         n_part, q_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
+                         n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
                          CAP=cap, EXH=min(exh, block_c, cap), BLOCK_C=block_c, NP=_NP, num_warps=8)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 

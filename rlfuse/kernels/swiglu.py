@@ -10,7 +10,10 @@ Backward, with sig = 1 / (1 + exp(-g)) and the same roundings autograd applies:
     dg = rnd(rnd(dy * u) * sig * (1 + g * (1 - sig)))       (torch's silu_backward)
 
 Triton path: one flat 1-D kernel over numel (int64 offsets), BLOCK elements a program;
-the backward writes dgate and dup in one pass (reads dy, g, u once).
+the backward writes dgate and dup in one pass (reads dy, g, u once). Whole blocks run
+without a mask (EVEN) and the remainder in a second launch: numel is not specialized (one
+compile for every size), so a mask `offs < N` has unknown alignment and Triton would load
+element by element (H100: forward 117.7 -> 104 us at 16384 x 3072, see _BLOCK).
 Tests: `python -m pytest -q tests/test_kernel_layers.py -k swiglu`.
 """
 
@@ -39,11 +42,11 @@ _WARPS = 8
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
-def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
+def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + offs, mask=mask, other=0.0)
+    mask = None if EVEN else offs < N
+    g = tl.load(G_ptr + offs, mask=mask, other=None if EVEN else 0.0).to(tl.float32)
+    u = tl.load(U_ptr + offs, mask=mask, other=None if EVEN else 0.0)
     DT: tl.constexpr = U_ptr.dtype.element_ty
     # 1. silu in fp32, rounded to the input dtype like F.silu
     s = round_to(tl.math.div_rn(g, 1.0 + tl.exp(-g)), DT)
@@ -53,12 +56,12 @@ def _swiglu_fwd_kernel(G_ptr, U_ptr, Y_ptr, N, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
-def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, N, BLOCK: tl.constexpr):
+def _swiglu_bwd_kernel(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, N, BLOCK: tl.constexpr, EVEN: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < N
-    dy = tl.load(DY_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    mask = None if EVEN else offs < N
+    dy = tl.load(DY_ptr + offs, mask=mask, other=None if EVEN else 0.0).to(tl.float32)
+    g = tl.load(G_ptr + offs, mask=mask, other=None if EVEN else 0.0).to(tl.float32)
+    u = tl.load(U_ptr + offs, mask=mask, other=None if EVEN else 0.0).to(tl.float32)
     DT: tl.constexpr = U_ptr.dtype.element_ty
     den = 1.0 + tl.exp(-g)
     sig = tl.math.div_rn(1.0, den)
@@ -76,23 +79,30 @@ def _check(gate: torch.Tensor, up: torch.Tensor) -> None:
                          f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}")
 
 
+def _launch(kernel, *tensors: torch.Tensor) -> None:
+    """Whole blocks unmasked, then the remainder (< BLOCK elements) masked, on flat views
+    (the remainder starts at a multiple of BLOCK elements: still 16-byte aligned)."""
+    n = tensors[0].numel()
+    whole = n // _BLOCK * _BLOCK
+    if whole:
+        kernel[(whole // _BLOCK,)](*tensors, whole, BLOCK=_BLOCK, EVEN=True, num_warps=_WARPS)
+    if n > whole:
+        kernel[(1,)](*(t.view(-1)[whole:] for t in tensors), n - whole, BLOCK=_BLOCK, EVEN=False,
+                     num_warps=_WARPS)
+
+
 def swiglu_fwd_triton(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     _check(gate, up)
     g, u = gate.contiguous(), up.contiguous()
     y = torch.empty_like(g)
-    n = g.numel()
-    if n:
-        _swiglu_fwd_kernel[(triton.cdiv(n, _BLOCK),)](g, u, y, n, BLOCK=_BLOCK, num_warps=_WARPS)
+    _launch(_swiglu_fwd_kernel, g, u, y)
     return y
 
 
 def swiglu_bwd_triton(dy: torch.Tensor, gate: torch.Tensor, up: torch.Tensor):
     dy, g, u = dy.contiguous(), gate.contiguous(), up.contiguous()
     dg, du = torch.empty_like(g), torch.empty_like(u)
-    n = g.numel()
-    if n:
-        _swiglu_bwd_kernel[(triton.cdiv(n, _BLOCK),)](dy, g, u, dg, du, n, BLOCK=_BLOCK,
-                                                     num_warps=_WARPS)
+    _launch(_swiglu_bwd_kernel, dy, g, u, dg, du)
     return dg, du
 
 
