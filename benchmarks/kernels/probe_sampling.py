@@ -1,6 +1,7 @@
 """Sampler sweep (GPU, diagnostic): K1's per-chunk histogram (NB bins of width 1 / W_INV
-nats, BLOCK_H elements a step) and K2b's step (BLOCK_K2 elements, WARPS_K2 warps) at
-B = 256, V = 151936, on bench_sampling's Zipf logits, filtered settings only. For each setting: ids == the sort-based reference, the
+nats), K2b's step (BLOCK_K2 elements, WARPS_K2 warps) and K3's all-pairs limit (exh, TB) at
+B = 256, V = 151936, on bench_sampling's Zipf logits, filtered settings only. For each
+setting: ids == the sort-based reference, the
 whole call under CUDA-graph replay (median, L2 flushed), and each kernel's time from the
 profiler (eager calls).
     OUT=./out python benchmarks/kernels/probe_sampling.py
@@ -21,11 +22,11 @@ from rlfuse.kernels import sampling as S
 OUT = Path(os.environ.get("OUT", "./out"))
 B = 256
 # module constants patched per variant; the first is the module's default
-_D = dict(_NB=S._NB, _W_INV=S._W_INV, _BLOCK_H=S._BLOCK_H, _BLOCK_K2=S._BLOCK_K2, _WARPS_K2=S._WARPS_K2)
+_D = dict(_NB=S._NB, _W_INV=S._W_INV, _BLOCK_K2=S._BLOCK_K2, _WARPS_K2=S._WARPS_K2, _TB=S._TB,
+          exh=S._EXH)  # exh: sample_triton's keyword (its default is bound at import)
 VARIANTS = [_D, {**_D, "_NB": 256, "_W_INV": 8.0}, {**_D, "_NB": 128, "_W_INV": 4.0},
-            {**_D, "_NB": 32, "_W_INV": 1.0}, {**_D, "_BLOCK_H": 4096}, {**_D, "_BLOCK_H": 16384},
-            {**_D, "_BLOCK_K2": 1024, "_WARPS_K2": 2}, {**_D, "_BLOCK_K2": 1024, "_WARPS_K2": 4},
-            {**_D, "_BLOCK_K2": 2048, "_WARPS_K2": 4}, {**_D, "_BLOCK_K2": 256, "_WARPS_K2": 1}]
+            {**_D, "_BLOCK_K2": 128}, {**_D, "_BLOCK_K2": 512}, {**_D, "_WARPS_K2": 2},
+            {**_D, "exh": 128}, {**_D, "exh": 512}, {**_D, "exh": 2048}, {**_D, "_TB": 32}]
 # (logits, Zipf exponent, dtype, top_k, top_p, temperature)
 CASES = [("typical", 1.5, torch.float32, 50, 1.0, 1.0), ("typical", 1.5, torch.float32, 0, 0.9, 1.0),
          ("typical", 1.5, torch.float32, 50, 0.9, 1.0), ("typical", 1.5, torch.bfloat16, 0, 0.9, 1.0),
@@ -59,18 +60,21 @@ def main():
         refs[(dist, dtype, k, p, temp)] = (logits, prm, S.sample_ref(logits, *prm)[0])
     for var in VARIANTS:
         for name, value in var.items():
-            setattr(S, name, value)
+            if name.startswith("_"):
+                setattr(S, name, value)
+        kw = dict(exh=var["exh"])
         for (dist, dtype, k, p, temp), (logits, prm, ref_ids) in refs.items():
-            ids, _, thr = S.sample_triton(logits, *prm, return_threshold=True)
+            ids, _, thr = S.sample_triton(logits, *prm, return_threshold=True, **kw)
             row = dict(**{n.strip("_"): v for n, v in var.items()}, dist=dist, dtype=str(dtype).split(".")[-1],
                        top_k=k, top_p=p, T=temp, ids_equal_ref=bool(torch.equal(ids, ref_ids)),
-                       graph_ms=1e3 * median_seconds(graphed(lambda: S.sample_triton(logits, *prm)),  # noqa: B023
+                       graph_ms=1e3 * median_seconds(graphed(lambda: S.sample_triton(logits, *prm, **kw)),  # noqa: B023
                                                      30, flush_l2=True),
-                       kernels_us=kernel_us(lambda: S.sample_triton(logits, *prm)))  # noqa: B023
+                       kernels_us=kernel_us(lambda: S.sample_triton(logits, *prm, **kw)))  # noqa: B023
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
     for name, value in _D.items():
-        setattr(S, name, value)
+        if name.startswith("_"):
+            setattr(S, name, value)
     (OUT / "probe_sampling.json").write_text(json.dumps(res, indent=1))
 
 

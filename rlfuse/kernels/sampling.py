@@ -169,11 +169,13 @@ _BLOCK = 2048   # elements per step in the streaming loops
 _BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows: K1
                  # 0.226 ms at 8192, 0.242 at 4096, 0.285 at 2048; unfiltered K1 0.148)
 _BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
-_BLOCK_K2 = 512  # elements per step in the compaction, and its warps (H100, B=256, top-k 50:
-_WARPS_K2 = 2    # K2b 0.085 ms; 1024 x 4 warps 0.10, 2048 x 4 0.14, 4096 x 8 0.28): small CTAs,
-                 # more of them in flight per SM; smaller ones not tried
+_BLOCK_K2 = 256  # elements per step in the compaction, and its warps (H100, B=256, typical
+_WARPS_K2 = 1    # top-k 50, commit 5d5ed31: K2b 65 us; 512 x 2 warps 97, 1024 x 4 111, 1024 x 2
+                 # 133, 2048 x 4 176): the smallest CTAs, the most of them in flight per SM
 _CAP = 16384    # candidates kept in scratch per row
-_EXH = 128      # up to this many candidates: one all-pairs tile instead of bisection
+_EXH = 1024     # up to this many candidates: all-pairs tiles instead of the bisection, whose
+_TB = 16        # ~10 sequential sweeps cost 37 us at B=256 for ~150 candidates (H100, commit
+                # 5d5ed31, EXH 128); a 16 x 1024 tile is 64 values a thread at 8 warps
 _MAX_S = 64     # chunks a row at most: K2a holds all chunk histograms as one (S, NB) tile;
                 # a bound on the `chunk` knob, not measured on the GPU beyond S = 10
 
@@ -383,25 +385,35 @@ def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, flo
 
 @triton.jit
 def _resolve_small(C_row, SV_row, n, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-                   EXH: tl.constexpr):
+                   EXH: tl.constexpr, TB: tl.constexpr):
     """Steps 6-7 when the n <= EXH candidates fit one tile: P is evaluated at every
-    candidate value at once (an EXH x EXH compare), thr = the largest value with P true
-    (or the min-p floor when higher). kth, p_thresh are candidate values; floor is not."""
+    candidate value (TB values tau at a time against all candidates: a TB x EXH compare),
+    thr = the largest value with P true (or the min-p floor when higher). kth, p_thresh
+    are candidate values; floor is not. No sequential sweeps, unlike the bisection."""
     j = tl.arange(0, EXH)
     valid = j < n
-    idx = tl.load(C_row + j, mask=valid, other=0)
     s = tl.load(SV_row + j, mask=valid, other=float("-inf"))
     e = tl.where(valid, tl.exp(s - m), 0.0)
-    ge = (s[None, :] >= s[:, None]) & valid[None, :]  # row i: tau = s_i; column: candidate
-    cnt = tl.sum(ge.to(tl.int32), axis=1)
-    mass = tl.sum(tl.where(ge, e[None, :], 0.0), axis=1)
     zk = z
-    if use_k & use_p:  # top-p renormalizes over the top-k set
-        kth = tl.max(tl.where(valid & (cnt >= k), s, float("-inf")), axis=0)
+    if use_k & use_p:  # top-p renormalizes over the top-k set: kth first
+        kth = tl.full((), float("-inf"), tl.float32)
+        for i0 in range(0, n, TB):
+            i = i0 + tl.arange(0, TB)
+            si = tl.load(SV_row + i, mask=i < n, other=float("-inf"))
+            cnt = tl.sum(((s[None, :] >= si[:, None]) & valid[None, :]).to(tl.int32), axis=1)
+            kth = tl.maximum(kth, tl.max(tl.where((i < n) & (cnt >= k), si, float("-inf")), axis=0))
         zk = tl.sum(tl.where(s >= kth, e, 0.0), axis=0)
-    ok = valid & (tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= top_p * zk, False))
-    thr = tl.maximum(tl.max(tl.where(ok, s, float("-inf")), axis=0), c)
-    thr = tl.maximum(thr, tl.where(use_f, floor, float("-inf")))
+    best = tl.full((), float("-inf"), tl.float32)
+    for i0 in range(0, n, TB):
+        i = i0 + tl.arange(0, TB)
+        si = tl.load(SV_row + i, mask=i < n, other=float("-inf"))
+        ge = (s[None, :] >= si[:, None]) & valid[None, :]  # row: tau = s_i; column: candidate
+        cnt = tl.sum(ge.to(tl.int32), axis=1)
+        mass = tl.sum(tl.where(ge, e[None, :], 0.0), axis=1)
+        ok = (i < n) & (tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= top_p * zk, False))
+        best = tl.maximum(best, tl.max(tl.where(ok, si, float("-inf")), axis=0))
+    thr = tl.maximum(tl.maximum(best, c), tl.where(use_f, floor, float("-inf")))
+    idx = tl.load(C_row + j, mask=valid, other=0)
     v = tl.where(valid & (s >= thr), s + _gumbel(key, idx), float("-inf"))
     bv = tl.max(v, axis=0)
     return tl.min(tl.where(v == bv, idx, 2147483647), axis=0), thr
@@ -539,7 +551,7 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
 def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
                    M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr,
                    IDS_ptr, LP_ptr, THR_ptr, V, S, S_BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   EXH: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+                   EXH: tl.constexpr, TB: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
@@ -571,7 +583,7 @@ def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_p
         # s_out (then nothing left out is kept), else over the whole row (exact, slow)
         if ok & (n <= EXH):  # (EXH <= CAP)
             idx, thr = _resolve_small(C_row, SV_row, n, s_out, m, z, key, k, use_k, top_p, use_p,
-                                      floor, use_f, EXH)
+                                      floor, use_f, EXH, TB)
         elif listed:
             idx, thr = _resolve(row, C_row, SV_row, n, t, s_out, m, z, key, k, use_k, top_p, use_p,
                                 floor, use_f, False, BLOCK_C, NP)
@@ -634,7 +646,8 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
                             W_INV=_W_INV, num_warps=_WARPS_K2)
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
                          n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
-                         CAP=cap, EXH=min(exh, block_c, cap), BLOCK_C=block_c, NP=_NP, num_warps=8)
+                         CAP=cap, EXH=min(exh, triton.next_power_of_2(V), cap), TB=_TB, BLOCK_C=block_c,
+                         NP=_NP, num_warps=8)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
 
