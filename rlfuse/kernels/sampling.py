@@ -169,13 +169,15 @@ _BLOCK = 2048   # elements per step in the streaming loops
 _BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows: K1
                  # 0.226 ms at 8192, 0.242 at 4096, 0.285 at 2048; unfiltered K1 0.148)
 _BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
-_BLOCK_K2 = 256  # elements per step in the compaction, and its warps (H100, B=256, typical
-_WARPS_K2 = 1    # top-k 50, commit 5d5ed31: K2b 65 us; 512 x 2 warps 97, 1024 x 4 111, 1024 x 2
-                 # 133, 2048 x 4 176): the smallest CTAs, the most of them in flight per SM
+_BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=256, typical
+_WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
+                 # 512, 97 at 512 x 2 warps, 111-176 at 1024-2048 x 2-4 warps; bf16 top-p 0.9
+                 # 83 us at 128, 112 at 256, 187 at 512): small CTAs, many in flight per SM
 _CAP = 16384    # candidates kept in scratch per row
-_EXH = 1024     # up to this many candidates: all-pairs tiles instead of the bisection, whose
-_TB = 16        # ~10 sequential sweeps cost 37 us at B=256 for ~150 candidates (H100, commit
-                # 5d5ed31, EXH 128); a 16 x 1024 tile is 64 values a thread at 8 warps
+_EXH = 128      # up to this many candidates: all-pairs tiles (TB x EXH) instead of the
+_TB = 16        # bisection. Its cost follows EXH, not n (H100, B=256, commit 3bce730, K3 us
+                # at EXH 128 / 512 / 1024 / 2048: typical top-k 50 10.3 / 17.3 / 19.2 / 30.2,
+                # top-p 0.9 25.8 / 34.7 / 39.1 / 65.7); TB 32: slower than 16
 _MAX_S = 64     # chunks a row at most: K2a holds all chunk histograms as one (S, NB) tile;
                 # a bound on the `chunk` knob, not measured on the GPU beyond S = 10
 
@@ -641,9 +643,10 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
                             NB=_NB, W_INV=_W_INV, num_warps=8)
     _cutoff_kernel[(B,)](*params, m_part, z_part, v_part, h_part, cut, ofs, V, S, CHUNK=chunk,
                          S_BLOCK=s_block, NB=_NB, W_INV=_W_INV, num_warps=4)
+    block_k2 = min(_BLOCK_K2.get(logits.element_size(), 256), chunk, block_v)
     _compact_kernel[(B, S)](logits, logits.stride(0), *params, cut, ofs, n_part, q_part, xo_part, cand,
-                            cand_s, V, S, CHUNK=chunk, CAP=cap, BLOCK=min(_BLOCK_K2, chunk, block_v),
-                            W_INV=_W_INV, num_warps=_WARPS_K2)
+                            cand_s, V, S, CHUNK=chunk, CAP=cap, BLOCK=block_k2, W_INV=_W_INV,
+                            num_warps=_WARPS_K2)
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
                          n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
                          CAP=cap, EXH=min(exh, triton.next_power_of_2(V), cap), TB=_TB, BLOCK_C=block_c,
