@@ -39,15 +39,15 @@ def main():
         print(res["rows"][-1], flush=True)
         _, r = R.rmsnorm_fwd_triton(x, w, 1e-6)
         bd = triton.next_power_of_2(D)
-        for rows in (1, 2, 4, 8, 16, 32, 64):
-            for warps in (2, 4, 8, 16):
+        for rows in ((1, 2, 4, 8) if D > 128 else (8, 16, 32)):
+            for warps in (1, 2, 4, 8):
                 if rows * bd > 16384 or rows * bd < 32 * warps:
                     continue
                 R._tile = lambda D_, backward=False, rows=rows, warps=warps: (bd, rows, warps)
                 row = dict(D=D, N=N, rows=rows, warps=warps)
                 try:
                     row["fwd_us"] = graph_us(lambda: R.rmsnorm_fwd_triton(x, w, 1e-6, store_r=False))
-                    for per_sm in (2, 4, 8):
+                    for per_sm in (4, 8):
                         R._num_partials = lambda N_, rows_, dev, k=per_sm: max(1, min(triton.cdiv(N_, rows_), k * 132))
                         row[f"bwd_us_{per_sm}sm"] = graph_us(lambda: R.rmsnorm_bwd_triton(dy, x, w, r))
                 except Exception as e:  # shared memory / registers: report and go on
