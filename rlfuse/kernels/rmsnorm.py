@@ -82,9 +82,8 @@ def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows
 
 
 def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps) from D alone (batch invariance). About 4096 elements a
-    forward tile (a 1024-wide row: 4 rows, a 128-wide head row: 32), 2048 backward (it
-    holds x, dy, dx and the dw sum: ~120-180 registers a thread at 4096 for sm_90, see
+    """(BLOCK_D, ROWS, num_warps) from D alone (batch invariance); the backward holds x,
+    dy, dx and the dw sum (~120-180 registers a thread at 4096-element tiles for sm_90, see
     benchmarks/kernels/compile_layers_sm90.py)."""
     block_d = triton.next_power_of_2(D)
     if block_d <= 128:
@@ -92,9 +91,15 @@ def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
         # (benchmarks/kernels/probe_rmsnorm.py, commit 7ebbc47, 262144 rows): forward 16 rows
         # x 4 warps 50.0 us (the general rule's 32 x 8: 51.6; torch.compile 49.3); backward
         # 16 rows x 2 warps 103.9 us (16 x 4: 119.5; 32 x 2 was 94.6 but spills 348 B in
-        # Triton 3.9's sm_90 build, compile_layers_sm90.py). D < 128 takes the same, not timed.
+        # Triton 3.9's sm_90 build, compile_layers_sm90.py), with 4 programs an SM; 8 (now):
+        # 105.1 (commit 6d5037d). D < 128 takes the same, not timed.
         return (block_d, 16, 2) if backward else (block_d, 16, 4)
-    rows = max(1, min(64, (2048 if backward else 4096) // block_d))
+    # wider rows: about 2048 elements a forward tile, 1024 backward. H100 sweep at D = 1024
+    # (probe_rmsnorm.py, commit 6d5037d, graph replay): forward 2 rows x 4 warps 10.1 / 28.0 us
+    # at 4096 / 16384 rows (the former 4 x 8: 11.7 / 29.5; torch.compile 9.5 / 27.4); backward
+    # 1 row x 4 warps with 8 programs an SM 26.4 / 54.7 us (the former 2 x 4 with 4: 27.3 /
+    # 57.3). Other widths follow the same element counts, not timed.
+    rows = max(1, min(64, (1024 if backward else 2048) // block_d))
     warps = 4 if block_d * rows <= 2048 else 8 if block_d * rows <= 8192 else 16
     return block_d, rows, warps
 
@@ -122,8 +127,8 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
 
 
 def _num_partials(N: int, rows: int, device: torch.device) -> int:
-    # Enough programs to fill the GPU (4 per SM); a function of N and the device only.
-    return max(1, min(triton.cdiv(N, rows), 4 * num_sms(device)))
+    # Enough programs to fill the GPU (8 per SM, see _tile); a function of N and the device only.
+    return max(1, min(triton.cdiv(N, rows), 8 * num_sms(device)))
 
 
 def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor):
