@@ -35,9 +35,9 @@ def jobs():
     for dt in ("bf16", "fp32"):
         p = "*" + dt
         yield f"swiglu fwd {dt}", G._swiglu_fwd_kernel, dict(G_ptr=p, U_ptr=p, Y_ptr=p, N="i64"), \
-            dict(BLOCK=G._BLOCK), G._WARPS
+            dict(BLOCK=G._BLOCK, EVEN=True), G._WARPS
         yield f"swiglu bwd {dt}", G._swiglu_bwd_kernel, dict(DY_ptr=p, G_ptr=p, U_ptr=p, DG_ptr=p, DU_ptr=p, N="i64"), \
-            dict(BLOCK=G._BLOCK), G._WARPS
+            dict(BLOCK=G._BLOCK, EVEN=True), G._WARPS
         for D in (1024, 128):
             block_d, rows, warps = R._tile(D)
             yield f"rmsnorm fwd D={D} {dt}", R._rmsnorm_fwd_kernel, \
@@ -53,16 +53,18 @@ def jobs():
                 dict(HALF=64, BLOCK_T=P._BLOCK_T, BLOCK_F=64, BACKWARD=bwd), 4
         prm = dict(L_ptr=p, T_ptr="*fp32", K_ptr="*i64", P_ptr="*fp32", MP_ptr="*fp32", SEED_ptr="*i64",
                    OFF_ptr="*i64", M_part="*fp32", Z_part="*fp32", V_part="*fp32", I_part="*i32", H_part="*i32",
-                   CUT_ptr="*fp32", OFS_ptr="*i32", N_part="*i32", Q_part="*fp32", C_ptr="*i32", SV_ptr="*fp32",
+                   CUT_ptr="*fp32", OFS_ptr="*i32", N_part="*i32", Q_part="*fp32", XO_part="*fp32", C_ptr="*i32",
+                   SV_ptr="*fp32",
                    IDS_ptr="*i64", LP_ptr="*fp32", THR_ptr="*fp32")
         yield f"sample partial {dt}", S._partial_kernel, prm, \
             dict(CHUNK=S._CHUNK, BLOCK=S._BLOCK, BLOCK_H=S._BLOCK_H, NB=S._NB, W_INV=S._W_INV), 8
         yield f"sample cutoff {dt}", S._cutoff_kernel, prm, \
             dict(CHUNK=S._CHUNK, S_BLOCK=16, NB=S._NB, W_INV=S._W_INV), 4
         yield f"sample compact {dt}", S._compact_kernel, prm, \
-            dict(CHUNK=S._CHUNK, CAP=S._CAP, BLOCK=S._BLOCK_K2), S._WARPS_K2
+            dict(CHUNK=S._CHUNK, CAP=S._CAP, BLOCK=S._BLOCK_K2[2 if dt == "bf16" else 4], W_INV=S._W_INV), \
+            S._WARPS_K2
         yield f"sample finish {dt}", S._finish_kernel, prm, \
-            dict(S_BLOCK=16, CAP=S._CAP, EXH=S._EXH, BLOCK_C=S._BLOCK_C, NP=S._NP), 8
+            dict(S_BLOCK=16, CAP=S._CAP, EXH=S._EXH, TB=S._TB, BLOCK_C=S._BLOCK_C, NP=S._NP), 8
 
 def main():
     bad = n = 0
