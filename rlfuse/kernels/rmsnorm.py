@@ -88,12 +88,12 @@ def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
     block_d = triton.next_power_of_2(D)
     if block_d <= 128:
         # per-head norms (Qwen3 qk-norm, D = 128): H100 sweep under CUDA-graph replay
-        # (benchmarks/kernels/probe_rmsnorm.py, commit 7ebbc47, 262144 rows): forward 16 rows
-        # x 4 warps 50.0 us (the general rule's 32 x 8: 51.6; torch.compile 49.3); backward
-        # 16 rows x 2 warps 103.9 us (16 x 4: 119.5; 32 x 2 was 94.6 but spills 348 B in
-        # Triton 3.9's sm_90 build, compile_layers_sm90.py), with 4 programs an SM (8, commit
-        # 6d5037d: 16 x 2 105.1; 16 x 1 95.2 but spills 148 B). D < 128 takes the same, not timed.
-        return (block_d, 16, 2) if backward else (block_d, 16, 4)
+        # (benchmarks/kernels/probe_rmsnorm.py, commits 7ebbc47 / 6d5037d, 262144 rows): forward
+        # 16 rows x 4 warps 50.0 us (the general rule's 32 x 8: 51.6; torch.compile 49.3);
+        # backward 8 rows x 2 warps with 8 programs an SM 96.8 us (16 x 2 with 4: 104.5, with 8:
+        # 105.1; 16 x 1 and 32 x 2 were 92-95 but spill 92-348 B in Triton 3.9's sm_90 build,
+        # compile_layers_sm90.py). D < 128 takes the same, not timed.
+        return (block_d, 8, 2) if backward else (block_d, 16, 4)
     # wider rows: about 2048 elements a forward tile, 1024 backward. H100 sweep at D = 1024
     # (probe_rmsnorm.py, commit 6d5037d, graph replay): forward 2 rows x 4 warps 10.1 / 28.0 us
     # at 4096 / 16384 rows (the former 4 x 8: 11.7 / 29.5; torch.compile 9.5 / 27.4); backward
@@ -126,8 +126,8 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
     return y.view(*x.shape[:-1], D), (r if store_r else None)
 
 
-def _num_partials(N: int, rows: int, device: torch.device, per_sm: int = 4) -> int:
-    # Enough programs to fill the GPU (per_sm an SM, see _tile); a function of N, D and the
+def _num_partials(N: int, rows: int, device: torch.device, per_sm: int = 8) -> int:
+    # Enough programs to fill the GPU (per_sm an SM, see _tile); a function of N and the
     # device only.
     return max(1, min(triton.cdiv(N, rows), per_sm * num_sms(device)))
 
@@ -138,7 +138,7 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     N = x2.shape[0]
     block_d, rows, warps = _tile(D, backward=True)
     dx = torch.empty((N, D), dtype=x.dtype, device=x.device)
-    P = _num_partials(N, rows, x.device, per_sm=8 if block_d > 128 else 4)
+    P = _num_partials(N, rows, x.device, per_sm=8)
     rows_per_prog = triton.cdiv(triton.cdiv(N, P), rows) * rows
     P = max(1, triton.cdiv(N, rows_per_prog))
     dw_part = torch.empty((P, block_d), dtype=torch.float32, device=x.device)
