@@ -160,16 +160,18 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     return ids, logp_full.gather(1, ids[:, None]).squeeze(1)
 
 
-_W_INV = 2.0  # histogram bins per nat of s (bin width 1/2; a power of two: exact bin edges)
-_NB = 64      # histogram bins: 31.5 nats below the chunk max, then the rest bin. tl.histogram
-              # costs log2(NB) warp ballots per element plus NB / 32 popcounts a lane: 256 bins
-              # of 1/8 were most of K1 (see benchmarks/kernels/probe_sampling.py)
+_W_INV = 2.0  # histogram bins per nat of s: the grid is floor(x rnd(W_INV / T)), ~1/2 nat wide
+_NB = 64      # histogram bins: ~31.5 nats below the chunk max, then the rest bin. tl.histogram
+              # costs log2(NB) warp ballots per element plus NB / 32 popcounts a lane (H100,
+              # B=256, probe_sampling.py, commit 3bce730, K1 us / total ms at NB 64 / 128 / 256:
+              # 131 / 151 / 189 us; typical top-k 0.229 / 0.250 / 0.289 ms, top-p 0.258 / 0.260 /
+              # 0.294, flat top-p 0.594 / 0.530 / 0.481: coarser bins, more candidates)
 _NP = 8       # probes per bisection sweep (H100, B=256, flat top-p, ~4k candidates: K3 0.42 ms
               # with 8 probes x 1024 candidates a step, 0.61 with 16 x 512, 0.71 with 32 x 512)
 _CHUNK = 16384  # elements per K1 program: V = 151936 -> 10 chunks a row
 _BLOCK = 2048   # elements per step in the streaming loops
-_BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows: K1
-                 # 0.226 ms at 8192, 0.242 at 4096, 0.285 at 2048; unfiltered K1 0.148)
+_BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows,
+                 # commit 5d5ed31: K1 131 us at 8192, 158 at 4096, 138 at 16384)
 _BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
 _BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=256, typical
 _WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
