@@ -74,13 +74,15 @@ def _bwd_var(DY_ptr, G_ptr, U_ptr, DG_ptr, DU_ptr, N, BLOCK: tl.constexpr, MATH:
     tl.store(DG_ptr + offs, dg.to(DT), mask=mask)
 
 
-def math_variants():
+def _inputs():
+    """(gate, up, dy, numel, y, dgate, dup) at T x F bf16; makes $OUT."""
     OUT.mkdir(parents=True, exist_ok=True)
-    g = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    u = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    n = g.numel()
-    y, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+    g, u, dy = (torch.randn(T, F, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    return g, u, dy, g.numel(), torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+
+
+def math_variants():
+    g, u, dy, n, y, dg, du = _inputs()
     eager = S.swiglu_ref(g, u)
     gold = (torch.nn.functional.silu(g.double()) * u.double())
     comp = torch.compile(S.swiglu_ref, dynamic=False)
@@ -107,12 +109,7 @@ def math_variants():
 def main():
     if "--math" in sys.argv:
         return math_variants()
-    OUT.mkdir(parents=True, exist_ok=True)
-    g = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    u = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    dy = torch.randn(T, F, device="cuda", dtype=torch.bfloat16)
-    n = g.numel()
-    y, dg, du = torch.empty_like(g), torch.empty_like(g), torch.empty_like(g)
+    g, u, dy, n, y, dg, du = _inputs()
     comp = torch.compile(S.swiglu_ref, dynamic=False)
     eager = S.swiglu_ref(g, u)
     res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"),
