@@ -48,7 +48,7 @@ def main():
                 try:
                     row["fwd_us"] = graph_us(lambda: R.rmsnorm_fwd_triton(x, w, 1e-6, store_r=False))
                     for per_sm in (4, 8):
-                        R._num_partials = lambda N_, rows_, dev, per_sm=None, k=per_sm: max(1, min(triton.cdiv(N_, rows_), k * 132))
+                        R._num_partials = lambda N_, rows_, dev, k=per_sm: max(1, min(triton.cdiv(N_, rows_), k * 132))
                         row[f"bwd_us_{per_sm}sm"] = graph_us(lambda: R.rmsnorm_bwd_triton(dy, x, w, r))
                 except Exception as e:  # shared memory / registers: report and go on
                     row["error"] = repr(e)[:120]

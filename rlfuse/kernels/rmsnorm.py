@@ -126,10 +126,9 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
     return y.view(*x.shape[:-1], D), (r if store_r else None)
 
 
-def _num_partials(N: int, rows: int, device: torch.device, per_sm: int = 8) -> int:
-    # Enough programs to fill the GPU (per_sm an SM, see _tile); a function of N and the
-    # device only.
-    return max(1, min(triton.cdiv(N, rows), per_sm * num_sms(device)))
+def _num_partials(N: int, rows: int, device: torch.device) -> int:
+    # Enough programs to fill the GPU (8 an SM, see _tile); a function of N and the device only.
+    return max(1, min(triton.cdiv(N, rows), 8 * num_sms(device)))
 
 
 def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, r: torch.Tensor):
@@ -138,7 +137,7 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
     N = x2.shape[0]
     block_d, rows, warps = _tile(D, backward=True)
     dx = torch.empty((N, D), dtype=x.dtype, device=x.device)
-    P = _num_partials(N, rows, x.device, per_sm=8)
+    P = _num_partials(N, rows, x.device)
     rows_per_prog = triton.cdiv(triton.cdiv(N, P), rows) * rows
     P = max(1, triton.cdiv(N, rows_per_prog))
     dw_part = torch.empty((P, block_d), dtype=torch.float32, device=x.device)
