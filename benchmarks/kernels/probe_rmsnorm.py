@@ -1,20 +1,26 @@
 """RMSNorm tile sweep (GPU, diagnostic): forward and backward at Qwen3-0.6B's two widths
 (D = 1024 hidden norms with 4096 and T rows, D = 128 per-head q norm with 16 T rows), over rows per
 tile x warps (and programs per SM for the backward), next to torch.compile of the
-reference, all under CUDA-graph replay (no host time).
-    OUT=./out python benchmarks/kernels/probe_rmsnorm.py
-Writes $OUT/probe_rmsnorm.json.
+reference, all under CUDA-graph replay (no host time). `--profile` instead lists the
+kernels of one forward + backward (ours through the public op, and torch.compile's) with
+their GPU times from the profiler, at the small row counts where compile is ahead.
+    OUT=./out python benchmarks/kernels/probe_rmsnorm.py [--profile]
+Writes $OUT/probe_rmsnorm.json (or probe_rmsnorm_profile.json).
 """
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import torch
 import triton
 
 from _timing import graphed, median_seconds
+from torch.profiler import ProfilerActivity, profile
+
 from rlfuse.kernels import rmsnorm as R
+from rlfuse.kernels import use_backend
 
 OUT = Path(os.environ.get("OUT", "./out"))
 T = 16384
@@ -24,7 +30,47 @@ def graph_us(fn, reps=40):
     return 1e6 * median_seconds(graphed(fn), reps, flush_l2=True)
 
 
+def kernels(fn, reps=10):
+    """[(kernel name, GPU us per call, launches per call)] of fn, largest first."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = []
+    for ev in prof.key_averages():
+        dev = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev > 0 and ev.count >= reps:
+            rows.append((ev.key[:90], round(dev / reps, 2), ev.count / reps))
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def profile_main():
+    OUT.mkdir(parents=True, exist_ok=True)
+    res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"), rows=[])
+    comp = torch.compile(R.rmsnorm_ref, dynamic=False)
+
+    def ours(x, w):
+        with use_backend("triton"):
+            return R.rmsnorm(x, w, 1e-6)
+
+    for D, N in ((1024, 4096), (1024, 16384), (128, 65536), (128, 262144)):
+        x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        dy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
+        for name, fn in (("triton", ours), ("compile", lambda x, w: comp(x, w, 1e-6))):
+            ks = kernels(lambda: torch.autograd.grad(fn(x, w), (x, w), dy))  # noqa: B023
+            row = dict(D=D, N=N, impl=name, total_us=round(sum(k[1] for k in ks), 2), kernels=ks)
+            res["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    (OUT / "probe_rmsnorm_profile.json").write_text(json.dumps(res, indent=1))
+
+
 def main():
+    if "--profile" in sys.argv:
+        return profile_main()
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"), rows=[])
     tile0, parts0 = R._tile, R._num_partials

@@ -83,6 +83,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels._sampling_threshold import _gumbel, _resolve, _resolve_small
 from rlfuse.kernels.backend import resolve_backend
 
 _M32 = 0xFFFFFFFF
@@ -188,18 +189,6 @@ _MAX_S = 64     # chunks a row at most: K2a holds all chunk histograms as one (S
 
 # Interpreter note: Triton's interpreter re-patches the language on every call of a
 # @triton.jit helper (~1 ms each), so the per-element helpers are written inline below.
-
-@triton.jit
-def _gumbel(key, idx):  # key uint32 scalar, idx int32 -> -log(-log(u)), u as the reference
-    x = key ^ idx.to(tl.uint32)
-    x = x ^ (x >> 16)  # hash32: uint32 products wrap like the reference's & 0xFFFFFFFF
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x6A09E667
-    x = x ^ (x >> 16)
-    u = ((x >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see uniform_from_keys
-    return -tl.log(-tl.log(u))
-
 
 @triton.jit
 def _row_params(b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr):
@@ -312,117 +301,6 @@ def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
         tl.store(Z_part + po, zc)
         tl.store(V_part + po, vc)
         tl.store(I_part + po, ic)
-
-
-@triton.jit
-def _cand(row, C_row, SV_row, j, valid, t, FULL: tl.constexpr):
-    """(index, s) of candidates j: the row itself (FULL) or the compacted list."""
-    if FULL:
-        return j, tl.math.div_rn(tl.load(row + j, mask=valid, other=float("-inf")).to(tl.float32), t)
-    idx = tl.load(C_row + j, mask=valid, other=0)
-    return idx, tl.load(SV_row + j, mask=valid, other=float("-inf"))
-
-
-@triton.jit
-def _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_f,
-            FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
-    """Largest key in [lo, hi) with P true; P(lo) assumed true, P(hi) false. Keys are
-    fp32 bit patterns made order-preserving (negatives flipped), in int64."""
-    pr = tl.arange(0, NP).to(tl.int64)
-    while hi - lo > 1:
-        probe = lo + ((hi - lo) * (pr + 1)) // (NP + 1)  # (NP,) keys
-        bits = tl.where(probe >= 2147483648, probe - 2147483648, -1 - probe)
-        tau = bits.to(tl.int32).to(tl.float32, bitcast=True)
-        cnt = tl.zeros((NP,), tl.int32)
-        mass = tl.zeros((NP,), tl.float32)
-        for j0 in range(0, n, BLOCK_C):
-            j = j0 + tl.arange(0, BLOCK_C)
-            valid = j < n
-            idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
-            valid = valid & (s >= c)
-            e = tl.where(valid, tl.exp(s - m), 0.0)
-            ge = (s[:, None] >= tau[None, :]) & valid[:, None]
-            cnt += tl.sum(ge.to(tl.int32), axis=0)
-            mass += tl.sum(tl.where(ge, e[:, None], 0.0), axis=0)
-        # tl.where, not `scalar & vector`: Triton's interpreter cannot broadcast the bool
-        ok = tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= p_mass, False) | \
-            tl.where(use_f, tau <= floor, False)
-        lo, hi = tl.max(tl.where(ok, probe, lo), axis=0), tl.min(tl.where(ok, hi, probe), axis=0)
-    return lo
-
-
-@triton.jit
-def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-             FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
-    """Steps 6-7 over the candidates C_row[:n] (FULL: the row's s >= c, n = V) -> id."""
-    cb = c.to(tl.int32, bitcast=True).to(tl.int64)
-    mb = m.to(tl.int32, bitcast=True).to(tl.int64)
-    lo = tl.where(cb >= 0, cb + 2147483648, -1 - cb)
-    hi = tl.where(mb >= 0, mb + 2147483648, -1 - mb) + 1
-    zk = z
-    if use_k & use_p:  # kth first: top-p renormalizes over the top-k set
-        lo = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, True, 0.0, False, floor, False,
-                     FULL, BLOCK_C, NP)
-        kth = tl.where(lo >= 2147483648, lo - 2147483648, -1 - lo).to(tl.int32).to(tl.float32, bitcast=True)
-        acc = tl.zeros((BLOCK_C,), tl.float32)
-        for j0 in range(0, n, BLOCK_C):
-            j = j0 + tl.arange(0, BLOCK_C)
-            valid = j < n
-            idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
-            acc += tl.where(valid & (s >= c) & (s >= kth), tl.exp(s - m), 0.0)
-        zk = tl.sum(acc, axis=0)
-    tk = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, top_p * zk, use_p, floor, use_f,
-                 FULL, BLOCK_C, NP)
-    thr = tl.where(tk >= 2147483648, tk - 2147483648, -1 - tk).to(tl.int32).to(tl.float32, bitcast=True)
-    best_v = tl.full((), float("-inf"), tl.float32)
-    best_i = tl.full((), 0, tl.int32)
-    for j0 in range(0, n, BLOCK_C):
-        j = j0 + tl.arange(0, BLOCK_C)
-        valid = j < n
-        idx, s = _cand(row, C_row, SV_row, j, valid, t, FULL)
-        v = tl.where(valid & (s >= c) & (s >= thr), s + _gumbel(key, idx), float("-inf"))
-        bv = tl.max(v, axis=0)
-        bi = tl.min(tl.where(v == bv, idx, 2147483647), axis=0)
-        upd = bv > best_v  # strict: the earlier block (smaller index) wins ties
-        best_i = tl.where(upd, bi, best_i)
-        best_v = tl.where(upd, bv, best_v)
-    return best_i, thr
-
-
-@triton.jit
-def _resolve_small(C_row, SV_row, n, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-                   EXH: tl.constexpr, TB: tl.constexpr):
-    """Steps 6-7 when the n <= EXH candidates fit one tile: P is evaluated at every
-    candidate value (TB values tau at a time against all candidates: a TB x EXH compare),
-    thr = the largest value with P true (or the min-p floor when higher). kth, p_thresh
-    are candidate values; floor is not. No sequential sweeps, unlike the bisection."""
-    j = tl.arange(0, EXH)
-    valid = j < n
-    s = tl.load(SV_row + j, mask=valid, other=float("-inf"))
-    e = tl.where(valid, tl.exp(s - m), 0.0)
-    zk = z
-    if use_k & use_p:  # top-p renormalizes over the top-k set: kth first
-        kth = tl.full((), float("-inf"), tl.float32)
-        for i0 in range(0, n, TB):
-            i = i0 + tl.arange(0, TB)
-            si = tl.load(SV_row + i, mask=i < n, other=float("-inf"))
-            cnt = tl.sum(((s[None, :] >= si[:, None]) & valid[None, :]).to(tl.int32), axis=1)
-            kth = tl.maximum(kth, tl.max(tl.where((i < n) & (cnt >= k), si, float("-inf")), axis=0))
-        zk = tl.sum(tl.where(s >= kth, e, 0.0), axis=0)
-    best = tl.full((), float("-inf"), tl.float32)
-    for i0 in range(0, n, TB):
-        i = i0 + tl.arange(0, TB)
-        si = tl.load(SV_row + i, mask=i < n, other=float("-inf"))
-        ge = (s[None, :] >= si[:, None]) & valid[None, :]  # row: tau = s_i; column: candidate
-        cnt = tl.sum(ge.to(tl.int32), axis=1)
-        mass = tl.sum(tl.where(ge, e[None, :], 0.0), axis=1)
-        ok = (i < n) & (tl.where(use_k, cnt >= k, False) | tl.where(use_p, mass >= top_p * zk, False))
-        best = tl.maximum(best, tl.max(tl.where(ok, si, float("-inf")), axis=0))
-    thr = tl.maximum(tl.maximum(best, c), tl.where(use_f, floor, float("-inf")))
-    idx = tl.load(C_row + j, mask=valid, other=0)
-    v = tl.where(valid & (s >= thr), s + _gumbel(key, idx), float("-inf"))
-    bv = tl.max(v, axis=0)
-    return tl.min(tl.where(v == bv, idx, 2147483647), axis=0), thr
 
 
 @triton.jit
