@@ -59,6 +59,26 @@ def test_rmsnorm_forward_backward(dtype, D):
     _no_worse(dw, dw_ref, dw_gold, dtype, scale=40)  # dw sums 39 rows
 
 
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_rmsnorm_dw_sum_over_many_partials(dtype, monkeypatch):
+    """The dw partials summed in several steps and column blocks (shrunk: the CPU run has
+    at most 32 partials, under one step of the default 64), D not a multiple of a block."""
+    from rlfuse.kernels import rmsnorm as R
+    monkeypatch.setattr(R, "_DW_ROWS", 4)
+    monkeypatch.setattr(R, "_DW_COLS", 16)
+    g = torch.Generator().manual_seed(7)
+    D = 40
+    x = torch.randn(200, D, generator=g).to(dtype).requires_grad_()
+    w = (1 + 0.3 * torch.randn(D, generator=g)).to(dtype).requires_grad_()
+    dy = torch.randn(200, D, generator=g)
+    with use_backend("triton"):
+        _, (dx, dw) = _grads(lambda a, b: rmsnorm(a, b, 1e-6), (x, w), dy)
+    _, (dx_ref, dw_ref) = _grads(lambda a, b: rmsnorm_ref(a, b, 1e-6), (x, w), dy)
+    _, (dx_gold, dw_gold) = _grads(lambda a, b: rmsnorm_ref(a, b, 1e-6), _gold_leaves(x, w), dy.double())
+    _no_worse(dw, dw_ref, dw_gold, dtype, scale=200)  # dw sums 200 rows
+    _no_worse(dx, dx_ref, dx_gold, dtype, scale=4)
+
+
 def test_rmsnorm_fp32_weight_bf16_input_and_exactness():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(37, 96, generator=g).bfloat16()
