@@ -65,6 +65,20 @@ def profile_main():
             row = dict(D=D, N=N, impl=name, total_us=round(sum(k[1] for k in ks), 2), kernels=ks)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)
+    # the dw partial sum alone: (P, BLOCK_D) fp32 partials -> (D,) bf16, P = 8 an SM
+    P = 8 * torch.cuda.get_device_properties(0).multi_processor_count
+    for D in (1024, 128):
+        part = torch.randn(P, D, device="cuda")
+        out = torch.empty(D, device="cuda", dtype=torch.bfloat16)
+        row = dict(P=P, D=D, torch_sum_cast_us=graph_us(lambda: part.sum(0).to(torch.bfloat16)))  # noqa: B023
+        for cols in (8, 16, 32):
+            for block_p in (128, 512, 1024):
+                for warps in (4, 8):
+                    row[f"c{cols}_p{block_p}_w{warps}"] = graph_us(
+                        lambda: R._dw_sum_kernel[(triton.cdiv(D, cols),)](  # noqa: B023
+                            part, out, P, D, BLOCK_D=D, COLS=cols, BLOCK_P=block_p, num_warps=warps))  # noqa: B023
+        res["rows"].append(row)
+        print(json.dumps(row), flush=True)
     (OUT / "probe_rmsnorm_profile.json").write_text(json.dumps(res, indent=1))
 
 
