@@ -48,7 +48,7 @@ def jobs():
                 dict(DY_ptr=p, X_ptr=p, W_ptr=p, R_ptr="*fp32", DX_ptr=p, DWP_ptr="*fp32"), \
                 dict(ROWS=rows, BLOCK_D=block_d), warps
             yield f"rmsnorm dw sum D={D} {dt}", R._dw_sum_kernel, dict(DWP_ptr="*fp32", DW_ptr=p), \
-                dict(BLOCK_D=block_d, COLS=R._DW_COLS, BLOCK_P=R._DW_ROWS), 4
+                dict(BLOCK_D=block_d, COLS=R._DW_COLS, BLOCK_P=R._DW_ROWS), R._DW_WARPS
         for bwd in (False, True):
             yield f"rope {'bwd' if bwd else 'fwd'} Dh=128 {dt}", P._rope_kernel, \
                 dict(X_ptr=p, Y_ptr=p, P_ptr="*i64", F_ptr="*fp32"), \

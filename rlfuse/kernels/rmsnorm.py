@@ -84,9 +84,13 @@ def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows
 
 # dw = the P partial rows summed in order, cast to w's dtype, in one launch: torch's sum over
 # dim 0 plus the cast and a memset took 8.5 us at 4096 x 1024 (H100 profile, probe_rmsnorm.py
-# --profile, commit 1aea10a), a third of the backward; torch.compile's final reduce 2.4 us.
-_DW_COLS = 32   # columns a program (1024 wide: 32 programs)
-_DW_ROWS = 64   # partial rows a step
+# --profile, commit 1aea10a), a third of the backward. Tiles from the same probe (commit
+# a32dad1, 1056 partials, graph replay, L2 flushed): 8 columns x 1024 partial rows x 8 warps
+# 8.3 us at D = 1024, 6.7 at D = 128, torch's sum + cast 13.2 / 12.1; 32 x 64 x 4 warps (the
+# first setting) 23.6 / 21.1: few programs, each a long serial loop.
+_DW_COLS = 8     # columns a program (1024 wide: 128 programs)
+_DW_ROWS = 1024  # partial rows a step
+_DW_WARPS = 8
 
 
 @triton.jit(do_not_specialize=['P'])  # P follows N: one compile
@@ -168,7 +172,7 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
                                   ROWS=rows, BLOCK_D=block_d, num_warps=warps)
         dw = torch.empty((D,), dtype=weight.dtype, device=x.device)
         _dw_sum_kernel[(triton.cdiv(D, _DW_COLS),)](dw_part, dw, P, D, BLOCK_D=block_d, COLS=_DW_COLS,
-                                                   BLOCK_P=_DW_ROWS, num_warps=4)
+                                                   BLOCK_P=_DW_ROWS, num_warps=_DW_WARPS)
     else:
         dw = torch.zeros((D,), dtype=weight.dtype, device=x.device)
     return dx.view(x.shape), dw
