@@ -1,5 +1,5 @@
 """RMSNorm tile sweep (GPU, diagnostic): forward and backward at Qwen3-0.6B's two widths
-(D = 1024 hidden norms with 4096 and T rows, D = 128 per-head q norm with 16 T rows), over rows per
+(D = 1024 hidden norms with 4096 and T rows, D = 128 per-head q norm with 4 T and 16 T rows), over rows per
 tile x warps (and programs per SM for the backward), next to torch.compile of the
 reference, all under CUDA-graph replay (no host time). `--profile` instead lists the
 kernels of one forward + backward (ours through the public op, and torch.compile's) with
@@ -88,7 +88,7 @@ def main():
     OUT.mkdir(parents=True, exist_ok=True)
     res = dict(gpu=torch.cuda.get_device_name(), commit=os.environ.get("RLFUSE_COMMIT", "?"), rows=[])
     tile0, parts0 = R._tile, R._num_partials
-    for D, N in ((1024, 4096), (1024, T), (128, 16 * T)):
+    for D, N in ((1024, 4096), (1024, T), (128, 4 * T), (128, 16 * T)):
         x = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         w = torch.randn(D, device="cuda", dtype=torch.bfloat16)
         dy = torch.randn_like(x)
@@ -99,7 +99,7 @@ def main():
         print(res["rows"][-1], flush=True)
         _, r = R.rmsnorm_fwd_triton(x, w, 1e-6)
         bd = triton.next_power_of_2(D)
-        for rows in ((1, 2, 4, 8) if D > 128 else (8, 16, 32)):
+        for rows in ((1, 2, 4, 8) if D > 128 else (8, 16, 32, 64)):
             for warps in (1, 2, 4, 8):
                 if rows * bd > 16384 or rows * bd < 32 * warps:
                     continue
