@@ -1,6 +1,6 @@
 """Sampler sweep (GPU, diagnostic): K1's per-chunk histogram (NB bins of width 1 / W_INV
 nats), K2b's step (BLOCK_K2 elements, WARPS_K2 warps) K3's all-pairs limit (exh, TB) and
-bisection (NP probes x BLOCK_C candidates a step) at
+bisection (NP probes x BLOCK_C candidates a step, VS value-space sweeps) at
 B = 256, V = 151936, on bench_sampling's Zipf logits, filtered settings only. For each
 setting: ids == the sort-based reference, the
 whole call under CUDA-graph replay (median, L2 flushed), and each kernel's time from the
@@ -24,9 +24,9 @@ OUT = Path(os.environ.get("OUT", "./out"))
 B = 256
 # module constants patched per variant; the first is the module's default
 _D = dict(_NB=S._NB, _W_INV=S._W_INV, _BLOCK_K2=S._BLOCK_K2, _WARPS_K2=S._WARPS_K2, _TB=S._TB,
-          _NP=S._NP, _BLOCK_C=S._BLOCK_C, exh=S._EXH)  # exh: sample_triton's keyword (its default is bound at import)
-VARIANTS = [_D, {**_D, "_BLOCK_C": 2048}, {**_D, "_BLOCK_C": 4096}, {**_D, "_NP": 4, "_BLOCK_C": 2048},
-            {**_D, "_NP": 16, "_BLOCK_C": 1024}, {**_D, "_NP": 16, "_BLOCK_C": 2048}]
+          _NP=S._NP, _BLOCK_C=S._BLOCK_C, _VS=S._VS, exh=S._EXH)  # exh: sample_triton's keyword (its default is bound at import)
+VARIANTS = [_D, {**_D, "_VS": 0}, {**_D, "_VS": 1}, {**_D, "_VS": 3}, {**_D, "_VS": 5},
+            {**_D, "_NP": 4}, {**_D, "_VS": 3, "_NP": 4}]
 # (logits, Zipf exponent, dtype, top_k, top_p, temperature)
 CASES = [("typical", 1.5, torch.float32, 50, 1.0, 1.0), ("typical", 1.5, torch.float32, 0, 0.9, 1.0),
          ("typical", 1.5, torch.float32, 50, 0.9, 1.0), ("typical", 1.5, torch.bfloat16, 0, 0.9, 1.0),

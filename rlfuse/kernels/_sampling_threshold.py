@@ -30,12 +30,26 @@ def _cand(row, C_row, SV_row, j, valid, t, FULL: tl.constexpr):
 
 @triton.jit
 def _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, floor, use_f,
-            FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+            FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr, VS: tl.constexpr):
     """Largest key in [lo, hi) with P true; P(lo) assumed true, P(hi) false. Keys are
-    fp32 bit patterns made order-preserving (negatives flipped), in int64."""
+    fp32 bit patterns made order-preserving (negatives flipped), in int64. Probes split
+    (lo, hi) evenly in key space, except the first VS sweeps, which split the values: keys
+    crowd near 0 (a [-10, 0] range is ~97% keys of [-1, 0]), so key-space probes spend
+    sweeps there. Any probes inside (lo, hi) keep the bisection exact."""
     pr = tl.arange(0, NP).to(tl.int64)
+    sweep = 0
     while hi - lo > 1:
         probe = lo + ((hi - lo) * (pr + 1)) // (NP + 1)  # (NP,) keys
+        if sweep < VS:
+            v_lo = tl.where(lo >= 2147483648, lo - 2147483648, -1 - lo).to(tl.int32).to(tl.float32, bitcast=True)
+            v_hi = tl.where(hi >= 2147483648, hi - 2147483648, -1 - hi).to(tl.int32).to(tl.float32, bitcast=True)
+            tv = v_lo + (v_hi - v_lo) * ((pr + 1).to(tl.float32) / (NP + 1))
+            tb = tv.to(tl.int32, bitcast=True).to(tl.int64)
+            kv = tl.minimum(tl.maximum(tl.where(tb >= 0, tb + 2147483648, -1 - tb), lo + 1), hi - 1)
+            # -inf or nan ends (a whole-row search from -inf): keep the key-space probes
+            # (tl.where, not `scalar & vector`: the interpreter cannot broadcast the bool)
+            probe = tl.where(tl.where(tl.abs(v_hi - v_lo) < float("inf"), tv == tv, False), kv, probe)
+        sweep += 1
         bits = tl.where(probe >= 2147483648, probe - 2147483648, -1 - probe)
         tau = bits.to(tl.int32).to(tl.float32, bitcast=True)
         cnt = tl.zeros((NP,), tl.int32)
@@ -58,7 +72,7 @@ def _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, p_mass, use_p, flo
 
 @triton.jit
 def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, floor, use_f,
-             FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+             FULL: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr, VS: tl.constexpr):
     """Steps 6-7 over the candidates C_row[:n] (FULL: the row's s >= c, n = V) -> id."""
     cb = c.to(tl.int32, bitcast=True).to(tl.int64)
     mb = m.to(tl.int32, bitcast=True).to(tl.int64)
@@ -67,7 +81,7 @@ def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, flo
     zk = z
     if use_k & use_p:  # kth first: top-p renormalizes over the top-k set
         lo = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, True, 0.0, False, floor, False,
-                     FULL, BLOCK_C, NP)
+                     FULL, BLOCK_C, NP, VS)
         kth = tl.where(lo >= 2147483648, lo - 2147483648, -1 - lo).to(tl.int32).to(tl.float32, bitcast=True)
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j0 in range(0, n, BLOCK_C):
@@ -77,7 +91,7 @@ def _resolve(row, C_row, SV_row, n, t, c, m, z, key, k, use_k, top_p, use_p, flo
             acc += tl.where(valid & (s >= c) & (s >= kth), tl.exp(s - m), 0.0)
         zk = tl.sum(acc, axis=0)
     tk = _bisect(row, C_row, SV_row, n, t, c, m, lo, hi, k, use_k, top_p * zk, use_p, floor, use_f,
-                 FULL, BLOCK_C, NP)
+                 FULL, BLOCK_C, NP, VS)
     thr = tl.where(tk >= 2147483648, tk - 2147483648, -1 - tk).to(tl.int32).to(tl.float32, bitcast=True)
     best_v = tl.full((), float("-inf"), tl.float32)
     best_i = tl.full((), 0, tl.int32)

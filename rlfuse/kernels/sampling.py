@@ -174,6 +174,7 @@ _BLOCK = 2048   # elements per step in the streaming loops
 _BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows,
                  # commit 5d5ed31: K1 131 us at 8192, 158 at 4096, 138 at 16384)
 _BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
+_VS = 2          # bisection sweeps that split values, not keys (see _bisect; not yet timed)
 _BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=256, typical
 _WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
                  # 512, 97 at 512 x 2 warps, 111-176 at 1024-2048 x 2-4 warps; bf16 top-p 0.9
@@ -435,7 +436,8 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
 def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
                    M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr,
                    IDS_ptr, LP_ptr, THR_ptr, V, S, S_BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   EXH: tl.constexpr, TB: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr):
+                   EXH: tl.constexpr, TB: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr,
+                   VS: tl.constexpr):
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
@@ -470,11 +472,11 @@ def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_p
                                       floor, use_f, EXH, TB)
         elif listed:
             idx, thr = _resolve(row, C_row, SV_row, n, t, s_out, m, z, key, k, use_k, top_p, use_p,
-                                floor, use_f, False, BLOCK_C, NP)
+                                floor, use_f, False, BLOCK_C, NP, VS)
         if (~listed) | (thr <= s_out):
             idx, thr = _resolve(row, C_row, SV_row, V, t, tl.full((), float("-inf"), tl.float32), m, z,
                                 key, k, use_k, top_p,
-                                use_p, floor, use_f, True, BLOCK_C, NP)
+                                use_p, floor, use_f, True, BLOCK_C, NP, VS)
     s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
     tl.store(IDS_ptr + b, idx.to(tl.int64))
     tl.store(LP_ptr + b, s_id - (m + tl.log(z)))
@@ -536,7 +538,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
                          n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
                          CAP=cap, EXH=min(exh, triton.next_power_of_2(V), cap), TB=_TB, BLOCK_C=block_c,
-                         NP=_NP, num_warps=8)
+                         NP=_NP, VS=_VS, num_warps=8)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
 
