@@ -99,7 +99,7 @@ def main():
         print(res["rows"][-1], flush=True)
         _, r = R.rmsnorm_fwd_triton(x, w, 1e-6)
         bd = triton.next_power_of_2(D)
-        for rows in ((1, 2, 4, 8) if D > 128 else (8, 16, 32, 64)):
+        for rows in ((1, 2, 4, 8) if D > 128 else (4, 8, 16, 32)):
             for warps in (1, 2, 4, 8):
                 if rows * bd > 16384 or rows * bd < 32 * warps:
                     continue
