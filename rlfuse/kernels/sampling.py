@@ -481,7 +481,7 @@ def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_p
                                 use_p, floor, use_f, True, BLOCK_C, NP, VS)
     s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
     tl.store(IDS_ptr + b, idx.to(tl.int64))
-    tl.store(LP_ptr + b, s_id - (m + tl.log(z)))
+    tl.store(LP_ptr + b, (s_id - m) - tl.log(z))  # as log_softmax: no rounding at m's scale
     tl.store(THR_ptr + b, thr)  # kept set {s >= thr}: for tests and the GPU check
 
 
