@@ -185,6 +185,21 @@ def test_mixed_modes_multi_chunk_batch_invariant():
     _check_rows_alone(logits, params, chunk=128)
 
 
+def test_extreme_temperatures_and_magnitudes():
+    """T from 0.01 to 200 and logits up to ~1e4: the raw-logit grid x * rnd(W_INV / T) gets
+    very fine or very coarse, s reaches ~1e6 (log-probs must not round at m's scale). Top-k
+    rows carry top_p < 1: with top_p = 1 the reference's fp32 cumsum drops tokens whose mass
+    before rounds to 1, common at T = 0.01 (the documented ~1e-7 event, not a kernel bug)."""
+    g = torch.Generator().manual_seed(5)
+    settings = [(0.01, 20, 0.99, 0.0), (0.05, 0, 0.9, 0.0), (5.0, 30, 0.9, 0.0), (50.0, 0, 0.95, 0.0),
+                (0.02, 0, 1.0, 0.2), (200.0, 10, 0.999, 0.0)]
+    logits = torch.randn(2 * len(settings), 700, generator=g) * 4
+    logits[1] *= 1000
+    params = _params(logits.shape[0], settings, seed=6)
+    _check_same(logits, params)
+    _check_same(logits, params, chunk=128)
+
+
 def _tie_across_bin_edge():
     """(T, x1, x2): adjacent fp32 logits x1 < x2 with rnd(x1 / T) == rnd(x2 / T) but on two
     sides of an edge of the kernel's grid floor(x kw), kw = rnd(W_INV / T)."""
