@@ -16,9 +16,7 @@ from pathlib import Path
 import torch
 import triton
 
-from _timing import graphed, median_seconds
-from torch.profiler import ProfilerActivity, profile
-
+from _timing import graphed, kernel_times_us, median_seconds
 from rlfuse.kernels import rmsnorm as R
 from rlfuse.kernels import use_backend
 
@@ -28,23 +26,6 @@ T = 16384
 
 def graph_us(fn, reps=40):
     return 1e6 * median_seconds(graphed(fn), reps, flush_l2=True)
-
-
-def kernels(fn, reps=10):
-    """[(kernel name, GPU us per call, launches per call)] of fn, largest first."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        dev = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev > 0 and ev.count >= reps:
-            rows.append((ev.key[:90], round(dev / reps, 2), ev.count / reps))
-    return sorted(rows, key=lambda r: -r[1])
 
 
 def profile_main():
@@ -61,7 +42,7 @@ def profile_main():
         w = torch.randn(D, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         dy = torch.randn(N, D, device="cuda", dtype=torch.bfloat16)
         for name, fn in (("triton", ours), ("compile", lambda x, w: comp(x, w, 1e-6))):
-            ks = kernels(lambda: torch.autograd.grad(fn(x, w), (x, w), dy))  # noqa: B023
+            ks = kernel_times_us(lambda: torch.autograd.grad(fn(x, w), (x, w), dy))  # noqa: B023
             row = dict(D=D, N=N, impl=name, total_us=round(sum(k[1] for k in ks), 2), kernels=ks)
             res["rows"].append(row)
             print(json.dumps(row), flush=True)

@@ -14,9 +14,7 @@ import os
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile
-
-from _timing import graphed, median_seconds
+from _timing import graphed, kernel_times_us, median_seconds
 from bench_sampling import params, zipf_logits
 from rlfuse.kernels import sampling as S
 
@@ -34,20 +32,9 @@ CASES = [("typical", 1.5, torch.float32, 50, 1.0, 1.0), ("typical", 1.5, torch.f
          ("flat", 1.2, torch.float32, 50, 1.0, 1.0)]
 
 
-def kernel_us(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for ev in prof.key_averages():
-        name = ev.key
-        if name.startswith("_") and "kernel" in name:
-            dev = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-            out[name] = round(dev / reps, 1)
-    return out
+def kernel_us(fn) -> dict:
+    """{sampler kernel: GPU us per call}."""
+    return {name: round(us, 1) for name, us, _ in kernel_times_us(fn) if name.startswith("_") and "kernel" in name}
 
 
 def main():
