@@ -66,7 +66,7 @@ def jobs():
             dict(CHUNK=S._CHUNK, CAP=S._CAP, BLOCK=S._BLOCK_K2[2 if dt == "bf16" else 4], W_INV=S._W_INV), \
             S._WARPS_K2
         yield f"sample finish {dt}", S._finish_kernel, prm, \
-            dict(S_BLOCK=16, CAP=S._CAP, EXH=S._EXH, TB=S._TB, BLOCK_C=S._BLOCK_C, NP=S._NP), 8
+            dict(S_BLOCK=16, CAP=S._CAP, EXH=S._EXH, TB=S._TB, BLOCK_C=S._BLOCK_C, NP=S._NP, VS=S._VS), S._WARPS_K3
 
 def main():
     bad = n = 0

@@ -181,6 +181,8 @@ _BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=
 _WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
                  # 512, 97 at 512 x 2 warps, 111-176 at 1024-2048 x 2-4 warps; bf16 top-p 0.9
                  # 83 us at 128, 112 at 256, 187 at 512): small CTAs, many in flight per SM
+_WARPS_K3 = 8    # finish kernel (Triton 3.9's offline sm_90 build: 80 registers and a 20 B spill at
+                 # 8 warps, none at 4 or 16; not yet timed against them)
 _CAP = 16384    # candidates kept in scratch per row
 _EXH = 128      # up to this many candidates: all-pairs tiles (TB x EXH) instead of the
 _TB = 16        # bisection. Its cost follows EXH, not n (H100, B=256, commit 3bce730, K3 us
@@ -540,7 +542,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
                          n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
                          CAP=cap, EXH=min(exh, triton.next_power_of_2(V), cap), TB=_TB, BLOCK_C=block_c,
-                         NP=_NP, VS=_VS, num_warps=8)
+                         NP=_NP, VS=_VS, num_warps=_WARPS_K3)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
 
