@@ -181,8 +181,9 @@ _BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=
 _WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
                  # 512, 97 at 512 x 2 warps, 111-176 at 1024-2048 x 2-4 warps; bf16 top-p 0.9
                  # 83 us at 128, 112 at 256, 187 at 512): small CTAs, many in flight per SM
-_WARPS_K3 = 8    # finish kernel (Triton 3.9's offline sm_90 build: 80 registers and a 20 B spill at
-                 # 8 warps, none at 4 or 16; not yet timed against them)
+_WARPS_K3 = 8    # finish kernel (H100, Triton 3.6, commit ee1f56f, K3 us at 8 / 4 / 16 warps:
+                 # typical top-p 22.1 / 21.9 / 34.7, flat top-p 241 / 253 / 358). Triton 3.9's
+                 # offline sm_90 build gives 8 warps 80 registers and a 20 B spill, 4 and 16 none
 _CAP = 16384    # candidates kept in scratch per row
 _EXH = 128      # up to this many candidates: all-pairs tiles (TB x EXH) instead of the
 _TB = 16        # bisection. Its cost follows EXH, not n (H100, B=256, commit 3bce730, K3 us
