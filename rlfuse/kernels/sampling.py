@@ -512,7 +512,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     # block sizes follow V (and the knobs) only, never B: batch invariance
     block_v = triton.next_power_of_2(V)
     block = min(_BLOCK, chunk, block_v)
-    block_c = min(_BLOCK_C, triton.next_power_of_2(V))
+    block_c = min(_BLOCK_C, block_v)
     # scratch: one allocation carved into 16-byte aligned views (eager calls pay ~5 us per
     # torch.empty; Triton specializes on 16-byte alignment)
     shapes = [(B, S)] * 7 + [(B, 2), (B, S + 1), (B, S, _NB), (B, cap), (B, cap)]
@@ -542,7 +542,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
                             num_warps=_WARPS_K2)
     _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
                          n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
-                         CAP=cap, EXH=min(exh, triton.next_power_of_2(V), cap), TB=_TB, BLOCK_C=block_c,
+                         CAP=cap, EXH=min(exh, block_v, cap), TB=_TB, BLOCK_C=block_c,
                          NP=_NP, VS=_VS, num_warps=_WARPS_K3)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
