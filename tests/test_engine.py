@@ -284,19 +284,13 @@ def test_gpu_sleep_frees_at_least_the_pool_and_budget_is_respected():
     assert len(outs) == 2
 
 
-def test_triton_kernels_drive_the_engine_on_cpu(model, monkeypatch):
+def test_triton_kernels_drive_the_engine_on_cpu(model):
     """The engine's inputs meet the Triton kernels' contracts (dtypes, strides, padding
     rows): with backend "triton" (Triton's interpreter here) greedy equals the oracle and
     seeded sampling equals the reference backend's, on the static decode path with
-    chunked prefill. Ops without a Triton kernel yet run their reference."""
-    from rlfuse.kernels import logprob, use_backend
-    import rlfuse.engine.model_runner as mr
+    chunked prefill."""
+    from rlfuse.kernels import use_backend
 
-    if not logprob._HAS_TRITON:  # until it lands, token_logprobs keeps its reference (patch undone after)
-        def ref_logprobs(*a, **k):
-            with use_backend("torch"):
-                return logprob.token_logprobs(*a, **k)
-        monkeypatch.setattr(mr, "token_logprobs", ref_logprobs)
     prompts = random_prompts([1, 5, 17, 33])
     kw = dict(max_num_batched_tokens=24)
     sampled = SamplingParams(temperature=0.9, top_p=0.8, top_k=30, max_tokens=5, seed=1)

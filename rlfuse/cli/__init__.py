@@ -24,7 +24,7 @@ SUBCOMMANDS = {
     "eval": "evaluate a checkpoint on a recipe's eval set",
     "generate": "generate completions for prompts with the built-in engine",
     "report": "render PNG plots and an HTML summary of a run folder",
-    "consistency": "compare rollout and training log-probs and name the first divergent layer",
+    "check": "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)",
     "bench": "benchmarks (generate, kernels)",
 }
 
@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "eval": "eval",
     "report": "report",
     "generate": "generate",
+    "check": "check",
     "bench": "bench",
 }
 

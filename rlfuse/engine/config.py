@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlfuse.kernels.backend import NUMERICS
+
 _MAX_SEED = 2**32
 
 
@@ -59,9 +61,15 @@ class EngineConfig:
     16 up to max_num_seqs. Larger decode batches run eagerly."""
     seed: int = 0
     """Seeds the per-request seeds of requests that do not set one."""
+    numerics: str = "fast"
+    """"fast": cuBLAS GEMMs and split-KV decode, rollout log-probs within ~1e-2 of the
+    trainer's. "exact": batch-invariant kernels, so every rollout log-prob equals the
+    trainer's bitwise (`rlfuse check` proves it; docs/numerics.md lists the cost)."""
 
     def __post_init__(self):
         o = "EngineConfig"
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"{o}.numerics must be one of {NUMERICS}, got {self.numerics!r}")
         for f in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             _positive_int(o, f, getattr(self, f))
         _positive_int(o, "max_model_len", self.max_model_len, allow_none=True)

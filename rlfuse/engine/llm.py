@@ -111,11 +111,11 @@ class LLM:
         self._weights_version = self._param_version()
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
-                 "max_num_batched_tokens %d, prefix caching %s, decode %s", mcfg.architecture,
+                 "max_num_batched_tokens %d, prefix caching %s, decode %s, numerics %s", mcfg.architecture,
                  self.runner.device, self.max_model_len, self.kv.num_blocks, cfg.block_size, cfg.max_num_seqs,
                  cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
                  "CUDA graphs" if self.runner.use_graphs else
-                 ("static buffers (no capture on CPU)" if self.runner.static else "eager"))
+                 ("static buffers (no capture on CPU)" if self.runner.static else "eager"), cfg.numerics)
 
     # ------------------------------------------------------------------ weights
     def _param_version(self) -> int:

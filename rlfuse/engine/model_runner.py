@@ -29,6 +29,7 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 
@@ -39,12 +40,25 @@ from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels._triton_common import num_sms
+from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)
-_STATIC_FIELDS = 8  # ids, positions, slots, rows, seq_lens, top_k, seeds, offsets
+# the static int64 buffer of the decode path: one field of `_field_stride(nb)` elements each
+_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS = range(8)
+_STATIC_FIELDS = 8
+
+
+def _in_numerics(method):
+    """Run an engine entry point in the engine's numerics (`EngineConfig.numerics`); CUDA
+    graphs captured inside record the kernels of that numerics."""
+    @functools.wraps(method)
+    def wrapped(self, *args, **kwargs):
+        with use_numerics(self.cfg.numerics):
+            return method(self, *args, **kwargs)
+    return wrapped
 
 
 def _field_stride(nb: int) -> int:
@@ -98,6 +112,7 @@ class ModelRunner:
         return self.kv
 
     @torch.no_grad()
+    @_in_numerics
     def _warm_paged_kernels(self, force: bool = False) -> None:
         """Compile the paged-attention variants a generate can meet before any is timed:
         prefill-shaped steps with and without a KV split (the split count follows the
@@ -126,6 +141,7 @@ class ModelRunner:
                  time.perf_counter() - t0)
 
     @torch.no_grad()
+    @_in_numerics
     def _warmup(self) -> None:
         """The largest step the engine runs: a prefill of max_num_batched_tokens tokens, then
         logits, filtered sampling and log-probs for max_num_seqs rows."""
@@ -182,6 +198,7 @@ class ModelRunner:
         return t.to(self.device, non_blocking=True)
 
     @torch.no_grad()
+    @_in_numerics
     def launch(self, seqs: list[Sequence], num_new: list[int], feed: torch.Tensor | None = None) -> "Pending":
         """Enqueue one step on the device and return without waiting for it: compute the
         scheduled tokens; sample every sequence whose chunk reaches its last token. A
@@ -213,20 +230,20 @@ class ModelRunner:
             nb = next(g for g in self.graph_sizes if g >= B)
             fs = _field_stride(nb)
             host = np.zeros((_STATIC_FIELDS, fs), dtype=np.int64)
-            host[2], host[3] = -1, self.num_rows  # padding rows: no K/V write, the zero table row
+            host[_SLOTS], host[_ROWS] = -1, self.num_rows  # padding rows: no K/V write, the zero table row
             if not ahead:
-                host[0, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
-            host[1, :B] = starts
-            host[2, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
-            host[3, :B] = rows
-            host[4, :B] = host[1, :B] + 1
-            host[5, :S], host[6, :S], host[7, :S] = top_k, seeds, offsets
+                host[_IDS, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
+            host[_POS, :B] = starts
+            host[_SLOTS, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
+            host[_ROWS, :B] = rows
+            host[_SEQ_LENS, :B] = host[_POS, :B] + 1
+            host[_TOP_K, :S], host[_SEEDS, :S], host[_OFFSETS, :S] = top_k, seeds, offsets
             self.s_i64[:_STATIC_FIELDS * fs].copy_(self._upload(host.reshape(-1), torch.int64))
             if ahead:
                 self.s_i64[:B].copy_(feed)  # the input ids: the running step's samples, on the device
             self._replay(nb)
             h = self.s_out[:B] if S == B else self.s_out[self._upload(sampled, torch.int64)]
-            k_t, seed_t, off_t = (self.s_i64[f * fs:f * fs + S] for f in (5, 6, 7))
+            k_t, seed_t, off_t = (self.s_i64[f * fs:f * fs + S] for f in (_TOP_K, _SEEDS, _OFFSETS))
         else:
             h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds, offsets)
         if S == 0:
@@ -303,8 +320,8 @@ class ModelRunner:
     def _decode_body(self, nb: int) -> None:
         st = self.s_i64
         fs = _field_stride(nb)
-        ids, pos, slots, rows = (st[f * fs:f * fs + nb] for f in range(4))
-        seq_lens = st[4 * fs:4 * fs + nb].to(torch.int32)
+        ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
+        seq_lens = seq_lens.to(torch.int32)
         attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens, self.bt.index_select(0, rows), 1)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))
 
@@ -332,6 +349,7 @@ class ModelRunner:
         return g
 
     @torch.no_grad()
+    @_in_numerics
     def capture_graphs(self) -> None:
         """Capture every bucket now (largest first, so one memory pool fits all), over
         padding inputs; normally buckets are captured on first use."""
@@ -344,7 +362,7 @@ class ModelRunner:
         nb = self.max_graph_bs
         for size in todo:
             host = np.zeros((_STATIC_FIELDS, _field_stride(size)), dtype=np.int64)
-            host[2], host[3] = -1, self.num_rows
+            host[_SLOTS], host[_ROWS] = -1, self.num_rows
             self.s_i64[:host.size].copy_(torch.from_numpy(host.reshape(-1)))
             self._capture(size)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.backend import is_exact, resolve_backend
+from rlfuse.kernels.invariant import pairwise_sum, pointwise
 
 KV_BLOCK = 64  # keys per step in the forward and in paged_attention (see module docstring)
 _LOG2E = 1.4426950408889634  # kernels spell log2(e) and ln(2) as literals (jit globals)
@@ -71,6 +72,48 @@ def varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen: int, scale: float | No
     return (out, lse) if return_lse else out
 
 
+def attend_exact_ref(q, k, v, q_pos, scale: float):
+    """Exact-numerics attention of query rows against one sequence's keys 0..L-1.
+    q (R, Hq, Dh), k and v (L, Hkv, Dh), q_pos (R,) positions: row i sees keys <= q_pos[i].
+    Softmax with batch-invariant pieces (`rlfuse.kernels.invariant`): masked scores give
+    p = 0 exactly, and pairwise sums ignore trailing zeros, so a row's result does not
+    depend on L, R, or the other rows -- the varlen and paged references agree bitwise.
+    Returns o (R, Hq, Dh) in q.dtype and lse (Hq, R) fp32 (fp64 for fp64 inputs)."""
+    ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+    n_rep = q.shape[1] // k.shape[1]
+    R, L, Dh = q.shape[0], k.shape[0], q.shape[2]
+    out = torch.empty(q.shape, dtype=ct, device=q.device)
+    lse = torch.empty((q.shape[1], R), dtype=ct, device=q.device)
+    visible = torch.arange(L, device=q.device)[None, :] <= q_pos[:, None]  # (R, L)
+    rows = max(1, (1 << 22) // max(1, L * Dh))  # products held at once: (rows, L, Dh)
+    for h in range(q.shape[1]):
+        kh, vh = k[:, h // n_rep].to(ct), v[:, h // n_rep].to(ct)  # (L, Dh)
+        for i in range(0, R, rows):
+            qh = q[i:i + rows, h].to(ct)
+            s = pairwise_sum(qh[:, None, :] * kh[None, :, :], -1) * scale  # (r, L)
+            s = s.masked_fill(~visible[i:i + rows], float("-inf"))
+            m = s.max(-1, keepdim=True).values
+            p = pointwise(torch.exp, s - m)
+            l_ = pairwise_sum(p, -1)
+            out[i:i + rows, h] = pairwise_sum(p[:, :, None] * vh[None, :, :], 1) / l_[:, None]
+            lse[h, i:i + rows] = m[:, 0] + pointwise(torch.log, l_)
+    return out.to(q.dtype), lse
+
+
+def varlen_attention_exact_ref(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None,
+                               *, return_lse: bool = False):
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("nan"), dtype=torch.float64 if q.dtype == torch.float64
+                     else torch.float32, device=q.device)
+    bounds = cu_seqlens.tolist()  # host sync: reference only
+    for s, e in zip(bounds[:-1], bounds[1:]):
+        if e > s:
+            out[s:e], lse[:, s:e] = attend_exact_ref(q[s:e], k[s:e], v[s:e],
+                                                     torch.arange(e - s, device=q.device), scale)
+    return (out, lse) if return_lse else out
+
+
 # ---------------------------------------------------------------- Triton kernels
 @triton.jit
 def tl_dot(a, b, PREC: tl.constexpr):  # shared with paged_attention; PREC from dot_precision(x)
@@ -83,9 +126,26 @@ def tl_dot(a, b, PREC: tl.constexpr):  # shared with paged_attention; PREC from 
 
 
 @triton.jit
+def attend_tile(acc, l_i, m_i, q, k, v, cols, row_pos, hi, qk_scale, MASK: tl.constexpr, PREC: tl.constexpr):
+    """One KV tile of the online softmax, shared by this forward and `paged_attention`, so
+    that in exact numerics a query row sees the same arithmetic through either kernel.
+    q (M, Dh), k and v (N, Dh) loaded; cols (N,) key positions, row_pos (M,) query
+    positions; with MASK, key j is visible to row i iff cols[j] <= row_pos[i] and cols[j] < hi."""
+    s = tl_dot(q, tl.trans(k), PREC) * qk_scale  # (M, N) fp32, log2 units
+    if MASK:
+        s = tl.where((cols[None, :] <= row_pos[:, None]) & (cols[None, :] < hi), s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at p = 0
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC)
+    return acc, l_i, m_new
+
+
+@triton.jit
 def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_scale,
               MASK: tl.constexpr, PREC: tl.constexpr):
-    # one KV block: online-softmax update of (acc, l, m) for the rows of q
     cols = start_n + offs_n
     if MASK:
         k = tl.load(k_ptrs, mask=cols[:, None] < L, other=0.0)
@@ -93,21 +153,13 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_s
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
-    s = tl_dot(q, tl.trans(k), PREC) * qk_scale  # (M, N) fp32, log2 units
-    if MASK:
-        s = tl.where((cols[None, :] <= offs_m[:, None]) & (cols[None, :] < L), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every row sees >= 1 key in its first block
-    p = tl.exp2(s - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC)
-    return acc, l_i, m_new
+    return attend_tile(acc, l_i, m_i, q, k, v, cols, offs_m, L, qk_scale, MASK, PREC)
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
 def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
                 n_rep, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                BLOCK_N: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
     pid_m, hq, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -126,7 +178,9 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_t
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end = (start_m // BLOCK_N) * BLOCK_N  # keys < full_end: visible to every row
+    # keys < full_end are visible to every row: no mask needed (exact numerics masks every
+    # tile, as paged_attention does, whose tiles split differently between masked and not)
+    full_end = 0 if ALL_MASKED else (start_m // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
         acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs + start_n * skt, v_ptrs + start_n * svt,
                                   start_n, offs_m, offs_n, L, qk_scale, False, PREC)
@@ -312,10 +366,19 @@ def dot_precision(x):
     return "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit inputs
 
 
+def exact_config(itemsize: int) -> dict:
+    """The one attention tile of exact numerics, for this forward and for every call of
+    `paged_attention` (prefill and decode): BLOCK_M query rows x KV_BLOCK keys x Dh, every
+    tile masked, no FMA contraction (so a mask's presence cannot change a row's rounding).
+    64 rows: one warpgroup's matrix-instruction height on Hopper."""
+    return dict(BLOCK_M=32 if itemsize == 4 else 64, num_warps=4, num_stages=2, enable_fp_fusion=False)
+
+
 def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: dict | None = None,
-               out: torch.Tensor | None = None, lse: torch.Tensor | None = None):
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, exact: bool = False):
     """Launch the forward: returns o (T, Hq, Dh) and lse (Hq, T) fp32, written into
-    `out` / `lse` when given. `config` overrides the tile settings (tests, tuning sweeps)."""
+    `out` / `lse` when given. `config` overrides the tile settings (tests, tuning sweeps);
+    `exact` runs the exact-numerics tile (`exact_config`)."""
     q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
     T, Hq, D = q.shape
     o = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
@@ -324,13 +387,15 @@ def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: di
     B = cu_seqlens.shape[0] - 1
     if T == 0 or B <= 0 or max_seqlen <= 0:
         return o, lse
-    cfg = {**_configs(D, q.element_size())["fwd"], **(config or {})}
+    base = exact_config(q.element_size()) if exact else _configs(D, q.element_size())["fwd"]
+    cfg = {**base, **(config or {})}
     bm = cfg.pop("BLOCK_M")
     bn = cfg.pop("BLOCK_N", KV_BLOCK)
     grid = (triton.cdiv(max_seqlen, bm), Hq, B)
     _fwd_kernel[grid](q, k, v, o, lse, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
                       v.stride(0), v.stride(1), o.stride(0), o.stride(1), T, Hq // k.shape[1],
-                      scale * _LOG2E, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, PREC=dot_precision(q), **cfg)
+                      scale * _LOG2E, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, PREC=dot_precision(q),
+                      ALL_MASKED=exact, **cfg)
     return o, lse
 
 
@@ -374,9 +439,9 @@ def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, exact):
         q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
-        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale)
+        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale, exact=exact)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
         ctx.max_seqlen, ctx.scale = max_seqlen, scale
         ctx.mark_non_differentiable(lse)
@@ -386,19 +451,18 @@ class _VarlenAttention(torch.autograd.Function):
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
         dq, dk, dv = varlen_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-_HAS_TRITON = True
+        return dq, dk, dv, None, None, None, None
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None = None,
                      *, return_lse: bool = False):
-    """Public op (contract in the module docstring); picks the backend explicitly."""
-    if resolve_backend("varlen_attention", q, has_triton=_HAS_TRITON) == "triton":
+    """Public op (contract in the module docstring); picks the backend and the numerics."""
+    exact = is_exact()
+    if resolve_backend("varlen_attention", q) == "triton":
         _check(q, k, v, cu_seqlens)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale)
+        o, lse = _VarlenAttention.apply(q, k, v, cu_seqlens, int(max_seqlen), scale, exact)
         return (o, lse) if return_lse else o
-    return varlen_attention_ref(q, k, v, cu_seqlens, max_seqlen, scale, return_lse=return_lse)
+    ref = varlen_attention_exact_ref if exact else varlen_attention_ref
+    return ref(q, k, v, cu_seqlens, max_seqlen, scale, return_lse=return_lse)
 

@@ -5,6 +5,12 @@ tensors they need Triton's interpreter, `TRITON_INTERPRET=1` set before the firs
 import of triton) and "auto" (Triton for CUDA tensors, the reference otherwise).
 The choice lives in a context variable so tests and the CLI set it without touching
 module globals: `with use_backend("torch"): ...`.
+
+Numerics, the second switch, lives beside it: "fast" (today's kernels: cuBLAS GEMMs,
+split-KV decode, torch's own CPU reductions) or "exact" (every op reduces in an order
+that depends only on the token's own sequence and position, so the engine's rollout
+log-probs equal the trainer's bitwise; see docs/numerics.md). The engine and the trainer
+each enter `use_numerics(cfg.numerics)` around their forwards.
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ import torch
 log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
+NUMERICS = ("fast", "exact")
 _backend: contextvars.ContextVar[str] = contextvars.ContextVar("rlfuse_kernel_backend", default="auto")
+_numerics: contextvars.ContextVar[str] = contextvars.ContextVar("rlfuse_numerics", default="fast")
 
 
 def current_backend() -> str:
@@ -44,6 +52,26 @@ def set_backend(name: str) -> None:
     if name not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
     _backend.set(name)
+
+
+def current_numerics() -> str:
+    return _numerics.get()
+
+
+def is_exact() -> bool:
+    return _numerics.get() == "exact"
+
+
+@contextlib.contextmanager
+def use_numerics(name: str):
+    """Run the enclosed ops in numerics `name` ("fast" or "exact")."""
+    if name not in NUMERICS:
+        raise ValueError(f"numerics must be one of {NUMERICS}, got {name!r}")
+    token = _numerics.set(name)
+    try:
+        yield
+    finally:
+        _numerics.reset(token)
 
 
 @functools.cache

@@ -53,7 +53,9 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels._triton_common import num_sms
-from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.backend import is_exact, resolve_backend
+from rlfuse.kernels.invariant import pairwise_sum, pointwise
+from rlfuse.kernels.linear import linear_exact
 
 
 def _inv_temperature(temperature, N: int, device) -> torch.Tensor:
@@ -77,6 +79,23 @@ def token_logprobs_ref(hidden, weight, targets, temperature=1.0, return_entropy:
         return logp
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
     return logp, entropy
+
+
+def token_logprobs_exact_ref(hidden, weight, targets, temperature=1.0, return_entropy: bool = False):
+    """Exact numerics on the torch backend: the logits from the batch-invariant linear,
+    then max, exp, sum and log through `rlfuse.kernels.invariant`, so a row's log-prob
+    depends on that row alone. (The Triton path is batch-invariant by its tiling.)"""
+    ct = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    inv_t = _inv_temperature(temperature, hidden.shape[0], hidden.device).to(hidden.device, ct)
+    logits = linear_exact(hidden.to(ct), weight.to(ct)) * (inv_t[:, None] if inv_t.ndim else inv_t)  # (N, V)
+    m = logits.detach().max(-1, keepdim=True).values
+    e = pointwise(torch.exp, logits - m)
+    z = pairwise_sum(e, -1)
+    lse = m[:, 0] + pointwise(torch.log, z)
+    logp = logits.gather(1, targets.long()[:, None]).squeeze(1) - lse
+    if not return_entropy:
+        return logp
+    return logp, lse - pairwise_sum(e / z[:, None] * logits, -1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,14 +445,12 @@ class _TokenLogprobs(torch.autograd.Function):
         return dh, dw, None, None, None
 
 
-_HAS_TRITON = True
-
-
 def token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy: bool = False):
     """Public op: logp (N,) fp32 (and entropy (N,) fp32); see the module docstring."""
     inv_t = _inv_temperature(temperature, hidden.shape[0], hidden.device)
-    if resolve_backend("token_logprobs", hidden, has_triton=_HAS_TRITON) != "triton":
-        return token_logprobs_ref(hidden, weight, targets, temperature, return_entropy)
+    if resolve_backend("token_logprobs", hidden) != "triton":
+        ref = token_logprobs_exact_ref if is_exact() else token_logprobs_ref
+        return ref(hidden, weight, targets, temperature, return_entropy)
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _TokenLogprobs.apply(hidden, weight, targets, inv_t, return_entropy)
     logp, ent, _ = token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy)

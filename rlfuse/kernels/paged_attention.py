@@ -46,9 +46,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention import KV_BLOCK, dot_precision, tl_dot
+from rlfuse.kernels.attention import KV_BLOCK, attend_exact_ref, attend_tile, dot_precision, exact_config
 from rlfuse.kernels._triton_common import num_sms
-from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.backend import is_exact, resolve_backend
 
 _LOG2E = 1.4426950408889634
 _MIN_SPLIT_BLOCKS = 2  # keys per split >= 2 * KV_BLOCK: a guess, not yet timed (bench_attention.py: auto vs nosplit)
@@ -92,6 +92,30 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
     return out
 
 
+def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                              max_seqlen_q: int, scale: float | None = None):
+    """Exact numerics: `attend_exact_ref` over the keys gathered from the cache, so a query
+    row gets the bits `varlen_attention_exact_ref` gives the same row in a packed forward."""
+    block_size, n_kv, dh = k_cache.shape[1:]
+    scale = dh ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    bounds = cu_seqlens_q.tolist()  # host sync: reference only
+    lens = seq_lens.tolist()
+    for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+        q_len, kv_len = e - s, lens[b]
+        if q_len == 0:
+            continue
+        if kv_len == 0:  # padding row: no keys, zeros (the contract)
+            out[s:e] = 0
+            continue
+        blocks = block_tables[b, :(kv_len + block_size - 1) // block_size].long()
+        kb = k_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]
+        vb = v_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]
+        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
+        out[s:e] = attend_exact_ref(q[s:e], kb.to(q.dtype), vb.to(q.dtype), q_pos, scale)[0]
+    return out
+
+
 # ---------------------------------------------------------------- Triton kernels
 @triton.jit
 def _store_kv_kernel(K, V, KC, VC, SLOT, skt, skh, svt, svh, skcb, skct, skch, svcb, svct, svch,
@@ -128,16 +152,7 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
     else:
         k = tl.load(k_ptrs).to(q.dtype)
         v = tl.load(v_ptrs).to(q.dtype)
-    s = tl_dot(q, tl.trans(k), PREC) * qk_scale  # (M, N) log2 units
-    if MASK:
-        s = tl.where((n[None, :] <= pos[:, None]) & (n[None, :] < hi), s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with no key yet stay at p = 0
-    p = tl.exp2(s - m_use[:, None])
-    alpha = tl.exp2(m_i - m_use)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl_dot(p.to(v.dtype), v, PREC)
-    return acc, l_i, m_new
+    return attend_tile(acc, l_i, m_i, q, k, v, n, pos, hi, qk_scale, MASK, PREC)
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
@@ -146,7 +161,7 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
                   svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
     pid, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qb = pid // n_split
     sp = pid % n_split
@@ -178,6 +193,8 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
     # keys below the block's first query position (rounded down to KV blocks) need no mask
     first = kv_len - q_len + qb * BLOCK_Q + 1
     full_end = tl.maximum(lo, tl.minimum(hi, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N))
+    if ALL_MASKED:  # exact numerics: the same masked tile as varlen_attention's exact forward
+        full_end = lo
     for start_n in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
                                     pos, skb, skt, svb, svt, qk_scale, PAGE, False, PREC)
@@ -258,10 +275,11 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping):
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q: int,
                            scale: float | None = None, *, num_splits: int | None = None,
-                           config: dict | None = None, out: torch.Tensor | None = None):
+                           config: dict | None = None, out: torch.Tensor | None = None, exact: bool = False):
     """Launcher. `num_splits` forces the KV split count (None: heuristic, 1: no split);
     `config` overrides BLOCK_M (rows per program, prefill), num_warps, num_stages;
-    `out` (T, Hq, Dh) receives the result when given (static buffers, tests)."""
+    `out` (T, Hq, Dh) receives the result when given (static buffers, tests); `exact`
+    runs `varlen_attention`'s exact tile for prefill and decode alike, unsplit."""
     _check_cache(k_cache, v_cache, "paged_attention")
     T, Hq, dh = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -283,7 +301,14 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         return o.zero_()
     n_rep = Hq // Hkv
     group = triton.next_power_of_2(n_rep)
-    cfg = _config(dh, q.element_size(), decode=max_seqlen_q == 1)
+    if exact:
+        if k_cache.dtype != q.dtype:
+            raise ValueError(f"paged_attention: exact numerics needs the KV cache in the compute dtype "
+                             f"({q.dtype}), got {k_cache.dtype}")
+        cfg = exact_config(q.element_size())
+        num_splits = 1
+    else:
+        cfg = _config(dh, q.element_size(), decode=max_seqlen_q == 1)
     cfg.update(config or {})
     rows = cfg.pop("BLOCK_M")
     # two query-tile shapes only (decode: 1 token; else the largest), never a function of
@@ -292,6 +317,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     # (bench_generate nanovllm case: 16% of the bound first run, 47% the second, commit b5ea3ab)
     block_q = 1 if max_seqlen_q == 1 else max(1, rows // group)
     block_m = max(16, block_q * group)  # tl.dot needs >= 16 rows
+    if exact:
+        block_m = max(rows, block_m)  # decode too: the dot keeps the exact tile's height
     n_qblk = triton.cdiv(max_seqlen_q, block_q)
     max_ctx = block_tables.shape[1] * page
     n_kvblk = triton.cdiv(max_ctx, KV_BLOCK)
@@ -313,7 +340,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         q, k_cache, v_cache, o, o_ws, lse_ws, cu_seqlens_q, seq_lens, block_tables, q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1), block_tables.stride(0),
         T, Hq, n_rep, num_splits, split_tokens, scale * _LOG2E, PAGE=page, HEAD_DIM=dh, BLOCK_Q=block_q,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q), **cfg)
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q),
+        ALL_MASKED=exact, **cfg)
     if split:
         # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
         _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, num_splits, HEAD_DIM=dh,
@@ -321,11 +349,8 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     return o
 
 
-_HAS_TRITON = True
-
-
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
-    if resolve_backend("store_kvcache", k, has_triton=_HAS_TRITON) == "triton":
+    if resolve_backend("store_kvcache", k) == "triton":
         store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
     store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
@@ -333,8 +358,9 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                     max_seqlen_q: int, scale: float | None = None):
-    if resolve_backend("paged_attention", q, has_triton=_HAS_TRITON) == "triton":
+    exact = is_exact()
+    if resolve_backend("paged_attention", q) == "triton":
         return paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                                      max_seqlen_q, scale)
-    return paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                               max_seqlen_q, scale)
+                                      max_seqlen_q, scale, exact=exact)
+    ref = paged_attention_exact_ref if exact else paged_attention_ref
+    return ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale)

@@ -26,13 +26,21 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels._triton_common import num_sms, round_to
-from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.backend import is_exact, resolve_backend
+from rlfuse.kernels.invariant import pairwise_sum, pointwise
 
 
 def rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     var = xf.pow(2).mean(-1, keepdim=True)
     return weight * (xf * torch.rsqrt(var + eps)).to(x.dtype)
+
+
+def rmsnorm_exact_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # exact numerics on the torch backend: the same math with a batch-invariant row sum
+    xf = x.float()
+    var = pairwise_sum(xf * xf, -1)[..., None] / x.shape[-1]
+    return weight * (xf * pointwise(torch.rsqrt, var + eps)).to(x.dtype)
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
@@ -194,12 +202,9 @@ class _RMSNorm(torch.autograd.Function):
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Public op: picks the backend (see `rlfuse.kernels.backend`)."""
-    if resolve_backend("rmsnorm", x, has_triton=_HAS_TRITON) == "triton":
-        return _rmsnorm_triton_autograd(x, weight, eps)
-    return rmsnorm_ref(x, weight, eps)
-
-
-_HAS_TRITON = True
+    if resolve_backend("rmsnorm", x) == "triton":
+        return _rmsnorm_triton_autograd(x, weight, eps)  # batch-invariant in both numerics
+    return (rmsnorm_exact_ref if is_exact() else rmsnorm_ref)(x, weight, eps)
 
 
 def _rmsnorm_triton_autograd(x, weight, eps):

@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels._triton_common import round_to
-from rlfuse.kernels.backend import resolve_backend
+from rlfuse.kernels.backend import is_exact, resolve_backend
+from rlfuse.kernels.invariant import pointwise
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -55,10 +56,13 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
-def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    # x (T, H, Dh), positions (T,), inv_freq (Dh/2,)
+def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
+             exact: bool = False) -> torch.Tensor:
+    # x (T, H, Dh), positions (T,), inv_freq (Dh/2,); exact: cos/sin with every element on
+    # one CPU code path (see rlfuse.kernels.invariant), so a token's rotation ignores T
     ang = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, Dh/2)
-    cos, sin = ang.cos()[:, None, :], ang.sin()[:, None, :]  # (T, 1, Dh/2)
+    cos, sin = (pointwise(torch.cos, ang), pointwise(torch.sin, ang)) if exact else (ang.cos(), ang.sin())
+    cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, Dh/2)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -138,12 +142,9 @@ class _Rope(torch.autograd.Function):
         return rope_triton(dy, positions, inv_freq, backward=True), None, None
 
 
-_HAS_TRITON = True
-
-
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
-    if resolve_backend("rope", x, has_triton=_HAS_TRITON) == "triton":
+    if resolve_backend("rope", x) == "triton":  # elementwise: batch-invariant in both numerics
         if torch.is_grad_enabled() and x.requires_grad:
             return _Rope.apply(x, positions, inv_freq)
         return rope_triton(x, positions, inv_freq)
-    return rope_ref(x, positions, inv_freq)
+    return rope_ref(x, positions, inv_freq, exact=is_exact())

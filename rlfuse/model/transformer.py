@@ -26,7 +26,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlfuse.kernels.attention import varlen_attention
-from rlfuse.kernels.backend import current_backend, use_backend
+from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
+from rlfuse.kernels.linear import linear
 from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
 from rlfuse.kernels.rmsnorm import rmsnorm
 from rlfuse.kernels.rope import rope, rope_inv_freq
@@ -34,9 +35,17 @@ from rlfuse.kernels.swiglu import swiglu
 from rlfuse.model.config import ModelConfig
 
 
-def _with_backend(backend: str, layer, *args):
-    with use_backend(backend):
+def _with_kernels(backend: str, numerics: str, layer, *args):
+    with use_backend(backend), use_numerics(numerics):
         return layer(*args)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters, same state-dict names) whose forward goes through
+    `rlfuse.kernels.linear`: F.linear in fast numerics, batch-invariant in exact."""
+
+    def forward(self, x):
+        return linear(x, self.weight, self.bias)
 
 
 @dataclasses.dataclass(slots=True)
@@ -78,11 +87,11 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_q, self.n_kv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_q * self.dh, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
+        self.q_proj = Linear(cfg.hidden_size, self.n_q * self.dh, bias=cfg.attention_bias)
+        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
+        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
         # Qwen2 has q/k/v biases but never an o_proj bias; Llama and Qwen3 follow attention_bias
-        self.o_proj = nn.Linear(self.n_q * self.dh, cfg.hidden_size,
+        self.o_proj = Linear(self.n_q * self.dh, cfg.hidden_size,
                                 bias=cfg.attention_bias and cfg.model_type != "qwen2")
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
@@ -111,9 +120,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
@@ -147,7 +156,7 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
@@ -168,13 +177,15 @@ class CausalLM(nn.Module):
         """input_ids (T,), positions (T,) -> hidden (T, D)."""
         h = self.model.embed_tokens(input_ids)
         inv_freq = self.inv_freq(h.device)
-        backend = current_backend()
+        backend, numerics = current_backend(), current_numerics()
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # The recompute runs inside backward, on autograd's device thread for CUDA,
-                # where the backend context variable is back at its default: pin the forward's
-                # backend so the recompute saves the same tensors (else CheckpointError).
-                h = checkpoint(_with_backend, backend, layer, h, positions, attn, inv_freq, use_reentrant=False)
+                # where the kernel context variables are back at their defaults: pin the
+                # forward's backend and numerics so the recompute saves the same tensors
+                # (else CheckpointError, or gradients of a different forward).
+                h = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
+                               use_reentrant=False)
             else:
                 h = layer(h, positions, attn, inv_freq)
         return self.model.norm(h)

@@ -1,0 +1,151 @@
+"""Rollout vs training log-probs over a sweep of engine settings (`rlfuse check`).
+
+For each `Setting` the engine generates completions on the live model, then the same
+tokens are teacher-forced through the trainer's forward -- packed varlen sequences,
+autograd recording, `token_logprobs` at the sampling temperature -- and the two
+log-probs are compared token by token. In exact numerics every row must be equal
+bitwise (`bitwise_frac` 1.0); in fast numerics the rows show the drift.
+
+The sweep covers what may change a rollout's arithmetic: batch size, n > 1 samples
+sharing a prompt (prefix-cache hits), prefix caching off, chunked prefill, forced
+preemption (recompute), look-ahead decode, the static/graph decode path and the eager
+one, and the trainer's micro-batch packing; `combined` turns all of it on at once.
+Test: `python -m pytest -q tests/test_exact_engine.py`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+
+import torch
+
+from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.engine.naive import teacher_forced_logprobs
+from rlfuse.kernels.backend import use_numerics
+from rlfuse.model.transformer import CausalLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Setting:
+    name: str
+    """Row label."""
+    num_prompts: int
+    """Distinct prompts generated together (the first num_prompts of the prompt list)."""
+    n: int = 1
+    """Samples per prompt (they share the prompt's KV blocks when prefix caching is on)."""
+    engine: dict = dataclasses.field(default_factory=dict)
+    """EngineConfig overrides (numerics and seed are set by the check)."""
+    micro_batch_tokens: int = 1 << 30
+    """Token budget of one teacher-forced forward: sequences are packed up to it."""
+
+    @property
+    def batch(self) -> int:
+        return self.num_prompts * self.n
+
+
+@dataclasses.dataclass(slots=True)
+class SettingResult:
+    name: str
+    tokens: int
+    bitwise_frac: float
+    max_abs: float
+    mean_abs: float
+    kl_k3: float
+    first_diff: tuple[int, int] | None = None
+    """(completion index, output position) of the first differing token, if any."""
+    engine_stats: dict = dataclasses.field(default_factory=dict)
+    """The engine's counters for the generate (preemptions, cached prompt tokens, ...): what
+    the setting actually exercised."""
+    sequences: list[tuple[list[int], list[int]]] = dataclasses.field(default_factory=list, repr=False)
+
+    def row(self) -> dict:
+        return {"name": self.name, "tokens": self.tokens, "bitwise_frac": self.bitwise_frac,
+                "max_abs": self.max_abs, "mean_abs": self.mean_abs, "kl_k3": self.kl_k3,
+                "engine_stats": self.engine_stats}
+
+
+def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) -> list[Setting]:
+    """The settings `rlfuse check` runs. `small_pool_blocks` KV blocks force preemption;
+    `chunk_tokens` is a per-step token budget that splits prompts into prefill chunks."""
+    n = 4 if max_batch >= 4 else 1
+    groups = max(1, max_batch // n)
+    pool, chunk = dict(num_kv_blocks=small_pool_blocks), dict(max_num_batched_tokens=chunk_tokens)
+    return [
+        Setting(name="batch 1", num_prompts=1),
+        Setting(name=f"batch {groups * n}, n={n} shared prompts", num_prompts=groups, n=n),
+        Setting(name="prefix cache off", num_prompts=groups, n=n, engine=dict(enable_prefix_caching=False)),
+        Setting(name="chunked prefill", num_prompts=groups, n=n, engine=chunk),
+        Setting(name="forced preemption", num_prompts=groups, n=n, engine=pool),
+        Setting(name="eager, no look-ahead", num_prompts=groups, n=n,
+                engine=dict(enforce_eager=True, look_ahead=False)),
+        Setting(name="micro-batches of 1 sequence", num_prompts=groups, n=n, micro_batch_tokens=1),
+        Setting(name="combined", num_prompts=groups, n=n, micro_batch_tokens=96,
+                engine=dict(**pool, **chunk, enable_prefix_caching=True, look_ahead=True)),
+    ]
+
+
+def _packs(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive sequences packed while the sum stays within budget (one at least)."""
+    out, cur, tot = [], [], 0
+    for i, n in enumerate(lengths):
+        if cur and tot + n > budget:
+            out.append(cur)
+            cur, tot = [], 0
+        cur.append(i)
+        tot += n
+    return out + ([cur] if cur else [])
+
+
+def trainer_logprobs(model: CausalLM, sequences: list[tuple[list[int], list[int]]], temperature: float,
+                     *, micro_batch_tokens: int = 1 << 30) -> list[torch.Tensor]:
+    """The trainer's log-probs of each completion token: sequences packed into micro-batches
+    of at most `micro_batch_tokens`, each one packed forward in train mode with autograd
+    recording (the forward that feeds the loss), `token_logprobs` at `temperature` (the
+    engine's `teacher_forced_logprobs`). Returns detached fp32 (L_i,) on the CPU."""
+    out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
+    was_training = model.training
+    model.train()
+    with torch.enable_grad():
+        for pack in _packs([len(p) + len(c) for p, c in sequences], micro_batch_tokens):
+            lps = teacher_forced_logprobs(model, [sequences[i][0] for i in pack], [sequences[i][1] for i in pack],
+                                          temperature)
+            for i, lp in zip(pack, lps):
+                out[i] = lp.detach().float().cpu()
+    model.train(was_training)
+    return out
+
+
+def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, numerics: str,
+                max_tokens: int, temperature: float, seed: int = 0) -> SettingResult:
+    """Generate with the engine under `setting`, teacher-force, compare."""
+    cfg = EngineConfig(**{"max_num_seqs": max(setting.batch, 1), **setting.engine, "numerics": numerics,
+                          "seed": seed})
+    llm = LLM(model, config=cfg)
+    params = SamplingParams(n=setting.n, temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    outs = llm.generate([list(p) for p in prompts[:setting.num_prompts]], params)
+    stats = dataclasses.asdict(llm.stats)
+    llm.sleep()
+    del llm
+    gc.collect()
+    seqs = [(list(o.prompt_token_ids), list(o.output_token_ids)) for o in outs]
+    lp_temp = temperature if temperature > 0 else 1.0  # greedy reports T = 1 log-probs
+    with use_numerics(numerics):
+        train = trainer_logprobs(model, seqs, lp_temp, micro_batch_tokens=setting.micro_batch_tokens)
+    roll = [torch.as_tensor(o.logprobs, dtype=torch.float32) for o in outs]
+    t, r = torch.cat(train), torch.cat(roll)
+    mm = {k: float(v) for k, v in logprob_mismatch(t, r).items()}
+    first = None
+    for i, (a, b) in enumerate(zip(train, roll)):
+        diff = (a != b).nonzero()
+        if diff.numel():
+            first = (i, int(diff[0, 0]))
+            break
+    n = t.numel()
+    return SettingResult(name=setting.name, tokens=n, bitwise_frac=float((t == r).sum()) / max(n, 1),
+                         max_abs=mm["max_abs"], mean_abs=mm["mean_abs"], kl_k3=mm["kl_k3"], first_diff=first,
+                         engine_stats=stats, sequences=seqs)
