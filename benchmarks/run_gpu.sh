@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: install carried wheels (if any), then run the given GPU scripts in
 # order, each writing its JSON under $OUT, all output teed to $OUT/log.txt.
-#   bash benchmarks/run_gpu.sh benchmarks/gpu_model_check.py benchmarks/kernels/gpu_check_logprob.py ...
+#   bash benchmarks/run_gpu.sh "pytest -m gpu tests" benchmarks/kernels/bench_sampling.py ...
 # Arguments after a script name are passed to it when quoted together: "script.py --small".
 # A leading "SECONDS:" caps one job ("120:benchmarks/x.py --quick"), so one slow job cannot eat
 # the whole device call; "pytest ..." jobs run `python3 -m pytest ...`.

@@ -5,7 +5,7 @@ Margin: the held-out set has n problems; the standard error of one accuracy near
 sqrt(0.25 / n) (0.029 for n = 300), so the difference of two accuracies on the same
 problems has a standard error of at most sqrt(2) times that (0.041). We require a gain
 above 2 of those (0.082): a gain that large is not evaluation noise. Measured gains over
-seeds 0-4 on a 2-core CPU are in docs/notes/demo.md (seed 0, the one tested, is typical).
+seeds 0-4 on a 2-core CPU are in docs/architecture.md, "The demo" (seed 0, the one tested, is typical).
 Runs single-threaded (faster for a 0.4M-parameter model on a shared 2-core machine)."""
 
 import json

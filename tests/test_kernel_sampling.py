@@ -111,7 +111,7 @@ def test_bf16_and_strided_logits():
     _check_same(base[:, :301].bfloat16(), params)
 
 
-@pytest.mark.parametrize("knobs", [dict(chunk=64), dict(exh=8, cap=64), dict(exh=8, cap=16, chunk=128)],
+@pytest.mark.parametrize("knobs", [dict(chunk=64), dict(all_pairs_max=8, max_candidates=64), dict(all_pairs_max=8, max_candidates=16, chunk=128)],
                          ids=["multi-chunk", "bisection", "over-capacity"])
 def test_internal_paths_equal_reference(knobs):
     """Shrunk knobs reach the chunk merge (histogram shift), the bisection over the
@@ -158,7 +158,7 @@ def test_top_k_larger_than_a_chunk(k):
 
 
 def test_over_capacity_rows_mixed_with_listed_rows():
-    """cap = 32: the top-p rows on flat logits overflow (the whole-row path, decided per
+    """max_candidates = 32: the top-p rows on flat logits overflow (the whole-row path, decided per
     row), the top-k 5 and min-p rows in the same batch keep their compacted list; greedy
     and plain rows alongside. Each row alone gives the same result."""
     g = torch.Generator().manual_seed(13)
@@ -167,7 +167,7 @@ def test_over_capacity_rows_mixed_with_listed_rows():
                 (1.0, 0, 1.0, 0.3), (1.2, 40, 0.9, 0.0)]
     logits = torch.randn(2 * len(settings), V, generator=g) * 0.5
     params = _params(logits.shape[0], settings, seed=14)
-    knobs = dict(chunk=128, cap=32, exh=8)
+    knobs = dict(chunk=128, max_candidates=32, all_pairs_max=8)
     _check_same(logits, params, **knobs)
     _check_rows_alone(logits, params, **knobs)
 
@@ -186,7 +186,7 @@ def test_mixed_modes_multi_chunk_batch_invariant():
 
 
 def test_extreme_temperatures_and_magnitudes():
-    """T from 0.01 to 200 and logits up to ~1e4: the raw-logit grid x * rnd(W_INV / T) gets
+    """T from 0.01 to 200 and logits up to ~1e4: the raw-logit grid x * rnd(BINS_PER_NAT / T) gets
     very fine or very coarse, s reaches ~1e6 (log-probs must not round at m's scale). Top-k
     rows carry top_p < 1: with top_p = 1 the reference's fp32 cumsum drops tokens whose mass
     before rounds to 1, common at T = 0.01 (the documented ~1e-7 event, not a kernel bug)."""
@@ -202,11 +202,11 @@ def test_extreme_temperatures_and_magnitudes():
 
 def _tie_across_bin_edge():
     """(T, x1, x2): adjacent fp32 logits x1 < x2 with rnd(x1 / T) == rnd(x2 / T) but on two
-    sides of an edge of the kernel's grid floor(x kw), kw = rnd(W_INV / T)."""
-    from rlfuse.kernels.sampling import _W_INV
+    sides of an edge of the kernel's grid floor(x kw), kw = rnd(BINS_PER_NAT / T)."""
+    from rlfuse.kernels.sampling import _BINS_PER_NAT
     for T in (1.5, 1.25, 1.75, 1.1):
         t = torch.tensor(T, dtype=torch.float32)
-        kw = torch.tensor(_W_INV, dtype=torch.float32) / t
+        kw = torch.tensor(_BINS_PER_NAT, dtype=torch.float32) / t
         for edge in range(2, 40):
             x = torch.tensor(edge, dtype=torch.float32) / kw  # near the edge, then step onto it
             while x * kw >= edge:

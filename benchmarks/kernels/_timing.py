@@ -51,23 +51,3 @@ def copy_bandwidth() -> float:
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     return 2 * x.numel() / median_seconds(lambda: y.copy_(x), 20) / 1e9
-
-
-def kernel_times_us(fn, reps: int = 10) -> list[tuple[str, float, float]]:
-    """[(kernel name, GPU us per call, launches per call)] of `fn` from the profiler (eager
-    calls, after 3 warm-up calls), largest first; names cut to 90 characters."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = []
-    for ev in prof.key_averages():
-        dev = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
-        if dev > 0 and ev.count >= reps:
-            rows.append((ev.key[:90], round(dev / reps, 2), ev.count / reps))
-    return sorted(rows, key=lambda r: -r[1])

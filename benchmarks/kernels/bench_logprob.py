@@ -147,7 +147,7 @@ def decode_table(reps):
 SWEEP = [Tiles(), Tiles(num_warps=8), Tiles(block_v=256, num_warps=8), Tiles(block_n=128, num_warps=8),
          Tiles(block_n=128, block_v=256, num_warps=8), Tiles(num_stages=4),
          Tiles(block_d=128, num_stages=2), Tiles(split_v=512, group=32)]
-# (128 x 256 spills on sm_90 per compile_logprob_sm90.py; kept to measure what it costs)
+# (128 x 256 spills in Triton 3.9's offline sm_90 build; kept to measure what it costs)
 
 
 def sweep_table(reps):

@@ -1,10 +1,12 @@
 """Small Triton helpers shared by several kernels (one op per file keeps its own math)."""
 
 import functools
+import sys
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 
 @functools.cache
@@ -32,10 +34,6 @@ def compiled_variants() -> dict[str, int]:
     modules. A diagnostic for benchmarks: a count that grows inside a timed region is a
     Triton compile (seconds on a GPU) that the timing paid for. Reads Triton's per-device
     kernel cache (first element of each `device_caches` entry in Triton 3.x)."""
-    import sys
-
-    from triton.runtime.jit import JITFunction
-
     out = {}
     for mod_name, mod in list(sys.modules.items()):
         if not mod_name.startswith("rlfuse.kernels.") or mod is None:

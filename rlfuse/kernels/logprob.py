@@ -41,7 +41,7 @@ interpreter the operands go to fp32 first, see `_dot`):
            No atomics: backward is deterministic run to run.
            Extra memory: the dz scratch and the fp32 dW (V x D x 4 bytes) when weight
            needs a gradient. dz in bf16 costs ~2^-9 relative per element in dH / dW.
-Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: benchmarks/kernels/gpu_check_logprob.py.
+Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: `python -m pytest -m gpu tests`.
 """
 
 from __future__ import annotations
@@ -114,16 +114,11 @@ class Tiles:
     num_stages: int = 3
 
 
-# 16-bit tiles from benchmarks/kernels/probe_logprob.py on an H100 (commit bd39990, N=16384,
-# bf16): forward 128x256 (8 warps, 3 stages) 539 / 561 TFLOP/s at D=1024 / 4096, against
-# 338 / 350 for the former 64x128 (4 warps); the best of 7 shapes at both D (cuBLAS
-# computing the same logits: 594 / 666). They spill 8-148 B a thread in Triton 3.9's
-# offline sm_90 build (compile_logprob_sm90.py flags them); timed as above on the H100's
-# Triton 3.6 anyway. fp32 (ieee: CUDA-core FMAs, no tensor cores) at 4
-# warps spills at fold=group on sm_90 (benchmarks/kernels/compile_logprob_sm90.py).
+# Forward tiles per dtype: the fastest of a tile sweep on an H100 (bench_logprob.py --sweep;
+# measurements in docs/perf-log.md). fp32 runs on CUDA cores (ieee), 8 warps: 4 spill.
 _T16 = Tiles(block_n=128, block_v=256, num_warps=8)
 _FWD_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_d=32, num_warps=8)}
-# backward dz kernel: 128x256, 8 warps: 499 / 581 TFLOP/s (same probe; 128x128 498 / 517).
+# Backward dz tiles per dtype (same sweep).
 _DZ_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
 _DZ_CHUNK_BYTES = 1 << 30  # dz scratch: ~1 GiB bounds both memory and the dW fp32 re-reads (N / C passes)
 
@@ -238,8 +233,8 @@ def _fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
     """Folds partials PIN (3|4, N, P) left to right, C slots per program: program (r, g)
     takes slots [g C, g C + C) (past P: identity) of BLOCK rows, an unrolled fold with
     one load per slot and statistic (the loads do not depend on the fold, so they issue
-    ahead of it; the former (BLOCK, C) tile + per-slot extraction cost O(C^2) and took
-    0.21 ms per B=256 decode step on an H100). FINAL: C >= P, one program per
+    ahead of it; a (BLOCK, C) tile with per-slot extraction would cost O(C^2)).
+    FINAL: C >= P, one program per
     row block, writes logp / entropy / lse; else writes POUT (3|4, N, cdiv(P, C))."""
     g = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
@@ -373,8 +368,7 @@ def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t
 def _accumulate_dw(dw, dz, h, first: bool):
     """dw (V, D) fp32 (+)= dz^T @ h (dz (C, V), h (C, D) in the input dtype). On CUDA with
     16-bit inputs: one cuBLAS GEMM with fp32 output accumulating in place (addmm out_dtype;
-    H100, commit bd39990: 736 TFLOP/s at N=16384, D=1024, against 44-72 for the Triton
-    tile kernel this replaced); fp32 inputs: an IEEE fp32 GEMM (torch keeps TF32 off for
+    several times faster than a Triton tile kernel for this shape, docs/perf-log.md); fp32 inputs: an IEEE fp32 GEMM (torch keeps TF32 off for
     matmuls unless the user turns it on); CPU (the interpreter tests): the same product in fp32."""
     a = dz.t()
     if dw.device.type == "cuda" and dz.dtype != torch.float32:

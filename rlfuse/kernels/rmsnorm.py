@@ -90,15 +90,12 @@ def _rmsnorm_bwd_kernel(DY_ptr, X_ptr, W_ptr, R_ptr, DX_ptr, DWP_ptr, N, D, rows
     tl.store(DWP_ptr + pid.to(tl.int64) * BLOCK_D + cols, dw, mask=cmask)
 
 
-# dw = the P partial rows summed in order, cast to w's dtype, in one launch: torch's sum over
-# dim 0 plus the cast and a memset took 8.5 us at 4096 x 1024 (H100 profile, probe_rmsnorm.py
-# --profile, commit 1aea10a), a third of the backward. Tiles from the same probe (commit
-# a32dad1, 1056 partials, graph replay, L2 flushed): 8 columns x 1024 partial rows x 8 warps
-# 8.3 us at D = 1024, 6.7 at D = 128, torch's sum + cast 13.2 / 12.1; 32 x 64 x 4 warps (the
-# first setting) 23.6 / 21.1: few programs, each a long serial loop.
-_DW_COLS = 8     # columns a program (1024 wide: 128 programs)
+# dw = the P partial rows summed in order and cast to w's dtype in one launch (torch's sum +
+# cast + memset cost a third of the backward). Tile set by an H100 sweep (bench_layers.py;
+# docs/perf-log.md): many narrow programs, not a few long serial loops.
+_DW_COLS = 8     # columns a program (D = 1024: 128 programs)
 _DW_ROWS = 1024  # partial rows a step
-_DW_WARPS = 8
+_DW_WARPS = 8    # warps a program
 
 
 @triton.jit(do_not_specialize=['P'])  # P follows N: one compile
@@ -115,23 +112,14 @@ def _dw_sum_kernel(DWP_ptr, DW_ptr, P, D, BLOCK_D: tl.constexpr, COLS: tl.conste
 
 
 def _tile(D: int, backward: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_D, ROWS, num_warps) from D alone (batch invariance); the backward holds x,
-    dy, dx and the dw sum (~120-180 registers a thread at 4096-element tiles for sm_90, see
-    benchmarks/kernels/compile_layers_sm90.py)."""
+    """(BLOCK_D, ROWS, num_warps) from D alone (batch invariance). Set by H100 tile sweeps
+    under CUDA-graph replay (bench_layers.py; docs/perf-log.md). The backward holds x, dy,
+    dx and the dw sum, so its tiles are half the forward's (no register spills on sm_90)."""
     block_d = triton.next_power_of_2(D)
     if block_d <= 128:
-        # per-head norms (Qwen3 qk-norm, D = 128): H100 sweep under CUDA-graph replay
-        # (benchmarks/kernels/probe_rmsnorm.py, commits 7ebbc47 / 6d5037d, 262144 rows): forward
-        # 16 rows x 4 warps 50.0 us (the general rule's 32 x 8: 51.6; torch.compile 49.3);
-        # backward 8 rows x 2 warps with 8 programs an SM 96.8 us (16 x 2 with 4: 104.5, with 8:
-        # 105.1; 16 x 1 and 32 x 2 were 92-95 but spill 92-348 B in Triton 3.9's sm_90 build,
-        # compile_layers_sm90.py). D < 128 takes the same, not timed.
+        # per-head norms (Qwen3 qk-norm, D = 128), timed at D = 128 only
         return (block_d, 8, 2) if backward else (block_d, 16, 4)
-    # wider rows: about 2048 elements a forward tile, 1024 backward. H100 sweep at D = 1024
-    # (probe_rmsnorm.py, commit 6d5037d, graph replay): forward 2 rows x 4 warps 10.1 / 28.0 us
-    # at 4096 / 16384 rows (the former 4 x 8: 11.7 / 29.5; torch.compile 9.5 / 27.4); backward
-    # 1 row x 4 warps with 8 programs an SM 26.4 / 54.7 us (the former 2 x 4 with 4: 27.3 /
-    # 57.3). Other widths follow the same element counts, not timed.
+    # wider rows: about 2048 elements a forward tile, 1024 backward (timed at D = 1024)
     rows = max(1, min(64, (1024 if backward else 2048) // block_d))
     warps = 4 if block_d * rows <= 2048 else 8 if block_d * rows <= 8192 else 16
     return block_d, rows, warps
@@ -160,7 +148,8 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
 
 
 def _num_partials(N: int, rows: int, device: torch.device) -> int:
-    # Enough programs to fill the GPU (8 an SM, see _tile); a function of N and the device only.
+    # Enough programs to fill the GPU (8 an SM: the sweep behind _tile); a function of N and
+    # the device only, so dw's summation order never depends on the batch composition.
     return max(1, min(triton.cdiv(N, rows), 8 * num_sms(device)))
 
 

@@ -99,12 +99,11 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, st
 
 # 16 tokens a program: with HALF = 64 a (16, 64) tile per half and head, and the cos/sin
 # (the costly part, libdevice sin/cos) computed once per token for HPP heads. HPP = all
-# heads when there are enough token blocks to fill the GPU (training); fewer when not
-# (a decode step of 256 tokens had 16 programs looping over 16 heads: 7.6 us per call on
-# an H100, 56 calls per step, commit d4277b1). Every element is computed the same way
-# whatever HPP: batch invariance holds.
-_BLOCK_T = 16
-_MIN_PROGRAMS = 512  # ~4 per SM on an H100; a guess, not timed on its own
+# heads when there are enough token blocks to fill the GPU (training); fewer when not, so
+# that a decode step's few tokens still spread over the SMs. Every element is computed the
+# same way whatever HPP: batch invariance holds.
+_BLOCK_T = 16        # tokens a program
+_MIN_PROGRAMS = 512  # programs to aim for (~4 per SM on an H100); a guess, not timed on its own
 
 
 def rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -18,45 +18,44 @@ function the trainer shares.
 
 Triton path (`sample_triton`; no host syncs, CUDA-graph safe; every per-row decision is
 a branch inside the kernels). Per row, s_v = logit_v / T (IEEE division, as the
-reference); modes: greedy (T <= 0), plain (no filter on), filtered (0 < top_k < V,
-top_p < 1 or min_p > 0). top_p >= 1 disables top-p exactly (the reference's fp32 cumsum
-can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability event).
-  K1 `_partial_kernel`, grid (B, S), S = ceil(V / CHUNK) chunks (a function of V only,
-     so no reduction order depends on the batch):
-     1. one streaming pass, per-lane running max m and z = sum exp(s - m) with one exp
-        per element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax
-        of s + g (plain rows; g from the reference's hash) or of s (greedy rows).
-        Filtered rows work on the raw logits x instead, no division per element (the
-        divisions were a large share of K1's instructions; H100 profile in
-        docs/benchmarks.md): max x, then max s = rnd(max x / T) exactly (x -> rnd(x / T)
-        is monotone), and z = sum 2^((x - max x) log2(e) / T), equal to the s-space sum
-        up to rounding (the reference's own sum rounds differently anyway);
-     2. filtered rows: a histogram of floor(x kw), kw = rnd(W_INV / T), relative to the
-        chunk's top bin; the grid is absolute (the same products x kw in every kernel),
-        so chunk histograms merge by an integer shift. Bin width 1 / kw in x is about
-        W = 1 / W_INV nats of s.
-  K2a `_cutoff_kernel`, grid (B,), filtered rows:
-     3. merges m, Z and the chunk histograms (bin j: x kw in [A - j, A - j + 1),
-        A = floor(max x kw)) into a cutoff c = A - jc or -inf on that grid: top-k: the
-        highest edge with count(x kw >= c) >= k (exact counts); top-p alone: where a lower
-        bound of the mass at or above the edge reaches top_p Z, 1 bin lower; min-p: 1 bin
-        below the edge at or below its floor m + log(min_p). With top-k and top-p both on
-        only the top-k rule may raise c (the top-k mass Z_k must then be computable from
-        the candidates). Candidates are {x kw >= c} = the bins <= jc, so each chunk's
-        count is read off its own histogram, exactly: their exclusive prefix sum says
-        where each chunk's candidates start in the row's list (no atomics, no second
-        counting pass).
-  K2b `_compact_kernel`, grid (B, S), filtered rows:
-     4. each chunk writes its indices with x kw >= c (and their s, the only divisions) in
-        index order at its offset into a (B, CAP) scratch (nothing when the row's total
-        exceeds CAP), with its exact count, mass sum exp(s - m), and the largest x left
-        out. A count that differs from the histogram's (only NaN logits) marks the row's
-        list unusable.
-  K3 `_finish_kernel`, grid (B,): merges the partials (m, Z, id: max value, smallest
-     index among equals). Filtered rows:
-     5. s_out = rnd(largest x left out / T): the candidates hold every s > s_out. Their
-        exact counts/mass (summed over chunks in order) must satisfy the rule that set c;
-     6. thr = max tau with P(tau), where
+reference). Each row has a mode: GREEDY (T <= 0), PLAIN (no filter on) or FILTERED
+(0 < top_k < V, top_p < 1 or min_p > 0). top_p >= 1 disables top-p exactly (the
+reference's fp32 cumsum can still drop tail tokens whose mass-before rounds up to 1: a
+~1e-7-probability event). A row is cut into S = ceil(V / CHUNK) chunks, a function of V
+only, so no reduction order depends on the batch. Four kernels, in order:
+
+  1. Chunk statistics (`_chunk_stats_kernel`, grid (B, S)). One streaming pass: per-lane
+     running max m and z = sum exp(s - m) with one exp per element
+     (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax of s + g (PLAIN;
+     g from the reference's hash) or of s (GREEDY). FILTERED rows work on the raw logits
+     x instead, so that no element is divided by T (the divisions dominate this pass
+     otherwise): max x, then max s = rnd(max x / T) exactly (x -> rnd(x / T) is
+     monotone), and z = sum 2^((x - max x) log2(e) / T), equal to the s-space sum up to
+     rounding (the reference's own sum rounds differently anyway). They also build a
+     histogram of floor(x kw), kw = rnd(BINS_PER_NAT / T), relative to the chunk's top
+     bin. The grid is absolute (the same products x kw in every kernel), so chunk
+     histograms merge by an integer shift. A bin is about 1 / BINS_PER_NAT nats of s wide.
+  2. Cutoff (`_cutoff_kernel`, grid (B,), FILTERED rows). Merges m, Z and the chunk
+     histograms (bin j: x kw in [A - j, A - j + 1), A = floor(max x kw)) into a cutoff
+     c = A - jc or -inf on that grid: top-k: the highest edge with count(x kw >= c) >= k
+     (exact counts); top-p alone: where a lower bound of the mass at or above the edge
+     reaches top_p Z, one bin lower; min-p: one bin below the edge at or below its floor
+     m + log(min_p). With top-k and top-p both on only the top-k rule may raise c (the
+     top-k mass Z_k must then be computable from the candidates). The candidates are
+     {x kw >= c} = the bins <= jc, so each chunk's count is read off its own histogram,
+     exactly: their exclusive prefix sum says where each chunk's candidates start in the
+     row's list (no atomics, no second counting pass).
+  3. Compaction (`_compact_kernel`, grid (B, S), FILTERED rows). Each chunk writes its
+     indices with x kw >= c (and their s, the only divisions) in index order at its
+     offset into a (B, max_candidates) scratch (nothing when the row's total exceeds
+     it), with its exact count, mass sum exp(s - m), and the largest x left out. A count
+     that differs from the histogram's (only NaN logits) marks the row's list unusable.
+  4. Threshold and draw (`_threshold_draw_kernel`, grid (B,)). Merges the chunk
+     statistics (m, Z, id: max value, smallest index among equals). For FILTERED rows:
+     a. s_out = rnd(largest x left out / T): the candidates hold every s > s_out. Their
+        exact counts and mass (summed over chunks in order) must satisfy the rule that
+        set c;
+     b. thr = max tau with P(tau), where
             P(tau) = [#(s >= tau) >= k] or [sum_{s >= tau} e^(s-m) >= top_p Z_k] or [tau <= floor]
         (each clause only when its filter is on). P is monotone and P(tau) <=>
         tau <= max(kth, p_thresh, floor), so the reference keeps exactly {s >= thr}:
@@ -64,15 +63,20 @@ can still drop tail tokens whose mass-before rounds up to 1: a ~1e-7-probability
         below tau is dropped iff the mass at or above tau reaches top_p. Over the
         candidates P equals P over the row for tau > s_out, so their thr is the row's iff
         it is > s_out (a token just below c can share the k-th token's s after rounding:
-        then thr <= s_out). Up to EXH candidates: P at every candidate value at once (an
-        all-pairs tile); else a bisection on the order-preserving integer key of fp32
-        values, NP probes a sweep (kth first when top-k and top-p are both on, for Z_k),
-        over the candidates' stored s; over CAP candidates, an unconfirmed rule, an
-        unusable list or thr <= s_out: the sweeps stream the whole row in s (exact, slow:
-        one program a row);
-     7. Gumbel-max over the candidates with s >= thr.
-Tests: `python -m pytest -q tests/test_kernel_sampling.py`; GPU: benchmarks/kernels/
-gpu_check_layers.py and bench_sampling.py.
+        then thr <= s_out). How thr is found:
+          - up to `all_pairs_max` candidates: P at every candidate value at once, in
+            all-pairs tiles (`_all_pairs_threshold_draw`);
+          - more: a bisection on the order-preserving integer key of fp32 values, several
+            probes a sweep, over the candidates' stored s (`_bisect_threshold_draw`; kth
+            first when top-k and top-p are both on, for Z_k);
+          - over `max_candidates` candidates, an unconfirmed rule, an unusable list or
+            thr <= s_out: the same bisection streams the whole row in s (exact, slow:
+            one program a row);
+     c. Gumbel-max over the candidates with s >= thr.
+
+Tuning constants below are set by `benchmarks/kernels/bench_sampling.py` on an H100
+(their measurements: docs/perf-log.md). Tests: `python -m pytest -q
+tests/test_kernel_sampling.py`; on a GPU also `python -m pytest -m gpu tests`.
 """
 
 from __future__ import annotations
@@ -83,21 +87,21 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels._sampling_threshold import _gumbel, _resolve, _resolve_small
+from rlfuse.kernels._sampling_threshold import _all_pairs_threshold_draw, _bisect_threshold_draw, _gumbel
 from rlfuse.kernels.backend import resolve_backend
 
-_M32 = 0xFFFFFFFF
+_MASK32 = 0xFFFFFFFF
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
     """A 32-bit integer mix (lowbias32 family) on int64 tensors holding uint32 values.
     Multipliers are < 2**31 so int64 products never overflow; Triton computes the same
     function in uint32 arithmetic."""
-    x = x & _M32
+    x = x & _MASK32
     x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _M32
+    x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
-    x = (x * 0x6A09E667) & _M32
+    x = (x * 0x6A09E667) & _MASK32
     x = x ^ (x >> 16)
     return x
 
@@ -105,9 +109,9 @@ def hash32(x: torch.Tensor) -> torch.Tensor:
 def row_keys(seeds: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """(B,) int64 keys from per-row seeds and offsets (both int64 >= 0)."""
     s = seeds.long()
-    h = hash32(s & _M32)
-    h = hash32(h ^ ((s >> 32) & _M32))
-    return hash32(h ^ (offsets.long() & _M32))
+    h = hash32(s & _MASK32)
+    h = hash32(h ^ ((s >> 32) & _MASK32))
+    return hash32(h ^ (offsets.long() & _MASK32))
 
 
 def uniform_from_keys(keys: torch.Tensor, vocab: int) -> torch.Tensor:
@@ -161,36 +165,28 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     return ids, logp_full.gather(1, ids[:, None]).squeeze(1)
 
 
-_W_INV = 2.0  # histogram bins per nat of s: the grid is floor(x rnd(W_INV / T)), ~1/2 nat wide
-_NB = 64      # histogram bins: ~31.5 nats below the chunk max, then the rest bin. tl.histogram
-              # costs log2(NB) warp ballots per element plus NB / 32 popcounts a lane (H100,
-              # B=256, probe_sampling.py, commit 3bce730, K1 us / total ms at NB 64 / 128 / 256:
-              # 131 / 151 / 189 us; typical top-k 0.229 / 0.250 / 0.289 ms, top-p 0.258 / 0.260 /
-              # 0.294, flat top-p 0.594 / 0.530 / 0.481: coarser bins, more candidates)
-_NP = 8       # probes per bisection sweep (H100, B=256, flat top-p, ~4k candidates: K3 0.42 ms
-              # with 8 probes x 1024 candidates a step, 0.61 with 16 x 512, 0.71 with 32 x 512)
-_CHUNK = 16384  # elements per K1 program: V = 151936 -> 10 chunks a row
-_BLOCK = 2048   # elements per step in the streaming loops
-_BLOCK_H = 8192  # elements per step in K1's histogram pass (H100, B=256, filtered rows,
-                 # commit 5d5ed31: K1 131 us at 8192, 158 at 4096, 138 at 16384)
-_BLOCK_C = 1024  # candidates per step in the bisection (see _NP)
-_VS = 2          # bisection sweeps that split values, not keys (see _bisect). H100, B=256, commit
-                 # 023c5b3, K3 us at VS 0 / 1 / 2 / 3 / 5: flat top-p 0.9 293 / 241 / 241 / 241 / 241,
-                 # typical top-p 0.9 26.1 / 22.0 / 22.2 / 22.1 / 22.5
-_BLOCK_K2 = {4: 256, 2: 128}  # compaction step by logit bytes, 1 warp (H100, B=256, typical
-_WARPS_K2 = 1    # top-k 50, commits 5d5ed31 / 3bce730: fp32 K2b 65 us at 256, 79 at 128, 91 at
-                 # 512, 97 at 512 x 2 warps, 111-176 at 1024-2048 x 2-4 warps; bf16 top-p 0.9
-                 # 83 us at 128, 112 at 256, 187 at 512): small CTAs, many in flight per SM
-_WARPS_K3 = 8    # finish kernel (H100, Triton 3.6, commit ee1f56f, K3 us at 8 / 4 / 16 warps:
-                 # typical top-p 22.1 / 21.9 / 34.7, flat top-p 241 / 253 / 358). Triton 3.9's
-                 # offline sm_90 build gives 8 warps 80 registers and a 20 B spill, 4 and 16 none
-_CAP = 16384    # candidates kept in scratch per row
-_EXH = 128      # up to this many candidates: all-pairs tiles (TB x EXH) instead of the
-_TB = 16        # bisection. Its cost follows EXH, not n (H100, B=256, commit 3bce730, K3 us
-                # at EXH 128 / 512 / 1024 / 2048: typical top-k 50 10.3 / 17.3 / 19.2 / 30.2,
-                # top-p 0.9 25.8 / 34.7 / 39.1 / 65.7); TB 32: slower than 16
-_MAX_S = 64     # chunks a row at most: K2a holds all chunk histograms as one (S, NB) tile;
-                # a bound on the `chunk` knob, not measured on the GPU beyond S = 10
+# Tuning constants (H100, bench_sampling.py; the sweeps that chose them: docs/perf-log.md).
+_BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER_NAT / T))
+_HIST_BINS = 64         # histogram bins a chunk: ~31.5 nats below its max, then one rest bin
+_BISECT_PROBES = 8      # thresholds probed per bisection sweep
+_CHUNK = 16384          # elements per chunk program (V = 151936: 10 chunks a row)
+_SCAN_BLOCK = 2048      # elements per step in the streaming loops
+_HIST_BLOCK = 8192      # elements per step in the chunk histogram loop
+_BISECT_BLOCK = 1024    # candidates per step in the bisection
+_VALUE_SPLIT_SWEEPS = 2  # first bisection sweeps that split values, not keys (see _bisect)
+_COMPACT_BLOCK = {4: 256, 2: 128}  # compaction step by logit bytes: small CTAs, many per SM
+_COMPACT_WARPS = 1      # warps a compaction program
+_DRAW_WARPS = 8         # warps a threshold-and-draw program
+_MAX_CANDIDATES = 16384  # candidates kept in scratch per row; more: the whole-row path
+_ALL_PAIRS_MAX = 128    # up to this many candidates: all-pairs threshold instead of bisection
+_ALL_PAIRS_STEP = 16    # thresholds tested per all-pairs tile (a STEP x MAX compare)
+_MAX_CHUNKS = 64        # chunks a row at most: the cutoff holds every chunk histogram in one
+                        # (S, HIST_BINS) tile (a bound on the `chunk` knob, not a tuned value)
+
+# Row modes (module notes); Triton reads module globals only as constexpr.
+_GREEDY = tl.constexpr(0)
+_PLAIN = tl.constexpr(1)
+_FILTERED = tl.constexpr(2)
 
 
 # Interpreter note: Triton's interpreter re-patches the language on every call of a
@@ -207,7 +203,7 @@ def _row_params(b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr):
     use_k = (k > 0) & (k < V)
     use_p = top_p < 1.0
     use_f = min_p > 0.0
-    mode = tl.where(greedy, 0, tl.where(use_k | use_p | use_f, 2, 1))
+    mode = tl.where(greedy, _GREEDY, tl.where(use_k | use_p | use_f, _FILTERED, _PLAIN))
     # row_keys: hash32(hash32(hash32(seed_lo) ^ seed_hi) ^ offset_lo)
     seed = tl.load(SEED_ptr + b).to(tl.int64)
     key = seed.to(tl.uint32)  # truncation = & 0xFFFFFFFF
@@ -225,7 +221,7 @@ def _row_params(b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr):
 
 
 @triton.jit
-def _scan_chunk(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
+def _scan_chunk_scaled(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NOISE: tl.constexpr):
     """-> (max s, sum exp(s - max), max v, first index of max v) over one chunk,
     v = s + g (NOISE) or s. Per-lane accumulators, one reduction at the end."""
     m = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -254,7 +250,7 @@ def _scan_chunk(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.constexpr, NO
 
 
 @triton.jit
-def _scan_chunk_x(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+def _scan_chunk_raw(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
     """Filtered rows: -> (max x, sum 2^((x - max x) kl)) over one chunk of raw logits x,
     kl = log2(e) / T: the sum of exp(s - max s) up to rounding, with no division per
     element (max s = max x / T exactly: x -> rnd(x / T) is monotone)."""
@@ -272,10 +268,11 @@ def _scan_chunk_x(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                    M_part, Z_part, V_part, I_part, H_part, V, S,
-                    CHUNK: tl.constexpr, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, NB: tl.constexpr,
-                    W_INV: tl.constexpr):
+def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                        MAX_part, SUM_part, BEST_part, ARG_part, HIST_part, V, S,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST_BLOCK: tl.constexpr,
+                        N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr):
+    """Stage 1 for chunk c of row b: its max, sum and best score (module notes)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
@@ -283,108 +280,111 @@ def _partial_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
     row = L_ptr + b.to(tl.int64) * stride_l
     lo = c * CHUNK
     po = b * S + c
-    if mode == 2:  # filtered: max and sum in raw-logit units; V_part holds the max x
-        xc, zc = _scan_chunk_x(row, lo, V, tl.math.div_rn(1.4426950408889634, t), CHUNK, BLOCK)
-        tl.store(M_part + po, tl.math.div_rn(xc, t))
-        tl.store(Z_part + po, zc)
-        tl.store(V_part + po, xc)
-        tl.store(I_part + po, lo)
-        # chunk histogram of floor(x kw), kw = W_INV / T, on its absolute grid (module notes)
-        kw = tl.math.div_rn(W_INV, t)
+    if mode == _FILTERED:  # max and sum in raw-logit units; BEST_part holds the max x
+        xc, zc = _scan_chunk_raw(row, lo, V, tl.math.div_rn(1.4426950408889634, t), CHUNK, BLOCK)
+        tl.store(MAX_part + po, tl.math.div_rn(xc, t))
+        tl.store(SUM_part + po, zc)
+        tl.store(BEST_part + po, xc)
+        tl.store(ARG_part + po, lo)
+        # chunk histogram of floor(x kw), kw = BINS_PER_NAT / T, on its absolute grid (module notes)
+        kw = tl.math.div_rn(BINS_PER_NAT, t)
         a_top = tl.floor(xc * kw)
-        hist = tl.zeros((NB,), tl.int32)
-        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK_H):
-            idx = off + tl.arange(0, BLOCK_H)
+        hist = tl.zeros((N_BINS,), tl.int32)
+        for off in range(lo, tl.minimum(lo + CHUNK, V), HIST_BLOCK):
+            idx = off + tl.arange(0, HIST_BLOCK)
             d = a_top - tl.floor(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * kw)
-            hist += tl.histogram(tl.where(d < NB - 1, d, NB - 1).to(tl.int32), NB)
-        tl.store(H_part + po.to(tl.int64) * NB + tl.arange(0, NB), hist)
+            hist += tl.histogram(tl.where(d < N_BINS - 1, d, N_BINS - 1).to(tl.int32), N_BINS)
+        tl.store(HIST_part + po.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), hist)
     else:
-        if mode == 1:
-            mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, True)
+        if mode == _PLAIN:
+            mc, zc, vc, ic = _scan_chunk_scaled(row, lo, V, t, key, CHUNK, BLOCK, True)
         else:
-            mc, zc, vc, ic = _scan_chunk(row, lo, V, t, key, CHUNK, BLOCK, False)
-        tl.store(M_part + po, mc)
-        tl.store(Z_part + po, zc)
-        tl.store(V_part + po, vc)
-        tl.store(I_part + po, ic)
+            mc, zc, vc, ic = _scan_chunk_scaled(row, lo, V, t, key, CHUNK, BLOCK, False)
+        tl.store(MAX_part + po, mc)
+        tl.store(SUM_part + po, zc)
+        tl.store(BEST_part + po, vc)
+        tl.store(ARG_part + po, ic)
 
 
 @triton.jit
-def _row_merge(b, S, M_part, Z_part, S_BLOCK: tl.constexpr):
-    """-> (m, Z, per-chunk maxima (S_BLOCK,)) of row b (K2a and K3: the same m bitwise)."""
+def _merge_chunk_stats(b, S, MAX_part, SUM_part, S_BLOCK: tl.constexpr):
+    """-> (m, Z, per-chunk maxima (S_BLOCK,)) of row b (the cutoff and the draw kernels
+    both call this: the same m bitwise)."""
     cs = tl.arange(0, S_BLOCK)
-    mp = tl.load(M_part + b * S + cs, mask=cs < S, other=float("-inf"))
+    mp = tl.load(MAX_part + b * S + cs, mask=cs < S, other=float("-inf"))
     m = tl.max(mp, axis=0)
-    z = tl.sum(tl.load(Z_part + b * S + cs, mask=cs < S, other=0.0) *
+    z = tl.sum(tl.load(SUM_part + b * S + cs, mask=cs < S, other=0.0) *
                tl.exp(mp - tl.where(m == float("-inf"), 0.0, m)), axis=0)
     return m, z, mp
 
 
 @triton.jit
-def _row_cutoff(b, S, V, m, z, xp, kw, H_part, k, use_k, top_p, use_p, min_p, use_f,
-                CHUNK: tl.constexpr, S_BLOCK: tl.constexpr, NB: tl.constexpr, W_INV: tl.constexpr):
-    """Step 3: the cutoff c on the grid of floor(x kw) (an integer A - jc, or -inf) from the
+def _histogram_cutoff(b, S, V, m, z, xp, kw, HIST_part, k, use_k, top_p, use_p, min_p, use_f,
+                CHUNK: tl.constexpr, S_BLOCK: tl.constexpr, N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr):
+    """Stage 2: the cutoff c on the grid of floor(x kw) (an integer A - jc, or -inf) from the
     merged histogram, and the count of floor(x kw) >= c in each chunk (S_BLOCK,), read off
     the chunk histograms (exact: the grid is absolute, so chunk bins shift by integers).
-    Bin j holds x kw in [A - j, A - j + 1), i.e. s = x / T in about [(A - j) W, (A - j + 1) W);
-    those s-edges only steer the estimates below, which the exact check in K3 confirms."""
+    Bin j holds x kw in [A - j, A - j + 1), i.e. s = x / T in about [(A - j) W, (A - j + 1) W),
+    W = 1 / BINS_PER_NAT; those s-edges only steer the estimates below, which stage 4 checks
+    exactly."""
     a_top = tl.floor(tl.max(xp, axis=0) * kw)
     cs = tl.arange(0, S_BLOCK)
-    j = tl.arange(0, NB)
+    j = tl.arange(0, N_BINS)
     # chunk histograms shifted onto the row's grid: merged bin j = chunk bin j - shift
     shift = a_top - tl.floor(xp * kw)  # >= 0, or inf/nan for an all -inf chunk
-    src = j[None, :] - tl.where(shift < NB, shift, NB).to(tl.int32)[:, None]  # (S_BLOCK, NB)
-    h_sj = tl.load(H_part + (b * S + cs).to(tl.int64)[:, None] * NB + src,
-                   mask=(cs < S)[:, None] & (src >= 0) & (src < NB - 1), other=0)
-    inner = j < NB - 1
-    hist = tl.sum(h_sj, axis=0)  # integer sums: exact; merged bin NB - 1 is not used
+    src = j[None, :] - tl.where(shift < N_BINS, shift, N_BINS).to(tl.int32)[:, None]  # (S_BLOCK, N_BINS)
+    h_sj = tl.load(HIST_part + (b * S + cs).to(tl.int64)[:, None] * N_BINS + src,
+                   mask=(cs < S)[:, None] & (src >= 0) & (src < N_BINS - 1), other=0)
+    inner = j < N_BINS - 1
+    hist = tl.sum(h_sj, axis=0)  # integer sums: exact; merged bin N_BINS - 1 is not used
     hist = tl.where(inner, hist, 0)
-    edge = (a_top - j.to(tl.float32)) * (1.0 / W_INV)  # about the lower s-edge of bin j
+    edge = (a_top - j.to(tl.float32)) * (1.0 / BINS_PER_NAT)  # about the lower s-edge of bin j
     # top-k: the highest edge with count(x kw >= edge) >= k (exact counts)
-    j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, NB), axis=0)
+    j_k = tl.min(tl.where(inner & (tl.cumsum(hist, axis=0) >= k), j, N_BINS), axis=0)
     # top-p: a lower bound of the mass at or above each bin's lower edge, the larger of
     #   L_j = sum_{i <= j} n_i e^(edge_i - m)       (every value in bin i is >= edge_i)
-    #   Z - U_j, U_j = sum_{i > j} n_i e^(edge_i + W - m) + rest e^(edge_{NB-2} - m)
+    #   Z - U_j, U_j = sum_{i > j} n_i e^(edge_i + W - m) + rest e^(edge_{N_BINS-2} - m)
     # (U_j bounds the mass below the edge; rest = elements in no inner bin). L alone loses up
-    # to e^-W a bin, so with W = 1/2 it never reached 0.9 Z and every top-p row fell back to
-    # the whole-row path (probe_sampling.py). The first bin reaching top_p Z, one bin lower.
+    # to e^-W a bin, so with W = 1/2 it never reaches 0.9 Z and every top-p row would take
+    # the whole-row path. The first bin reaching top_p Z, one bin lower.
     wl = hist.to(tl.float32) * tl.exp(edge - m)
     low = tl.cumsum(wl, axis=0)
-    wu = wl * 2.718281828459045 ** (1.0 / W_INV)
+    wu = wl * 2.718281828459045 ** (1.0 / BINS_PER_NAT)
     n_rest = V - tl.sum(hist, axis=0)
-    rest = n_rest.to(tl.float32) * tl.exp((a_top - (NB - 2)) * (1.0 / W_INV) - m)
+    rest = n_rest.to(tl.float32) * tl.exp((a_top - (N_BINS - 2)) * (1.0 / BINS_PER_NAT) - m)
     est = tl.maximum(low, z - (tl.sum(wu, axis=0) - tl.cumsum(wu, axis=0) + rest))
-    j_p = tl.min(tl.where(inner & (est >= top_p * z * 1.00001), j, NB), axis=0) + 1
+    j_p = tl.min(tl.where(inner & (est >= top_p * z * 1.00001), j, N_BINS), axis=0) + 1
     # min-p: one bin below the edge at or below floor = m + log(min_p) (nan, m = -inf: none)
     floor = m + tl.log(tl.where(use_f, min_p, 1.0))
-    f_j = a_top - tl.floor(floor * W_INV) + 1
-    j_f = tl.where(f_j < 0, 0, tl.where(f_j < NB - 1, f_j, NB - 1)).to(tl.int32)
+    f_j = a_top - tl.floor(floor * BINS_PER_NAT) + 1
+    j_f = tl.where(f_j < 0, 0, tl.where(f_j < N_BINS - 1, f_j, N_BINS - 1)).to(tl.int32)
     # with top-k and top-p both on only the top-k rule may raise c (Z_k from the candidates)
     either = ~(use_k & use_p)
-    jc = tl.minimum(tl.where(use_k, j_k, NB - 1), tl.where(use_p & ~use_k, j_p, NB - 1))
-    jc = tl.minimum(jc, tl.where(either & use_f, j_f, NB - 1))
-    c = tl.where(jc < NB - 1, a_top - jc, float("-inf"))
+    jc = tl.minimum(tl.where(use_k, j_k, N_BINS - 1), tl.where(use_p & ~use_k, j_p, N_BINS - 1))
+    jc = tl.minimum(jc, tl.where(either & use_f, j_f, N_BINS - 1))
+    c = tl.where(jc < N_BINS - 1, a_top - jc, float("-inf"))
     cnt = tl.sum(tl.where(j[None, :] <= jc, h_sj, 0), axis=1)  # (S_BLOCK,)
     every = tl.minimum(V - cs * CHUNK, CHUNK)  # c = -inf: the whole chunk
-    cnt = tl.where(jc < NB - 1, cnt, tl.where(cs < S, every, 0))
+    cnt = tl.where(jc < N_BINS - 1, cnt, tl.where(cs < S, every, 0))
     return c, floor, either, cnt
 
 
 @triton.jit
-def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_part, V_part, H_part,
+def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, MAX_part, SUM_part, BEST_part, HIST_part,
                    CUT_ptr, OFS_ptr, V, S, CHUNK: tl.constexpr, S_BLOCK: tl.constexpr,
-                   NB: tl.constexpr, W_INV: tl.constexpr):
-    """Step 3 for a filtered row b: CUT[b] = (c, m); OFS[b, :S + 1] = where each chunk's
+                   N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr):
+    """Stage 2 (cutoff) for a filtered row b: CUT[b] = (c, m); OFS[b, :S + 1] = where each chunk's
     candidates start in the row's list (exclusive prefix of the counts; OFS[b, S] = n)."""
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
-    if mode == 2:
-        m, z, mp = _row_merge(b, S, M_part, Z_part, S_BLOCK)
+    if mode == _FILTERED:
+        m, z, mp = _merge_chunk_stats(b, S, MAX_part, SUM_part, S_BLOCK)
         cs = tl.arange(0, S_BLOCK)
-        xp = tl.load(V_part + b * S + cs, mask=cs < S, other=float("-inf"))  # chunk max x
-        c, floor, either, cnt = _row_cutoff(b, S, V, m, z, xp, tl.math.div_rn(W_INV, t), H_part, k,
-                                            use_k, top_p, use_p, min_p, use_f, CHUNK, S_BLOCK, NB, W_INV)
+        xp = tl.load(BEST_part + b * S + cs, mask=cs < S, other=float("-inf"))  # chunk max x
+        kw = tl.math.div_rn(BINS_PER_NAT, t)
+        c, floor, either, cnt = _histogram_cutoff(b, S, V, m, z, xp, kw, HIST_part, k, use_k, top_p, use_p,
+                                                  min_p, use_f, CHUNK, S_BLOCK, N_BINS, BINS_PER_NAT)
         tl.store(CUT_ptr + 2 * b, c)
         tl.store(CUT_ptr + 2 * b + 1, m)
         tl.store(OFS_ptr + b * (S + 1) + cs, tl.cumsum(cnt, axis=0) - cnt, mask=cs < S)
@@ -393,25 +393,26 @@ def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, M_part, Z_par
 
 @triton.jit
 def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                    CUT_ptr, OFS_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr, V, S,
-                    CHUNK: tl.constexpr, CAP: tl.constexpr, BLOCK: tl.constexpr, W_INV: tl.constexpr):
-    """Step 4 for chunk ci of a filtered row b (other rows: nothing to do)."""
+                    CUT_ptr, OFS_ptr, COUNT_part, MASS_part, XOUT_part, CAND_ptr, CAND_S_ptr, V, S,
+                    CHUNK: tl.constexpr, MAX_CAND: tl.constexpr, BLOCK: tl.constexpr,
+                    BINS_PER_NAT: tl.constexpr):
+    """Stage 3 (compaction) for chunk ci of a filtered row b (other rows: nothing to do)."""
     b = tl.program_id(0)
     ci = tl.program_id(1)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
-    if mode == 2:
+    if mode == _FILTERED:
         c = tl.load(CUT_ptr + 2 * b)
         m = tl.load(CUT_ptr + 2 * b + 1)
-        kw = tl.math.div_rn(W_INV, t)  # bitwise K1's: the same products x kw
+        kw = tl.math.div_rn(BINS_PER_NAT, t)  # bitwise the chunk-stats kernel's: the same products x kw
         start = tl.load(OFS_ptr + b * (S + 1) + ci)
         own = tl.load(OFS_ptr + b * (S + 1) + ci + 1) - start
-        # over CAP K3 streams the row: no list needed (a limit, not `scalar & vector`: the
-        # interpreter cannot broadcast a scalar bool)
-        limit = tl.where(tl.load(OFS_ptr + b * (S + 1) + S) <= CAP, CAP, 0)
+        # over MAX_CAND candidates the draw kernel streams the row: no list needed (a limit,
+        # not `scalar & vector`: the interpreter cannot broadcast a scalar bool)
+        limit = tl.where(tl.load(OFS_ptr + b * (S + 1) + S) <= MAX_CAND, MAX_CAND, 0)
         row = L_ptr + b.to(tl.int64) * stride_l
-        C_row = C_ptr + b.to(tl.int64) * CAP
-        SV_row = SV_ptr + b.to(tl.int64) * CAP
+        cand_row = CAND_ptr + b.to(tl.int64) * MAX_CAND
+        cand_s_row = CAND_S_ptr + b.to(tl.int64) * MAX_CAND
         lo = ci * CHUNK
         n = tl.full((), 0, tl.int32)
         mass = tl.zeros((BLOCK,), tl.float32)
@@ -419,69 +420,74 @@ def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_
         for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
             idx = off + tl.arange(0, BLOCK)
             x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: K1's bins <= jc
+            keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: the histogram's bins <= jc
             x_out = tl.maximum(x_out, tl.where(keep, float("-inf"), x))
             ki = keep.to(tl.int32)
             nk = tl.sum(ki, axis=0)
             if nk > 0:  # most blocks hold no candidate: skip the scan and the divisions
                 s = tl.math.div_rn(x, t)
                 pos = start + n + tl.cumsum(ki, axis=0) - 1
-                st = keep & (pos < limit)  # also guards a wrong count, which K3 rejects
-                tl.store(C_row + pos, idx, mask=st)
-                tl.store(SV_row + pos, s, mask=st)
+                st = keep & (pos < limit)  # also guards a wrong count, which the draw kernel rejects
+                tl.store(cand_row + pos, idx, mask=st)
+                tl.store(cand_s_row + pos, s, mask=st)
                 mass += tl.where(keep, tl.exp(s - m), 0.0)
                 n += nk
         # a count that differs from the histogram's (NaN logits) marks the list unusable
-        tl.store(N_part + b * S + ci, tl.where(n == own, n, -1))
-        tl.store(Q_part + b * S + ci, tl.sum(mass, axis=0))
-        tl.store(XO_part + b * S + ci, tl.max(x_out, axis=0))
+        tl.store(COUNT_part + b * S + ci, tl.where(n == own, n, -1))
+        tl.store(MASS_part + b * S + ci, tl.sum(mass, axis=0))
+        tl.store(XOUT_part + b * S + ci, tl.max(x_out, axis=0))
 
 
 @triton.jit
-def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                   M_part, Z_part, V_part, I_part, CUT_ptr, N_part, Q_part, XO_part, C_ptr, SV_ptr,
-                   IDS_ptr, LP_ptr, THR_ptr, V, S, S_BLOCK: tl.constexpr, CAP: tl.constexpr,
-                   EXH: tl.constexpr, TB: tl.constexpr, BLOCK_C: tl.constexpr, NP: tl.constexpr,
-                   VS: tl.constexpr):
+def _threshold_draw_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                           MAX_part, SUM_part, BEST_part, ARG_part, CUT_ptr, COUNT_part, MASS_part, XOUT_part,
+                           CAND_ptr, CAND_S_ptr, IDS_ptr, LP_ptr, THR_ptr, V, S,
+                           S_BLOCK: tl.constexpr, MAX_CAND: tl.constexpr, PAIRS_MAX: tl.constexpr,
+                           PAIRS_STEP: tl.constexpr, CAND_BLOCK: tl.constexpr, N_PROBES: tl.constexpr,
+                           VALUE_SWEEPS: tl.constexpr):
+    """Stage 4 for row b: the id, its log-prob and the threshold (module notes)."""
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
     row = L_ptr + b.to(tl.int64) * stride_l
     # merge the partials (m, Z, id: max value, smallest index among equals)
-    m, z, mp = _row_merge(b, S, M_part, Z_part, S_BLOCK)
+    m, z, mp = _merge_chunk_stats(b, S, MAX_part, SUM_part, S_BLOCK)
     cs = tl.arange(0, S_BLOCK)
     cm = cs < S
-    vp = tl.load(V_part + b * S + cs, mask=cm, other=float("-inf"))
-    idx = tl.min(tl.where(vp == tl.max(vp, axis=0), tl.load(I_part + b * S + cs, mask=cm, other=V), V),
+    vp = tl.load(BEST_part + b * S + cs, mask=cm, other=float("-inf"))
+    idx = tl.min(tl.where(vp == tl.max(vp, axis=0), tl.load(ARG_part + b * S + cs, mask=cm, other=V), V),
                  axis=0)
-    thr = tl.where(mode == 0, m, float("-inf"))  # greedy: the max; plain: everything
-    if mode == 2:
+    thr = tl.where(mode == _GREEDY, m, float("-inf"))  # greedy: the max; plain: everything
+    if mode == _FILTERED:
         c = tl.load(CUT_ptr + 2 * b)  # on the x kw grid; -inf: every element is a candidate
-        floor = m + tl.log(tl.where(use_f, min_p, 1.0))  # as in _row_cutoff (same m)
+        floor = m + tl.log(tl.where(use_f, min_p, 1.0))  # as in _histogram_cutoff (same m)
         either = ~(use_k & use_p)
-        # 5. exact counts/mass of the candidates; s_out = the largest s left out (x -> rnd(x / T)
+        # 4a. exact counts/mass of the candidates; s_out = the largest s left out (x -> rnd(x / T)
         # is monotone, so one division): the candidates hold every s > s_out
-        n_s = tl.load(N_part + b * S + cs, mask=cm, other=0)
+        n_s = tl.load(COUNT_part + b * S + cs, mask=cm, other=0)
         n = tl.sum(n_s, axis=0)
-        mass_c = tl.sum(tl.load(Q_part + b * S + cs, mask=cm, other=0.0), axis=0)
-        s_out = tl.math.div_rn(tl.max(tl.load(XO_part + b * S + cs, mask=cm, other=float("-inf")), axis=0), t)
+        mass_c = tl.sum(tl.load(MASS_part + b * S + cs, mask=cm, other=0.0), axis=0)
+        x_out = tl.max(tl.load(XOUT_part + b * S + cs, mask=cm, other=float("-inf")), axis=0)
+        s_out = tl.math.div_rn(x_out, t)
         ok = (tl.min(n_s, axis=0) >= 0) & ((c == float("-inf")) | (use_k & (n >= k)) |
               (either & ((use_f & (s_out < floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
-        listed = ok & (n <= CAP)
-        C_row = C_ptr + b.to(tl.int64) * CAP
-        SV_row = SV_ptr + b.to(tl.int64) * CAP
-        # 6.-7. threshold and Gumbel-max over the candidates; they decide it iff it ends above
+        listed = ok & (n <= MAX_CAND)
+        cand_row = CAND_ptr + b.to(tl.int64) * MAX_CAND
+        cand_s_row = CAND_S_ptr + b.to(tl.int64) * MAX_CAND
+        # 4b-4c. threshold and Gumbel-max over the candidates; they decide it iff it ends above
         # s_out (then nothing left out is kept), else over the whole row (exact, slow)
-        if ok & (n <= EXH):  # (EXH <= CAP)
-            idx, thr = _resolve_small(C_row, SV_row, n, s_out, m, z, key, k, use_k, top_p, use_p,
-                                      floor, use_f, EXH, TB)
+        if ok & (n <= PAIRS_MAX):  # (PAIRS_MAX <= MAX_CAND)
+            idx, thr = _all_pairs_threshold_draw(cand_row, cand_s_row, n, s_out, m, z, key, k, use_k, top_p,
+                                                 use_p, floor, use_f, PAIRS_MAX, PAIRS_STEP)
         elif listed:
-            idx, thr = _resolve(row, C_row, SV_row, n, t, s_out, m, z, key, k, use_k, top_p, use_p,
-                                floor, use_f, False, BLOCK_C, NP, VS)
+            idx, thr = _bisect_threshold_draw(row, cand_row, cand_s_row, n, t, s_out, m, z, key, k, use_k,
+                                              top_p, use_p, floor, use_f, False, CAND_BLOCK, N_PROBES,
+                                              VALUE_SWEEPS)
         if (~listed) | (thr <= s_out):
-            idx, thr = _resolve(row, C_row, SV_row, V, t, tl.full((), float("-inf"), tl.float32), m, z,
-                                key, k, use_k, top_p,
-                                use_p, floor, use_f, True, BLOCK_C, NP, VS)
+            whole_row = tl.full((), float("-inf"), tl.float32)  # cutoff -inf: every s of the row
+            idx, thr = _bisect_threshold_draw(row, cand_row, cand_s_row, V, t, whole_row, m, z, key, k, use_k,
+                                              top_p, use_p, floor, use_f, True, CAND_BLOCK, N_PROBES,
+                                              VALUE_SWEEPS)
     s_id = tl.math.div_rn(tl.load(row + idx).to(tl.float32), t)
     tl.store(IDS_ptr + b, idx.to(tl.int64))
     tl.store(LP_ptr + b, (s_id - m) - tl.log(z))  # as log_softmax: no rounding at m's scale
@@ -489,10 +495,10 @@ def _finish_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_p
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
-                  chunk: int = _CHUNK, cap: int = _CAP, exh: int = _EXH,
-                  return_threshold: bool = False):
-    """Same contract as `sample_ref`. `chunk`, `cap` and `exh` (powers of two) are tuning
-    knobs; tests shrink them to reach the multi-chunk, bisection and over-capacity paths
+                  chunk: int = _CHUNK, max_candidates: int = _MAX_CANDIDATES,
+                  all_pairs_max: int = _ALL_PAIRS_MAX, return_threshold: bool = False):
+    """Same contract as `sample_ref`. `chunk`, `max_candidates` and `all_pairs_max` (powers
+    of two) are tuning knobs; tests shrink them to reach the multi-chunk, bisection and over-capacity paths
     at small V. `return_threshold=True` also returns thr (B,) fp32: a filtered row keeps
     exactly {v : logit_v / T >= thr} (a plain row: -inf; a greedy row: its max)."""
     if logits.dim() != 2:
@@ -504,53 +510,70 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
             raise ValueError(f"sample: {name} must have shape ({B},) on {logits.device}, got "
                              f"{tuple(p.shape)} on {p.device}")
     S = triton.cdiv(V, chunk)
-    if S > _MAX_S:
-        raise ValueError(f"sample_triton: chunk={chunk} splits V={V} into {S} chunks, at most {_MAX_S}")
+    if S > _MAX_CHUNKS:
+        raise ValueError(f"sample_triton: chunk={chunk} splits V={V} into {S} chunks, at most {_MAX_CHUNKS}")
     if logits.stride(-1) != 1:
         logits = logits.contiguous()
     dev = logits.device
     # block sizes follow V (and the knobs) only, never B: batch invariance
     block_v = triton.next_power_of_2(V)
-    block = min(_BLOCK, chunk, block_v)
-    block_c = min(_BLOCK_C, block_v)
+    block = min(_SCAN_BLOCK, chunk, block_v)
+    block_c = min(_BISECT_BLOCK, block_v)
     # scratch: one allocation carved into 16-byte aligned views (eager calls pay ~5 us per
-    # torch.empty; Triton specializes on 16-byte alignment)
-    shapes = [(B, S)] * 7 + [(B, 2), (B, S + 1), (B, S, _NB), (B, cap), (B, cap)]
-    sizes = [math.prod(sh) for sh in shapes]
+    # torch.empty; Triton specializes on 16-byte alignment). Per row: chunk statistics
+    # (stage 1), cutoff and candidate offsets (stage 2), candidate lists (stage 3).
+    f32, i32 = torch.float32, torch.int32
+    scratch = {  # name: (shape, dtype)
+        "chunk_max": ((B, S), f32),       # max s of each chunk
+        "chunk_sum": ((B, S), f32),       # sum exp(s - chunk max)
+        "chunk_best": ((B, S), f32),      # best score (s + g or s), or max x on filtered rows
+        "chunk_mass": ((B, S), f32),      # candidates' sum exp(s - m)
+        "chunk_x_out": ((B, S), f32),     # largest x left out of the candidates
+        "chunk_arg": ((B, S), i32),       # index of the best score
+        "chunk_count": ((B, S), i32),     # candidates a chunk (-1: unusable list)
+        "cutoff": ((B, 2), f32),          # (c, m)
+        "offsets": ((B, S + 1), i32),     # where each chunk's candidates start; [S] = total
+        "hist": ((B, S, _HIST_BINS), i32),
+        "cand": ((B, max_candidates), i32),    # candidate indices
+        "cand_s": ((B, max_candidates), f32),  # their s
+    }
+    sizes = [math.prod(shape) for shape, _ in scratch.values()]
     starts = [0]
     for n in sizes:
         starts.append(starts[-1] + -(-n // 4) * 4)
     ws = torch.empty((starts[-1],), dtype=torch.int32, device=dev)
-    views = [ws[a:a + n].view(sh) for a, n, sh in zip(starts, sizes, shapes)]
-    m_part, z_part, v_part, q_part, xo_part = (v.view(torch.float32) for v in views[:5])
-    i_part, n_part, ofs, h_part, cand = views[5], views[6], views[8], views[9], views[10]
-    cut, cand_s = views[7].view(torch.float32), views[11].view(torch.float32)
+    w = {name: ws[a:a + n].view(shape).view(dt)
+         for (name, (shape, dt)), a, n in zip(scratch.items(), starts, sizes)}
     ids = torch.empty((B,), dtype=torch.int64, device=dev)
     logprobs, thr = torch.empty((2, B), dtype=torch.float32, device=dev)
     if B == 0:
         return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
     params = [p.contiguous() for p in (temperature, top_k, top_p, min_p, seeds, offsets)]
     s_block = triton.next_power_of_2(S)
-    _partial_kernel[(B, S)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part,
-                            h_part, V, S, CHUNK=chunk, BLOCK=block, BLOCK_H=min(_BLOCK_H, chunk, block_v),
-                            NB=_NB, W_INV=_W_INV, num_warps=8)
-    _cutoff_kernel[(B,)](*params, m_part, z_part, v_part, h_part, cut, ofs, V, S, CHUNK=chunk,
-                         S_BLOCK=s_block, NB=_NB, W_INV=_W_INV, num_warps=4)
-    block_k2 = min(_BLOCK_K2.get(logits.element_size(), 256), chunk, block_v)
-    _compact_kernel[(B, S)](logits, logits.stride(0), *params, cut, ofs, n_part, q_part, xo_part, cand,
-                            cand_s, V, S, CHUNK=chunk, CAP=cap, BLOCK=block_k2, W_INV=_W_INV,
-                            num_warps=_WARPS_K2)
-    _finish_kernel[(B,)](logits, logits.stride(0), *params, m_part, z_part, v_part, i_part, cut,
-                         n_part, q_part, xo_part, cand, cand_s, ids, logprobs, thr, V, S, S_BLOCK=s_block,
-                         CAP=cap, EXH=min(exh, block_v, cap), TB=_TB, BLOCK_C=block_c,
-                         NP=_NP, VS=_VS, num_warps=_WARPS_K3)
+    _chunk_stats_kernel[(B, S)](
+        logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],
+        w["hist"], V, S, CHUNK=chunk, BLOCK=block, HIST_BLOCK=min(_HIST_BLOCK, chunk, block_v),
+        N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, num_warps=8)
+    _cutoff_kernel[(B,)](
+        *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["hist"], w["cutoff"], w["offsets"], V, S,
+        CHUNK=chunk, S_BLOCK=s_block, N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, num_warps=4)
+    compact_block = min(_COMPACT_BLOCK.get(logits.element_size(), 256), chunk, block_v)
+    _compact_kernel[(B, S)](
+        logits, logits.stride(0), *params, w["cutoff"], w["offsets"], w["chunk_count"], w["chunk_mass"],
+        w["chunk_x_out"], w["cand"], w["cand_s"], V, S, CHUNK=chunk, MAX_CAND=max_candidates,
+        BLOCK=compact_block, BINS_PER_NAT=_BINS_PER_NAT, num_warps=_COMPACT_WARPS)
+    _threshold_draw_kernel[(B,)](
+        logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],
+        w["cutoff"], w["chunk_count"], w["chunk_mass"], w["chunk_x_out"], w["cand"], w["cand_s"],
+        ids, logprobs, thr, V, S, S_BLOCK=s_block, MAX_CAND=max_candidates,
+        PAIRS_MAX=min(all_pairs_max, block_v, max_candidates), PAIRS_STEP=_ALL_PAIRS_STEP,
+        CAND_BLOCK=block_c, N_PROBES=_BISECT_PROBES, VALUE_SWEEPS=_VALUE_SPLIT_SWEEPS,
+        num_warps=_DRAW_WARPS)
     return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
 
 
-_HAS_TRITON = True
-
-
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
-    if resolve_backend("sample", logits, has_triton=_HAS_TRITON) == "triton":
+    """Public op: `sample_triton` or `sample_ref` by the kernel backend (`rlfuse.kernels.backend`)."""
+    if resolve_backend("sample", logits) == "triton":
         return sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)

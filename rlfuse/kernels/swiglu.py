@@ -13,7 +13,7 @@ Triton path: one flat 1-D kernel over numel (int64 offsets), BLOCK elements a pr
 the backward writes dgate and dup in one pass (reads dy, g, u once). Whole blocks run
 without a mask (EVEN) and the remainder in a second launch: numel is not specialized (one
 compile for every size), so a mask `offs < N` has unknown alignment and Triton would load
-element by element (H100: forward 117.7 -> 104.4 us at 16384 x 3072, see _BLOCK).
+element by element (about 12% slower on an H100, docs/perf-log.md).
 Tests: `python -m pytest -q tests/test_kernel_layers.py -k swiglu`.
 """
 
@@ -38,14 +38,10 @@ def swiglu_exact_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return pointwise(F.silu, gate) * up
 
 
-# 1024 elements a program, 8 warps (4 a thread): the best of 12 BLOCK x warps settings for
-# both kernels on an H100 (benchmarks/kernels/probe_swiglu.py, commit 37d956b, 16384 x 3072
-# bf16): forward 117.7 us, backward 186.5 us; the former 2048 x 8: 131.2 / 237.9; 4096 and
-# up: slower (8192 x 4 backward 4.3 ms). Those runs loaded element by element (the masked
-# path, see the module notes); unmasked (bench_layers.py, commit fdb16ce): forward 104.4 us,
-# fwd+bwd 270.5, torch.compile 104.8 / 272.6, whose output is not bitwise eager's (ours is).
-_BLOCK = 1024
-_WARPS = 8
+# Tile: the best of 12 BLOCK x warps settings for both kernels in an H100 sweep at Qwen3-0.6B
+# shapes (bench_layers.py; docs/perf-log.md).
+_BLOCK = 1024  # elements a program (4 a thread)
+_WARPS = 8     # warps a program
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile

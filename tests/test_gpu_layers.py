@@ -13,17 +13,13 @@ A kept-set difference is accepted only where the reference itself sits on a roun
 boundary (|mass_before - top_p| < 1e-5 or |s - floor| < 1e-5), and an id difference
 only where it follows from such a row or from a near tie of the two Gumbel scores.
 
-Run on the GPU box:  OUT=./out python benchmarks/kernels/gpu_check_layers.py
-Writes $OUT/gpu_check_layers.json, prints a table, exits 1 on any failure.
+Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_layers.py
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 
 from rlfuse.kernels import use_backend
@@ -35,6 +31,22 @@ from rlfuse.kernels.swiglu import swiglu, swiglu_ref
 
 ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 results: list[dict] = []
+
+
+pytestmark = pytest.mark.gpu
+
+
+def _assert_all_pass(rows):
+    """Every sub-check recorded since the test started passed (failures listed by name)."""
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rows():
+    results.clear()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
 
 
 def record(check: str, ok: bool, **info):
@@ -204,18 +216,11 @@ def check_sampler():
         record(f"sampler {str(dtype)[6:]} CUDA graph capture + replay", torch.equal(ids_g, ids_f) and torch.equal(lp_g, lp_f))
 
 
-def main():
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+def test_layers_against_float64_and_batch_invariant():
     check_layers()
+    _assert_all_pass(results)
+
+
+def test_sampler_matches_reference_at_full_vocabulary():
     check_sampler()
-    n_fail = sum(not r["ok"] for r in results)
-    (out / "gpu_check_layers.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), results=results),
-                                                          indent=1, default=str))
-    print(f"{len(results) - n_fail}/{len(results)} checks passed")
-    sys.exit(1 if n_fail else 0)
-
-
-if __name__ == "__main__":
-    main()
+    _assert_all_pass(results)

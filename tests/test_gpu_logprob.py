@@ -15,17 +15,13 @@ policy_loss (N = 65536 tokens in 256 sequences; every loss_type x kl_type, dual 
 and off): Triton vs reference loss / stats (rtol 1e-5) and d loss / d logp (rtol 1e-5
 of max). grpo_loss_from_hidden vs float64 composition of the references.
 
-Run on the GPU box:  OUT=./out python benchmarks/kernels/gpu_check_logprob.py
-Writes $OUT/gpu_check_logprob.json, prints a table, exits 1 on any failure.
+Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_logprob.py
 """
 
 from __future__ import annotations
 
-import json
-import os
-import sys
-from pathlib import Path
 
+import pytest
 import torch
 
 from rlfuse.kernels import use_backend
@@ -35,6 +31,22 @@ from rlfuse.kernels.policy_loss import grpo_loss_from_hidden, policy_loss_ref, p
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 results: list[dict] = []
+
+
+pytestmark = pytest.mark.gpu
+
+
+def _assert_all_pass(rows):
+    """Every sub-check recorded since the test started passed (failures listed by name)."""
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rows():
+    results.clear()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
 
 
 def record(check: str, ok: bool, **info):
@@ -187,23 +199,19 @@ def check_grpo_from_hidden(dtype=torch.bfloat16, N=2048, D=1024, V=151936, B=16)
            gold=f"{gold.item():.6g}", dH_rel=f"{eh:.3g}", dW_rel=f"{ew:.3g}")
 
 
-def main():
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        # fp32 at N=1024: the IEEE-fp32 dots are slow and the first fp32 run at N=4096 did not
-        # finish in 150 s beside the compile time
-        check_logprob(dtype, N=4096 if dtype == torch.bfloat16 else 1024)
-        check_cuda_graph(dtype)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_logprob_against_float64(dtype):
+    # fp32 at N=1024: the IEEE-fp32 dots are slow (N=4096 did not finish in 150 s with compiles)
+    check_logprob(dtype, N=4096 if dtype == torch.bfloat16 else 1024)
+    check_cuda_graph(dtype)
+    _assert_all_pass(results)
+
+
+def test_policy_loss_against_float64():
     check_policy_loss()
+    _assert_all_pass(results)
+
+
+def test_grpo_loss_from_hidden_against_float64():
     check_grpo_from_hidden()
-    n_fail = sum(not r["ok"] for r in results)
-    (out / "gpu_check_logprob.json").write_text(json.dumps(dict(gpu=torch.cuda.get_device_name(), results=results),
-                                                           indent=1, default=str))
-    print(f"{len(results) - n_fail}/{len(results)} checks passed")
-    sys.exit(1 if n_fail else 0)
-
-
-if __name__ == "__main__":
-    main()
+    _assert_all_pass(results)

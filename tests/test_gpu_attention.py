@@ -12,19 +12,14 @@ Checks (CUDA, bf16 and fp32, Dh 64 and 128, GQA):
 Tolerance: err <= 4 * err(reference in the same dtype) + 4 * u * max|gold| (u the unit
 roundoff; see tests/test_kernel_attention.py for the derivation); lse atol = rtol = 1e-5.
 
-Run on the GPU box:  OUT=./out python benchmarks/kernels/gpu_check_attention.py
-Writes $OUT/gpu_check_attention.json, prints a table, exits 1 if any check fails.
+Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_attention.py
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
-import os
-import sys
-import time
-from pathlib import Path
 
+import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -34,6 +29,22 @@ from rlfuse.kernels.paged_attention import (paged_attention_ref, paged_attention
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 ROWS: list[dict] = []
+
+
+pytestmark = pytest.mark.gpu
+
+
+def _assert_all_pass(rows):
+    """Every sub-check recorded since the test started passed (failures listed by name)."""
+    bad = [r for r in rows if not r["ok"]]
+    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_rows():
+    ROWS.clear()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    yield
 
 
 def record(check: str, dtype, dh, err: float, tol: float, **extra):
@@ -168,30 +179,18 @@ def check_store_and_consistency(dtype, dh):
     record("|varlen - paged prefill|", dtype, dh, (o_var.double() - o_pag.double()).abs().max().item(), tol)
 
 
-def main():
-    out = Path(os.environ.get("OUT", "./out"))
-    out.mkdir(parents=True, exist_ok=True)
-    torch.backends.cuda.matmul.allow_tf32 = False
-    t0 = time.time()
-    print(torch.cuda.get_device_name(), flush=True)
-    for dtype in (torch.bfloat16, torch.float32):
-        for dh in (64, 128):
-            check_varlen(dtype, dh, 16, 8)
-            check_paged(dtype, dh, 16)
-            check_store_and_consistency(dtype, dh)
-        check_varlen(dtype, 128, 16, 16)
-        check_varlen(dtype, 64, 16, 2)
-        check_paged(dtype, 128, 32)
-    n_fail = sum(not r["ok"] for r in ROWS)
-    (out / "gpu_check_attention.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": ROWS}, indent=1))
-    print(f"\n{len(ROWS) - n_fail}/{len(ROWS)} checks pass in {time.time() - t0:.0f}s; "
-          f"wrote {out / 'gpu_check_attention.json'}")
-    for r in ROWS:
-        if not r["ok"]:
-            print(f"  FAIL {r['check']} {r['dtype']} dh={r['dh']}: err {r['err']:.3e} > tol {r['tol']:.3e}")
-    sys.exit(1 if n_fail else 0)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("dh", [64, 128])
+def test_varlen_paged_and_consistency(dtype, dh):
+    check_varlen(dtype, dh, 16, 8)
+    check_paged(dtype, dh, 16)
+    check_store_and_consistency(dtype, dh)
+    _assert_all_pass(ROWS)
 
 
-if __name__ == "__main__":
-    main()
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_gqa_ratios_and_page_32(dtype):
+    check_varlen(dtype, 128, 16, 16)
+    check_varlen(dtype, 64, 16, 2)
+    check_paged(dtype, 128, 32)
+    _assert_all_pass(ROWS)
