@@ -32,6 +32,11 @@ from typing import Any
 
 import yaml
 
+from rlfuse.kernels.backend import BACKENDS
+from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
+from rlfuse.train.advantages import ADV_SCALES
+from rlfuse.train.optim import SCHEDULES
+
 _DC = dict(frozen=True, kw_only=True, slots=True)
 
 
@@ -202,12 +207,12 @@ class RunConfig:
 
     def __post_init__(self):
         _check_choice("on_reward_error", self.on_reward_error, ("raise", "zero"))
-        _check_choice("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "dapo", "gspo"))
-        _check_choice("grpo.kl_type", self.grpo.kl_type, ("k1", "k2", "k3"))
-        _check_choice("grpo.adv_scale", self.grpo.adv_scale, ("group", "batch", "none"))
-        _check_choice("optim.schedule", self.optim.schedule, ("cosine", "constant", "linear"))
+        _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
+        _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
+        _check_choice("grpo.adv_scale", self.grpo.adv_scale, ADV_SCALES)
+        _check_choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        _check_choice("model.kernel_backend", self.model.kernel_backend, ("auto", "torch", "triton"))
+        _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
         g = self.grpo
         if g.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")

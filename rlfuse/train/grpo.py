@@ -4,12 +4,12 @@ One step:
   1. generate  : P prompts x G completions from the engine (it shares the parameters),
                  with per-token log-probs; then the engine sleeps (KV pool freed).
   2. score     : reward functions -> total reward r (P*G,), group-relative advantages
-                 (rlfuse.train.algorithms.group_advantages); optional dynamic sampling
+                 (rlfuse.train.advantages); optional dynamic sampling
                  drops zero-variance groups; optional masking of truncated completions.
   3. train     : mu passes over the batch, each split into `mini_batches` optimizer
                  steps; each optimizer step packs its sequences into micro-batches of at
                  most `micro_batch_tokens` tokens and accumulates gradients of the policy
-                 loss (rlfuse.kernels.policy_loss, reference in algorithms.py), each
+                 loss (rlfuse.kernels.policy_loss: reference, Triton path, backend choice), each
                  micro-batch weighted by its share of the full batch's normalizer, so the
                  accumulated gradient equals that of the loss on the whole mini-batch.
                  Old log-probs = the engine's; the first forward (before any update)
@@ -28,7 +28,8 @@ import torch
 
 from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.train.algorithms import accumulation_weight, group_advantages, policy_loss, zero_variance_groups
+from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.train.advantages import group_advantages, zero_variance_groups
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import RunConfig
 from rlfuse.train.data import Prompt, PromptStream
