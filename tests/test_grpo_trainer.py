@@ -53,6 +53,16 @@ def test_rollout_and_training_logprobs_agree(tmp_path):
     assert float(m["clip_frac"]) == 0.0  # first (on-policy) pass never clips
 
 
+def test_greedy_rollouts_train_on_temperature_one_logprobs(tmp_path):
+    # greedy (T = 0) samples come with the unscaled policy's log-probs; the trainer
+    # recomputes the same quantity (logprob_temperature), so the first pass is on-policy
+    cfg = tiny_cfg(tmp_path, "grpo.temperature=0")
+    ses = tiny_session(cfg)
+    m = _trainer(cfg, ses).step(0)
+    assert float(m["mismatch/max_abs"]) < 1e-5
+    assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
 def test_micro_batching_does_not_change_the_gradient(tmp_path, loss_type):
     grads = []

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.train.config import RunConfig, describe, load_config
+from rlfuse.train.config import RunConfig, load_config
+from rlfuse.train.config_io import describe
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

@@ -18,7 +18,7 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from rlfuse.train.config import replace
+    from rlfuse.train.config_io import replace
     from rlfuse.train.evaluate import evaluate
     from rlfuse.train.session import open_session
 

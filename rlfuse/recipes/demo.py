@@ -19,7 +19,10 @@ import logging
 import time
 from pathlib import Path
 
-from rlfuse.train.config import RunConfig, load_config, replace
+from rlfuse.engine import EngineConfig
+from rlfuse.train.build import build_engine
+from rlfuse.train.config import RunConfig, load_config
+from rlfuse.train.config_io import replace
 from rlfuse.train.data import build_prompts
 from rlfuse.train.evaluate import evaluate
 from rlfuse.train.grpo import run_grpo
@@ -121,7 +124,5 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     return out
 
 
-def make_engine_sampler(model, tokenizer, engine_kwargs: dict | None = None):
-    from rlfuse.train.build import build_engine
-
-    return EngineSampler(build_engine(model, tokenizer, engine_kwargs or {}), tokenizer)
+def make_engine_sampler(model, tokenizer, engine: EngineConfig | None = None):
+    return EngineSampler(build_engine(model, tokenizer, engine or EngineConfig()), tokenizer)

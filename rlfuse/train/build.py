@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import random
 from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from rlfuse.engine import LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
@@ -97,15 +100,9 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
     return model
 
 
-def build_engine(model: CausalLM, tokenizer: Tokenizer, engine_kwargs: dict):
+def build_engine(model: CausalLM, tokenizer: Tokenizer, engine: EngineConfig) -> LLM:
     """rlfuse.engine.LLM on the live model object."""
-    from rlfuse.engine import LLM, EngineConfig
-
-    names = [f.name for f in dataclasses.fields(EngineConfig)]
-    bad = [k for k in engine_kwargs if k not in names]
-    if bad:
-        raise ValueError(f"engine.{bad[0]}: unknown key; valid keys of engine: {', '.join(names)}")
-    return LLM(model, tokenizer, EngineConfig(**engine_kwargs))
+    return LLM(model, tokenizer, engine)
 
 
 def save_tokenizer_files(tokenizer: Tokenizer, run_dir: str | Path) -> Path:
@@ -113,10 +110,6 @@ def save_tokenizer_files(tokenizer: Tokenizer, run_dir: str | Path) -> Path:
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)

@@ -2,7 +2,7 @@
 
     RunConfig
       model       ModelSpec       which weights (HF folder or a random tiny model), dtype, device
-      engine      dict            keyword arguments of `rlfuse.engine.EngineConfig` (checked there)
+      engine      EngineConfig    the rollout engine (rlfuse.engine.config)
       optim       OptimConfig     AdamW, warmup + cosine schedule, grad clipping
       sft         SFTConfig       supervised fine-tuning
       grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO
@@ -12,28 +12,22 @@
       checkpoint  CheckpointConfig
 
 `load_config(path_or_dict, overrides=["grpo.clip_high=0.28", ...])` reads YAML, applies
-`a.b=value` overrides (values parsed as YAML scalars, then checked against the field's
-type) and rejects unknown keys with the list of valid ones. `to_dict(cfg)` is what the
-run folder's `config.yaml` holds; loading it back gives an equal config.
+`a.b=value` overrides and rejects unknown keys with the list of valid ones (the generic
+machinery is `rlfuse.train.config_io`). `save_config` writes what the run folder's
+`config.yaml` holds; loading it back gives an equal config. Every key, with its type,
+default and meaning: docs/configuration.md (generated: python -m rlfuse.train.config_docs).
 Test: python -m pytest -q tests/test_config.py
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import textwrap
-import types
-import typing
 from pathlib import Path
-from typing import Any
 
-import yaml
-
+from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
 from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
+from rlfuse.train import config_io
 from rlfuse.train.advantages import ADV_SCALES
 from rlfuse.train.optim import SCHEDULES
 
@@ -96,6 +90,8 @@ class GRPOConfig:
     """G completions per prompt."""
     max_new_tokens: int = 256
     temperature: float = 1.0
+    """Rollout sampling temperature (0 = greedy). The policy, old and reference log-probs are
+    all taken at `rlfuse.engine.config.logprob_temperature(temperature)`: this T, or 1 when greedy."""
     top_p: float = 1.0
     top_k: int = 0
     loss_type: str = "grpo"
@@ -191,8 +187,8 @@ class CheckpointConfig:
 @dataclasses.dataclass(**_DC)
 class RunConfig:
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
-    engine: dict = dataclasses.field(default_factory=dict)
-    """Keyword arguments of rlfuse.engine.EngineConfig."""
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """The inference engine that generates rollouts and evaluations on the trained weights."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
@@ -232,206 +228,10 @@ def _check_choice(field: str, value, choices):
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
 
 
-# ------------------------------------------------------------------ dict <-> dataclass
-@functools.cache
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def to_dict(cfg) -> Any:
-    """Plain YAML-able data (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (list, tuple)):
-        return [to_dict(x) for x in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
-def from_dict(cls, data: Any, where: str = ""):
-    """Build dataclass `cls` from nested dicts, checking keys and types; ValueError names
-    the dotted field (`grpo.clip_high`) and what was expected."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ValueError(f"{where + '.' if where else ''}{unknown[0]}: unknown key; valid keys"
-                         f"{' of ' + where if where else ''}: {', '.join(names)}")
-    hints = _hints(cls)
-    kw = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
-    try:
-        return cls(**kw)
-    except TypeError as e:  # a required field is missing
-        raise ValueError(f"{where or 'config'}: {e}") from None
-
-
-def _coerce(tp, v, where: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, v, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{where}: got {v!r}")
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, v, where)
-    if origin is list:
-        if not isinstance(v, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {v!r}")
-        return [_coerce(args[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if origin is tuple:
-        if not isinstance(v, (list, tuple)) or len(v) != len(args):
-            raise ValueError(f"{where}: expected a list of {len(args)} values, got {v!r}")
-        return tuple(_coerce(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
-    if tp is dict or origin is dict:
-        if not isinstance(v, dict):
-            raise ValueError(f"{where}: expected a mapping, got {v!r}")
-        return dict(v)
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ValueError(f"{where}: expected true or false, got {v!r}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{where}: expected an integer, got {v!r}")
-        return v
-    if tp is float:
-        if isinstance(v, str):
-            # YAML 1.1 reads "1e-3" (no dot) as a string; accept what Python reads as a number
-            try:
-                v = float(v)
-            except ValueError:
-                raise ValueError(f"{where}: expected a number, got {v!r}") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{where}: expected a number, got {v!r}")
-        return float(v)
-    if tp is str:
-        if not isinstance(v, str):
-            raise ValueError(f"{where}: expected a string, got {v!r}")
-        return v
-    return v
-
-
-# ------------------------------------------------------------------ overrides and files
-def apply_override(data: dict, item: str, cls=None) -> dict:
-    """Set `a.b.c=value` in nested dict `data` (in place). With `cls`, unknown keys raise
-    ValueError listing the valid ones. The value is parsed as a YAML scalar/flow value."""
-    if "=" not in item:
-        raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. grpo.clip_high=0.28")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"override {item!r}: value is not valid YAML ({e})") from None
-    node, node_cls = data, cls
-    for i, p in enumerate(parts):
-        prefix = ".".join(parts[:i])
-        if node_cls is not None:
-            names = [f.name for f in dataclasses.fields(node_cls)]
-            if p not in names:
-                raise ValueError(f"override {key!r}: unknown key {p!r}"
-                                 f"{' in ' + prefix if prefix else ''}; valid keys: {', '.join(names)}")
-            tp = _hints(node_cls)[p]
-            node_cls = tp if dataclasses.is_dataclass(tp) else None
-        if i == len(parts) - 1:
-            node[p] = value
-        else:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ValueError(f"override {key!r}: {'.'.join(parts[:i + 1])} is not a mapping")
-            node = nxt
-    return data
-
-
 def load_config(src: str | Path | dict | None = None, overrides: list[str] = ()) -> RunConfig:
     """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides."""
-    where = "config"
-    if src is None:
-        data = {}
-    elif isinstance(src, dict):
-        data = to_dict(src)
-    else:
-        path = Path(src)
-        where = str(path)
-        if not path.exists():
-            raise ValueError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-    for item in overrides:
-        apply_override(data, item, RunConfig)
-    try:
-        return from_dict(RunConfig, data)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return config_io.load(RunConfig, src, overrides)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path
-
-
-def replace(cfg, **changes):
-    """A copy of dataclass `cfg` with dotted-key changes, type-checked like a loaded file:
-    replace(cfg, **{"grpo.steps": 3, "rewards": [{"name": "arithmetic"}]})."""
-    data = to_dict(cfg)
-    for key, value in changes.items():
-        node, parts = data, key.split(".")
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                raise ValueError(f"replace: {key!r}: {p!r} is not a section")
-            node = node[p]
-        node[parts[-1]] = to_dict(value)
-    return from_dict(type(cfg), data)
-
-
-# ------------------------------------------------------------------ help text
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each field), for --help."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
-
-
-def describe(cls=RunConfig, prefix: str = "") -> list[str]:
-    """One line per leaf key: `grpo.clip_high (float, default 0.2): doc`."""
-    lines = []
-    docs = field_docs(cls)
-    default = cls() if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-                           for f in dataclasses.fields(cls)) else None
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        key = prefix + f.name
-        if dataclasses.is_dataclass(tp):
-            lines += describe(tp, key + ".")
-            continue
-        d = getattr(default, f.name) if default is not None else "required"
-        tname = getattr(tp, "__name__", str(tp).replace("typing.", ""))
-        lines.append(f"{key} ({tname}, default {to_dict(d)!r})" + (f": {docs[f.name]}" if f.name in docs else ""))
-    return lines
+    return config_io.save(cfg, path)

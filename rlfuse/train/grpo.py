@@ -27,6 +27,7 @@ import math
 import torch
 
 from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.train.advantages import group_advantages, zero_variance_groups
@@ -69,6 +70,9 @@ class GRPOTrainer:
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
         self.opt_steps_total = self.g.steps * self.g.mu * self.g.mini_batches
+        # the temperature of the rollout's log-probs, which the policy, old and reference
+        # log-probs must share for the ratios and the KL to compare like with like
+        self.logprob_t = logprob_temperature(self.g.temperature)
         self.last_samples: list[dict] = []
 
     # ------------------------------------------------------------------ one step
@@ -180,7 +184,7 @@ class GRPOTrainer:
             mask_N = torch.cat([torch.full((len(samples[j].token_ids),), live[i]) for i, j in zip(mb, js)]).to(dev)
             h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             want_ent = g.log_entropy and capture is not None
-            out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, g.temperature,
+            out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
                                  return_entropy=want_ent)
             logp_N, ent_N = out if want_ent else (out, None)
             ref_N = self._ref_logprobs(batch) if self.ref_model is not None else None
@@ -207,7 +211,7 @@ class GRPOTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
-        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.g.temperature)
+        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.logprob_t)
 
 
 # ---------------------------------------------------------------------- the run
