@@ -12,7 +12,7 @@ from train_setup import tiny_cfg, tiny_session
 from rlfuse.train.advantages import group_advantages
 from rlfuse.train.data import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer, run_grpo
-from rlfuse.train.sft import make_optimizer
+from rlfuse.train.loop import make_optimizer
 
 
 def _trainer(cfg, ses, seed=0):
@@ -121,7 +121,7 @@ def test_loss_types_with_mu_and_mini_batches_and_kl(tmp_path, loss_type):
         assert torch.isfinite(torch.as_tensor(m["loss"])), m
     # by the second step the policy has moved away from the frozen reference
     assert float(m["kl"]) > 0.0
-    assert tr.opt.step_count == 2 * 2 * 2  # steps x mu x mini_batches
+    assert tr.optimizer.step_count == 2 * 2 * 2  # steps x mu x mini_batches
 
 
 def test_run_grpo_writes_metrics_samples_config_and_checkpoints(tmp_path):
