@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
@@ -67,5 +68,5 @@ def setup_threads(threads: int | None) -> None:
 
 def fail(e: Exception) -> int:
     """User errors end the command with their message (no traceback), exit status 2."""
-    print(f"rlfuse: error: {e}", file=__import__("sys").stderr)
+    print(f"rlfuse: error: {e}", file=sys.stderr)
     return 2
