@@ -48,6 +48,7 @@ class ModelSpec:
     device: str = "auto"
     """auto (cuda if available), cpu or cuda[:i]."""
     gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, one more forward)."""
     kernel_backend: str = "auto"
     """rlfuse.kernels backend: auto, torch or triton."""
 
@@ -55,14 +56,19 @@ class ModelSpec:
 @dataclasses.dataclass(**_DC)
 class OptimConfig:
     lr: float = 1e-5
+    """Peak learning rate (after warmup)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates (beta1, beta2)."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW), applied to every parameter."""
     warmup_steps: int = 0
     """Linear warmup from 0 over this many optimizer steps."""
     schedule: str = "cosine"
     """cosine | constant | linear (decay after warmup, to min_lr_ratio * lr at the last step)."""
     min_lr_ratio: float = 0.0
+    """The decay ends at min_lr_ratio * lr at the last step."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
 
@@ -86,19 +92,25 @@ class GRPOConfig:
     steps: int = 100
     """Rollout steps (each: generate, score, mu policy updates)."""
     prompts_per_step: int = 16
+    """P prompts per rollout step (each sampled group_size times)."""
     group_size: int = 8
     """G completions per prompt."""
     max_new_tokens: int = 256
+    """Longest completion (rollouts, and held-out evaluation of both SFT and GRPO)."""
     temperature: float = 1.0
     """Rollout sampling temperature (0 = greedy). The policy, old and reference log-probs are
     all taken at `rlfuse.engine.config.logprob_temperature(temperature)`: this T, or 1 when greedy."""
     top_p: float = 1.0
+    """Rollout nucleus sampling mass in (0, 1]; 1 disables (the log-probs stay the unfiltered policy's)."""
     top_k: int = 0
+    """Rollout top-k filter; 0 disables (the log-probs stay the unfiltered policy's)."""
     loss_type: str = "grpo"
     """grpo (mean over sequences of token means) | dr_grpo (sum / (seqs * max_new_tokens)) |
     dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4)."""
     clip_low: float = 0.2
+    """PPO clip range below 1: ratios under 1 - clip_low stop pushing down."""
     clip_high: float = 0.2
+    """PPO clip range above 1: ratios over 1 + clip_high stop pushing up (DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (None = off)."""
     kl_coef: float = 0.0
@@ -108,6 +120,7 @@ class GRPOConfig:
     adv_scale: str = "group"
     """Divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
     adv_eps: float = 1e-6
+    """Added to the std before dividing (groups with equal rewards get advantage 0)."""
     mu: int = 1
     """Policy-gradient iterations per rollout batch (old log-probs = the engine's)."""
     mini_batches: int = 1
@@ -120,6 +133,7 @@ class GRPOConfig:
     mask_truncated: bool = False
     """Give completions cut at max_new_tokens zero loss weight (DAPO overlong filtering)."""
     log_entropy: bool = True
+    """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
@@ -135,24 +149,31 @@ class DataConfig:
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
     eval_size: int = 200
+    """Held-out problems generated for builtin tasks."""
     train_size: int = 20000
     """Problems generated for builtin tasks."""
     task: dict = dataclasses.field(default_factory=dict)
     """Keyword arguments of the builtin task generator (e.g. {digits: 2, ops: "+-"})."""
     prompt_field: str = "prompt"
+    """Column holding the prompt text of prompt rows."""
     answer_field: str = "answer"
+    """Column holding the reference answer (handed to rewards; the SFT target when there is no completion)."""
     completion_field: str = "completion"
     """SFT target text for prompt/completion rows."""
     messages_field: str = "messages"
+    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows."""
     prompt_template: str = "{prompt}"
     """str.format template over the row's columns, applied to prompt rows."""
     system_prompt: str = ""
+    """Prepended as a system message (chat template) or as text before the prompt."""
     use_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (messages rows always are)."""
     max_prompt_len: int = 512
     """Prompts with more tokens are dropped (counted and logged)."""
     shuffle: bool = True
+    """Visit the training rows in a seeded random order, a new one each epoch."""
     seed: int = 0
+    """Seeds the data order and the builtin tasks' problem generation."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -160,14 +181,19 @@ class RewardSpec:
     name: str
     """A builtin (see rlfuse.train.rewards.BUILTINS) or `module:function` / `path.py:function`."""
     weight: float = 1.0
+    """The total reward is the weighted sum of the functions' rewards."""
     kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments bound to the function."""
 
 
 @dataclasses.dataclass(**_DC)
 class LoggingConfig:
     run_dir: str = "runs/latest"
+    """Run folder: config.yaml, metrics.jsonl, samples.jsonl, tb/, checkpoints/, final/."""
     log_every: int = 1
+    """Write metrics every this many steps (and at the last)."""
     tensorboard: bool = True
+    """Also write the metrics as TensorBoard events under RUN_DIR/tb."""
     progress: bool = True
     """tqdm progress bar with reward and step time."""
     num_samples: int = 4
@@ -179,25 +205,36 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0 = only at the end)."""
     keep_last: int = 2
+    """Keep only the newest this many checkpoints."""
     resume: str = "never"
     """never | auto (latest complete checkpoint in run_dir, if any) | a checkpoint folder."""
     save_final: bool = True
+    """Also write a resumable checkpoint (weights, optimizer, data position) at the end;
+    RUN_DIR/final (the weights, an HF folder) is written either way."""
 
 
 @dataclasses.dataclass(**_DC)
 class RunConfig:
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
+    """The policy: weights, tokenizer, dtype, device."""
     engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
     """The inference engine that generates rollouts and evaluations on the trained weights."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule (shared by SFT and GRPO)."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    """Supervised fine-tuning (`rlfuse sft`)."""
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    """GRPO and its variants DAPO, Dr. GRPO, GSPO (`rlfuse grpo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Training and held-out data, prompt formatting."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
+    """Reward functions (a list of {name, weight, kwargs}); their weighted sum is the reward."""
     on_reward_error: str = "raise"
     """raise (stop with the failing example) | zero (score it 0, count and log)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Run folder and metrics."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, rotation and resume."""
     seed: int = 0
     """Seeds model init, data order and torch's RNG."""
 

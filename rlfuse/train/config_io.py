@@ -18,6 +18,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import re
 import textwrap
 import types
 import typing
@@ -222,19 +223,52 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
-def describe(cls, prefix: str = "") -> list[str]:
-    """One line per leaf key: `grpo.clip_high (float, default 0.2): doc`."""
-    lines = []
+REQUIRED = object()
+"""The default of a field that has none (`Leaf.default`)."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Leaf:
+    """One settable key of a config tree (see `leaves`)."""
+    key: str
+    """Dotted key as `--set` takes it; `rewards[].name` for fields of list items."""
+    type: str
+    default: Any
+    """Plain data (`to_dict`), or REQUIRED."""
+    doc: str
+
+
+def _type_name(tp) -> str:
+    if typing.get_origin(tp) is None and isinstance(tp, type):
+        return tp.__name__
+    return re.sub(r"\b(?:[A-Za-z_]\w*\.)+(\w+)", r"\1", str(tp))  # rlfuse.x.RewardSpec -> RewardSpec
+
+
+def leaves(cls, prefix: str = "") -> list[Leaf]:
+    """Every leaf key of dataclass `cls` in field order, nested dataclasses flattened
+    (`grpo.clip_high`); a list of dataclasses gives its own leaf, then its items' fields."""
+    out = []
     docs = field_docs(cls)
-    default = cls() if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-                           for f in dataclasses.fields(cls)) else None
     for f in dataclasses.fields(cls):
         tp = _hints(cls)[f.name]
         key = prefix + f.name
         if dataclasses.is_dataclass(tp):
-            lines += describe(tp, key + ".")
+            out += leaves(tp, key + ".")
             continue
-        d = getattr(default, f.name) if default is not None else "required"
-        tname = getattr(tp, "__name__", str(tp).replace("typing.", ""))
-        lines.append(f"{key} ({tname}, default {to_dict(d)!r})" + (f": {docs[f.name]}" if f.name in docs else ""))
-    return lines
+        if f.default is not dataclasses.MISSING:
+            default = to_dict(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            default = to_dict(f.default_factory())
+        else:
+            default = REQUIRED
+        out.append(Leaf(key, _type_name(tp), default, docs.get(f.name, "")))
+        args = typing.get_args(tp)
+        if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
+            out += leaves(args[0], key + "[].")
+    return out
+
+
+def describe(cls, prefix: str = "") -> list[str]:
+    """One line per leaf key, for --help: `grpo.clip_high (float, default 0.2): doc`."""
+    return [f"{x.key} ({x.type}, " + ("required" if x.default is REQUIRED else f"default {x.default!r}") + ")"
+            + (f": {x.doc}" if x.doc else "") for x in leaves(cls, prefix)]
