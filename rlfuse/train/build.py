@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -22,7 +21,7 @@ from rlfuse.kernels.backend import set_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.config import ModelSpec, RunConfig
+from rlfuse.train.config import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -105,15 +104,7 @@ def build_engine(model: CausalLM, tokenizer: Tokenizer, engine: EngineConfig) ->
     return LLM(model, tokenizer, engine)
 
 
-def save_tokenizer_files(tokenizer: Tokenizer, run_dir: str | Path) -> Path:
-    return tokenizer.save(Path(run_dir) / "tokenizer")
-
-
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def describe_run(cfg: RunConfig) -> str:
-    return f"model={cfg.model.path or 'random:' + str(cfg.model.random_init)} data={cfg.data.train}"
