@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfuse.train.config import RunConfig, apply_override, describe, load_config, replace, save_config, to_dict
+from rlfuse.train.config import RunConfig, load_config, save_config
+from rlfuse.train.config_io import apply_override, describe, replace, to_dict
 
 RECIPES = Path(__file__).resolve().parents[1] / "rlfuse" / "recipes"
 
@@ -67,7 +68,7 @@ def test_replace_dotted_and_validates():
 
 
 def test_describe_lists_every_leaf_with_docs():
-    lines = describe()
+    lines = describe(RunConfig)
     assert any(ln.startswith("grpo.clip_high (float, default 0.2)") for ln in lines)
     assert any(ln.startswith("grpo.loss_type") and "dr_grpo" in ln for ln in lines)
     assert len(lines) == len(set(lines)) > 60
@@ -78,3 +79,22 @@ def test_builtin_recipes_load(recipe):
     cfg = load_config(RECIPES / recipe)
     assert cfg.rewards, "every recipe names its reward functions"
     assert to_dict(cfg)["grpo"]["loss_type"] in ("grpo", "dapo", "dr_grpo", "gspo")
+
+
+def test_engine_section_is_a_typed_engine_config(tmp_path):
+    from rlfuse.engine import EngineConfig
+
+    cfg = load_config(None, ["engine.max_num_seqs=8", "engine.cuda_graph_batch_sizes=[4, 1]"])
+    assert isinstance(cfg.engine, EngineConfig)
+    assert cfg.engine.max_num_seqs == 8 and cfg.engine.cuda_graph_batch_sizes == (1, 4)
+    assert load_config(save_config(cfg, tmp_path / "c.yaml")) == cfg
+    with pytest.raises(ValueError, match=r"unknown key 'max_seqs' in engine; valid keys: block_size, max_num_seqs"):
+        load_config(None, ["engine.max_seqs=8"])
+    p = tmp_path / "r.yaml"
+    p.write_text("engine:\n  max_seqs: 8\n")
+    with pytest.raises(ValueError, match=r"engine.max_seqs: unknown key; valid keys of engine: block_size"):
+        load_config(p)
+    # the engine's own checks name the section
+    with pytest.raises(ValueError, match=r"engine: EngineConfig.block_size must be a power of two"):
+        load_config(None, ["engine.block_size=24"])
+    assert any(ln.startswith("engine.max_num_seqs (int, default 256): Most sequences") for ln in describe(RunConfig))

@@ -1,6 +1,6 @@
-"""Advantage math and policy-loss variants on hand-computed cases; the fused kernel
-(rlfuse.kernels.policy_loss, when present) against the reference; micro-batch
-accumulation equals the full-batch loss and gradient."""
+"""Advantage math (rlfuse.train.advantages) and policy-loss variants
+(rlfuse.kernels.policy_loss) on hand-computed cases; the backend-picking `policy_loss`
+against the reference; micro-batch accumulation equals the full-batch loss and gradient."""
 
 import math
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.train.algorithms import (accumulation_weight, group_advantages, kl_term, policy_loss_ref,
-                                     zero_variance_groups)
+from rlfuse.kernels.policy_loss import accumulation_weight, kl_term, policy_loss, policy_loss_ref
+from rlfuse.train.advantages import group_advantages, zero_variance_groups
 
 # ---------------------------------------------------------------- advantages
 
@@ -183,24 +183,13 @@ def test_micro_batch_accumulation_equals_full_batch(loss_type):
 
 
 # ---------------------------------------------------------------- the fused kernel vs the reference
-def _kernel():
-    try:
-        from rlfuse.kernels.policy_loss import policy_loss
-    except ImportError:
-        return None
-    return policy_loss
-
-
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
 @pytest.mark.parametrize("extras", [{}, {"dual_clip": 3.0}, {"kl_coef": 0.1, "kl_type": "k3"},
                                     {"kl_coef": 0.1, "kl_type": "k2", "clip_high": 0.28}])
 def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
-    """The kernel module's public function (its own reference and its Triton path, under the
-    interpreter on CPU) against the trainer's reference written independently here."""
-    kernel = _kernel()
-    if kernel is None:
-        pytest.skip("rlfuse.kernels.policy_loss is not there yet (the trainer uses the reference)")
+    """The public function the trainer calls, on each backend (Triton under the interpreter
+    on CPU), against the reference."""
     torch.manual_seed(2)
     lens = [4, 7, 1, 5]
     N = sum(lens)
@@ -213,10 +202,7 @@ def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
     kw = dict(loss_type=loss_type, max_tokens=8, ref_logp=ref_lp if "kl_coef" in extras else None, **extras)
     lp1, lp2 = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
     with use_backend(backend):
-        try:
-            l1, s1 = kernel(lp1, old, adv, mask, seq, 4, **kw)
-        except NotImplementedError as e:
-            pytest.skip(f"policy_loss has no {backend} path: {e}")
+        l1, s1 = policy_loss(lp1, old, adv, mask, seq, 4, **kw)
     l2, s2 = policy_loss_ref(lp2, old, adv, mask, seq, 4, **kw)
     l1.backward()
     l2.backward()

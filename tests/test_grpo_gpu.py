@@ -8,8 +8,8 @@ from train_setup import tiny_cfg
 
 from rlfuse.train.data import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
-from rlfuse.train.sft import make_optimizer
 
 pytestmark = pytest.mark.gpu
 
@@ -35,8 +35,8 @@ def test_grpo_bf16_cuda(tmp_path):
         assert float(m["mismatch/max_abs"]) < 0.1, m["mismatch/max_abs"]
         assert float(m["mismatch/kl_k3"]) < 1e-3, m["mismatch/kl_k3"]
     assert p.data_ptr() == ptr and p.dtype == torch.bfloat16 and not torch.equal(p, w0)
-    i = next(j for j, q in enumerate(tr.opt.params) if q is p)  # identity: list.index compares values
-    assert torch.equal(tr.opt.master[i].to(torch.bfloat16), p.detach())  # params = rounded masters
+    i = next(j for j, q in enumerate(tr.optimizer.params) if q is p)  # identity: list.index compares values
+    assert torch.equal(tr.optimizer.master[i].to(torch.bfloat16), p.detach())  # params = rounded masters
     # the engine sleeps during training: its KV pool does not count against the training phase
     ses.sampler.sleep()
     asleep = torch.cuda.memory_allocated()

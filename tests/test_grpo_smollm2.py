@@ -10,8 +10,8 @@ from rlfuse.engine.naive import teacher_forced_logprobs
 from rlfuse.train.config import load_config
 from rlfuse.train.data import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
-from rlfuse.train.sft import make_optimizer
 
 pytestmark = pytest.mark.slow
 

@@ -9,10 +9,10 @@ import torch
 from tiny_sampler import TinySampler
 from train_setup import tiny_cfg, tiny_session
 
-from rlfuse.train.algorithms import group_advantages
+from rlfuse.train.advantages import group_advantages
 from rlfuse.train.data import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer, run_grpo
-from rlfuse.train.sft import make_optimizer
+from rlfuse.train.loop import make_optimizer
 
 
 def _trainer(cfg, ses, seed=0):
@@ -51,6 +51,16 @@ def test_rollout_and_training_logprobs_agree(tmp_path):
     assert abs(float(m["mismatch/kl_k3"])) < 1e-9
     assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
     assert float(m["clip_frac"]) == 0.0  # first (on-policy) pass never clips
+
+
+def test_greedy_rollouts_train_on_temperature_one_logprobs(tmp_path):
+    # greedy (T = 0) samples come with the unscaled policy's log-probs; the trainer
+    # recomputes the same quantity (logprob_temperature), so the first pass is on-policy
+    cfg = tiny_cfg(tmp_path, "grpo.temperature=0")
+    ses = tiny_session(cfg)
+    m = _trainer(cfg, ses).step(0)
+    assert float(m["mismatch/max_abs"]) < 1e-5
+    assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
@@ -111,7 +121,7 @@ def test_loss_types_with_mu_and_mini_batches_and_kl(tmp_path, loss_type):
         assert torch.isfinite(torch.as_tensor(m["loss"])), m
     # by the second step the policy has moved away from the frozen reference
     assert float(m["kl"]) > 0.0
-    assert tr.opt.step_count == 2 * 2 * 2  # steps x mu x mini_batches
+    assert tr.optimizer.step_count == 2 * 2 * 2  # steps x mu x mini_batches
 
 
 def test_run_grpo_writes_metrics_samples_config_and_checkpoints(tmp_path):
@@ -136,3 +146,23 @@ def test_tiny_sampler_matches_seeded_reproduction(tmp_path):
     a = s.generate([[4, 5]], n=3, temperature=1.0, max_tokens=3, seed=7)
     b = s.generate([[4, 5]], n=3, temperature=1.0, max_tokens=3, seed=7)
     assert [x.token_ids for x in a] == [x.token_ids for x in b]
+
+
+@pytest.mark.parametrize("mu, mini_batches", [(1, 1), (2, 2)])
+def test_exact_numerics_rollout_logprobs_are_the_trainers_bitwise(tmp_path, mu, mini_batches):
+    """The real engine in exact numerics: at every step the trainer's first-pass log-probs
+    (with grad, micro-batched) equal the engine's rollout log-probs bit for bit, also after
+    updates to the shared weights; fast numerics on the same run drifts (the check can fail)."""
+    from rlfuse.train.session import open_session
+
+    seen = {}
+    for numerics in ("exact", "fast"):
+        cfg = tiny_cfg(tmp_path / numerics, f"engine.numerics={numerics}", f"grpo.mu={mu}",
+                       f"grpo.mini_batches={mini_batches}", "grpo.micro_batch_tokens=40", "grpo.max_new_tokens=6")
+        ses = open_session(cfg)
+        tr = _trainer(cfg, ses)
+        seen[numerics] = [tr.step(s) for s in range(2)]
+    for m in seen["exact"]:
+        assert float(m["mismatch/max_abs"]) == 0.0 and float(m["mismatch/kl_k3"]) == 0.0
+        assert float(m["mismatch/ratio_max"]) == 1.0
+    assert max(float(m["mismatch/max_abs"]) for m in seen["fast"]) > 0.0

@@ -13,6 +13,8 @@ ROOT = Path(__file__).resolve().parents[1] / "rlfuse"
 
 
 def _layer(modname: str) -> int | None:
+    if modname == "rlfuse.__main__":  # `python -m rlfuse`: the command line
+        return LAYERS.index("cli")
     parts = modname.split(".")
     if parts[0] != "rlfuse" or len(parts) < 2:
         return None

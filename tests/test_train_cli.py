@@ -2,12 +2,16 @@
 weights -> eval -> report; config errors exit 2 naming the key."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import yaml
 from train_setup import TINY_MODEL
 
-from rlfuse.cli import main
+from rlfuse.cli import COMMANDS, build_parser, main
 
 
 @pytest.fixture
@@ -53,3 +57,15 @@ def test_config_errors_exit_2_with_the_valid_keys(recipe, capsys):
     assert "unknown key 'clip' in grpo; valid keys:" in err and "clip_high" in err
     assert main(["sft", "no_such_recipe"]) == 2
     assert "built-in recipes: arith_grpo" in capsys.readouterr().err
+
+
+def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert list(sub.choices) == list(COMMANDS)
+    for name, mod in COMMANDS.items():  # every listed command has a real implementation
+        assert callable(mod.run) and callable(mod.add_arguments) and mod.HELP
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-m", "rlfuse", "--help"], capture_output=True, text=True, env=env,
+                         cwd=root, check=True).stdout
+    assert all(name in out for name in COMMANDS) and "consistency" not in out

@@ -6,12 +6,17 @@ import torch
 from train_setup import tiny_cfg, tiny_session
 
 from rlfuse.engine.naive import teacher_forced_logprobs
-from rlfuse.train.data import build_sft_examples
-from rlfuse.train.sft import SFTTrainer, make_optimizer, run_sft
+from rlfuse.train.data import PromptStream, build_sft_examples
+from rlfuse.train.loop import make_optimizer
+from rlfuse.train.sft import SFTTrainer, run_sft
 
 
 def _examples(cfg, ses, n=8):
     return build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:n]
+
+
+def _trainer(cfg, ses, examples):
+    return SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples))
 
 
 def test_loss_is_mean_nll_over_completion_tokens(tmp_path):
@@ -26,7 +31,7 @@ def test_loss_is_mean_nll_over_completion_tokens(tmp_path):
             lp = teacher_forced_logprobs(ses.model, [e.ids[:k]], [e.ids[k:]])[0]
         nll -= float(lp.sum())
         n += len(e.ids) - k
-    m = SFTTrainer(ses.model, make_optimizer(ses.model, cfg), cfg).train_step(ex, 0)
+    m = _trainer(cfg, ses, ex).train_step(ex, 0)
     assert float(m["loss"]) == pytest.approx(nll / n, rel=1e-6)
     assert m["target_tokens"] == n
 
@@ -38,8 +43,8 @@ def test_packing_and_checkpointing_do_not_change_loss_or_gradient(tmp_path, vari
         over = [] if v is None else ([f"sft.{v}"] if v.startswith("micro") else ["model.gradient_checkpointing=true"])
         cfg = tiny_cfg(tmp_path / str(v), *over)
         ses = tiny_session(cfg, need_target=True)
-        tr = SFTTrainer(ses.model, make_optimizer(ses.model, cfg), cfg)
-        m = tr.train_step(_examples(cfg, ses), 0)
+        ex = _examples(cfg, ses)
+        m = _trainer(cfg, ses, ex).train_step(ex, 0)
         res.append((float(m["loss"]), float(m["grad_norm"]), [p.detach().clone() for p in ses.model.parameters()]))
     (l0, g0, p0), (l1, g1, p1) = res
     assert l1 == pytest.approx(l0, rel=1e-6) and g1 == pytest.approx(g0, rel=1e-5)

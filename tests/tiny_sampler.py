@@ -2,14 +2,15 @@
 
 Stands in for the engine where a test must not depend on it: every step packs all live
 sequences, recomputes the forward, samples from softmax(logits / T) with a seeded
-torch.Generator (argmax when T == 0) and reports token_logprobs at T (T=1 when greedy),
-the same quantity the engine reports. Slow (O(L^2)), fine for completions of a few tokens.
+torch.Generator (argmax when T == 0) and reports token_logprobs at
+logprob_temperature(T), the same quantity the engine reports. Slow (O(L^2)), fine for completions of a few tokens.
 """
 
 from __future__ import annotations
 
 import torch
 
+from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import Packed
 from rlfuse.train.rollout import Sample
@@ -44,11 +45,10 @@ class TinySampler:
             logits = m.logits(last)
             if temperature == 0:
                 nxt = logits.argmax(-1)
-                lp = token_logprobs(last, m.lm_head_weight, nxt, 1.0)
             else:
                 probs = torch.softmax(logits / temperature, -1).cpu()
                 nxt = torch.multinomial(probs, 1, generator=gen).squeeze(1).to(dev)
-                lp = token_logprobs(last, m.lm_head_weight, nxt, temperature)
+            lp = token_logprobs(last, m.lm_head_weight, nxt, logprob_temperature(temperature))
             for i, t, l in zip(live, nxt.tolist(), lp.tolist()):
                 seqs[i].append(t)
                 outs[i].append(t)

@@ -16,6 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlfuse.engine.benchmark import BenchConfig, table
+from rlfuse.engine.benchmark import run as run_bench
+
+HELP = "benchmarks (generate)"
+
 
 def add_arguments(p) -> None:
     p.add_argument("what", choices=["generate"], help="which benchmark")
@@ -44,8 +49,6 @@ def _commit() -> str:
 
 
 def run(args) -> int:
-    from rlfuse.engine.benchmark import BenchConfig, run as run_bench, table
-
     cfg = BenchConfig(small=args.small, cases=tuple(c for c in args.cases.split(",") if c), peer=not args.no_peer,
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,

@@ -29,6 +29,7 @@ from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
 
 log = logging.getLogger("rlfuse.cli")
+HELP = "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)"
 
 _TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False,

@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
 from pathlib import Path
 
 import torch
 
-from rlfuse.train.config import RunConfig, describe, load_config
+from rlfuse.train.config import RunConfig, load_config
+from rlfuse.train.config_io import describe
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -66,5 +68,5 @@ def setup_threads(threads: int | None) -> None:
 
 def fail(e: Exception) -> int:
     """User errors end the command with their message (no traceback), exit status 2."""
-    print(f"rlfuse: error: {e}", file=__import__("sys").stderr)
+    print(f"rlfuse: error: {e}", file=sys.stderr)
     return 2

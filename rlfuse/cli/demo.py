@@ -9,13 +9,13 @@ import logging
 import torch
 
 from rlfuse.cli.common import fail, setup_threads
+from rlfuse.recipes.demo import SIZES, run_demo
 
+HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")
 
 
 def add_arguments(p):
-    from rlfuse.recipes.demo import SIZES
-
     p.add_argument("--size", choices=SIZES, default=None,
                    help="cpu (~5 min on 2 cores), ci (shortened), gpu (larger); default: gpu with CUDA, else cpu")
     p.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
@@ -26,8 +26,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from rlfuse.recipes.demo import run_demo
-
     size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")

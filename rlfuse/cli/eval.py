@@ -9,6 +9,11 @@ import json
 from pathlib import Path
 
 from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.train.config_io import replace
+from rlfuse.train.evaluate import evaluate
+from rlfuse.train.session import open_session
+
+HELP = "evaluate a checkpoint on a recipe's eval set"
 
 
 def add_arguments(p):
@@ -18,10 +23,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from rlfuse.train.config import replace
-    from rlfuse.train.evaluate import evaluate
-    from rlfuse.train.session import open_session
-
     try:
         cfg = load_run_config(args)
         setup_threads(args.threads)

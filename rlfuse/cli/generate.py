@@ -12,6 +12,14 @@ import json
 import sys
 from pathlib import Path
 
+import torch
+
+from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.model import load_model
+from rlfuse.model.tokenizer import Tokenizer
+
+HELP = "generate completions for prompts with the built-in engine"
+
 
 def add_arguments(p) -> None:
     p.add_argument("model", help="HF checkpoint folder (config.json, safetensors, tokenizer.json)")
@@ -37,12 +45,6 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from rlfuse.engine import LLM, EngineConfig, SamplingParams
-    from rlfuse.model import load_model
-    from rlfuse.model.tokenizer import Tokenizer
-
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from rlfuse.cli.common import fail
+from rlfuse.train.report import render
+
+HELP = "render PNG plots and an HTML summary of a run folder"
 
 
 def add_arguments(p):
@@ -10,8 +13,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from rlfuse.train.report import render
-
     try:
         index = render(args.run_dir)
     except ValueError as e:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.train.sft import run_sft
+
+HELP = "supervised fine-tuning from a recipe (YAML)"
 
 
 def add_arguments(p):
@@ -10,8 +13,6 @@ def add_arguments(p):
 
 
 def run(args) -> int:
-    from rlfuse.train.sft import run_sft
-
     try:
         cfg = load_run_config(args)
         setup_threads(args.threads)

@@ -17,6 +17,13 @@ from rlfuse.kernels.backend import NUMERICS
 _MAX_SEED = 2**32
 
 
+def logprob_temperature(temperature: float) -> float:
+    """The temperature of the log-probs that go with samples drawn at `temperature` (the
+    engine reports them, the trainer recomputes them): T itself, and 1 for greedy (T = 0),
+    whose samples come from no scaled distribution, so the unscaled policy's log-probs."""
+    return temperature if temperature > 0 else 1.0
+
+
 def _positive_int(owner: str, name: str, v, allow_none: bool = False):
     if v is None and allow_none:
         return
@@ -102,7 +109,7 @@ class EngineConfig:
 class SamplingParams:
     """How one request is sampled. Filters apply in the order temperature, top-k, top-p,
     min-p (see `rlfuse.kernels.sampling`). The reported log-prob of each sampled token is
-    log softmax(logits / temperature)[token] BEFORE the filters (T = 1 when greedy)."""
+    log softmax(logits / T)[token] BEFORE the filters, T = `logprob_temperature(temperature)`."""
     n: int = 1
     """Completions per prompt; they share the prompt's KV blocks (prefill once)."""
     temperature: float = 1.0

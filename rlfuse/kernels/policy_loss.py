@@ -23,13 +23,15 @@ Aggregation: loss = sum_t w_t l_t with n_i = max(sum_{t in i} m_t, 1), B = num_s
 Masked tokens (m_t = 0) contribute 0 loss and 0 grad even where their inputs are not
 finite (the kernel selects, it does not multiply). Stats, means over masked tokens:
 clip_frac (clipped branch or dual cap), clip_frac_low (r < 1 - clip_low, A < 0),
-clip_frac_high (r > 1 + clip_high, A > 0), ratio_mean, kl. Same definitions as
-`rlfuse.train.algorithms.policy_loss_ref` (tests compare the two).
+clip_frac_high (r > 1 + clip_high, A > 0), ratio_mean, kl.
+Micro-batches: each loss is normalized within its own batch; `accumulation_weight` scales
+it to its share of the full batch's normalizer, so accumulated gradients equal those of
+the loss on the whole batch.
 
 Triton path: the weights w_t (and gspo's s_i) come from torch segment ops (index_add, no
 host sync); `_pl_kernel` computes l_t, d l_t / d logp_t * w_t (saved: backward is one
-multiply) and per-block partial sums of the loss and the stats; torch adds the (P, 8)
-partials (fixed order: deterministic). Computes in fp64 for fp64 logp, else fp32.
+multiply) and per-block partial sums of the loss and the stats, one row per program in the
+columns `PART_*` below; torch adds the (P, PART_COLS) partials (fixed order: deterministic). Computes in fp64 for fp64 logp, else fp32.
 `grpo_loss_from_hidden` composes `token_logprobs` (fused linear log-prob, autograd)
 with `policy_loss`: hidden states to loss and gradients with no (N, V) logits.
 Tests: `python -m pytest -q tests/test_kernel_policy_loss.py`.
@@ -45,7 +47,18 @@ from rlfuse.kernels.backend import resolve_backend
 from rlfuse.kernels.logprob import token_logprobs
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
+"""Aggregations (and gspo's sequence ratio) of the module docstring."""
 KL_TYPES = ("k1", "k2", "k3")
+"""Per-token estimators of KL(policy || reference) from the policy's samples."""
+
+# The partial sums `_pl_kernel` writes, one row per program, in this column order: masked
+# sums of w l, of clipped tokens (clip, low, high), of r, of kl and of the mask (the
+# token count); "pad" rounds the row up to 8. The kernel addresses columns by the PART_*
+# constants, the host reads them by name.
+_PART_NAMES = ("loss", "clip", "clip_low", "clip_high", "ratio", "kl", "count", "pad")
+(PART_LOSS, PART_CLIP, PART_CLIP_LOW, PART_CLIP_HIGH, PART_RATIO, PART_KL, PART_COUNT,
+ PART_PAD) = (tl.constexpr(i) for i in range(len(_PART_NAMES)))
+PART_COLS = tl.constexpr(len(_PART_NAMES))
 
 
 def _seg_sum(x_N, seq_ids, num_seqs: int):
@@ -63,7 +76,11 @@ def _validate(loss_type, kl_type, dual_clip, max_tokens):
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
 
 
-def _kl(d, kl_type):
+def kl_term(logp, ref_logp, kl_type: str):
+    """Per-token estimator of KL(pi || ref) from samples of pi, e = logp - ref_logp."""
+    if kl_type not in KL_TYPES:
+        raise ValueError(f"kl_type must be one of {KL_TYPES}, got {kl_type!r}")
+    d = logp - ref_logp
     if kl_type == "k1":
         return d
     if kl_type == "k2":
@@ -93,7 +110,7 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
         pg = torch.where(use_cap, cap, pg)
         took_clip = took_clip | use_cap
     has_kl = ref_logp is not None and kl_coef != 0.0
-    kl = _kl(logp - ref_logp.to(logp.dtype), kl_type) if has_kl else torch.zeros_like(logp)
+    kl = kl_term(logp, ref_logp.to(logp.dtype), kl_type) if has_kl else torch.zeros_like(logp)
     lm = (pg + kl_coef * kl if has_kl else pg) * m
     if loss_type in ("grpo", "gspo"):
         loss = (_seg_sum(lm, seq_ids, num_seqs) / n_seq).sum() / num_seqs
@@ -114,7 +131,7 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
                GSPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr):
-    """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, 8): sum w l, clip, low, high, r m, kl m, m, 0.
+    """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, PART_COLS): this program's sums, columns PART_*.
     Scalars arrive as fp32 (Triton's float arguments), as torch rounds them for fp32 tensors;
     for fp64 logp they differ from the double constants by < 1e-7 relative."""
     pid = tl.program_id(0)
@@ -161,15 +178,15 @@ def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual
         dl = dl + kl_coef * dk
     tl.store(COEF + offs, tl.where(act, w * dl, 0.0), mask=valid)
     zero = tl.zeros_like(pg)
-    base = PART + pid * 8
-    tl.store(base + 0, tl.sum(tl.where(act, w * lt, zero)))
-    tl.store(base + 1, tl.sum(tl.where(act & took, m, zero)))
-    tl.store(base + 2, tl.sum(tl.where(act & (r < lo) & (adv < 0), m, zero)))
-    tl.store(base + 3, tl.sum(tl.where(act & (r > hi) & (adv > 0), m, zero)))
-    tl.store(base + 4, tl.sum(tl.where(act, r * m, zero)))
-    tl.store(base + 5, tl.sum(tl.where(act, kl * m, zero)))
-    tl.store(base + 6, tl.sum(tl.where(act, m, zero)))
-    tl.store(base + 7, tl.sum(zero))
+    row = PART + pid * PART_COLS
+    tl.store(row + PART_LOSS, tl.sum(tl.where(act, w * lt, zero)))
+    tl.store(row + PART_CLIP, tl.sum(tl.where(act & took, m, zero)))
+    tl.store(row + PART_CLIP_LOW, tl.sum(tl.where(act & (r < lo) & (adv < 0), m, zero)))
+    tl.store(row + PART_CLIP_HIGH, tl.sum(tl.where(act & (r > hi) & (adv > 0), m, zero)))
+    tl.store(row + PART_RATIO, tl.sum(tl.where(act, r * m, zero)))
+    tl.store(row + PART_KL, tl.sum(tl.where(act, kl * m, zero)))
+    tl.store(row + PART_COUNT, tl.sum(tl.where(act, m, zero)))
+    tl.store(row + PART_PAD, tl.sum(zero))
 
 
 class _ScaledGrad(torch.autograd.Function):
@@ -215,31 +232,40 @@ def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int,
         coef = torch.empty(N, dtype=ct, device=logp.device)
         blk = _block(N)
         P = max(1, triton.cdiv(N, blk))
-        part = torch.zeros((P, 8), dtype=ct, device=logp.device)
+        part = torch.zeros((P, len(_PART_NAMES)), dtype=ct, device=logp.device)
         if N:
             _pl_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
                              ref_logp.contiguous() if has_kl else None, coef, part, N,
                              1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(kl_coef),
                              GSPO=loss_type == "gspo", DUAL=dual_clip is not None,
                              KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, BLOCK=blk)
-        sums = part.sum(0)
-        tot = sums[6].clamp_min(1.0)
-        stats = {"clip_frac": sums[1] / tot, "clip_frac_low": sums[2] / tot, "clip_frac_high": sums[3] / tot,
-                 "ratio_mean": sums[4] / tot, "kl": sums[5] / tot}
-        loss = sums[0].to(logp.dtype)
+        sums = dict(zip(_PART_NAMES, part.sum(0).unbind()))
+        tot = sums["count"].clamp_min(1.0)
+        stats = {"clip_frac": sums["clip"] / tot, "clip_frac_low": sums["clip_low"] / tot,
+                 "clip_frac_high": sums["clip_high"] / tot, "ratio_mean": sums["ratio"] / tot,
+                 "kl": sums["kl"] / tot}
+        loss = sums["loss"].to(logp.dtype)
     if torch.is_grad_enabled() and logp.requires_grad:
         loss = _ScaledGrad.apply(logp, loss, coef.to(logp.dtype))
     return loss, stats
 
 
-_HAS_TRITON = True
-
-
 def policy_loss(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, **kwargs):
     """(loss scalar, stats dict of scalars); keyword arguments and math in the module docstring."""
-    if resolve_backend("policy_loss", logp, has_triton=_HAS_TRITON) == "triton":
+    if resolve_backend("policy_loss", logp) == "triton":
         return policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
     return policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
+
+
+def accumulation_weight(loss_type: str, mb_seqs: int, mb_tokens: float, total_seqs: int,
+                        total_tokens: float) -> float:
+    """Factor turning a micro-batch's self-normalized loss into its share of the full-batch
+    loss (module docstring, "Aggregation"): the sequence-normalized types (grpo, gspo,
+    dr_grpo) scale by the micro-batch's share of sequences, dapo by its share of loss
+    tokens. Host numbers (counts known from the rollout lists): no sync."""
+    if loss_type == "dapo":
+        return mb_tokens / max(total_tokens, 1.0) if mb_tokens > 0 else 0.0
+    return mb_seqs / total_seqs
 
 
 def grpo_loss_from_hidden(hidden, weight, targets, temperature, old_logp, advantages, mask, seq_ids,

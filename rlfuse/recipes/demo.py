@@ -19,11 +19,11 @@ import logging
 import time
 from pathlib import Path
 
-from rlfuse.train.config import RunConfig, load_config, replace
+from rlfuse.train.config import RunConfig, load_config
+from rlfuse.train.config_io import replace
 from rlfuse.train.data import build_prompts
 from rlfuse.train.evaluate import evaluate
 from rlfuse.train.grpo import run_grpo
-from rlfuse.train.rollout import EngineSampler
 from rlfuse.train.session import open_session
 from rlfuse.train.sft import run_sft
 
@@ -120,8 +120,3 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
          f"GRPO {grpo_cfg.grpo.steps} steps in {t_grpo:.0f} s; total {out['time_total_s']:.0f} s")
     return out
 
-
-def make_engine_sampler(model, tokenizer, engine_kwargs: dict | None = None):
-    from rlfuse.train.build import build_engine
-
-    return EngineSampler(build_engine(model, tokenizer, engine_kwargs or {}), tokenizer)

@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
+import random
 
+import numpy as np
 import torch
 from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
+from rlfuse.engine import LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.config import ModelSpec, RunConfig
+from rlfuse.train.config import ModelSpec
 
 log = logging.getLogger(__name__)
 
@@ -97,30 +99,12 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
     return model
 
 
-def build_engine(model: CausalLM, tokenizer: Tokenizer, engine_kwargs: dict):
+def build_engine(model: CausalLM, tokenizer: Tokenizer, engine: EngineConfig) -> LLM:
     """rlfuse.engine.LLM on the live model object."""
-    from rlfuse.engine import LLM, EngineConfig
-
-    names = [f.name for f in dataclasses.fields(EngineConfig)]
-    bad = [k for k in engine_kwargs if k not in names]
-    if bad:
-        raise ValueError(f"engine.{bad[0]}: unknown key; valid keys of engine: {', '.join(names)}")
-    return LLM(model, tokenizer, EngineConfig(**engine_kwargs))
-
-
-def save_tokenizer_files(tokenizer: Tokenizer, run_dir: str | Path) -> Path:
-    return tokenizer.save(Path(run_dir) / "tokenizer")
+    return LLM(model, tokenizer, engine)
 
 
 def seed_everything(seed: int) -> None:
-    import random
-
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def describe_run(cfg: RunConfig) -> str:
-    return f"model={cfg.model.path or 'random:' + str(cfg.model.random_init)} data={cfg.data.train}"

@@ -2,7 +2,7 @@
 
     RunConfig
       model       ModelSpec       which weights (HF folder or a random tiny model), dtype, device
-      engine      dict            keyword arguments of `rlfuse.engine.EngineConfig` (checked there)
+      engine      EngineConfig    the rollout engine (rlfuse.engine.config)
       optim       OptimConfig     AdamW, warmup + cosine schedule, grad clipping
       sft         SFTConfig       supervised fine-tuning
       grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO
@@ -12,25 +12,24 @@
       checkpoint  CheckpointConfig
 
 `load_config(path_or_dict, overrides=["grpo.clip_high=0.28", ...])` reads YAML, applies
-`a.b=value` overrides (values parsed as YAML scalars, then checked against the field's
-type) and rejects unknown keys with the list of valid ones. `to_dict(cfg)` is what the
-run folder's `config.yaml` holds; loading it back gives an equal config.
+`a.b=value` overrides and rejects unknown keys with the list of valid ones (the generic
+machinery is `rlfuse.train.config_io`). `save_config` writes what the run folder's
+`config.yaml` holds; loading it back gives an equal config. Every key, with its type,
+default and meaning: docs/configuration.md (generated: python -m rlfuse.train.config_docs).
 Test: python -m pytest -q tests/test_config.py
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
-import functools
-import inspect
-import textwrap
-import types
-import typing
 from pathlib import Path
-from typing import Any
 
-import yaml
+from rlfuse.engine.config import EngineConfig
+from rlfuse.kernels.backend import BACKENDS
+from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
+from rlfuse.train import config_io
+from rlfuse.train.advantages import ADV_SCALES
+from rlfuse.train.optim import SCHEDULES
 
 _DC = dict(frozen=True, kw_only=True, slots=True)
 
@@ -49,6 +48,7 @@ class ModelSpec:
     device: str = "auto"
     """auto (cuda if available), cpu or cuda[:i]."""
     gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, one more forward)."""
     kernel_backend: str = "auto"
     """rlfuse.kernels backend: auto, torch or triton."""
 
@@ -56,14 +56,19 @@ class ModelSpec:
 @dataclasses.dataclass(**_DC)
 class OptimConfig:
     lr: float = 1e-5
+    """Peak learning rate (after warmup)."""
     betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates (beta1, beta2)."""
     eps: float = 1e-8
+    """AdamW denominator epsilon."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW), applied to every parameter."""
     warmup_steps: int = 0
     """Linear warmup from 0 over this many optimizer steps."""
     schedule: str = "cosine"
     """cosine | constant | linear (decay after warmup, to min_lr_ratio * lr at the last step)."""
     min_lr_ratio: float = 0.0
+    """The decay ends at min_lr_ratio * lr at the last step."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
 
@@ -87,17 +92,25 @@ class GRPOConfig:
     steps: int = 100
     """Rollout steps (each: generate, score, mu policy updates)."""
     prompts_per_step: int = 16
+    """P prompts per rollout step (each sampled group_size times)."""
     group_size: int = 8
     """G completions per prompt."""
     max_new_tokens: int = 256
+    """Longest completion (rollouts, and held-out evaluation of both SFT and GRPO)."""
     temperature: float = 1.0
+    """Rollout sampling temperature (0 = greedy). The policy, old and reference log-probs are
+    all taken at `rlfuse.engine.config.logprob_temperature(temperature)`: this T, or 1 when greedy."""
     top_p: float = 1.0
+    """Rollout nucleus sampling mass in (0, 1]; 1 disables (the log-probs stay the unfiltered policy's)."""
     top_k: int = 0
+    """Rollout top-k filter; 0 disables (the log-probs stay the unfiltered policy's)."""
     loss_type: str = "grpo"
     """grpo (mean over sequences of token means) | dr_grpo (sum / (seqs * max_new_tokens)) |
     dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4)."""
     clip_low: float = 0.2
+    """PPO clip range below 1: ratios under 1 - clip_low stop pushing down."""
     clip_high: float = 0.2
+    """PPO clip range above 1: ratios over 1 + clip_high stop pushing up (DAPO's clip-higher: 0.28)."""
     dual_clip: float | None = None
     """Dual-clip constant c > 1 bounding the loss of negative-advantage tokens (None = off)."""
     kl_coef: float = 0.0
@@ -107,6 +120,7 @@ class GRPOConfig:
     adv_scale: str = "group"
     """Divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
     adv_eps: float = 1e-6
+    """Added to the std before dividing (groups with equal rewards get advantage 0)."""
     mu: int = 1
     """Policy-gradient iterations per rollout batch (old log-probs = the engine's)."""
     mini_batches: int = 1
@@ -119,6 +133,7 @@ class GRPOConfig:
     mask_truncated: bool = False
     """Give completions cut at max_new_tokens zero loss weight (DAPO overlong filtering)."""
     log_entropy: bool = True
+    """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
@@ -134,24 +149,31 @@ class DataConfig:
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
     eval_size: int = 200
+    """Held-out problems generated for builtin tasks."""
     train_size: int = 20000
     """Problems generated for builtin tasks."""
     task: dict = dataclasses.field(default_factory=dict)
     """Keyword arguments of the builtin task generator (e.g. {digits: 2, ops: "+-"})."""
     prompt_field: str = "prompt"
+    """Column holding the prompt text of prompt rows."""
     answer_field: str = "answer"
+    """Column holding the reference answer (handed to rewards; the SFT target when there is no completion)."""
     completion_field: str = "completion"
     """SFT target text for prompt/completion rows."""
     messages_field: str = "messages"
+    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows."""
     prompt_template: str = "{prompt}"
     """str.format template over the row's columns, applied to prompt rows."""
     system_prompt: str = ""
+    """Prepended as a system message (chat template) or as text before the prompt."""
     use_chat_template: bool = False
     """Render prompts with the tokenizer's chat template (messages rows always are)."""
     max_prompt_len: int = 512
     """Prompts with more tokens are dropped (counted and logged)."""
     shuffle: bool = True
+    """Visit the training rows in a seeded random order, a new one each epoch."""
     seed: int = 0
+    """Seeds the data order and the builtin tasks' problem generation."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -159,14 +181,19 @@ class RewardSpec:
     name: str
     """A builtin (see rlfuse.train.rewards.BUILTINS) or `module:function` / `path.py:function`."""
     weight: float = 1.0
+    """The total reward is the weighted sum of the functions' rewards."""
     kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments bound to the function."""
 
 
 @dataclasses.dataclass(**_DC)
 class LoggingConfig:
     run_dir: str = "runs/latest"
+    """Run folder: config.yaml, metrics.jsonl, samples.jsonl, tb/, checkpoints/, final/."""
     log_every: int = 1
+    """Write metrics every this many steps (and at the last)."""
     tensorboard: bool = True
+    """Also write the metrics as TensorBoard events under RUN_DIR/tb."""
     progress: bool = True
     """tqdm progress bar with reward and step time."""
     num_samples: int = 4
@@ -178,36 +205,47 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0 = only at the end)."""
     keep_last: int = 2
+    """Keep only the newest this many checkpoints."""
     resume: str = "never"
     """never | auto (latest complete checkpoint in run_dir, if any) | a checkpoint folder."""
     save_final: bool = True
+    """Also write a resumable checkpoint (weights, optimizer, data position) at the end;
+    RUN_DIR/final (the weights, an HF folder) is written either way."""
 
 
 @dataclasses.dataclass(**_DC)
 class RunConfig:
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
-    engine: dict = dataclasses.field(default_factory=dict)
-    """Keyword arguments of rlfuse.engine.EngineConfig."""
+    """The policy: weights, tokenizer, dtype, device."""
+    engine: EngineConfig = dataclasses.field(default_factory=EngineConfig)
+    """The inference engine that generates rollouts and evaluations on the trained weights."""
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """Optimizer and learning-rate schedule (shared by SFT and GRPO)."""
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
+    """Supervised fine-tuning (`rlfuse sft`)."""
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
+    """GRPO and its variants DAPO, Dr. GRPO, GSPO (`rlfuse grpo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    """Training and held-out data, prompt formatting."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
+    """Reward functions (a list of {name, weight, kwargs}); their weighted sum is the reward."""
     on_reward_error: str = "raise"
     """raise (stop with the failing example) | zero (score it 0, count and log)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    """Run folder and metrics."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    """Checkpoint cadence, rotation and resume."""
     seed: int = 0
     """Seeds model init, data order and torch's RNG."""
 
     def __post_init__(self):
         _check_choice("on_reward_error", self.on_reward_error, ("raise", "zero"))
-        _check_choice("grpo.loss_type", self.grpo.loss_type, ("grpo", "dr_grpo", "dapo", "gspo"))
-        _check_choice("grpo.kl_type", self.grpo.kl_type, ("k1", "k2", "k3"))
-        _check_choice("grpo.adv_scale", self.grpo.adv_scale, ("group", "batch", "none"))
-        _check_choice("optim.schedule", self.optim.schedule, ("cosine", "constant", "linear"))
+        _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
+        _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
+        _check_choice("grpo.adv_scale", self.grpo.adv_scale, ADV_SCALES)
+        _check_choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
-        _check_choice("model.kernel_backend", self.model.kernel_backend, ("auto", "torch", "triton"))
+        _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
         g = self.grpo
         if g.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
@@ -227,206 +265,10 @@ def _check_choice(field: str, value, choices):
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
 
 
-# ------------------------------------------------------------------ dict <-> dataclass
-@functools.cache
-def _hints(cls) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def to_dict(cfg) -> Any:
-    """Plain YAML-able data (tuples become lists)."""
-    if dataclasses.is_dataclass(cfg):
-        return {f.name: to_dict(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, (list, tuple)):
-        return [to_dict(x) for x in cfg]
-    if isinstance(cfg, dict):
-        return {k: to_dict(v) for k, v in cfg.items()}
-    return cfg
-
-
-def from_dict(cls, data: Any, where: str = ""):
-    """Build dataclass `cls` from nested dicts, checking keys and types; ValueError names
-    the dotted field (`grpo.clip_high`) and what was expected."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping, got {type(data).__name__} {data!r}")
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = [k for k in data if k not in names]
-    if unknown:
-        raise ValueError(f"{where + '.' if where else ''}{unknown[0]}: unknown key; valid keys"
-                         f"{' of ' + where if where else ''}: {', '.join(names)}")
-    hints = _hints(cls)
-    kw = {k: _coerce(hints[k], v, f"{where}.{k}" if where else k) for k, v in data.items()}
-    try:
-        return cls(**kw)
-    except TypeError as e:  # a required field is missing
-        raise ValueError(f"{where or 'config'}: {e}") from None
-
-
-def _coerce(tp, v, where: str):
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        if v is None and type(None) in args:
-            return None
-        errors = []
-        for a in args:
-            if a is type(None):
-                continue
-            try:
-                return _coerce(a, v, where)
-            except ValueError as e:
-                errors.append(str(e))
-        raise ValueError(errors[0] if errors else f"{where}: got {v!r}")
-    if dataclasses.is_dataclass(tp):
-        return from_dict(tp, v, where)
-    if origin is list:
-        if not isinstance(v, (list, tuple)):
-            raise ValueError(f"{where}: expected a list, got {v!r}")
-        return [_coerce(args[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
-    if origin is tuple:
-        if not isinstance(v, (list, tuple)) or len(v) != len(args):
-            raise ValueError(f"{where}: expected a list of {len(args)} values, got {v!r}")
-        return tuple(_coerce(a, x, f"{where}[{i}]") for i, (a, x) in enumerate(zip(args, v)))
-    if tp is dict or origin is dict:
-        if not isinstance(v, dict):
-            raise ValueError(f"{where}: expected a mapping, got {v!r}")
-        return dict(v)
-    if tp is bool:
-        if not isinstance(v, bool):
-            raise ValueError(f"{where}: expected true or false, got {v!r}")
-        return v
-    if tp is int:
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{where}: expected an integer, got {v!r}")
-        return v
-    if tp is float:
-        if isinstance(v, str):
-            # YAML 1.1 reads "1e-3" (no dot) as a string; accept what Python reads as a number
-            try:
-                v = float(v)
-            except ValueError:
-                raise ValueError(f"{where}: expected a number, got {v!r}") from None
-        if isinstance(v, bool) or not isinstance(v, (int, float)):
-            raise ValueError(f"{where}: expected a number, got {v!r}")
-        return float(v)
-    if tp is str:
-        if not isinstance(v, str):
-            raise ValueError(f"{where}: expected a string, got {v!r}")
-        return v
-    return v
-
-
-# ------------------------------------------------------------------ overrides and files
-def apply_override(data: dict, item: str, cls=None) -> dict:
-    """Set `a.b.c=value` in nested dict `data` (in place). With `cls`, unknown keys raise
-    ValueError listing the valid ones. The value is parsed as a YAML scalar/flow value."""
-    if "=" not in item:
-        raise ValueError(f"override {item!r}: expected KEY=VALUE, e.g. grpo.clip_high=0.28")
-    key, raw = item.split("=", 1)
-    parts = key.strip().split(".")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
-    except yaml.YAMLError as e:
-        raise ValueError(f"override {item!r}: value is not valid YAML ({e})") from None
-    node, node_cls = data, cls
-    for i, p in enumerate(parts):
-        prefix = ".".join(parts[:i])
-        if node_cls is not None:
-            names = [f.name for f in dataclasses.fields(node_cls)]
-            if p not in names:
-                raise ValueError(f"override {key!r}: unknown key {p!r}"
-                                 f"{' in ' + prefix if prefix else ''}; valid keys: {', '.join(names)}")
-            tp = _hints(node_cls)[p]
-            node_cls = tp if dataclasses.is_dataclass(tp) else None
-        if i == len(parts) - 1:
-            node[p] = value
-        else:
-            nxt = node.get(p)
-            if nxt is None:
-                nxt = node[p] = {}
-            if not isinstance(nxt, dict):
-                raise ValueError(f"override {key!r}: {'.'.join(parts[:i + 1])} is not a mapping")
-            node = nxt
-    return data
-
-
 def load_config(src: str | Path | dict | None = None, overrides: list[str] = ()) -> RunConfig:
     """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides."""
-    where = "config"
-    if src is None:
-        data = {}
-    elif isinstance(src, dict):
-        data = to_dict(src)
-    else:
-        path = Path(src)
-        where = str(path)
-        if not path.exists():
-            raise ValueError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
-        if not isinstance(data, dict):
-            raise ValueError(f"{path}: expected a mapping at the top level")
-    for item in overrides:
-        apply_override(data, item, RunConfig)
-    try:
-        return from_dict(RunConfig, data)
-    except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+    return config_io.load(RunConfig, src, overrides)
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-    return path
-
-
-def replace(cfg, **changes):
-    """A copy of dataclass `cfg` with dotted-key changes, type-checked like a loaded file:
-    replace(cfg, **{"grpo.steps": 3, "rewards": [{"name": "arithmetic"}]})."""
-    data = to_dict(cfg)
-    for key, value in changes.items():
-        node, parts = data, key.split(".")
-        for p in parts[:-1]:
-            if not isinstance(node.get(p), dict):
-                raise ValueError(f"replace: {key!r}: {p!r} is not a section")
-            node = node[p]
-        node[parts[-1]] = to_dict(value)
-    return from_dict(type(cfg), data)
-
-
-# ------------------------------------------------------------------ help text
-def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings (the string literal under each field), for --help."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
-    except (OSError, TypeError):
-        return {}
-    body = tree.body[0].body
-    docs = {}
-    for a, b in zip(body, body[1:]):
-        if (isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name) and isinstance(b, ast.Expr)
-                and isinstance(b.value, ast.Constant) and isinstance(b.value.value, str)):
-            docs[a.target.id] = " ".join(b.value.value.split())
-    return docs
-
-
-def describe(cls=RunConfig, prefix: str = "") -> list[str]:
-    """One line per leaf key: `grpo.clip_high (float, default 0.2): doc`."""
-    lines = []
-    docs = field_docs(cls)
-    default = cls() if all(f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
-                           for f in dataclasses.fields(cls)) else None
-    for f in dataclasses.fields(cls):
-        tp = _hints(cls)[f.name]
-        key = prefix + f.name
-        if dataclasses.is_dataclass(tp):
-            lines += describe(tp, key + ".")
-            continue
-        d = getattr(default, f.name) if default is not None else "required"
-        tname = getattr(tp, "__name__", str(tp).replace("typing.", ""))
-        lines.append(f"{key} ({tname}, default {to_dict(d)!r})" + (f": {docs[f.name]}" if f.name in docs else ""))
-    return lines
+    return config_io.save(cfg, path)

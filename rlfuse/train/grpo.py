@@ -4,18 +4,19 @@ One step:
   1. generate  : P prompts x G completions from the engine (it shares the parameters),
                  with per-token log-probs; then the engine sleeps (KV pool freed).
   2. score     : reward functions -> total reward r (P*G,), group-relative advantages
-                 (rlfuse.train.algorithms.group_advantages); optional dynamic sampling
+                 (rlfuse.train.advantages); optional dynamic sampling
                  drops zero-variance groups; optional masking of truncated completions.
   3. train     : mu passes over the batch, each split into `mini_batches` optimizer
                  steps; each optimizer step packs its sequences into micro-batches of at
                  most `micro_batch_tokens` tokens and accumulates gradients of the policy
-                 loss (rlfuse.kernels.policy_loss, reference in algorithms.py), each
+                 loss (rlfuse.kernels.policy_loss: reference, Triton path, backend choice), each
                  micro-batch weighted by its share of the full batch's normalizer, so the
                  accumulated gradient equals that of the loss on the whole mini-batch.
                  Old log-probs = the engine's; the first forward (before any update)
                  recomputes them, and the difference is logged (rlfuse.consistency).
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term.
 The optimizer writes into the same parameter tensors, so the next generate uses them.
+`GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse grpo RECIPE.yaml   Test: python -m pytest -q tests/test_grpo_trainer.py
 """
 
@@ -27,16 +28,21 @@ import math
 import torch
 
 from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.engine.config import logprob_temperature
+from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.train.algorithms import accumulation_weight, group_advantages, policy_loss, zero_variance_groups
+from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.train.advantages import group_advantages, zero_variance_groups
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import RunConfig
-from rlfuse.train.data import Prompt, PromptStream
+from rlfuse.train.data import Prompt, PromptStream, build_prompts
 from rlfuse.train.evaluate import score_samples
+from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
 from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
 from rlfuse.train.rewards import RewardSet
 from rlfuse.train.rollout import Sample, Sampler
+from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
 
@@ -57,18 +63,45 @@ def _mean(xs):
 
 
 class GRPOTrainer:
+    """The GRPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
+    `sampler`, scored by `rewards`, trained into `model` by `optimizer`."""
+
+    stage = "grpo"
+
     def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
                  optimizer: MasterAdamW, ref_model=None):
         self.cfg, self.g = cfg, cfg.grpo
-        self.model, self.sampler, self.rewards, self.stream, self.opt = model, sampler, rewards, stream, optimizer
+        self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
+        self.optimizer = optimizer
         self.device = model.lm_head_weight.device
+        self.schedule = Schedule(steps=self.g.steps, eval_every=self.g.eval_every, eval_at_start=True,
+                                 sample_every=self.g.sample_every, headline="reward/mean")
         if self.g.kl_coef > 0 and ref_model is None:
-            ref_model = frozen_copy(model)  # the starting weights (only when beta > 0)
+            # the weights the run starts from (built before a resume loads the checkpoint)
+            ref_model = frozen_copy(model)
         self.ref_model = ref_model if self.g.kl_coef > 0 else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
         self.opt_steps_total = self.g.steps * self.g.mu * self.g.mini_batches
+        # the temperature of the rollout's log-probs, which the policy, old and reference
+        # log-probs must share for the ratios and the KL to compare like with like
+        self.logprob_t = logprob_temperature(self.g.temperature)
+        # the old policy is always the engine's rollout log-probs (no recompute forward); in
+        # exact numerics they equal this trainer's first-iteration log-probs bitwise
+        self.numerics = cfg.engine.numerics
+        log.info("numerics %s (engine.numerics): %s", self.numerics,
+                 "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
+                 else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
         self.last_samples: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"data": self.stream.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["data"])
+
+    def samples(self) -> list[dict]:
+        return self.last_samples
 
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
@@ -149,11 +182,11 @@ class GRPOTrainer:
     def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, capture=None) -> dict:
         o = self.cfg.optim
         sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture)
-        grad_norm = clip_grad_norm_(self.opt.grads(), o.max_grad_norm)
+        grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        self.opt.step(lr)
-        self.opt.zero_grad()
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
     def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None):
@@ -177,12 +210,13 @@ class GRPOTrainer:
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
             mask_N = torch.cat([torch.full((len(samples[j].token_ids),), live[i]) for i, j in zip(mb, js)]).to(dev)
-            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             want_ent = g.log_entropy and capture is not None
-            out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, g.temperature,
-                                 return_entropy=want_ent)
+            with use_numerics(self.numerics):  # the engine's numerics: exact makes logp_N == old_N bitwise
+                h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+                out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
+                                     return_entropy=want_ent)
+                ref_N = self._ref_logprobs(batch) if self.ref_model is not None else None
             logp_N, ent_N = out if want_ent else (out, None)
-            ref_N = self._ref_logprobs(batch) if self.ref_model is not None else None
             loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
                                    loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
                                    dual_clip=g.dual_clip, ref_logp=ref_N, kl_coef=g.kl_coef, kl_type=g.kl_type,
@@ -206,83 +240,21 @@ class GRPOTrainer:
     @torch.no_grad()
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
-        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.g.temperature)
+        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.logprob_t)
 
 
 # ---------------------------------------------------------------------- the run
-def run_grpo(cfg: RunConfig, *, session=None, stop_after: int | None = None) -> dict:
-    """GRPO for cfg.grpo.steps (resuming per cfg.checkpoint.resume); evaluation on the
-    held-out prompts before the first and after the last step (and every eval_every).
-    `stop_after` ends this invocation after that many steps (tests of resume)."""
-    from rlfuse.train.build import build_model
-    from rlfuse.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
-    from rlfuse.train.data import build_prompts
-    from rlfuse.train.evaluate import evaluate
-    from rlfuse.train.metrics import RunLog
-    from rlfuse.train.session import open_session
-    from rlfuse.train.sft import make_optimizer
-
+def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
+    """GRPO for cfg.grpo.steps (resuming per cfg.checkpoint.resume), evaluated on the
+    held-out prompts before the first step, every grpo.eval_every and at the end.
+    `stop_after` as in `run_loop` (tests of resume)."""
     ses = session or open_session(cfg)
-    g = cfg.grpo
-    model, tok = ses.model, ses.tokenizer
     rewards = ses.rewards()
-    prompts = build_prompts(ses.train_rows, tok, cfg.data, "train")
-    eval_prompts = ses.eval_prompts()
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train")
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    opt = make_optimizer(model, cfg)
-    ref = None
-    if g.kl_coef > 0 and session is None:
-        # the reference is the run's starting point, also after a resume
-        ref = build_model(cfg.model, tok, ses.device, seed=cfg.seed)
-    start = 0
-    ckpt = resolve_resume(cfg.checkpoint.resume, ses.run_dir)
-    if ckpt is not None:
-        state = load_checkpoint(ckpt, model, opt)
-        stream.load_state_dict(state["data"])
-        start = state["step"]
-    trainer = GRPOTrainer(cfg, model, ses.sampler, rewards, stream, opt, ref_model=ref)
-    runlog = RunLog(ses.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                    total=g.steps, desc="grpo", initial=start)
-    history, evals = [], []
-
-    def do_eval(step):
-        if not eval_prompts:
-            return
-        res = evaluate(trainer.sampler, eval_prompts, rewards, max_new_tokens=g.max_new_tokens)
-        trainer.sampler.sleep()
-        runlog.log(step, res, stage="eval")
-        evals.append({"step": step, **res})
-        log.info("grpo eval step %d: %s", step, {k: round(v, 4) for k, v in res.items()})
-
-    def save(step):
-        save_checkpoint(ses.run_dir, step, model, opt, {"data": stream.state_dict()}, tokenizer=tok,
-                        keep_last=cfg.checkpoint.keep_last)
-
-    try:
-        if start == 0:
-            do_eval(0)
-        for step in range(start, g.steps):
-            if stop_after is not None and step - start >= stop_after:
-                break
-            m = trainer.step(step)
-            done = step + 1
-            if done % cfg.logging.log_every == 0 or done == g.steps:
-                row = runlog.log(done, m, stage="grpo")
-                history.append(row)
-                runlog.progress(1, reward=row["reward/mean"], s_per_step=row["time/step"])
-            else:
-                runlog.progress(1)
-            if g.sample_every and done % g.sample_every == 0:
-                runlog.samples(done, trainer.last_samples[:cfg.logging.num_samples])
-            if g.eval_every and done % g.eval_every == 0 and done < g.steps:
-                do_eval(done)
-            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < g.steps:
-                save(done)
-        else:
-            if cfg.checkpoint.save_final:
-                save(g.steps)
-            save_final(ses.run_dir, model, tok)
-            do_eval(g.steps)
-    finally:
-        runlog.close()
-    return {"history": history, "evals": evals, "run_dir": str(ses.run_dir), "model": model, "tokenizer": tok}
+    trainer = GRPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg))
+    eval_prompts = ses.eval_prompts()
+    # the trainer's RewardSet: its error counts (logged per step) include the evaluations'
+    evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,
+                            max_new_tokens=cfg.grpo.max_new_tokens) if eval_prompts else None
+    return run_loop(trainer, ses, evaluation=evaluation, stop_after=stop_after)

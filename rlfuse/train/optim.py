@@ -148,6 +148,10 @@ def clip_grad_norm_(grads, max_norm: float) -> torch.Tensor:
     return norm
 
 
+SCHEDULES = ("cosine", "constant", "linear")
+"""Learning-rate decays after the warmup (`lr_at`)."""
+
+
 def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, schedule: str = "cosine",
           min_lr_ratio: float = 0.0) -> float:
     """Learning rate of optimizer step `step` (0-based): linear warmup over warmup_steps
@@ -164,5 +168,5 @@ def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, sche
     elif schedule == "cosine":
         decay = 0.5 * (1.0 + math.cos(math.pi * frac))
     else:
-        raise ValueError(f"schedule must be 'cosine', 'constant' or 'linear', got {schedule!r}")
+        raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * decay)

@@ -4,8 +4,8 @@ The trainer reaches `rlfuse.engine` only through `EngineSampler` (its public API
 `LLM.generate(token_ids, SamplingParams)`, `sleep()`, `wake()`). Anything with the same
 three methods (`Sampler` protocol) can stand in, e.g. a test's tiny sampler.
 
-A Sample's `logprobs` are the engine's log p(token) under softmax(logits / temperature)
-before top-k/top-p filtering, from `rlfuse.kernels.logprob.token_logprobs` -- exactly the
+A Sample's `logprobs` are the engine's log p(token) under softmax(logits / T) before
+top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.logprob.token_logprobs` -- exactly the
 quantity the trainer recomputes, so they serve as the PPO "old" log-probs.
 Order: prompt-major, `n` samples per prompt (sample k of prompt i at i * n + k).
 """
@@ -16,6 +16,8 @@ import dataclasses
 from typing import Protocol
 
 import torch
+
+from rlfuse.engine import SamplingParams
 
 
 @dataclasses.dataclass(slots=True)
@@ -44,8 +46,6 @@ class EngineSampler:
         self.llm, self.tokenizer = llm, tokenizer
 
     def generate(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed) -> list[Sample]:
-        from rlfuse.engine import SamplingParams
-
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 seed=seed % 2**32)
         self.llm.wake()  # no-op when awake; the KV pool must exist to generate

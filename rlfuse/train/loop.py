@@ -1,0 +1,163 @@
+"""The run loop every trainer shares (SFT, GRPO and those to come).
+
+    session = open_session(cfg)                   # run folder, config.yaml, seeds, data, model
+    trainer = SFTTrainer(cfg, session.model, make_optimizer(session.model, cfg), stream)
+    result = run_loop(trainer, session, evaluation=Evaluation(...))
+
+The loop owns everything that is not the step: resuming (weights, optimizer and RNG
+states, then the trainer's own state, from a checkpoint), the metrics sink
+(metrics.jsonl, TensorBoard, progress bar: `RunLog`, created here only), sample dumps,
+the evaluation and checkpoint cadences, the final save and the summary it returns. A
+trainer supplies its step and its state (`Trainer`); the cadence it wants is its
+`Schedule`.
+
+Steps: `trainer.step(s)` performs step s (0-based); then `done = s + 1` steps exist and
+everything after it is labelled `done`. With N = trainer.schedule.steps:
+  log         every logging.log_every steps and at N
+  samples     every schedule.sample_every steps (trainer.samples())
+  eval        at 0 when schedule.eval_at_start (fresh runs only), every
+              schedule.eval_every steps before N, and at the end
+  checkpoint  every checkpoint.every steps before N; at the end when checkpoint.save_final
+  final       RUN_DIR/final, an HF folder of the weights (+ tokenizer), at the end
+"The end" is step N, or the step after which `stop_when(done)` returned True. A run cut
+short by `stop_after` (tests of resume) stops without any of it.
+Test: python -m pytest -q tests/test_train_loop.py tests/test_checkpoint.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from typing import Protocol
+
+import torch
+
+from rlfuse.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.train.config import RunConfig
+from rlfuse.train.data import Prompt
+from rlfuse.train.evaluate import evaluate
+from rlfuse.train.metrics import RunLog
+from rlfuse.train.optim import MasterAdamW
+from rlfuse.train.rewards import RewardSet
+from rlfuse.train.session import Session
+
+log = logging.getLogger(__name__)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> MasterAdamW:
+    """MasterAdamW over every parameter of `model` with the run's optim settings (the
+    learning rate itself is set per step by the trainer's schedule)."""
+    o = cfg.optim
+    return MasterAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Schedule:
+    """The cadence a trainer asks of the loop (module docstring)."""
+    steps: int
+    """Steps of the whole run (a resumed run continues up to it)."""
+    eval_every: int = 0
+    """Held-out evaluation every this many steps (0: only at the end)."""
+    eval_at_start: bool = False
+    """Also evaluate before the first step (the baseline a run is compared with)."""
+    sample_every: int = 0
+    """Write trainer.samples() every this many steps (0: never)."""
+    headline: str = "loss"
+    """The metric the progress bar shows beside the step time."""
+
+
+class Trainer(Protocol):
+    stage: str
+    """Labels the metrics rows and the progress bar ("sft", "grpo")."""
+    schedule: Schedule
+    model: torch.nn.Module
+    optimizer: MasterAdamW
+
+    def step(self, step: int) -> dict:
+        """Perform step `step` (0-based); its metrics (floats or 0-d tensors, no host sync needed)."""
+
+    def state_dict(self) -> dict:
+        """What a checkpoint must hold besides weights, optimizer and RNG states (e.g. the
+        data position) to continue exactly."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore from a checkpoint's state (what `state_dict` gave, plus "step")."""
+
+    def samples(self) -> list[dict]:
+        """Rows describing the last step's completions for samples.jsonl ([] if none)."""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class Evaluation:
+    """Held-out greedy evaluation (`rlfuse.train.evaluate.evaluate`) on the session's sampler."""
+    prompts: list[Prompt]
+    rewards: RewardSet
+    max_new_tokens: int
+
+
+def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | None = None,
+             stop_after: int | None = None, stop_when: Callable[[int], bool] | None = None) -> dict:
+    """Train `trainer` to trainer.schedule.steps with the cadences of the module docstring;
+    resumes per cfg.checkpoint.resume. Returns {"history": logged rows, "evals": eval rows,
+    "steps": steps done, "run_dir", "model", "tokenizer"}."""
+    cfg, sched = session.cfg, trainer.schedule
+    start = 0
+    ckpt = resolve_resume(cfg.checkpoint.resume, session.run_dir)
+    if ckpt is not None:
+        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        trainer.load_state_dict(state)
+        start = state["step"]
+    runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                    total=sched.steps, desc=trainer.stage, initial=start)
+    history, evals = [], []
+
+    def do_eval(step: int) -> None:
+        if evaluation is None:
+            return
+        sampler = session.sampler
+        res = evaluate(sampler, evaluation.prompts, evaluation.rewards, max_new_tokens=evaluation.max_new_tokens)
+        sampler.sleep()
+        runlog.log(step, res, stage="eval")
+        evals.append({"step": step, **res})
+        log.info("%s eval step %d: %s", trainer.stage, step, {k: round(v, 4) for k, v in res.items()})
+
+    def save(step: int) -> None:
+        save_checkpoint(session.run_dir, step, trainer.model, trainer.optimizer, trainer.state_dict(),
+                        tokenizer=session.tokenizer, keep_last=cfg.checkpoint.keep_last)
+
+    done = start
+    finished = False
+    try:
+        if start == 0 and sched.eval_at_start:
+            do_eval(0)
+        while done < sched.steps:
+            if stop_after is not None and done - start >= stop_after:
+                break
+            m = trainer.step(done)
+            done += 1
+            if done % cfg.logging.log_every == 0 or done == sched.steps:
+                row = runlog.log(done, m, stage=trainer.stage)
+                history.append(row)
+                runlog.progress(1, **{sched.headline: row.get(sched.headline)}, s_per_step=row.get("time/step"))
+            else:
+                runlog.progress(1)
+            if sched.sample_every and done % sched.sample_every == 0:
+                runlog.samples(done, trainer.samples()[:cfg.logging.num_samples])
+            if stop_when is not None and stop_when(done):
+                log.info("%s: stop condition met after step %d", trainer.stage, done)
+                finished = True
+                break
+            if sched.eval_every and done % sched.eval_every == 0 and done < sched.steps:
+                do_eval(done)
+            if cfg.checkpoint.every and done % cfg.checkpoint.every == 0 and done < sched.steps:
+                save(done)
+        if finished or done >= sched.steps:
+            if cfg.checkpoint.save_final:
+                save(done)
+            save_final(session.run_dir, trainer.model, session.tokenizer)
+            do_eval(done)
+    finally:
+        runlog.close()
+    return {"history": history, "evals": evals, "steps": done, "run_dir": str(session.run_dir),
+            "model": trainer.model, "tokenizer": session.tokenizer}
