@@ -150,7 +150,7 @@ def _same_on_all_ranks(tensors: dict[str, torch.Tensor]) -> bool:
     """Bitwise: every rank's tensors equal rank 0's."""
     mine = {n: t.detach().view(torch.uint8) if t.dtype != torch.bfloat16 else t.detach().view(torch.int16)
             for n, t in tensors.items()}
-    allr = [None] * WORLD
+    allr = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(allr, mine)
     return all(torch.equal(a[n], allr[0][n]) for a in allr for n in mine)
 
