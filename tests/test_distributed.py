@@ -29,6 +29,7 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import token_logprobs
@@ -225,6 +226,9 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
         # memory: the shards of each rank add up to the whole, each about 1/N of it
         sizes = [None] * WORLD
         torch.distributed.all_gather_object(sizes, mem)
+        mib = D.log_memory(ctx, model, opt, compute_dtype=dtype)  # max over ranks
+        assert mib["memory/params_mib"] == max(s["params"] for s in sizes) / 2**20
+        assert mib["memory/gathered_mib"] == n_params * dtype.itemsize / 2**20
         n_tensors = len(list(model.parameters()))
         row_bytes = sum(4 * (p.numel() // p.shape[0]) for p in model.parameters())  # one dim-0 row each
         for key, whole, rows_per_tensor in (("params", 4 * n_params, 1), ("grads", 4 * n_params, 1),
@@ -241,10 +245,12 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
             dl = abs(m["loss"] - r["loss"]) / abs(r["loss"])
             dn = abs(m["grad_norm"] - r["norm"]) / r["norm"]
             flips = sum(int((gathered[n] != r["params"][n]).sum()) for n in gathered)
-            rows.append(dict(step=step, loss=kind, n_micro=n_micro, padded_ranks=m["padded_ranks"], d_master=dm, rel_d_loss=dl, rel_d_norm=dn, rel_d_grad=dg,
-                             compute_weights_differing=flips, grad_norm=r["norm"], mem=sizes))
-            print(f"[{name}] step {step} {kind}: max|master diff| {dm:.2e}, rel loss diff {dl:.2e}, "
-                  f"rel grad-norm diff {dn:.2e}, compute weights differing {flips}/{n_params}, max|grad diff|/max|grad| {dg:.2e}", flush=True)
+            rows.append(dict(step=step, loss=kind, n_micro=n_micro, padded_ranks=m["padded_ranks"], d_master=dm,
+                             rel_d_loss=dl, rel_d_norm=dn, rel_d_grad=dg, compute_weights_differing=flips,
+                             grad_norm=r["norm"], mem=sizes))
+            print(f"[{name}] step {step} {kind}: max|grad diff|/max|grad| {dg:.2e}, max|master diff| {dm:.2e}, "
+                  f"rel loss diff {dl:.2e}, rel grad-norm diff {dn:.2e}, "
+                  f"compute weights differing {flips}/{n_params}", flush=True)
             assert r["norm"] > MAX_NORM, "clipping must be active for the test to cover it"
             assert dg <= TOL["grad"] and dm <= TOL["master"] and dl <= TOL["loss"] and dn <= TOL["loss"], rows[-1]
         if step == 1:
@@ -277,7 +283,7 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
 
 def _save_full(ctx, model, opt, path: str) -> None:
     """Rank 0 saves the gathered fp32 weights and optimizer state (what the parent compares)."""
-    sd_model, sd_optim = D.get_state_dict(model, opt, options=D.StateDictOptions(full_state_dict=True,
+    sd_model, sd_optim = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True,
                                                                                   cpu_offload=True))
     if ctx.is_main:
         torch.save({"model": sd_model, "optim": sd_optim}, path)
@@ -314,7 +320,7 @@ def test_two_rank_checkpoint_loads_in_one_process(job, dtype):
     model = _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=False)
     D.load_sharded(job / f"ckpt_{dtype}", model, opt)
-    sd_model, sd_optim = D.get_state_dict(model, opt)
+    sd_model, sd_optim = get_state_dict(model, opt)
     assert set(sd_model) == set(expect["model"]) and set(sd_optim["state"]) == set(expect["optim"]["state"])
     for n, t in expect["model"].items():
         assert torch.equal(sd_model[n], t), n
@@ -331,3 +337,25 @@ def test_rank0_hf_export_loads(job, dtype):
     assert loaded.lm_head_weight.dtype == getattr(torch, dtype)
     for n, p in loaded.named_parameters():
         assert torch.equal(p, expect[n].to(p.dtype)), n
+
+
+def test_launch_env_and_local_slice():
+    """No process group needed: torchrun's variables parsed into a LaunchEnv, user errors."""
+    assert D.launch_env({}) is None  # plain single-process run
+    env = {"WORLD_SIZE": "4", "RANK": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "node0", "MASTER_PORT": "29500",
+           "TORCHELASTIC_USE_AGENT_STORE": "True"}
+    assert D.launch_env(env) == D.LaunchEnv(rank=2, world_size=4, local_rank=0, master_addr="node0",
+                                            master_port=29500, use_agent_store=True)
+    with pytest.raises(ValueError, match="RANK=4 must be in"):
+        D.launch_env({**env, "RANK": "4"})
+    with pytest.raises(ValueError, match="MASTER_PORT='x' is not an integer"):
+        D.launch_env({**env, "MASTER_PORT": "x"})
+    with pytest.raises(ValueError, match="LOCAL_RANK is not"):
+        D.launch_env({k: v for k, v in env.items() if k != "LOCAL_RANK"})
+
+    class Ctx:  # local_slice reads rank and world_size only
+        rank, world_size = 1, 3
+
+    assert D.local_slice(list(range(6)), Ctx, what="grpo.prompts_per_step") == [2, 3]
+    with pytest.raises(ValueError, match=r"grpo.prompts_per_step = 7 must be a multiple of the number of ranks \(3\)"):
+        D.local_slice(list(range(7)), Ctx, what="grpo.prompts_per_step")

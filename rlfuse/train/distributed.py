@@ -335,7 +335,8 @@ def reduce_metrics(ctx: DistContext, metrics: Mapping[str, float | torch.Tensor]
     e.g. losses already weighted by the global normalizer), "max" or "min"."""
     ops = dict(ops or {})
     if default not in _OPS or any(v not in _OPS for v in ops.values()):
-        raise ValueError(f"reduce_metrics: ops must be in {sorted(_OPS)}, got {default!r} / {sorted(set(ops.values()))}")
+        raise ValueError(f"reduce_metrics: ops must be in {sorted(_OPS)}, "
+                         f"got default {default!r} and {sorted(set(ops.values()))}")
     out: dict[str, float] = {}
     by_op: dict[str, list[str]] = {}
     for key in sorted(metrics):  # same order on every rank
