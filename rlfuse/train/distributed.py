@@ -1,0 +1,413 @@
+"""Data-parallel training over several processes: FSDP2 sharding, DCP checkpoints, the
+engine's gathered weights, cross-rank metrics and failure handling (PyTorch's own stack).
+
+Launch: `torchrun --nproc_per_node N ...`; the CLI reads torchrun's variables with
+`launch_env(os.environ)` (only the CLI reads the environment) and passes the result to
+`init_distributed`, which returns the `DistContext` everything below takes. Plain
+single-process runs never call this module.
+
+What lives where on each of N ranks (P parameters, see docs/distributed.md):
+  * fp32 master weights, fp32 gradients, fp32 Adam moments: sharded (dim-0 shards of
+    every parameter, FSDP2 `fully_shard`), 16 P / N bytes;
+  * bf16 compute weights: all-gathered per decoder layer in forward / backward and freed
+    after it (FSDP2 MixedPrecisionPolicy casts the fp32 shard to bf16 before the
+    all-gather); for rollouts `gathered_weights(model)` keeps every layer gathered
+    (2 P bytes) and the engine runs on exactly those tensors: no second copy and no
+    separate weight-sync step, the all-gather IS the sync.
+Rounding matches the one-process `MasterAdamW`: there the bf16 parameter is
+round(fp32 master) after every step; here it is round(fp32 shard) at every all-gather.
+
+Loss normalization contract: gradients are SUMMED across ranks (no division by N), so
+each rank must weight its loss by its share of the GLOBAL normalizer (global token or
+sequence counts, `global_sums`); then the sum over ranks is the one-process gradient.
+Every rank must run the same number of forward/backward passes per optimizer step (each
+one all-gathers and reduce-scatters): pad with zero-weight micro-batches up to
+`max_across_ranks(number of local micro-batches)`.
+
+Failures: a rank that raises inside `fail_together(ctx, phase)` (host-side phases with no
+collective inside: rollouts, rewards, data) makes every rank raise `RankFailed` naming
+that rank and its message. A rank that raises elsewhere exits; torchrun then stops the
+other ranks (`record` on the entry point reports the failing rank's traceback), and the
+process-group timeout bounds any wait in a collective.
+Test: python -m pytest -q tests/test_distributed.py tests/test_distributed_launch.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlfuse.model.transformer import CausalLM, Packed
+from rlfuse.model.weights import save_model
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------- launch
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class LaunchEnv:
+    """Where this process sits in a torchrun job (torchrun's environment variables)."""
+    rank: int
+    """RANK: this process among all processes of the job."""
+    world_size: int
+    """WORLD_SIZE: processes in the job (nodes x nproc_per_node)."""
+    local_rank: int
+    """LOCAL_RANK: this process on its node; picks the GPU."""
+    master_addr: str
+    """MASTER_ADDR: host of the rendezvous store."""
+    master_port: int
+    """MASTER_PORT: port of the rendezvous store."""
+    use_agent_store: bool = False
+    """TORCHELASTIC_USE_AGENT_STORE: torchrun's agent hosts the store (every rank is a client)."""
+
+
+def launch_env(environ: Mapping[str, str]) -> LaunchEnv | None:
+    """The LaunchEnv described by `environ` (the CLI passes os.environ), or None when the
+    process was not started by torchrun (no WORLD_SIZE): a plain single-process run."""
+    if "WORLD_SIZE" not in environ:
+        return None
+
+    def need_int(key: str, lo: int, hi: int | None = None) -> int:
+        raw = environ.get(key)
+        if raw is None:
+            raise ValueError(f"environment: WORLD_SIZE is set but {key} is not (launch with torchrun)")
+        try:
+            v = int(raw)
+        except ValueError:
+            raise ValueError(f"environment: {key}={raw!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise ValueError(f"environment: {key}={v} must be in [{lo}, {hi if hi is not None else 'inf'}]")
+        return v
+
+    world = need_int("WORLD_SIZE", 1)
+    rank = need_int("RANK", 0, world - 1)
+    local = need_int("LOCAL_RANK", 0, world - 1)
+    port = need_int("MASTER_PORT", 1, 65535)
+    addr = environ.get("MASTER_ADDR")
+    if not addr:
+        raise ValueError("environment: WORLD_SIZE is set but MASTER_ADDR is not (launch with torchrun)")
+    return LaunchEnv(rank=rank, world_size=world, local_rank=local, master_addr=addr, master_port=port,
+                     use_agent_store=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class DistContext:
+    """This rank's place in the process group; passed to every function of this module."""
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh
+    """1-D data-parallel mesh over all ranks (FSDP shards along it)."""
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0: the only rank that prints, logs, writes metrics, samples and exports."""
+        return self.rank == 0
+
+
+def init_distributed(env: LaunchEnv, *, device_type: str, timeout_s: float = 600.0) -> DistContext:
+    """Join the process group: NCCL on "cuda" (one GPU per local rank), gloo on "cpu".
+    `timeout_s` bounds every collective: a rank that waits longer for a dead peer raises."""
+    if device_type not in ("cuda", "cpu"):
+        raise ValueError(f"device_type must be 'cuda' or 'cpu', got {device_type!r}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device_type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    # The store torch's env:// rendezvous would build, from the typed fields (so torch does
+    # not read the environment behind the CLI's back): under torchrun the agent hosts it.
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
+                          is_master=env.rank == 0 and not env.use_agent_store, timeout=timeout,
+                          multi_tenant=True)
+    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout,
+                            device_id=device if device_type == "cuda" else None)
+    mesh = init_device_mesh(device_type, (env.world_size,), mesh_dim_names=("dp",))
+    ctx = DistContext(rank=env.rank, world_size=env.world_size, local_rank=env.local_rank, device=device,
+                      mesh=mesh)
+    log.info("rank %d/%d on %s (%s, collective timeout %.0f s)", ctx.rank, ctx.world_size, device, backend,
+             timeout_s)
+    return ctx
+
+
+def shutdown() -> None:
+    """Leave the process group (end of a run; a failing rank just exits, see the module doc)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def quiet_non_main(ctx: DistContext, logger_name: str = "rlfuse") -> None:
+    """Ranks other than 0 log warnings and errors only (rank 0 reports progress)."""
+    if not ctx.is_main:
+        logging.getLogger(logger_name).setLevel(logging.WARNING)
+
+
+# ---------------------------------------------------------------------- sharding
+def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _apply_reshard_policy(model: torch.nn.Module) -> None:
+    # layers free their gathered weights after forward (re-gathered for backward); the root
+    # (embedding, final norm, LM head) keeps them: the trainer reads `model.lm_head_weight`
+    # after forward for the log-probs, and that must be the gathered tensor, not the shard
+    for m in _fsdp_modules(model):
+        m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
+    """FSDP2-shard `model` in place across ctx.mesh and return it. The parameters become
+    fp32 DTensor shards (the master weights, upcast exactly from the model's dtype, as
+    MasterAdamW does); forward computes in the model's dtype (bf16: gathered weights are
+    round(fp32 master)), gradients are reduced in fp32 and SUMMED across ranks (see the
+    loss contract in the module doc). One FSDP group per decoder layer plus the root."""
+    compute = model.lm_head_weight.dtype
+    if any(p.dtype != compute for p in model.parameters()):
+        raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
+    model.float()
+    # cast_forward_inputs off: a layer's inputs include the fp32 RoPE frequencies, which
+    # must not be rounded to bf16 (the activations already come out of bf16 weights)
+    policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    _apply_reshard_policy(model)
+    # FSDP2 makes the first module to run forward the root; the engine calls
+    # `model.forward` (not the root's hooks) and may run first, so run one token through
+    # the root now (collective: every rank calls shard_model)
+    with torch.no_grad():
+        one = torch.zeros(1, dtype=torch.long, device=ctx.device)
+        model(one, one, Packed.from_lengths([1], ctx.device))
+    model.reshard()  # the root keeps its gathered weights after forward; the optimizer must see the shards
+    for m in _fsdp_modules(model):
+        # sum, not mean: each rank's loss already carries its share of the global normalizer
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    log.info("FSDP2: %d groups over %d ranks, fp32 masters, %s compute", len(_fsdp_modules(model)),
+             ctx.world_size, str(compute).replace("torch.", ""))
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(ts) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in ts if t is not None)
+
+
+def memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 compute_dtype: torch.dtype) -> dict[str, int]:
+    """This rank's bytes of parameter shards, gradient shards and optimizer state (local
+    pieces of DTensors), plus `gathered`: what `gathered_weights` holds (every parameter
+    in `compute_dtype`, the model's dtype before `shard_model`)."""
+    params = list(model.parameters())
+    states = [] if optimizer is None else [v for st in optimizer.state.values() for v in st.values()
+                                           if isinstance(v, torch.Tensor)]
+    return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in params), "optimizer": _nbytes(states),
+            "gathered": sum(p.numel() for p in params) * compute_dtype.itemsize}
+
+
+def log_memory(ctx: DistContext, model, optimizer=None, *, compute_dtype: torch.dtype) -> dict[str, float]:
+    """memory_bytes in MiB as metrics (`memory/params_mib`, ...), max over ranks; rank 0 logs them."""
+    mib = {f"memory/{k}_mib": v / 2**20
+           for k, v in memory_bytes(model, optimizer, compute_dtype=compute_dtype).items()}
+    mib = reduce_metrics(ctx, mib, default="max")
+    if ctx.is_main:
+        log.info("per-rank memory (max over %d ranks, MiB): %s", ctx.world_size,
+                 ", ".join(f"{k.split('/')[1].removesuffix('_mib')} {v:.1f}" for k, v in mib.items()))
+    return mib
+
+
+# ---------------------------------------------------------------------- optimizer
+def sharded_adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """torch's AdamW on the fp32 shards: moments are DTensors with the params' sharding.
+    The single-tensor path (foreach=False): elementwise the same op order as MasterAdamW,
+    so equal gradients give bitwise equal updates. Set the step's lr with `set_lr`."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                             foreach=False, fused=False)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Global L2 gradient norm over all ranks' shards (a plain replicated tensor); scales
+    the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0, like
+    rlfuse.train.optim.clip_grad_norm_ in one process."""
+    params = [p for p in params if p.grad is not None]
+    if not params:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # all-reduce of the per-rank partial sums of squares
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+    return norm
+
+
+# ---------------------------------------------------------------------- the engine's weights
+@contextlib.contextmanager
+def gathered_weights(model: CausalLM):
+    """Inside the block every parameter of `model` is the gathered compute-dtype tensor
+    (FSDP2 unshard) and forward calls keep it gathered: the engine (`LLM(model, ...)`, built
+    and used inside) runs on these tensors. On exit they are freed (reshard).
+
+    Pointer stability: the gathered Parameter objects are created once and reused, but
+    their storage is freed on exit and allocated again at the next entry, so data
+    pointers may move. The engine must therefore `sleep()` before the block ends (it drops
+    its CUDA graphs and KV pool) and `wake()` inside the next block (graphs are recaptured
+    on first use, the prefix cache is dropped). Build the engine inside a block so it reads
+    the compute dtype and plans its KV pool with the gathered weights resident."""
+    groups = _fsdp_modules(model)
+    handles = [m.unshard(async_op=True) for m in groups]
+    for h in handles:
+        h.wait()
+    for m in groups:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        _apply_reshard_policy(model)
+        for m in groups:
+            m.reshard()
+
+
+# ---------------------------------------------------------------------- data and metrics
+def local_slice(items: Sequence[T], ctx: DistContext, *, what: str) -> list[T]:
+    """This rank's contiguous block of a global batch: rank r of N gets items
+    [r k, (r + 1) k), k = len / N. Prompts are split before generation, so a group's G
+    completions are generated, scored and advantaged on one rank; concatenating the ranks'
+    blocks in rank order gives the global order. `what` names the config field for the
+    error when len(items) is not a multiple of N."""
+    n, world = len(items), ctx.world_size
+    if n % world:
+        raise ValueError(f"{what} = {n} must be a multiple of the number of ranks ({world})")
+    k = n // world
+    return list(items[ctx.rank * k:(ctx.rank + 1) * k])
+
+
+def global_sums(ctx: DistContext, values: Sequence[float]) -> list[float]:
+    """Sums over ranks of host numbers (e.g. [sequences, loss tokens] of a mini-batch: the
+    global normalizers). fp64 so integer counts stay exact."""
+    t = torch.tensor(list(values), dtype=torch.float64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t.tolist()  # host sync: the trainer's loss weights are host numbers
+
+
+def max_across_ranks(ctx: DistContext, value: int) -> int:
+    """Max over ranks (e.g. micro-batches per optimizer step: ranks with fewer pad)."""
+    t = torch.tensor([value], dtype=torch.int64, device=ctx.device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())  # host sync: a loop bound
+
+
+_OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def reduce_metrics(ctx: DistContext, metrics: Mapping[str, float | torch.Tensor], *,
+                   ops: Mapping[str, str] | None = None, default: str = "mean") -> dict[str, float]:
+    """Metrics (numbers or 0-d tensors) reduced across ranks, one collective per kind of
+    reduction. Every rank passes the same keys. `ops[key]` picks "mean" (equal-weight mean
+    of the ranks' values: right for per-rank means over equal shares), "sum" (partial sums,
+    e.g. losses already weighted by the global normalizer), "max" or "min"."""
+    ops = dict(ops or {})
+    if default not in _OPS or any(v not in _OPS for v in ops.values()):
+        raise ValueError(f"reduce_metrics: ops must be in {sorted(_OPS)}, "
+                         f"got default {default!r} and {sorted(set(ops.values()))}")
+    out: dict[str, float] = {}
+    by_op: dict[str, list[str]] = {}
+    for key in sorted(metrics):  # same order on every rank
+        by_op.setdefault(ops.get(key, default), []).append(key)
+    for op, keys in by_op.items():
+        t = torch.stack([torch.as_tensor(metrics[k], dtype=torch.float64).reshape(()).to(ctx.device) for k in keys])
+        dist.all_reduce(t, op=_OPS[op])
+        if op == "mean":
+            t /= ctx.world_size
+        out.update(zip(keys, t.tolist()))  # host sync: metrics are logged as numbers
+    return out
+
+
+# ---------------------------------------------------------------------- failures
+class RankFailed(RuntimeError):
+    """Raised on every rank when one rank raised inside `fail_together`."""
+
+
+@contextlib.contextmanager
+def fail_together(ctx: DistContext, phase: str):
+    """Run a host-side phase (no collectives inside: generation on the local engine,
+    reward scoring, data loading). If it raises on any rank, every rank raises RankFailed
+    "<phase>: rank r raised Type: message" (the lowest failing rank; all are listed), so
+    all ranks stop at the same point instead of the healthy ones waiting in the next
+    collective. One small all-gather per phase."""
+    err = None
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 -- re-raised below on every rank, with this rank's message
+        err = e
+    msgs: list[str | None] = [None] * ctx.world_size
+    dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}")
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if failed:
+        r, m = failed[0]
+        more = f" (also ranks {[x for x, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise RankFailed(f"{phase}: rank {r} raised {m}{more}") from err
+
+
+# ---------------------------------------------------------------------- checkpoints
+def save_sharded(ctx: DistContext, folder: str | Path, model, optimizer) -> None:
+    """Every rank writes its shards of the fp32 weights and the optimizer state into
+    `folder` (torch.distributed.checkpoint: one file per rank plus rank 0's metadata).
+    Returns after all ranks finished. The trainer state (step, data position) is rank 0's
+    to write beside it."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(folder))
+    dist.barrier()
+
+
+def load_sharded(folder: str | Path, model, optimizer) -> None:
+    """Load a save_sharded checkpoint written at any number of ranks into `model` and
+    `optimizer` in place: FSDP-sharded at any N (DCP reshards), or a plain unsharded model
+    with a torch optimizer when no process group exists (one process)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=str(folder))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+
+
+def save_hf_export(ctx: DistContext, model: CausalLM, folder: str | Path, *, dtype: torch.dtype | str,
+                   tokenizer_dir: str | Path | None = None) -> Path | None:
+    """Gather the full weights on rank 0 (CPU, one tensor at a time) and write an HF folder
+    with rlfuse.model.save_model in `dtype` (the run's model dtype). Collective: every rank
+    calls it; returns the folder on rank 0, None elsewhere."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out = None
+    if ctx.is_main:
+        with torch.device("meta"):
+            shell = CausalLM(model.config)
+        shell.load_state_dict(full, assign=True)  # adopts the gathered tensors: no copy
+        out = save_model(shell, folder, tokenizer_dir=tokenizer_dir, dtype=dtype)
+    dist.barrier()
+    return out

@@ -1,0 +1,91 @@
+"""torchrun launches (CPU, gloo): this file is also the worker script.
+
+  * 4 processes: `launch_env(os.environ)` + `init_distributed` under torchrun's agent
+    store, one sharded optimizer step of the tiny model, gathered weights bitwise equal on
+    all ranks, rank-0-only output;
+  * 2 processes, rank 1 raises between its forward and backward while rank 0 is inside
+    the backward's collectives: the job ends within FAIL_TIMEOUT_S, non-zero, and torchrun
+    reports rank 1's error message (the entry point is wrapped in torch's `record`, as the
+    CLI's will be).
+Run: python -m pytest -q tests/test_distributed_launch.py
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FAIL_TIMEOUT_S = 60  # the whole failing job, start-up included; the group timeout below is 30 s
+MESSAGE = "bad batch on rank 1: token id out of range"
+
+
+def _torchrun(nproc: int, mode: str, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "--monitor_interval=0.2", __file__, mode]
+    t0 = time.perf_counter()
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return out, time.perf_counter() - t0
+
+
+def test_four_process_launch_trains_a_step():
+    out, dt = _torchrun(4, "ok", timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT")]
+    assert lines == ["RESULT world=4 identical=True"], out.stdout[-3000:]  # printed by rank 0 only
+    print(f"4-process torchrun: {dt:.1f} s")
+
+
+def test_raising_rank_stops_the_job_with_its_message():
+    out, dt = _torchrun(2, "fail", timeout=FAIL_TIMEOUT_S + 30)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert dt < FAIL_TIMEOUT_S, f"the job took {dt:.1f} s to stop"
+    assert MESSAGE in text and "rank      : 1" in text, text[-3000:]  # torchrun's root-cause summary
+    print(f"failing 2-process torchrun stopped after {dt:.1f} s")
+
+
+# ---------------------------------------------------------------------- the worker
+def _worker(mode: str) -> None:
+    from test_distributed import _accumulate, _batch, _micro_batches, _model, _same_on_all_ranks, _totals
+
+    from rlfuse.kernels import use_backend
+    from rlfuse.model import Packed
+    from rlfuse.train import distributed as D
+
+    ctx = D.init_distributed(D.launch_env(os.environ), device_type="cpu", timeout_s=30)
+    try:
+        with use_backend("torch"):
+            model = D.shard_model(_model(torch.bfloat16), ctx)
+            opt = D.sharded_adamw(model, lr=1e-2)
+            seqs = D.local_slice(_batch(0), ctx, what="global batch")
+            mbs = _micro_batches(seqs, 1)
+            totals = tuple(D.global_sums(ctx, _totals(seqs)))
+            n_micro = D.max_across_ranks(ctx, len(mbs))
+            if mode == "fail" and ctx.rank == 1:
+                ids = seqs[0][0]
+                model(torch.tensor(ids), torch.arange(len(ids)), Packed.from_lengths([len(ids)]))
+                raise ValueError(MESSAGE)  # rank 0 goes on into the backward's collectives
+            _accumulate(model, seqs, "sft", totals, mbs, n_micro)
+            D.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            with D.gathered_weights(model):
+                same = _same_on_all_ranks({n: p.detach().clone() for n, p in model.named_parameters()})
+            if ctx.is_main:
+                print(f"RESULT world={ctx.world_size} identical={same}", flush=True)
+    finally:
+        if mode == "ok":
+            D.shutdown()
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    torch.set_num_threads(1)
+    record(_worker)(sys.argv[1])
