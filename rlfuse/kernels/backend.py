@@ -93,29 +93,22 @@ def triton_interpreting() -> bool:
 _warned: set[str] = set()
 
 
-def resolve_backend(op: str, x: torch.Tensor, *, has_triton: bool = True) -> str:
-    """The backend `op` runs on for input `x`: "torch" or "triton".
-
-    `has_triton=False` marks an op without a Triton kernel yet; asking for "triton"
-    there is an error, "auto" falls back to the reference (logged once with the reason).
-    """
+def resolve_backend(op: str, x: torch.Tensor) -> str:
+    """The backend `op` runs on for input `x`: "torch" or "triton" ("auto" without triton
+    on a CUDA tensor falls back to the reference, logged once with the reason)."""
     want = _backend.get()
     if want == "torch":
         return "torch"
     if want == "triton":
-        if not has_triton:
-            raise NotImplementedError(f"{op}: no Triton kernel yet; use backend 'torch' or 'auto'")
         if not triton_available():
             raise RuntimeError(f"{op}: backend 'triton' requested but triton is not installed")
         if not x.is_cuda and not triton_interpreting():
             raise RuntimeError(f"{op}: Triton on CPU tensors needs TRITON_INTERPRET=1 set before import")
         return "triton"
     # auto
-    if x.is_cuda and has_triton and triton_available():
+    if x.is_cuda and triton_available():
         return "triton"
-    if x.is_cuda:
-        reason = "no Triton kernel for this op yet" if not has_triton else "triton is not installed"
-        if op not in _warned:
-            _warned.add(op)
-            log.warning("kernel %s: using the PyTorch reference on CUDA (%s)", op, reason)
+    if x.is_cuda and op not in _warned:
+        _warned.add(op)
+        log.warning("kernel %s: using the PyTorch reference on CUDA (triton is not installed)", op)
     return "torch"
