@@ -35,7 +35,7 @@ from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.train import distributed as D
-from rlfuse.train.algorithms import accumulation_weight, policy_loss
+from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.optim import MasterAdamW
 from rlfuse.train.optim import clip_grad_norm_ as clip_one_process
