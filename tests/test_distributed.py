@@ -112,7 +112,7 @@ def _accumulate(model, seqs, kind: str, totals: tuple[float, float], mbs, n_micr
             old = torch.cat([o for _, _, _, o in chosen])
             adv = torch.cat([torch.full((len(ids) - c,), a) for ids, c, a, _ in chosen])
             loss, _ = policy_loss(logp, old, adv, torch.ones_like(logp), batch.seq_ids, batch.num_seqs,
-                                  loss_type=kind, use_kernel=False)
+                                  loss_type=kind)
             loss = loss * accumulation_weight(kind, len(chosen), ntok, int(total_seqs), total_tok)
         if mb is None:
             loss = loss * 0.0

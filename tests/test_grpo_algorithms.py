@@ -210,3 +210,29 @@ def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
     torch.testing.assert_close(lp1.grad, lp2.grad, rtol=1e-5, atol=1e-6)
     for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl"):
         torch.testing.assert_close(s1[k].float(), s2[k].float(), rtol=1e-5, atol=1e-6)
+
+
+def test_off_policy_corrections_on_hand_computed_cases():
+    from rlfuse.train.off_policy import off_policy_corrections
+
+    # two sequences: tokens 0-2 (seq 0), 3-4 (seq 1); ratios e^d
+    d = torch.log(torch.tensor([1.0, 2.0, 0.5, 4.0, 4.0]))
+    adv = torch.tensor([1.0, 1.0, 1.0, -2.0, -2.0])
+    mask = torch.ones(5)
+    seq = torch.tensor([0, 0, 0, 1, 1])
+    a, m, st = off_policy_corrections(d, adv, mask, seq, 2, tis_cap=3.0)
+    torch.testing.assert_close(a, torch.tensor([1.0, 2.0, 0.5, -6.0, -6.0]))
+    assert torch.equal(m, mask)
+    assert float(st["offpolicy/tis_capped_frac"]) == pytest.approx(2 / 5)
+    # IcePop [0.6, 3]: drops the 0.5 and both 4.0 tokens
+    _, m, st = off_policy_corrections(d, adv, mask, seq, 2, icepop_bounds=(0.6, 3.0))
+    assert m.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert float(st["offpolicy/icepop_masked_frac"]) == pytest.approx(3 / 5)
+    # MIS [0.5, 2]: seq 0 geometric mean (1 * 2 * 0.5)^(1/3) = 1 kept; seq 1 = 4 dropped
+    _, m, st = off_policy_corrections(d, adv, mask, seq, 2, mis_bounds=(0.5, 2.0))
+    assert m.tolist() == [1.0, 1.0, 1.0, 0.0, 0.0]
+    # an already-masked token stays masked and does not count
+    _, m, st = off_policy_corrections(d, adv, torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0]), seq, 2,
+                                      icepop_bounds=(0.6, 3.0))
+    assert m.tolist() == [1.0, 1.0, 0.0, 0.0, 0.0]
+    assert float(st["offpolicy/icepop_masked_frac"]) == pytest.approx(2 / 4)

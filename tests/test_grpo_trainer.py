@@ -166,3 +166,27 @@ def test_exact_numerics_rollout_logprobs_are_the_trainers_bitwise(tmp_path, mu, 
         assert float(m["mismatch/max_abs"]) == 0.0 and float(m["mismatch/kl_k3"]) == 0.0
         assert float(m["mismatch/ratio_max"]) == 1.0
     assert max(float(m["mismatch/max_abs"]) for m in seen["fast"]) > 0.0
+
+
+def test_fast_numerics_recomputes_the_old_policy_and_applies_the_corrections(tmp_path):
+    """Fast numerics with TIS + MIS + IcePop: the trainer recomputes the old log-probs, the
+    corrections log their metrics, and the first pass's ratio is then exactly 1 (old ==
+    the trainer's own log-probs); exact numerics with check_every logs a full mismatch of 0."""
+    from rlfuse.train.session import open_session
+
+    cfg = tiny_cfg(tmp_path / "fast", "engine.numerics=fast", "grpo.tis_cap=2.0", "grpo.mis_bounds=[0.5, 2.0]",
+                   "grpo.icepop_bounds=[0.5, 2.0]", "grpo.max_new_tokens=6")
+    m = _trainer(cfg, open_session(cfg)).step(0)
+    for key in ("offpolicy/ratio_mean", "offpolicy/tis_weight", "offpolicy/tis_capped_frac",
+                "offpolicy/mis_masked_frac", "offpolicy/icepop_masked_frac", "mismatch/full_max_abs"):
+        assert key in m, key
+    assert float(m["ratio_mean"]) == 1.0 and float(m["clip_frac"]) == 0.0
+    assert float(m["mismatch/max_abs"]) == 0.0  # logp vs the recomputed old: same forward
+    assert float(m["mismatch/full_max_abs"]) > 0.0  # the engine's log-probs drift (fast)
+    cfg = tiny_cfg(tmp_path / "exact", "engine.numerics=exact", "grpo.check_every=1", "grpo.tis_cap=2.0",
+                   "grpo.max_new_tokens=6")
+    tr = _trainer(cfg, open_session(cfg))
+    assert not tr.recompute_old
+    m = tr.step(0)
+    assert float(m["mismatch/full_max_abs"]) == 0.0 and float(m["mismatch/full_kl_k3"]) == 0.0
+    assert "offpolicy/tis_weight" not in m

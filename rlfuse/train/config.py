@@ -140,6 +140,23 @@ class GRPOConfig:
     """Evaluate on the eval set every this many steps (0 = at the start and the end only)."""
     seed: int = 0
     """Base seed for rollout sampling (step s uses seed + s)."""
+    old_logprobs: str = "rollout"
+    """The old policy of the PPO ratio: rollout (the engine's log-probs, no extra forward) |
+    recompute (a no-grad trainer forward before the update; the rollout log-probs then feed
+    only the corrections below). Exact numerics never recomputes: the two are equal bitwise."""
+    tis_cap: float | None = None
+    """Truncated importance sampling (fast numerics): each token's advantage is weighted by
+    min(pi_old / pi_rollout, tis_cap), pi_old from the trainer. None = off. Implies recompute."""
+    mis_bounds: tuple[float, float] | None = None
+    """Sequence masking (fast numerics): a completion whose geometric-mean ratio
+    exp(mean_t log(pi_old / pi_rollout)) lies outside [low, high] gets no loss. Implies recompute."""
+    icepop_bounds: tuple[float, float] | None = None
+    """Token masking (fast numerics, IcePop): tokens whose ratio pi_old / pi_rollout lies
+    outside [low, high] get no loss. Implies recompute."""
+    check_every: int = 0
+    """Exact numerics: every this many steps, recompute the trainer's log-probs of the whole
+    rollout batch (no grad) and log their mismatch against the engine's (must be 0; a
+    nonzero value is logged as an error). 0 = only the free check on the first mini-batch."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -251,6 +268,15 @@ class RunConfig:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
         if g.dual_clip is not None and g.dual_clip <= 1:
             raise ValueError(f"grpo.dual_clip must be > 1 (or null), got {g.dual_clip}")
+        _check_choice("grpo.old_logprobs", g.old_logprobs, ("rollout", "recompute"))
+        if g.tis_cap is not None and not g.tis_cap > 0:
+            raise ValueError(f"grpo.tis_cap must be > 0 (or null), got {g.tis_cap}")
+        for name in ("mis_bounds", "icepop_bounds"):
+            b = getattr(g, name)
+            if b is not None and not (len(b) == 2 and 0 <= b[0] < 1 < b[1]):
+                raise ValueError(f"grpo.{name} must be [low, high] with 0 <= low < 1 < high (or null), got {b}")
+        if g.check_every < 0:
+            raise ValueError(f"grpo.check_every must be >= 0, got {g.check_every}")
         for name, v in (("grpo.mu", g.mu), ("grpo.mini_batches", g.mini_batches),
                         ("grpo.prompts_per_step", g.prompts_per_step), ("grpo.max_new_tokens", g.max_new_tokens)):
             if v < 1:

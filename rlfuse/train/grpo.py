@@ -39,6 +39,7 @@ from rlfuse.train.data import Prompt, PromptStream, build_prompts
 from rlfuse.train.evaluate import score_samples
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
+from rlfuse.train.off_policy import off_policy_corrections
 from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
 from rlfuse.train.rewards import RewardSet
 from rlfuse.train.rollout import Sample, Sampler
@@ -89,6 +90,13 @@ class GRPOTrainer:
         # the old policy is always the engine's rollout log-probs (no recompute forward); in
         # exact numerics they equal this trainer's first-iteration log-probs bitwise
         self.numerics = cfg.engine.numerics
+        g = self.g
+        corrections = g.tis_cap is not None or g.mis_bounds is not None or g.icepop_bounds is not None
+        # exact numerics: the trainer's old log-probs ARE the rollout's, so no recompute forward
+        self.recompute_old = self.numerics == "fast" and (g.old_logprobs == "recompute" or corrections)
+        if self.numerics == "exact" and (g.old_logprobs == "recompute" or corrections):
+            log.info("numerics exact: old log-probs = the rollout's (bitwise the trainer's); no recompute "
+                     "forward, and the off-policy corrections are identities")
         log.info("numerics %s (engine.numerics): %s", self.numerics,
                  "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
                  else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
@@ -158,6 +166,19 @@ class GRPOTrainer:
             log.info("step %d: every group has zero reward variance; no update", step)
             return {"_train_tokens": 0.0, "skipped_update": 1.0}
         seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
+        check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
+        old: dict[int, torch.Tensor] | None = None
+        extra: dict = {}
+        if self.recompute_old or check:
+            old = self._trainer_logprobs(prompts, samples, seqs)
+            full = logprob_mismatch(torch.cat([old[j] for j in seqs]),
+                                    torch.cat([samples[j].logprobs.to(self.device) for j in seqs]))
+            extra = {f"mismatch/full_{k}": v for k, v in full.items()}
+            if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
+                log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
+                          "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+            if not self.recompute_old:
+                old = None  # a check only: the old policy stays the rollout's
         # mini-batches: kept groups split evenly, in order
         nmb = min(g.mini_batches, len(kept_groups))
         bounds = [round(k * len(kept_groups) / nmb) for k in range(nmb + 1)]
@@ -167,7 +188,7 @@ class GRPOTrainer:
         first_logp, first_old, first_mask = [], [], []
         for it in range(g.mu):
             for k, mini in enumerate(minis):
-                stats = self._optimizer_step(prompts, samples, adv, mini, step * g.mu * nmb + it * nmb + k,
+                stats = self._optimizer_step(prompts, samples, adv, mini, step * g.mu * nmb + it * nmb + k, old,
                                              capture=(first_logp, first_old, first_mask) if it == 0 and k == 0 else None)
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
@@ -176,12 +197,14 @@ class GRPOTrainer:
                for key, v in acc.items()}
         mm = logprob_mismatch(torch.cat(first_logp), torch.cat(first_old), torch.cat(first_mask))
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
+        out.update(extra)
         out["_train_tokens"] = float(n_trained)
         return out
 
-    def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, capture=None) -> dict:
+    def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, old=None,
+                        capture=None) -> dict:
         o = self.cfg.optim
-        sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture)
+        sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture, old=old)
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
@@ -189,10 +212,12 @@ class GRPOTrainer:
         self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
-    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None):
+    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None):
         """Backward of the policy loss over sequences `seq_idx` (indices into samples),
-        micro-batched by token budget; grads accumulate in the params' .grad. Returns
-        (stats summed into full-batch averages, tokens processed)."""
+        micro-batched by token budget; grads accumulate in the params' .grad. `old` (sample
+        index -> trainer log-probs) replaces the rollout's as the old policy and turns on the
+        configured off-policy corrections. Returns (stats summed into full-batch averages,
+        tokens processed)."""
         g = self.g
         dev = self.device
         self.model.train()
@@ -210,6 +235,12 @@ class GRPOTrainer:
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
             mask_N = torch.cat([torch.full((len(samples[j].token_ids),), live[i]) for i, j in zip(mb, js)]).to(dev)
+            corr: dict = {}
+            if old is not None:
+                rollout_N, old_N = old_N, torch.cat([old[j] for j in js])
+                adv_N, mask_N, corr = off_policy_corrections(old_N - rollout_N, adv_N, mask_N, batch.seq_ids,
+                                                             batch.num_seqs, tis_cap=g.tis_cap,
+                                                             mis_bounds=g.mis_bounds, icepop_bounds=g.icepop_bounds)
             want_ent = g.log_entropy and capture is not None
             with use_numerics(self.numerics):  # the engine's numerics: exact makes logp_N == old_N bitwise
                 h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
@@ -226,7 +257,7 @@ class GRPOTrainer:
             (loss * w).backward()
             tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
-            for key, v in st.items():
+            for key, v in {**st, **corr}.items():
                 sums[key] = sums.get(key, 0.0) + v.detach() * tw
             if ent_N is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
@@ -236,6 +267,23 @@ class GRPOTrainer:
                 capture[2].append(mask_N)
             n_tok += batch.num_tokens
         return sums, n_tok
+
+    @torch.no_grad()
+    def _trainer_logprobs(self, prompts, samples, seq_idx: list[int]) -> dict[int, torch.Tensor]:
+        """The trainer's log-probs of sequences `seq_idx` under the current weights (no grad,
+        micro-batched like the update): the recomputed old policy, or an exact-mode check."""
+        out = {}
+        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens):
+            js = [seq_idx[i] for i in mb]
+            batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
+                                        len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
+            with use_numerics(self.numerics):
+                h = self.model(batch.input_ids, batch.positions, batch.attn)
+                lp = token_logprobs(h[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t)
+            for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):
+                out[j] = x
+        return out
 
     @torch.no_grad()
     def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
