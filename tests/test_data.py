@@ -194,10 +194,10 @@ def test_prompts_checked_against_the_context_empty_and_counted(tmp_path, tok, ca
     with caplog.at_level(logging.WARNING):
         prompts = build_prompts(load_rows(cfg), tok, cfg, context_len=24, counts=counts)
     assert [x.where for x in prompts] == [f"{p}:1", f"{p}:4"]
-    assert counts == {"empty": 2, "with no room for output in the model context of 24 tokens": 1}
+    assert counts == {"empty": 2, "longer than data.max_prompt_len=20 tokens": 1}
     assert f"2 empty (e.g. {p}:2, {p}:5)" in caplog.text
     assert f"{p}:3 (30 tokens)" in caplog.text
-    with pytest.raises(ValueError, match=r"data.max_prompt_len \(20\) must be smaller than the model context "
+    with pytest.raises(ValueError, match=r"data.max_prompt_len \(20\) does not fit in the model context "
                                          r"\(16 tokens"):
         build_prompts(load_rows(cfg), tok, cfg, context_len=16)
     only_empty = _jsonl(tmp_path / "e.jsonl", [{"prompt": ""}])

@@ -15,9 +15,10 @@ chat rows every assistant turn, found by rendering growing prefixes of the conve
 
 Checked before training starts: every row is parsed, validated and tokenized. Files that
 are missing, empty, not UTF-8 or not JSON name the file (and line). Empty prompts,
-prompts over `max_prompt_len` and prompts leaving no room for output in the model context
-are dropped, counted and logged with a few `file:line` examples; SFT sequences over the
-context are truncated or dropped (counted); `max_prompt_len` >= the context is an error.
+prompts over `max_prompt_len` are dropped, counted and logged with a few `file:line`
+examples; `max_prompt_len` must leave room for output in the model context (an error at
+load otherwise), so no prompt kept fills the context; SFT sequences over the context are
+truncated or dropped (counted).
 
 `PromptStream` hands out rows in a seeded order, epoch after epoch, and resumes from
 an integer position (checkpointed).
@@ -205,11 +206,12 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
 
 
 def check_prompt_len(cfg: DataConfig, context_len: int) -> None:
-    """data.max_prompt_len must leave room for output in the model's context."""
+    """data.max_prompt_len must leave room for output in the model's context; then every
+    prompt kept (at most max_prompt_len tokens) has room, and the rest are dropped as too long."""
     if cfg.max_prompt_len >= context_len:
-        raise ValueError(f"data.max_prompt_len ({cfg.max_prompt_len}) must be smaller than the model context "
-                         f"({context_len} tokens: engine.max_model_len, else the model's max_position_embeddings) "
-                         f"so that every prompt leaves room for output")
+        raise ValueError(f"data.max_prompt_len ({cfg.max_prompt_len}) does not fit in the model context "
+                         f"({context_len} tokens: engine.max_model_len, else the model's max_position_embeddings); "
+                         f"expected at most {context_len - 1} so that a prompt leaves room for output")
 
 
 def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
@@ -242,9 +244,9 @@ class _Drops:
 def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,
                   counts: dict | None = None) -> list[Prompt]:
     """Tokenize every row up front. Dropped, counted and logged with `file:line` examples:
-    empty prompts, prompts over data.max_prompt_len tokens and (given `context_len`, the
-    model's context) prompts that leave no room for output. `counts`, if given, receives
-    {reason: number dropped}."""
+    empty prompts and prompts over data.max_prompt_len tokens. Given `context_len` (the
+    model's context), max_prompt_len must leave room for output in it (so no prompt kept
+    fills the context). `counts`, if given, receives {reason: number dropped}."""
     if context_len is not None:
         check_prompt_len(cfg, context_len)
     out, drops = [], _Drops()
@@ -256,9 +258,6 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
         ids = _encode(tokenizer, text, _chat(row, cfg))
         if not ids:
             drops.add("empty", where)
-        elif context_len is not None and len(ids) >= context_len:
-            drops.add(f"with no room for output in the model context of {context_len} tokens", f"{where} "
-                      f"({len(ids)} tokens)")
         elif len(ids) > cfg.max_prompt_len:
             drops.add(f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens", f"{where} ({len(ids)} tokens)")
         else:
