@@ -158,7 +158,10 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
     """ValueError when `kwargs` (a RewardSpec's) cannot be bound to `fn`. Built-ins take
     their settings as keyword-only parameters (the rest are dataset columns), so those are
     the valid kwargs; a user function without **kwargs accepts only its named parameters."""
-    params = inspect.signature(fn).parameters
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: bound as given
+        return
     if name in BUILTINS:
         valid = {k: p for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
