@@ -194,7 +194,7 @@ def _check_safetensors(path: Path) -> str | None:
             return f"{path.name}: truncated ({size} bytes)"
         n = struct.unpack("<Q", head)[0]
         if n > size - 8:
-            return f"{path.name}: truncated (header of {n} bytes in a {size}-byte file)"
+            return f"{path.name}: truncated or not a safetensors file ({size} bytes, header length {n:#x})"
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError):
