@@ -90,7 +90,9 @@ def test_prompt_template_chat_template_and_length_filter(tmp_path, tok, caplog):
     cfg = DataConfig(train=str(p), prompt_template="Q: {prompt}=", max_prompt_len=60)
     with caplog.at_level(logging.INFO):
         prompts = build_prompts(load_rows(cfg), tok, cfg)
-    assert "dropped 1 of 3 prompts longer than data.max_prompt_len=60" in caplog.text
+    n = len(tok.encode("Q: " + "x" * 80 + "="))
+    assert f"data train: dropped prompts (3 rows): 1 longer than data.max_prompt_len=60 tokens (e.g. {p}:2 ({n} " \
+           "tokens))" in caplog.text
     assert prompts[0].text == "Q: 1+1=" and prompts[0].ids == tok.encode("Q: 1+1=")
     assert prompts[0].columns["answer"] == "2"
     # chat row: rendered with the template up to the generation prompt, the assistant turn dropped
@@ -162,3 +164,64 @@ def test_prompt_stream_resumes_at_position():
     b = PromptStream(list(range(10)), seed=4)
     b.load_state_dict({"position": 7})
     assert b.take(6) == first[7:13]
+
+
+def test_files_that_cannot_be_read_name_file_and_line(tmp_path):
+    p = tmp_path / "bad.jsonl"
+    p.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not valid UTF-8 \(byte 0xe9 at offset 32\)"):
+        load_rows(DataConfig(train=str(p)))
+    for name, body in (("e.jsonl", ""), ("e.json", " \n"), ("w.jsonl", "\n\n")):
+        (tmp_path / name).write_text(body)
+        with pytest.raises(ValueError, match=rf"{name}: the data file is empty"):
+            load_rows(DataConfig(train=str(tmp_path / name)))
+    (tmp_path / "l.json").write_text("[]")
+    with pytest.raises(ValueError, match=r"l.json: no rows in the data file"):
+        load_rows(DataConfig(train=str(tmp_path / "l.json")))
+    (tmp_path / "dir.jsonl").mkdir()
+    with pytest.raises(ValueError, match=r"dir.jsonl: is a folder"):
+        load_rows(DataConfig(train=str(tmp_path / "dir.jsonl")))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "x"}\n')
+    assert load_rows(DataConfig(train=str(bom)))[0][1] == {"prompt": "x"}
+
+
+def test_prompts_checked_against_the_context_empty_and_counted(tmp_path, tok, caplog):
+    p = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1"}, {"prompt": "   "}, {"prompt": "x" * 30}, {"prompt": "y" * 12},
+                                      {"messages": [{"role": "user", "content": ""}]}])
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    counts = {}
+    with caplog.at_level(logging.WARNING):
+        prompts = build_prompts(load_rows(cfg), tok, cfg, context_len=24, counts=counts)
+    assert [x.where for x in prompts] == [f"{p}:1", f"{p}:4"]
+    assert counts == {"empty": 2, "longer than data.max_prompt_len=20 tokens": 1}
+    assert f"2 empty (e.g. {p}:2, {p}:5)" in caplog.text
+    assert f"{p}:3 (30 tokens)" in caplog.text
+    with pytest.raises(ValueError, match=r"data.max_prompt_len \(20\) does not fit in the model context "
+                                         r"\(16 tokens"):
+        build_prompts(load_rows(cfg), tok, cfg, context_len=16)
+    only_empty = _jsonl(tmp_path / "e.jsonl", [{"prompt": ""}])
+    with pytest.raises(ValueError, match=r"data train: no prompts left of 1 rows after the checks above "
+                                         r"\(1 empty\)"):
+        build_prompts(load_rows(DataConfig(train=str(only_empty))), tok, DataConfig(train=str(only_empty)))
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_sft_sequences_over_the_context_truncated_or_dropped(tmp_path, tok, overlong, caplog):
+    p = _jsonl(tmp_path / "d.jsonl", [{"prompt": "1+1=", "completion": "2"},
+                                      {"prompt": "2+2=", "completion": "4" * 40}])
+    cfg = DataConfig(train=str(p), max_prompt_len=8)
+    counts = {}
+    with caplog.at_level(logging.WARNING):
+        ex = build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, max_seq_len=64, context_len=16,
+                                overlong=overlong, counts=counts)
+    n = 4 + 40 + 1
+    if overlong == "truncate":
+        assert [len(e.ids) for e in ex] == [6, 16] and ex[1].mask == [False] * 4 + [True] * 12
+        assert counts == {"truncated to 16 tokens (the model context)": 1}
+    else:
+        assert [len(e.ids) for e in ex] == [6]
+        assert counts == {"dropped: longer than 16 tokens (the model context)": 1}
+    assert f"{p}:2 ({n} tokens)" in caplog.text
+    with pytest.raises(ValueError, match="overlong must be 'truncate' or 'drop', got 'cut'"):
+        build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, max_seq_len=64, overlong="cut")

@@ -1,6 +1,7 @@
 """Reward functions: built-ins, user functions by path, weights, None, and the error
 policy (raise with the failing example, or zero and count)."""
 
+import math
 import textwrap
 
 import pytest
@@ -89,3 +90,68 @@ def test_wrong_return_shape_is_an_error_even_with_zero(tmp_path):
     rs = RewardSet([RewardSpec(name=f"{p}:short")], on_error="zero")
     with pytest.raises(RewardError, match="must return a list of 2 numbers, got list of length 1"):
         rs.score(["a", "b"], ["x", "y"], {})
+
+
+@pytest.mark.parametrize("bad", ["float('nan')", "float('inf')", "-float('inf')"])
+def test_non_finite_reward_is_an_error_naming_function_and_example(tmp_path, bad):
+    p = _user_module(tmp_path, f"""
+        def odd(prompts, completions, **kwargs):
+            return [{bad} if c == "b" else 1.0 for c in completions]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:odd")])
+    with pytest.raises(RewardError, match=r"(?s)reward function 'odd' returned -?(nan|inf) \(expected a finite "
+                                          r"number or None\).*on example 1: prompt='p1'.*completion='b'"):
+        rs.score(["p0", "p1", "p2"], ["a", "b", "c"], {})
+    zero = RewardSet([RewardSpec(name=f"{p}:odd"), RewardSpec(name="length_penalty")], on_error="zero")
+    total, per = zero.score(["p0", "p1", "p2"], ["a", "b", "c"], {"completion_ids": [[1]] * 3})
+    assert per["odd"] == [1.0, 0.0, 1.0] and all(math.isfinite(t) for t in total)
+    assert zero.error_counts == {"odd": 1, "length_penalty": 0}
+
+
+def test_error_counts_are_per_step_and_pop_resets(tmp_path):
+    p = _user_module(tmp_path, """
+        def picky(prompts, completions, **kwargs):
+            return [1.0 / (len(c) - 3) for c in completions]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:picky")], on_error="zero")
+    rs.score(["p"] * 3, ["abc", "abc", "abcd"], {})
+    assert rs.error_counts["picky"] == 2
+    rs.score(["p"] * 2, ["abcd", "abc"], {})
+    assert rs.error_counts["picky"] == 1  # the latest step's, not the run's
+    assert rs.total_error_counts["picky"] == 3
+    assert rs.pop_error_counts() == {"picky": 3}
+    assert rs.pop_error_counts() == {"picky": 0}
+
+
+def test_zero_policy_with_every_example_failing_is_an_error(tmp_path):
+    p = _user_module(tmp_path, """
+        def broken(prompts, completions, answer, **kwargs):
+            return [float(a) / 0 for a in answer]
+    """)
+    rs = RewardSet([RewardSpec(name=f"{p}:broken")], on_error="zero")
+    with pytest.raises(RewardError, match=r"reward function 'broken' failed on all 2 examples of this batch, "
+                                          r"e\.g\. example 1: raised ZeroDivisionError"):
+        rs.score(["a", "b"], ["x", "y"], {"answer": ["1", "2"]})
+
+
+def test_unknown_or_mistyped_kwargs_of_builtins_are_errors():
+    with pytest.raises(ValueError, match=r"reward 'length_penalty': unknown keyword argument 'max_length' in "
+                                         r"kwargs \(valid kwargs of 'length_penalty': coef, max_len\)"):
+        RewardSet([RewardSpec(name="length_penalty", kwargs={"max_length": 10})])
+    with pytest.raises(ValueError, match=r"'arithmetic': unknown keyword argument 'tol'.*valid kwargs of "
+                                         r"'arithmetic': none"):
+        RewardSet([RewardSpec(name="arithmetic", kwargs={"tol": 0.1})])
+    with pytest.raises(ValueError, match=r"reward 'overlong_penalty': kwargs.buffer must be a number, got 'x'"):
+        RewardSet([RewardSpec(name="overlong_penalty", kwargs={"buffer": "x"})])
+    rs = RewardSet([RewardSpec(name="format", kwargs={"pattern": "^a"})])
+    assert rs.score(["p", "p"], ["ab", "ba"], {})[1]["format"] == [1.0, 0.0]
+
+
+def test_unknown_kwargs_of_a_user_function_without_var_kwargs(tmp_path):
+    p = _user_module(tmp_path, """
+        def strict(prompts, completions, scale=1.0):
+            return [scale] * len(completions)
+    """)
+    with pytest.raises(ValueError, match=r"unknown keyword argument 'scal'.*valid kwargs of .*strict': scale"):
+        RewardSet([RewardSpec(name=f"{p}:strict", kwargs={"scal": 2})])
+    assert RewardSet([RewardSpec(name=f"{p}:strict", kwargs={"scale": 2.0})]).score(["p"], ["c"], {})[0] == [2.0]

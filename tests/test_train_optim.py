@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.optim import MasterAdamW, NonFiniteError, NonFiniteGuard, clip_grad_norm_, lr_at, nonfinite_tensors
 
 
 def _params(seed, dtype=torch.float32):
@@ -152,3 +152,70 @@ def test_second_optimizer_on_the_same_bf16_params_owns_the_gradients():
     del first, second  # no owner left: gradients accumulate in .grad as usual
     (p.float() * 3).sum().backward()
     assert p.grad is not None
+
+
+def _snapshot(opt):
+    sd = opt.state_dict()
+    return [p.detach().clone() for p in opt.params], sd["step"], \
+        [t.clone() for t in sd["exp_avg"] + sd["exp_avg_sq"] + [m for m in sd["master"] if m is not None]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bad", ["loss_nan", "norm_inf"])
+def test_non_finite_step_is_skipped_and_leaves_weights_and_state_unchanged(dtype, bad):
+    ours, ref = _params(0, dtype), _params(0, dtype)
+    opt, ropt = MasterAdamW(ours, lr=1e-2), MasterAdamW(ref, lr=1e-2)
+    guard = NonFiniteGuard(max_consecutive=3)
+    # one good step on both
+    for params, o in ((ours, opt), (ref, ropt)):
+        _grads(params, 0)
+        assert guard.step(o, 1e-2, loss=torch.tensor(1.0), grad_norm=clip_grad_norm_(o.grads(), 1.0))
+        o.zero_grad()
+    before = _snapshot(opt)
+    # a poisoned step on ours only: the gradients carry the NaN, as a real one would
+    _grads(ours, 1)
+    ours[0].grad[0, 0] = float("nan") if bad == "loss_nan" else float("inf")
+    loss = torch.tensor(float("nan") if bad == "loss_nan" else 2.0)
+    norm = clip_grad_norm_(opt.grads(), 1.0)
+    assert not guard.step(opt, 1e-2, loss=loss, grad_norm=norm)
+    opt.zero_grad()
+    after = _snapshot(opt)
+    assert after[1] == before[1]
+    for a, b in zip(before[0] + before[2], after[0] + after[2]):
+        assert torch.equal(a, b)
+    assert guard.pop_skipped() == 1.0 and guard.pop_skipped() == 0.0
+    # the next good step equals that of a run that never saw the bad one (bias correction included)
+    for params, o in ((ours, opt), (ref, ropt)):
+        _grads(params, 2)
+        assert guard.step(o, 1e-2, loss=torch.tensor(1.0), grad_norm=clip_grad_norm_(o.grads(), 1.0))
+        o.zero_grad()
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+    assert guard.consecutive == 0 and guard.total_skipped == 1
+
+
+def test_consecutive_non_finite_steps_stop_the_run_with_a_clear_error():
+    params = _params(0)
+    opt = MasterAdamW(params, lr=1e-2)
+    guard = NonFiniteGuard(max_consecutive=2)
+    nan = torch.tensor(float("nan"))
+    assert not guard.step(opt, loss=nan, grad_norm=torch.tensor(1.0), where="step 7")
+    with pytest.raises(NonFiniteError, match=r"step 8: 2 optimizer steps in a row had a non-finite loss or gradient "
+                                             r"norm \(last: loss 1.0, grad norm inf\); stopping \(the limit is 2\)"):
+        guard.step(opt, loss=torch.tensor(1.0), grad_norm=torch.tensor(float("inf")), where="step 8")
+    assert opt.step_count == 0
+    never = NonFiniteGuard(max_consecutive=0)
+    assert not any(never.finite(nan, nan) for _ in range(10)) and never.total_skipped == 10
+    with pytest.raises(ValueError, match="max_consecutive must be >= 0"):
+        NonFiniteGuard(max_consecutive=-1)
+    resumed = NonFiniteGuard(max_consecutive=2)
+    resumed.load_state_dict({"consecutive": 1, "total_skipped": 4})
+    with pytest.raises(NonFiniteError):
+        resumed.finite(nan, 1.0)
+
+
+def test_nonfinite_tensors_names_them():
+    named = [("a", torch.zeros(3)), ("b", torch.tensor([1.0, float("inf")])), ("i", torch.arange(3)),
+             ("c", torch.tensor([float("nan")], dtype=torch.bfloat16))]
+    assert nonfinite_tensors(named) == ["b", "c"]
+    assert nonfinite_tensors([]) == []

@@ -2,15 +2,24 @@
 
 `ModelConfig.from_hf(dict_or_path)` validates and normalizes; `to_hf()` writes a dict
 that `transformers.AutoConfig` reads back. Unknown architectures and malformed fields
-raise ValueError naming the file and field.
+raise ValueError naming the file and field: a required field missing; a head count,
+head_dim, eps, rope theta or max_position_embeddings that is null, zero, negative or not a
+number. Absent optional fields take the HF default, logged where it matters
+(num_key_value_heads, head_dim, max_position_embeddings).
+`check_kernel_support` rejects, at load, a head_dim the Triton kernels cannot run.
+Test: python -m pytest -q tests/test_weights.py tests/test_bad_inputs.py
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger(__name__)
 
 ARCHITECTURES = {
     # model_type -> (HF architecture class name, qkv bias default, qk-norm)
@@ -64,6 +73,13 @@ class ModelConfig:
             raise ValueError(f"config field 'head_dim' must be even for RoPE, got {self.head_dim}")
         if self.hidden_act != "silu":
             raise ValueError(f"config field 'hidden_act' must be 'silu', got {self.hidden_act!r}")
+        for f in ("rms_norm_eps", "rope_theta"):
+            v = getattr(self, f)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"config field {f!r} must be a positive finite number, got {v!r}")
+        v = self.max_position_embeddings
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"config field 'max_position_embeddings' must be a positive integer, got {v!r}")
 
     @property
     def architecture(self) -> str:
@@ -126,12 +142,38 @@ class ModelConfig:
         return d
 
 
-def _from_hf_dict(d: dict, where: str) -> ModelConfig:
-    def need(key):
-        if key not in d or d[key] is None:
-            raise ValueError(f"{where}: missing required field {key!r}")
-        return d[key]
+_MISSING = object()
 
+
+def _number(d: dict, key: str, where: str, default=_MISSING, *, integer: bool = False, label: str | None = None):
+    """d[key] as a positive (finite) int or float. Absent: `default` (the HF default, when
+    the field has one) or an error; null, zero, negative or a non-number: an error naming
+    the field -- never a silent default."""
+    label = label or key
+    kind = "a positive integer" if integer else "a positive finite number"
+    if key not in d:
+        if default is _MISSING:
+            raise ValueError(f"{where}: missing required field {label!r} (expected {kind})")
+        return default
+    v = d[key]
+    if v is None:
+        raise ValueError(f"{where}: field {label!r} is null; expected {kind}")
+    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
+    if isinstance(v, bool) or not ok_type or not math.isfinite(v) or v <= 0:
+        raise ValueError(f"{where}: field {label!r} is {v!r}; expected {kind}")
+    return v if integer else float(v)
+
+
+def _flag(d: dict, key: str, where: str, default: bool) -> bool:
+    v = d.get(key, default)
+    if not isinstance(v, bool):
+        raise ValueError(f"{where}: field {key!r} is {v!r}; expected true or false")
+    return v
+
+
+def _from_hf_dict(d: dict, where: str) -> ModelConfig:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected a JSON object of config fields, got {type(d).__name__}")
     model_type = d.get("model_type")
     if model_type is None:
         archs = d.get("architectures") or []
@@ -141,13 +183,29 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
                          f"(architectures {sorted(_ARCH_TO_TYPE)})")
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: field 'use_sliding_window' is true; sliding-window attention is not supported")
-    n_heads = need("num_attention_heads")
-    hidden = need("hidden_size")
-    head_dim = d.get("head_dim") or (hidden // n_heads if isinstance(hidden, int) and isinstance(n_heads, int) else None)
+    n_heads = _number(d, "num_attention_heads", where, integer=True)
+    hidden = _number(d, "hidden_size", where, integer=True)
+    # absent num_key_value_heads / head_dim: the HF convention (what transformers itself
+    # assumes), logged; null or 0 is an error
+    n_kv = _number(d, "num_key_value_heads", where, None, integer=True)
+    if n_kv is None:
+        n_kv = n_heads
+        log.info("%s: no 'num_key_value_heads'; using num_attention_heads = %d (the HF convention)", where, n_heads)
+    head_dim = _number(d, "head_dim", where, None, integer=True)
+    if head_dim is None:
+        if hidden % n_heads:
+            raise ValueError(f"{where}: field 'head_dim' is missing and hidden_size ({hidden}) is not a multiple of "
+                             f"num_attention_heads ({n_heads}); give head_dim")
+        head_dim = hidden // n_heads
+        log.info("%s: no 'head_dim'; using hidden_size / num_attention_heads = %d (the HF convention)", where,
+                 head_dim)
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     if not isinstance(rope, dict):
         raise ValueError(f"{where}: field 'rope_parameters' must be an object, got {type(rope).__name__}")
-    rope_theta = rope.get("rope_theta", d.get("rope_theta", 10000.0))
+    if "rope_theta" in rope:
+        rope_theta = _number(rope, "rope_theta", where, label="rope_parameters.rope_theta")
+    else:
+        rope_theta = _number(d, "rope_theta", where, 10000.0)
     scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
@@ -156,24 +214,27 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if k not in scaling:
                 raise ValueError(f"{where}: llama3 rope scaling needs field 'rope_parameters.{k}'")
+            _number(scaling, k, where, label=f"rope_parameters.{k}")
+    if "max_position_embeddings" not in d:
+        log.warning("%s: no 'max_position_embeddings'; assuming a context of 4096 tokens", where)
     _, bias_default, qk_norm = ARCHITECTURES[model_type]
     dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
     kw = dict(
         model_type=model_type,
-        vocab_size=need("vocab_size"),
+        vocab_size=_number(d, "vocab_size", where, integer=True),
         hidden_size=hidden,
-        intermediate_size=need("intermediate_size"),
-        num_hidden_layers=need("num_hidden_layers"),
+        intermediate_size=_number(d, "intermediate_size", where, integer=True),
+        num_hidden_layers=_number(d, "num_hidden_layers", where, integer=True),
         num_attention_heads=n_heads,
-        num_key_value_heads=d.get("num_key_value_heads") or n_heads,
+        num_key_value_heads=n_kv,
         head_dim=head_dim,
-        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope_theta),
+        rms_norm_eps=_number(d, "rms_norm_eps", where, 1e-6),
+        rope_theta=rope_theta,
         rope_scaling=None if rope_type == "default" else scaling,
-        max_position_embeddings=int(d.get("max_position_embeddings", 4096)),
-        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-        attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-        mlp_bias=bool(d.get("mlp_bias", False)),
+        max_position_embeddings=_number(d, "max_position_embeddings", where, 4096, integer=True),
+        tie_word_embeddings=_flag(d, "tie_word_embeddings", where, False),
+        attention_bias=True if model_type == "qwen2" else _flag(d, "attention_bias", where, False),
+        mlp_bias=_flag(d, "mlp_bias", where, False),
         qk_norm=qk_norm,
         hidden_act=d.get("hidden_act", "silu"),
         bos_token_id=d.get("bos_token_id"),
@@ -185,3 +246,24 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         return ModelConfig(**kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+TRITON_HEAD_DIMS = "a power of two in [16, 256]"
+
+
+def triton_attention_supports(head_dim: int) -> bool:
+    """Whether the Triton attention kernels (varlen and paged) take this head_dim:
+    TRITON_HEAD_DIMS. tests/test_bad_inputs.py checks this against the kernels' own checks."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
+def check_kernel_support(cfg: ModelConfig, backend: str, device_type: str, where: str = "model") -> None:
+    """ValueError, at load, when the chosen kernels cannot run this model: a head_dim the
+    Triton attention kernels do not take, with kernel_backend "triton", or "auto" on CUDA
+    (where auto picks Triton). An error rather than a silent switch to the reference kernels,
+    which are several times slower on a GPU: the message says how to choose them."""
+    uses_triton = backend == "triton" or (backend == "auto" and device_type == "cuda")
+    if uses_triton and not triton_attention_supports(cfg.head_dim):
+        raise ValueError(f"{where}: field 'head_dim' is {cfg.head_dim}; the Triton attention kernels need "
+                         f"{TRITON_HEAD_DIMS} (kernel backend {backend!r} on {device_type}); set "
+                         f"model.kernel_backend: torch to run this model on the reference kernels (slower)")

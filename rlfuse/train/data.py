@@ -10,9 +10,15 @@ the field. Other columns are kept and handed to reward functions (TRL's **column
 
 Prompt text: chat rows (and prompt rows when `use_chat_template`) go through the
 tokenizer's chat template with add_generation_prompt; otherwise system_prompt +
-prompt_template.format(**row). Prompts longer than `max_prompt_len` tokens are dropped,
-counted and logged. SFT targets: the completion plus EOS for prompt rows; for chat rows
-every assistant turn, found by rendering growing prefixes of the conversation.
+prompt_template.format(**row). SFT targets: the completion plus EOS for prompt rows; for
+chat rows every assistant turn, found by rendering growing prefixes of the conversation.
+
+Checked before training starts: every row is parsed, validated and tokenized. Files that
+are missing, empty, not UTF-8 or not JSON name the file (and line). Empty prompts,
+prompts over `max_prompt_len` are dropped, counted and logged with a few `file:line`
+examples; `max_prompt_len` must leave room for output in the model context (an error at
+load otherwise), so no prompt kept fills the context; SFT sequences over the context are
+truncated or dropped (counted).
 
 `PromptStream` hands out rows in a seeded order, epoch after epoch, and resumes from
 an integer position (checkpointed).
@@ -51,14 +57,39 @@ class SFTExample:
 
 
 # ------------------------------------------------------------------ reading rows
-def _read_file(path: Path) -> list[tuple[str, dict]]:
-    """[(where, row)] from a .jsonl / .json / .parquet file."""
+def _read_bytes(path: Path) -> bytes:
     if not path.exists():
         raise ValueError(f"{path}: no such data file")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the data file ({e.strerror or e})") from None
+    if not data.strip():
+        raise ValueError(f"{path}: the data file is empty (expected rows)")
+    return data
+
+
+def _decode(path: Path, data: bytes) -> str:
+    """UTF-8 text (a leading BOM is dropped); undecodable bytes name the file and line."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                         f"save the file as UTF-8") from None
+
+
+def _read_file(path: Path) -> list[tuple[str, dict]]:
+    """[(where, row)] from a .jsonl / .json / .parquet file."""
     suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{path}: unsupported data file type {suffix!r} (expected .jsonl, .json or .parquet)")
+    data = _read_bytes(path)
     out = []
     if suffix == ".jsonl":
-        for i, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for i, line in enumerate(_decode(path, data).splitlines(), 1):
             if not line.strip():
                 continue
             try:
@@ -68,7 +99,7 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
             out.append((f"{path}:{i}", row))
     elif suffix == ".json":
         try:
-            data = json.loads(path.read_text(encoding="utf-8"))
+            data = json.loads(_decode(path, data))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -76,14 +107,18 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
         if not isinstance(data, list):
             raise ValueError(f"{path}: expected a list of rows (or an object with a 'data' list)")
         out = [(f"{path}: row {i}", row) for i, row in enumerate(data)]
-    elif suffix == ".parquet":
+    else:
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # optional dependency: only Parquet data needs it
         except ImportError:
             raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        out = [(f"{path}: row {i}", row) for i, row in enumerate(pq.read_table(path).to_pylist())]
-    else:
-        raise ValueError(f"{path}: unsupported data file type {suffix!r} (expected .jsonl, .json or .parquet)")
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow's own error types; the message says what is wrong
+            raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+        out = [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+    if not out:
+        raise ValueError(f"{path}: no rows in the data file")
     for where, row in out:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object (a row of fields), got {type(row).__name__}")
@@ -170,27 +205,89 @@ def _encode(tokenizer, text: str, chat: bool) -> list[int]:
     return tokenizer.encode(text, add_special_tokens=not chat)
 
 
-def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train") -> list[Prompt]:
-    out, dropped = [], 0
+def check_prompt_len(cfg: DataConfig, context_len: int) -> None:
+    """data.max_prompt_len must leave room for output in the model's context; then every
+    prompt kept (at most max_prompt_len tokens) has room, and the rest are dropped as too long."""
+    if cfg.max_prompt_len >= context_len:
+        raise ValueError(f"data.max_prompt_len ({cfg.max_prompt_len}) does not fit in the model context "
+                         f"({context_len} tokens: engine.max_model_len, else the model's max_position_embeddings); "
+                         f"expected at most {context_len - 1} so that a prompt leaves room for output")
+
+
+def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
+    if cfg.messages_field in row:
+        return not any(m["content"].strip() for m in row[cfg.messages_field] if m["role"] != "assistant")
+    return not row[cfg.prompt_field].strip()
+
+
+class _Drops:
+    """Rows dropped (or changed) by reason, with a few `file:line` examples for the log."""
+
+    def __init__(self):
+        self.where: dict[str, list[str]] = {}
+
+    def add(self, reason: str, where: str) -> None:
+        self.where.setdefault(reason, []).append(where)
+
+    def counts(self) -> dict[str, int]:
+        return {r: len(w) for r, w in self.where.items()}
+
+    def report(self, what: str, total: int, into: dict | None) -> None:
+        if into is not None:
+            into.update(self.counts())
+        if not self.where:
+            return
+        parts = [f"{len(w)} {reason} (e.g. {', '.join(w[:3])})" for reason, w in self.where.items()]
+        log.warning("%s (%d rows): %s", what, total, "; ".join(parts))
+
+
+def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,
+                  counts: dict | None = None) -> list[Prompt]:
+    """Tokenize every row up front. Dropped, counted and logged with `file:line` examples:
+    empty prompts and prompts over data.max_prompt_len tokens. Given `context_len` (the
+    model's context), max_prompt_len must leave room for output in it (so no prompt kept
+    fills the context). `counts`, if given, receives {reason: number dropped}."""
+    if context_len is not None:
+        check_prompt_len(cfg, context_len)
+    out, drops = [], _Drops()
     for where, row in pairs:
+        if _empty_prompt(row, cfg):
+            drops.add("empty", where)
+            continue
         text = render_prompt(row, tokenizer, cfg, where)
         ids = _encode(tokenizer, text, _chat(row, cfg))
-        if len(ids) > cfg.max_prompt_len or not ids:
-            dropped += 1
-            continue
-        out.append(Prompt(ids, text, row, where))
-    if dropped:
-        log.info("data %s: dropped %d of %d prompts longer than data.max_prompt_len=%d tokens",
-                 split, dropped, len(pairs), cfg.max_prompt_len)
+        if not ids:
+            drops.add("empty", where)
+        elif len(ids) > cfg.max_prompt_len:
+            drops.add(f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens", f"{where} ({len(ids)} tokens)")
+        else:
+            out.append(Prompt(ids, text, row, where))
+    drops.report(f"data {split}: dropped prompts", len(pairs), counts)
     if not out:
-        raise ValueError(f"data {split}: no prompts left after the length filter (max_prompt_len={cfg.max_prompt_len})")
+        raise ValueError(f"data {split}: no prompts left of {len(pairs)} rows after the checks above "
+                         f"({', '.join(f'{n} {r}' for r, n in drops.counts().items())})")
     return out
 
 
-def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int) -> list[SFTExample]:
+def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, context_len: int | None = None,
+                       overlong: str = "truncate", counts: dict | None = None) -> list[SFTExample]:
+    """Tokenize every row up front into (ids, target mask). Sequences longer than
+    min(max_seq_len, context_len) are truncated on the completion side (overlong="truncate",
+    the default: the prompt and the start of the answer still teach) or dropped
+    (overlong="drop"); examples with an empty prompt, a prompt over data.max_prompt_len or
+    no target token left are dropped. All counted and logged; `counts` receives them."""
+    if overlong not in ("truncate", "drop"):
+        raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
+    limit = max_seq_len if context_len is None else min(max_seq_len, context_len)
+    limit_src = "sft.max_seq_len" if limit == max_seq_len else "the model context"
+    if context_len is not None:
+        check_prompt_len(cfg, context_len)
     eos = tokenizer.eos_token_ids[:1]
-    out, dropped = [], 0
+    out, drops = [], _Drops()
     for where, row in pairs:
+        if _empty_prompt(row, cfg):
+            drops.add("dropped: empty prompt", where)
+            continue
         if cfg.messages_field in row:
             ids, mask = _chat_sft(row[cfg.messages_field], tokenizer, where)
             n_prompt = mask.index(True) if True in mask else len(ids)
@@ -200,18 +297,23 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int) -> l
             c_ids = tokenizer.encode(str(target), add_special_tokens=False) + eos
             ids, mask, n_prompt = p_ids + c_ids, [False] * len(p_ids) + [True] * len(c_ids), len(p_ids)
         if n_prompt > cfg.max_prompt_len:
-            dropped += 1
+            drops.add(f"dropped: prompt longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
+                      f"{where} ({n_prompt} tokens)")
             continue
-        ids, mask = ids[:max_seq_len], mask[:max_seq_len]
+        if len(ids) > limit:
+            if overlong == "drop":
+                drops.add(f"dropped: longer than {limit} tokens ({limit_src})", f"{where} ({len(ids)} tokens)")
+                continue
+            drops.add(f"truncated to {limit} tokens ({limit_src})", f"{where} ({len(ids)} tokens)")
+            ids, mask = ids[:limit], mask[:limit]
         if any(mask[1:]):  # position 0 is never a target
             out.append(SFTExample(ids, mask, where))
         else:
-            dropped += 1
-    if dropped:
-        log.info("sft data: dropped %d of %d examples (prompt over max_prompt_len=%d or no target token "
-                 "within max_seq_len=%d)", dropped, len(pairs), cfg.max_prompt_len, max_seq_len)
+            drops.add(f"dropped: no target token within {limit} tokens", where)
+    drops.report("sft data", len(pairs), counts)
     if not out:
-        raise ValueError("sft data: no examples left after filtering")
+        raise ValueError(f"sft data: no examples left of {len(pairs)} rows after the checks above "
+                         f"({', '.join(f'{n} {r}' for r, n in drops.counts().items())})")
     return out
 
 

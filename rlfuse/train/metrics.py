@@ -6,6 +6,11 @@ RUN_DIR/samples.jsonl   {"step", "prompt", "completion", "reward", ...} every N 
 RUN_DIR/tb/             TensorBoard event files (same scalars; `tensorboard --logdir RUN_DIR/tb`)
 Metric names use "/" groups: reward/<fn>, time/generate, tokens_per_s/train, ...
 `rlfuse report RUN_DIR` reads these files back (rlfuse.train.report).
+
+Crash safety: a kill or a full disk during an append can leave a torn last line; readers
+(`read_jsonl`, a resuming RunLog, the report) drop it with a warning. A line that is not
+JSON anywhere else is an error naming file:line. A failed write names the file.
+Test: python -m pytest -q tests/test_bad_inputs.py -k metrics
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import resource
 import sys
 import time
@@ -75,6 +81,38 @@ def to_floats(metrics: dict) -> dict:
     return {k: (out[k] if math.isfinite(out[k]) else None) for k in metrics}
 
 
+def _jsonl_rows(path: Path) -> list[tuple[str, dict]]:
+    """[(line, row)] of a JSON-lines file; a torn last line is dropped with a warning."""
+    text = path.read_bytes().decode("utf-8", errors="replace")  # a torn write may split a character
+    lines = [(i, x) for i, x in enumerate(text.split("\n"), 1) if x.strip()]
+    out = []
+    for k, (i, line) in enumerate(lines):
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            if k == len(lines) - 1:
+                log.warning("%s:%d: dropping a torn last line (an append cut short by a kill or a full disk): %.60r",
+                            path, i, line)
+                break
+            raise ValueError(f"{path}:{i}: not valid JSON ({e.msg}); only a torn last line is dropped "
+                             f"automatically, this one is in the middle of the file") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{i}: expected a JSON object per line, got {type(row).__name__}")
+        out.append((line, row))
+    return out
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """Rows of a metrics.jsonl / samples.jsonl file ([] when it does not exist)."""
+    path = Path(path)
+    return [row for _, row in _jsonl_rows(path)] if path.exists() else []
+
+
+def _write_error(path: Path, e: OSError) -> ValueError:
+    return ValueError(f"cannot write {path}: {e.strerror or e}; free space or fix the folder's permissions, then "
+                      f"resume (the last checkpoint is not affected)")
+
+
 class RunLog:
     """Metric and sample sink for one run folder."""
 
@@ -83,17 +121,25 @@ class RunLog:
         """`initial` = the step the run starts from: 0 starts the files afresh; a resumed run
         keeps the rows up to `initial` and drops later ones (logged after the checkpoint)."""
         self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise _write_error(self.run_dir, e) from e
         self.metrics_path = self.run_dir / "metrics.jsonl"
         self.samples_path = self.run_dir / "samples.jsonl"
         for path in (self.metrics_path, self.samples_path):
             if path.exists():
-                rows = [x for x in path.read_text().splitlines() if x.strip()]
-                keep = [x for x in rows if initial and json.loads(x).get("step", 0) <= initial]
+                rows = _jsonl_rows(path)
+                keep = [x for x, row in rows if initial and row.get("step", 0) <= initial]
                 if len(keep) < len(rows):
                     log.info("%s: %s %d rows %s", path, "dropping" if initial else "starting afresh; removed",
                              len(rows) - len(keep), f"after step {initial} (resume)" if initial else "of a previous run")
-                path.write_text("".join(x + "\n" for x in keep))
+                tmp = path.with_name(f".{path.name}.tmp")
+                try:  # rewritten beside and renamed, so a crash here cannot lose the rows kept
+                    tmp.write_text("".join(x + "\n" for x in keep))
+                    os.replace(tmp, path)
+                except OSError as e:
+                    raise _write_error(path, e) from e
         self._tb = None
         if tensorboard:
             try:
@@ -110,8 +156,11 @@ class RunLog:
     def log(self, step: int, metrics: dict, stage: str = "train") -> dict:
         row = {"step": step, "stage": stage}
         row.update(to_floats(metrics))
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        try:
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(row) + "\n")
+        except OSError as e:
+            raise _write_error(self.metrics_path, e) from e
         if self._tb is not None:
             for k, v in row.items():
                 if k not in ("step", "stage") and v is not None:
@@ -127,9 +176,11 @@ class RunLog:
                                       refresh=False)
 
     def samples(self, step: int, rows: list[dict]) -> None:
-        with self.samples_path.open("a") as f:
-            for r in rows:
-                f.write(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n")
+        try:
+            with self.samples_path.open("a") as f:
+                f.write("".join(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in rows))
+        except OSError as e:
+            raise _write_error(self.samples_path, e) from e
 
     def close(self) -> None:
         if self._bar is not None:
@@ -139,7 +190,4 @@ class RunLog:
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(Path(run_dir) / "metrics.jsonl")

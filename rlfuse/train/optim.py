@@ -16,16 +16,22 @@ Gradients of bf16/fp16 params are accumulated in fp32 buffers across backward pa
 (a post-accumulate-grad hook moves each .grad into the buffer), so micro-batch sums do
 not round to bf16; clip with `clip_grad_norm_(opt.grads(), ...)`. No host syncs in
 `step`: the step count and lr are Python numbers kept on the host.
+
+`NonFiniteGuard` keeps NaN/inf out of the weights: a step whose loss or gradient norm is
+not finite is skipped (weights, masters, moments and step count untouched), counted, and
+after `max_consecutive` skips in a row the run stops with NonFiniteError.
 Test: python -m pytest -q tests/test_train_optim.py
 """
 
 from __future__ import annotations
 
+import logging
 import math
-
 import weakref
 
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def _fp32_grad_hook(p: torch.Tensor) -> None:
@@ -170,3 +176,81 @@ def lr_at(step: int, *, lr: float, total_steps: int, warmup_steps: int = 0, sche
     else:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
     return lr * (min_lr_ratio + (1.0 - min_lr_ratio) * decay)
+
+
+class NonFiniteError(ValueError):
+    """Training produced NaN/inf where it must not (a ValueError so the CLI reports it as
+    `rlfuse: error: ...` without a traceback)."""
+
+
+class NonFiniteGuard:
+    """Skip optimizer steps whose loss or gradient norm is NaN/inf.
+
+        if guard.step(opt, lr, loss=loss, grad_norm=grad_norm, where=f"step {s}"):
+            ...                         # stepped
+        opt.zero_grad()                 # always: a skipped step's gradients are dropped
+        metrics["skipped_steps"] = guard.pop_skipped()
+
+    A skipped step leaves the weights, the fp32 masters, the moments and the step count
+    (hence bias correction and the schedule position the optimizer sees) exactly as they
+    were. `max_consecutive` skips in a row raise NonFiniteError (0 = never)."""
+
+    def __init__(self, max_consecutive: int = 5):
+        if max_consecutive < 0:
+            raise ValueError(f"max_consecutive must be >= 0, got {max_consecutive}")
+        self.max_consecutive = max_consecutive
+        self.consecutive = 0
+        self.total_skipped = 0
+        self._pending = 0
+
+    def finite(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float, where: str = "") -> bool:
+        """True when both are finite; otherwise count a skip (and raise after too many)."""
+        vals = torch.stack([torch.as_tensor(loss, dtype=torch.float32).detach().cpu().reshape(()),
+                            torch.as_tensor(grad_norm, dtype=torch.float32).detach().cpu().reshape(())])
+        ok = bool(torch.isfinite(vals).all())  # host sync: one per optimizer step, to decide the step
+        if ok:
+            self.consecutive = 0
+            return True
+        self.consecutive += 1
+        self.total_skipped += 1
+        self._pending += 1
+        loss_v, norm_v = vals.tolist()
+        log.warning("%sloss %s, grad norm %s: not finite; optimizer step skipped (weights unchanged; %d in a row, "
+                    "%d in this run)", f"{where}: " if where else "", loss_v, norm_v, self.consecutive,
+                    self.total_skipped)
+        if self.max_consecutive and self.consecutive >= self.max_consecutive:
+            raise NonFiniteError(
+                f"{where + ': ' if where else ''}{self.consecutive} optimizer steps in a row had a non-finite loss or "
+                f"gradient norm (last: loss {loss_v}, grad norm {norm_v}); stopping (the limit is "
+                f"{self.max_consecutive}). The weights are those of the last finite step; lower optim.lr, "
+                f"check the data and rewards, or use float32")
+        return False
+
+    def step(self, optimizer: "MasterAdamW", lr: float | None = None, *, loss, grad_norm, where: str = "") -> bool:
+        """optimizer.step(lr) when loss and grad_norm are finite; returns whether it stepped."""
+        if not self.finite(loss, grad_norm, where):
+            return False
+        optimizer.step(lr)
+        return True
+
+    def pop_skipped(self) -> float:
+        """Steps skipped since the previous call (for the per-step metric), then reset."""
+        n, self._pending = self._pending, 0
+        return float(n)
+
+    def state_dict(self) -> dict:
+        return {"consecutive": self.consecutive, "total_skipped": self.total_skipped}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.consecutive, self.total_skipped = int(sd["consecutive"]), int(sd["total_skipped"])
+
+
+@torch.no_grad()
+def nonfinite_tensors(named_tensors) -> list[str]:
+    """Names of the tensors holding NaN or inf, from (name, tensor) pairs; one host sync."""
+    named = [(n, t) for n, t in named_tensors if t.is_floating_point()]
+    if not named:
+        return []
+    dev = named[0][1].device
+    flags = torch.stack([torch.isfinite(t).all().to(dev) for _, t in named])
+    return [n for (n, _), ok in zip(named, flags.tolist()) if not ok]  # host sync: once per check

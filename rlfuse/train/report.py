@@ -1,36 +1,82 @@
 """`rlfuse report RUN_DIR`: PNG plots of metrics.jsonl and a one-page HTML summary.
 
 Every folder at or below RUN_DIR (two levels; the demo writes sft/ and grpo/) holding a
-metrics.jsonl gets a section: its config, the last logged values, the eval results and
-one PNG per metric group (reward and accuracy, completion length, loss/clipping/KL/
-entropy, optimizer, time split, throughput, log-prob mismatch, memory), plus the latest
-sample completions. Output: RUN_DIR/report/index.html and RUN_DIR/report/*.png.
+metrics.jsonl gets a section. The page leads with the headline result (held-out accuracy
+before -> after, or held-out reward, or the final loss when there is no evaluation), then
+per run: the held-out evaluation (plotted and tabulated), one PNG per metric group, the
+last logged values, the latest sample completions and the config.
+
+Plot rules: every axis has a y label with its unit; a panel holds metrics of one unit, and
+lines whose magnitudes differ by more than SCALE_RATIO get separate axes; the page heads
+each figure, the figure titles only its panels (no doubled titles). Accuracy measured on
+the sampled training completions is "training-sample accuracy"; accuracy of greedy
+completions of the held-out prompts is "held-out accuracy".
+Output: RUN_DIR/report/index.html and RUN_DIR/report/*.png.
+Test: python -m pytest -q tests/test_report.py
 """
 
 from __future__ import annotations
 
 import html
-import json
 import math
 from pathlib import Path
 
-GROUPS = [
-    ("reward", ("reward/", "accuracy")),
-    ("length", ("completion_len/", "truncated_frac")),
-    ("policy", ("loss", "clip_frac", "kl", "entropy", "ratio_mean")),
-    ("advantage", ("adv/", "groups/")),
-    ("optimizer", ("grad_norm", "lr")),
-    ("time", ("time/",)),
-    ("throughput", ("tokens_per_s",)),
-    ("mismatch", ("mismatch/",)),
-    ("memory", ("memory/",)),
+from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
+
+from rlfuse.train.metrics import read_jsonl
+
+SCALE_RATIO = 10.0
+"""Lines whose typical magnitudes differ by more than this factor go on separate axes."""
+
+# group -> panels (title, y label, metric-key patterns); "x/" matches keys under x/, "x_" keys
+# starting with x_, anything else the exact key. The first panel claiming a key plots it.
+GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
+    ("reward", [("training-sample accuracy", "fraction correct", ("accuracy",)),
+                ("reward (weighted total)", "reward", ("reward/mean", "reward/std")),
+                ("reward per function", "reward", ("reward/",)),
+                ("reward errors", "examples per step", ("reward_errors/",))]),
+    ("completions", [("completion length", "tokens", ("completion_len/",)),
+                           ("truncated completions", "fraction", ("truncated_frac",))]),
+    ("training objective", [("loss", "loss", ("loss",)),
+                     ("clipped tokens", "fraction of tokens", ("clip_frac", "clip_frac_")),
+                     ("importance ratio", "ratio", ("ratio_mean",)),
+                     ("KL to the reference", "nats per token", ("kl",)),
+                     ("entropy", "nats per token", ("entropy",))]),
+    ("advantage", [("advantage statistics", "advantage", ("adv/",)),
+                   ("zero-variance groups", "fraction of groups", ("groups/zero_variance_frac",)),
+                   ("groups trained", "groups", ("groups/kept",))]),
+    ("optimizer", [("gradient norm", "L2 norm (before clipping)", ("grad_norm",)),
+                   ("learning rate", "learning rate", ("lr",)),
+                   ("skipped updates", "steps", ("skipped_update", "skipped_steps"))]),
+    ("time", [("time per step", "seconds", ("time/",))]),
+    ("throughput", [("tokens per second", "tokens / s", ("tokens_per_s", "tokens_per_s/")),
+                    ("tokens per step", "tokens", ("tokens", "target_tokens"))]),
+    ("rollout vs trainer log-probs", [("log-prob difference", "|delta log p| (nats)", ("mismatch/max_abs",
+                                                                                         "mismatch/mean_abs")),
+                                      ("mismatch KL (k3)", "nats", ("mismatch/kl_k3",)),
+                                      ("largest ratio", "ratio", ("mismatch/ratio_max",))]),
+    ("memory", [("peak memory", "MiB", ("memory/",))]),
 ]
+EVAL_PANELS = [("held-out accuracy", "fraction solved", ("accuracy",)),
+               ("held-out reward", "reward", ("reward",)),
+               ("held-out completion length", "tokens", ("completion_len",)),
+               ("truncated held-out completions", "fraction", ("truncated_frac",))]
+EVAL_LABELS = {"accuracy": "held-out accuracy", "reward": "held-out reward",
+               "completion_len": "held-out completion length", "truncated_frac": "held-out truncated fraction"}
+LABELS = {"accuracy": "training-sample accuracy"}
+"""Legend names of training-stage keys that would be ambiguous next to the held-out ones."""
+_FRACTIONS = ("fraction correct", "fraction solved")
+
+
+def _matches(key: str, pattern: str) -> bool:
+    if pattern.endswith(("/", "_")):
+        return key.startswith(pattern)
+    return key == pattern
 
 
 def _runs(run_dir: Path) -> list[Path]:
-    found = [p.parent for p in sorted(run_dir.glob("metrics.jsonl"))]
-    found += [p.parent for p in sorted(run_dir.glob("*/metrics.jsonl"))]
-    found += [p.parent for p in sorted(run_dir.glob("*/*/metrics.jsonl"))]
+    found = [p.parent for pat in ("metrics.jsonl", "*/metrics.jsonl", "*/*/metrics.jsonl")
+             for p in sorted(run_dir.glob(pat))]
     return found
 
 
@@ -48,33 +94,158 @@ def _series(rows: list[dict], stage: str) -> dict[str, tuple[list, list]]:
     return out
 
 
-def _plot(series: dict, prefixes, title: str, path: Path) -> bool:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def _magnitude(ys: list[float]) -> float:
+    return max((abs(y) for y in ys), default=0.0)
 
-    keys = [k for k in series if any(k == p or (p.endswith("/") and k.startswith(p)) or
-                                     (not p.endswith("/") and k.startswith(p)) for p in prefixes)]
-    if not keys:
-        return False
-    fig, ax = plt.subplots(figsize=(6.4, 3.6), dpi=90)
-    for k in keys:
-        xs, ys = series[k]
-        ax.plot(xs, ys, label=k, marker="o" if len(xs) < 3 else None)
-    ax.set_title(title)
-    ax.set_xlabel("step")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+
+def _split_by_scale(keys: list[str], series: dict) -> list[list[str]]:
+    """Keys grouped so that magnitudes within a group differ by at most SCALE_RATIO (all-zero
+    lines join the first group)."""
+    mags = sorted(((_magnitude(series[k][1]), k) for k in keys), reverse=True)
+    groups: list[list[str]] = []
+    top = 0.0
+    for m, k in mags:
+        if groups and (m == 0 or top / m <= SCALE_RATIO):
+            groups[-1].append(k)
+        else:
+            groups.append([k])
+            top = m
+    return groups
+
+
+def _panels(series: dict, panels) -> list[tuple[str, str, list[str]]]:
+    """(title, y label, keys) per axis: panels of `panels` that have data, split by scale."""
+    out, claimed = [], set()
+    for title, ylabel, patterns in panels:
+        keys = [k for k in series if k not in claimed and any(_matches(k, p) for p in patterns)]
+        claimed.update(keys)
+        for i, part in enumerate(_split_by_scale(keys, series) if keys else []):
+            out.append((title if i == 0 else f"{title}: smaller values", ylabel, part))
+    return out
+
+
+def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, path: Path, labels: dict,
+            extra: dict | None = None) -> None:
+    """One PNG: a grid of panels (two columns). `extra` maps a panel title to further
+    (label, xs, ys, style) lines drawn on it."""
+    n = len(axes)
+    cols = 1 if n == 1 else 2
+    rows = -(-n // cols)
+    fig = Figure(figsize=(4.6 * cols, 2.9 * rows), dpi=90)
+    grid = fig.subplots(rows, cols, squeeze=False)
+    for ax, (title, ylabel, keys) in zip(grid.flat, axes):
+        for k in keys:
+            xs, ys = series[k]
+            ax.plot(xs, ys, label=labels.get(k, k), marker="o" if len(xs) < 12 else None, markersize=4)
+        for label, xs, ys, style in (extra or {}).get(title, []):
+            ax.plot(xs, ys, label=label, **style)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel, fontsize=9)
+        ax.set_xlabel(xlabel, fontsize=9)
+        if ylabel in _FRACTIONS:
+            ax.set_ylim(-0.03, 1.03)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=8)
+        if ax.get_yscale() == "linear":
+            ax.ticklabel_format(axis="y", useOffset=False)  # "1e-7+1" offsets are hard to read
+        ax.legend(fontsize=7)
+    for ax in list(grid.flat)[n:]:
+        ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path)
-    plt.close(fig)
-    return True
+
+
+def _fmt(v) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else html.escape(str(v))
 
 
 def _table(d: dict) -> str:
-    cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{v:.4g}</td></tr>" if isinstance(v, float)
-                    else f"<tr><td>{html.escape(str(k))}</td><td>{html.escape(str(v))}</td></tr>" for k, v in d.items())
+    cells = "".join(f"<tr><td>{html.escape(str(k))}</td><td>{_fmt(v)}</td></tr>" for k, v in d.items())
     return f"<table>{cells}</table>"
+
+
+def headline(rows: list[dict]) -> str | None:
+    """One line with the run's result: held-out accuracy (else reward) first -> last
+    evaluation, or the final training loss / reward when there was no evaluation."""
+    evals = [r for r in rows if r.get("stage") == "eval"]
+    key = next((k for k in ("accuracy", "reward") if any(isinstance(r.get(k), (int, float)) for r in evals)), None)
+    if key is not None:
+        pts = [r for r in evals if isinstance(r.get(key), (int, float))]
+        first, last = pts[0], pts[-1]
+        n = last.get("num_problems")
+        on = f" on {int(n)} problems" if isinstance(n, (int, float)) else ""
+        if len(pts) == 1:
+            return f"held-out {key} {first[key]:.3f} at step {first['step']}{on}"
+        return (f"held-out {key} {first[key]:.3f} &rarr; {last[key]:.3f} ({last[key] - first[key]:+.3f}) "
+                f"from step {first['step']} to step {last['step']}{on}")
+    train = [r for r in rows if r.get("stage") != "eval"]
+    for k, what in (("reward/mean", "training reward"), ("loss", "training loss")):
+        pts = [r for r in train if isinstance(r.get(k), (int, float))]
+        if pts:
+            return (f"{what} {pts[0][k]:.4g} &rarr; {pts[-1][k]:.4g} from step {pts[0]['step']} to step "
+                    f"{pts[-1]['step']} (no held-out evaluation logged)")
+    return None
+
+
+def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
+    parts = [f"<h2>{html.escape(name)}</h2>"]
+    if line := headline(rows):
+        parts.append(f"<p class='headline'>{line}</p>")
+    stem = name.replace("/", "_").strip(".") or "run"
+    stages = [s for s in dict.fromkeys(r.get("stage", "train") for r in rows) if s != "eval"]
+    evals = [r for r in rows if r.get("stage") == "eval"]
+    if evals:
+        parts.append("<h3>held-out evaluation (greedy completions of the held-out prompts)</h3>")
+        ev = _series(rows, "eval")
+        axes = _panels(ev, EVAL_PANELS)
+        # the training-sample accuracy beside the held-out one: same unit, different name
+        train_acc = {s: _series(rows, s).get("accuracy") for s in stages}
+        extra = {"held-out accuracy": [(f"training-sample accuracy ({s})", *xy, dict(alpha=0.45, linewidth=1))
+                                       for s, xy in train_acc.items() if xy]}
+        if axes:
+            png = out / f"{stem}_eval.png"
+            _figure(ev, axes, "step", png, EVAL_LABELS, extra)
+            parts.append(f'<img src="{png.name}" alt="held-out evaluation">')
+        keys = [k for k in evals[0] if k != "stage"]
+        head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
+        body = "".join("<tr>" + "".join(f"<td>{_fmt(r.get(k))}</td>" for k in keys) + "</tr>" for r in evals)
+        parts.append(f"<table><tr>{head}</tr>{body}</table>")
+    for stage in stages:
+        series = _series(rows, stage)
+        xlabel = f"{stage} step"
+        prefix = stem if stem == stage else f"{stem}_{stage}"
+        for gname, panels in GROUPS:
+            axes = _panels(series, panels)
+            if not axes:
+                continue
+            png = out / f"{prefix}_{gname.replace(' ', '_')}.png"
+            _figure(series, axes, xlabel, png, LABELS)
+            parts.append(f"<h3>{html.escape(stage)}: {html.escape(gname)}</h3><img src='{png.name}' "
+                         f"alt='{html.escape(gname)}'>")
+        known = {k for _, panels in GROUPS for _, _, pats in panels for k in series if any(_matches(k, p) for p in pats)}
+        others = [k for k in series if k not in known]
+        if others:  # metrics no group knows: one panel each, so nothing logged goes unseen
+            png = out / f"{prefix}_other.png"
+            _figure(series, [(k, "value", [k]) for k in others], xlabel, png, {})
+            parts.append(f"<h3>{html.escape(stage)}: other metrics</h3><img src='{png.name}' alt='other metrics'>")
+        last = [r for r in rows if r.get("stage") == stage][-1]
+        parts.append(f"<details><summary>{html.escape(stage)}: values at the last logged step ({last['step']})"
+                     f"</summary>{_table({k: v for k, v in last.items() if k != 'stage'})}</details>")
+    samples = read_jsonl(run / "samples.jsonl")[-6:]
+    if samples:
+        items = "".join(f"<li><b>step {s.get('step')}, reward {_fmt(s.get('reward'))}</b><pre>"
+                        f"{html.escape(str(s.get('prompt', '')))}<b>{html.escape(str(s.get('completion', '')))}</b>"
+                        f"</pre></li>" for s in samples)
+        parts.append(f"<h3>latest sample completions (training)</h3><ul>{items}</ul>")
+    cfg = run / "config.yaml"
+    if cfg.exists():
+        parts.append(f"<details><summary>config.yaml</summary><pre>{html.escape(cfg.read_text())}</pre></details>")
+    return parts
+
+
+def _order(item: tuple[Path, list[dict]]) -> tuple:
+    # pipeline order: a folder that ran SFT before one that ran RL, then by name
+    return ("sft" not in {r.get("stage") for r in item[1]}, item[0].as_posix())
 
 
 def render(run_dir: str | Path) -> Path:
@@ -82,44 +253,26 @@ def render(run_dir: str | Path) -> Path:
     runs = _runs(run_dir)
     if not runs:
         raise ValueError(f"{run_dir}: no metrics.jsonl here or in its subfolders (is this a run folder?)")
+    loaded = sorted(((run, read_jsonl(run / "metrics.jsonl")) for run in runs), key=_order)
     out = run_dir / "report"
     out.mkdir(exist_ok=True)
+    for old in out.glob("*.png"):  # plots of an earlier rendering (groups may have changed)
+        old.unlink()
+    names = [run.relative_to(run_dir).as_posix() if run != run_dir else "." for run, _ in loaded]
+    heads = [(name, headline(rows)) for name, (_, rows) in zip(names, loaded)]
+    summary = "".join(f"<li><b>{html.escape(n)}</b>: {h}</li>" for n, h in heads if h)
     parts = [f"<h1>rlfuse run {html.escape(str(run_dir))}</h1>"]
-    for run in runs:
-        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
-        name = run.relative_to(run_dir).as_posix() if run != run_dir else "."
-        parts.append(f"<h2>{html.escape(name)}</h2>")
-        stages = list(dict.fromkeys(r.get("stage", "train") for r in rows))
-        evals = [r for r in rows if r.get("stage") == "eval"]
-        if evals:
-            keys = [k for k in evals[0] if k != "stage"]
-            head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
-            body = "".join("<tr>" + "".join(f"<td>{r.get(k) if not isinstance(r.get(k), float) else f'{r[k]:.4g}'}</td>"
-                                            for k in keys) + "</tr>" for r in evals)
-            parts.append(f"<h3>evaluation</h3><table><tr>{head}</tr>{body}</table>")
-        for stage in stages:
-            if stage == "eval":
-                continue
-            last = [r for r in rows if r.get("stage") == stage][-1]
-            parts.append(f"<h3>{html.escape(stage)}: last logged step {last['step']}</h3>")
-            parts.append(_table({k: v for k, v in last.items() if k not in ("stage",)}))
-            series = _series(rows, stage)
-            for gname, prefixes in GROUPS:
-                png = out / f"{name.replace('/', '_').strip('.') or 'run'}_{stage}_{gname}.png"
-                if _plot(series, prefixes, f"{name} {stage}: {gname}", png):
-                    parts.append(f'<img src="{png.name}" alt="{gname}">')
-        samples = run / "samples.jsonl"
-        if samples.exists():
-            last = [json.loads(x) for x in samples.read_text().splitlines()[-6:]]
-            items = "".join(f"<li><b>step {s.get('step')}, reward {s.get('reward')}</b><pre>"
-                            f"{html.escape(str(s.get('prompt', '')))}<b>{html.escape(str(s.get('completion', '')))}</b>"
-                            f"</pre></li>" for s in last)
-            parts.append(f"<h3>latest samples</h3><ul>{items}</ul>")
-        cfg = run / "config.yaml"
-        if cfg.exists():
-            parts.append(f"<details><summary>config.yaml</summary><pre>{html.escape(cfg.read_text())}</pre></details>")
-    style = ("body{font-family:sans-serif;max-width:1100px;margin:auto}table{border-collapse:collapse;margin:6px 0}"
-             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}img{max-width:49%}pre{white-space:pre-wrap}")
+    if summary:
+        parts.append(f"<div class='summary'><h2>result</h2><ul>{summary}</ul></div>")
+    for name, (run, rows) in zip(names, loaded):
+        if rows:
+            parts += _section(run, name, rows, out)
+        else:
+            parts.append(f"<h2>{html.escape(name)}</h2><p>metrics.jsonl has no rows yet.</p>")
+    style = ("body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse;margin:6px 0}"
+             "td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}img{max-width:100%}"
+             "pre{white-space:pre-wrap}.summary{background:#f3f6fa;padding:4px 14px;border-radius:6px}"
+             ".headline{font-size:17px}")
     index = out / "index.html"
     index.write_text(f"<!doctype html><html><head><meta charset='utf-8'><title>rlfuse report</title>"
                      f"<style>{style}</style></head><body>{''.join(parts)}</body></html>")

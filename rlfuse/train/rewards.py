@@ -14,17 +14,20 @@ Built-ins (BUILTINS):
                   right) the completion's integer gets right (1.0 iff exact)
   countdown       1.0 if the completion's expression reaches `target` from `numbers`
   format          1.0 if the completion matches <think>...</think> <answer>...</answer>
-                  (kwargs: pattern= to use another regex, fullmatch)
+                  (kwargs: pattern= another regex, searched with re.S)
   length_penalty  -coef * len(completion_ids) / max_len   (kwargs: coef=1.0, max_len=1000)
   overlong_penalty  DAPO's soft overlong punishment: 0 up to max_len - buffer tokens,
                   then linearly down to -1 at max_len (and -1 when truncated)
 User functions: "package.module:function" or "path/to/file.py:function" (kwargs are bound).
 
 `RewardSet.score(...)` returns (total (B,), per-function dict of (B,) lists). A function
-that raises is re-run per example to find the first failing one; with
-on_reward_error="raise" the run stops with a ValueError naming the function, the example
-index, its prompt and completion; with "zero" failing examples score 0 and are counted
-(metrics `reward_errors/<name>`) and logged once per function.
+that raises is re-run per example to find the first failing one. A returned NaN or +-inf is
+a failure too (None is the way to say "does not apply"). With on_reward_error="raise" the
+run stops with a ValueError naming the function, the example index, its prompt and
+completion; with "zero" failing examples score 0 and are counted (metrics
+`reward_errors/<name>`, per step) and logged once per function; a function that fails on
+every example of a `score()` call is an error even then. Built-ins take their settings
+(RewardSpec.kwargs) as keyword-only parameters; an unknown kwarg is an error at start.
 Test: python -m pytest -q tests/test_rewards.py
 """
 
@@ -33,6 +36,7 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import logging
 import math
 import re
@@ -83,16 +87,16 @@ def countdown(prompts, completions, numbers, target, use_all=None, **_):
 _FORMAT = r"^\s*<think>.*?</think>\s*<answer>.*?</answer>\s*$"
 
 
-def format_reward(prompts, completions, pattern: str = _FORMAT, **_):
+def format_reward(prompts, completions, *, pattern: str = _FORMAT, **_):
     rx = re.compile(pattern, re.S)
     return [1.0 if rx.search(c) else 0.0 for c in completions]
 
 
-def length_penalty(prompts, completions, completion_ids, coef: float = 1.0, max_len: int = 1000, **_):
+def length_penalty(prompts, completions, completion_ids, *, coef: float = 1.0, max_len: int = 1000, **_):
     return [-coef * len(ids) / max_len for ids in completion_ids]
 
 
-def overlong_penalty(prompts, completions, completion_ids, truncated, max_len: int = 1024,
+def overlong_penalty(prompts, completions, completion_ids, truncated, *, max_len: int = 1024,
                      buffer: int = 256, **_):
     out = []
     for ids, cut in zip(completion_ids, truncated):
@@ -150,8 +154,40 @@ def _short(s: str, n: int = 300) -> str:
     return s if len(s) <= n else s[:n] + f"... [{len(s) - n} more chars]"
 
 
+def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
+    """ValueError when `kwargs` (a RewardSpec's) cannot be bound to `fn`. Built-ins take
+    their settings as keyword-only parameters (the rest are dataset columns), so those are
+    the valid kwargs; a user function without **kwargs accepts only its named parameters."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a callable without a readable signature: bound as given
+        return
+    if name in BUILTINS:
+        valid = {k: p for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return
+    else:
+        valid = {k: p for k, p in params.items() if k not in ("prompts", "completions")}
+    for k, v in kwargs.items():
+        if k not in valid:
+            allowed = ", ".join(valid) if valid else "none"
+            raise ValueError(f"reward {name!r}: unknown keyword argument {k!r} in kwargs "
+                             f"(valid kwargs of {name!r}: {allowed})")
+        default = valid[k].default
+        if name in BUILTINS and isinstance(default, (int, float)) and not isinstance(default, bool) and \
+                (not isinstance(v, (int, float)) or isinstance(v, bool)):
+            raise ValueError(f"reward {name!r}: kwargs.{k} must be a number, got {v!r}")
+        if name in BUILTINS and isinstance(default, str) and not isinstance(v, str):
+            raise ValueError(f"reward {name!r}: kwargs.{k} must be a string, got {v!r}")
+
+
 class RewardSet:
-    """Weighted reward functions; see the module docstring."""
+    """Weighted reward functions; see the module docstring.
+
+    Error counts (on_reward_error="zero"): `error_counts` holds the counts of the latest
+    `score()` call (one call per GRPO step, so it is the step's count); `pop_error_counts()`
+    returns the counts summed since its previous call and resets them (for a step that
+    scores in several calls); `total_error_counts` is the run's total."""
 
     def __init__(self, specs: list[RewardSpec], on_error: str = "raise"):
         if not specs:
@@ -162,43 +198,65 @@ class RewardSet:
         for s in specs:
             base = s.name.rsplit(":", 1)[-1]
             name = base if base not in self.names else f"{base}_{len(self.names)}"
+            fn = resolve(s.name)
+            check_kwargs(s.name, fn, s.kwargs)
             self.names.append(name)
-            self.fns.append(functools.partial(resolve(s.name), **s.kwargs) if s.kwargs else resolve(s.name))
+            self.fns.append(functools.partial(fn, **s.kwargs) if s.kwargs else fn)
             self.weights.append(float(s.weight))
         self.on_error = on_error
         self.error_counts = {n: 0 for n in self.names}
+        self.total_error_counts = {n: 0 for n in self.names}
+        self._pending_counts = {n: 0 for n in self.names}
+        self._last_failure: dict[str, str] = {}
         self.correctness = next((n for n, s in zip(self.names, specs) if s.name in CORRECTNESS), None)
+
+    def pop_error_counts(self) -> dict[str, int]:
+        """Errors per function since the previous call (then reset to 0)."""
+        out, self._pending_counts = self._pending_counts, {n: 0 for n in self.names}
+        return out
+
+    def _fail(self, name: str, i: int, what: str, prompts, completions, cause=None) -> float:
+        """Example i of function `name` failed (raised, or returned a non-finite number):
+        raise naming the function and the example, or count it and score 0."""
+        if self.on_error == "raise":
+            raise RewardError(
+                f"reward function {name!r} {what}\n"
+                f"  on example {i}: prompt={_short(prompts[i])!r}\n"
+                f"  completion={_short(completions[i])!r}\n"
+                f"  (set on_reward_error: zero to score such examples 0 and continue)") from cause
+        if self.error_counts[name] == 0 and self.total_error_counts[name] == 0:
+            log.warning("reward function %r %s on example %d (completion %r); scoring 0 (on_reward_error=zero), "
+                        "counted in metrics reward_errors/%s", name, what, i, _short(completions[i], 120), name)
+        self.error_counts[name] += 1
+        self._last_failure[name] = f"example {i}: {what}"
+        return 0.0
+
+    def _finite(self, name, vals, raw, prompts, completions, offset: int = 0) -> list[float]:
+        # None -> NaN means "does not apply"; a NaN or +-inf the function returned is an error
+        return [self._fail(name, offset + i, f"returned {r!r} (expected a finite number or None)", prompts,
+                           completions) if r is not None and not math.isfinite(v) else v
+                for i, (v, r) in enumerate(zip(vals, raw))]
 
     def _call(self, name, fn, prompts, completions, columns) -> list[float]:
         n = len(completions)
         try:
-            vals = fn(prompts, completions, **columns)
-            return self._check(name, vals, n)
+            raw = fn(prompts, completions, **columns)
         except RewardError:
             raise
-        except Exception as batch_err:  # user code: find the failing example(s)
+        except Exception:  # user code: find the failing example(s)
             out = []
             for i in range(n):
                 cols_i = {k: v[i:i + 1] for k, v in columns.items()}
                 try:
-                    out += self._check(name, fn(prompts[i:i + 1], completions[i:i + 1], **cols_i), 1)
+                    raw_i = fn(prompts[i:i + 1], completions[i:i + 1], **cols_i)
                 except RewardError:
                     raise
                 except Exception as e:
-                    if self.on_error == "raise":
-                        raise RewardError(
-                            f"reward function {name!r} raised {type(e).__name__}: {e}\n"
-                            f"  on example {i}: prompt={_short(prompts[i])!r}\n"
-                            f"  completion={_short(completions[i])!r}\n"
-                            f"  (set on_reward_error: zero to score such examples 0 and continue)") from e
-                    if self.error_counts[name] == 0:
-                        log.warning("reward function %r raised %s: %s on example %r; scoring 0 "
-                                    "(on_reward_error=zero)", name, type(e).__name__, e, _short(completions[i], 120))
-                    self.error_counts[name] += 1
-                    out.append(0.0)
-            if len(out) != n:  # pragma: no cover - guarded by _check
-                raise RewardError(f"reward function {name!r}: {batch_err}")
+                    out.append(self._fail(name, i, f"raised {type(e).__name__}: {e}", prompts, completions, e))
+                    continue
+                out += self._finite(name, self._check(name, raw_i, 1), list(raw_i), prompts, completions, i)
             return out
+        return self._finite(name, self._check(name, raw, n), list(raw), prompts, completions)
 
     @staticmethod
     def _check(name, vals, n) -> list[float]:
@@ -217,9 +275,17 @@ class RewardSet:
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
         """(total [B floats], {name: [B floats (NaN = not applicable)]})."""
+        self.error_counts = {n: 0 for n in self.names}
         per = {}
         for name, fn in zip(self.names, self.fns):
             per[name] = self._call(name, fn, prompts, completions, columns)
+            failed = self.error_counts[name]
+            self.total_error_counts[name] += failed
+            self._pending_counts[name] += failed
+            if completions and failed == len(completions):
+                raise RewardError(f"reward function {name!r} failed on all {failed} examples of this batch, "
+                                  f"e.g. {self._last_failure[name]} (on_reward_error=zero scores occasional "
+                                  f"failures 0; a function that fails on every example is a bug to fix)")
         total = [sum(w * v for w, v in zip(self.weights, vals) if not math.isnan(v))
                  for vals in zip(*per.values())]
         return total, per

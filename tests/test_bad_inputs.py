@@ -1,0 +1,582 @@
+"""The bad-input corpus: each case feeds one bad input and asserts what the user sees.
+
+Either an error naming the file, line or field and what was expected -- a ValueError (the
+CLI prints those as one `rlfuse: error: ...` line, no traceback; a few cases run the CLI
+itself) -- or, where the input is recoverable, that it is handled and reported (a
+warning naming the file:line / checkpoint). Groups: data, rewards, model config.json,
+kernels, checkpoints and the filesystem, metrics and report, non-finite numbers.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model.config import check_kernel_support, triton_attention_supports
+from rlfuse.train import checkpoint as ck
+from rlfuse.train import metrics as mt
+from rlfuse.train.build import char_tokenizer
+from rlfuse.train.config import DataConfig, RewardSpec
+from rlfuse.train.data import build_prompts, build_sft_examples, load_rows
+from rlfuse.train.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
+from rlfuse.train.report import render
+from rlfuse.train.rewards import RewardSet
+
+ALPHA = "abcdefghijklmnopqrstuvwxyz0123456789 +-*=?.:"
+
+
+def expect_error(fn, pattern: str):
+    """fn() raises a ValueError (one clean CLI line) whose message matches `pattern`."""
+    with pytest.raises(ValueError, match=pattern) as info:
+        fn()
+    assert "Traceback" not in str(info.value)
+    return info.value
+
+
+# ------------------------------------------------------------------ data files
+def _file(tmp, name, content):
+    p = tmp / name
+    if isinstance(content, bytes):
+        p.write_bytes(content)
+    elif content is None:
+        p.mkdir()
+    else:
+        p.write_text(content)
+    return p
+
+
+DATA_FILE_CASES = [
+    # (id, file name, content (None = a folder), need_target, expected message)
+    ("missing-file", "absent.jsonl", "SKIP", False, r"absent\.jsonl: no such data file"),
+    ("folder", "d.jsonl", None, False, r"d\.jsonl: is a folder; expected a \.jsonl, \.json or \.parquet file"),
+    ("empty-file", "d.jsonl", "", False, r"d\.jsonl: the data file is empty \(expected rows\)"),
+    ("blank-lines-only", "d.jsonl", "\n \n\n", False, r"d\.jsonl: the data file is empty"),
+    ("empty-json-list", "d.json", "[]", False, r"d\.json: no rows in the data file"),
+    ("latin1-bytes-jsonl", "d.jsonl", b'{"prompt": "a"}\n{"prompt": "\xe9t\xe9"}\n', False,
+     r"d\.jsonl:2: not valid UTF-8 \(byte 0xe9 at offset \d+\); save the file as UTF-8"),
+    ("latin1-bytes-json", "d.json", b'[\n{"prompt": "a"},\n{"prompt": "\xff"}]', False,
+     r"d\.json:3: not valid UTF-8 \(byte 0xff"),
+    ("bad-json-line", "d.jsonl", '{"prompt": "a"}\n{"prompt": "b",}\n', False, r"d\.jsonl:2: not valid JSON"),
+    ("bad-json-file", "d.json", '[{"prompt": "a"},\n{"prompt" "b"}]', False, r"d\.json:2: not valid JSON"),
+    ("json-object-without-data", "d.json", '{"rows": []}', False,
+     r"d\.json: expected a list of rows \(or an object with a 'data' list\)"),
+    ("row-not-object", "d.jsonl", '{"prompt": "a"}\n[1, 2]\n', False, r"d\.jsonl:2: expected an object \(a row of "
+                                                                       r"fields\), got list"),
+    ("missing-prompt-field", "d.jsonl", '{"question": "a"}\n', False,
+     r"d\.jsonl:1: missing field 'prompt' \(or 'messages'\); the row has fields \['question'\]"),
+    ("prompt-not-string", "d.jsonl", '{"prompt": 3}\n', False, r"d\.jsonl:1: field 'prompt' must be a string, got int"),
+    ("answer-a-list", "d.jsonl", '{"prompt": "a", "answer": [1]}\n', False,
+     r"d\.jsonl:1: field 'answer' must be a string or a number, got list"),
+    ("messages-malformed", "d.jsonl", '{"messages": [{"role": "user"}]}\n', False,
+     r"d\.jsonl:1: field messages\[0\] must be an object with string 'role' and 'content'"),
+    ("messages-empty", "d.jsonl", '{"messages": []}\n', False,
+     r"d\.jsonl:1: field 'messages' must be a non-empty list of messages"),
+    ("sft-no-completion", "d.jsonl", '{"prompt": "a"}\n', True,
+     r"d\.jsonl:1: missing field 'completion' \(the SFT target; 'answer' is used when it is absent\)"),
+    ("sft-chat-no-assistant", "d.jsonl", '{"messages": [{"role": "user", "content": "x"}]}\n', True,
+     r"d\.jsonl:1: field 'messages' has no assistant message to train on"),
+    ("csv-file", "d.csv", "prompt\nx\n", False,
+     r"d\.csv: unsupported data file type '\.csv' \(expected \.jsonl, \.json or \.parquet\)"),
+    ("garbage-parquet", "d.parquet", b"not parquet at all", False,
+     r"d\.parquet: (not a readable Parquet file|reading Parquet needs pyarrow)"),
+]
+
+
+@pytest.mark.parametrize("name,content,need_target,msg", [c[1:] for c in DATA_FILE_CASES],
+                         ids=[c[0] for c in DATA_FILE_CASES])
+def test_bad_data_file(tmp_path, name, content, need_target, msg):
+    p = tmp_path / name if content == "SKIP" else _file(tmp_path, name, content)
+    expect_error(lambda: load_rows(DataConfig(train=str(p)), need_target=need_target), msg)
+
+
+def test_no_train_data_given():
+    expect_error(lambda: load_rows(DataConfig()), r"data\.train is empty: give a \.jsonl/\.json/\.parquet file or "
+                                                  r"builtin:<task>")
+
+
+@pytest.fixture
+def tok():
+    return char_tokenizer(ALPHA)
+
+
+def _rows(tmp, rows):
+    p = tmp / "d.jsonl"
+    p.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return p
+
+
+# handled and reported: (id, rows, build kwargs, {reason: count}, text in the warning)
+DROP_CASES = [
+    ("empty-prompt", [{"prompt": "1+1="}, {"prompt": "  "}], {}, {"empty": 1}, "1 empty (e.g. {p}:2)"),
+    ("over-max-prompt-len", [{"prompt": "1+1="}, {"prompt": "9" * 30}], {},
+     {"longer than data.max_prompt_len=20 tokens": 1}, "{p}:2 (30 tokens)"),
+    ("would-fill-the-context", [{"prompt": "1+1="}, {"prompt": "9" * 24}], {"context_len": 24},
+     {"longer than data.max_prompt_len=20 tokens": 1}, "{p}:2 (24 tokens)"),
+]
+
+
+@pytest.mark.parametrize("rows,kw,counts,text", [c[1:] for c in DROP_CASES], ids=[c[0] for c in DROP_CASES])
+def test_prompts_dropped_counted_and_reported(tmp_path, tok, caplog, rows, kw, counts, text):
+    p = _rows(tmp_path, rows)
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    got = {}
+    with caplog.at_level(logging.WARNING):
+        prompts = build_prompts(load_rows(cfg), tok, cfg, counts=got, **kw)
+    assert len(prompts) == 1 and got == counts
+    assert text.format(p=p) in caplog.text
+
+
+def test_every_prompt_dropped_is_an_error(tmp_path, tok):
+    p = _rows(tmp_path, [{"prompt": ""}, {"prompt": "9" * 30}])
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, "eval"),
+                 r"data eval: no prompts left of 2 rows after the checks above \(1 empty, 1 longer than "
+                 r"data\.max_prompt_len=20 tokens\)")
+
+
+def test_max_prompt_len_over_the_context(tmp_path, tok):
+    p = _rows(tmp_path, [{"prompt": "1+1=", "completion": "2"}])
+    cfg = DataConfig(train=str(p), max_prompt_len=512)
+    msg = r"data\.max_prompt_len \(512\) does not fit in the model context \(64 tokens.*expected at most 63"
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, context_len=64), msg)
+    expect_error(lambda: build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 32, context_len=64), msg)
+
+
+def test_prompt_template_with_an_unknown_field(tmp_path, tok):
+    p = _rows(tmp_path, [{"prompt": "1+1="}])
+    cfg = DataConfig(train=str(p), prompt_template="Q: {question}")
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg),
+                 r"d\.jsonl:1: data\.prompt_template 'Q: \{question\}' cannot be filled from the row's fields "
+                 r"\['prompt'\]")
+
+
+@pytest.mark.parametrize("overlong,counts", [("truncate", {"truncated to 16 tokens (sft.max_seq_len)": 1}),
+                                             ("drop", {"dropped: longer than 16 tokens (sft.max_seq_len)": 1})])
+def test_sft_sequence_over_the_limit_is_handled_and_counted(tmp_path, tok, caplog, overlong, counts):
+    p = _rows(tmp_path, [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4" * 30}])
+    cfg = DataConfig(train=str(p), max_prompt_len=8)
+    got = {}
+    ex = build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 16, overlong=overlong, counts=got)
+    assert got == counts and len(ex) == (2 if overlong == "truncate" else 1)
+    assert f"{p}:2 (35 tokens)" in caplog.text
+
+
+# ------------------------------------------------------------------ rewards
+def _user_rewards(tmp):
+    p = tmp / "myrewards.py"
+    p.write_text(textwrap.dedent("""
+        def boom(prompts, completions, **kw):
+            return [1.0 / (len(c) - 1) for c in completions]
+        def nan_on_b(prompts, completions, **kw):
+            return [float("nan") if c == "b" else 1.0 for c in completions]
+        def inf_on_b(prompts, completions, **kw):
+            return [float("-inf") if c == "b" else 1.0 for c in completions]
+        def short(prompts, completions, **kw):
+            return [1.0]
+        def words(prompts, completions, **kw):
+            return ["good" for c in completions]
+        def always_fails(prompts, completions, **kw):
+            raise KeyError("answer")
+        def strict(prompts, completions, scale=1.0):
+            return [scale for c in completions]
+    """))
+    return p
+
+
+REWARD_CASES = [
+    # (id, spec names, kwargs, on_error, expected message)
+    ("unknown-builtin", "acuracy", {}, "raise", r"reward 'acuracy': not a builtin \(math_accuracy, .*\) and not "
+                                                r"module:function"),
+    ("module-not-importable", "no_such_module_xyz:f", {}, "raise",
+     r"reward 'no_such_module_xyz:f': cannot import module 'no_such_module_xyz'"),
+    ("function-missing", "math:nope", {}, "raise", r"reward 'math:nope': module 'math' has no function 'nope'"),
+    ("file-missing", "{tmp}/absent.py:f", {}, "raise", r"absent\.py:f': no such file .*absent\.py"),
+    ("raises", "{user}:boom", {}, "raise", r"(?s)reward function 'boom' raised ZeroDivisionError: .*on example 1: "
+                                           r"prompt='p1'.*completion='b'.*on_reward_error: zero"),
+    ("returns-nan", "{user}:nan_on_b", {}, "raise",
+     r"(?s)reward function 'nan_on_b' returned nan \(expected a finite number or None\).*on example 1"),
+    ("returns-inf", "{user}:inf_on_b", {}, "raise", r"(?s)reward function 'inf_on_b' returned -inf .*on example 1"),
+    ("wrong-length", "{user}:short", {}, "zero",
+     r"reward function 'short' must return a list of 3 numbers, got list of length 1"),
+    ("non-number", "{user}:words", {}, "zero", r"reward function 'words' returned a non-number 'good'"),
+    ("zero-but-every-example-fails", "{user}:always_fails", {}, "zero",
+     r"reward function 'always_fails' failed on all 3 examples of this batch, e\.g\. example 2: raised KeyError"),
+    ("unknown-kwarg-builtin", "length_penalty", {"maxlen": 3}, "raise",
+     r"reward 'length_penalty': unknown keyword argument 'maxlen' in kwargs \(valid kwargs of 'length_penalty': "
+     r"coef, max_len\)"),
+    ("kwarg-of-builtin-without-settings", "math_accuracy", {"strict": True}, "raise",
+     r"reward 'math_accuracy': unknown keyword argument 'strict' .*valid kwargs of 'math_accuracy': none"),
+    ("mistyped-kwarg-builtin", "overlong_penalty", {"max_len": "1k"}, "raise",
+     r"reward 'overlong_penalty': kwargs\.max_len must be a number, got '1k'"),
+    ("mistyped-pattern", "format", {"pattern": 3}, "raise", r"reward 'format': kwargs\.pattern must be a string"),
+    ("unknown-kwarg-user", "{user}:strict", {"scal": 2}, "raise",
+     r"unknown keyword argument 'scal' in kwargs \(valid kwargs of '.*strict': scale\)"),
+    ("bad-on-error", "arithmetic", {}, "ignore", r"on_reward_error must be 'raise' or 'zero', got 'ignore'"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,on_error,msg", [c[1:] for c in REWARD_CASES], ids=[c[0] for c in REWARD_CASES])
+def test_bad_reward(tmp_path, name, kwargs, on_error, msg):
+    name = name.format(tmp=tmp_path, user=_user_rewards(tmp_path))
+
+    def go():
+        rs = RewardSet([RewardSpec(name=name, kwargs=kwargs)], on_error=on_error)
+        rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {"completion_ids": [[1], [1], [1]], "truncated": [False] * 3})
+
+    expect_error(go, msg)
+
+
+def test_empty_reward_list():
+    expect_error(lambda: RewardSet([]), r"rewards: the list is empty; add at least one reward function")
+
+
+@pytest.mark.parametrize("fn", ["nan_on_b", "inf_on_b", "boom"])
+def test_reward_failures_under_zero_are_counted_zeroed_and_reported(tmp_path, caplog, fn):
+    rs = RewardSet([RewardSpec(name=f"{_user_rewards(tmp_path)}:{fn}")], on_error="zero")
+    total, per = rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {})
+    assert per[fn][1] == 0.0 and total[1] == 0.0
+    assert rs.error_counts == {fn: 1} and rs.pop_error_counts() == {fn: 1}
+    assert f"reward function '{fn}'" in caplog.text and "on example 1" in caplog.text
+
+
+# ------------------------------------------------------------------ model config.json
+def _hf(**change):
+    d = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,
+         "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 16,
+         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 64}
+    for k, v in change.items():
+        if v == "DELETE":
+            d.pop(k)
+        else:
+            d[k] = v
+    return d
+
+
+CONFIG_CASES = [
+    ("heads-zero", dict(num_attention_heads=0), r"field 'num_attention_heads' is 0; expected a positive integer"),
+    ("heads-null", dict(num_attention_heads=None), r"field 'num_attention_heads' is null; expected a positive integer"),
+    ("kv-heads-zero", dict(num_key_value_heads=0), r"field 'num_key_value_heads' is 0; expected a positive integer"),
+    ("kv-heads-null", dict(num_key_value_heads=None), r"field 'num_key_value_heads' is null"),
+    ("kv-heads-not-divisor", dict(num_key_value_heads=3), r"'num_attention_heads' \(2\) must be a multiple of "
+                                                          r"'num_key_value_heads' \(3\)"),
+    ("head-dim-zero", dict(head_dim=0), r"field 'head_dim' is 0; expected a positive integer"),
+    ("head-dim-null", dict(head_dim=None), r"field 'head_dim' is null; expected a positive integer"),
+    ("head-dim-negative", dict(head_dim=-16), r"field 'head_dim' is -16"),
+    ("head-dim-odd", dict(head_dim=15), r"'head_dim' must be even for RoPE, got 15"),
+    ("head-dim-underivable", dict(head_dim="DELETE", hidden_size=33),
+     r"field 'head_dim' is missing and hidden_size \(33\) is not a multiple of num_attention_heads \(2\)"),
+    ("eps-zero", dict(rms_norm_eps=0), r"field 'rms_norm_eps' is 0; expected a positive finite number"),
+    ("eps-null", dict(rms_norm_eps=None), r"field 'rms_norm_eps' is null; expected a positive finite number"),
+    ("eps-string", dict(rms_norm_eps="1e-6"), r"field 'rms_norm_eps' is '1e-6'; expected a positive finite number"),
+    ("theta-zero", dict(rope_theta=0), r"field 'rope_theta' is 0; expected a positive finite number"),
+    ("theta-null", dict(rope_theta=None), r"field 'rope_theta' is null"),
+    ("theta-null-in-rope-parameters", dict(rope_parameters={"rope_type": "default", "rope_theta": None}),
+     r"field 'rope_parameters\.rope_theta' is null"),
+    ("llama3-factor-zero", dict(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 0,
+                                                 "low_freq_factor": 1, "high_freq_factor": 4,
+                                                 "original_max_position_embeddings": 64}),
+     r"field 'rope_parameters\.factor' is 0"),
+    ("max-positions-zero", dict(max_position_embeddings=0), r"field 'max_position_embeddings' is 0; expected a "
+                                                            r"positive integer"),
+    ("max-positions-null", dict(max_position_embeddings=None), r"field 'max_position_embeddings' is null"),
+    ("vocab-missing", dict(vocab_size="DELETE"), r"missing required field 'vocab_size' \(expected a positive integer\)"),
+    ("layers-float", dict(num_hidden_layers=1.5), r"field 'num_hidden_layers' is 1\.5; expected a positive integer"),
+    ("tie-not-bool", dict(tie_word_embeddings="yes"), r"field 'tie_word_embeddings' is 'yes'; expected true or false"),
+    ("unknown-model-type", dict(model_type="gpt2"), r"field 'model_type' is 'gpt2'; rlfuse supports"),
+    ("sliding-window", dict(use_sliding_window=True), r"field 'use_sliding_window' is true"),
+    ("rope-type-unsupported", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}),
+     r"field 'rope_parameters\.rope_type' is 'yarn'"),
+    ("act-not-silu", dict(hidden_act="gelu"), r"'hidden_act' must be 'silu', got 'gelu'"),
+]
+
+
+@pytest.mark.parametrize("change,msg", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
+def test_bad_hf_config_names_file_and_field(tmp_path, change, msg):
+    (tmp_path / "config.json").write_text(json.dumps(_hf(**change)))
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}: .*{msg}")
+
+
+@pytest.mark.parametrize("content,msg", [("{oops", r"not valid JSON"), ("[1, 2]", r"expected a JSON object of config "
+                                                                                  r"fields, got list")],
+                         ids=["invalid-json", "not-an-object"])
+def test_config_json_not_a_config(tmp_path, content, msg):
+    (tmp_path / "config.json").write_text(content)
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"config\.json: {msg}")
+    expect_error(lambda: ModelConfig.from_hf(tmp_path / "nowhere"), r"nowhere: no such file")
+
+
+def test_absent_optional_fields_follow_hf_and_are_logged(caplog):
+    with caplog.at_level(logging.INFO):
+        cfg = ModelConfig.from_hf(_hf(head_dim="DELETE", num_key_value_heads="DELETE", max_position_embeddings="DELETE"))
+    assert (cfg.head_dim, cfg.num_key_value_heads, cfg.max_position_embeddings) == (16, 2, 4096)
+    for text in ("no 'head_dim'; using hidden_size / num_attention_heads = 16",
+                 "no 'num_key_value_heads'; using num_attention_heads = 2", "no 'max_position_embeddings'"):
+        assert text in caplog.text
+
+
+@pytest.mark.parametrize("field,value", [("rms_norm_eps", 0.0), ("rope_theta", float("nan")),
+                                         ("max_position_embeddings", 0)])
+def test_random_init_config_checked_too(field, value):
+    kw = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+              num_attention_heads=2, num_key_value_heads=1, head_dim=16, **{field: value})
+    expect_error(lambda: ModelConfig(**kw), rf"config field '{field}' must be a positive")
+
+
+# ------------------------------------------------------------------ kernels
+@pytest.mark.parametrize("backend,device,ok", [("triton", "cpu", False), ("auto", "cuda", False), ("auto", "cpu", True),
+                                               ("torch", "cuda", True)])
+def test_head_dim_the_triton_kernels_cannot_run(backend, device, ok):
+    cfg = ModelConfig.from_hf(_hf(head_dim=24, hidden_size=48))
+    if ok:
+        check_kernel_support(cfg, backend, device, "m/config.json")
+        return
+    expect_error(lambda: check_kernel_support(cfg, backend, device, "m/config.json"),
+                 r"m/config\.json: field 'head_dim' is 24; the Triton attention kernels need a power of two in "
+                 r"\[16, 256\] .*set model\.kernel_backend: torch")
+
+
+def test_head_dim_rule_agrees_with_the_kernels():
+    from rlfuse.kernels.attention import _check
+    from rlfuse.kernels.paged_attention import _check_cache
+
+    for d in range(2, 300, 2):
+        q = torch.zeros(1, 1, d)
+        try:
+            _check(q, q, q, torch.zeros(2, dtype=torch.int32))
+            _check_cache(torch.zeros(1, 16, 1, d), torch.zeros(1, 16, 1, d), "paged")
+            kernels_ok = True
+        except ValueError:
+            kernels_ok = False
+        assert triton_attention_supports(d) == kernels_ok, d
+
+
+# ------------------------------------------------------------------ checkpoints and the filesystem
+def _tiny_model():
+    cfg = ModelConfig(model_type="qwen3", vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=1, num_key_value_heads=1, head_dim=16, max_position_embeddings=32)
+    model = CausalLM(cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    return model
+
+
+@pytest.fixture
+def run(tmp_path):
+    model = _tiny_model()
+    opt = MasterAdamW(model.parameters(), lr=1e-3)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"data": {"position": step}}, keep_last=3)
+    return tmp_path, model, opt
+
+
+def _truncate(path: Path, keep: int = 40):
+    path.write_bytes(path.read_bytes()[:keep])
+
+
+CKPT_CASES = [
+    ("resume-not-a-checkpoint", lambda r: ck.resolve_resume(str(r / "elsewhere"), r),
+     r"checkpoint\.resume: .*elsewhere is not a complete checkpoint folder \(no COMPLETE file\)"),
+    ("resume-explicit-truncated-weights",
+     lambda r: (_truncate(r / "checkpoints/step_000002/model/model.safetensors"),
+                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+     r"step_000002 is damaged \(model/model\.safetensors: \d+ bytes, \d+ when saved\)"),
+    ("resume-explicit-missing-state",
+     lambda r: ((r / "checkpoints/step_000002/state.pt").unlink(),
+                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+     r"step_000002 is damaged \(state\.pt: missing\)"),
+    ("resume-all-damaged",
+     lambda r: ([_truncate(r / f"checkpoints/step_00000{s}/optimizer.pt") for s in (1, 2)],
+                ck.resolve_resume("auto", r)),
+     r"checkpoints: no intact checkpoint to resume from \(step_000002: optimizer\.pt: 40 bytes, \d+ when saved; "
+     r"step_000001: .*\); move them away to start afresh"),
+    ("resume-weights-header-garbled-old-format",  # a checkpoint without the size manifest
+     lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
+                (r / "checkpoints/step_000002/model/model.safetensors").write_bytes(b"\xff" * 64),
+                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+     r"step_000002 is damaged \(model/model\.safetensors: truncated or not a safetensors file \(64 bytes"),
+    ("resume-torch-archive-garbled-old-format",
+     lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
+                (r / "checkpoints/step_000002/state.pt").write_bytes(b"garbage"),
+                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+     r"step_000002 is damaged \(state\.pt: unreadable \(File is not a zip file\)\)"),
+]
+
+
+@pytest.mark.parametrize("action,msg", [c[1:] for c in CKPT_CASES], ids=[c[0] for c in CKPT_CASES])
+def test_bad_checkpoint(run, action, msg):
+    expect_error(lambda: action(run[0]), msg)
+
+
+def test_damaged_newest_checkpoint_falls_back_and_says_so(run, caplog):
+    r, model, opt = run
+    _truncate(r / "checkpoints/step_000002/model/model.safetensors", 100)
+    assert ck.resolve_resume("auto", r).name == "step_000001"
+    assert "checkpoint step_000002 is damaged (model/model.safetensors: 100 bytes" in caplog.text
+    assert "resuming from the previous intact checkpoint step_000001" in caplog.text
+
+
+def _fail_with(monkeypatch, target, attr, err):
+    def boom(*a, **k):
+        raise err
+    monkeypatch.setattr(target, attr, boom)
+
+
+@pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-weights", "read-only-folder"])
+def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeypatch, what):
+    r, model, opt = run
+    if what == "disk-full-torch-save":
+        _fail_with(monkeypatch, ck.torch, "save", RuntimeError("PytorchStreamWriter failed writing file data/0: "
+                                                               "file write failed"))
+        msg = r"cannot write .*step_000003: PytorchStreamWriter failed writing file"
+    elif what == "disk-full-weights":
+        _fail_with(monkeypatch, ck, "save_model", OSError(errno.ENOSPC, "No space left on device", "x.safetensors"))
+        msg = r"cannot write .*step_000003: No space left on device \(x\.safetensors\); .*GiB free on that disk"
+    else:
+        _fail_with(monkeypatch, Path, "mkdir", PermissionError(errno.EROFS, "Read-only file system", str(r)))
+        msg = r"cannot write .*step_000003: Read-only file system"
+    expect_error(lambda: ck.save_checkpoint(r, 3, model, opt, {}, keep_last=1), msg + r".*the previous checkpoints "
+                                                                                     r"are untouched")
+    monkeypatch.undo()
+    assert [p.name for p in ck.list_checkpoints(r)] == ["step_000001", "step_000002"]
+    assert ck.resolve_resume("auto", r).name == "step_000002"
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+
+
+def test_final_write_failure_keeps_the_previous_final(run, monkeypatch):
+    r, model, _ = run
+    ck.save_final(r, model)
+    before = (r / "final/model.safetensors").read_bytes()
+    _fail_with(monkeypatch, ck, "save_model", OSError(errno.ENOSPC, "No space left on device"))
+    expect_error(lambda: ck.save_final(r, model), r"cannot write .*final: No space left on device")
+    assert (r / "final/model.safetensors").read_bytes() == before
+
+
+@pytest.mark.parametrize("where", ["checkpoint", "final"])
+def test_non_finite_weights_never_written(run, where):
+    r, model, opt = run
+    with torch.no_grad():
+        model.lm_head_weight[0, 0] = float("inf")
+    save = (lambda: ck.save_checkpoint(r, 3, model, opt, {})) if where == "checkpoint" else \
+        (lambda: ck.save_final(r, model))
+    err = expect_error(save, r"refusing to write non-finite weights \(NaN/inf in 1 tensors, e\.g\. .*\); earlier "
+                             r"checkpoints are kept")
+    assert isinstance(err, NonFiniteError)
+    assert not (r / "checkpoints/step_000003").exists() and not (r / "final").exists()
+
+
+def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
+    r, _, _ = run
+    (r / "checkpoints/.step_000003.tmp4242/model").mkdir(parents=True)
+    (r / ".final.tmpxyz").mkdir()
+    ck.resolve_resume("never", r)
+    assert not (r / "checkpoints/.step_000003.tmp4242").exists() and not (r / ".final.tmpxyz").exists()
+    assert caplog.text.count("a temporary folder left by an interrupted save") == 2
+
+
+def test_nothing_to_resume_said_plainly(tmp_path, caplog):
+    assert ck.resolve_resume("auto", tmp_path) is None
+    assert "checkpoint.resume=auto: nothing to resume (no complete checkpoint in" in caplog.text
+
+
+# ------------------------------------------------------------------ metrics and report
+def _metrics(tmp, text):
+    (tmp / "metrics.jsonl").write_text(text)
+    return tmp / "metrics.jsonl"
+
+
+def test_torn_last_metrics_line_dropped_on_read_and_on_resume(tmp_path, caplog):
+    good = "".join(json.dumps({"step": s, "stage": "sft", "loss": 1.0 / s}) + "\n" for s in (1, 2))
+    p = _metrics(tmp_path, good + '{"step": 3, "stage": "sf')
+    assert [r["step"] for r in mt.read_metrics(tmp_path)] == [1, 2]
+    assert f"{p}:3: dropping a torn last line" in caplog.text
+    mt.RunLog(tmp_path, tensorboard=False, progress=False, initial=2).close()  # a resume at step 2
+    assert p.read_text() == good
+
+
+def test_corrupt_metrics_line_in_the_middle(tmp_path):
+    p = _metrics(tmp_path, '{"step": 1}\n{"step": 2,,}\n{"step": 3}\n')
+    expect_error(lambda: mt.read_metrics(tmp_path), rf"{p}:2: not valid JSON .*in the middle of the file")
+    _metrics(tmp_path, '{"step": 1}\n[1]\n')
+    expect_error(lambda: mt.read_metrics(tmp_path), r"metrics\.jsonl:2: expected a JSON object per line, got list")
+
+
+@pytest.mark.parametrize("what", ["append-disk-full", "folder-read-only"])
+def test_metrics_write_failure_names_the_file(tmp_path, monkeypatch, what):
+    if what == "append-disk-full":
+        log = mt.RunLog(tmp_path, tensorboard=False, progress=False)
+        _fail_with(monkeypatch, Path, "open", OSError(errno.ENOSPC, "No space left on device"))
+        expect_error(lambda: log.log(1, {"loss": 1.0}), rf"cannot write {tmp_path / 'metrics.jsonl'}: No space left "
+                                                        r"on device; free space")
+    else:
+        _fail_with(monkeypatch, Path, "mkdir", PermissionError(errno.EACCES, "Permission denied"))
+        expect_error(lambda: mt.RunLog(tmp_path / "run", tensorboard=False, progress=False),
+                     r"cannot write .*run: Permission denied")
+
+
+def test_report_with_a_torn_metrics_line_still_renders(tmp_path, caplog):
+    _metrics(tmp_path, json.dumps({"step": 1, "stage": "sft", "loss": 1.0}) + "\n{\"step\": 2, \"lo")
+    assert render(tmp_path).exists()
+    assert "dropping a torn last line" in caplog.text
+
+
+def test_report_of_a_folder_without_runs(tmp_path):
+    expect_error(lambda: render(tmp_path), r"no metrics\.jsonl here or in its subfolders \(is this a run folder\?\)")
+
+
+# ------------------------------------------------------------------ non-finite training numbers
+def test_consecutive_non_finite_steps_stop_with_a_clear_error():
+    model = _tiny_model()
+    opt = MasterAdamW(model.parameters(), lr=1e-3)
+    guard = NonFiniteGuard(max_consecutive=3)
+    nan = torch.tensor(float("nan"))
+    for s in range(2):
+        assert not guard.step(opt, loss=nan, grad_norm=torch.tensor(1.0), where=f"grpo step {s}")
+    expect_error(lambda: guard.step(opt, loss=nan, grad_norm=nan, where="grpo step 2"),
+                 r"grpo step 2: 3 optimizer steps in a row had a non-finite loss or gradient norm .*lower optim\.lr")
+
+
+# ------------------------------------------------------------------ through the CLI (today's `rlfuse sft` / `report`)
+def _recipe(tmp, data: Path) -> Path:
+    y = tmp / "r.yaml"
+    y.write_text(textwrap.dedent(f"""
+        model: {{random_init: {{hidden_size: 16, intermediate_size: 32, num_hidden_layers: 1, num_attention_heads: 1,
+                 num_key_value_heads: 1, head_dim: 16, max_position_embeddings: 32}}, tokenizer: char,
+                 device: cpu, kernel_backend: torch}}
+        data: {{train: {data}, max_prompt_len: 8}}
+        sft: {{steps: 1, batch_size: 2}}
+        logging: {{run_dir: {tmp / 'run'}, tensorboard: false, progress: false}}
+    """))
+    return y
+
+
+@pytest.mark.parametrize("content,msg", [
+    (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xe9"}\n', r"d\.jsonl:2: not valid UTF-8"),
+    (b"", r"d\.jsonl: the data file is empty"),
+    (b'{"prompt": "a"}\n', r"d\.jsonl:1: missing field 'completion'"),
+], ids=["cli-undecodable", "cli-empty-file", "cli-no-target"])
+def test_cli_data_errors_are_one_line(tmp_path, capsys, content, msg):
+    from rlfuse.cli import main
+
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(content)
+    assert main(["--log-level", "WARNING", "sft", str(_recipe(tmp_path, data))]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("rlfuse: error:")]
+    assert len(lines) == 1 and __import__("re").search(msg, lines[0]), err
+
+
+def test_cli_report_errors_and_torn_lines(tmp_path, capsys):
+    from rlfuse.cli import main
+
+    assert main(["report", str(tmp_path)]) == 2
+    assert "rlfuse: error:" in capsys.readouterr().err
+    _metrics(tmp_path, json.dumps({"step": 1, "stage": "sft", "loss": 1.0}) + "\n{\"ste")
+    assert main(["report", str(tmp_path)]) == 0
+    assert "Traceback" not in capsys.readouterr().err

@@ -1,0 +1,80 @@
+"""`rlfuse report`: the headline leads, the held-out evaluation is plotted under its own
+name, every axis has a unit, lines of different scale get separate axes, a torn last
+metrics line does not stop it. Rendered from synthetic metrics (no training)."""
+
+import json
+import re
+
+import pytest
+
+from rlfuse.train import report
+
+
+def _write(run, rows):
+    run.mkdir(parents=True, exist_ok=True)
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _grpo_rows(steps=6):
+    rows = [{"step": 0, "stage": "eval", "reward": 0.2, "accuracy": 0.25, "completion_len": 9.0, "num_problems": 40.0}]
+    for s in range(1, steps + 1):
+        rows.append({"step": s, "stage": "grpo", "reward/mean": 0.1 * s, "accuracy": 0.05 * s, "grad_norm": 2.0 + s,
+                     "lr": 1e-6, "time/step": 3.0, "time/generate": 2.0, "time/score": 0.001, "loss": 0.01,
+                     "my_metric": float(s)})
+    rows.append({"step": steps, "stage": "eval", "reward": 0.6, "accuracy": 0.625, "completion_len": 7.0,
+                 "num_problems": 40.0})
+    return rows
+
+
+def test_headline_leads_and_eval_is_plotted(tmp_path):
+    _write(tmp_path / "sft", [{"step": s, "stage": "sft", "loss": 2.0 / s} for s in (1, 2, 3)]
+           + [{"step": 3, "stage": "eval", "accuracy": 0.25, "reward": 0.2, "num_problems": 40.0}])
+    _write(tmp_path / "grpo", _grpo_rows())
+    page = report.render(tmp_path).read_text()
+    first_img = page.index("<img")
+    head = page[:first_img]
+    # pipeline order (sft before grpo, not alphabetical) and the result before any plot
+    assert head.index("<b>sft</b>: held-out accuracy 0.250 at step 3 on 40 problems") < \
+        head.index("<b>grpo</b>: held-out accuracy 0.250 &rarr; 0.625 (+0.375) from step 0 to step 6 on 40 problems")
+    assert (tmp_path / "report/grpo_eval.png").exists() and (tmp_path / "report/sft_eval.png").exists()
+    assert "grpo_other.png" in page  # a metric no group knows is still plotted
+    # no doubled titles: headings never repeat a word ("grpo grpo"), and a figure's panels
+    # are not titled like the heading above them
+    headings = re.findall(r"<h\d>([^<]*)</h\d>", page)
+    assert headings and not [h for h in headings if re.search(r"\b(\w+) \1\b", h)]
+    for gname, panels in report.GROUPS:
+        assert gname not in [title for title, _, _ in panels]
+
+
+def test_panels_have_units_distinct_names_and_split_scales():
+    rows = _grpo_rows()
+    series = report._series(rows, "grpo")
+    axes = [a for _, panels in report.GROUPS for a in report._panels(series, panels)]
+    assert all(ylabel for _, ylabel, _ in axes)
+    by_key = {k: (title, ylabel) for title, ylabel, keys in axes for k in keys}
+    assert by_key["lr"][0] != by_key["grad_norm"][0]                 # different units: different axes
+    assert by_key["time/score"][0] != by_key["time/step"][0]         # same unit, 3000x smaller: own axis
+    assert by_key["time/generate"][0] == by_key["time/step"][0]      # same unit and scale: shared
+    assert report.LABELS["accuracy"] == "training-sample accuracy"
+    assert report.EVAL_LABELS["accuracy"] == "held-out accuracy"
+    every_title = [t for t, _, _ in axes] + [t for t, _, _ in report.EVAL_PANELS]
+    assert "held-out accuracy" in every_title and "training-sample accuracy" in every_title
+
+
+def test_headline_without_evaluation_uses_the_training_curve():
+    rows = [{"step": s, "stage": "sft", "loss": 2.0 / s} for s in (1, 2, 4)]
+    assert report.headline(rows) == "training loss 2 &rarr; 0.5 from step 1 to step 4 (no held-out evaluation logged)"
+    assert report.headline([]) is None
+
+
+def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    _write(tmp_path, _grpo_rows())
+    with (tmp_path / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 7, "stage": "grpo", "reward/me')
+    assert report.render(tmp_path).exists()
+    assert "metrics.jsonl:9: dropping a torn last line" in caplog.text
+
+
+def test_not_a_run_folder(tmp_path):
+    with pytest.raises(ValueError, match="no metrics.jsonl here or in its subfolders"):
+        report.render(tmp_path)
