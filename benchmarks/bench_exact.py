@@ -141,15 +141,63 @@ def bench_linear():
     return rows
 
 
+_CANDIDATES = {  # exact-linear tiles for --sweep-linear (public `tiles=` argument; the defaults are _tiles)
+    "64x128x64 c512 w4 s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=3),
+    "64x64x64 c512 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=3),
+    "64x128x64 c256 w4 s3": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=256, num_warps=4, num_stages=3),
+    "64x64x128 c512 w4 s3": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, CHUNK_K=512, num_warps=4, num_stages=3),
+    "64x64x64 c256 w4 s4": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, CHUNK_K=256, num_warps=4, num_stages=4),
+    "128x128x64 c512 w8 s3": dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, CHUNK_K=512, num_warps=8, num_stages=3),
+    "128x64x64 c512 w4 s4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=4),
+    "64x128x64 c1024 w4 s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=1024, num_warps=4, num_stages=4),
+}
+# one decoder layer's projections of the 0.6B shape: (N, K, count)
+_LAYER = [(2048, 1024, 1), (1024, 1024, 2), (1024, 2048, 1), (3072, 1024, 2), (1024, 3072, 1)]
+
+
+def _graph_ms(fn, reps=10):
+    """Median time of one fn() from CUDA-graph replays of `reps` calls (no launch overhead)."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    return _events(g.replay, reps=10, warm=2) / reps
+
+
+def sweep_linear():
+    """Per-layer projection time (ms, graph replay) for each candidate vs cuBLAS, M = 64, 256, 16384."""
+    rows = []
+    for M in (64, 256, 16384):
+        ws = {(N, K): torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for N, K, _ in _LAYER}
+        xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K, _ in _LAYER}
+        cub = sum(c * _graph_ms(lambda: F.linear(xs[K], ws[(N, K)])) for N, K, c in _LAYER)
+        rows.append(dict(M=M, tiles="cuBLAS", layer_ms=round(cub, 4), over_cublas=1.0))
+        print(f"sweep M={M:6d} {'cuBLAS':24s} {cub * 1e3:8.1f} us/layer", flush=True)
+        for name, t in _CANDIDATES.items():
+            try:
+                ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t)) for N, K, c in _LAYER)
+            except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
+                print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            rows.append(dict(M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))
+            print(f"sweep M={M:6d} {name:24s} {ms * 1e3:8.1f} us/layer  x{ms / cub:5.2f} cuBLAS", flush=True)
+    return rows
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smaller sweep and generate")
-    ap.add_argument("--only", default="linear,check,generate,train")
+    ap.add_argument("--only", default="linear,check,generate,train",
+                    help="comma list of: sweep (exact-linear tile candidates), linear, check, generate, train")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "bench_exact needs a CUDA device"
     only = set(args.only.split(","))
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "commit": os.environ.get("RLFUSE_COMMIT", "unknown")}
+    if "sweep" in only:
+        res["sweep_linear"] = sweep_linear()
     if "linear" in only:
         res["linear"] = bench_linear()
     model = _model()

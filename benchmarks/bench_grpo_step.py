@@ -36,7 +36,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True)
 
 
-def step_bench(out: Path, small: bool) -> list[dict]:
+def step_bench(out: Path, small: bool, numerics: str = "fast") -> list[dict]:
     from rlfuse.train.build import char_tokenizer
     from rlfuse.train.config import load_config
     from rlfuse.train.data import Prompt, PromptStream
@@ -52,7 +52,7 @@ def step_bench(out: Path, small: bool) -> list[dict]:
     cfg = load_config({
         "model": {"random_init": SMALL if small else QWEN3_06B, "dtype": "bfloat16" if dev.type == "cuda" else "float32",
                   "gradient_checkpointing": True},
-        "engine": {"gpu_memory_fraction": 0.85} if dev.type == "cuda" else {"max_num_seqs": 16},
+        "engine": ({"gpu_memory_fraction": 0.85} if dev.type == "cuda" else {"max_num_seqs": 16}) | {"numerics": numerics},
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
         "optim": {"lr": 1e-6, "schedule": "constant"},
         "grpo": {"steps": 3, "prompts_per_step": P, "group_size": G, "max_new_tokens": new, "temperature": 1.0,
@@ -75,11 +75,15 @@ def step_bench(out: Path, small: bool) -> list[dict]:
         t0 = time.perf_counter()
         m = tr.step(step)
         wall = time.perf_counter() - t0
-        row = {"step": step, "warmup": step == 0, "wall_s": wall, "params_M": n_params / 1e6,
+        row = {"numerics": numerics, "step": step, "warmup": step == 0, "wall_s": wall, "params_M": n_params / 1e6,
                **{k: float(v) for k, v in m.items() if k.startswith(("time/", "tokens_per_s/", "memory/", "mismatch/",
                                                                         "completion_len/", "loss", "grad_norm"))}}
         rows.append(row)
         print(json.dumps(row), flush=True)
+    sampler.llm.sleep()
+    del tr, sampler, opt, model
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return rows
 
 
@@ -97,6 +101,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", action="store_true", help="also run `rlfuse demo --size gpu`")
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
+    ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
+                    help="engine.numerics of the step; both: fast then exact in one process (side by side)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -104,7 +110,8 @@ def main() -> int:
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small,
-              "steps": step_bench(out, args.small)}
+              "steps": [r for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
+                        for r in step_bench(out, args.small, n)]}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
         try:
@@ -117,10 +124,10 @@ def main() -> int:
     shape = "tiny (smoke)" if args.small else "Qwen3-0.6B-shaped random, bf16, 8 prompts x 8, 128-token prompts, <=1024 new"
     lines = [f"### GRPO step: {shape}", f"GPU {gpu}, torch {torch.__version__}, commit {commit}, "
              f"command `python benchmarks/bench_grpo_step.py{' --demo' if args.demo else ''}`", "",
-             "| step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | mean new tokens | "
-             "max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| numerics | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
+             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["steps"]:
-        lines.append(f"| {r['step']}{' (warm-up)' if r['warmup'] else ''} | {r['time/generate']:.2f} | "
+        lines.append(f"| {r['numerics']} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | {r['time/generate']:.2f} | "
                      f"{r['time/score']:.2f} | {r['time/train']:.2f} | {r['time/step']:.2f} | "
                      f"{r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | {r['memory/peak_mb']:.0f} | "
                      f"{r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} |")
