@@ -77,6 +77,26 @@ def test_exact_linear_triton_plans_agree_and_are_batch_invariant(dtype, bias):
     assert err <= 2 * ref_err + 1e-6, (err, ref_err)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_linear_tile_families_agree_bitwise(dtype):
+    """The 16-bit path picks its tile family from M (narrow for decode, wide for training);
+    that is exact only if a tile's height and width leave an element's accumulation order
+    alone: the families must agree bitwise, in both plans, across the M threshold."""
+    from rlfuse.kernels.linear import DECODE_ROWS, EXACT_BLOCK_K, EXACT_CHUNK_K
+
+    narrow = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=4, num_stages=3)
+    wide = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=8, num_stages=3)
+    M, N, K = DECODE_ROWS + 44, 200, 1100  # ragged in every dimension
+    x = torch.randn(M, K, generator=_g(20)).to(DEV, dtype)
+    w = (torch.randn(N, K, generator=_g(21)) / K**0.5).to(DEV, dtype)
+    a = linear_exact_triton(x, w, tiles=wide, plan="fused")
+    assert torch.equal(linear_exact_triton(x, w, tiles=narrow, plan="fused"), a)
+    assert torch.equal(linear_exact_triton(x, w, tiles=narrow, plan="split"), a)
+    if dtype == torch.bfloat16:  # the automatic choice on both sides of the threshold
+        for k in (1, 64, DECODE_ROWS, DECODE_ROWS + 1):
+            assert torch.equal(linear_exact_triton(x[:k], w), a[:k])
+
+
 def test_exact_linear_reference_is_batch_invariant_and_close():
     x, w, b = torch.randn(40, 96, generator=_g(7)), torch.randn(24, 96, generator=_g(8)), torch.randn(24)
     full = linear_exact_ref(x, w, b)

@@ -19,7 +19,12 @@ Two launch plans compute exactly that sum, so either may be chosen from M:
     kernel adds the S partials in order. Small M (decode) uses it to fill the GPU,
     since without it a tile grid of cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) is only a few
     dozen programs.
-Tiles depend on (N, K, dtype) only; both plans are the same for M = 1 and M = 16k.
+The canonical order is fixed by BLOCK_K and CHUNK_K alone: a tile's height and width
+change which rows and columns a program owns, not the sequence of fp32 accumulations an
+element sees (the matrix instruction chains its k-steps on the accumulator). So the 16-bit
+path may pick a tile family from M -- narrow tiles for decode-sized M, wide ones for
+prefill and training -- and keep the bits; tests compare the families bitwise, on the
+GPU and under the CPU interpreter.
 The backward (dx = dy W, dW = dy^T x, db = sum dy) runs through torch: gradients need
 no batch invariance.
 
@@ -133,13 +138,19 @@ def _linear_combine_kernel(WS, B, Y, M, N, S, sym, HAS_BIAS: tl.constexpr, BLOCK
 
 
 # ---------------------------------------------------------------- launchers
-def _tiles(dtype: torch.dtype) -> dict:
-    """Tile shape from the dtype only (never M): BLOCK_M x BLOCK_N x BLOCK_K, the K chunk
-    of the canonical order, warps and stages. 16-bit: set by benchmarks/bench_exact.py;
-    fp32 (IEEE FMA dots, the test dtype): small tiles."""
+EXACT_BLOCK_K, EXACT_CHUNK_K = 64, 512  # 16-bit: the canonical order (never a function of M)
+DECODE_ROWS = 256  # 16-bit: M up to this runs the narrow tile family
+
+
+def _tiles(dtype: torch.dtype, M: int) -> dict:
+    """BLOCK_M x BLOCK_N x BLOCK_K, the K chunk, warps and stages. 16-bit: a tile family by
+    M, both with the canonical BLOCK_K and CHUNK_K (the families: benchmarks/bench_exact.py
+    --only sweep); fp32 (IEEE FMA dots, the test dtype): one small tile."""
     if dtype == torch.float32:
         return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, CHUNK_K=256, num_warps=4, num_stages=2)
-    return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=3)
+    if M <= DECODE_ROWS:
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=8, num_stages=3)
 
 
 def _dot_precision(x: torch.Tensor) -> str:
@@ -166,7 +177,7 @@ def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles:
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    t = {**_tiles(x.dtype), **(tiles or {})}
+    t = {**_tiles(x.dtype, M), **(tiles or {})}
     bm, bn, bk, ck = t.pop("BLOCK_M"), t.pop("BLOCK_N"), t.pop("BLOCK_K"), t.pop("CHUNK_K")
     assert ck % bk == 0, "CHUNK_K must be a multiple of BLOCK_K"
     S = triton.cdiv(K, ck)
