@@ -9,6 +9,7 @@ import logging
 import torch
 
 from rlfuse.cli.common import fail, setup_threads
+from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.demo import SIZES, run_demo
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
@@ -20,6 +21,9 @@ def add_arguments(p):
                    help="cpu (~5 min on 2 cores), ci (shortened), gpu (larger); default: gpu with CUDA, else cpu")
     p.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--numerics", choices=NUMERICS, default="fast",
+                   help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
+                        "(GRPO's mismatch/max_abs reads 0 at every step)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 for the CPU sizes: the ops of a 0.4M-parameter model "
                         "are too small to gain from intra-op threads)")
@@ -41,7 +45,7 @@ def run(args) -> int:
             setup_threads(threads)
         elif threads is not None:
             torch.set_num_threads(threads)
-        res = run_demo(size, args.run_dir, seed=args.seed)
+        res = run_demo(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
     except ValueError as e:
         return fail(e)
     summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
