@@ -3,6 +3,7 @@
 TRITON_INTERPRET must be set before triton decorates any kernel, i.e. before the first
 import of a module of rlfuse.kernels, hence here at conftest import time."""
 
+import gc
 import os
 
 import torch
@@ -20,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _free_cuda_cache(request):
+    """GPU tests size the engine's KV pool from the free device memory: hand back what the
+    previous tests left in torch's caching allocator first (one process runs them all)."""
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+    yield
 
 
 @pytest.fixture(scope="session")
