@@ -21,6 +21,7 @@ import contextlib
 
 import pytest
 import torch
+from gpu_checks import assert_all_pass, fresh_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from rlfuse.kernels.attention import varlen_attention_ref, varlen_bwd, varlen_fwd
@@ -34,17 +35,7 @@ ROWS: list[dict] = []
 pytestmark = pytest.mark.gpu
 
 
-def _assert_all_pass(rows):
-    """Every sub-check recorded since the test started passed (failures listed by name)."""
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
-
-
-@pytest.fixture(autouse=True)
-def _fresh_rows():
-    ROWS.clear()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
+_fresh_rows = fresh_rows(ROWS)
 
 
 def record(check: str, dtype, dh, err: float, tol: float, **extra):
@@ -185,7 +176,7 @@ def test_varlen_paged_and_consistency(dtype, dh):
     check_varlen(dtype, dh, 16, 8)
     check_paged(dtype, dh, 16)
     check_store_and_consistency(dtype, dh)
-    _assert_all_pass(ROWS)
+    assert_all_pass(ROWS)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
@@ -193,4 +184,4 @@ def test_gqa_ratios_and_page_32(dtype):
     check_varlen(dtype, 128, 16, 16)
     check_varlen(dtype, 64, 16, 2)
     check_paged(dtype, 128, 32)
-    _assert_all_pass(ROWS)
+    assert_all_pass(ROWS)

@@ -19,8 +19,11 @@ Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_layers.py
 from __future__ import annotations
 
 
+import functools
+
 import pytest
 import torch
+from gpu_checks import assert_all_pass, fresh_rows, record_into
 
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
@@ -36,22 +39,10 @@ results: list[dict] = []
 pytestmark = pytest.mark.gpu
 
 
-def _assert_all_pass(rows):
-    """Every sub-check recorded since the test started passed (failures listed by name)."""
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
+_fresh_rows = fresh_rows(results)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_rows():
-    results.clear()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
-def record(check: str, ok: bool, **info):
-    results.append(dict(check=check, ok=bool(ok), **info))
-    print(f"{'PASS' if ok else 'FAIL'}  {check:58s} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+record = functools.partial(record_into, results)
 
 
 def grads(fn, inputs, dy):
@@ -218,9 +209,9 @@ def check_sampler():
 
 def test_layers_against_float64_and_batch_invariant():
     check_layers()
-    _assert_all_pass(results)
+    assert_all_pass(results)
 
 
 def test_sampler_matches_reference_at_full_vocabulary():
     check_sampler()
-    _assert_all_pass(results)
+    assert_all_pass(results)

@@ -21,8 +21,11 @@ Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_logprob.py
 from __future__ import annotations
 
 
+import functools
+
 import pytest
 import torch
+from gpu_checks import assert_all_pass, fresh_rows, record_into
 
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import (_FWD_TILES, _inv_temperature, token_logprobs, token_logprobs_bwd_triton,
@@ -36,22 +39,10 @@ results: list[dict] = []
 pytestmark = pytest.mark.gpu
 
 
-def _assert_all_pass(rows):
-    """Every sub-check recorded since the test started passed (failures listed by name)."""
-    bad = [r for r in rows if not r["ok"]]
-    assert not bad, f"{len(bad)}/{len(rows)} checks failed:\n" + "\n".join(map(str, bad))
+_fresh_rows = fresh_rows(results)
 
 
-@pytest.fixture(autouse=True)
-def _fresh_rows():
-    results.clear()
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-
-
-def record(check: str, ok: bool, **info):
-    results.append(dict(check=check, ok=bool(ok), **info))
-    print(f"{'PASS' if ok else 'FAIL'}  {check:60s} " + " ".join(f"{k}={v}" for k, v in info.items()), flush=True)
+record = functools.partial(record_into, results)
 
 
 def inputs(N, D, V, dtype, seed=0):
@@ -204,14 +195,14 @@ def test_logprob_against_float64(dtype):
     # fp32 at N=1024: the IEEE-fp32 dots are slow (N=4096 did not finish in 150 s with compiles)
     check_logprob(dtype, N=4096 if dtype == torch.bfloat16 else 1024)
     check_cuda_graph(dtype)
-    _assert_all_pass(results)
+    assert_all_pass(results)
 
 
 def test_policy_loss_against_float64():
     check_policy_loss()
-    _assert_all_pass(results)
+    assert_all_pass(results)
 
 
 def test_grpo_loss_from_hidden_against_float64():
     check_grpo_from_hidden()
-    _assert_all_pass(results)
+    assert_all_pass(results)

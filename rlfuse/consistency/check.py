@@ -25,7 +25,7 @@ from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import teacher_forced_logprobs
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.model.transformer import CausalLM
+from rlfuse.model.transformer import CausalLM, pack_by_tokens
 
 log = logging.getLogger(__name__)
 
@@ -89,18 +89,6 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
     ]
 
 
-def _packs(lengths: list[int], budget: int) -> list[list[int]]:
-    """Consecutive sequences packed while the sum stays within budget (one at least)."""
-    out, cur, tot = [], [], 0
-    for i, n in enumerate(lengths):
-        if cur and tot + n > budget:
-            out.append(cur)
-            cur, tot = [], 0
-        cur.append(i)
-        tot += n
-    return out + ([cur] if cur else [])
-
-
 def trainer_logprobs(model: CausalLM, sequences: list[tuple[list[int], list[int]]], temperature: float,
                      *, micro_batch_tokens: int = 1 << 30) -> list[torch.Tensor]:
     """The trainer's log-probs of each completion token: sequences packed into micro-batches
@@ -111,7 +99,7 @@ def trainer_logprobs(model: CausalLM, sequences: list[tuple[list[int], list[int]
     was_training = model.training
     model.train()
     with torch.enable_grad():
-        for pack in _packs([len(p) + len(c) for p, c in sequences], micro_batch_tokens):
+        for pack in pack_by_tokens([len(p) + len(c) for p, c in sequences], micro_batch_tokens):
             lps = teacher_forced_logprobs(model, [sequences[i][0] for i in pack], [sequences[i][1] for i in pack],
                                           temperature)
             for i, lp in zip(pack, lps):

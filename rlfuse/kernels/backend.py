@@ -36,15 +36,19 @@ def current_backend() -> str:
 
 
 @contextlib.contextmanager
-def use_backend(name: str):
-    """Run the enclosed ops with backend `name` ("auto", "torch" or "triton")."""
-    if name not in BACKENDS:
-        raise ValueError(f"kernel backend must be one of {BACKENDS}, got {name!r}")
-    token = _backend.set(name)
+def _setting(var: contextvars.ContextVar, what: str, choices: tuple, name: str):
+    if name not in choices:
+        raise ValueError(f"{what} must be one of {choices}, got {name!r}")
+    token = var.set(name)
     try:
         yield
     finally:
-        _backend.reset(token)
+        var.reset(token)
+
+
+def use_backend(name: str):
+    """Run the enclosed ops with backend `name` ("auto", "torch" or "triton")."""
+    return _setting(_backend, "kernel backend", BACKENDS, name)
 
 
 def set_backend(name: str) -> None:
@@ -62,16 +66,9 @@ def is_exact() -> bool:
     return _numerics.get() == "exact"
 
 
-@contextlib.contextmanager
 def use_numerics(name: str):
     """Run the enclosed ops in numerics `name` ("fast" or "exact")."""
-    if name not in NUMERICS:
-        raise ValueError(f"numerics must be one of {NUMERICS}, got {name!r}")
-    token = _numerics.set(name)
-    try:
-        yield
-    finally:
-        _numerics.reset(token)
+    return _setting(_numerics, "numerics", NUMERICS, name)
 
 
 @functools.cache

@@ -62,43 +62,10 @@ def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
-def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                        max_seqlen_q: int, scale: float | None = None):
+def _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+    """Per sequence with queries and keys: (q rows s:e, its keys and values (L, Hkv, Dh)
+    gathered from the cache, the queries' positions). Padding rows (no keys) get zeros."""
     block_size, n_kv, dh = k_cache.shape[1:]
-    n_rep = q.shape[1] // n_kv
-    scale = dh ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
-    bounds = cu_seqlens_q.tolist()  # host sync: reference only
-    lens = seq_lens.tolist()
-    for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-        q_len, kv_len = e - s, lens[b]
-        if q_len == 0:
-            continue
-        if kv_len == 0:  # padding row: no keys, zeros (the contract)
-            out[s:e] = 0
-            continue
-        n_blocks = (kv_len + block_size - 1) // block_size
-        blocks = block_tables[b, :n_blocks].long()
-        kb = k_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]  # (L, Hkv, Dh)
-        vb = v_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        mask = torch.arange(kv_len, device=q.device)[None, :] <= q_pos[:, None]  # (q_len, L)
-        ob = F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1),
-            kb.transpose(0, 1).repeat_interleave(n_rep, dim=0).to(q.dtype),
-            vb.transpose(0, 1).repeat_interleave(n_rep, dim=0).to(q.dtype),
-            attn_mask=mask, scale=scale)
-        out[s:e] = ob.transpose(0, 1)
-    return out
-
-
-def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                              max_seqlen_q: int, scale: float | None = None):
-    """Exact numerics: `attend_exact_ref` over the keys gathered from the cache, so a query
-    row gets the bits `varlen_attention_exact_ref` gives the same row in a packed forward."""
-    block_size, n_kv, dh = k_cache.shape[1:]
-    scale = dh ** -0.5 if scale is None else scale
-    out = torch.empty_like(q)
     bounds = cu_seqlens_q.tolist()  # host sync: reference only
     lens = seq_lens.tolist()
     for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -109,10 +76,34 @@ def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block
             out[s:e] = 0
             continue
         blocks = block_tables[b, :(kv_len + block_size - 1) // block_size].long()
-        kb = k_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]
-        vb = v_cache[blocks].reshape(-1, n_kv, dh)[:kv_len]
-        q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)
-        out[s:e] = attend_exact_ref(q[s:e], kb.to(q.dtype), vb.to(q.dtype), q_pos, scale)[0]
+        kb = k_cache[blocks].reshape(-1, n_kv, dh)[:kv_len].to(q.dtype)  # (L, Hkv, Dh)
+        vb = v_cache[blocks].reshape(-1, n_kv, dh)[:kv_len].to(q.dtype)
+        yield s, e, kb, vb, torch.arange(kv_len - q_len, kv_len, device=q.device)
+
+
+def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                        max_seqlen_q: int, scale: float | None = None):
+    n_rep = q.shape[1] // k_cache.shape[2]
+    scale = k_cache.shape[3] ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+        mask = torch.arange(kb.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # (q_len, L)
+        ob = F.scaled_dot_product_attention(q[s:e].transpose(0, 1),
+                                            kb.transpose(0, 1).repeat_interleave(n_rep, dim=0),
+                                            vb.transpose(0, 1).repeat_interleave(n_rep, dim=0),
+                                            attn_mask=mask, scale=scale)
+        out[s:e] = ob.transpose(0, 1)
+    return out
+
+
+def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
+                              max_seqlen_q: int, scale: float | None = None):
+    """Exact numerics: `attend_exact_ref` over the keys gathered from the cache, so a query
+    row gets the bits `varlen_attention_exact_ref` gives the same row in a packed forward."""
+    scale = k_cache.shape[3] ** -0.5 if scale is None else scale
+    out = torch.empty_like(q)
+    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+        out[s:e] = attend_exact_ref(q[s:e], kb, vb, q_pos, scale)[0]
     return out
 
 

@@ -60,6 +60,26 @@ class Packed:
         return cls(cu.to(device), max(lengths) if lengths else 0)
 
 
+def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+    """Sequence indices grouped into micro-batches of at most `budget` tokens, greedily in
+    order (deterministic, so accumulated sums add up in a fixed order); a sequence longer
+    than the budget goes alone."""
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
 @dataclasses.dataclass(slots=True)
 class PagedKV:
     """Attention against the engine's paged KV cache (see `rlfuse.kernels.paged_attention`).

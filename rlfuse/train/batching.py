@@ -1,10 +1,9 @@
 """Packing sequences into micro-batches by token budget, and the packed tensors a
 training forward needs.
 
-`pack_by_tokens(lengths, budget)`: greedy in the given order (deterministic; order is
-kept so accumulated sums add up in a fixed order): a micro-batch takes sequences while
-its token count stays <= budget; a sequence longer than the budget gets a micro-batch
-of its own (callers truncate beforehand if they must).
+`pack_by_tokens(lengths, budget)` (defined beside `Packed` in rlfuse.model.transformer,
+where the consistency check uses it too): greedy in the given order; a micro-batch takes
+sequences while its token count stays <= budget; a longer sequence goes alone.
 
 `PackedBatch.build(seqs)`: seqs = [(ids, n_ctx)] where the targets of sequence b are
 ids[n_ctx:], predicted from hidden rows start_b + n_ctx - 1 ... start_b + len - 2.
@@ -19,23 +18,7 @@ import dataclasses
 import torch
 
 from rlfuse.model import Packed
-
-
-def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
-    if budget < 1:
-        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if cur and used + n > budget:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
-    return batches
+from rlfuse.model.transformer import pack_by_tokens  # noqa: F401 (the trainers' import path)
 
 
 @dataclasses.dataclass(slots=True)
