@@ -58,6 +58,17 @@ def test_exact_sweep_torch_backend_is_bitwise(dtype):
             _check_exercised(s, r.engine_stats)
 
 
+def test_exact_holds_with_activation_checkpointing():
+    """The trainer's forward with activation checkpointing (recompute in backward) still
+    gives the engine's bits: the recorded forward runs the same exact kernels."""
+    model = tiny_model()
+    model.gradient_checkpointing = True
+    prompts = random_prompts(PROMPT_LENS)
+    with use_backend("torch"):
+        r = run_setting(model, prompts, _sweep(8, 8)[-1], numerics="exact", max_tokens=8, temperature=1.0)
+    assert r.bitwise_frac == 1.0, (r.row(), r.first_diff)
+
+
 def test_exact_sweep_triton_is_bitwise():
     """The Triton kernels: under the interpreter on CPU, compiled on a GPU (fp32 here)."""
     model = tiny_model(device="cuda" if torch.cuda.is_available() else "cpu")

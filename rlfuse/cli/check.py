@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
     p.add_argument("--max-batch", type=int, default=None,
-                   help="largest sweep batch (default: 256 on CUDA, 16 on CPU)")
+                   help="largest sweep batch (default: 256 on CUDA, 8 on CPU)")
     p.add_argument("--max-tokens", type=int, default=None, help="new tokens per completion "
                    "(default: 128 on CUDA, 24 on CPU)")
     p.add_argument("--temperature", type=float, default=1.0)
@@ -84,7 +84,7 @@ def run(args) -> int:
         return 2
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
-    max_batch = args.max_batch or (256 if cuda else 16)
+    max_batch = args.max_batch or (256 if cuda else 8)
     max_tokens = args.max_tokens or (128 if cuda else 24)
     out = Path(args.out)
     try:
