@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rlfuse.engine.benchmark import BenchConfig, table
 from rlfuse.engine.benchmark import run as run_bench
+from rlfuse.kernels.backend import NUMERICS
 
 HELP = "benchmarks (generate)"
 
@@ -34,6 +35,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=16384)
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--numerics", choices=NUMERICS, default="fast", help="engine numerics (docs/numerics.md)")
     p.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
     p.add_argument("--append-docs", default=None, metavar="MD", help="append the markdown section to this file")
 
@@ -52,7 +54,8 @@ def run(args) -> int:
     cfg = BenchConfig(small=args.small, cases=tuple(c for c in args.cases.split(",") if c), peer=not args.no_peer,
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager)
+                      gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+                      numerics=args.numerics)
     try:
         result = run_bench(cfg)
     except ValueError as e:
@@ -65,7 +68,8 @@ def run(args) -> int:
     (out / "bench_generate.json").write_text(json.dumps(result, indent=2))
     tab = table(result)
     md = (f"\n## Generation throughput: engine vs transformers vs bandwidth bound\n\n"
-          f"{result['device']}, torch {result['torch']}, {result['dtype']}, commit {result['commit']}, "
+          f"{result['device']}, torch {result['torch']}, {result['dtype']}, numerics {args.numerics}, "
+          f"commit {result['commit']}, "
           f"{datetime.date.today()}; command `{result['command']}`. Model: "
           f"{'tiny (--small)' if args.small else 'Qwen3-0.6B-shaped, random weights'}; copy bandwidth "
           f"{result['copy_bandwidth_GBps']:.0f} GB/s (read + write); {result['kv_blocks']} KV blocks. "

@@ -70,6 +70,8 @@ class BenchConfig:
     gpu_memory_fraction: float = 0.9
     enforce_eager: bool = False
     seed: int = 0
+    numerics: str = "fast"
+    """EngineConfig.numerics: exact runs the batch-invariant kernels (docs/numerics.md)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -203,7 +205,7 @@ def run(cfg: BenchConfig) -> dict:
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_model_len=(128 if cfg.small else 2048), gpu_memory_fraction=cfg.gpu_memory_fraction,
-                        enforce_eager=cfg.enforce_eager, seed=cfg.seed)
+                        enforce_eager=cfg.enforce_eager, seed=cfg.seed, numerics=cfg.numerics)
     t0 = time.perf_counter()
     llm = LLM(model, None, ecfg)
     llm.capture_graphs()
