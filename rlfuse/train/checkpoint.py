@@ -46,6 +46,7 @@ import re
 import shutil
 import struct
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -414,13 +415,21 @@ def _load_resharded(path: Path, model, optimizer, dist: DistContext | None) -> d
     return state
 
 
+def _dcp_load_here(state: dict, folder: Path) -> None:
+    """dcp.load by this process alone, reading every rank's file (torch warns that it
+    assumes exactly that; here it is the intent, so the warning is dropped)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+
+
 def _load_sharded_into_one_process(folder: Path, model, optimizer) -> None:
     names = [n for n, _ in model.named_parameters()]
     params = dict(model.named_parameters())
     req = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in params.items()},
            "optim": {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(p.shape, dtype=torch.float32),
                                    "exp_avg_sq": torch.empty(p.shape, dtype=torch.float32)} for n, p in params.items()}}}
-    dcp.load(req, checkpoint_id=str(folder))  # no process group: reads every rank's file
+    _dcp_load_here(req, folder)
     w, st = req["model"], req["optim"]["state"]
     for n, p in params.items():
         p.copy_(w[n])  # bf16 parameters: round(master), as MasterAdamW writes them
@@ -460,7 +469,7 @@ def load_model_folder(folder: str | Path, *, device: str | torch.device = "cpu",
         model = CausalLM(cfg)
     model = model.to_empty(device=device)
     sd = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in model.named_parameters()}
-    dcp.load({"model": sd}, checkpoint_id=str(folder / "dcp"))
+    _dcp_load_here({"model": sd}, folder / "dcp")
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(sd[n])
