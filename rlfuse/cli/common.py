@@ -1,5 +1,6 @@
 """Shared CLI plumbing for the training commands: CONFIG resolution, --set overrides,
---resume, run-folder and runtime set-up (threads), and a key listing for --help."""
+--resume, run-folder and runtime set-up (threads, the process group under torchrun), and
+a key listing for --help."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import argparse
 import logging
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record
 
+from rlfuse.train.build import pick_device
 from rlfuse.train.config import RunConfig, load_config
 from rlfuse.train.config_io import describe
+from rlfuse.train.distributed import DistContext, init_distributed, launch_env, quiet_non_main, shutdown
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -45,6 +50,8 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> 
                        help="continue from the latest complete checkpoint in the run folder (checkpoint.resume=auto)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; RLFUSE_THREADS also sets it)")
+    p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="under torchrun: how long a rank waits in a collective for the others before it fails")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
     p.epilog = "config keys (--set KEY=VALUE):\n" + "\n".join("  " + ln for ln in describe(RunConfig))
 
@@ -70,3 +77,29 @@ def fail(e: Exception) -> int:
     """User errors end the command with their message (no traceback), exit status 2."""
     print(f"rlfuse: error: {e}", file=sys.stderr)
     return 2
+
+
+def as_rank(body: Callable[[], int]) -> Callable[[], int]:
+    """A training command's body as run: unchanged in a plain process; under torchrun
+    wrapped in torch's `record`, so torchrun's summary names the failing rank with its
+    traceback."""
+    return body if launch_env(os.environ) is None else record(body)
+
+
+def start_distributed(args, cfg: RunConfig) -> DistContext | None:
+    """Under torchrun (its variables in the environment): join the process group on the
+    run's device type (NCCL on GPUs, gloo on CPU; collectives time out after
+    --dist-timeout) and quiet the logs of ranks other than 0. A plain process: None,
+    nothing distributed is set up."""
+    env = launch_env(os.environ)
+    if env is None:
+        return None
+    ctx = init_distributed(env, device_type=pick_device(cfg.model.device).type, timeout_s=args.dist_timeout)
+    quiet_non_main(ctx)
+    return ctx
+
+
+def end_distributed(ctx: DistContext | None) -> None:
+    """After a successful run: leave the process group (a failing rank just exits)."""
+    if ctx is not None:
+        shutdown()

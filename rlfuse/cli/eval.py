@@ -1,7 +1,7 @@
 """`rlfuse eval CONFIG [--checkpoint DIR]`: greedy evaluation on the recipe's eval set.
 
-DIR is an HF model folder or a checkpoint folder (its model/ is used); default: the
-recipe's model.path. Prints the metrics and writes RUN_DIR/eval.json."""
+DIR is an HF model folder or a checkpoint folder (its model/ is used; a sharded
+checkpoint's dcp/ is read in this one process); default: the recipe's model.path. Prints the metrics and writes RUN_DIR/eval.json."""
 
 from __future__ import annotations
 

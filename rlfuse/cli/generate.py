@@ -15,14 +15,15 @@ from pathlib import Path
 import torch
 
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
-from rlfuse.model import load_model
 from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.train.checkpoint import load_model_folder
 
 HELP = "generate completions for prompts with the built-in engine"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", help="HF checkpoint folder (config.json, safetensors, tokenizer.json)")
+    p.add_argument("model", help="HF model folder (config.json, safetensors, tokenizer.json) or a training "
+                                 "checkpoint folder (either layout, one-process or sharded)")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -58,8 +59,10 @@ def run(args) -> int:
                                 seed=args.seed, stop=tuple(args.stop))
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager)
-        tok = Tokenizer.from_pretrained(args.model)
-        model = load_model(args.model, device=device, dtype=args.dtype).eval()
+        folder = Path(args.model)
+        folder = folder / "model" if (folder / "model" / "config.json").exists() else folder  # a checkpoint
+        tok = Tokenizer.from_pretrained(folder)
+        model = load_model_folder(folder, device=device, dtype=args.dtype).eval()
         if args.chat:
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                tokenize=True) for q in prompts]

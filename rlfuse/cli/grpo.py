@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, setup_threads,
+                               start_distributed)
+from rlfuse.train.distributed import RankFailed
 from rlfuse.train.grpo import run_grpo
 
 HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
@@ -13,12 +15,20 @@ def add_arguments(p):
 
 
 def run(args) -> int:
+    return as_rank(lambda: _run(args))()
+
+
+def _run(args) -> int:
     try:
         cfg = load_run_config(args)
         setup_threads(args.threads)
-        res = run_grpo(cfg)
-    except ValueError as e:
+        ctx = start_distributed(args, cfg)  # None unless launched by torchrun
+        res = run_grpo(cfg, dist=ctx)
+    except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)
+    end_distributed(ctx)
+    if ctx is not None and not ctx.is_main:
+        return 0
     if res["evals"]:
         first, last = res["evals"][0], res["evals"][-1]
         key = "accuracy" if "accuracy" in last else "reward"

@@ -18,9 +18,10 @@ from tokenizers import Tokenizer as Backend
 
 from rlfuse.engine import LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend
-from rlfuse.model import CausalLM, ModelConfig, load_model
+from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
+from rlfuse.train.checkpoint import load_model_folder
 from rlfuse.train.config import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
     if spec.path and spec.random_init:
         raise ValueError("model: give either model.path or model.random_init, not both")
     if spec.path:
-        model = load_model(spec.path, device=device, dtype=dtype)
+        model = load_model_folder(spec.path, device=device, dtype=dtype)  # HF folder or a checkpoint
     elif spec.random_init:
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = [k for k in spec.random_init if k not in fields]

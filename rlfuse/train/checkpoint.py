@@ -8,6 +8,20 @@ Layout: RUN_DIR/checkpoints/step_000012/
     COMPLETE             written last: the step, then "<bytes> <file>" for every file
 RUN_DIR/final/ holds the last weights (HF folder) for the next stage (`save_final`).
 
+Data-parallel runs (a DistContext `dist`, FSDP2-sharded model) write the sharded layout:
+RUN_DIR/checkpoints/step_000012/
+    dcp/                 torch.distributed.checkpoint: one file per rank + .metadata (fp32
+                         master weights and AdamW state, sharded; loads at any number of ranks)
+    config.json, tokenizer files   the model config (run dtype) and tokenizer: with dcp/ an
+                         HF-like folder (`load_model_folder` reads it, so do eval and generate)
+    state.pt             rank 0's trainer state, every rank's RNG states, the world size
+    COMPLETE             as above
+Every rank writes its DCP shard into the shared hidden temporary folder; after they all
+finished rank 0 writes the rest, renames, rotates (ranks agree on errors: RankFailed).
+`load_checkpoint` detects the layout: a sharded checkpoint resumes at the same N exactly,
+at another N by resharding (DCP), and in one process into a plain model + MasterAdamW; a
+one-process checkpoint loads into a sharded run too (every rank reads it, keeps its shard).
+
 Rules that keep a checkpoint trustworthy:
   * written into a hidden temporary sibling and renamed into place, so a crash never
     leaves a half-written `step_*` folder; `list_checkpoints()` also requires COMPLETE;
@@ -32,13 +46,20 @@ import re
 import shutil
 import struct
 import tempfile
+import warnings
 import zipfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rlfuse.model.weights import load_state_dict_from_files, save_model
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import distribute_tensor
+
+from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_dtype, save_model
+from rlfuse.train.distributed import (DistContext, gather_results, load_sharded, on_main, save_hf_export,
+                                      save_sharded)
 from rlfuse.train.optim import NonFiniteError, nonfinite_tensors
 
 log = logging.getLogger(__name__)
@@ -67,9 +88,14 @@ def set_rng_state(st: dict) -> None:
         torch.cuda.set_rng_state_all(st["cuda"])
 
 
-def check_finite(model, what: str) -> None:
-    """NonFiniteError naming `what` when any parameter holds NaN/inf (one host sync)."""
-    bad = nonfinite_tensors(model.named_parameters())
+def check_finite(model, what: str, dist: DistContext | None = None) -> None:
+    """NonFiniteError naming `what` when any parameter holds NaN/inf (one host sync); with
+    `dist`, any rank's shard (collective: every rank raises)."""
+    if dist is None:
+        bad = nonfinite_tensors(model.named_parameters())
+    else:
+        mine = nonfinite_tensors((n, p.to_local()) for n, p in model.named_parameters())
+        bad = sorted(set().union(*gather_results(dist, "check weights", lambda: mine)))
     if bad:
         raise NonFiniteError(f"{what}: refusing to write non-finite weights (NaN/inf in {len(bad)} tensors, e.g. "
                              f"{', '.join(bad[:3])}); earlier checkpoints are kept. Training diverged: lower "
@@ -93,7 +119,9 @@ def _manifest(folder: Path) -> str:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dict, *, tokenizer=None,
-                    keep_last: int = 2) -> Path:
+                    keep_last: int = 2, dist: DistContext | None = None) -> Path:
+    if dist is not None:
+        return _save_sharded_checkpoint(dist, run_dir, step, model, optimizer, state, tokenizer, keep_last)
     ckpt_root = Path(run_dir) / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
     check_finite(model, f"checkpoint {final}")
@@ -123,21 +151,77 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    _rotate(run_dir, keep_last)
+    log.info("checkpoint step %d -> %s", step, final)
+    return final
+
+
+def _rotate(run_dir: str | Path, keep_last: int) -> None:
     for old in list_checkpoints(run_dir)[:-keep_last] if keep_last > 0 else []:
         try:
             (old / "COMPLETE").unlink()  # first: a rotation cut short leaves no "complete" half folder
             shutil.rmtree(old)
         except OSError as e:
             log.warning("checkpoint rotation: could not remove %s (%s)", old, e)
-    log.info("checkpoint step %d -> %s", step, final)
+
+
+def _save_sharded_checkpoint(dist: DistContext, run_dir, step: int, model, optimizer, state: dict, tokenizer,
+                             keep_last: int) -> Path:
+    ckpt_root = Path(run_dir) / "checkpoints"
+    final = ckpt_root / f"step_{step:06d}"
+    check_finite(model, f"checkpoint {final}", dist)
+    tmp = ckpt_root / f".{final.name}.tmp-ranks"  # one name all ranks agree on (not a pid)
+
+    def prepare() -> None:
+        try:
+            ckpt_root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as e:
+            raise _write_error(final, e) from e
+
+    def finish(rngs: list) -> None:
+        try:
+            if tokenizer is not None:
+                tokenizer.save(tmp)
+            cfg = model.config.to_hf()
+            cfg["torch_dtype"] = cfg["dtype"] = str(optimizer.compute_dtype).replace("torch.", "")
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            torch.save({"step": step, "rng": rngs[0], "rng_per_rank": rngs, "world_size": dist.world_size, **state},
+                       tmp / "state.pt")
+            (tmp / "COMPLETE").write_text(f"{step}\n{_manifest(tmp)}")
+            old = final.with_name(f".{final.name}.old")
+            if final.exists():
+                os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        except (OSError, RuntimeError) as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise _write_error(final, e) from e
+        _rotate(run_dir, keep_last)
+
+    on_main(dist, "checkpoint", prepare)
+    save_sharded(dist, tmp / "dcp", model, optimizer.opt)  # every rank its shard; returns after all did
+    rngs = gather_results(dist, "checkpoint", rng_state)
+    on_main(dist, "checkpoint", finish, rngs)
+    log.info("checkpoint step %d -> %s (%d ranks, sharded)", step, final, dist.world_size)
     return final
 
 
-def save_final(run_dir: str | Path, model, tokenizer=None) -> Path:
+def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
+               dtype: torch.dtype | None = None) -> Path:
     """RUN_DIR/final: the trained weights (+ tokenizer) as an HF folder, for the next stage
-    (written atomically by save_model; never with non-finite weights)."""
+    (written atomically by save_model; never with non-finite weights). With `dist`: the
+    full weights gathered on rank 0 and written there in `dtype` (the run's)."""
     final = Path(run_dir) / "final"
-    check_finite(model, str(final))
+    check_finite(model, str(final), dist)
+    if dist is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None and dist.is_main else None
+            save_hf_export(dist, model, final, dtype=dtype, tokenizer_dir=tok_dir)
+        log.info("final weights -> %s (gathered on rank 0)", final)
+        return final
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None else None
@@ -221,6 +305,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
             return f"{name}: missing"
         if size.isdigit() and f.stat().st_size != int(size):
             return f"{name}: {f.stat().st_size} bytes, {size} when saved"
+    if (path / "dcp").is_dir():
+        return _verify_sharded(path)
     for name in ("model/config.json", "optimizer.pt", "state.pt"):
         if not (path / name).is_file():
             return f"{name}: missing"
@@ -240,6 +326,22 @@ def verify_checkpoint(path: str | Path) -> str | None:
         json.loads((path / "model/config.json").read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f"model/config.json: not valid JSON ({e})"
+    return None
+
+
+def _verify_sharded(path: Path) -> str | None:
+    for name in ("config.json", "state.pt", "dcp/.metadata"):
+        if not (path / name).is_file():
+            return f"{name}: missing"
+    try:
+        with zipfile.ZipFile(path / "state.pt") as z:
+            z.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        return f"state.pt: unreadable ({e})"
+    try:
+        json.loads((path / "config.json").read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return f"config.json: not valid JSON ({e})"
     return None
 
 
@@ -277,10 +379,13 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 
 
 @torch.no_grad()
-def load_checkpoint(path: str | Path, model, optimizer) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | None = None) -> dict:
     """Load weights into `model` in place, the optimizer state and RNG states; returns
-    the saved trainer state (step, data positions, extras)."""
+    the saved trainer state (step, data positions, extras). Either layout (module doc),
+    into a one-process model or, with `dist`, a sharded one."""
     path = Path(path)
+    if (path / "dcp").is_dir() or dist is not None:
+        return _load_resharded(path, model, optimizer, dist)
     load_state_dict_from_files(model, path / "model")
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=model.lm_head_weight.device,
@@ -289,3 +394,84 @@ def load_checkpoint(path: str | Path, model, optimizer) -> dict:
     set_rng_state(state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return state
+
+
+def _load_resharded(path: Path, model, optimizer, dist: DistContext | None) -> dict:
+    """load_checkpoint across layouts: sharded -> sharded at any N (DCP reshards), sharded
+    -> one process (DCP without a process group, into MasterAdamW's state), one process
+    -> sharded (every rank reads the full files and keeps its shard)."""
+    if (path / "dcp").is_dir() and dist is not None:
+        load_sharded(path / "dcp", model, optimizer.opt)
+    elif (path / "dcp").is_dir():
+        _load_sharded_into_one_process(path / "dcp", model, optimizer)
+    else:
+        _load_one_process_into_sharded(path, model, optimizer)
+    state = torch.load(path / "state.pt", weights_only=False)
+    saved_n = state.get("world_size", 1)
+    same_n = dist is not None and saved_n == dist.world_size
+    set_rng_state(state["rng_per_rank"][dist.rank] if same_n else state["rng"])
+    log.info("resumed from %s (step %d, written by %d rank%s%s)", path, state["step"], saved_n,
+             "s" if saved_n > 1 else "", "" if same_n or (dist is None and saved_n == 1) else ", resharded")
+    return state
+
+
+def _dcp_load_here(state: dict, folder: Path) -> None:
+    """dcp.load by this process alone, reading every rank's file (torch warns that it
+    assumes exactly that; here it is the intent, so the warning is dropped)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(folder), no_dist=True)
+
+
+def _load_sharded_into_one_process(folder: Path, model, optimizer) -> None:
+    names = [n for n, _ in model.named_parameters()]
+    params = dict(model.named_parameters())
+    req = {"model": {n: torch.empty(p.shape, dtype=torch.float32) for n, p in params.items()},
+           "optim": {"state": {n: {"step": torch.zeros(()), "exp_avg": torch.empty(p.shape, dtype=torch.float32),
+                                   "exp_avg_sq": torch.empty(p.shape, dtype=torch.float32)} for n, p in params.items()}}}
+    _dcp_load_here(req, folder)
+    w, st = req["model"], req["optim"]["state"]
+    for n, p in params.items():
+        p.copy_(w[n])  # bf16 parameters: round(master), as MasterAdamW writes them
+    optimizer.load_state_dict({"step": int(st[names[0]]["step"]),
+                               "master": [None if params[n].dtype == torch.float32 else w[n] for n in names],
+                               "exp_avg": [st[n]["exp_avg"] for n in names],
+                               "exp_avg_sq": [st[n]["exp_avg_sq"] for n in names]})
+
+
+def _load_one_process_into_sharded(path: Path, model, optimizer) -> None:
+    plain = load_model(path / "model", dtype=torch.float32)  # the rounded weights; masters replace them below
+    sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
+    step = torch.tensor(float(sd["step"]))
+    for i, ((n, p), (n0, p0)) in enumerate(zip(model.named_parameters(), plain.named_parameters())):
+        assert n == n0, (n, n0)
+
+        def shard(full: torch.Tensor) -> torch.Tensor:
+            return distribute_tensor(full.float().to(p.device), p.device_mesh, p.placements)
+
+        p.to_local().copy_(shard(sd["master"][i] if sd["master"][i] is not None else p0).to_local())
+        optimizer.opt.state[p] = {"step": step.clone(), "exp_avg": shard(sd["exp_avg"][i]),
+                                  "exp_avg_sq": shard(sd["exp_avg_sq"][i])}
+
+
+def load_model_folder(folder: str | Path, *, device: str | torch.device = "cpu",
+                      dtype: str | torch.dtype | None = None) -> CausalLM:
+    """A model from an HF folder, a checkpoint folder (its model/), or a sharded
+    checkpoint folder (config.json + dcp/, read without a process group). dtype defaults
+    to the config's torch_dtype."""
+    folder = Path(folder)
+    if (folder / "model" / "config.json").exists():
+        folder = folder / "model"
+    if not (folder / "dcp").is_dir():
+        return load_model(folder, device=device, dtype=dtype)
+    cfg = ModelConfig.from_hf(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model = model.to_empty(device=device)
+    sd = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in model.named_parameters()}
+    _dcp_load_here({"model": sd}, folder / "dcp")
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(sd[n])
+    log.info("loaded %s from the sharded checkpoint %s", cfg.architecture, folder)
+    return model.to(parse_dtype(dtype or cfg.torch_dtype))

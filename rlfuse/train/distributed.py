@@ -149,8 +149,11 @@ def init_distributed(env: LaunchEnv, *, device_type: str, timeout_s: float = 600
 
 
 def shutdown() -> None:
-    """Leave the process group (end of a run; a failing rank just exits, see the module doc)."""
+    """Leave the process group (end of a run; a failing rank just exits, see the module doc).
+    A barrier first: no rank tears down its connections while a peer still uses them
+    (seen once in 4-process CPU runs without it: rank 0 aborted at exit)."""
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
 
 
@@ -257,15 +260,66 @@ def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
     """Global L2 gradient norm over all ranks' shards (a plain replicated tensor); scales
     the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0, like
     rlfuse.train.optim.clip_grad_norm_ in one process."""
-    params = [p for p in params if p.grad is not None]
-    if not params:
+    return clip_sharded_grads_([p.grad for p in params if p.grad is not None], max_norm)
+
+
+def clip_sharded_grads_(grads, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ on the gradient DTensors themselves (`ShardedAdamW.grads()`;
+    rlfuse.train.optim.clip_grad_norm_ sends DTensor gradients here)."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
         return torch.zeros(())
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0, foreach=False)
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
     if isinstance(norm, DTensor):
         norm = norm.full_tensor()  # all-reduce of the per-rank partial sums of squares
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=False)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
     return norm
+
+
+class ShardedAdamW:
+    """MasterAdamW's interface (`step(lr)`, `zero_grad()`, `grads()`) over `sharded_adamw`,
+    so the trainers drive a sharded model unchanged. No gradient hooks: FSDP2 owns the
+    fp32 gradient shards (MasterAdamW's hooks must never see FSDP parameters)."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, compute_dtype: torch.dtype):
+        self.params = list(model.parameters())
+        self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.compute_dtype = compute_dtype
+        """The dtype the gathered weights have (what `log_memory` counts for rollouts)."""
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, lr: float | None = None) -> None:
+        if lr is not None:
+            set_lr(self.opt, lr)
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model `shard_model` wrapped (FSDP2)."""
+    return isinstance(model, FSDPModule)
+
+
+def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """A plain, frozen CausalLM holding the full weights of sharded `model` in `dtype` on
+    this rank's device (collective: every rank calls it). The masters are exact upcasts
+    of the run's dtype until the first step, so a copy taken before training holds the
+    starting weights exactly. Costs 2 P bytes per rank in bf16 (the KL reference model)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    device = next(iter(full.values())).device
+    with torch.device("meta"):
+        ref = CausalLM(model.config).to(dtype)
+    ref = ref.to_empty(device=device)
+    ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
+    return ref.requires_grad_(False).eval()
 
 
 # ---------------------------------------------------------------------- the engine's weights
@@ -355,6 +409,18 @@ class RankFailed(RuntimeError):
     """Raised on every rank when one rank raised inside `fail_together`."""
 
 
+def _message(err: BaseException | None) -> str | None:
+    return None if err is None else f"{type(err).__name__}: {err}"
+
+
+def _raise_failed(phase: str, msgs: Sequence[str | None], err: BaseException | None) -> None:
+    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
+    if failed:
+        r, m = failed[0]
+        more = f" (also ranks {[x for x, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise RankFailed(f"{phase}: rank {r} raised {m}{more}") from err
+
+
 @contextlib.contextmanager
 def fail_together(ctx: DistContext, phase: str):
     """Run a host-side phase (no collectives inside: generation on the local engine,
@@ -368,12 +434,29 @@ def fail_together(ctx: DistContext, phase: str):
     except Exception as e:  # noqa: BLE001 -- re-raised below on every rank, with this rank's message
         err = e
     msgs: list[str | None] = [None] * ctx.world_size
-    dist.all_gather_object(msgs, None if err is None else f"{type(err).__name__}: {err}")
-    failed = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    if failed:
-        r, m = failed[0]
-        more = f" (also ranks {[x for x, _ in failed[1:]]})" if len(failed) > 1 else ""
-        raise RankFailed(f"{phase}: rank {r} raised {m}{more}") from err
+    dist.all_gather_object(msgs, _message(err))
+    _raise_failed(phase, msgs, err)
+
+
+def gather_results(ctx: DistContext, phase: str, fn, *args) -> list:
+    """fail_together that also returns: `fn(*args)` on every rank, then one all-gather of
+    (error, result); every rank gets all ranks' results in rank order, or RankFailed as
+    in `fail_together`. Results are pickled: host objects (samples, scores, counts)."""
+    err, out = None, None
+    try:
+        out = fn(*args)
+    except Exception as e:  # noqa: BLE001 -- re-raised below on every rank, with this rank's message
+        err = e
+    got: list = [None] * ctx.world_size
+    dist.all_gather_object(got, (_message(err), None if err is not None else out))
+    _raise_failed(phase, [m for m, _ in got], err)
+    return [r for _, r in got]
+
+
+def on_main(ctx: DistContext, phase: str, fn, *args):
+    """`fn(*args)` on rank 0 only (file-system work: resolving a resume, cleaning up);
+    every rank gets its result, or RankFailed with rank 0's error."""
+    return gather_results(ctx, phase, lambda: fn(*args) if ctx.is_main else None)[0]
 
 
 # ---------------------------------------------------------------------- checkpoints
@@ -404,10 +487,10 @@ def save_hf_export(ctx: DistContext, model: CausalLM, folder: str | Path, *, dty
     calls it; returns the folder on rank 0, None elsewhere."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     out = None
-    if ctx.is_main:
-        with torch.device("meta"):
-            shell = CausalLM(model.config)
-        shell.load_state_dict(full, assign=True)  # adopts the gathered tensors: no copy
-        out = save_model(shell, folder, tokenizer_dir=tokenizer_dir, dtype=dtype)
-    dist.barrier()
+    with fail_together(ctx, "export"):  # a write error on rank 0 stops every rank with its message
+        if ctx.is_main:
+            with torch.device("meta"):
+                shell = CausalLM(model.config)
+            shell.load_state_dict(full, assign=True)  # adopts the gathered tensors: no copy
+            out = save_model(shell, folder, tokenizer_dir=tokenizer_dir, dtype=dtype)
     return out

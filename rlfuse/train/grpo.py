@@ -17,6 +17,11 @@ One step:
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term.
 The optimizer writes into the same parameter tensors, so the next generate uses them.
 `GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
+then every rank holds the global samples and scores (rlfuse.train.data_parallel), so
+advantages, kept groups and mini-batches are the one-process ones; each rank trains on
+its own sequences of each mini-batch with the global normalizers, padded to the same
+number of micro-batches, and the loss statistics are summed over ranks.
 Run: rlfuse grpo RECIPE.yaml   Test: python -m pytest -q tests/test_grpo_trainer.py
 """
 
@@ -32,10 +37,13 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.model.weights import parse_dtype
 from rlfuse.train.advantages import group_advantages, zero_variance_groups
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import RunConfig
 from rlfuse.train.data import Prompt, PromptStream, build_prompts
+from rlfuse.train.data_parallel import local_micro_batches, reduce_mismatch, rollout_on_ranks
+from rlfuse.train.distributed import DistContext, full_copy, reduce_metrics
 from rlfuse.train.evaluate import score_samples
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
@@ -70,8 +78,10 @@ class GRPOTrainer:
     stage = "grpo"
 
     def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
-                 optimizer: MasterAdamW, ref_model=None):
+                 optimizer: MasterAdamW, ref_model=None, dist: DistContext | None = None):
         self.cfg, self.g = cfg, cfg.grpo
+        self.dist = dist
+        self._owner = None  # data-parallel: global sample index -> the rank that generated it
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
         self.device = model.lm_head_weight.device
@@ -116,14 +126,12 @@ class GRPOTrainer:
         g = self.g
         timer = PhaseTimer(self.device)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
-        with timer("generate"):
-            self.sampler.wake()
-            samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
-                                            top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                            seed=g.seed + step)
-            self.sampler.sleep()
+        if self.dist is None:
+            samples, total, per, errors = self._rollout(prompts, step, timer)
+        else:
+            samples, total, per, errors, self._owner = rollout_on_ranks(
+                self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
-            total, per = score_samples(prompts, samples, self.rewards, g.group_size)
             r = torch.tensor(total, dtype=torch.float32)
             adv = group_advantages(r, g.group_size, g.adv_scale, g.adv_eps)
             flat_zero = zero_variance_groups(r, g.group_size)
@@ -132,8 +140,8 @@ class GRPOTrainer:
         m["reward/mean"], m["reward/std"] = r.mean(), r.std()
         for name, vals in per.items():
             m[f"reward/{name}"] = _mean(vals)
-            if self.rewards.error_counts.get(name):
-                m[f"reward_errors/{name}"] = float(self.rewards.error_counts[name])
+            if errors.get(name):
+                m[f"reward_errors/{name}"] = float(errors[name])
         if self.rewards.correctness:
             m["accuracy"] = _mean(per[self.rewards.correctness])
         lens = [len(s.token_ids) for s in samples]
@@ -157,6 +165,28 @@ class GRPOTrainer:
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
 
+    def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer):
+        """Generate G completions of each prompt and score them: (samples, total rewards,
+        per-function rewards, this call's reward error counts)."""
+        g = self.g
+        with timer("generate"):
+            self.sampler.wake()
+            samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
+                                            top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                            seed=g.seed + step)
+            self.sampler.sleep()
+        with timer("score"):
+            total, per = score_samples(prompts, samples, self.rewards, g.group_size)
+        return samples, total, per, dict(self.rewards.error_counts)
+
+    def _micro_batches(self, seq_idx: list[int], lengths: list[int]) -> list[tuple[list[int], bool]]:
+        """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
+        data-parallel, this rank's sequences, padded with zero-weight micro-batches."""
+        if self.dist is None:
+            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens)]
+        owned = [i for i, j in enumerate(seq_idx) if self._owner(j) == self.dist.rank]
+        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned)
+
     # ------------------------------------------------------------------ the update
     def _train(self, prompts: list[Prompt], samples: list[Sample], adv: torch.Tensor, kept_groups: list[int],
                step: int) -> dict:
@@ -171,8 +201,11 @@ class GRPOTrainer:
         extra: dict = {}
         if self.recompute_old or check:
             old = self._trainer_logprobs(prompts, samples, seqs)
-            full = logprob_mismatch(torch.cat([old[j] for j in seqs]),
-                                    torch.cat([samples[j].logprobs.to(self.device) for j in seqs]))
+            mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
+            full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
+                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]))
+            if self.dist is not None:
+                full = reduce_mismatch(self.dist, full)
             extra = {f"mismatch/full_{k}": v for k, v in full.items()}
             if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
                 log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
@@ -195,7 +228,13 @@ class GRPOTrainer:
                     acc.setdefault(key, []).append(v)
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
-        mm = logprob_mismatch(torch.cat(first_logp), torch.cat(first_old), torch.cat(first_mask))
+        if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
+            out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
+        empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
+        mm = logprob_mismatch(torch.cat(first_logp or empty), torch.cat(first_old or empty),
+                              torch.cat(first_mask or empty))
+        if self.dist is not None:
+            mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
         out["_train_tokens"] = float(n_trained)
@@ -228,7 +267,7 @@ class GRPOTrainer:
         lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb in pack_by_tokens(lengths, g.micro_batch_tokens):
+        for mb, pad in self._micro_batches(seq_idx, lengths):
             js = [seq_idx[i] for i in mb]
             batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
                                         len(prompts[samples[j].prompt_index].ids)) for j in js], dev)
@@ -241,6 +280,8 @@ class GRPOTrainer:
                 adv_N, mask_N, corr = off_policy_corrections(old_N - rollout_N, adv_N, mask_N, batch.seq_ids,
                                                              batch.num_seqs, tis_cap=g.tis_cap,
                                                              mis_bounds=g.mis_bounds, icepop_bounds=g.icepop_bounds)
+            if pad:  # a zero-weight micro-batch (data-parallel padding): no gradient, no statistics
+                mask_N = torch.zeros_like(mask_N)
             want_ent = g.log_entropy and capture is not None
             with use_numerics(self.numerics):  # the engine's numerics: exact makes logp_N == old_N bitwise
                 h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
@@ -252,8 +293,8 @@ class GRPOTrainer:
                                    loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
                                    dual_clip=g.dual_clip, ref_logp=ref_N, kl_coef=g.kl_coef, kl_type=g.kl_type,
                                    max_tokens=g.max_new_tokens)
-            mb_tokens = sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
-            w = accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
+            mb_tokens = 0.0 if pad else sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
+            w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             (loss * w).backward()
             tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
@@ -261,11 +302,11 @@ class GRPOTrainer:
                 sums[key] = sums.get(key, 0.0) + v.detach() * tw
             if ent_N is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
-            if capture is not None:
+            if capture is not None and not pad:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
                 capture[2].append(mask_N)
-            n_tok += batch.num_tokens
+            n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
 
     @torch.no_grad()
@@ -274,13 +315,15 @@ class GRPOTrainer:
         micro-batched like the update): the recomputed old policy, or an exact-mode check."""
         out = {}
         lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
-        for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens):
+        for mb, pad in self._micro_batches(seq_idx, lengths):
             js = [seq_idx[i] for i in mb]
             batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
                                         len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
             with use_numerics(self.numerics):
                 h = self.model(batch.input_ids, batch.positions, batch.attn)
                 lp = token_logprobs(h[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t)
+            if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
+                continue
             for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):
                 out[j] = x
         return out
@@ -292,15 +335,20 @@ class GRPOTrainer:
 
 
 # ---------------------------------------------------------------------- the run
-def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
+def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,
+             dist: DistContext | None = None) -> dict:
     """GRPO for cfg.grpo.steps (resuming per cfg.checkpoint.resume), evaluated on the
     held-out prompts before the first step, every grpo.eval_every and at the end.
-    `stop_after` as in `run_loop` (tests of resume)."""
-    ses = session or open_session(cfg)
+    `stop_after` as in `run_loop` (tests of resume); `dist`: data-parallel (the CLI under
+    torchrun), ignored when `session` is given (its own `dist` counts)."""
+    ses = session or open_session(cfg, dist=dist)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train")
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = GRPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg))
+    # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
+    ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None
+    trainer = GRPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+                          ref_model=ref, dist=ses.dist)
     eval_prompts = ses.eval_prompts()
     # the trainer's RewardSet: its error counts (logged per step) include the evaluations'
     evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,

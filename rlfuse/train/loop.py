@@ -21,6 +21,11 @@ everything after it is labelled `done`. With N = trainer.schedule.steps:
   final       RUN_DIR/final, an HF folder of the weights (+ tokenizer), at the end
 "The end" is step N, or the step after which `stop_when(done)` returned True. A run cut
 short by `stop_after` (tests of resume) stops without any of it.
+Data-parallel (`session.dist`): rank 0 resolves the resume and alone writes metrics,
+samples and the progress bar (other ranks get rlfuse.train.data_parallel.SilentLog);
+logged metrics are reduced over ranks with the per-rank memory of params, gradients and
+optimizer state; evaluation is split over ranks; checkpoints are sharded and the final
+weights are gathered on rank 0 (rlfuse.train.checkpoint).
 Test: python -m pytest -q tests/test_train_loop.py tests/test_checkpoint.py
 """
 
@@ -34,8 +39,11 @@ from typing import Protocol
 import torch
 
 from rlfuse.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.model.weights import parse_dtype
 from rlfuse.train.config import RunConfig
+from rlfuse.train.data_parallel import SilentLog, evaluate_on_ranks, step_metrics
 from rlfuse.train.data import Prompt
+from rlfuse.train.distributed import ShardedAdamW, is_sharded, log_memory, on_main
 from rlfuse.train.evaluate import evaluate
 from rlfuse.train.metrics import RunLog
 from rlfuse.train.optim import MasterAdamW
@@ -47,8 +55,12 @@ log = logging.getLogger(__name__)
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> MasterAdamW:
     """MasterAdamW over every parameter of `model` with the run's optim settings (the
-    learning rate itself is set per step by the trainer's schedule)."""
+    learning rate itself is set per step by the trainer's schedule); for an FSDP-sharded
+    model torch's AdamW on the fp32 shards behind the same interface (ShardedAdamW)."""
     o = cfg.optim
+    if is_sharded(model):
+        return ShardedAdamW(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                            compute_dtype=parse_dtype(cfg.model.dtype))
     return MasterAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
 
 
@@ -102,21 +114,26 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     resumes per cfg.checkpoint.resume. Returns {"history": logged rows, "evals": eval rows,
     "steps": steps done, "run_dir", "model", "tokenizer"}."""
     cfg, sched = session.cfg, trainer.schedule
+    dist = session.dist
     start = 0
-    ckpt = resolve_resume(cfg.checkpoint.resume, session.run_dir)
+    ckpt = (resolve_resume(cfg.checkpoint.resume, session.run_dir) if dist is None else
+            on_main(dist, "resume", resolve_resume, cfg.checkpoint.resume, session.run_dir))
     if ckpt is not None:
-        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer)
+        state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, dist=dist)
         trainer.load_state_dict(state)
         start = state["step"]
     runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                    total=sched.steps, desc=trainer.stage, initial=start)
+                    total=sched.steps, desc=trainer.stage, initial=start) if dist is None or dist.is_main else SilentLog()
     history, evals = [], []
 
     def do_eval(step: int) -> None:
         if evaluation is None:
             return
         sampler = session.sampler
-        res = evaluate(sampler, evaluation.prompts, evaluation.rewards, max_new_tokens=evaluation.max_new_tokens)
+
+        def run_eval(prompts):
+            return evaluate(sampler, prompts, evaluation.rewards, max_new_tokens=evaluation.max_new_tokens)
+        res = run_eval(evaluation.prompts) if dist is None else evaluate_on_ranks(dist, evaluation.prompts, run_eval)
         sampler.sleep()
         runlog.log(step, res, stage="eval")
         evals.append({"step": step, **res})
@@ -124,7 +141,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
 
     def save(step: int) -> None:
         save_checkpoint(session.run_dir, step, trainer.model, trainer.optimizer, trainer.state_dict(),
-                        tokenizer=session.tokenizer, keep_last=cfg.checkpoint.keep_last)
+                        tokenizer=session.tokenizer, keep_last=cfg.checkpoint.keep_last, dist=dist)
 
     done = start
     finished = False
@@ -137,6 +154,9 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
             m = trainer.step(done)
             done += 1
             if done % cfg.logging.log_every == 0 or done == sched.steps:
+                if dist is not None:  # the same row on every rank, with each rank's memory (max over ranks)
+                    m = {**step_metrics(dist, m), **log_memory(dist, trainer.model, trainer.optimizer.opt,
+                                                               compute_dtype=trainer.optimizer.compute_dtype)}
                 row = runlog.log(done, m, stage=trainer.stage)
                 history.append(row)
                 runlog.progress(1, **{sched.headline: row.get(sched.headline)}, s_per_step=row.get("time/step"))
@@ -155,7 +175,8 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
         if finished or done >= sched.steps:
             if cfg.checkpoint.save_final:
                 save(done)
-            save_final(session.run_dir, trainer.model, session.tokenizer)
+            save_final(session.run_dir, trainer.model, session.tokenizer, dist=dist,
+                       dtype=parse_dtype(cfg.model.dtype))
             do_eval(done)
     finally:
         runlog.close()

@@ -30,6 +30,9 @@ import math
 import weakref
 
 import torch
+from torch.distributed.tensor import DTensor
+
+from rlfuse.train.distributed import clip_sharded_grads_
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +149,8 @@ def clip_grad_norm_(grads, max_norm: float) -> torch.Tensor:
     grads = [g for g in grads if g is not None]
     if not grads:
         return torch.zeros(())
+    if isinstance(grads[0], DTensor):  # FSDP2 shards (distributed.ShardedAdamW): the norm spans all ranks
+        return clip_sharded_grads_(grads, max_norm)
     norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)

@@ -5,6 +5,9 @@ seeds the RNGs, loads the data rows, builds (or adopts) the tokenizer and the mo
 returns them together; `session.sampler` builds the engine on first use, on the same
 model object. Callers may pass `model`, `tokenizer` and `sampler` in (the demo chains SFT
 and GRPO on one model; tests use a tiny sampler).
+With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
+device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
+and the sampler gathers the weights around each rollout (rlfuse.train.data_parallel).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import torch
 from rlfuse.train.build import build_engine, build_model, build_tokenizer, pick_device, seed_everything
 from rlfuse.train.config import RunConfig, save_config
 from rlfuse.train.data import build_prompts, load_rows
+from rlfuse.train.data_parallel import GatheredSampler
+from rlfuse.train.distributed import DistContext, shard_model
 from rlfuse.train.rewards import RewardSet
 from rlfuse.train.rollout import EngineSampler
 from rlfuse.train.tasks import task_alphabet
@@ -35,12 +40,19 @@ class Session:
     train_rows: list
     eval_rows: list
     _sampler: object = None
+    dist: DistContext | None = None
+    """Set when the run is data-parallel (rlfuse.train.distributed); None in one process."""
 
     @property
     def sampler(self):
+        if self._sampler is None and self.dist is not None:
+            self._sampler = GatheredSampler(self.model, self._engine_sampler)
         if self._sampler is None:
-            self._sampler = EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
+            self._sampler = self._engine_sampler()
         return self._sampler
+
+    def _engine_sampler(self) -> EngineSampler:
+        return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
         return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
@@ -50,10 +62,10 @@ class Session:
 
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
-                 write_config: bool = True) -> Session:
+                 write_config: bool = True, dist: DistContext | None = None) -> Session:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if write_config:
+    if write_config and (dist is None or dist.is_main):
         save_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.seed)
     train_rows = load_rows(cfg.data, "train", need_target=need_target)
@@ -66,8 +78,10 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
                                      [r for _, r in train_rows] + [r for _, r in eval_rows])
         tokenizer = build_tokenizer(cfg.model, alphabet)
     if model is None:
-        device = pick_device(cfg.model.device)
+        device = pick_device(cfg.model.device) if dist is None else dist.device
         model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
-    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, sampler)
+    if dist is not None:
+        model = shard_model(model, dist)
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, sampler, dist=dist)

@@ -7,6 +7,9 @@ so the result does not depend on how the step was split into micro-batches. Log-
 come from `rlfuse.kernels.logprob.token_logprobs` on the rows that predict targets only
 (no (T, V) logits). Then grad-norm clipping, the scheduled LR and MasterAdamW.
 `SFTTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+Data-parallel (`dist`): every rank draws the same global batch, so N is known locally;
+each rank trains its contiguous block of it, padded to the same number of micro-batches,
+and the loss is summed over ranks.
 Run: rlfuse sft RECIPE.yaml   Test: python -m pytest -q tests/test_train_sft.py
 """
 
@@ -21,6 +24,8 @@ from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import RunConfig
 from rlfuse.train.data import PromptStream, SFTExample, build_sft_examples
+from rlfuse.train.data_parallel import local_micro_batches
+from rlfuse.train.distributed import DistContext, local_slice, reduce_metrics
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import peak_memory_mb
 from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
@@ -31,8 +36,10 @@ class SFTTrainer:
 
     stage = "sft"
 
-    def __init__(self, cfg: RunConfig, model, optimizer: MasterAdamW, stream: PromptStream):
+    def __init__(self, cfg: RunConfig, model, optimizer: MasterAdamW, stream: PromptStream,
+                 dist: DistContext | None = None):
         self.cfg, self.model, self.optimizer, self.stream = cfg, model, optimizer, stream
+        self.dist = dist
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, headline="loss")
 
@@ -50,24 +57,38 @@ class SFTTrainer:
         loss_sum = torch.zeros((), device=self.device)
         t0 = time.perf_counter()
         n_tok = 0
-        for mb in pack_by_tokens([len(ex.ids) for ex in examples], s.micro_batch_tokens):
+        for mb, pad in self._micro_batches([len(ex.ids) for ex in examples]):
             batch = PackedBatch.build([(examples[i].ids, n_ctx[i]) for i in mb], self.device)
             w_N = torch.tensor([float(m) for i in mb for m in examples[i].mask[n_ctx[i]:]],
                                device=self.device)
+            if pad:  # a zero-weight micro-batch (data-parallel padding)
+                w_N = torch.zeros_like(w_N)
             h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             logp_N = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets)
             loss = -(logp_N * w_N).sum() / total_targets
             loss.backward()
             loss_sum += loss.detach()
-            n_tok += batch.num_tokens
+            n_tok += 0 if pad else batch.num_tokens
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(step, lr=o.lr, total_steps=s.steps, warmup_steps=o.warmup_steps, schedule=o.schedule,
                    min_lr_ratio=o.min_lr_ratio)
         self.optimizer.step(lr)
         self.optimizer.zero_grad()
         dt = time.perf_counter() - t0
-        return {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "tokens": float(n_tok),
-                "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+        m = {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "tokens": float(n_tok),
+             "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+        if self.dist is not None:  # each rank's loss is its share of the global mean
+            m = reduce_metrics(self.dist, m, ops={"loss": "sum", "tokens": "sum", "tokens_per_s": "sum"},
+                               default="max")
+        return m
+
+    def _micro_batches(self, lengths: list[int]) -> list[tuple[list[int], bool]]:
+        """(example indices, pad) per micro-batch: all examples in one process;
+        data-parallel, this rank's block, padded with zero-weight micro-batches."""
+        if self.dist is None:
+            return [(mb, False) for mb in pack_by_tokens(lengths, self.cfg.sft.micro_batch_tokens)]
+        owned = local_slice(range(len(lengths)), self.dist, what="sft.batch_size")
+        return local_micro_batches(self.dist, lengths, self.cfg.sft.micro_batch_tokens, owned)
 
     def state_dict(self) -> dict:
         return {"data": self.stream.state_dict()}
@@ -80,14 +101,14 @@ class SFTTrainer:
 
 
 def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,
-            stop_when: Callable[[int], bool] | None = None) -> dict:
+            stop_when: Callable[[int], bool] | None = None, dist: DistContext | None = None) -> dict:
     """Train for cfg.sft.steps (resuming per cfg.checkpoint.resume); held-out evaluation
     when the recipe names rewards. `stop_after` and `stop_when` as in `run_loop` (the
     demo's "warm up to partial accuracy" is a stop_when)."""
-    ses = session or open_session(cfg, need_target=True)
+    ses = session or open_session(cfg, need_target=True, dist=dist)
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream)
+    trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
     if cfg.rewards:
         prompts = ses.eval_prompts()

@@ -1,0 +1,154 @@
+"""The data-parallel side of a run: what the session, the trainers and the loop call when
+the CLI started them under torchrun (`Session.dist` is a DistContext). The building
+blocks (sharding, collectives, checkpoints) are rlfuse.train.distributed; this file puts
+them together for the engine, GRPO's rollouts, micro-batching and evaluation.
+
+Rules every function here keeps (each rank runs the same program on its share):
+  * collectives happen at the same points on every rank: the engine's weights are
+    gathered at `wake()` and freed at `sleep()`, which every rank calls equally often;
+    every rank runs as many forward/backward passes per optimizer step
+    (`local_micro_batches` pads with zero-weight micro-batches);
+  * host-side work that may raise (generation, scoring, evaluation) runs inside
+    `gather_results`, so a failing rank stops all of them with its message;
+  * decisions (which groups are kept, how many mini-batches, whether to update) are
+    taken on the gathered, global data, hence the same on every rank.
+Test: python -m pytest -q tests/test_distributed_run.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable
+
+from rlfuse.train.batching import pack_by_tokens
+from rlfuse.train.distributed import (DistContext, gather_results, gathered_weights, local_slice, max_across_ranks,
+                                      reduce_metrics)
+from rlfuse.train.metrics import to_floats
+
+
+class GatheredSampler:
+    """The `Sampler` of an FSDP-sharded model. `wake()` gathers every weight
+    (`gathered_weights`, a collective) and wakes the engine, which runs on exactly those
+    tensors; `sleep()` puts the engine to sleep and frees the gathered weights. The
+    engine is built at the first `wake()`, inside the block, so it sees the compute dtype
+    and plans its KV pool with the weights resident.
+
+    Pointers: the gathered storage is freed at `sleep()` and allocated again at the next
+    `wake()`, so weight pointers may move between rollouts. The engine's `sleep()` drops
+    its CUDA graphs and its prefix cache, and graphs are captured again on first use
+    after `wake()`: nothing captured survives a move (on CPU there are no graphs)."""
+
+    def __init__(self, model, make_sampler: Callable[[], object]):
+        self.model, self._make = model, make_sampler
+        self.inner = None
+        self._gathered: contextlib.ExitStack | None = None
+
+    def wake(self) -> None:
+        if self._gathered is not None:
+            return
+        stack = contextlib.ExitStack()
+        stack.enter_context(gathered_weights(self.model))
+        self._gathered = stack
+        if self.inner is None:
+            self.inner = self._make()
+        self.inner.wake()
+
+    def sleep(self) -> None:
+        if self._gathered is None:
+            return
+        try:
+            self.inner.sleep()
+        finally:
+            self._gathered.close()
+            self._gathered = None
+
+    def generate(self, prompt_ids, **kw):
+        if self._gathered is None:  # the weights are shards: gathering is a collective every rank must join
+            raise RuntimeError("GatheredSampler.generate: call wake() first (it gathers the weights on every rank)")
+        return self.inner.generate(prompt_ids, **kw)
+
+
+def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, group_size: int):
+    """GRPO's data-parallel rollout. `rollout(local_prompts)` -> (samples, totals,
+    per-function rewards, reward error counts) runs on this rank's contiguous block of
+    `prompts` (generated and scored where the samples are; a group's G completions stay
+    on one rank); then one all-gather gives every rank the global lists in the
+    one-process order (sample prompt indices shifted to the global batch; error counts
+    summed). Sample j of the global list belongs to rank `owner(j) = j // (G k)`, k =
+    prompts per rank."""
+    mine = local_slice(prompts, ctx, what="grpo.prompts_per_step")
+    parts = gather_results(ctx, "rollout", rollout, mine)
+    samples, totals, per, errors = [], [], {}, {}
+    for r, (s, t, p, e) in enumerate(parts):
+        samples += [dataclasses.replace(x, prompt_index=x.prompt_index + r * len(mine)) for x in s]
+        totals += list(t)
+        for name, vals in p.items():
+            per.setdefault(name, []).extend(vals)
+        for name, n in e.items():
+            errors[name] = errors.get(name, 0) + n
+    per_rank = group_size * len(mine)
+    return samples, totals, per, errors, (lambda j: j // per_rank)
+
+
+def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int,
+                        owned: list[int]) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches: the indices `owned` (into `lengths`, a step's global
+    list) packed by `budget` tokens, as (indices, pad=False); then (shortest sequence,
+    pad=True) entries up to the largest count over ranks. A padding micro-batch is a
+    real forward/backward with zero loss weight: every rank must run as many passes as
+    the others, since each one all-gathers weights and reduce-scatters gradients."""
+    mbs = [([owned[k] for k in mb], False) for mb in pack_by_tokens([lengths[i] for i in owned], budget)]
+    n = max_across_ranks(ctx, len(mbs))
+    shortest = min(range(len(lengths)), key=lengths.__getitem__)
+    return mbs + [([shortest], True)] * (n - len(mbs))
+
+
+def reduce_mismatch(ctx: DistContext, mm: dict) -> dict:
+    """rlfuse.consistency.mismatch stats of each rank's tokens -> over all ranks: max for
+    the maxima, the mean of the ranks' means for the means (ranks hold equal shares of
+    prompts; their token counts differ, so this is close to, not exactly, the token mean)."""
+    return reduce_metrics(ctx, mm, ops={k: "max" for k in mm if k.endswith("max_abs") or k.endswith("ratio_max")})
+
+
+def evaluate_on_ranks(ctx: DistContext, prompts: list, run_eval: Callable[[list], dict]) -> dict:
+    """Held-out evaluation split over ranks: rank r evaluates the r-th of N near-equal
+    contiguous parts (any count of prompts; a part may be empty, and `run_eval` must still
+    wake the sampler, a collective), then the means are combined weighted by each part's
+    `num_problems`, as one process would average them."""
+    n, w = len(prompts), ctx.world_size
+    part = prompts[ctx.rank * n // w:(ctx.rank + 1) * n // w]
+    parts = gather_results(ctx, "eval", run_eval, part)
+    total = sum(p["num_problems"] for p in parts)
+    out = {}
+    for key in dict.fromkeys(k for p in parts for k in p):
+        if key == "num_problems":
+            out[key] = float(total)
+            continue
+        have = [p for p in parts if key in p and p["num_problems"] > 0]
+        weight = sum(p["num_problems"] for p in have)
+        out[key] = sum(p[key] * p["num_problems"] for p in have) / weight if weight else 0.0
+    return out
+
+
+class SilentLog:
+    """RunLog's interface for ranks other than 0: rows are returned, nothing is written."""
+
+    def log(self, step: int, metrics: dict, stage: str = "train") -> dict:
+        return {"step": step, "stage": stage, **to_floats(metrics)}
+
+    def progress(self, n: int = 1, **postfix) -> None:
+        pass
+
+    def samples(self, step: int, rows: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def step_metrics(ctx: DistContext, metrics: dict) -> dict:
+    """A logged step's metrics, the same on every rank: the largest value over ranks
+    (values computed from gathered data or already reduced are equal on every rank;
+    times and memory differ, and the slowest / fullest rank is the one to report)."""
+    return reduce_metrics(ctx, metrics, default="max")
