@@ -196,7 +196,9 @@ class DataConfig:
 @dataclasses.dataclass(**_DC)
 class RewardSpec:
     name: str
-    """A builtin (see rlfuse.train.rewards.BUILTINS) or `module:function` / `path.py:function`."""
+    """A builtin (see rlfuse.train.rewards.BUILTINS), `reward_model`, or `module:function` / `path.py:function`."""
+    path: str = ""
+    """`reward_model` only: an HF *ForSequenceClassification checkpoint folder (Llama, Qwen2, Qwen3; one output)."""
     weight: float = 1.0
     """The total reward is the weighted sum of the functions' rewards."""
     kwargs: dict = dataclasses.field(default_factory=dict)
