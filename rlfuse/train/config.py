@@ -6,6 +6,7 @@
       optim       OptimConfig     AdamW, warmup + cosine schedule, grad clipping
       sft         SFTConfig       supervised fine-tuning
       grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO
+      ppo         PPOConfig       PPO with a critic
       data        DataConfig      train / eval sources, templates, prompt-length filter
       rewards     list[RewardSpec] + on_reward_error
       logging     LoggingConfig   run folder, metrics, TensorBoard, samples
@@ -160,6 +161,68 @@ class GRPOConfig:
 
 
 @dataclasses.dataclass(**_DC)
+class PPOConfig:
+    steps: int = 100
+    """Rollout steps (each: generate, score, GAE, mu epochs of policy and critic updates)."""
+    prompts_per_step: int = 64
+    """Prompts per rollout step."""
+    samples_per_prompt: int = 1
+    """Completions sampled per prompt (the critic is the baseline, so 1 is the classic setting)."""
+    max_new_tokens: int = 256
+    """Longest completion (rollouts and held-out evaluation)."""
+    temperature: float = 1.0
+    """Rollout sampling temperature (log-probs at logprob_temperature(temperature), as in GRPO)."""
+    top_p: float = 1.0
+    """Rollout nucleus sampling mass in (0, 1]; 1 disables."""
+    top_k: int = 0
+    """Rollout top-k filter; 0 disables."""
+    loss_type: str = "dapo"
+    """Token weighting of the clipped policy loss (rlfuse.kernels.policy_loss): dapo (one mean over
+    all tokens, the classic PPO mean) | grpo (mean over sequences of token means) | dr_grpo."""
+    clip_low: float = 0.2
+    """Policy ratio clip below 1."""
+    clip_high: float = 0.2
+    """Policy ratio clip above 1."""
+    mu: int = 4
+    """PPO epochs: passes over each rollout batch (old log-probs, values and advantages fixed)."""
+    mini_batches: int = 1
+    """Optimizer steps (policy and critic each) per epoch; the rollout batch is split evenly."""
+    micro_batch_tokens: int = 8192
+    """Token budget of one packed training micro-batch (policy and critic)."""
+    gamma: float = 1.0
+    """GAE discount over completion tokens."""
+    lam: float = 0.95
+    """GAE lambda (1: Monte-Carlo returns minus V; 0: one-step TD errors)."""
+    value_clip: float | None = 0.2
+    """Clip of the value update around the rollout's values (None: unclipped squared error)."""
+    critic_path: str = ""
+    """Critic initialization: empty = a copy of the policy's trunk with a zero head; else an HF
+    folder (a *ForSequenceClassification checkpoint with its head, e.g. the reward model, or a
+    causal LM whose trunk is used with a zero head)."""
+    critic_lr: float = 1e-5
+    """Peak learning rate of the critic's own AdamW (same betas, schedule and clipping as optim)."""
+    kl_coef: float = 0.05
+    """beta of the per-token k1 penalty -beta (logp_old - logp_ref) added to the reward (0 = none,
+    and no reference copy); the starting value when kl_target is set."""
+    kl_target: float | None = None
+    """Adaptive KL: target of the mean per-sequence KL (summed over tokens); None = fixed kl_coef."""
+    kl_horizon: int = 10000
+    """Adaptive KL horizon (sequences): beta moves by at most 20% per horizon."""
+    reward_norm: bool = True
+    """Normalize the scalar reward by running mean and std (over all rewards so far)."""
+    whiten_advantages: bool = True
+    """Whiten the GAE advantages over the tokens of each rollout batch."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtract entropy_coef * (token-mean policy entropy) from the policy loss."""
+    sample_every: int = 10
+    """Write sample completions every this many steps (0 = never)."""
+    eval_every: int = 0
+    """Evaluate on the eval set every this many steps (0 = at the start and the end only)."""
+    seed: int = 0
+    """Base seed for rollout sampling (step s uses seed + s)."""
+
+
+@dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
     """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:countdown."""
@@ -196,7 +259,9 @@ class DataConfig:
 @dataclasses.dataclass(**_DC)
 class RewardSpec:
     name: str
-    """A builtin (see rlfuse.train.rewards.BUILTINS) or `module:function` / `path.py:function`."""
+    """A builtin (see rlfuse.train.rewards.BUILTINS), `reward_model`, or `module:function` / `path.py:function`."""
+    path: str = ""
+    """`reward_model` only: an HF *ForSequenceClassification checkpoint folder (Llama, Qwen2, Qwen3; one output)."""
     weight: float = 1.0
     """The total reward is the weighted sum of the functions' rewards."""
     kwargs: dict = dataclasses.field(default_factory=dict)
@@ -242,6 +307,8 @@ class RunConfig:
     """Supervised fine-tuning (`rlfuse sft`)."""
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
     """GRPO and its variants DAPO, Dr. GRPO, GSPO (`rlfuse grpo`)."""
+    ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
+    """PPO with a critic: GAE, clipped value loss, KL-shaped reward (`rlfuse ppo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Training and held-out data, prompt formatting."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
@@ -284,6 +351,31 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        _check_ppo(self.ppo)
+
+
+def _check_ppo(p: PPOConfig) -> None:
+    _check_choice("ppo.loss_type", p.loss_type, ("dapo", "grpo", "dr_grpo"))
+    for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "mu", "mini_batches",
+                 "micro_batch_tokens", "kl_horizon"):
+        if getattr(p, name) < 1:
+            raise ValueError(f"ppo.{name} must be >= 1, got {getattr(p, name)}")
+    if p.prompts_per_step % p.mini_batches:
+        raise ValueError(f"ppo.prompts_per_step ({p.prompts_per_step}) must be a multiple of "
+                         f"ppo.mini_batches ({p.mini_batches})")
+    for name in ("gamma", "lam"):
+        if not 0.0 <= getattr(p, name) <= 1.0:
+            raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(p, name)}")
+    for name in ("kl_coef", "entropy_coef"):
+        if getattr(p, name) < 0:
+            raise ValueError(f"ppo.{name} must be >= 0, got {getattr(p, name)}")
+    if p.value_clip is not None and not p.value_clip > 0:
+        raise ValueError(f"ppo.value_clip must be > 0 (or null), got {p.value_clip}")
+    if p.kl_target is not None and not (p.kl_target > 0 and p.kl_coef > 0):
+        raise ValueError(f"ppo.kl_target must be > 0 and needs ppo.kl_coef > 0 (its starting value), "
+                         f"got kl_target {p.kl_target}, kl_coef {p.kl_coef}")
+    if not p.critic_lr > 0:
+        raise ValueError(f"ppo.critic_lr must be > 0, got {p.critic_lr}")
 
 
 def _check_choice(field: str, value, choices):

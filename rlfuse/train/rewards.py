@@ -18,6 +18,10 @@ Built-ins (BUILTINS):
   length_penalty  -coef * len(completion_ids) / max_len   (kwargs: coef=1.0, max_len=1000)
   overlong_penalty  DAPO's soft overlong punishment: 0 up to max_len - buffer tokens,
                   then linearly down to -1 at max_len (and -1 when truncated)
+Model rewards (MODEL_REWARDS), built once per RewardSpec from its `path` and kwargs:
+  reward_model    an HF *ForSequenceClassification checkpoint's score of the conversation,
+                  under its own chat template (rlfuse.train.reward_model; kwargs: device,
+                  dtype, batch_tokens, max_length, use_chat_template)
 User functions: "package.module:function" or "path/to/file.py:function" (kwargs are bound).
 
 `RewardSet.score(...)` returns (total (B,), per-function dict of (B,) lists). A function
@@ -45,6 +49,7 @@ from pathlib import Path
 from typing import Callable
 
 from rlfuse.train.config import RewardSpec
+from rlfuse.train.reward_model import RewardModelReward
 from rlfuse.train.tasks import _INT, extract_answer, verify_arithmetic, verify_countdown
 
 log = logging.getLogger(__name__)
@@ -115,6 +120,8 @@ BUILTINS: dict[str, Callable] = {
     "countdown": countdown,
     "format": format_reward, "length_penalty": length_penalty, "overlong_penalty": overlong_penalty,
 }
+# rewards that hold a model: the class is built once per RewardSpec (path + kwargs) and called
+MODEL_REWARDS: dict[str, type] = {"reward_model": RewardModelReward}
 # reward functions whose value is "the answer is right" (the accuracy metric)
 CORRECTNESS = ("math_accuracy", "arithmetic", "countdown")
 
@@ -162,7 +169,8 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):  # a callable without a readable signature: bound as given
         return
-    if name in BUILTINS:
+    builtin = name in BUILTINS or name in MODEL_REWARDS
+    if builtin:
         valid = {k: p for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
         return
@@ -174,10 +182,12 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
             raise ValueError(f"reward {name!r}: unknown keyword argument {k!r} in kwargs "
                              f"(valid kwargs of {name!r}: {allowed})")
         default = valid[k].default
-        if name in BUILTINS and isinstance(default, (int, float)) and not isinstance(default, bool) and \
+        if builtin and isinstance(default, (int, float)) and not isinstance(default, bool) and \
                 (not isinstance(v, (int, float)) or isinstance(v, bool)):
             raise ValueError(f"reward {name!r}: kwargs.{k} must be a number, got {v!r}")
-        if name in BUILTINS and isinstance(default, str) and not isinstance(v, str):
+        if builtin and isinstance(default, bool) and not isinstance(v, bool):
+            raise ValueError(f"reward {name!r}: kwargs.{k} must be true or false, got {v!r}")
+        if builtin and isinstance(default, str) and not isinstance(v, str):
             raise ValueError(f"reward {name!r}: kwargs.{k} must be a string, got {v!r}")
 
 
@@ -198,10 +208,18 @@ class RewardSet:
         for s in specs:
             base = s.name.rsplit(":", 1)[-1]
             name = base if base not in self.names else f"{base}_{len(self.names)}"
-            fn = resolve(s.name)
-            check_kwargs(s.name, fn, s.kwargs)
+            if s.name in MODEL_REWARDS:
+                check_kwargs(s.name, MODEL_REWARDS[s.name], s.kwargs)
+                fn = MODEL_REWARDS[s.name](s.path, **s.kwargs)
+            elif s.path:
+                raise ValueError(f"reward {s.name!r}: `path` is for model rewards ({', '.join(MODEL_REWARDS)}); "
+                                 f"a function takes its settings in kwargs")
+            else:
+                fn = resolve(s.name)
+                check_kwargs(s.name, fn, s.kwargs)
+                fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)
-            self.fns.append(functools.partial(fn, **s.kwargs) if s.kwargs else fn)
+            self.fns.append(fn)
             self.weights.append(float(s.weight))
         self.on_error = on_error
         self.error_counts = {n: 0 for n in self.names}

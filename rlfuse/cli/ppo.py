@@ -1,0 +1,29 @@
+"""`rlfuse ppo CONFIG [--set k=v ...] [--resume]`: PPO with a critic from a recipe."""
+
+from __future__ import annotations
+
+from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.train.ppo import run_ppo
+
+HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
+
+
+def add_arguments(p):
+    add_config_arguments(p)
+
+
+def run(args) -> int:
+    try:
+        cfg = load_run_config(args)
+        setup_threads(args.threads)
+        res = run_ppo(cfg)
+    except ValueError as e:
+        return fail(e)
+    if res["evals"]:
+        first, last = res["evals"][0], res["evals"][-1]
+        key = "accuracy" if "accuracy" in last else "reward"
+        print(f"ppo done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
+              f"(step {last['step']}); run folder {res['run_dir']}")
+    else:
+        print(f"ppo done; run folder {res['run_dir']}")
+    return 0

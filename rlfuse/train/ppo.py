@@ -1,0 +1,328 @@
+"""PPO with a critic on the engine's own weights (the classic RLHF loop).
+
+One step (P prompts x K samples, B = P*K sequences; formulas in rlfuse/train/ppo_math.py
+and docs/algorithms.md, "PPO"):
+  1. generate : rollouts from the engine exactly as GRPO gets them (shared parameters,
+                per-token log-probs = the old policy); then the engine sleeps.
+  2. score    : reward functions -> scalar reward r_i; with ppo.reward_norm, normalized
+                by running mean / std (RunningMoments, this batch included).
+  3. prepare  : no-grad forwards: the critic's values V_t at every completion token and,
+                with kl_coef > 0, the frozen reference's log-probs. Token rewards
+                    rew_t = -beta (old_t - ref_t)  (+ r_i at the last token)
+                GAE(gamma, lam) -> advantages A_t and returns R_t = A_t + V_t; A whitened
+                over the batch (ppo.whiten_advantages). beta then adapts (ppo.kl_target).
+  4. train    : mu epochs x mini_batches; each mini-batch, micro-batched by token budget:
+                the policy's clipped loss through the fused kernel (rlfuse.kernels.policy_loss,
+                per-token advantages; minus entropy_coef x token-mean entropy) and the
+                critic's clipped value loss (token mean), each model stepped by its own
+                MasterAdamW (policy: optim.lr; critic: ppo.critic_lr; same schedule shape).
+The critic (rlfuse.model.ScalarHeadModel) starts as a copy of the policy's trunk with a
+zero head, or from ppo.critic_path; it lives in this process and holds no activations
+outside its own forward/backward. Its weights and optimizer state travel in the
+checkpoint's trainer state, with the KL coefficient and the reward statistics.
+`PPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+Run: rlfuse ppo RECIPE.yaml   Test: python -m pytest -q tests/test_ppo_trainer.py
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+from torch.nn.utils.rnn import pad_sequence
+
+from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.engine.config import logprob_temperature
+from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
+from rlfuse.model.weights import parse_dtype
+from rlfuse.train.batching import PackedBatch, pack_by_tokens
+from rlfuse.train.config import RunConfig
+from rlfuse.train.data import Prompt, PromptStream, build_prompts
+from rlfuse.train.evaluate import score_samples
+from rlfuse.train.grpo import frozen_copy
+from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
+from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
+from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.ppo_math import (RunningMoments, adaptive_kl_coef, explained_variance, gae, masked_mean,
+                                   value_loss, whiten)
+from rlfuse.train.rewards import RewardSet
+from rlfuse.train.rollout import Sample, Sampler
+from rlfuse.train.session import Session, open_session
+
+log = logging.getLogger(__name__)
+
+
+def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
+    """The value model: ppo.critic_path's checkpoint, or a copy of the policy's trunk (zero head)."""
+    p = cfg.ppo
+    dev = policy.lm_head_weight.device
+    if p.critic_path:
+        critic = load_scalar_head_model(p.critic_path, device=dev, dtype=parse_dtype(cfg.model.dtype), head="zero")
+        if critic.num_labels != 1:
+            raise ValueError(f"ppo.critic_path: {p.critic_path} has num_labels {critic.num_labels}; a critic "
+                             f"needs a single output")
+        if critic.config.vocab_size < policy.config.vocab_size:
+            raise ValueError(f"ppo.critic_path: {p.critic_path} has vocab_size {critic.config.vocab_size}, fewer "
+                             f"than the policy's {policy.config.vocab_size}; the critic reads the policy's tokens")
+        log.info("critic: from %s", p.critic_path)
+    else:
+        critic = ScalarHeadModel.from_causal_lm(policy)
+        log.info("critic: a copy of the policy's trunk with a zero value head (ppo.critic_path empty)")
+    critic.gradient_checkpointing = cfg.model.gradient_checkpointing
+    return critic
+
+
+def make_critic_optimizer(critic: ScalarHeadModel, cfg: RunConfig) -> MasterAdamW:
+    o = cfg.optim
+    return MasterAdamW(critic.parameters(), lr=cfg.ppo.critic_lr, betas=o.betas, eps=o.eps,
+                       weight_decay=o.weight_decay)
+
+
+def _mean(xs):
+    xs = [x for x in xs if not math.isnan(x)]
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+class PPOTrainer:
+    """The PPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
+    `sampler`, scored by `rewards`, trained into `model` (by `optimizer`) and `critic` (by
+    `critic_optimizer`)."""
+
+    stage = "ppo"
+
+    def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
+                 optimizer: MasterAdamW, critic: ScalarHeadModel, critic_optimizer: MasterAdamW, ref_model=None):
+        self.cfg, self.p = cfg, cfg.ppo
+        self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
+        self.optimizer, self.critic, self.critic_optimizer = optimizer, critic, critic_optimizer
+        self.device = model.lm_head_weight.device
+        self.schedule = Schedule(steps=self.p.steps, eval_every=self.p.eval_every, eval_at_start=True,
+                                 sample_every=self.p.sample_every, headline="reward/mean")
+        if self.p.kl_coef > 0 and ref_model is None:
+            ref_model = frozen_copy(model)  # the weights the run starts from
+        self.ref_model = ref_model.requires_grad_(False).eval() if self.p.kl_coef > 0 else None
+        self.kl_coef = self.p.kl_coef
+        self.reward_stats = RunningMoments()
+        self.opt_steps_total = self.p.steps * self.p.mu * self.p.mini_batches
+        self.logprob_t = logprob_temperature(self.p.temperature)
+        self.numerics = cfg.engine.numerics
+        self.last_samples: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"data": self.stream.state_dict(), "kl_coef": self.kl_coef,
+                "reward_stats": self.reward_stats.state_dict(), "critic": self.critic.state_dict(),
+                "critic_optimizer": self.critic_optimizer.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["data"])
+        self.kl_coef = float(state["kl_coef"])
+        self.reward_stats.load_state_dict(state["reward_stats"])
+        self.critic.load_state_dict(state["critic"])
+        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+
+    def samples(self) -> list[dict]:
+        return self.last_samples
+
+    # ------------------------------------------------------------------ one step
+    def step(self, step: int) -> dict:
+        p = self.p
+        timer = PhaseTimer(self.device)
+        prompts: list[Prompt] = self.stream.take(p.prompts_per_step)
+        with timer("generate"):
+            self.sampler.wake()
+            samples = self.sampler.generate([q.ids for q in prompts], n=p.samples_per_prompt,
+                                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                            max_tokens=p.max_new_tokens, seed=p.seed + step)
+            self.sampler.sleep()
+        with timer("score"):
+            total, per = score_samples(prompts, samples, self.rewards, p.samples_per_prompt)
+            r = torch.tensor(total, dtype=torch.float32)
+            if p.reward_norm:
+                self.reward_stats.update(r)
+                r_used = self.reward_stats.normalize(r)
+            else:
+                r_used = r
+        m: dict = {"reward/mean": r.mean(), "reward/std": r.std() if len(total) > 1 else r.new_zeros(())}
+        for name, vals in per.items():
+            m[f"reward/{name}"] = _mean(vals)
+            if self.rewards.error_counts.get(name):
+                m[f"reward_errors/{name}"] = float(self.rewards.error_counts[name])
+        if self.rewards.correctness:
+            m["accuracy"] = _mean(per[self.rewards.correctness])
+        m["reward/normalized_mean"] = r_used.mean()
+        lens = [len(s.token_ids) for s in samples]
+        m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
+        m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
+        with timer("prepare"):
+            adv, ret, old_v, prep = self._prepare(prompts, samples, r_used)
+        m.update(prep)
+        with timer("train"):
+            m.update(self._train(prompts, samples, adv, ret, old_v, step))
+        t = timer.times
+        for k in ("generate", "score", "prepare", "train"):
+            m[f"time/{k}"] = t[k]
+        m["time/step"] = sum(t.values())
+        m["tokens_per_s/rollout"] = sum(lens) / max(t["generate"], 1e-9)
+        m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
+        m["memory/peak_mb"] = peak_memory_mb(self.device)
+        self.last_samples = [{"prompt": prompts[s.prompt_index].text, "completion": s.text, "reward": total[j],
+                              **{f"reward/{k}": v[j] for k, v in per.items()},
+                              "value_first_token": float(old_v[j][0]) if len(old_v[j]) else float("nan"),
+                              "truncated": s.truncated} for j, s in enumerate(samples)]
+        return m
+
+    def _batches(self, prompts, samples, seq_idx: list[int]):
+        """(sample indices, PackedBatch) micro-batches of sequences `seq_idx`."""
+        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        for mb in pack_by_tokens(lengths, self.p.micro_batch_tokens):
+            js = [seq_idx[i] for i in mb]
+            yield js, PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
+                                          len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
+
+    # ------------------------------------------------------------------ values, KL, GAE
+    @torch.no_grad()
+    def _prepare(self, prompts, samples: list[Sample], r_used: torch.Tensor):
+        p = self.p
+        n = len(samples)
+        values: list[torch.Tensor] = [None] * n
+        kl: list[torch.Tensor] = [None] * n
+        self.critic.eval()
+        for js, batch in self._batches(prompts, samples, list(range(n))):
+            sizes = [len(samples[j].token_ids) for j in js]
+            with use_numerics(self.numerics):
+                v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
+                if self.ref_model is not None:
+                    h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
+                    ref_N = token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets,
+                                           self.logprob_t)
+            old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device)
+            kl_N = old_N - ref_N if self.ref_model is not None else torch.zeros_like(old_N)  # k1 estimator
+            for j, v, k in zip(js, v_N.split(sizes), kl_N.split(sizes)):
+                values[j], kl[j] = v, k
+        lens = torch.tensor([len(s.token_ids) for s in samples], device=self.device)
+        mask_BT = pad_sequence([torch.ones_like(v) for v in values], batch_first=True)
+        values_BT = pad_sequence(values, batch_first=True)
+        kl_BT = pad_sequence(kl, batch_first=True)
+        rew_BT = -self.kl_coef * kl_BT
+        has = lens > 0  # an empty completion has no token to carry its reward
+        last = (lens - 1).clamp_min(0)
+        rows = torch.arange(n, device=self.device)
+        rew_BT[rows[has], last[has]] += r_used.to(self.device)[has]
+        adv_BT, ret_BT = gae(rew_BT, values_BT, mask_BT, p.gamma, p.lam)
+        out = {"kl_coef": self.kl_coef, "kl": masked_mean(kl_BT, mask_BT), "kl/seq": kl_BT.sum(1).mean(),
+               "returns/mean": masked_mean(ret_BT, mask_BT), "values/mean": masked_mean(values_BT, mask_BT),
+               "critic/explained_variance": explained_variance(values_BT, ret_BT, mask_BT),
+               "adv/mean": masked_mean(adv_BT, mask_BT), "adv/std": masked_mean(adv_BT ** 2, mask_BT).sqrt()}
+        if p.whiten_advantages:
+            adv_BT = whiten(adv_BT, mask_BT)
+        if p.kl_target is not None:
+            # host sync: the coefficient is a host number (once per step)
+            self.kl_coef = adaptive_kl_coef(self.kl_coef, float(out["kl/seq"]), p.kl_target, p.kl_horizon, n)
+        lens_l = [len(s.token_ids) for s in samples]
+        adv = [adv_BT[j, :lens_l[j]] for j in range(n)]
+        ret = [ret_BT[j, :lens_l[j]] for j in range(n)]
+        return adv, ret, values, out
+
+    # ------------------------------------------------------------------ the update
+    def _train(self, prompts, samples, adv, ret, old_v, step: int) -> dict:
+        p = self.p
+        n = len(samples)
+        bounds = [round(k * n / p.mini_batches) for k in range(p.mini_batches + 1)]
+        minis = [list(range(bounds[k], bounds[k + 1])) for k in range(p.mini_batches)]
+        acc: dict[str, list] = {}
+        n_trained = 0
+        capture: tuple[list, list] = ([], [])
+        for it in range(p.mu):
+            for k, mini in enumerate(minis):
+                opt_step = step * p.mu * p.mini_batches + it * p.mini_batches + k
+                stats = self._optimizer_step(prompts, samples, adv, ret, old_v, mini, opt_step,
+                                             capture if it == 0 and k == 0 else None)
+                n_trained += stats.pop("_tokens")
+                for key, v in stats.items():
+                    acc.setdefault(key, []).append(v)
+        out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
+               for key, v in acc.items()}
+        mm = logprob_mismatch(torch.cat(capture[0]), torch.cat(capture[1]))
+        out.update({f"mismatch/{key}": v for key, v in mm.items()})
+        out["_train_tokens"] = float(n_trained)
+        return out
+
+    def _optimizer_step(self, prompts, samples, adv, ret, old_v, seq_idx, opt_step: int, capture) -> dict:
+        p, o = self.p, self.cfg.optim
+        self.model.train()
+        self.critic.train()
+        total_seqs = len(seq_idx)
+        total_tokens = float(sum(len(samples[j].token_ids) for j in seq_idx))
+        sums: dict[str, torch.Tensor] = {}
+        n_tok = 0
+        want_ent = p.entropy_coef > 0 or capture is not None
+        for js, batch in self._batches(prompts, samples, seq_idx):
+            old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device, non_blocking=True)
+            adv_N = torch.cat([adv[j] for j in js])
+            mask_N = torch.ones_like(adv_N)
+            mb_tokens = float(adv_N.numel())
+            tw = mb_tokens / max(total_tokens, 1.0)  # this micro-batch's share of the mini-batch's tokens
+            with use_numerics(self.numerics):
+                h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+                out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
+                                     return_entropy=want_ent)
+            logp_N, ent_N = out if want_ent else (out, None)
+            loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
+                                   loss_type=p.loss_type, clip_low=p.clip_low, clip_high=p.clip_high,
+                                   max_tokens=p.max_new_tokens)
+            st.pop("kl")  # no KL in the loss: it is in the reward (logged as "kl")
+            w = accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
+            obj = loss * w
+            if ent_N is not None:
+                ent_mean = ent_N.sum() / max(total_tokens, 1.0)  # this micro-batch's part of the token mean
+                if p.entropy_coef > 0:
+                    obj = obj - p.entropy_coef * ent_mean
+                sums["entropy"] = sums.get("entropy", 0.0) + ent_mean.detach()
+            obj.backward()
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
+            for key, v in st.items():
+                sums[key] = sums.get(key, 0.0) + v.detach() * tw
+            if capture is not None:
+                capture[0].append(logp_N.detach())
+                capture[1].append(old_N)
+            # the critic on the same packed batch
+            with use_numerics(self.numerics):
+                v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
+            vl_N, vclip = value_loss(v_N, torch.cat([old_v[j] for j in js]), torch.cat([ret[j] for j in js]),
+                                     mask_N, p.value_clip)
+            vloss = vl_N.sum() / max(total_tokens, 1.0)
+            vloss.backward()
+            sums["critic/value_loss"] = sums.get("critic/value_loss", 0.0) + vloss.detach()
+            sums["critic/value_clip_frac"] = sums.get("critic/value_clip_frac", 0.0) + vclip * tw
+            n_tok += batch.num_tokens
+        kw = dict(total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps, schedule=o.schedule,
+                  min_lr_ratio=o.min_lr_ratio)
+        grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
+        lr = lr_at(opt_step, lr=o.lr, **kw)
+        self.optimizer.step(lr)
+        self.optimizer.zero_grad()
+        critic_norm = clip_grad_norm_(self.critic_optimizer.grads(), o.max_grad_norm)
+        self.critic_optimizer.step(lr_at(opt_step, lr=p.critic_lr, **kw))
+        self.critic_optimizer.zero_grad()
+        return {**sums, "grad_norm": grad_norm, "lr": lr, "critic/grad_norm": critic_norm, "_tokens": n_tok}
+
+
+# ---------------------------------------------------------------------- the run
+def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
+    """PPO for cfg.ppo.steps (resuming per cfg.checkpoint.resume), evaluated on the held-out
+    prompts before the first step, every ppo.eval_every and at the end."""
+    ses = session or open_session(cfg)
+    rewards = ses.rewards()
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train")
+    stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
+    critic = build_critic(cfg, ses.model)
+    trainer = PPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+                         critic, make_critic_optimizer(critic, cfg))
+    eval_prompts = ses.eval_prompts()
+    evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,
+                            max_new_tokens=cfg.ppo.max_new_tokens) if eval_prompts else None
+    return run_loop(trainer, ses, evaluation=evaluation, stop_after=stop_after)
