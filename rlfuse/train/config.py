@@ -22,6 +22,7 @@ Test: python -m pytest -q tests/test_config.py
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from rlfuse.engine.config import EngineConfig
@@ -71,6 +72,10 @@ class OptimConfig:
     """The decay ends at min_lr_ratio * lr at the last step."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
+    max_nonfinite_steps: int = 5
+    """An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and
+    optimizer state unchanged, counted as optim/skipped_steps); this many skips in a row stop
+    the run with an error (0 = never stop)."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -82,7 +87,9 @@ class SFTConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (prompt + completion tokens)."""
     max_seq_len: int = 1024
-    """Longer examples are truncated (completion side) to this many tokens."""
+    """Longest example in tokens (prompt + completion); the model's context caps it too."""
+    overlong: str = "truncate"
+    """Longer examples: truncate (on the completion side) or drop; counted and logged."""
     eval_every: int = 0
     """Evaluate on the eval set every this many steps (0 = only at the end)."""
 
@@ -222,7 +229,7 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0 = only at the end)."""
     keep_last: int = 2
-    """Keep only the newest this many checkpoints."""
+    """Keep only the newest this many checkpoints (0 = keep all)."""
     resume: str = "never"
     """never | auto (latest complete checkpoint in run_dir, if any) | a checkpoint folder."""
     save_final: bool = True
@@ -256,6 +263,8 @@ class RunConfig:
     """Seeds model init, data order and torch's RNG."""
 
     def __post_init__(self):
+        check_ranges(self)
+        _check_choice("sft.overlong", self.sft.overlong, ("truncate", "drop"))
         _check_choice("on_reward_error", self.on_reward_error, ("raise", "zero"))
         _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
         _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
@@ -275,15 +284,69 @@ class RunConfig:
             b = getattr(g, name)
             if b is not None and not (len(b) == 2 and 0 <= b[0] < 1 < b[1]):
                 raise ValueError(f"grpo.{name} must be [low, high] with 0 <= low < 1 < high (or null), got {b}")
-        if g.check_every < 0:
-            raise ValueError(f"grpo.check_every must be >= 0, got {g.check_every}")
-        for name, v in (("grpo.mu", g.mu), ("grpo.mini_batches", g.mini_batches),
-                        ("grpo.prompts_per_step", g.prompts_per_step), ("grpo.max_new_tokens", g.max_new_tokens)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+
+
+RANGES: dict[str, str] = {
+    "seed": ">= 0",
+    "optim.lr": "> 0", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
+    "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "[0, 1]",
+    "optim.max_grad_norm": ">= 0", "optim.max_nonfinite_steps": ">= 0",
+    "sft.steps": "> 0", "sft.batch_size": "> 0", "sft.micro_batch_tokens": "> 0", "sft.max_seq_len": "> 0",
+    "sft.eval_every": ">= 0",
+    "grpo.steps": "> 0", "grpo.prompts_per_step": "> 0", "grpo.max_new_tokens": "> 0",
+    "grpo.temperature": ">= 0", "grpo.top_p": "(0, 1]", "grpo.top_k": ">= 0", "grpo.clip_low": "[0, 1)",
+    "grpo.clip_high": ">= 0", "grpo.kl_coef": ">= 0", "grpo.adv_eps": "> 0", "grpo.mu": "> 0",
+    "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.sample_every": ">= 0",
+    "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
+    "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
+    "rewards[].weight": "any",
+    "logging.log_every": ">= 1", "logging.num_samples": ">= 0",
+    "checkpoint.every": ">= 0", "checkpoint.keep_last": ">= 0",
+}
+"""The valid range of every numeric field of RunConfig, checked at load (`check_ranges`):
+"> 0", ">= 0", ">= 1", an interval "[0, 1)" / "(0, 1]" / "[0, 1]", or "any" (finite). A
+new numeric field gets its entry here (tests/test_config.py checks that every one has one)."""
+
+
+def _in_range(v: float, rng: str) -> bool:
+    if rng == "any":
+        return True
+    if rng.startswith(">"):
+        op, lo = rng.split()
+        return v > float(lo) if op == ">" else v >= float(lo)
+    lo, hi = (float(x) for x in rng[1:-1].split(","))
+    return (lo <= v if rng[0] == "[" else lo < v) and (v <= hi if rng[-1] == "]" else v < hi)
+
+
+def _range_values(cfg, key: str):
+    """(dotted name, value) pairs of `key` in `cfg` ("rewards[].weight" -> one per reward)."""
+    head, _, rest = key.partition(".")
+    idx = None
+    if head.endswith("]"):
+        head, idx = head[:-1].split("[")
+    v = getattr(cfg, head)
+    if idx == "":
+        return [(f"{head}[{i}].{n}", x) for i, item in enumerate(v) for n, x in _range_values(item, rest)]
+    if idx is not None:
+        v, head = v[int(idx)], f"{head}[{idx}]"
+    if not rest:
+        return [(head, v)]
+    return [(f"{head}.{n}", x) for n, x in _range_values(v, rest)]
+
+
+def check_ranges(cfg: "RunConfig") -> None:
+    """ValueError naming the first numeric field outside its range in RANGES, with the range."""
+    for key, rng in RANGES.items():
+        for name, v in _range_values(cfg, key):
+            if v is None:
+                continue
+            if not math.isfinite(v) or not _in_range(v, rng):
+                what = "an integer" if isinstance(v, int) else "a finite number"
+                want = what if rng == "any" else f"{what} {rng}" if rng.startswith(">") else f"in {rng}"
+                raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def _check_choice(field: str, value, choices):
