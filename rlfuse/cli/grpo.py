@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.cli.common import add_config_arguments, fail, load_run_config, prepare_run, setup_threads
 from rlfuse.train.grpo import run_grpo
 
 HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
@@ -15,6 +15,7 @@ def add_arguments(p):
 def run(args) -> int:
     try:
         cfg = load_run_config(args)
+        prepare_run(args, cfg, "grpo")
         setup_threads(args.threads)
         res = run_grpo(cfg)
     except ValueError as e:

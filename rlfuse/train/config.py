@@ -354,9 +354,37 @@ def _check_choice(field: str, value, choices):
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
 
 
-def load_config(src: str | Path | dict | None = None, overrides: list[str] = ()) -> RunConfig:
-    """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides."""
-    return config_io.load(RunConfig, src, overrides)
+def load_config(src: str | Path | dict | None = None, overrides: list[str] = (), *,
+                relative_to: str | Path | None = None) -> RunConfig:
+    """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides. With
+    `relative_to` (the recipe's folder), the relative input paths the file names (see
+    `resolve_input_paths`) resolve against it; overrides stay relative to the working directory."""
+    prepare = None if relative_to is None else (lambda data: resolve_input_paths(data, Path(relative_to)))
+    return config_io.load(RunConfig, src, overrides, prepare)
+
+
+def resolve_input_paths(data: dict, base: Path) -> None:
+    """Make the relative input paths of recipe data `data` (plain YAML data, changed in
+    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval, the file
+    of a `file.py:function` reward and a checkpoint.resume folder. Outputs
+    (logging.run_dir) stay relative to the working directory, where the run is started."""
+    def fix(section: dict | None, key: str, skip=lambda v: False) -> None:
+        if not isinstance(section, dict):
+            return
+        v = section.get(key)
+        if isinstance(v, str) and v and not skip(v):
+            p = Path(v).expanduser()
+            section[key] = str(p if p.is_absolute() else base / p)
+    fix(data.get("model"), "path")
+    fix(data.get("model"), "tokenizer", lambda v: v == "char")
+    for key in ("train", "eval"):
+        fix(data.get("data"), key, lambda v: v.startswith("builtin:"))
+    fix(data.get("checkpoint"), "resume", lambda v: v in ("never", "auto"))
+    for spec in data.get("rewards") or []:
+        if isinstance(spec, dict) and isinstance(spec.get("name"), str) and ".py:" in spec["name"]:
+            file, _, fn = spec["name"].rpartition(":")
+            p = Path(file).expanduser()
+            spec["name"] = f"{p if p.is_absolute() else base / p}:{fn}"
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
