@@ -3,9 +3,9 @@
 rlfuse calls it with TRL's signature: the rendered prompts, the completions (text), and
 every other column of the dataset as a keyword argument, one entry per completion (here
 `answer`), plus `completion_ids` and `truncated`. It returns one float per completion
-(None = "does not apply"). Use it in a recipe as
+(None = "does not apply"). Use it in a recipe beside this file (examples/grpo.yaml) as
     rewards:
-      - {name: examples/my_reward.py:reverse_reward}
+      - {name: my_reward.py:reverse_reward}    # relative to the recipe's folder
 """
 
 

@@ -10,6 +10,7 @@ kernels, checkpoints and the filesystem, metrics and report, non-finite numbers.
 from __future__ import annotations
 
 import errno
+import re
 import json
 import logging
 import textwrap
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support, triton_attention_supports
@@ -580,3 +582,347 @@ def test_cli_report_errors_and_torn_lines(tmp_path, capsys):
     _metrics(tmp_path, json.dumps({"step": 1, "stage": "sft", "loss": 1.0}) + "\n{\"ste")
     assert main(["report", str(tmp_path)]) == 0
     assert "Traceback" not in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ run config: every numeric field's range
+RANGE_CASES = [
+    # (override, the message: the field and its valid range)
+    ("optim.lr=0", r"optim\.lr must be a finite number > 0, got 0\.0"),
+    ("optim.lr=-1e-3", r"optim\.lr must be a finite number > 0, got -0\.001"),
+    ("optim.lr=.nan", r"optim\.lr must be a finite number > 0, got nan"),
+    ("optim.lr=.inf", r"optim\.lr must be a finite number > 0, got inf"),
+    ("optim.betas=[0.9, 1.0]", r"optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
+    ("optim.betas=[-0.1, 0.99]", r"optim\.betas\[0\] must be in \[0, 1\), got -0\.1"),
+    ("optim.eps=0", r"optim\.eps must be a finite number > 0, got 0\.0"),
+    ("optim.weight_decay=-0.1", r"optim\.weight_decay must be a finite number >= 0, got -0\.1"),
+    ("optim.warmup_steps=-1", r"optim\.warmup_steps must be an integer >= 0, got -1"),
+    ("optim.min_lr_ratio=1.5", r"optim\.min_lr_ratio must be in \[0, 1\], got 1\.5"),
+    ("optim.max_grad_norm=-1", r"optim\.max_grad_norm must be a finite number >= 0, got -1\.0"),
+    ("optim.max_nonfinite_steps=-1", r"optim\.max_nonfinite_steps must be an integer >= 0, got -1"),
+    ("sft.steps=0", r"sft\.steps must be an integer > 0, got 0"),
+    ("sft.batch_size=0", r"sft\.batch_size must be an integer > 0, got 0"),
+    ("sft.micro_batch_tokens=0", r"sft\.micro_batch_tokens must be an integer > 0, got 0"),
+    ("sft.max_seq_len=-5", r"sft\.max_seq_len must be an integer > 0, got -5"),
+    ("sft.eval_every=-1", r"sft\.eval_every must be an integer >= 0, got -1"),
+    ("sft.overlong=cut", r"sft\.overlong must be one of \['truncate', 'drop'\], got 'cut'"),
+    ("grpo.steps=0", r"grpo\.steps must be an integer > 0, got 0"),
+    ("grpo.prompts_per_step=0", r"grpo\.prompts_per_step must be an integer > 0, got 0"),
+    ("grpo.group_size=1", r"grpo\.group_size must be >= 2 for group-relative advantages, got 1"),
+    ("grpo.max_new_tokens=0", r"grpo\.max_new_tokens must be an integer > 0, got 0"),
+    ("grpo.temperature=-0.5", r"grpo\.temperature must be a finite number >= 0, got -0\.5"),
+    ("grpo.top_p=0", r"grpo\.top_p must be in \(0, 1\], got 0\.0"),
+    ("grpo.top_p=1.5", r"grpo\.top_p must be in \(0, 1\], got 1\.5"),
+    ("grpo.top_k=-1", r"grpo\.top_k must be an integer >= 0, got -1"),
+    ("grpo.clip_low=1.0", r"grpo\.clip_low must be in \[0, 1\), got 1\.0"),
+    ("grpo.clip_high=-0.1", r"grpo\.clip_high must be a finite number >= 0, got -0\.1"),
+    ("grpo.kl_coef=-0.01", r"grpo\.kl_coef must be a finite number >= 0, got -0\.01"),
+    ("grpo.adv_eps=0", r"grpo\.adv_eps must be a finite number > 0, got 0\.0"),
+    ("grpo.mu=0", r"grpo\.mu must be an integer > 0, got 0"),
+    ("grpo.mini_batches=0", r"grpo\.mini_batches must be an integer > 0, got 0"),
+    ("grpo.micro_batch_tokens=0", r"grpo\.micro_batch_tokens must be an integer > 0, got 0"),
+    ("grpo.sample_every=-2", r"grpo\.sample_every must be an integer >= 0, got -2"),
+    ("data.max_prompt_len=0", r"data\.max_prompt_len must be an integer > 0, got 0"),
+    ("data.eval_size=0", r"data\.eval_size must be an integer > 0, got 0"),
+    ("data.train_size=-3", r"data\.train_size must be an integer > 0, got -3"),
+    ("logging.log_every=0", r"logging\.log_every must be an integer >= 1, got 0"),
+    ("logging.num_samples=-1", r"logging\.num_samples must be an integer >= 0, got -1"),
+    ("checkpoint.every=-1", r"checkpoint\.every must be an integer >= 0, got -1"),
+    ("checkpoint.keep_last=-1", r"checkpoint\.keep_last must be an integer >= 0, got -1"),
+    ("seed=-1", r"seed must be an integer >= 0, got -1"),
+    ("rewards=[{name: arithmetic, weight: .inf}]", r"rewards\[0\]\.weight must be a finite number, got inf"),
+    # engine parameters (EngineConfig checks its own fields; the section is named)
+    ("engine.block_size=12", r"engine: EngineConfig\.block_size must be a power of two, got 12"),
+    ("engine.max_num_seqs=0", r"engine: EngineConfig\.max_num_seqs must be a positive integer, got 0"),
+    ("engine.max_num_batched_tokens=-1", r"EngineConfig\.max_num_batched_tokens must be a positive integer"),
+    ("engine.max_model_len=0", r"EngineConfig\.max_model_len must be a positive integer, got 0"),
+    ("engine.num_kv_blocks=0", r"EngineConfig\.num_kv_blocks must be a positive integer, got 0"),
+    ("engine.gpu_memory_fraction=1.5", r"EngineConfig\.gpu_memory_fraction must be in \(0, 1\], got 1\.5"),
+    ("engine.cpu_kv_cache_gib=0", r"EngineConfig\.cpu_kv_cache_gib must be > 0, got 0"),
+    ("engine.numerics=bitwise", r"EngineConfig\.numerics must be one of \('fast', 'exact'\), got 'bitwise'"),
+    ("engine.cuda_graph_batch_sizes=[0]", r"EngineConfig\.cuda_graph_batch_sizes\[\] must be a positive integer"),
+    ("model.kernel_backend=cuda", r"model\.kernel_backend must be one of \['auto', 'torch', 'triton'\], got 'cuda'"),
+]
+
+
+@pytest.mark.parametrize("override,msg", RANGE_CASES, ids=[c[0].split("=")[0] + "=" + c[0].split("=", 1)[1][:12]
+                                                           for c in RANGE_CASES])
+def test_config_value_out_of_range(override, msg):
+    from rlfuse.train.config import load_config
+
+    expect_error(lambda: load_config(None, [override]), msg)
+
+
+def test_config_range_error_names_the_recipe_file(tmp_path):
+    from rlfuse.train.config import load_config
+
+    p = tmp_path / "r.yaml"
+    p.write_text("optim:\n  betas: [0.9, 1.5]\n")
+    expect_error(lambda: load_config(p), rf"{p}: optim\.betas\[1\] must be in \[0, 1\), got 1\.5")
+
+
+def test_every_numeric_config_field_has_a_range():
+    """A new numeric field without an entry in RANGES fails here (so it is checked at load)."""
+    from rlfuse.train.config import RANGES, RunConfig
+    from rlfuse.train.config_io import leaves
+
+    numeric = {x.key for x in leaves(RunConfig) if x.type in ("int", "float", "tuple[float, float]")
+               and not x.key.startswith("engine.")}
+    listed = {k.split("[")[0] if not k.startswith("rewards") else k.replace("[]", "[]") for k in RANGES}
+    # optional knobs with their own checks (None = off): dual_clip, tis_cap, mis/icepop bounds
+    own_checks = {"grpo.dual_clip", "grpo.tis_cap", "grpo.mis_bounds", "grpo.icepop_bounds", "grpo.group_size"}
+    missing = sorted(numeric - listed - own_checks)
+    assert not missing, f"add these to rlfuse.train.config.RANGES: {missing}"
+
+
+# ------------------------------------------------------------------ through the CLI: one line, no traceback
+def _cli(argv, capsys):
+    from rlfuse.cli import main
+
+    rc = main(["--log-level", "WARNING", *argv])
+    captured = capsys.readouterr()
+    return rc, captured.out, captured.err
+
+
+def _one_error_line(rc, err, pattern):
+    assert rc == 2, err
+    assert "Traceback" not in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("rlfuse: error:")]
+    assert len(lines) == 1 and re.search(pattern, lines[0]), err
+    return lines[0]
+
+
+def _tiny_recipe(tmp, **change) -> Path:
+    cfg = {
+        "model": {"random_init": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16,
+                                  "max_position_embeddings": 32},
+                  "tokenizer": "char", "device": "cpu", "kernel_backend": "torch"},
+        "data": {"train": "builtin:arithmetic", "task": {"digits": 1, "ops": "+"}, "train_size": 40,
+                 "eval_size": 4, "max_prompt_len": 8},
+        "rewards": [{"name": "arithmetic"}],
+        "sft": {"steps": 2, "batch_size": 4},
+        "grpo": {"steps": 1, "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 2},
+        "engine": {"max_num_seqs": 8},
+        "logging": {"run_dir": str(tmp / "run"), "tensorboard": False, "progress": False},
+        "checkpoint": {"save_final": True},
+    }
+    for key, v in change.items():
+        section, _, field = key.partition("__")
+        if field:
+            cfg[section][field] = v
+        else:
+            cfg[section] = v
+    p = tmp / "recipe.yaml"
+    p.write_text(yaml.safe_dump(cfg))
+    return p
+
+
+CLI_CONFIG_CASES = [
+    # (recipe changes (section__field), --set overrides, expected error line)
+    ({}, ["optim.lr=0"], r"recipe\.yaml: optim\.lr must be a finite number > 0, got 0\.0"),
+    ({}, ["logging.log_every=0"], r"logging\.log_every must be an integer >= 1, got 0"),
+    ({"optim": {"betas": [0.9, 1.0]}}, [], r"recipe\.yaml: optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
+    ({}, ["engine.block_size=24"], r"engine: EngineConfig\.block_size must be a power of two, got 24"),
+    ({}, ["engine.max_model_len=8"], r"data\.max_prompt_len \(8\) does not fit in the model context \(8 tokens: "
+                                     r"engine\.max_model_len.*expected at most 7"),
+    ({}, ["data.max_prompt_len=40"], r"data\.max_prompt_len \(40\) does not fit in the model context \(32 tokens"),
+    ({}, ["model.device=tpu"], r"model\.device: 'tpu' is not a device; expected auto, cpu, cuda or cuda:N"),
+    ({}, ["model.device=meta"], r"model\.device: 'meta' is not supported; expected auto, cpu, cuda or cuda:N"),
+    ({"model": {"path": "no/such/model_dir", "device": "cpu"}}, [],
+     r"model\.path: .*no/such/model_dir: no such model folder \(expected an HF folder with config\.json"),
+    ({"model": {"path": "recipe.yaml", "device": "cpu"}}, [],
+     r"model\.path: .*recipe\.yaml is a file; expected an HF model folder"),
+    ({"model": {"path": "m", "tokenizer": "tok_dir", "device": "cpu"}}, [],
+     r"model\.tokenizer: .*tok_dir: no such model folder"),
+    ({"data": {"train": "absent.jsonl"}}, [], r"absent\.jsonl: no such data file"),
+    ({}, ["sft.overlong=trim"], r"sft\.overlong must be one of \['truncate', 'drop'\], got 'trim'"),
+    ({}, ["model.random_init.head_dim=24", "model.kernel_backend=triton"],
+     r"model\.kernel_backend: 'triton' on cpu runs only under Triton's interpreter|model\.random_init: field "
+     r"'head_dim' is 24; the Triton attention kernels need"),
+]
+
+
+@pytest.mark.parametrize("change,over,msg", CLI_CONFIG_CASES, ids=[
+    "lr-zero", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
+    "max-prompt-len-over-model", "device-unknown", "device-meta", "model-folder-missing", "model-path-a-file",
+    "tokenizer-folder-missing", "relative-data-file-missing", "overlong-choice", "head-dim-triton"])
+def test_cli_config_errors(tmp_path, capsys, change, over, msg):
+    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path, **change)), *[a for o in over for a in ("--set", o)]],
+                      capsys)
+    line = _one_error_line(rc, err, msg)
+    if "absent.jsonl" in msg:  # a relative path in a recipe resolves against the recipe's folder
+        assert str(tmp_path / "absent.jsonl") in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
+@pytest.mark.parametrize("device", ["cuda", "cuda:3"])
+def test_cli_device_the_machine_does_not_have(tmp_path, capsys, device):
+    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--set", f"model.device={device}"], capsys)
+    _one_error_line(rc, err, rf"model\.device: '{device}' asked for, but this machine has no usable CUDA device.*"
+                             r"use model\.device: cpu")
+
+
+def test_cli_triton_backend_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatch):
+    from rlfuse.train import build
+
+    monkeypatch.setattr(build, "triton_interpreting", lambda: False)
+    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--set", "model.kernel_backend=triton"], capsys)
+    _one_error_line(rc, err, r"model\.kernel_backend: 'triton' on cpu runs only under Triton's interpreter "
+                             r"\(TRITON_INTERPRET=1 .*use model\.kernel_backend: auto or torch on cpu")
+
+
+def test_cli_bad_log_level(capsys):
+    from rlfuse.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["--log-level", "LOUD", "report", "."])
+    assert info.value.code == 2
+    assert "rlfuse: error: --log-level: 'LOUD' is not a level" in capsys.readouterr().err
+
+
+def test_cli_os_error_is_one_line(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile" / "run")], capsys)
+    _one_error_line(rc, err, rf"rlfuse: error: {tmp_path / 'afile'}.*: Not a directory")
+
+
+def test_cli_run_dir_is_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile")], capsys)
+    _one_error_line(rc, err, r"logging\.run_dir: .*afile is a file; expected a folder")
+
+
+# ------------------------------------------------------------------ run folders: start, resume, overwrite
+@pytest.fixture
+def sft_run(tmp_path, capsys):
+    recipe = _tiny_recipe(tmp_path)
+    rc, out, err = _cli(["sft", str(recipe)], capsys)
+    assert rc == 0, err
+    return recipe, tmp_path / "run"
+
+
+def test_run_folder_with_a_run_needs_resume_or_overwrite(sft_run, capsys):
+    recipe, run = sft_run
+    before = sorted(p.name for p in run.iterdir())
+    rc, _, err = _cli(["sft", str(recipe)], capsys)
+    _one_error_line(rc, err, rf"{run}: already holds a sft run \(metrics\.jsonl, 1 checkpoint, final/\); continue "
+                             r"it with --resume, replace it with --overwrite, or choose another --run-dir "
+                             r"\(nothing was changed\)")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+def test_resume_in_a_folder_of_another_kind(sft_run, capsys):
+    recipe, run = sft_run
+    rc, _, err = _cli(["grpo", str(recipe), "--resume"], capsys)
+    _one_error_line(rc, err, rf"--resume: {run} holds a sft run, not a grpo run; resume it with `rlfuse sft`")
+
+
+@pytest.mark.parametrize("over,shown", [
+    ("seed=3", r"seed: 0 -> 3"),
+    ("data.train_size=30", r"data\.train_size: 40 -> 30"),
+    ("model.dtype=bfloat16", r"model\.dtype: 'float32' -> 'bfloat16'"),
+    ("grpo.loss_type=dapo", r"grpo\.loss_type: 'grpo' -> 'dapo'"),
+], ids=["seed", "data", "model", "algorithm"])
+def test_resume_refuses_changes_that_break_it(sft_run, capsys, over, shown):
+    recipe, run = sft_run
+    rc, _, err = _cli(["sft", str(recipe), "--resume", "--set", over], capsys)
+    _one_error_line(rc, err, rf"--resume: the config differs from {run / 'config.yaml'} in fields a resumed run "
+                             rf"cannot change \({shown}\); undo the change, start a new --run-dir, or pass --force")
+
+
+def test_resume_force_and_harmless_changes_are_warned(sft_run, capsys, caplog):
+    recipe, run = sft_run
+    with caplog.at_level(logging.WARNING):
+        rc, out, err = _cli(["sft", str(recipe), "--resume", "--force", "--set", "seed=3", "--set", "sft.steps=3",
+                             "--set", "optim.lr=0.002"], capsys)
+    assert rc == 0, err
+    assert "--resume --force: resuming with changed seed: 0 -> 3" in caplog.text
+    assert "--resume: optim.lr changed from 1e-05 to 0.002" in caplog.text
+    assert "--resume: sft.steps changed from 2 to 3" in caplog.text
+    assert "sft done: 3 steps" in out  # resumed at step 2, one more step
+
+
+def test_overwrite_replaces_the_run_and_says_what_it_removed(sft_run, capsys, caplog):
+    recipe, run = sft_run
+    (run / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["sft", str(recipe), "--overwrite"], capsys)
+    assert rc == 0, err
+    assert "--overwrite: removed the previous run's metrics.jsonl, checkpoints, final, config.yaml, run.json" \
+           in caplog.text
+    assert (run / "notes.txt").read_text() == "mine"  # only what rlfuse writes is removed
+
+
+def test_resume_and_overwrite_together(sft_run, capsys):
+    recipe, run = sft_run
+    rc, _, err = _cli(["sft", str(recipe), "--resume", "--overwrite"], capsys)
+    _one_error_line(rc, err, r"--resume and --overwrite contradict each other")
+
+
+def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys, caplog):
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--resume"], capsys)
+    assert rc == 0, err
+    assert "nothing to resume (no complete checkpoint in" in caplog.text
+
+
+def test_a_failed_start_does_not_block_the_next(tmp_path, capsys):
+    recipe = _tiny_recipe(tmp_path)
+    rc, _, err = _cli(["sft", str(recipe), "--set", "data.train=absent.jsonl"], capsys)
+    assert rc == 2
+    rc, _, err = _cli(["sft", str(recipe)], capsys)  # only config.yaml was left: not a run
+    assert rc == 0, err
+
+
+def test_run_folders_get_normal_permissions(sft_run):
+    import os
+    import stat
+
+    _, run = sft_run
+    umask = os.umask(0)
+    os.umask(umask)
+    for p in (run / "final", run / "checkpoints" / "step_000002" / "model"):
+        assert stat.S_IMODE(p.stat().st_mode) == 0o777 & ~umask, p
+
+
+# ------------------------------------------------------------------ non-finite numbers in the training step
+def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch):
+    from train_setup import tiny_cfg, tiny_session
+
+    from rlfuse.train import sft as sft_mod
+    from rlfuse.train.data import PromptStream
+    from rlfuse.train.loop import make_optimizer
+
+    cfg = tiny_cfg(tmp_path, "optim.max_nonfinite_steps=2")
+    ses = tiny_session(cfg, need_target=True)
+    ex = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:4]
+    opt = make_optimizer(ses.model, cfg)
+    tr = sft_mod.SFTTrainer(cfg, ses.model, opt, PromptStream(ex))
+    before = {k: v.clone() for k, v in ses.model.state_dict().items()}
+    real = sft_mod.token_logprobs
+    monkeypatch.setattr(sft_mod, "token_logprobs", lambda *a, **k: real(*a, **k) * float("nan"))
+    m = tr.train_step(ex, 0)
+    assert m["optim/skipped_steps"] == 1.0 and opt.step_count == 0
+    assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())
+    assert tr.state_dict()["nonfinite"] == {"consecutive": 1, "total_skipped": 1}
+    expect_error(lambda: tr.train_step(ex, 1), r"sft step 2: 2 optimizer steps in a row had a non-finite loss or "
+                                                r"gradient norm .*the limit is 2")
+
+
+def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch):
+    from train_setup import tiny_cfg, tiny_session
+
+    from rlfuse.train import grpo as grpo_mod
+    from rlfuse.train.data import PromptStream, build_prompts
+    from rlfuse.train.loop import make_optimizer
+
+    cfg = tiny_cfg(tmp_path)
+    ses = tiny_session(cfg)
+    stream = PromptStream(build_prompts(ses.train_rows, ses.tokenizer, cfg.data))
+    tr = grpo_mod.GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
+    before = {k: v.clone() for k, v in ses.model.state_dict().items()}
+    real = grpo_mod.policy_loss
+    monkeypatch.setattr(grpo_mod, "policy_loss", lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
+    m = tr.step(0)
+    assert m["optim/skipped_steps"] == 1.0 and tr.optimizer.step_count == 0
+    assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())

@@ -20,7 +20,7 @@ def _trainer(cfg, ses, examples):
 
 
 def test_loss_is_mean_nll_over_completion_tokens(tmp_path):
-    cfg = tiny_cfg(tmp_path, "optim.lr=0.0")
+    cfg = tiny_cfg(tmp_path, "optim.lr=1e-3")
     ses = tiny_session(cfg, need_target=True)
     ex = _examples(cfg, ses)
     # oracle: teacher-forced log-probs of the completion given the prompt, one sequence at a time

@@ -18,8 +18,11 @@ import argparse
 import logging
 import sys
 
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from rlfuse.cli import bench, check, demo, generate, grpo, ppo, report, sft
 from rlfuse.cli import eval as eval_cmd
+from rlfuse.cli.common import fail
 
 COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "eval": eval_cmd, "generate": generate,
             "report": report, "check": check, "bench": bench}
@@ -29,6 +32,8 @@ COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "eval": eval_cmd
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfuse", description="RL post-training of LLMs on one shared copy of the weights.")
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
+    p.add_argument("-v", "--verbose", action="store_true",
+                   help="also show the engine's INFO lines (one per generate call; quiet by default)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, mod in COMMANDS.items():
         sp = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
@@ -40,8 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = args.log_level.upper()
+    if not isinstance(logging.getLevelName(level), int):
+        parser.error(f"--log-level: {args.log_level!r} is not a level (DEBUG, INFO, WARNING, ERROR)")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # the engine logs every generate call and sleep/wake at INFO: hundreds of lines between progress bars
+    quiet = not args.verbose and logging.getLogger().getEffectiveLevel() > logging.DEBUG
+    logging.getLogger("rlfuse.engine").setLevel(logging.WARNING if quiet else logging.NOTSET)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 0
-    return args.handler(args)
+    try:
+        with logging_redirect_tqdm():  # log lines go above the progress bar instead of through it
+            return args.handler(args)
+    except (ValueError, OSError) as e:  # user errors and file-system failures no command caught itself
+        return fail(e)

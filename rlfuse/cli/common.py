@@ -17,7 +17,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rlfuse.train.build import pick_device
 from rlfuse.train.config import RunConfig, load_config
 from rlfuse.train.config_io import describe
-from rlfuse.train.distributed import DistContext, init_distributed, launch_env, quiet_non_main, shutdown
+from rlfuse.train.distributed import (DistContext, fail_together, init_distributed, launch_env, quiet_non_main,
+                                     shutdown)
+from rlfuse.train.run_folder import prepare_run_folder
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -48,6 +50,10 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> 
     if resume:
         p.add_argument("--resume", action="store_true",
                        help="continue from the latest complete checkpoint in the run folder (checkpoint.resume=auto)")
+        p.add_argument("--overwrite", action="store_true",
+                       help="replace the run already in the run folder (its metrics, checkpoints, final/)")
+        p.add_argument("--force", action="store_true",
+                       help="with --resume: accept changes of the model, data, seeds or algorithm")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice; RLFUSE_THREADS also sets it)")
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
@@ -62,7 +68,26 @@ def load_run_config(args) -> RunConfig:
         over.append(f"logging.run_dir={args.run_dir}")
     if getattr(args, "resume", False):
         over.append("checkpoint.resume=auto")
-    return load_config(resolve_config_path(args.config), over)
+    path = resolve_config_path(args.config)
+    # a user's recipe names its inputs relative to its own folder; a built-in recipe's
+    # paths (runs/<earlier stage>/final) are relative to the working directory
+    builtin = path.resolve().parent == RECIPES
+    return load_config(path, over, relative_to=None if builtin else path.resolve().parent)
+
+
+def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None) -> None:
+    """Start, resume or overwrite the run folder per --resume / --overwrite / --force
+    (rlfuse.train.run_folder), before anything is written. Under torchrun rank 0 alone
+    touches the folder; every rank stops with its error if it refuses."""
+    def prepare():
+        if ctx is None or ctx.is_main:
+            prepare_run_folder(cfg, kind, resume=getattr(args, "resume", False),
+                               overwrite=getattr(args, "overwrite", False), force=getattr(args, "force", False))
+    if ctx is None:
+        prepare()
+        return
+    with fail_together(ctx, "run folder"):
+        prepare()
 
 
 def setup_threads(threads: int | None) -> None:
@@ -74,8 +99,13 @@ def setup_threads(threads: int | None) -> None:
 
 
 def fail(e: Exception) -> int:
-    """User errors end the command with their message (no traceback), exit status 2."""
-    print(f"rlfuse: error: {e}", file=sys.stderr)
+    """User errors (ValueError) and file-system failures (OSError: the path and what
+    happened) end the command with one `rlfuse: error: ...` line, no traceback, exit status 2."""
+    if isinstance(e, OSError) and e.filename is not None:
+        msg = f"{e.filename}: {e.strerror or e}"
+    else:
+        msg = str(e)
+    print(f"rlfuse: error: {msg}", file=sys.stderr)
     return 2
 
 

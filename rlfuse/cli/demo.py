@@ -36,10 +36,6 @@ def run(args) -> int:
     threads = args.threads if args.threads is not None else (None if size == "gpu" else 1)
     if args.threads is None and threads == 1:
         log.info("torch CPU threads: 1 (tiny model: intra-op threading costs more than it saves; --threads N to change)")
-    if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-        # the engine logs every generate call at INFO: hundreds of lines between progress bars
-        logging.getLogger("rlfuse.engine").setLevel(logging.WARNING)
-        log.info("engine INFO messages muted for the demo (--log-level DEBUG shows them)")
     try:
         if threads is not None and args.threads is not None:
             setup_threads(threads)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, setup_threads,
-                               start_distributed)
+from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, prepare_run,
+                               setup_threads, start_distributed)
 from rlfuse.train.distributed import RankFailed
 from rlfuse.train.grpo import run_grpo
 
@@ -23,6 +23,7 @@ def _run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         ctx = start_distributed(args, cfg)  # None unless launched by torchrun
+        prepare_run(args, cfg, "grpo", ctx)
         res = run_grpo(cfg, dist=ctx)
     except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -106,7 +105,11 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     atomically: into a temporary sibling folder, then renamed over `folder`."""
     folder = Path(folder)
     folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{folder.name}.tmp", dir=folder.parent))
+    # not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder, private to this user
+    tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
     try:
         _write_weights(model, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
         cfg = model.config.to_hf()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,8 +18,9 @@ from tokenizers import Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from rlfuse.engine import LLM, EngineConfig
-from rlfuse.kernels.backend import set_backend
+from rlfuse.kernels.backend import set_backend, triton_available, triton_interpreting
 from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model.config import check_kernel_support
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
 from rlfuse.train.checkpoint import load_model_folder
@@ -30,11 +32,41 @@ CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
 
 
 def pick_device(spec: str) -> torch.device:
+    """model.device as a torch.device; a device this machine does not have is a ValueError."""
     if spec == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         log.info("device auto -> %s (%s)", dev, "CUDA available" if dev.type == "cuda" else "no CUDA device")
         return dev
-    return torch.device(spec)
+    try:
+        dev = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"model.device: {spec!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"model.device: {spec!r} is not supported; expected auto, cpu, cuda or cuda:N")
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise ValueError(f"model.device: {spec!r} asked for, but this machine has no usable CUDA device "
+                             f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                             f"use model.device: cpu (or auto)")
+        if dev.index is not None and dev.index >= n:
+            raise ValueError(f"model.device: {spec!r} asked for, but this machine has {n} CUDA device(s) "
+                             f"(cuda:0..cuda:{n - 1})")
+    return dev
+
+
+def check_backend(backend: str, device: torch.device) -> None:
+    """model.kernel_backend must be runnable here: "triton" needs triton installed, and on
+    CPU tensors Triton's interpreter (TRITON_INTERPRET=1 in the environment at start)."""
+    if backend != "triton":
+        return
+    if not triton_available():
+        raise ValueError("model.kernel_backend: 'triton' asked for, but triton is not installed "
+                         "(pip install triton, or use model.kernel_backend: auto / torch)")
+    if device.type == "cpu" and not triton_interpreting():
+        raise ValueError("model.kernel_backend: 'triton' on cpu runs only under Triton's interpreter "
+                         "(TRITON_INTERPRET=1 set before start; slow, for tests); use model.kernel_backend: "
+                         "auto or torch on cpu")
 
 
 def char_tokenizer(alphabet: str) -> Tokenizer:
@@ -60,16 +92,30 @@ def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:
     folder = spec.tokenizer or spec.path
     if not folder:
         raise ValueError("model.tokenizer: give a tokenizer folder, 'char', or model.path")
+    check_model_folder(folder, "model.tokenizer" if spec.tokenizer else "model.path")
     return Tokenizer.from_pretrained(folder)
+
+
+def check_model_folder(path: str, what: str = "model.path") -> None:
+    """A missing or non-folder `path` is said so, before anything reads inside it."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"{what}: {p}: no such model folder (expected an HF folder with config.json and "
+                         f"*.safetensors{', e.g. the final/ of an earlier run' if 'final' in p.parts else ''})")
+    if not p.is_dir():
+        raise ValueError(f"{what}: {p} is a file; expected an HF model folder (config.json, *.safetensors)")
 
 
 def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, seed: int = 0) -> CausalLM:
     set_backend(spec.kernel_backend)
+    check_backend(spec.kernel_backend, device)
     dtype = parse_dtype(spec.dtype)
     if spec.path and spec.random_init:
         raise ValueError("model: give either model.path or model.random_init, not both")
     if spec.path:
+        check_model_folder(spec.path)
         model = load_model_folder(spec.path, device=device, dtype=dtype)  # HF folder or a checkpoint
+        check_kernel_support(model.config, spec.kernel_backend, device.type, f"{Path(spec.path) / 'config.json'}")
     elif spec.random_init:
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = [k for k in spec.random_init if k not in fields]
@@ -88,6 +134,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
             cfg = ModelConfig(**kw)
         except TypeError as e:
             raise ValueError(f"model.random_init: {e}") from None
+        check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
         model = CausalLM(cfg)
         model.init_weights(generator=torch.Generator().manual_seed(seed))
         model = model.to(device=device, dtype=dtype)

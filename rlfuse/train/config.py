@@ -23,6 +23,7 @@ Test: python -m pytest -q tests/test_config.py
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from rlfuse.engine.config import EngineConfig
@@ -72,6 +73,10 @@ class OptimConfig:
     """The decay ends at min_lr_ratio * lr at the last step."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
+    max_nonfinite_steps: int = 5
+    """An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and
+    optimizer state unchanged, counted as optim/skipped_steps); this many skips in a row stop
+    the run with an error (0 = never stop)."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -83,7 +88,9 @@ class SFTConfig:
     micro_batch_tokens: int = 4096
     """Token budget of one packed micro-batch (prompt + completion tokens)."""
     max_seq_len: int = 1024
-    """Longer examples are truncated (completion side) to this many tokens."""
+    """Longest example in tokens (prompt + completion); the model's context caps it too."""
+    overlong: str = "truncate"
+    """Longer examples: truncate (on the completion side) or drop; counted and logged."""
     eval_every: int = 0
     """Evaluate on the eval set every this many steps (0 = only at the end)."""
 
@@ -287,7 +294,7 @@ class CheckpointConfig:
     every: int = 0
     """Save every this many steps (0 = only at the end)."""
     keep_last: int = 2
-    """Keep only the newest this many checkpoints."""
+    """Keep only the newest this many checkpoints (0 = keep all)."""
     resume: str = "never"
     """never | auto (latest complete checkpoint in run_dir, if any) | a checkpoint folder."""
     save_final: bool = True
@@ -323,6 +330,8 @@ class RunConfig:
     """Seeds model init, data order and torch's RNG."""
 
     def __post_init__(self):
+        check_ranges(self)
+        _check_choice("sft.overlong", self.sft.overlong, ("truncate", "drop"))
         _check_choice("on_reward_error", self.on_reward_error, ("raise", "zero"))
         _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
         _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
@@ -342,12 +351,6 @@ class RunConfig:
             b = getattr(g, name)
             if b is not None and not (len(b) == 2 and 0 <= b[0] < 1 < b[1]):
                 raise ValueError(f"grpo.{name} must be [low, high] with 0 <= low < 1 < high (or null), got {b}")
-        if g.check_every < 0:
-            raise ValueError(f"grpo.check_every must be >= 0, got {g.check_every}")
-        for name, v in (("grpo.mu", g.mu), ("grpo.mini_batches", g.mini_batches),
-                        ("grpo.prompts_per_step", g.prompts_per_step), ("grpo.max_new_tokens", g.max_new_tokens)):
-            if v < 1:
-                raise ValueError(f"{name} must be >= 1, got {v}")
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
@@ -356,26 +359,80 @@ class RunConfig:
 
 def _check_ppo(p: PPOConfig) -> None:
     _check_choice("ppo.loss_type", p.loss_type, ("dapo", "grpo", "dr_grpo"))
-    for name in ("steps", "prompts_per_step", "samples_per_prompt", "max_new_tokens", "mu", "mini_batches",
-                 "micro_batch_tokens", "kl_horizon"):
-        if getattr(p, name) < 1:
-            raise ValueError(f"ppo.{name} must be >= 1, got {getattr(p, name)}")
     if p.prompts_per_step % p.mini_batches:
         raise ValueError(f"ppo.prompts_per_step ({p.prompts_per_step}) must be a multiple of "
                          f"ppo.mini_batches ({p.mini_batches})")
-    for name in ("gamma", "lam"):
-        if not 0.0 <= getattr(p, name) <= 1.0:
-            raise ValueError(f"ppo.{name} must be in [0, 1], got {getattr(p, name)}")
-    for name in ("kl_coef", "entropy_coef"):
-        if getattr(p, name) < 0:
-            raise ValueError(f"ppo.{name} must be >= 0, got {getattr(p, name)}")
     if p.value_clip is not None and not p.value_clip > 0:
         raise ValueError(f"ppo.value_clip must be > 0 (or null), got {p.value_clip}")
     if p.kl_target is not None and not (p.kl_target > 0 and p.kl_coef > 0):
         raise ValueError(f"ppo.kl_target must be > 0 and needs ppo.kl_coef > 0 (its starting value), "
                          f"got kl_target {p.kl_target}, kl_coef {p.kl_coef}")
-    if not p.critic_lr > 0:
-        raise ValueError(f"ppo.critic_lr must be > 0, got {p.critic_lr}")
+
+
+RANGES: dict[str, str] = {
+    "seed": ">= 0",
+    "optim.lr": "> 0", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
+    "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "[0, 1]",
+    "optim.max_grad_norm": ">= 0", "optim.max_nonfinite_steps": ">= 0",
+    "sft.steps": "> 0", "sft.batch_size": "> 0", "sft.micro_batch_tokens": "> 0", "sft.max_seq_len": "> 0",
+    "sft.eval_every": ">= 0",
+    "grpo.steps": "> 0", "grpo.prompts_per_step": "> 0", "grpo.max_new_tokens": "> 0",
+    "grpo.temperature": ">= 0", "grpo.top_p": "(0, 1]", "grpo.top_k": ">= 0", "grpo.clip_low": "[0, 1)",
+    "grpo.clip_high": ">= 0", "grpo.kl_coef": ">= 0", "grpo.adv_eps": "> 0", "grpo.mu": "> 0",
+    "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.sample_every": ">= 0",
+    "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
+    "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
+    "rewards[].weight": "any",
+    "logging.log_every": ">= 1", "logging.num_samples": ">= 0",
+    "checkpoint.every": ">= 0", "checkpoint.keep_last": ">= 0",
+    "ppo.steps": "> 0", "ppo.prompts_per_step": "> 0", "ppo.samples_per_prompt": "> 0",
+    "ppo.max_new_tokens": "> 0", "ppo.temperature": ">= 0", "ppo.top_p": "(0, 1]", "ppo.top_k": ">= 0",
+    "ppo.clip_low": "[0, 1)", "ppo.clip_high": ">= 0", "ppo.mu": "> 0", "ppo.mini_batches": "> 0",
+    "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "> 0",
+    "ppo.kl_coef": ">= 0", "ppo.kl_horizon": "> 0", "ppo.entropy_coef": ">= 0", "ppo.sample_every": ">= 0",
+    "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
+}
+"""The valid range of every numeric field of RunConfig, checked at load (`check_ranges`):
+"> 0", ">= 0", ">= 1", an interval "[0, 1)" / "(0, 1]" / "[0, 1]", or "any" (finite). A
+new numeric field gets its entry here (tests/test_config.py checks that every one has one)."""
+
+
+def _in_range(v: float, rng: str) -> bool:
+    if rng == "any":
+        return True
+    if rng.startswith(">"):
+        op, lo = rng.split()
+        return v > float(lo) if op == ">" else v >= float(lo)
+    lo, hi = (float(x) for x in rng[1:-1].split(","))
+    return (lo <= v if rng[0] == "[" else lo < v) and (v <= hi if rng[-1] == "]" else v < hi)
+
+
+def _range_values(cfg, key: str):
+    """(dotted name, value) pairs of `key` in `cfg` ("rewards[].weight" -> one per reward)."""
+    head, _, rest = key.partition(".")
+    idx = None
+    if head.endswith("]"):
+        head, idx = head[:-1].split("[")
+    v = getattr(cfg, head)
+    if idx == "":
+        return [(f"{head}[{i}].{n}", x) for i, item in enumerate(v) for n, x in _range_values(item, rest)]
+    if idx is not None:
+        v, head = v[int(idx)], f"{head}[{idx}]"
+    if not rest:
+        return [(head, v)]
+    return [(f"{head}.{n}", x) for n, x in _range_values(v, rest)]
+
+
+def check_ranges(cfg: "RunConfig") -> None:
+    """ValueError naming the first numeric field outside its range in RANGES, with the range."""
+    for key, rng in RANGES.items():
+        for name, v in _range_values(cfg, key):
+            if v is None:
+                continue
+            if not math.isfinite(v) or not _in_range(v, rng):
+                what = "an integer" if isinstance(v, int) else "a finite number"
+                want = what if rng == "any" else f"{what} {rng}" if rng.startswith(">") else f"in {rng}"
+                raise ValueError(f"{name} must be {want}, got {v!r}")
 
 
 def _check_choice(field: str, value, choices):
@@ -383,9 +440,37 @@ def _check_choice(field: str, value, choices):
         raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
 
 
-def load_config(src: str | Path | dict | None = None, overrides: list[str] = ()) -> RunConfig:
-    """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides."""
-    return config_io.load(RunConfig, src, overrides)
+def load_config(src: str | Path | dict | None = None, overrides: list[str] = (), *,
+                relative_to: str | Path | None = None) -> RunConfig:
+    """A RunConfig from a YAML file (or dict) plus `a.b=value` overrides. With
+    `relative_to` (the recipe's folder), the relative input paths the file names (see
+    `resolve_input_paths`) resolve against it; overrides stay relative to the working directory."""
+    prepare = None if relative_to is None else (lambda data: resolve_input_paths(data, Path(relative_to)))
+    return config_io.load(RunConfig, src, overrides, prepare)
+
+
+def resolve_input_paths(data: dict, base: Path) -> None:
+    """Make the relative input paths of recipe data `data` (plain YAML data, changed in
+    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval, the file
+    of a `file.py:function` reward and a checkpoint.resume folder. Outputs
+    (logging.run_dir) stay relative to the working directory, where the run is started."""
+    def fix(section: dict | None, key: str, skip=lambda v: False) -> None:
+        if not isinstance(section, dict):
+            return
+        v = section.get(key)
+        if isinstance(v, str) and v and not skip(v):
+            p = Path(v).expanduser()
+            section[key] = str(p if p.is_absolute() else base / p)
+    fix(data.get("model"), "path")
+    fix(data.get("model"), "tokenizer", lambda v: v == "char")
+    for key in ("train", "eval"):
+        fix(data.get("data"), key, lambda v: v.startswith("builtin:"))
+    fix(data.get("checkpoint"), "resume", lambda v: v in ("never", "auto"))
+    for spec in data.get("rewards") or []:
+        if isinstance(spec, dict) and isinstance(spec.get("name"), str) and ".py:" in spec["name"]:
+            file, _, fn = spec["name"].rpartition(":")
+            p = Path(file).expanduser()
+            spec["name"] = f"{p if p.is_absolute() else base / p}:{fn}"
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:

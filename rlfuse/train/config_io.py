@@ -158,9 +158,10 @@ def apply_override(data: dict, item: str, cls=None) -> dict:
     return data
 
 
-def load(cls, src: str | Path | dict | None = None, overrides: list[str] = ()):
+def load(cls, src: str | Path | dict | None = None, overrides: list[str] = (), prepare=None):
     """Dataclass `cls` from a YAML file (or dict) plus `a.b=value` overrides; ValueErrors
-    name the file and the dotted field."""
+    name the file and the dotted field. `prepare(data)`, if given, rewrites the file's data
+    in place before the overrides apply (e.g. paths relative to the file)."""
     where = "config"
     if src is None:
         data = {}
@@ -177,6 +178,8 @@ def load(cls, src: str | Path | dict | None = None, overrides: list[str] = ()):
             raise ValueError(f"{path}: not valid YAML ({e})") from None
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
+        if prepare is not None:
+            prepare(data)
     for item in overrides:
         apply_override(data, item, cls)
     try:

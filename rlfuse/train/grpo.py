@@ -48,7 +48,7 @@ from rlfuse.train.evaluate import score_samples
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
 from rlfuse.train.off_policy import off_policy_corrections
-from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.rewards import RewardSet
 from rlfuse.train.rollout import Sample, Sampler
 from rlfuse.train.session import Session, open_session
@@ -84,6 +84,7 @@ class GRPOTrainer:
         self._owner = None  # data-parallel: global sample index -> the rank that generated it
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.g.steps, eval_every=self.g.eval_every, eval_at_start=True,
                                  sample_every=self.g.sample_every, headline="reward/mean")
@@ -113,10 +114,12 @@ class GRPOTrainer:
         self.last_samples: list[dict] = []
 
     def state_dict(self) -> dict:
-        return {"data": self.stream.state_dict()}
+        return {"data": self.stream.state_dict(), "nonfinite": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
+        if "nonfinite" in state:  # checkpoints written before the guard have none
+            self.guard.load_state_dict(state["nonfinite"])
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -153,6 +156,7 @@ class GRPOTrainer:
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
             m.update(self._train(prompts, samples, adv, kept_groups, step))
+        m["optim/skipped_steps"] = self.guard.pop_skipped()
         t = timer.times
         n_gen = sum(lens)
         m["time/generate"], m["time/score"], m["time/train"] = t["generate"], t["score"], t["train"]
@@ -247,7 +251,8 @@ class GRPOTrainer:
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        self.optimizer.step(lr)
+        self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm,
+                        where=f"grpo optimizer step {opt_step + 1}")
         self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
@@ -343,7 +348,7 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     torchrun), ignored when `session` is given (its own `dist` counts)."""
     ses = session or open_session(cfg, dist=dist)
     rewards = ses.rewards()
-    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train")
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None

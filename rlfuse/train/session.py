@@ -20,7 +20,7 @@ import torch
 
 from rlfuse.train.build import build_engine, build_model, build_tokenizer, pick_device, seed_everything
 from rlfuse.train.config import RunConfig, save_config
-from rlfuse.train.data import build_prompts, load_rows
+from rlfuse.train.data import build_prompts, check_prompt_len, load_rows
 from rlfuse.train.data_parallel import GatheredSampler
 from rlfuse.train.distributed import DistContext, shard_model
 from rlfuse.train.rewards import RewardSet
@@ -39,6 +39,9 @@ class Session:
     model: torch.nn.Module
     train_rows: list
     eval_rows: list
+    context_len: int
+    """Longest sequence the run may build: engine.max_model_len, else the model's
+    max_position_embeddings (prompts and SFT examples are checked against it)."""
     _sampler: object = None
     dist: DistContext | None = None
     """Set when the run is data-parallel (rlfuse.train.distributed); None in one process."""
@@ -58,7 +61,8 @@ class Session:
         return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
 
     def eval_prompts(self):
-        return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval") if self.eval_rows else []
+        return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval",
+                             context_len=self.context_len) if self.eval_rows else []
 
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
@@ -82,6 +86,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
         model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
+    context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
+    check_prompt_len(cfg.data, context_len)
     if dist is not None:
         model = shard_model(model, dist)
-    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, sampler, dist=dist)
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist)

@@ -28,7 +28,7 @@ from rlfuse.train.data_parallel import local_micro_batches
 from rlfuse.train.distributed import DistContext, local_slice, reduce_metrics
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.session import Session, open_session
 
 class SFTTrainer:
@@ -42,6 +42,7 @@ class SFTTrainer:
         self.dist = dist
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, headline="loss")
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
 
     def step(self, step: int) -> dict:
         m = self.train_step(self.stream.take(self.cfg.sft.batch_size), step)
@@ -72,11 +73,12 @@ class SFTTrainer:
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(step, lr=o.lr, total_steps=s.steps, warmup_steps=o.warmup_steps, schedule=o.schedule,
                    min_lr_ratio=o.min_lr_ratio)
-        self.optimizer.step(lr)
+        self.guard.step(self.optimizer, lr, loss=loss_sum, grad_norm=grad_norm, where=f"sft step {step + 1}")
         self.optimizer.zero_grad()
         dt = time.perf_counter() - t0
-        m = {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "tokens": float(n_tok),
-             "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+        m = {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
+             "tokens": float(n_tok), "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9),
+             "time/step": dt}
         if self.dist is not None:  # each rank's loss is its share of the global mean
             m = reduce_metrics(self.dist, m, ops={"loss": "sum", "tokens": "sum", "tokens_per_s": "sum"},
                                default="max")
@@ -91,10 +93,12 @@ class SFTTrainer:
         return local_micro_batches(self.dist, lengths, self.cfg.sft.micro_batch_tokens, owned)
 
     def state_dict(self) -> dict:
-        return {"data": self.stream.state_dict()}
+        return {"data": self.stream.state_dict(), "nonfinite": self.guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
+        if "nonfinite" in state:  # checkpoints written before the guard have none
+            self.guard.load_state_dict(state["nonfinite"])
 
     def samples(self) -> list[dict]:
         return []
@@ -106,7 +110,8 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     when the recipe names rewards. `stop_after` and `stop_when` as in `run_loop` (the
     demo's "warm up to partial accuracy" is a stop_when)."""
     ses = session or open_session(cfg, need_target=True, dist=dist)
-    examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)
+    examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
+                                  context_len=ses.context_len, overlong=cfg.sft.overlong)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
