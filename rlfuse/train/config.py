@@ -28,7 +28,7 @@ from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
 from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
 from rlfuse.train import config_io
-from rlfuse.train.advantages import ADV_SCALES
+from rlfuse.train.advantages import ADV_SCALES, ESTIMATORS
 from rlfuse.train.optim import SCHEDULES
 
 _DC = dict(frozen=True, kw_only=True, slots=True)
@@ -106,7 +106,8 @@ class GRPOConfig:
     """Rollout top-k filter; 0 disables (the log-probs stay the unfiltered policy's)."""
     loss_type: str = "grpo"
     """grpo (mean over sequences of token means) | dr_grpo (sum / (seqs * max_new_tokens)) |
-    dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4)."""
+    dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4) |
+    cispo (clipped, detached importance weight times log-prob, token-level mean)."""
     clip_low: float = 0.2
     """PPO clip range below 1: ratios under 1 - clip_low stop pushing down."""
     clip_high: float = 0.2
@@ -117,8 +118,12 @@ class GRPOConfig:
     """beta; > 0 keeps a frozen reference copy of the initial weights."""
     kl_type: str = "k3"
     """k1 | k2 | k3 estimator of KL(policy || reference)."""
+    advantage: str = "group"
+    """Advantage estimator: group (group-relative, scaled per adv_scale) | rloo (leave-one-out
+    baseline) | reinforce_pp (REINFORCE++: per-token return with kl_coef * k1 KL folded in,
+    normalized over the batch's tokens) | reinforce_pp_baseline (the same on group-centred rewards)."""
     adv_scale: str = "group"
-    """Divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
+    """advantage group: divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
     adv_eps: float = 1e-6
     """Added to the std before dividing (groups with equal rewards get advantage 0)."""
     mu: int = 1
@@ -260,6 +265,7 @@ class RunConfig:
         _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
         _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
         _check_choice("grpo.adv_scale", self.grpo.adv_scale, ADV_SCALES)
+        _check_choice("grpo.advantage", self.grpo.advantage, ESTIMATORS)
         _check_choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
@@ -268,6 +274,8 @@ class RunConfig:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
         if g.dual_clip is not None and g.dual_clip <= 1:
             raise ValueError(f"grpo.dual_clip must be > 1 (or null), got {g.dual_clip}")
+        if g.dual_clip is not None and g.loss_type == "cispo":
+            raise ValueError("grpo.dual_clip does not apply to grpo.loss_type cispo (its clipped weight is detached)")
         _check_choice("grpo.old_logprobs", g.old_logprobs, ("rollout", "recompute"))
         if g.tis_cap is not None and not g.tis_cap > 0:
             raise ValueError(f"grpo.tis_cap must be > 0 (or null), got {g.tis_cap}")
