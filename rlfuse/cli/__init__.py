@@ -8,6 +8,7 @@ Each subcommand is a module here (`rlfuse/cli/<name>.py`) with `HELP` (one line)
     rlfuse demo                 # the embedded default: tiny model, SFT warm-up, GRPO, eval
     rlfuse sft CONFIG [--set a.b=v ...] [--resume]
     rlfuse grpo CONFIG [--set a.b=v ...] [--resume]
+    rlfuse dpo CONFIG [--set a.b=v ...] [--resume]
     rlfuse check --tiny --numerics exact
 """
 
@@ -17,11 +18,11 @@ import argparse
 import logging
 import sys
 
-from rlfuse.cli import bench, check, demo, generate, grpo, report, sft
+from rlfuse.cli import bench, check, demo, dpo, generate, grpo, report, sft
 from rlfuse.cli import eval as eval_cmd
 
-COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "eval": eval_cmd, "generate": generate, "report": report,
-            "check": check, "bench": bench}
+COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "dpo": dpo, "eval": eval_cmd, "generate": generate,
+            "report": report, "check": check, "bench": bench}
 """Subcommand name -> its module, in the order `--help` lists them."""
 
 

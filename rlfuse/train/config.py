@@ -5,7 +5,8 @@
       engine      EngineConfig    the rollout engine (rlfuse.engine.config)
       optim       OptimConfig     AdamW, warmup + cosine schedule, grad clipping
       sft         SFTConfig       supervised fine-tuning
-      grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO
+      grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO / RLOO / REINFORCE++ / CISPO
+      dpo         DPOConfig       DPO (sigmoid / IPO / conservative) on preference pairs
       data        DataConfig      train / eval sources, templates, prompt-length filter
       rewards     list[RewardSpec] + on_reward_error
       logging     LoggingConfig   run folder, metrics, TensorBoard, samples
@@ -125,7 +126,8 @@ class GRPOConfig:
     adv_scale: str = "group"
     """advantage group: divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
     adv_eps: float = 1e-6
-    """Added to the std before dividing (groups with equal rewards get advantage 0)."""
+    """Added to the std before dividing (advantage group: groups with equal rewards get
+    advantage 0; reinforce_pp: the batch std of the returns)."""
     mu: int = 1
     """Policy-gradient iterations per rollout batch (old log-probs = the engine's)."""
     mini_batches: int = 1
@@ -164,10 +166,45 @@ class GRPOConfig:
     nonzero value is logged as an error). 0 = only the free check on the first mini-batch."""
 
 
+DPO_LOSSES = ("sigmoid", "ipo", "conservative")
+"""Values of `dpo.loss` (rlfuse.train.dpo)."""
+
+
+@dataclasses.dataclass(**_DC)
+class DPOConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (gradients accumulated over the micro-batches)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch; a pair's two sequences always share one."""
+    max_seq_len: int = 1024
+    """Longer prompt + response sequences are truncated (response side) to this many tokens."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO) | ipo (squared distance of the margin to 1 / (2 beta)) | conservative
+    (DPO with label smoothing: chosen/rejected flipped with probability label_smoothing)."""
+    beta: float = 0.1
+    """beta: the strength of the implicit KL constraint to the reference (> 0)."""
+    label_smoothing: float = 0.0
+    """loss conservative: the assumed probability that a label is flipped, in (0, 0.5)."""
+    reference: str = "precompute"
+    """precompute (the reference log-probs of every training pair, computed once before the
+    first step and cached; no reference weights kept) | live (a frozen reference model kept
+    in memory, evaluated on each micro-batch)."""
+    ref_path: str = ""
+    """HF folder of the reference model; empty = the policy's weights at the start of the run."""
+    chosen_field: str = "chosen"
+    """Column of the preferred response (text, an assistant message, or a list of messages)."""
+    rejected_field: str = "rejected"
+    """Column of the dispreferred response (same forms)."""
+    eval_every: int = 0
+    """Evaluate on the eval set every this many steps (0 = at the start and the end only)."""
+
+
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:countdown."""
+    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown."""
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
     eval_size: int = 200
@@ -246,7 +283,9 @@ class RunConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """Supervised fine-tuning (`rlfuse sft`)."""
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    """GRPO and its variants DAPO, Dr. GRPO, GSPO (`rlfuse grpo`)."""
+    """GRPO and its variants DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO (`rlfuse grpo`)."""
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    """Direct preference optimization (`rlfuse dpo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Training and held-out data, prompt formatting."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
@@ -292,6 +331,20 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        d = self.dpo
+        _check_choice("dpo.loss", d.loss, DPO_LOSSES)
+        _check_choice("dpo.reference", d.reference, ("precompute", "live"))
+        if not d.beta > 0:
+            raise ValueError(f"dpo.beta must be > 0, got {d.beta}")
+        if d.loss == "conservative" and not 0 < d.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in (0, 0.5) for dpo.loss conservative, "
+                             f"got {d.label_smoothing}")
+        if d.loss != "conservative" and d.label_smoothing != 0:
+            raise ValueError(f"dpo.label_smoothing applies to dpo.loss conservative only (loss is {d.loss!r})")
+        for name, v in (("dpo.steps", d.steps), ("dpo.batch_size", d.batch_size),
+                        ("dpo.micro_batch_tokens", d.micro_batch_tokens), ("dpo.max_seq_len", d.max_seq_len)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
 
 
 def _check_choice(field: str, value, choices):
