@@ -169,6 +169,10 @@ def test_cached_and_live_reference_agree_and_micro_batching_keeps_the_gradient(t
 def test_run_dpo_evaluates_resumes_and_continues_identically(tmp_path):
     full = run_dpo(c := _cfg(tmp_path / "full", "checkpoint.every=1"), session=tiny_session(c))
     assert [e["step"] for e in full["evals"]] == [0, 3] and full["steps"] == 3
+    pe = full["pair_evals"]  # the eval rows are preference rows: the policy's own pair metrics
+    assert pe["num_pairs"] == 20 and set(pe["before"]) == {"pair_accuracy", "logp_margin", "logps/chosen",
+                                                            "logps/rejected"}
+    assert pe["after"]["logp_margin"] != pe["before"]["logp_margin"]
     rows = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if r["stage"] == "dpo"] == [1, 2, 3]
     cut = _cfg(tmp_path / "cut", "checkpoint.every=1")
@@ -188,7 +192,7 @@ def test_cli_dpo_and_reference_from_a_folder(tmp_path, capsys):
     a = tmp_path / "a"
     assert main(["dpo", "arith_dpo", "--run-dir", str(a), *tiny]) == 0
     out = capsys.readouterr().out
-    assert "dpo done: 2 steps" in out and "held-out accuracy" in out
+    assert "dpo done: 2 steps" in out and "held-out accuracy" in out and "held-out pairs (10): pair_accuracy" in out
     # a second run whose reference is the first run's final weights (dpo.ref_path), kept live
     assert main(["dpo", "arith_dpo", "--run-dir", str(tmp_path / "b"), *tiny, "--set", f"dpo.ref_path={a / 'final'}",
                  "--set", "dpo.reference=live"]) == 0

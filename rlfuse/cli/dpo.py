@@ -26,4 +26,8 @@ def run(args) -> int:
         first, lastev = res["evals"][0], res["evals"][-1]
         key = "accuracy" if "accuracy" in lastev else "reward"
         print(f"held-out {key} {first[key]:.4f} (step {first['step']}) -> {lastev[key]:.4f} (step {lastev['step']})")
+    if "pair_evals" in res:
+        pe = res["pair_evals"]
+        print(f"held-out pairs ({pe['num_pairs']}): " + ", ".join(
+            f"{k} {pe['before'][k]:.4f} -> {pe['after'][k]:.4f}" for k in ("pair_accuracy", "logp_margin")))
     return 0

@@ -16,6 +16,9 @@ most `dpo.micro_batch_tokens` tokens (`pack_by_tokens`), runs the model once per
 micro-batch to hidden states, `token_logprobs` (the fused log-prob kernel: no (N, V)
 logits) on the response tokens, sums them per sequence, and backpropagates
 sum(l) / batch_size, so the accumulated gradient is that of the whole step.
+Held-out pairs (eval rows with chosen / rejected): `run_dpo` reports the policy's own
+pair_accuracy (pi_c > pi_r), logp_margin (mean pi_c - pi_r) and mean log-probs at the
+start and the end (res["pair_evals"]).
 Reference log-probs: `dpo.reference: precompute` computes them for every training pair
 once, before the first step (no grad, same packing), and caches them (P, 2); then no
 reference weights are kept. `live` keeps a frozen reference model and evaluates it on
@@ -72,8 +75,9 @@ def pair_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, d
 
 
 @torch.no_grad()
-def reference_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, device) -> torch.Tensor:
-    """(P, 2) fp32 sequence log-probs (chosen, rejected) of every pair under `model`."""
+def sequence_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, device) -> torch.Tensor:
+    """(P, 2) fp32 sequence log-probs (chosen, rejected) of every pair under `model`, no grad:
+    the cached reference, and the held-out pair metrics."""
     was_training = model.training
     model.eval()
     out = torch.empty(len(pairs), 2, device=device)
@@ -82,6 +86,15 @@ def reference_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: i
         out[idx, 0], out[idx, 1] = c, r
     model.train(was_training)
     return out
+
+
+def pair_metrics(lp_P2: torch.Tensor) -> dict:
+    """Held-out preference metrics of the policy alone from (P, 2) sequence log-probs:
+    pair_accuracy = fraction with pi_c > pi_r, logp_margin = mean (pi_c - pi_r), and the
+    mean chosen and rejected log-probs."""
+    d = lp_P2[:, 0] - lp_P2[:, 1]
+    return {"pair_accuracy": float((d > 0).float().mean()), "logp_margin": float(d.mean()),
+            "logps/chosen": float(lp_P2[:, 0].mean()), "logps/rejected": float(lp_P2[:, 1].mean())}
 
 
 class DPOTrainer:
@@ -100,7 +113,7 @@ class DPOTrainer:
         self.ref_model, self.ref_cache = None, None
         if self.d.reference == "precompute":
             t0 = time.perf_counter()
-            self.ref_cache = reference_logprobs(ref, pairs, self.d.micro_batch_tokens, self.device)  # (P, 2)
+            self.ref_cache = sequence_logprobs(ref, pairs, self.d.micro_batch_tokens, self.device)  # (P, 2)
             log.info("dpo: reference log-probs of %d pairs computed once and cached (%.1f s; dpo.reference=precompute)",
                      len(pairs), time.perf_counter() - t0)
         else:
@@ -174,10 +187,23 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
             raise ValueError(f"dpo.ref_path: the reference's vocabulary ({ref_model.config.vocab_size}) differs "
                              f"from the policy's ({ses.model.config.vocab_size})")
     trainer = DPOTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model)
+    d = cfg.dpo
+    # held-out pairs, when the eval rows are preference rows: the policy's own pair metrics
+    # at the start and the end (the reference-relative h is 0 at the start by definition)
+    held_out = []
+    if ses.eval_rows and all(d.chosen_field in r and d.rejected_field in r for _, r in ses.eval_rows):
+        held_out = build_preference_pairs(ses.eval_rows, ses.tokenizer, cfg.data, d)
+        before = pair_metrics(sequence_logprobs(ses.model, held_out, d.micro_batch_tokens, ses.device))
     evaluation = None
     if cfg.rewards:
         prompts = ses.eval_prompts()
         # completions as long as the GRPO stage's, as SFT's evaluation
         evaluation = Evaluation(prompts=prompts, rewards=ses.rewards(),
                                 max_new_tokens=cfg.grpo.max_new_tokens) if prompts else None
-    return run_loop(trainer, ses, evaluation=evaluation, stop_after=stop_after)
+    res = run_loop(trainer, ses, evaluation=evaluation, stop_after=stop_after)
+    if held_out:
+        after = pair_metrics(sequence_logprobs(ses.model, held_out, d.micro_batch_tokens, ses.device))
+        res["pair_evals"] = {"before": before, "after": after, "num_pairs": len(held_out)}
+        log.info("dpo held-out pairs (%d): %s", len(held_out),
+                 {k: f"{before[k]:.4f} -> {after[k]:.4f}" for k in before})
+    return res

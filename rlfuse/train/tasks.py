@@ -7,7 +7,7 @@ arithmetic: "a<op>b=" with operands of 1..digits digits and ops from `ops` ("+-*
     one, else the whole stripped completion, must equal the answer (int comparison).
 arithmetic_pref: the arithmetic problems (same options) as preference pairs for DPO:
     chosen = the answer, rejected = a wrong answer of the same form, the answer moved by
-    +-1 (last digit), +-10 (a carry) or +-2..9, never negative for + and *.
+    +-1 (last digit), +-10 (a carry), +-9 or +-11 (both), never negative for + and *.
 countdown: reach `target` from `numbers` with + - * / and parentheses, each number used
     exactly once (use_all) or at most once. Instances are generated from a random
     expression, so each has a solution (the SFT completion). Verifier: the expression in
@@ -75,6 +75,12 @@ def _answer_text(v: int, op: str, digits: int, pad: bool) -> str:
     return f"{v:0{w}d}" if v >= 0 else f"-{-v:0{w}d}"
 
 
+# how far a rejected answer is off, drawn uniformly (1 and 10 twice as often): the
+# mistakes of the demo's SFT model on 2-digit addition, greedy, 300 held-out problems:
+# +-10: 59, +-1: 49, +-9: 23, +-11: 6, others: 5
+_WRONG_BY = (1, 1, 10, 10, 9, 11)
+
+
 def arithmetic_pref_rows(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", pad: bool = False,
                          exclude=()) -> list[dict]:
     """arithmetic_rows plus `chosen` (the answer) and `rejected` (a plausible wrong answer)."""
@@ -84,9 +90,7 @@ def arithmetic_pref_rows(n: int, *, seed: int = 0, digits: int = 2, ops: str = "
         op = next(c for c in r["prompt"][1:] if c in "+-*")  # the operator (operands are non-negative)
         v = int(r["answer"])
         while True:
-            kind = rng.randrange(3)
-            step = 1 if kind == 0 else 10 if kind == 1 else rng.randint(2, 9)
-            wrong = v + rng.choice((-1, 1)) * step
+            wrong = v + rng.choice((-1, 1)) * rng.choice(_WRONG_BY)
             if op == "-" or wrong >= 0:
                 break
         r["chosen"], r["rejected"] = r["answer"], _answer_text(wrong, op, digits, pad)
