@@ -64,8 +64,8 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, *, loss: str = "sigmoid", beta: float = 0
 
 
 def pair_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, device):
-    """Yield (indices into pairs, chosen (b,), rejected (b,)) sequence log-probs per packed
-    micro-batch; differentiable when grad is enabled."""
+    """Per packed micro-batch, yield (indices into pairs, chosen (b,) and rejected (b,)
+    sequence log-probs, tokens in the micro-batch); differentiable when grad is enabled."""
     for mb in pack_by_tokens([p.num_tokens for p in pairs], micro_batch_tokens):
         batch = PackedBatch.build([s for i in mb for s in pairs[i].sequences()], device)
         h_TD = model(batch.input_ids, batch.positions, batch.attn)
