@@ -78,7 +78,7 @@ def test_describe_lists_every_leaf_with_docs():
 def test_builtin_recipes_load(recipe):
     cfg = load_config(RECIPES / recipe)
     assert cfg.rewards, "every recipe names its reward functions"
-    assert to_dict(cfg)["grpo"]["loss_type"] in ("grpo", "dapo", "dr_grpo", "gspo")
+    assert to_dict(cfg)["grpo"]["loss_type"] in ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 
 
 def test_engine_section_is_a_typed_engine_config(tmp_path):

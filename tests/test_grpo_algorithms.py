@@ -153,7 +153,7 @@ def test_argument_errors():
 
 
 # ---------------------------------------------------------------- accumulation
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_micro_batch_accumulation_equals_full_batch(loss_type):
     torch.manual_seed(1)
     lens = [3, 5, 2, 4, 1]
@@ -184,7 +184,7 @@ def test_micro_batch_accumulation_equals_full_batch(loss_type):
 
 # ---------------------------------------------------------------- the fused kernel vs the reference
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 @pytest.mark.parametrize("extras", [{}, {"dual_clip": 3.0}, {"kl_coef": 0.1, "kl_type": "k3"},
                                     {"kl_coef": 0.1, "kl_type": "k2", "clip_high": 0.28}])
 def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
@@ -201,6 +201,10 @@ def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
     ref_lp = old + 0.2 * torch.randn(N)
     kw = dict(loss_type=loss_type, max_tokens=8, ref_logp=ref_lp if "kl_coef" in extras else None, **extras)
     lp1, lp2 = base.clone().requires_grad_(True), base.clone().requires_grad_(True)
+    if loss_type == "cispo" and "dual_clip" in extras:  # no dual clip on a detached weight
+        with use_backend(backend), pytest.raises(ValueError, match="cispo"):
+            policy_loss(lp1, old, adv, mask, seq, 4, **kw)
+        return
     with use_backend(backend):
         l1, s1 = policy_loss(lp1, old, adv, mask, seq, 4, **kw)
     l2, s2 = policy_loss_ref(lp2, old, adv, mask, seq, 4, **kw)

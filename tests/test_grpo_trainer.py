@@ -63,7 +63,7 @@ def test_greedy_rollouts_train_on_temperature_one_logprobs(tmp_path):
     assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo", "gspo", "cispo"])
 def test_micro_batching_does_not_change_the_gradient(tmp_path, loss_type):
     grads = []
     for budget in (10_000, 9):  # one micro-batch vs one sequence per micro-batch

@@ -39,6 +39,8 @@ def _hand_batch(dtype=torch.float64):
 # gspo: s_0 = exp(mean(0, ln 1.5, ln 0.5)) = 0.75^(1/3) ~ 0.9086 (inside [0.8, 1.2]) -> -s_0;
 #       s_1 = exp(mean(0, ln 1.5)) = 1.5^(1/2) ~ 1.2247, A=-1 -> -min(-1.2247, -1.2) = 1.2247
 #       loss = (-0.75^(1/3) + 1.5^(1/2)) / 2
+# cispo: pg = -clip(r) A logp with logp = ln r: seq 0 -> 0, -1.2 ln 1.5, -0.8 ln 0.5; seq 1 -> 0,
+#       +1.2 ln 1.5; token mean over 5: (-0.8 ln 0.5) / 5 = 0.16 ln 2
 HAND = [
     (dict(loss_type="grpo"), 0.175),
     (dict(loss_type="dapo"), -0.04),
@@ -47,6 +49,7 @@ HAND = [
     (dict(loss_type="grpo", kl_coef=0.1, kl_type="k1", ref=0.5), 0.225),
     (dict(loss_type="grpo", kl_coef=0.1, kl_type="k2", ref=0.5), 0.1875),
     (dict(loss_type="gspo"), (-(0.75 ** (1 / 3)) + 1.5 ** 0.5) / 2),
+    (dict(loss_type="cispo"), 0.16 * math.log(2)),
 ]
 
 
@@ -70,6 +73,13 @@ def test_hand_computed(fn, kw, expected):
         assert torch.allclose(logp.grad, expect, atol=1e-12), logp.grad
     if "dual_clip" in kw:
         assert stats["clip_frac"].item() == pytest.approx(0.4)
+    if kw.get("loss_type") == "cispo":
+        # weights clipped at r = 1.5 (twice) and r = 0.5: 3 of 5 tokens; every live token has a
+        # gradient -clip(r) A / 5 (the clip only bounds the detached weight)
+        assert stats["clip_frac"].item() == pytest.approx(0.6)
+        loss.backward()
+        expect = torch.tensor([-1.0, -1.2, -0.8, 1.0, 1.2, 0.0], dtype=logp.dtype) / 5
+        assert torch.allclose(logp.grad, expect, atol=1e-12), logp.grad
     if kw.get("kl_type") == "k1":
         assert stats["kl"].item() == pytest.approx(0.5)
 
@@ -85,7 +95,8 @@ def _random_batch(N=300, B=7, dtype=torch.float32, seed=0):
     return logp.to(dtype), old.float(), adv.float(), mask, seq, ref.float()
 
 
-CASES = [dict(loss_type=lt, dual_clip=dc) for lt in ("grpo", "dapo", "dr_grpo", "gspo") for dc in (None, 1.3)]
+CASES = [dict(loss_type=lt, dual_clip=dc) for lt in ("grpo", "dapo", "dr_grpo", "gspo") for dc in (None, 1.3)] + \
+    [dict(loss_type="cispo", dual_clip=None)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['loss_type']}-dual{c['dual_clip']}")
@@ -141,12 +152,13 @@ def test_backend_switch_and_errors():
         b, _ = policy_loss(logp, old, adv, mask, seq, 7)
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     for bad, msg in [(dict(loss_type="ppo"), "loss_type"), (dict(loss_type="dr_grpo"), "max_tokens"),
-                     (dict(dual_clip=1.0), "dual_clip"), (dict(kl_type="k4"), "kl_type")]:
+                     (dict(dual_clip=1.0), "dual_clip"), (dict(kl_type="k4"), "kl_type"),
+                     (dict(loss_type="cispo", dual_clip=2.0), "cispo")]:
         with pytest.raises(ValueError, match=msg):
             policy_loss_triton(logp, old, adv, mask, seq, 7, **bad)
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "gspo"])
+@pytest.mark.parametrize("loss_type", ["grpo", "gspo", "cispo"])
 def test_grpo_loss_from_hidden(loss_type):
     N, D, V, B = 29, 24, 203, 4
     g = torch.Generator().manual_seed(9)

@@ -56,7 +56,8 @@ def test_config_errors_exit_2_with_the_valid_keys(recipe, capsys):
     err = capsys.readouterr().err
     assert "unknown key 'clip' in grpo; valid keys:" in err and "clip_high" in err
     assert main(["sft", "no_such_recipe"]) == 2
-    assert "built-in recipes: arith_grpo" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "built-in recipes: " in err and "arith_grpo," in err
 
 
 def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():

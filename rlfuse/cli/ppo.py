@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, setup_threads,
+                               single_process_only)
 from rlfuse.train.ppo import run_ppo
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
@@ -14,7 +15,9 @@ def add_arguments(p):
 
 def run(args) -> int:
     try:
+        single_process_only("ppo")
         cfg = load_run_config(args)
+        prepare_run(args, cfg, "ppo")
         setup_threads(args.threads)
         res = run_ppo(cfg)
     except ValueError as e:

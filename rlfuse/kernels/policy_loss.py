@@ -1,5 +1,5 @@
-"""GRPO-family policy losses: PPO-clip per token, fused in one Triton pass, plus
-segment-sum aggregation over sequences.
+"""GRPO-family policy losses: PPO-clip (or CISPO) per token, fused in one Triton pass,
+plus segment-sum aggregation over sequences.
 
 Per token t of sequence i (mask m_t, advantage A_t, d_t = logp_t - old_t):
     ratio     r_t = exp(d_t)                              grpo / dapo / dr_grpo
@@ -9,20 +9,23 @@ Per token t of sequence i (mask m_t, advantage A_t, d_t = logp_t - old_t):
     pg_t      = -min(r_t A_t, c_t A_t)
     dual clip (c > 1; Ye et al. 2020 "dual-clip PPO", bounds the loss of negative
               advantages when r_t explodes): where A_t < 0 and pg_t > -c A_t, pg_t = -c A_t
+    cispo     (MiniMax-M1, arXiv:2506.13585) pg_t = -sg(c_t) A_t logp_t: the importance
+              weight is clipped and detached, every token keeps a gradient (no dual clip)
     kl_t      = k1: e | k2: e^2 / 2 | k3: exp(-e) + e - 1,   e = logp_t - ref_t
               (0 when ref_logp is None or kl_coef == 0)
     l_t       = pg_t + kl_coef * kl_t
 Derivative w.r.t. logp_t (the "grad coefficient"):
     d pg_t = 0 where the clipped branch won (c_t A_t < r_t A_t) or the dual-clip cap applies,
              else -A_t r_t                     (ties split by torch.minimum sum to the same)
+           = -c_t A_t                          cispo
     d kl_t = 1 | e | 1 - exp(-e)
 Aggregation: loss = sum_t w_t l_t with n_i = max(sum_{t in i} m_t, 1), B = num_seqs:
     grpo, gspo: w_t = m_t / (n_i B)     (mean over sequences of the token mean)
-    dapo:       w_t = m_t / max(sum m, 1)             (token-level mean)
+    dapo, cispo: w_t = m_t / max(sum m, 1)            (token-level mean, as both papers)
     dr_grpo:    w_t = m_t / (B max_tokens)            (constant normalizer)
 Masked tokens (m_t = 0) contribute 0 loss and 0 grad even where their inputs are not
 finite (the kernel selects, it does not multiply). Stats, means over masked tokens:
-clip_frac (clipped branch or dual cap), clip_frac_low (r < 1 - clip_low, A < 0),
+clip_frac (clipped branch or dual cap; cispo: r_t outside the clip range), clip_frac_low (r < 1 - clip_low, A < 0),
 clip_frac_high (r > 1 + clip_high, A > 0), ratio_mean, kl.
 Micro-batches: each loss is normalized within its own batch; `accumulation_weight` scales
 it to its share of the full batch's normalizer, so accumulated gradients equal those of
@@ -46,8 +49,10 @@ import triton.language as tl
 from rlfuse.kernels.backend import resolve_backend
 from rlfuse.kernels.logprob import token_logprobs
 
-LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo")
-"""Aggregations (and gspo's sequence ratio) of the module docstring."""
+LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
+"""Aggregations (and gspo's sequence ratio, cispo's surrogate) of the module docstring."""
+TOKEN_MEAN_TYPES = ("dapo", "cispo")
+"""Loss types normalized by the token count (the rest by the sequence count)."""
 KL_TYPES = ("k1", "k2", "k3")
 """Per-token estimators of KL(policy || reference) from the policy's samples."""
 
@@ -74,6 +79,8 @@ def _validate(loss_type, kl_type, dual_clip, max_tokens):
         raise ValueError("loss_type 'dr_grpo' needs max_tokens (the constant length normalizer)")
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1, got {dual_clip}")
+    if dual_clip is not None and loss_type == "cispo":
+        raise ValueError("dual_clip does not apply to loss_type 'cispo' (its clipped weight is detached)")
 
 
 def kl_term(logp, ref_logp, kl_type: str):
@@ -101,9 +108,14 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
         ratio = torch.exp(log_s.detach())[seq_ids] * torch.exp(logp - logp.detach())
     else:
         ratio = torch.exp(logp - old)
-    surr1, surr2 = ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    pg = -torch.minimum(surr1, surr2)
-    took_clip = surr2 < surr1
+    if loss_type == "cispo":
+        r = ratio.detach()
+        pg = -r.clamp(1.0 - clip_low, 1.0 + clip_high) * adv * logp
+        took_clip = (r < 1.0 - clip_low) | (r > 1.0 + clip_high)
+    else:
+        surr1, surr2 = ratio * adv, ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+        pg = -torch.minimum(surr1, surr2)
+        took_clip = surr2 < surr1
     if dual_clip is not None:
         cap = -dual_clip * adv
         use_cap = (adv < 0) & (pg > cap)
@@ -114,7 +126,7 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
     lm = (pg + kl_coef * kl if has_kl else pg) * m
     if loss_type in ("grpo", "gspo"):
         loss = (_seg_sum(lm, seq_ids, num_seqs) / n_seq).sum() / num_seqs
-    elif loss_type == "dapo":
+    elif loss_type in TOKEN_MEAN_TYPES:
         loss = lm.sum() / m.sum().clamp_min(1.0)
     else:
         loss = lm.sum() / (num_seqs * max_tokens)
@@ -130,7 +142,8 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
-               GSPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr, BLOCK: tl.constexpr):
+               GSPO: tl.constexpr, CISPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr,
+               BLOCK: tl.constexpr):
     """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, PART_COLS): this program's sums, columns PART_*.
     Scalars arrive as fp32 (Triton's float arguments), as torch rounds them for fp32 tensors;
     for fp64 logp they differ from the double constants by < 1e-7 relative."""
@@ -148,11 +161,17 @@ def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual
     else:
         lr = logp - tl.load(OLD + offs, mask=valid, other=0.0).to(CT)
     r = tl.exp(lr)
-    s1 = r * adv
-    s2 = tl.minimum(tl.maximum(r, lo), hi) * adv
-    took = s2 < s1
-    pg = -tl.minimum(s1, s2)
-    dpg = tl.where(took, 0.0, -adv * r)
+    if CISPO:
+        cw = tl.minimum(tl.maximum(r, lo), hi)
+        took = (r < lo) | (r > hi)
+        pg = -cw * adv * logp
+        dpg = -cw * adv
+    else:
+        s1 = r * adv
+        s2 = tl.minimum(tl.maximum(r, lo), hi) * adv
+        took = s2 < s1
+        pg = -tl.minimum(s1, s2)
+        dpg = tl.where(took, 0.0, -adv * r)
     if DUAL:
         cap = -dual_c * adv
         use_cap = (adv < 0) & (pg > cap)
@@ -221,7 +240,7 @@ def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int,
         if loss_type in ("grpo", "gspo"):
             n_seq = _seg_sum(m, seq_ids, num_seqs).clamp_min(1.0)
             w = m / (n_seq[seq_ids] * num_seqs)
-        elif loss_type == "dapo":
+        elif loss_type in TOKEN_MEAN_TYPES:
             w = m / m.sum().clamp_min(1.0)
         else:
             w = m / float(num_seqs * max_tokens)
@@ -237,7 +256,7 @@ def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int,
             _pl_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
                              ref_logp.contiguous() if has_kl else None, coef, part, N,
                              1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(kl_coef),
-                             GSPO=loss_type == "gspo", DUAL=dual_clip is not None,
+                             GSPO=loss_type == "gspo", CISPO=loss_type == "cispo", DUAL=dual_clip is not None,
                              KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, BLOCK=blk)
         sums = dict(zip(_PART_NAMES, part.sum(0).unbind()))
         tot = sums["count"].clamp_min(1.0)
@@ -261,9 +280,9 @@ def accumulation_weight(loss_type: str, mb_seqs: int, mb_tokens: float, total_se
                         total_tokens: float) -> float:
     """Factor turning a micro-batch's self-normalized loss into its share of the full-batch
     loss (module docstring, "Aggregation"): the sequence-normalized types (grpo, gspo,
-    dr_grpo) scale by the micro-batch's share of sequences, dapo by its share of loss
-    tokens. Host numbers (counts known from the rollout lists): no sync."""
-    if loss_type == "dapo":
+    dr_grpo) scale by the micro-batch's share of sequences, dapo and cispo by its share of
+    loss tokens. Host numbers (counts known from the rollout lists): no sync."""
+    if loss_type in TOKEN_MEAN_TYPES:
         return mb_tokens / max(total_tokens, 1.0) if mb_tokens > 0 else 0.0
     return mb_seqs / total_seqs
 

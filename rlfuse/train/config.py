@@ -5,8 +5,9 @@
       engine      EngineConfig    the rollout engine (rlfuse.engine.config)
       optim       OptimConfig     AdamW, warmup + cosine schedule, grad clipping
       sft         SFTConfig       supervised fine-tuning
-      grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO
+      grpo        GRPOConfig      GRPO / DAPO / Dr. GRPO / GSPO / RLOO / REINFORCE++ / CISPO
       ppo         PPOConfig       PPO with a critic
+      dpo         DPOConfig       DPO (sigmoid / IPO / conservative) on preference pairs
       data        DataConfig      train / eval sources, templates, prompt-length filter
       rewards     list[RewardSpec] + on_reward_error
       logging     LoggingConfig   run folder, metrics, TensorBoard, samples
@@ -30,7 +31,7 @@ from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
 from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
 from rlfuse.train import config_io
-from rlfuse.train.advantages import ADV_SCALES
+from rlfuse.train.advantages import ADV_SCALES, ESTIMATORS
 from rlfuse.train.optim import SCHEDULES
 
 _DC = dict(frozen=True, kw_only=True, slots=True)
@@ -114,7 +115,8 @@ class GRPOConfig:
     """Rollout top-k filter; 0 disables (the log-probs stay the unfiltered policy's)."""
     loss_type: str = "grpo"
     """grpo (mean over sequences of token means) | dr_grpo (sum / (seqs * max_new_tokens)) |
-    dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4)."""
+    dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4) |
+    cispo (clipped, detached importance weight times log-prob, token-level mean)."""
     clip_low: float = 0.2
     """PPO clip range below 1: ratios under 1 - clip_low stop pushing down."""
     clip_high: float = 0.2
@@ -125,10 +127,15 @@ class GRPOConfig:
     """beta; > 0 keeps a frozen reference copy of the initial weights."""
     kl_type: str = "k3"
     """k1 | k2 | k3 estimator of KL(policy || reference)."""
+    advantage: str = "group"
+    """Advantage estimator: group (group-relative, scaled per adv_scale) | rloo (leave-one-out
+    baseline) | reinforce_pp (REINFORCE++: per-token return with kl_coef * k1 KL folded in,
+    normalized over the batch's tokens) | reinforce_pp_baseline (the same on group-centred rewards)."""
     adv_scale: str = "group"
-    """Divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
+    """advantage group: divide centred rewards by the group std (group), the batch std (batch) or nothing (none)."""
     adv_eps: float = 1e-6
-    """Added to the std before dividing (groups with equal rewards get advantage 0)."""
+    """Added to the std before dividing (advantage group: groups with equal rewards get
+    advantage 0; reinforce_pp: the batch std of the returns)."""
     mu: int = 1
     """Policy-gradient iterations per rollout batch (old log-probs = the engine's)."""
     mini_batches: int = 1
@@ -165,6 +172,41 @@ class GRPOConfig:
     """Exact numerics: every this many steps, recompute the trainer's log-probs of the whole
     rollout batch (no grad) and log their mismatch against the engine's (must be 0; a
     nonzero value is logged as an error). 0 = only the free check on the first mini-batch."""
+
+
+DPO_LOSSES = ("sigmoid", "ipo", "conservative")
+"""Values of `dpo.loss` (rlfuse.train.dpo)."""
+
+
+@dataclasses.dataclass(**_DC)
+class DPOConfig:
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 32
+    """Preference pairs per optimizer step (gradients accumulated over the micro-batches)."""
+    micro_batch_tokens: int = 4096
+    """Token budget of one packed micro-batch; a pair's two sequences always share one."""
+    max_seq_len: int = 1024
+    """Longer prompt + response sequences are truncated (response side) to this many tokens."""
+    loss: str = "sigmoid"
+    """sigmoid (DPO) | ipo (squared distance of the margin to 1 / (2 beta)) | conservative
+    (DPO with label smoothing: chosen/rejected flipped with probability label_smoothing)."""
+    beta: float = 0.1
+    """beta: the strength of the implicit KL constraint to the reference (> 0)."""
+    label_smoothing: float = 0.0
+    """loss conservative: the assumed probability that a label is flipped, in (0, 0.5)."""
+    reference: str = "precompute"
+    """precompute (the reference log-probs of every training pair, computed once before the
+    first step and cached; no reference weights kept) | live (a frozen reference model kept
+    in memory, evaluated on each micro-batch)."""
+    ref_path: str = ""
+    """HF folder of the reference model; empty = the policy's weights at the start of the run."""
+    chosen_field: str = "chosen"
+    """Column of the preferred response (text, an assistant message, or a list of messages)."""
+    rejected_field: str = "rejected"
+    """Column of the dispreferred response (same forms)."""
+    eval_every: int = 0
+    """Evaluate on the eval set every this many steps (0 = at the start and the end only)."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -232,7 +274,7 @@ class PPOConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:countdown."""
+    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown."""
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
     eval_size: int = 200
@@ -313,9 +355,11 @@ class RunConfig:
     sft: SFTConfig = dataclasses.field(default_factory=SFTConfig)
     """Supervised fine-tuning (`rlfuse sft`)."""
     grpo: GRPOConfig = dataclasses.field(default_factory=GRPOConfig)
-    """GRPO and its variants DAPO, Dr. GRPO, GSPO (`rlfuse grpo`)."""
+    """GRPO and its variants DAPO, Dr. GRPO, GSPO, RLOO, REINFORCE++, CISPO (`rlfuse grpo`)."""
     ppo: PPOConfig = dataclasses.field(default_factory=PPOConfig)
     """PPO with a critic: GAE, clipped value loss, KL-shaped reward (`rlfuse ppo`)."""
+    dpo: DPOConfig = dataclasses.field(default_factory=DPOConfig)
+    """Direct preference optimization (`rlfuse dpo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Training and held-out data, prompt formatting."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
@@ -336,6 +380,7 @@ class RunConfig:
         _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
         _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
         _check_choice("grpo.adv_scale", self.grpo.adv_scale, ADV_SCALES)
+        _check_choice("grpo.advantage", self.grpo.advantage, ESTIMATORS)
         _check_choice("optim.schedule", self.optim.schedule, SCHEDULES)
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
@@ -344,6 +389,8 @@ class RunConfig:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
         if g.dual_clip is not None and g.dual_clip <= 1:
             raise ValueError(f"grpo.dual_clip must be > 1 (or null), got {g.dual_clip}")
+        if g.dual_clip is not None and g.loss_type == "cispo":
+            raise ValueError("grpo.dual_clip does not apply to grpo.loss_type cispo (its clipped weight is detached)")
         _check_choice("grpo.old_logprobs", g.old_logprobs, ("rollout", "recompute"))
         if g.tis_cap is not None and not g.tis_cap > 0:
             raise ValueError(f"grpo.tis_cap must be > 0 (or null), got {g.tis_cap}")
@@ -354,6 +401,14 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        d = self.dpo
+        _check_choice("dpo.loss", d.loss, DPO_LOSSES)
+        _check_choice("dpo.reference", d.reference, ("precompute", "live"))
+        if d.loss == "conservative" and not 0 < d.label_smoothing < 0.5:
+            raise ValueError(f"dpo.label_smoothing must be in (0, 0.5) for dpo.loss conservative, "
+                             f"got {d.label_smoothing}")
+        if d.loss != "conservative" and d.label_smoothing != 0:
+            raise ValueError(f"dpo.label_smoothing applies to dpo.loss conservative only (loss is {d.loss!r})")
         _check_ppo(self.ppo)
 
 
@@ -391,6 +446,8 @@ RANGES: dict[str, str] = {
     "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "> 0",
     "ppo.kl_coef": ">= 0", "ppo.kl_horizon": "> 0", "ppo.entropy_coef": ">= 0", "ppo.sample_every": ">= 0",
     "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
+    "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
+    "dpo.beta": "> 0", "dpo.label_smoothing": "[0, 0.5)", "dpo.eval_every": ">= 0",
 }
 """The valid range of every numeric field of RunConfig, checked at load (`check_ranges`):
 "> 0", ">= 0", ">= 1", an interval "[0, 1)" / "(0, 1]" / "[0, 1]", or "any" (finite). A

@@ -3,8 +3,8 @@
 One step:
   1. generate  : P prompts x G completions from the engine (it shares the parameters),
                  with per-token log-probs; then the engine sleeps (KV pool freed).
-  2. score     : reward functions -> total reward r (P*G,), group-relative advantages
-                 (rlfuse.train.advantages); optional dynamic sampling
+  2. score     : reward functions -> total reward r (P*G,), advantages by the estimator
+                 `grpo.advantage` (rlfuse.train.advantages); optional dynamic sampling
                  drops zero-variance groups; optional masking of truncated completions.
   3. train     : mu passes over the batch, each split into `mini_batches` optimizer
                  steps; each optimizer step packs its sequences into micro-batches of at
@@ -38,7 +38,7 @@ from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.advantages import group_advantages, zero_variance_groups
+from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
 from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import RunConfig
 from rlfuse.train.data import Prompt, PromptStream, build_prompts
@@ -94,6 +94,8 @@ class GRPOTrainer:
         self.ref_model = ref_model if self.g.kl_coef > 0 else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
+        # REINFORCE++ folds the KL into its returns (`_advantages`); the others add it to the loss
+        self.kl_in_loss = self.ref_model is not None and self.g.advantage not in KL_IN_REWARD
         self.opt_steps_total = self.g.steps * self.g.mu * self.g.mini_batches
         # the temperature of the rollout's log-probs, which the policy, old and reference
         # log-probs must share for the ratios and the KL to compare like with like
@@ -136,7 +138,7 @@ class GRPOTrainer:
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
-            adv = group_advantages(r, g.group_size, g.adv_scale, g.adv_eps)
+            adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
         m: dict = {}
@@ -150,7 +152,8 @@ class GRPOTrainer:
         lens = [len(s.token_ids) for s in samples]
         m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
         m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
-        m["adv/mean"], m["adv/std"], m["adv/abs_max"] = adv.mean(), adv.std(), adv.abs().max()
+        adv_N = torch.cat(adv)
+        m["adv/mean"], m["adv/std"], m["adv/abs_max"] = adv_N.mean(), adv_N.std(), adv_N.abs().max()
         m["groups/zero_variance_frac"] = flat_zero.float().mean()
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
@@ -165,7 +168,8 @@ class GRPOTrainer:
         m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
         m["memory/peak_mb"] = peak_memory_mb(self.device)
         self.last_samples = [{"prompt": prompts[s.prompt_index].text, "completion": s.text, "reward": total[j],
-                              **{f"reward/{k}": v[j] for k, v in per.items()}, "advantage": float(adv[j]),
+                              **{f"reward/{k}": v[j] for k, v in per.items()},
+                              "advantage": float(adv[j][0]) if len(adv[j]) else 0.0,  # the first token's
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
 
@@ -191,8 +195,20 @@ class GRPOTrainer:
         owned = [i for i, j in enumerate(seq_idx) if self._owner(j) == self.dist.rank]
         return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned)
 
+    def _advantages(self, prompts: list[Prompt], samples: list[Sample], r: torch.Tensor) -> list[torch.Tensor]:
+        """Per-token advantages of every sample (CPU fp32) by `grpo.advantage`; REINFORCE++
+        with kl_coef > 0 first takes the reference log-probs of the whole batch (no grad)
+        for the k1 KL it folds into the returns (old = the rollout's log-probs)."""
+        g = self.g
+        kl_N = None
+        if g.advantage in KL_IN_REWARD and self.ref_model is not None:
+            ref = self._trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
+            kl_N = torch.cat([samples[j].logprobs - ref[j].float().cpu() for j in range(len(samples))])
+        return token_advantages(g.advantage, r, [len(s.token_ids) for s in samples], g.group_size,
+                                adv_scale=g.adv_scale, eps=g.adv_eps, kl_N=kl_N, kl_coef=g.kl_coef)
+
     # ------------------------------------------------------------------ the update
-    def _train(self, prompts: list[Prompt], samples: list[Sample], adv: torch.Tensor, kept_groups: list[int],
+    def _train(self, prompts: list[Prompt], samples: list[Sample], adv: list[torch.Tensor], kept_groups: list[int],
                step: int) -> dict:
         g = self.g
         G = g.group_size
@@ -292,11 +308,12 @@ class GRPOTrainer:
                 h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
                 out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
                                      return_entropy=want_ent)
-                ref_N = self._ref_logprobs(batch) if self.ref_model is not None else None
+                ref_N = self._ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
             loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
                                    loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
-                                   dual_clip=g.dual_clip, ref_logp=ref_N, kl_coef=g.kl_coef, kl_type=g.kl_type,
+                                   dual_clip=g.dual_clip, ref_logp=ref_N,
+                                   kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
                                    max_tokens=g.max_new_tokens)
             mb_tokens = 0.0 if pad else sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
@@ -315,9 +332,11 @@ class GRPOTrainer:
         return sums, n_tok
 
     @torch.no_grad()
-    def _trainer_logprobs(self, prompts, samples, seq_idx: list[int]) -> dict[int, torch.Tensor]:
-        """The trainer's log-probs of sequences `seq_idx` under the current weights (no grad,
-        micro-batched like the update): the recomputed old policy, or an exact-mode check."""
+    def _trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:
+        """The trainer's log-probs of sequences `seq_idx` under the current weights, or those of
+        `model` (no grad, micro-batched like the update): the recomputed old policy, an
+        exact-mode check, or REINFORCE++'s reference."""
+        model = self.model if model is None else model
         out = {}
         lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
         for mb, pad in self._micro_batches(seq_idx, lengths):
@@ -325,8 +344,8 @@ class GRPOTrainer:
             batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
                                         len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
             with use_numerics(self.numerics):
-                h = self.model(batch.input_ids, batch.positions, batch.attn)
-                lp = token_logprobs(h[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t)
+                h = model(batch.input_ids, batch.positions, batch.attn)
+                lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)
             if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
                 continue
             for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):

@@ -37,7 +37,8 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tb", "checkpoints", "final", "re
 """What a run writes into its folder (and --overwrite removes)."""
 
 BREAKING = ("model.path", "model.random_init", "model.tokenizer", "model.dtype", "data.", "seed",
-            "grpo.loss_type", "grpo.kl_type", "grpo.adv_scale", "grpo.group_size")
+            "grpo.loss_type", "grpo.kl_type", "grpo.adv_scale", "grpo.group_size", "grpo.advantage",
+            "ppo.loss_type", "ppo.samples_per_prompt", "ppo.critic_path", "dpo.loss", "dpo.reference", "dpo.ref_path")
 """Config keys (a trailing dot: a whole section) whose change makes a resumed run a
 different run: other weights or vocabulary, another data order, another objective."""
 NOT_BREAKING = ("data.eval", "data.eval_size")

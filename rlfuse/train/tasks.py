@@ -5,6 +5,9 @@ arithmetic: "a<op>b=" with operands of 1..digits digits and ops from `ops` ("+-*
     answer = the exact integer result; the SFT completion is the answer itself.
     Verifier: the integer in the last `\\boxed{...}` or `<answer>...</answer>` if there is
     one, else the whole stripped completion, must equal the answer (int comparison).
+arithmetic_pref: the arithmetic problems (same options) as preference pairs for DPO:
+    chosen = the answer, rejected = a wrong answer of the same form, the answer moved by
+    +-1 (last digit), +-10 (a carry), +-9 or +-11 (both), never negative for + and *.
 countdown: reach `target` from `numbers` with + - * / and parentheses, each number used
     exactly once (use_all) or at most once. Instances are generated from a random
     expression, so each has a solution (the SFT completion). Verifier: the expression in
@@ -59,11 +62,38 @@ def arithmetic_rows(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", p
             continue
         seen.add(prompt)
         v = a + b if op == "+" else a - b if op == "-" else a * b
-        ans = str(v)
-        if pad:  # fixed-width answer too: digits + 1 for +, 2 * digits for *, digits for -
-            w = {"+": digits + 1, "*": 2 * digits, "-": digits}[op]
-            ans = f"{v:0{w}d}" if v >= 0 else f"-{-v:0{w}d}"
+        ans = _answer_text(v, op, digits, pad)
         rows.append({"prompt": prompt, "answer": ans, "completion": ans})
+    return rows
+
+
+def _answer_text(v: int, op: str, digits: int, pad: bool) -> str:
+    if not pad:
+        return str(v)
+    # fixed-width answer too: digits + 1 for +, 2 * digits for *, digits for -
+    w = {"+": digits + 1, "*": 2 * digits, "-": digits}[op]
+    return f"{v:0{w}d}" if v >= 0 else f"-{-v:0{w}d}"
+
+
+# how far a rejected answer is off, drawn uniformly (1 and 10 twice as often): the
+# mistakes of the demo's SFT model on 2-digit addition, greedy, 300 held-out problems:
+# +-10: 59, +-1: 49, +-9: 23, +-11: 6, others: 5
+_WRONG_BY = (1, 1, 10, 10, 9, 11)
+
+
+def arithmetic_pref_rows(n: int, *, seed: int = 0, digits: int = 2, ops: str = "+", pad: bool = False,
+                         exclude=()) -> list[dict]:
+    """arithmetic_rows plus `chosen` (the answer) and `rejected` (a plausible wrong answer)."""
+    rows = arithmetic_rows(n, seed=seed, digits=digits, ops=ops, pad=pad, exclude=exclude)
+    rng = random.Random(seed * 7919 + 1)
+    for r in rows:
+        op = next(c for c in r["prompt"][1:] if c in "+-*")  # the operator (operands are non-negative)
+        v = int(r["answer"])
+        while True:
+            wrong = v + rng.choice((-1, 1)) * rng.choice(_WRONG_BY)
+            if op == "-" or wrong >= 0:
+                break
+        r["chosen"], r["rejected"] = r["answer"], _answer_text(wrong, op, digits, pad)
     return rows
 
 
@@ -151,7 +181,7 @@ def verify_countdown(completion: str, numbers, target, use_all: bool = True) -> 
     return ok_nums and value == Fraction(int(target))
 
 
-TASKS = {"arithmetic": arithmetic_rows, "countdown": countdown_rows}
+TASKS = {"arithmetic": arithmetic_rows, "arithmetic_pref": arithmetic_pref_rows, "countdown": countdown_rows}
 
 
 def task_alphabet(task: str, rows: list[dict]) -> str:
@@ -160,7 +190,7 @@ def task_alphabet(task: str, rows: list[dict]) -> str:
     for r in rows:
         chars.update(r["prompt"])
         chars.update(r.get("completion", ""))
-    if task == "arithmetic":
+    if task in ("arithmetic", "arithmetic_pref"):
         chars.update("0123456789+-*=")
     return "".join(sorted(chars))
 

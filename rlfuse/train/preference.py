@@ -1,0 +1,119 @@
+"""Preference data for DPO: rows -> (prompt, chosen, rejected) token ids.
+
+Rows come from `rlfuse.train.data.load_rows` (JSONL / JSON / Parquet files or
+builtin:arithmetic_pref), in one of two forms:
+  * prompt rows: `data.prompt_field` (str) and `dpo.chosen_field` / `dpo.rejected_field`
+    (str): prompt rendered as for SFT (template, system prompt, optional chat template),
+    response = the text's tokens + EOS (as an SFT completion);
+  * chat rows: `data.messages_field` (the conversation before the reply) and chosen /
+    rejected as a string (the assistant's reply), an assistant message {role, content}, or
+    a list of messages: prompt = the conversation rendered with the generation prompt,
+    response = what the chat template adds for the reply (it must render the prompt as a
+    prefix of the full conversation, else the row is an error).
+Checked before training: wrong types name `file:line` and the field. Dropped, counted and
+logged: a prompt over data.max_prompt_len, chosen == rejected (no preference: zero
+gradient), and pairs with no response token within dpo.max_seq_len. Longer sequences are
+truncated on the response side.
+Test: python -m pytest -q tests/test_dpo.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from rlfuse.train.config import DataConfig, DPOConfig
+from rlfuse.train.data import _chat, _encode, render_prompt  # the data module's rendering rules
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(slots=True)
+class PreferencePair:
+    prompt: list[int]
+    chosen: list[int]
+    """Response tokens (after the prompt) of the preferred answer."""
+    rejected: list[int]
+    where: str
+
+    def sequences(self) -> list[tuple[list[int], int]]:
+        """[(ids, n_ctx)] of the chosen then the rejected sequence, as `PackedBatch.build` takes them."""
+        n = len(self.prompt)
+        return [(self.prompt + self.chosen, n), (self.prompt + self.rejected, n)]
+
+    @property
+    def num_tokens(self) -> int:
+        return 2 * len(self.prompt) + len(self.chosen) + len(self.rejected)
+
+
+def _reply_messages(value, where: str, field: str) -> list[dict]:
+    if isinstance(value, str):
+        return [{"role": "assistant", "content": value}]
+    msgs = [value] if isinstance(value, dict) else value
+    if not isinstance(msgs, list) or not msgs or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in msgs):
+        raise ValueError(f"{where}: field {field!r} must be a string, a message {{role, content}} or a "
+                         f"non-empty list of messages")
+    return msgs
+
+
+def _chat_response(context: list[dict], reply: list[dict], prompt_ids: list[int], tokenizer, where: str,
+                   field: str) -> list[int]:
+    full = tokenizer.encode(tokenizer.apply_chat_template(context + reply, add_generation_prompt=False),
+                            add_special_tokens=False)
+    if full[:len(prompt_ids)] != prompt_ids:
+        raise ValueError(f"{where}: the chat template does not render the prompt as a prefix of the "
+                         f"conversation with {field!r}; cannot locate the response tokens")
+    return full[len(prompt_ids):]
+
+
+def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
+                           counts: dict | None = None) -> list[PreferencePair]:
+    """Tokenize every (where, row) up front (module docstring); `counts` receives {reason: dropped}."""
+    eos = tokenizer.eos_token_ids[:1]
+    out: list[PreferencePair] = []
+    drops: dict[str, list[str]] = {}
+    for where, row in rows:
+        for f in (dpo.chosen_field, dpo.rejected_field):
+            if f not in row:
+                raise ValueError(f"{where}: missing field {f!r} (a preference row needs {dpo.chosen_field!r} and "
+                                 f"{dpo.rejected_field!r}); the row has fields {sorted(row)}")
+        prompt_text = render_prompt(row, tokenizer, data, where)
+        p_ids = _encode(tokenizer, prompt_text, _chat(row, data))
+        resp = []
+        for f in (dpo.chosen_field, dpo.rejected_field):
+            if data.messages_field in row:
+                context = list(row[data.messages_field])
+                if context[-1]["role"] == "assistant":
+                    raise ValueError(f"{where}: field {data.messages_field!r} must end before the reply "
+                                     f"(its last message is the assistant's); the replies belong in "
+                                     f"{dpo.chosen_field!r} and {dpo.rejected_field!r}")
+                if data.system_prompt and context[0]["role"] != "system":
+                    context = [{"role": "system", "content": data.system_prompt}, *context]
+                resp.append(_chat_response(context, _reply_messages(row[f], where, f), p_ids, tokenizer, where, f))
+            else:
+                if not isinstance(row[f], (str, int, float)) or isinstance(row[f], bool):
+                    raise ValueError(f"{where}: field {f!r} must be a string (prompt rows), got "
+                                     f"{type(row[f]).__name__}")
+                resp.append(tokenizer.encode(str(row[f]), add_special_tokens=False) + eos)
+        reason = None
+        if len(p_ids) > data.max_prompt_len:
+            reason = f"prompt longer than data.max_prompt_len={data.max_prompt_len} tokens"
+        elif resp[0] == resp[1]:
+            reason = "chosen == rejected"
+        elif len(p_ids) >= dpo.max_seq_len:
+            reason = f"no response token within dpo.max_seq_len={dpo.max_seq_len}"
+        if reason:
+            drops.setdefault(reason, []).append(where)
+            continue
+        room = dpo.max_seq_len - len(p_ids)
+        out.append(PreferencePair(p_ids, resp[0][:room], resp[1][:room], where))
+    if drops:
+        log.warning("preference data (%d rows): dropped %s", len(rows),
+                    "; ".join(f"{len(w)} {r} (e.g. {', '.join(w[:3])})" for r, w in drops.items()))
+    if counts is not None:
+        counts.update({r: len(w) for r, w in drops.items()})
+    if not out:
+        raise ValueError(f"preference data: no pairs left of {len(rows)} rows after the checks above")
+    return out
