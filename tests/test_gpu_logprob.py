@@ -30,7 +30,7 @@ from gpu_checks import assert_all_pass, fresh_rows, record_into
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import (_FWD_TILES, _inv_temperature, token_logprobs, token_logprobs_bwd_triton,
                                     token_logprobs_fwd_triton, token_logprobs_ref)
-from rlfuse.kernels.policy_loss import grpo_loss_from_hidden, policy_loss_ref, policy_loss_triton
+from rlfuse.kernels.policy_loss import LOSS_TYPES, grpo_loss_from_hidden, policy_loss_ref, policy_loss_triton
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 results: list[dict] = []
@@ -147,9 +147,9 @@ def check_policy_loss(N=65536, B=256):
     adv = torch.randn(B, device="cuda", generator=g)[seq]
     mask = torch.rand(N, device="cuda", generator=g) > 0.2
     ref = old + 0.2 * torch.randn(N, device="cuda", generator=g)
-    for lt in ("grpo", "dapo", "dr_grpo", "gspo"):
+    for lt in LOSS_TYPES:
         for kl in (None, "k1", "k2", "k3"):
-            for dual in (None, 1.3):
+            for dual in ((None,) if lt == "cispo" else (None, 1.3)):  # cispo has no dual clip
                 kw = dict(loss_type=lt, dual_clip=dual, max_tokens=512, clip_high=0.28)
                 if lt == "gspo":
                     kw.update(clip_low=3e-3, clip_high=4e-3)

@@ -16,6 +16,12 @@ from rlfuse.kernels.policy_loss import grpo_loss_from_hidden, policy_loss, polic
 
 STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl")
 
+# These cases build CPU tensors (fp64 among them) and run the Triton kernel under the CPU
+# interpreter; on a CUDA machine the kernel is compared with the reference on the GPU by
+# tests/test_gpu_logprob.py (every loss type and KL type) instead.
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-interpreter cases; the GPU path is "
+                                "checked by tests/test_gpu_logprob.py")
+
 
 def _hand_batch(dtype=torch.float64):
     """2 sequences x 3 tokens, old_logp = 0 so r = exp(logp): r = (1, 1.5, 0.5) in both.
