@@ -90,6 +90,17 @@ def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None)
         prepare()
 
 
+def print_summary(command: str, res: dict) -> None:
+    """The closing line of a training command: the held-out metric first -> last, the run folder."""
+    if res["evals"]:
+        first, last = res["evals"][0], res["evals"][-1]
+        key = "accuracy" if "accuracy" in last else "reward"
+        print(f"{command} done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
+              f"(step {last['step']}); run folder {res['run_dir']}")
+    else:
+        print(f"{command} done; run folder {res['run_dir']}")
+
+
 def setup_threads(threads: int | None) -> None:
     n = threads if threads is not None else (int(os.environ["RLFUSE_THREADS"]) if "RLFUSE_THREADS" in os.environ
                                              else None)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, prepare_run,
-                               setup_threads, start_distributed)
+                               print_summary, setup_threads, start_distributed)
 from rlfuse.train.distributed import RankFailed
 from rlfuse.train.grpo import run_grpo
 
@@ -30,11 +30,5 @@ def _run(args) -> int:
     end_distributed(ctx)
     if ctx is not None and not ctx.is_main:
         return 0
-    if res["evals"]:
-        first, last = res["evals"][0], res["evals"][-1]
-        key = "accuracy" if "accuracy" in last else "reward"
-        print(f"grpo done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
-              f"(step {last['step']}); run folder {res['run_dir']}")
-    else:
-        print(f"grpo done; run folder {res['run_dir']}")
+    print_summary("grpo", res)
     return 0

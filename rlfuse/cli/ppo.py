@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, setup_threads,
-                               single_process_only)
+from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, print_summary,
+                               setup_threads, single_process_only)
 from rlfuse.train.ppo import run_ppo
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
@@ -22,11 +22,5 @@ def run(args) -> int:
         res = run_ppo(cfg)
     except ValueError as e:
         return fail(e)
-    if res["evals"]:
-        first, last = res["evals"][0], res["evals"][-1]
-        key = "accuracy" if "accuracy" in last else "reward"
-        print(f"ppo done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
-              f"(step {last['step']}); run folder {res['run_dir']}")
-    else:
-        print(f"ppo done; run folder {res['run_dir']}")
+    print_summary("ppo", res)
     return 0

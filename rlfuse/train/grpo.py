@@ -45,7 +45,7 @@ from rlfuse.train.data import Prompt, PromptStream, build_prompts
 from rlfuse.train.data_parallel import local_micro_batches, reduce_mismatch, rollout_on_ranks
 from rlfuse.train.distributed import DistContext, full_copy, reduce_metrics
 from rlfuse.train.evaluate import score_samples
-from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
 from rlfuse.train.off_policy import off_policy_corrections
 from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
@@ -71,7 +71,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-class GRPOTrainer:
+class GRPOTrainer(StreamAndGuardState):
     """The GRPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
     `sampler`, scored by `rewards`, trained into `model` by `optimizer`."""
 
@@ -114,14 +114,6 @@ class GRPOTrainer:
                  "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
                  else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
         self.last_samples: list[dict] = []
-
-    def state_dict(self) -> dict:
-        return {"data": self.stream.state_dict(), "nonfinite": self.guard.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
-        if "nonfinite" in state:  # checkpoints written before the guard have none
-            self.guard.load_state_dict(state["nonfinite"])
 
     def samples(self) -> list[dict]:
         return self.last_samples

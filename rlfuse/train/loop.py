@@ -100,6 +100,19 @@ class Trainer(Protocol):
         """Rows describing the last step's completions for samples.jsonl ([] if none)."""
 
 
+class StreamAndGuardState:
+    """The resumable state of a trainer whose own state is its data stream (`self.stream`)
+    and its non-finite-step guard (`self.guard`): the Trainer protocol's state methods."""
+
+    def state_dict(self) -> dict:
+        return {"data": self.stream.state_dict(), "nonfinite": self.guard.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stream.load_state_dict(state["data"])
+        if "nonfinite" in state:  # checkpoints written before the guard have none
+            self.guard.load_state_dict(state["nonfinite"])
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Evaluation:
     """Held-out greedy evaluation (`rlfuse.train.evaluate.evaluate`) on the session's sampler."""

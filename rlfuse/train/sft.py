@@ -26,12 +26,12 @@ from rlfuse.train.config import RunConfig
 from rlfuse.train.data import PromptStream, SFTExample, build_sft_examples
 from rlfuse.train.data_parallel import local_micro_batches
 from rlfuse.train.distributed import DistContext, local_slice, reduce_metrics
-from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.metrics import peak_memory_mb
 from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.session import Session, open_session
 
-class SFTTrainer:
+class SFTTrainer(StreamAndGuardState):
     """The SFT step over batches of `stream` (a `rlfuse.train.loop.Trainer`)."""
 
     stage = "sft"
@@ -91,14 +91,6 @@ class SFTTrainer:
             return [(mb, False) for mb in pack_by_tokens(lengths, self.cfg.sft.micro_batch_tokens)]
         owned = local_slice(range(len(lengths)), self.dist, what="sft.batch_size")
         return local_micro_batches(self.dist, lengths, self.cfg.sft.micro_batch_tokens, owned)
-
-    def state_dict(self) -> dict:
-        return {"data": self.stream.state_dict(), "nonfinite": self.guard.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
-        if "nonfinite" in state:  # checkpoints written before the guard have none
-            self.guard.load_state_dict(state["nonfinite"])
 
     def samples(self) -> list[dict]:
         return []
