@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.cli.common import fail
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
@@ -80,8 +81,7 @@ def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
 
 def run(args) -> int:
     if args.tiny == bool(args.model):
-        print("rlfuse: error: give either MODEL_DIR or --tiny", file=sys.stderr)
-        return 2
+        return fail(ValueError("give either MODEL_DIR or --tiny"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)
@@ -91,8 +91,7 @@ def run(args) -> int:
         model, tok = _model(args, device)
         prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
     except (ValueError, OSError) as e:
-        print(f"rlfuse: error: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     out.mkdir(parents=True, exist_ok=True)
     block = 16
     need = max(len(p) for p in prompts) + max_tokens

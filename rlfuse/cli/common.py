@@ -116,15 +116,31 @@ def fail(e: Exception) -> int:
         msg = f"{e.filename}: {e.strerror or e}"
     else:
         msg = str(e)
-    print(f"rlfuse: error: {msg}", file=sys.stderr)
+    # one write of the whole line: under torchrun every rank reports into one pipe, and a
+    # write this small is atomic there, so the ranks' lines never interleave
+    sys.stderr.write(f"rlfuse: error: {msg}\n")
+    sys.stderr.flush()
     return 2
 
 
 def as_rank(body: Callable[[], int]) -> Callable[[], int]:
     """A training command's body as run: unchanged in a plain process; under torchrun
     wrapped in torch's `record`, so torchrun's summary names the failing rank with its
-    traceback."""
-    return body if launch_env(os.environ) is None else record(body)
+    traceback, and ended with os._exit once the body returned (see below)."""
+    if launch_env(os.environ) is None:
+        return body
+
+    def rank_main() -> int:
+        rc = record(body)()
+        # The run is over and its files are written and closed; torch's C++ teardown of a
+        # finished gloo job can still abort at interpreter exit ("terminate called without an
+        # active exception", seen in CPU tests), which torchrun reports as a failed rank.
+        # Leave without running those destructors.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(rc)
+    return rank_main
 
 
 def start_distributed(args, cfg: RunConfig) -> DistContext | None:
