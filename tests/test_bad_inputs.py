@@ -21,7 +21,8 @@ import torch
 import yaml
 
 from rlfuse.model import CausalLM, ModelConfig
-from rlfuse.model.config import check_kernel_support, triton_attention_supports
+from rlfuse.kernels.attention import supports_head_dim as triton_attention_supports
+from rlfuse.model.config import check_kernel_support
 from rlfuse.train import checkpoint as ck
 from rlfuse.train import metrics as mt
 from rlfuse.train.build import char_tokenizer

@@ -14,7 +14,7 @@ from array import array
 
 import torch
 
-from rlfuse.engine.config import SamplingParams
+from rlfuse.engine.config import SamplingParams, logprob_temperature
 
 
 class Status(enum.Enum):
@@ -70,7 +70,7 @@ class Sequence:
         self.logprobs = array("f")
         self.finish_reason: str | None = None
         self.seed = seed
-        self.temperature_lp = params.temperature if params.temperature > 0 else 1.0
+        self.temperature_lp = logprob_temperature(params.temperature)
         self.stop_ids = stop_ids    # EOS (unless ignore_eos) + stop_token_ids
         self.num_cached_prompt = -1  # prefix-cache hits at first admission (-1: not admitted yet)
         self.row = -1               # row in the model runner's block-table buffer

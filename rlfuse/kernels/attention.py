@@ -341,12 +341,18 @@ def _configs(head_dim: int, itemsize: int) -> dict:
             "dq": dict(BLOCK_M=64, BLOCK_N=32 if huge else 64, num_warps=4 if head_dim <= 128 else 8, num_stages=2)}
 
 
+def supports_head_dim(head_dim: int) -> bool:
+    """The head_dim rule of the Triton attention kernels (this varlen forward and
+    `paged_attention`): a power of two in [16, 256]."""
+    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
+
+
 def _check(q, k, v, cu_seqlens):
     T, Hq, D = q.shape
     if k.shape != v.shape or k.shape[0] != T or k.shape[2] != D or Hq % k.shape[1]:
         raise ValueError(f"varlen_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
                          "expected q (T, Hq, Dh), k and v (T, Hkv, Dh) with Hq % Hkv == 0")
-    if D < 16 or D > 256 or D & (D - 1):
+    if not supports_head_dim(D):
         raise ValueError(f"varlen_attention: head_dim {D} must be a power of two in [16, 256]")
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"varlen_attention: q, k, v must share one of fp16/bf16/fp32, "

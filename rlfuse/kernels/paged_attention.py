@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention import KV_BLOCK, attend_exact_ref, attend_tile, dot_precision, exact_config
+from rlfuse.kernels.attention import (KV_BLOCK, attend_exact_ref, attend_tile, dot_precision, exact_config,
+                                     supports_head_dim)
 from rlfuse.kernels._triton_common import num_sms
 from rlfuse.kernels.backend import is_exact, resolve_backend
 
@@ -243,7 +244,7 @@ def _check_cache(k_cache, v_cache, who: str):
     page, _, dh = k_cache.shape[1:]
     if not _pow2(page) or page < 16:
         raise ValueError(f"{who}: block_size {page} must be a power of two >= 16")
-    if not _pow2(dh) or not 16 <= dh <= 256:
+    if not supports_head_dim(dh):
         raise ValueError(f"{who}: head_dim {dh} must be a power of two in [16, 256]")
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError(f"{who}: the KV cache's last dimension must be contiguous")

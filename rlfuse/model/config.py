@@ -19,6 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+from rlfuse.kernels.attention import supports_head_dim
+
 log = logging.getLogger(__name__)
 
 ARCHITECTURES = {
@@ -251,19 +253,13 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
 TRITON_HEAD_DIMS = "a power of two in [16, 256]"
 
 
-def triton_attention_supports(head_dim: int) -> bool:
-    """Whether the Triton attention kernels (varlen and paged) take this head_dim:
-    TRITON_HEAD_DIMS. tests/test_bad_inputs.py checks this against the kernels' own checks."""
-    return 16 <= head_dim <= 256 and head_dim & (head_dim - 1) == 0
-
-
 def check_kernel_support(cfg: ModelConfig, backend: str, device_type: str, where: str = "model") -> None:
     """ValueError, at load, when the chosen kernels cannot run this model: a head_dim the
     Triton attention kernels do not take, with kernel_backend "triton", or "auto" on CUDA
     (where auto picks Triton). An error rather than a silent switch to the reference kernels,
     which are several times slower on a GPU: the message says how to choose them."""
     uses_triton = backend == "triton" or (backend == "auto" and device_type == "cuda")
-    if uses_triton and not triton_attention_supports(cfg.head_dim):
+    if uses_triton and not supports_head_dim(cfg.head_dim):
         raise ValueError(f"{where}: field 'head_dim' is {cfg.head_dim}; the Triton attention kernels need "
                          f"{TRITON_HEAD_DIMS} (kernel backend {backend!r} on {device_type}); set "
                          f"model.kernel_backend: torch to run this model on the reference kernels (slower)")

@@ -344,6 +344,10 @@ class CheckpointConfig:
     RUN_DIR/final (the weights, an HF folder) is written either way."""
 
 
+ON_REWARD_ERROR = ("raise", "zero")
+"""What a failing reward function does (RunConfig.on_reward_error)."""
+
+
 @dataclasses.dataclass(**_DC)
 class RunConfig:
     model: ModelSpec = dataclasses.field(default_factory=ModelSpec)
@@ -376,7 +380,7 @@ class RunConfig:
     def __post_init__(self):
         check_ranges(self)
         _check_choice("sft.overlong", self.sft.overlong, ("truncate", "drop"))
-        _check_choice("on_reward_error", self.on_reward_error, ("raise", "zero"))
+        _check_choice("on_reward_error", self.on_reward_error, ON_REWARD_ERROR)
         _check_choice("grpo.loss_type", self.grpo.loss_type, LOSS_TYPES)
         _check_choice("grpo.kl_type", self.grpo.kl_type, KL_TYPES)
         _check_choice("grpo.adv_scale", self.grpo.adv_scale, ADV_SCALES)

@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from rlfuse.train.config import RewardSpec
+from rlfuse.train.config import ON_REWARD_ERROR, RewardSpec
 from rlfuse.train.reward_model import RewardModelReward
 from rlfuse.train.tasks import _INT, extract_answer, verify_arithmetic, verify_countdown
 
@@ -202,8 +202,8 @@ class RewardSet:
     def __init__(self, specs: list[RewardSpec], on_error: str = "raise"):
         if not specs:
             raise ValueError("rewards: the list is empty; add at least one reward function")
-        if on_error not in ("raise", "zero"):
-            raise ValueError(f"on_reward_error must be 'raise' or 'zero', got {on_error!r}")
+        if on_error not in ON_REWARD_ERROR:
+            raise ValueError(f"on_reward_error must be {' or '.join(map(repr, ON_REWARD_ERROR))}, got {on_error!r}")
         self.names, self.fns, self.weights = [], [], []
         for s in specs:
             base = s.name.rsplit(":", 1)[-1]
