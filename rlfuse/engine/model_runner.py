@@ -283,7 +283,7 @@ class ModelRunner:
         T, S = sum(num_new), len(sampled)
         # one upload; every section starts on a 16-byte boundary: Triton specializes kernels
         # on pointer alignment, so a section at an odd int64 offset (it moves with T, B, S)
-        # would compile a second variant of the sampler mid-run (~5 s on an H100, commit d4277b1)
+        # would compile a second variant of the sampler mid-run (seconds on a GPU)
         lens = dict(ids=T, pos=T, slots=T, rows=B, seq_lens=B, cu=B + 1, samp=S, top_k=S, seeds=S, offsets=S)
         at, o = {}, 0
         for k, n in lens.items():

@@ -321,14 +321,9 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqt, sqh, skt, skh, svt, svh
 
 # ---------------------------------------------------------------- launchers
 def _configs(head_dim: int, itemsize: int) -> dict:
-    """Tile sizes and launch settings. 16-bit: starting points from the public Triton FA2
-    configs for H100 (query tile 128 x KV 64 forward), then picked so that ptxas (sm_90a,
-    Triton 3.9, compiled offline) reports no register spills: e.g. dK/dV with a 64-row
-    query tile spilled 72 B at Dh 128, a 32-row one none. Backward at Dh 128 timed on an
-    H100 (`bench_attention.py --sweep-bwd`, commit bd39990, 32k tokens U[1024, 4096], whole
-    backward in TFLOP/s, one kernel varied at a time): dK/dV 32x64 with 4 warps 197 (8 warps:
-    125, the former setting; the best of 24); dQ 64x64 with 4 warps 153 (8 warps: 127; the
-    best of 16 ties at 152-154). Dh 64 / 256 and the forward: not timed yet.
+    """Tile sizes and launch settings. 16-bit: tiles without register spills in the sm_90a
+    build; the Dh-128 backward tiles are the fastest of `bench_attention.py --sweep-bwd` on
+    an H100 (numbers in docs/perf-log.md); Dh 64 / 256 and the forward are not timed yet.
     fp32 runs IEEE FMA dots (a test dtype): small tiles, again chosen for no spills."""
     if itemsize == 4:
         return {"fwd": dict(BLOCK_M=32, num_warps=8, num_stages=2),

@@ -305,8 +305,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     rows = cfg.pop("BLOCK_M")
     # two query-tile shapes only (decode: 1 token; else the largest), never a function of
     # the step's lengths: each new shape is a Triton compile (0.5-5 s on an H100), and a
-    # generate whose chunks had many lengths spent most of its first run compiling
-    # (bench_generate nanovllm case: 16% of the bound first run, 47% the second, commit b5ea3ab)
+    # generate whose chunks had many lengths spent most of its first run compiling (perf-log)
     block_q = 1 if max_seqlen_q == 1 else max(1, rows // group)
     block_m = max(16, block_q * group)  # tl.dot needs >= 16 rows
     if exact:
