@@ -198,3 +198,18 @@ def test_cli_dpo_and_reference_from_a_folder(tmp_path, capsys):
                  "--set", "dpo.reference=live"]) == 0
     assert main(["dpo", "arith_dpo", "--run-dir", str(tmp_path / "c"), *tiny, "--set", "dpo.loss=hinge"]) == 2
     assert "dpo.loss must be one of" in capsys.readouterr().err
+
+
+def test_a_nonfinite_dpo_step_is_skipped(tmp_path, monkeypatch):
+    """A NaN loss skips the optimizer step: weights bitwise unchanged, the skip counted (issue 16)."""
+    import rlfuse.train.dpo as dpo_mod
+
+    cfg = _cfg(tmp_path)
+    ses = tiny_session(cfg)
+    tr = _trainer(cfg, ses)
+    before = {n: p.detach().clone() for n, p in ses.model.named_parameters()}
+    real = dpo_mod.dpo_loss
+    monkeypatch.setattr(dpo_mod, "dpo_loss", lambda *a, **k: (lambda l, h: (l * float("nan"), h))(*real(*a, **k)))
+    m = tr.step(0)
+    assert m["optim/skipped_steps"] == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in ses.model.named_parameters())

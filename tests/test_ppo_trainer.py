@@ -179,3 +179,23 @@ def test_cli_ppo_with_the_engine(tmp_path, capsys):
     assert (run_dir / "final" / "model.safetensors").exists()
     assert main(["ppo", str(path), "--set", "ppo.gae=0.3"]) == 2
     assert "unknown key 'gae'" in capsys.readouterr().err
+
+
+def test_nonfinite_policy_and_value_steps_are_skipped(tmp_path, monkeypatch):
+    """A NaN policy loss skips the policy step and a NaN value loss the critic step: the
+    weights stay bitwise, the skips are counted per rollout step (issue 16)."""
+    import rlfuse.train.ppo as ppo_mod
+
+    cfg = _cfg(tmp_path)
+    ses = tiny_session(cfg)
+    tr = _trainer(cfg, ses)
+    before = {n: p.detach().clone() for n, p in ses.model.named_parameters()}
+    critic_before = {n: p.detach().clone() for n, p in tr.critic.named_parameters()}
+    real_loss, real_value = ppo_mod.policy_loss, ppo_mod.value_loss
+    monkeypatch.setattr(ppo_mod, "policy_loss", lambda *a, **k: (lambda l, s: (l * float("nan"), s))(*real_loss(*a, **k)))
+    monkeypatch.setattr(ppo_mod, "value_loss", lambda *a, **k: (lambda v, c: (v * float("nan"), c))(*real_value(*a, **k)))
+    m = tr.step(0)
+    assert m["optim/skipped_steps"] == cfg.ppo.mu * cfg.ppo.mini_batches
+    assert m["critic/skipped_steps"] == cfg.ppo.mu * cfg.ppo.mini_batches
+    assert all(torch.equal(p, before[n]) for n, p in ses.model.named_parameters())
+    assert all(torch.equal(p, critic_before[n]) for n, p in tr.critic.named_parameters())

@@ -42,9 +42,9 @@ from rlfuse.train.batching import PackedBatch, pack_by_tokens
 from rlfuse.train.config import DPO_LOSSES, RunConfig
 from rlfuse.train.data import PromptStream
 from rlfuse.train.grpo import frozen_copy
-from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.metrics import peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.preference import PreferencePair, build_preference_pairs
 from rlfuse.train.session import Session, open_session
 
@@ -97,7 +97,7 @@ def pair_metrics(lp_P2: torch.Tensor) -> dict:
             "logps/chosen": float(lp_P2[:, 0].mean()), "logps/rejected": float(lp_P2[:, 1].mean())}
 
 
-class DPOTrainer:
+class DPOTrainer(StreamAndGuardState):
     """The DPO step over batches of `pairs` (a `rlfuse.train.loop.Trainer`)."""
 
     stage = "dpo"
@@ -105,6 +105,7 @@ class DPOTrainer:
     def __init__(self, cfg: RunConfig, model, optimizer: MasterAdamW, pairs: list[PreferencePair], ref_model=None):
         self.cfg, self.d = cfg, cfg.dpo
         self.model, self.optimizer, self.pairs = model, optimizer, pairs
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
         self.device = model.lm_head_weight.device
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,
@@ -119,12 +120,6 @@ class DPOTrainer:
         else:
             # the weights the run starts from (built before a resume loads the checkpoint)
             self.ref_model = (ref if ref_model is not None else frozen_copy(model)).requires_grad_(False).eval()
-
-    def state_dict(self) -> dict:
-        return {"data": self.stream.state_dict()}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.stream.load_state_dict(state["data"])
 
     def samples(self) -> list[dict]:
         return []
@@ -167,10 +162,11 @@ class DPOTrainer:
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(step, lr=o.lr, total_steps=d.steps, warmup_steps=o.warmup_steps, schedule=o.schedule,
                    min_lr_ratio=o.min_lr_ratio)
-        self.optimizer.step(lr)
+        self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm, where=f"dpo step {step + 1}")
         self.optimizer.zero_grad()
         dt = time.perf_counter() - t0
-        return {**sums, "grad_norm": grad_norm, "lr": lr, "tokens": float(n_tok),
+        return {**sums, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
+                "tokens": float(n_tok),
                 "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
 
 

@@ -46,7 +46,7 @@ from rlfuse.train.evaluate import score_samples
 from rlfuse.train.grpo import frozen_copy
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, clip_grad_norm_, lr_at
+from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.ppo_math import (RunningMoments, adaptive_kl_coef, explained_variance, gae, masked_mean,
                                    value_loss, whiten)
 from rlfuse.train.rewards import RewardSet
@@ -99,6 +99,9 @@ class PPOTrainer:
         self.cfg, self.p = cfg, cfg.ppo
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer, self.critic, self.critic_optimizer = optimizer, critic, critic_optimizer
+        # a non-finite policy or value step is skipped (weights and moments untouched), each on its own
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.critic_guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.p.steps, eval_every=self.p.eval_every, eval_at_start=True,
                                  sample_every=self.p.sample_every, headline="reward/mean")
@@ -115,7 +118,8 @@ class PPOTrainer:
     def state_dict(self) -> dict:
         return {"data": self.stream.state_dict(), "kl_coef": self.kl_coef,
                 "reward_stats": self.reward_stats.state_dict(), "critic": self.critic.state_dict(),
-                "critic_optimizer": self.critic_optimizer.state_dict()}
+                "critic_optimizer": self.critic_optimizer.state_dict(), "nonfinite": self.guard.state_dict(),
+                "critic_nonfinite": self.critic_guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
@@ -123,6 +127,9 @@ class PPOTrainer:
         self.reward_stats.load_state_dict(state["reward_stats"])
         self.critic.load_state_dict(state["critic"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        if "nonfinite" in state:  # checkpoints written before the guards have none
+            self.guard.load_state_dict(state["nonfinite"])
+            self.critic_guard.load_state_dict(state["critic_nonfinite"])
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -162,6 +169,8 @@ class PPOTrainer:
         m.update(prep)
         with timer("train"):
             m.update(self._train(prompts, samples, adv, ret, old_v, step))
+        m["optim/skipped_steps"] = self.guard.pop_skipped()  # this rollout step's, over mu x mini-batches
+        m["critic/skipped_steps"] = self.critic_guard.pop_skipped()
         t = timer.times
         for k in ("generate", "score", "prepare", "train"):
             m[f"time/{k}"] = t[k]
@@ -303,10 +312,13 @@ class PPOTrainer:
                   min_lr_ratio=o.min_lr_ratio)
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, **kw)
-        self.optimizer.step(lr)
+        self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm,
+                        where=f"ppo update {opt_step + 1}")
         self.optimizer.zero_grad()
         critic_norm = clip_grad_norm_(self.critic_optimizer.grads(), o.max_grad_norm)
-        self.critic_optimizer.step(lr_at(opt_step, lr=p.critic_lr, **kw))
+        self.critic_guard.step(self.critic_optimizer, lr_at(opt_step, lr=p.critic_lr, **kw),
+                               loss=sums["critic/value_loss"], grad_norm=critic_norm,
+                               where=f"ppo critic update {opt_step + 1}")
         self.critic_optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "critic/grad_norm": critic_norm, "_tokens": n_tok}
 
