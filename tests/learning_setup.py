@@ -26,17 +26,14 @@ from pathlib import Path
 import torch
 from train_setup import one_thread
 
-from rlfuse.recipes.demo import SFT_TARGET, demo_config
+from rlfuse.recipes.demo import demo_config, sft_warm_up
 from rlfuse.train.build import build_model, pick_device
 from rlfuse.train.config import RunConfig
 from rlfuse.train.config_io import replace
-from rlfuse.train.data import build_prompts
 from rlfuse.train.dpo import run_dpo, sequence_logprobs
-from rlfuse.train.evaluate import evaluate
 from rlfuse.train.grpo import run_grpo
 from rlfuse.train.preference import build_preference_pairs
 from rlfuse.train.session import open_session
-from rlfuse.train.sft import run_sft
 
 QUIET = {"logging.progress": False, "logging.tensorboard": False, "checkpoint.save_final": False}
 
@@ -65,17 +62,7 @@ def warm_start(run_dir: str | Path, seed: int = 0) -> WarmStart:
     base = replace(demo_config("ci", str(run_dir), seed), **QUIET)
     sft_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "sft"), "optim.lr": 2e-3})
     ses = open_session(sft_cfg, need_target=True)
-    rewards = ses.rewards()
-    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev")
-
-    def warm_enough(step):
-        if step % 25:
-            return False
-        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=base.grpo.max_new_tokens)["accuracy"]
-        ses.sampler.sleep()
-        return acc >= SFT_TARGET
-
-    res = run_sft(sft_cfg, session=ses, stop_when=warm_enough)
+    res, _ = sft_warm_up(ses, sft_cfg, max_new_tokens=base.grpo.max_new_tokens)
     state = {k: v.detach().clone() for k, v in ses.model.state_dict().items()}
     return WarmStart(base, state, ses.tokenizer, res["steps"], time.perf_counter() - t0)
 

@@ -73,6 +73,24 @@ def demo_config(size: str = "cpu", run_dir: str = "runs/demo", seed: int = 0) ->
     })
 
 
+def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float = SFT_TARGET):
+    """SFT on the session's model until greedy accuracy on 200 training problems reaches
+    `target` (checked every 25 steps) or sft.steps run out: (run_sft's result, [(step, accuracy)])."""
+    rewards = ses.rewards()
+    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev")
+    dev_acc = []
+
+    def warm_enough(step):
+        if step % 25:
+            return False
+        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=max_new_tokens)["accuracy"]
+        ses.sampler.sleep()
+        dev_acc.append((step, acc))
+        return acc >= target
+
+    return run_sft(sft_cfg, session=ses, stop_when=warm_enough), dev_acc
+
+
 def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sampler_factory=None,
              overrides: dict | None = None, echo=print) -> dict:
     """SFT warm-up then GRPO on one in-memory model; returns accuracies and timings.
@@ -89,20 +107,8 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     ses._sampler = sampler_factory(model, tok) if sampler_factory else None
     echo(f"rlfuse demo ({size}): tiny Qwen3 model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
          f"{model.config.num_hidden_layers} layers) on {ses.device}, 2-digit addition, run folder {run_dir}")
-    rewards = ses.rewards()
-    dev = build_prompts(ses.train_rows[:200], tok, sft_cfg.data, "dev")
-    dev_acc = []
-
-    def warm_enough(step):
-        if step % 25:
-            return False
-        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=base.grpo.max_new_tokens)["accuracy"]
-        ses.sampler.sleep()
-        dev_acc.append((step, acc))
-        return acc >= SFT_TARGET
-
     t_sft = time.perf_counter()
-    sft = run_sft(sft_cfg, session=ses, stop_when=warm_enough)
+    sft, dev_acc = sft_warm_up(ses, sft_cfg, max_new_tokens=base.grpo.max_new_tokens)
     t_sft = time.perf_counter() - t_sft
     echo(f"SFT warm-up: {sft['steps']} steps in {t_sft:.0f} s, training-problem accuracy "
          f"{dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")

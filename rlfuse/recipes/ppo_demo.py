@@ -14,14 +14,11 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlfuse.recipes.demo import demo_config
+from rlfuse.recipes.demo import demo_config, sft_warm_up
 from rlfuse.train.config import RunConfig
 from rlfuse.train.config_io import replace
-from rlfuse.train.data import build_prompts
-from rlfuse.train.evaluate import evaluate
 from rlfuse.train.ppo import run_ppo
 from rlfuse.train.session import open_session
-from rlfuse.train.sft import run_sft
 
 SFT_TARGET = 0.3
 """SFT stops once greedy accuracy on 200 training problems reaches this (checked every 25 steps)."""
@@ -46,19 +43,7 @@ def run_ppo_demo(run_dir: str = "runs/ppo_demo", *, seed: int = 0, echo=print) -
     sft_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "sft"), "optim.lr": 2e-3})
     ppo_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "ppo")})
     ses = open_session(sft_cfg, need_target=True)
-    rewards = ses.rewards()
-    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev")
-    dev_acc = []
-
-    def warm_enough(step):
-        if step % 25:
-            return False
-        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=base.ppo.max_new_tokens)["accuracy"]
-        ses.sampler.sleep()
-        dev_acc.append((step, acc))
-        return acc >= SFT_TARGET
-
-    sft = run_sft(sft_cfg, session=ses, stop_when=warm_enough)
+    sft, _ = sft_warm_up(ses, sft_cfg, max_new_tokens=base.ppo.max_new_tokens, target=SFT_TARGET)
     t_sft = time.perf_counter() - t0
     ppo_ses = open_session(ppo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)
     res = run_ppo(ppo_cfg, session=ppo_ses)

@@ -316,16 +316,21 @@ def verify_checkpoint(path: str | Path) -> str | None:
     for w in weights:
         if problem := _check_safetensors(w):
             return f"model/{problem}"
-    for name in ("optimizer.pt", "state.pt"):
+    return _archives_and_config_problem(path, ("optimizer.pt", "state.pt"), "model/config.json")
+
+
+def _archives_and_config_problem(path: Path, archives: tuple[str, ...], config: str) -> str | None:
+    """The first of: a torch.save archive that does not open as a zip, a config that is not JSON."""
+    for name in archives:
         try:
             with zipfile.ZipFile(path / name) as z:
                 z.namelist()
         except (zipfile.BadZipFile, OSError) as e:
             return f"{name}: unreadable ({e})"
     try:
-        json.loads((path / "model/config.json").read_text())
+        json.loads((path / config).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return f"model/config.json: not valid JSON ({e})"
+        return f"{config}: not valid JSON ({e})"
     return None
 
 
@@ -333,16 +338,7 @@ def _verify_sharded(path: Path) -> str | None:
     for name in ("config.json", "state.pt", "dcp/.metadata"):
         if not (path / name).is_file():
             return f"{name}: missing"
-    try:
-        with zipfile.ZipFile(path / "state.pt") as z:
-            z.namelist()
-    except (zipfile.BadZipFile, OSError) as e:
-        return f"state.pt: unreadable ({e})"
-    try:
-        json.loads((path / "config.json").read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return f"config.json: not valid JSON ({e})"
-    return None
+    return _archives_and_config_problem(path, ("state.pt",), "config.json")
 
 
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
