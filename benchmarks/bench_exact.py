@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.linear import linear_exact_triton
+from rlfuse.kernels.triton.linear import linear_exact_triton
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.transformer import Packed

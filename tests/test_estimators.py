@@ -10,7 +10,8 @@ import statistics
 import pytest
 import torch
 
-from rlfuse.kernels.policy_loss import policy_loss_ref, policy_loss_triton
+from rlfuse.kernels.policy_loss import policy_loss_ref
+from rlfuse.kernels.triton.policy_loss import policy_loss_triton
 from rlfuse.train.advantages import (group_advantages, reinforce_pp_advantages, rloo_advantages,
                                      token_advantages)
 

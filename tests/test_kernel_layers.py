@@ -63,7 +63,7 @@ def test_rmsnorm_forward_backward(dtype, D):
 def test_rmsnorm_dw_sum_over_many_partials(dtype, monkeypatch):
     """The dw partials summed in several steps and column blocks (shrunk: the CPU run has
     at most 32 partials, under one step of the default 64), D not a multiple of a block."""
-    from rlfuse.kernels import rmsnorm as R
+    from rlfuse.kernels.triton import rmsnorm as R
     monkeypatch.setattr(R, "_DW_ROWS", 4)
     monkeypatch.setattr(R, "_DW_COLS", 16)
     g = torch.Generator().manual_seed(7)

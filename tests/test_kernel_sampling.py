@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.sampling import filter_logits_ref, sample, sample_ref, sample_triton
+from rlfuse.kernels.sampling import filter_logits_ref, sample, sample_ref
+from rlfuse.kernels.triton.sampling import sample_triton
 
 # one row per setting: (temperature, top_k, top_p, min_p)
 _SETTINGS = [
@@ -203,7 +204,7 @@ def test_extreme_temperatures_and_magnitudes():
 def _tie_across_bin_edge():
     """(T, x1, x2): adjacent fp32 logits x1 < x2 with rnd(x1 / T) == rnd(x2 / T) but on two
     sides of an edge of the kernel's grid floor(x kw), kw = rnd(BINS_PER_NAT / T)."""
-    from rlfuse.kernels.sampling import _BINS_PER_NAT
+    from rlfuse.kernels.triton.sampling import _BINS_PER_NAT
     for T in (1.5, 1.25, 1.75, 1.1):
         t = torch.tensor(T, dtype=torch.float32)
         kw = torch.tensor(_BINS_PER_NAT, dtype=torch.float32) / t

@@ -1,7 +1,10 @@
 """Imports point down only: kernels -> model -> engine -> consistency -> train -> recipes -> cli.
 
 An `ast` walk over every module: a module of layer L may import rlfuse modules of
-layers <= L only (its own layer included)."""
+layers <= L only (its own layer included). Triton is an optional dependency: only
+`rlfuse/kernels/triton/` imports it, and no other module imports that package by an
+import statement (the public ops reach it through `kernels.backend.triton_ops`, once a
+backend resolves to "triton"); `test_no_triton` runs the package with triton hidden."""
 
 import ast
 from pathlib import Path
@@ -65,6 +68,28 @@ def test_imports_point_down(path, modname):
             continue
         assert t <= own, (f"{path.relative_to(ROOT.parent)}:{lineno} imports {target} "
                           f"({LAYERS[t]}) from {own_name}: imports must point down {LAYERS}")
+
+
+TRITON_PKG = "rlfuse.kernels.triton"
+
+
+@pytest.mark.parametrize("path,modname", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
+def test_triton_only_inside_kernels_triton(path, modname):
+    if modname.startswith(TRITON_PKG + "."):
+        return
+    for lineno, target in _imports(path, modname):
+        where = f"{path.relative_to(ROOT.parent)}:{lineno} imports {target}"
+        assert target.split(".")[0] != "triton", (f"{where}: triton is optional; Triton code goes in "
+                                                  f"rlfuse/kernels/triton/")
+        assert not (target == TRITON_PKG or target.startswith(TRITON_PKG + ".")), (
+            f"{where}: reach the Triton half of an op through kernels.backend.triton_ops (imported only "
+            f"when the backend resolves to triton)")
+
+
+def test_triton_rule_catches_a_direct_import(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("import triton.language as tl\nfrom rlfuse.kernels.triton.rmsnorm import rmsnorm\n")
+    assert [t for _, t in _imports(bad, "rlfuse.kernels.bad")] == ["triton.language", "rlfuse.kernels.triton.rmsnorm"]
 
 
 def test_layer_check_catches_an_upward_import(tmp_path):

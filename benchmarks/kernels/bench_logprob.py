@@ -33,7 +33,8 @@ import torch
 
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import Tiles, token_logprobs, token_logprobs_fwd_triton
+from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.triton.logprob import Tiles, token_logprobs_fwd_triton
 
 DT = torch.bfloat16
 SHAPES = [(1024, 151936), (4096, 128256)]

@@ -39,7 +39,7 @@ import torch
 
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
-from rlfuse.kernels._triton_common import compiled_variants, new_variants
+from rlfuse.kernels.backend import new_compiles, triton_compiles
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.transformer import CausalLM
 
@@ -226,12 +226,12 @@ def run(cfg: BenchConfig) -> dict:
         llm.capture_graphs()  # after a wake() the graphs are gone: capture outside the timing
         llm.stats.reset()
         _sync(device)
-        v0 = compiled_variants()
+        v0 = triton_compiles()
         t0 = time.perf_counter()
         outs = llm.generate(case.prompts, case.params)
         _sync(device)
         dt = time.perf_counter() - t0
-        compiles = new_variants(v0, compiled_variants())  # Triton compiles the timing paid for
+        compiles = new_compiles(v0, triton_compiles())  # Triton compiles the timing paid for
         n_out = sum(len(o.output_token_ids) for o in outs)
         expect = sum(p.max_tokens * p.n for p in case.params)
         bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token) / bw)

@@ -39,8 +39,7 @@ import torch
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
-from rlfuse.kernels._triton_common import num_sms
-from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.backend import num_sms, use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV

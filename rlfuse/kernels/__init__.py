@@ -1,5 +1,8 @@
-"""Functions on tensors: each op in its own file with a PyTorch reference (`*_ref`),
-a Triton kernel, a launcher and a public function that picks the backend.
+"""Functions on tensors: each op in its own file with its contract and math, a PyTorch
+reference (`*_ref`) and a public function that picks the backend; the op's Triton
+kernels, launchers and autograd Function live in `rlfuse.kernels.triton.<op>`, because
+triton is an optional dependency (a CPU-only install runs the references) and only
+those modules import it.
 
 Backend choice is explicit: `use_backend("torch" | "triton" | "auto")` (a context
 manager) or the `backend=` argument where an op takes one. "auto" runs Triton on CUDA

@@ -18,8 +18,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import importlib
+import importlib.util
 import logging
 import os
+from types import ModuleType
 
 import torch
 
@@ -73,11 +76,9 @@ def use_numerics(name: str):
 
 @functools.cache
 def triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """Whether triton is installed (found, not imported: importing it is left to the first
+    op that runs on it)."""
+    return importlib.util.find_spec("triton") is not None
 
 
 @functools.cache
@@ -85,6 +86,35 @@ def triton_interpreting() -> bool:
     # Triton reads this variable itself when kernels are decorated; we only mirror it
     # to know whether CPU tensors may go to a Triton kernel.
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def triton_ops(op: str) -> ModuleType:
+    """`rlfuse.kernels.triton.<op>`, the Triton half of op `op`, imported on first use:
+    triton is an optional dependency (CPU-only installs run the references), so only a
+    backend that resolves to "triton" ever imports it."""
+    return importlib.import_module(f"rlfuse.kernels.triton.{op}")
+
+
+def triton_compiles() -> dict[str, int]:
+    """{kernel name: compiled specializations so far} over the loaded Triton kernel
+    modules; {} where triton was never imported. A diagnostic for benchmarks: a count
+    that grows inside a timed region is a Triton compile the timing paid for."""
+    if not triton_available():
+        return {}
+    return triton_ops("common").compiled_variants()
+
+
+def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """Kernels compiled between two `triton_compiles()` snapshots: {name: new count}."""
+    return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+
+
+@functools.cache
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (sizes grids); 4 elsewhere (the CPU
+    interpreter: any small number)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 4
 
 
 _warned: set[str] = set()

@@ -1,6 +1,7 @@
-"""Threshold and draw over a filtered row's candidates: stage 4b-4c of `rlfuse.kernels.sampling`
-(read its module notes), split out of that file for length. Triton helpers only, called from
-its `_threshold_draw_kernel`; the Gumbel noise is also used by its first pass.
+"""Threshold and draw over a filtered row's candidates: stage 4b-4c of sampling (read the
+module notes of `rlfuse.kernels.sampling`), split out of `rlfuse.kernels.triton.sampling`
+for length. Triton helpers only, called from its `_threshold_draw_kernel`; the Gumbel noise
+is also used by its first pass.
 """
 
 import triton
