@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from spawn_ranks import free_port, spawn_ranks
 
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import token_logprobs
@@ -289,16 +288,11 @@ def _save_full(ctx, model, opt, path: str) -> None:
         torch.save({"model": sd_model, "optim": sd_optim}, path)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")
-    mp.spawn(_job, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+    spawn_ranks(_job, WORLD, free_port(), str(out))
     return out
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -35,8 +34,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from train_setup import tiny_cfg
+from spawn_ranks import free_port, spawn_ranks
 
 from rlfuse.cli import main
 from rlfuse.model import load_model
@@ -71,11 +70,6 @@ def _sft(run_dir, *over):
     return tiny_cfg(run_dir, *SFT, *over)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def _job(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
@@ -102,7 +96,7 @@ def runs(tmp_path_factory):
         run_sft(_sft(out / "sft1"))
         _resume_from(out / "grpo1", out / "reshard2")  # 1 -> 2, resumed in _job
         t0 = time.perf_counter()
-        mp.spawn(_job, args=(_free_port(), str(out)), nprocs=WORLD, join=True)
+        spawn_ranks(_job, WORLD, free_port(), str(out))
         print(f"\n2-rank runs: {time.perf_counter() - t0:.1f} s")
         _resume_from(out / "grpo2", out / "reshard1")  # 2 -> 1
         run_grpo(_grpo(out / "reshard1", "checkpoint.resume=auto"))

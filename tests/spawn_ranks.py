@@ -1,0 +1,33 @@
+"""Run a test job on N local ranks (gloo on CPU) with torch.multiprocessing.spawn.
+
+Each rank leaves with os._exit once its job returned: torch's teardown of a finished
+gloo job can abort at interpreter exit ("terminate called without an active exception",
+SIGABRT), seen on the loaded 2-core CI machine, and spawn reports that as a failed rank.
+`rlfuse.cli.common.as_rank` ends torchrun ranks the same way. A job that raises still
+reaches spawn's error reporting (the exception is raised before the exit)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_then_exit(rank: int, job, args: tuple) -> None:
+    job(rank, *args)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_ranks(job, nprocs: int, *args) -> None:
+    """job(rank, *args) on nprocs processes; raises if a rank fails."""
+    mp.spawn(_run_then_exit, args=(job, args), nprocs=nprocs, join=True)
