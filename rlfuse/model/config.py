@@ -102,7 +102,7 @@ class ModelConfig:
                 path = path / "config.json"
             where = str(path)
             if not path.exists():
-                raise ValueError(f"{where}: no such file")
+                raise ValueError(f"{where}: no such file (expected a config.json, or an HF model folder holding one)")
             try:
                 src = json.loads(path.read_text())
             except json.JSONDecodeError as e:

@@ -132,7 +132,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         kw["torch_dtype"] = str(dtype).replace("torch.", "")
         try:
             cfg = ModelConfig(**kw)
-        except TypeError as e:
+        except (TypeError, ValueError) as e:  # ModelConfig's own messages name the field, not the recipe key
             raise ValueError(f"model.random_init: {e}") from None
         check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
         model = CausalLM(cfg)

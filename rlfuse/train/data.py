@@ -118,7 +118,7 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
             raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
         out = [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
     if not out:
-        raise ValueError(f"{path}: no rows in the data file")
+        raise ValueError(f"{path}: no rows in the data file (expected at least one row object)")
     for where, row in out:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object (a row of fields), got {type(row).__name__}")

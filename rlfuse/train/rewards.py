@@ -272,23 +272,26 @@ class RewardSet:
                 except Exception as e:
                     out.append(self._fail(name, i, f"raised {type(e).__name__}: {e}", prompts, completions, e))
                     continue
-                out += self._finite(name, self._check(name, raw_i, 1), list(raw_i), prompts, completions, i)
+                out += self._finite(name, self._check(name, raw_i, 1, i), list(raw_i), prompts, completions, i)
             return out
         return self._finite(name, self._check(name, raw, n), list(raw), prompts, completions)
 
     @staticmethod
-    def _check(name, vals, n) -> list[float]:
+    def _check(name, vals, n, first: int = 0) -> list[float]:
+        """vals as floats; `first`: the batch index of vals[0] (for the message)."""
         if not isinstance(vals, (list, tuple)) or len(vals) != n:
             got = f"{type(vals).__name__} of length {len(vals)}" if hasattr(vals, "__len__") else repr(vals)
-            raise RewardError(f"reward function {name!r} must return a list of {n} numbers, got {got}")
+            raise RewardError(f"reward function {name!r} must return a list of {n} numbers (one per completion), "
+                              f"got {got}")
         out = []
-        for v in vals:
+        for i, v in enumerate(vals, first):
             if v is None:
                 out.append(math.nan)
             elif isinstance(v, (int, float)) and not isinstance(v, bool) or hasattr(v, "__float__"):
                 out.append(float(v))
             else:
-                raise RewardError(f"reward function {name!r} returned a non-number {v!r}")
+                raise RewardError(f"reward function {name!r} returned a non-number {v!r} for example {i} "
+                                  f"(expected a float, an int or None)")
         return out
 
     def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]):

@@ -138,8 +138,12 @@ def prepare_run_folder(cfg: RunConfig, kind: str, *, resume: bool = False, overw
         raise ValueError("--resume and --overwrite contradict each other: continue the run in "
                          f"{run_dir} or replace it, not both")
     resume = resume or cfg.checkpoint.resume != "never"
-    if run_dir.exists() and not run_dir.is_dir():
+    blocker = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == run_dir:
         raise ValueError(f"logging.run_dir: {run_dir} is a file; expected a folder (new or a run's)")
+    if blocker is not None:
+        raise ValueError(f"logging.run_dir: {run_dir} cannot be created: {blocker} is a file; expected a folder "
+                         f"(new or a run's)")
     evidence = run_evidence(run_dir) if run_dir.is_dir() else []
     if evidence and overwrite:
         clear_run(run_dir)
