@@ -359,7 +359,8 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     torchrun), ignored when `session` is given (its own `dist` counts)."""
     ses = session or open_session(cfg, dist=dist)
     rewards = ses.rewards()
-    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len)
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
+                            stats=ses.data_stats)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None

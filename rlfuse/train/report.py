@@ -3,8 +3,9 @@
 Every folder at or below RUN_DIR (two levels; the demo writes sft/ and grpo/) holding a
 metrics.jsonl gets a section. The page leads with the headline result (held-out accuracy
 before -> after, or held-out reward, or the final loss when there is no evaluation), then
-per run: the held-out evaluation (plotted and tabulated), one PNG per metric group, the
-last logged values, the latest sample completions and the config.
+per run: the data checks (rows kept, dropped and truncated by reason), the held-out
+evaluation (plotted and tabulated), one PNG per metric group, the last logged values, the
+latest sample completions and the config.
 
 Plot rules: every axis has a y label with its unit; a panel holds metrics of one unit, and
 lines whose magnitudes differ by more than SCALE_RATIO get separate axes; the page heads
@@ -23,7 +24,8 @@ from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
 
-from rlfuse.train.metrics import read_jsonl
+from rlfuse.train.data import DATA_REASONS, data_lines
+from rlfuse.train.metrics import DATA_STAGE, NOT_TRAINING, read_jsonl
 
 SCALE_RATIO = 10.0
 """Lines whose typical magnitudes differ by more than this factor go on separate axes."""
@@ -178,7 +180,7 @@ def headline(rows: list[dict]) -> str | None:
             return f"held-out {key} {first[key]:.3f} at step {first['step']}{on}"
         return (f"held-out {key} {first[key]:.3f} &rarr; {last[key]:.3f} ({last[key] - first[key]:+.3f}) "
                 f"from step {first['step']} to step {last['step']}{on}")
-    train = [r for r in rows if r.get("stage") != "eval"]
+    train = [r for r in rows if r.get("stage") not in NOT_TRAINING]
     for k, what in (("reward/mean", "training reward"), ("loss", "training loss")):
         pts = [r for r in train if isinstance(r.get(k), (int, float))]
         if pts:
@@ -187,13 +189,28 @@ def headline(rows: list[dict]) -> str | None:
     return None
 
 
+def _data_section(row: dict) -> str:
+    """The data checks of the run (its "data" row): rows kept, dropped and truncated by
+    reason per split, with what each reason means."""
+    stats = {k: v for k, v in row.items() if k not in ("step", "stage") and isinstance(v, (int, float))}
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in data_lines(stats))
+    reasons = dict.fromkeys(k.split("/", 1)[1] for k, v in stats.items() if k.count("/") == 2 and v)
+    legend = "".join(f"<li><code>{html.escape(r.split('/', 1)[1])}</code> ({html.escape(r.split('/', 1)[0])}): "
+                     f"{html.escape(DATA_REASONS.get(r, ''))}</li>" for r in reasons)
+    return (f"<h3>data (checked before training)</h3><ul>{lines}</ul>"
+            + (f"<details><summary>reasons</summary><ul>{legend}</ul></details>" if legend else ""))
+
+
 def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
     parts = [f"<h2>{html.escape(name)}</h2>"]
     if line := headline(rows):
         parts.append(f"<p class='headline'>{line}</p>")
     stem = name.replace("/", "_").strip(".") or "run"
-    stages = [s for s in dict.fromkeys(r.get("stage", "train") for r in rows) if s != "eval"]
+    stages = [s for s in dict.fromkeys(r.get("stage", "train") for r in rows) if s not in NOT_TRAINING]
     evals = [r for r in rows if r.get("stage") == "eval"]
+    data = [r for r in rows if r.get("stage") == DATA_STAGE]
+    if data:
+        parts.append(_data_section(data[-1]))
     if evals:
         parts.append("<h3>held-out evaluation (greedy completions of the held-out prompts)</h3>")
         ev = _series(rows, "eval")

@@ -103,7 +103,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     demo's "warm up to partial accuracy" is a stop_when)."""
     ses = session or open_session(cfg, need_target=True, dist=dist)
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
-                                  context_len=ses.context_len, overlong=cfg.sft.overlong)
+                                  context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
