@@ -84,7 +84,7 @@ class GRPOTrainer(StreamAndGuardState):
         self._owner = None  # data-parallel: global sample index -> the rank that generated it
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.g.steps, eval_every=self.g.eval_every, eval_at_start=True,
                                  sample_every=self.g.sample_every, headline="reward/mean")

@@ -42,7 +42,7 @@ class SFTTrainer(StreamAndGuardState):
         self.dist = dist
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, headline="loss")
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
 
     def step(self, step: int) -> dict:
         m = self.train_step(self.stream.take(self.cfg.sft.batch_size), step)
