@@ -23,6 +23,7 @@ import math
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
+from matplotlib.ticker import MaxNLocator
 
 from rlfuse.train.data import DATA_REASONS, data_lines
 from rlfuse.train.metrics import DATA_STAGE, NOT_TRAINING, read_jsonl
@@ -35,6 +36,7 @@ SCALE_RATIO = 10.0
 GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
     ("reward", [("training-sample accuracy", "fraction correct", ("accuracy",)),
                 ("reward (weighted total)", "reward", ("reward/mean", "reward/std")),
+                ("normalized reward", "reward / running std", ("reward/normalized_mean",)),
                 ("reward per function", "reward", ("reward/",)),
                 ("reward errors", "examples per step", ("reward_errors/",))]),
     ("completions", [("completion length", "tokens", ("completion_len/",)),
@@ -43,13 +45,25 @@ GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
                      ("clipped tokens", "fraction of tokens", ("clip_frac", "clip_frac_")),
                      ("importance ratio", "ratio", ("ratio_mean",)),
                      ("KL to the reference", "nats per token", ("kl",)),
+                     ("KL to the reference per sequence", "nats per sequence", ("kl/seq",)),
+                     ("KL coefficient", "coefficient", ("kl_coef",)),
                      ("entropy", "nats per token", ("entropy",))]),
+    ("preference pairs", [("implicit reward accuracy", "fraction of pairs", ("rewards/accuracy",)),
+                                ("implicit rewards", "beta x log-prob ratio", ("rewards/",)),
+                                ("sequence log-probs", "nats per sequence", ("logps/",))]),
     ("advantage", [("advantage statistics", "advantage", ("adv/",)),
                    ("zero-variance groups", "fraction of groups", ("groups/zero_variance_frac",)),
-                   ("groups trained", "groups", ("groups/kept",))]),
+                   ("groups trained", "groups", ("groups/kept",)),
+                   ("no group trained: update skipped", "rollout steps", ("skipped_update",))]),
+    ("critic", [("value loss", "loss", ("critic/value_loss",)),
+                      ("values and returns", "return", ("values/mean", "returns/mean")),
+                      ("explained variance", "fraction of return variance", ("critic/explained_variance",)),
+                      ("clipped values", "fraction of tokens", ("critic/value_clip_frac",)),
+                      ("critic gradient norm", "L2 norm (before clipping)", ("critic/grad_norm",)),
+                      ("critic skipped updates", "optimizer steps", ("critic/skipped_steps",))]),
     ("optimizer", [("gradient norm", "L2 norm (before clipping)", ("grad_norm",)),
                    ("learning rate", "learning rate", ("lr",)),
-                   ("skipped updates", "steps", ("skipped_update", "skipped_steps"))]),
+                   ("skipped updates (non-finite)", "optimizer steps", ("optim/skipped_steps",))]),
     ("time", [("time per step", "seconds", ("time/",))]),
     ("throughput", [("tokens per second", "tokens / s", ("tokens_per_s", "tokens_per_s/")),
                     ("tokens per step", "tokens", ("tokens", "target_tokens"))]),
@@ -144,6 +158,7 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no "2.25" ticks on short runs
         if ylabel in _FRACTIONS:
             ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
