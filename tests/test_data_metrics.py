@@ -28,7 +28,8 @@ def _data(tmp):
     train = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in [(1, 2), (3, 4), (2, 2), (5, 1), (0, 7), (4, 4)]]
     train.insert(2, {"prompt": "   ", "answer": "1"})                 # empty
     train.insert(5, {"prompt": "1+" * 20 + "1=", "answer": "21"})     # 41 tokens > MAX_PROMPT
-    ev = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "9" * 30 + "=", "answer": "9"}, {"prompt": "1+1=", "answer": "2"}]
+    ev = [{"prompt": "2+3=", "answer": "5"}, {"prompt": "9" * 30 + "=", "answer": "9"},
+          {"prompt": "1+1=", "answer": "2"}]
     paths = []
     for name, rows in (("train.jsonl", train), ("eval.jsonl", ev)):
         (tmp / name).write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -33,7 +33,8 @@ WORLD = 2
 
 def _full(model) -> dict[str, torch.Tensor]:
     """The full fp32 weights (a collective: every rank calls it)."""
-    return {k: v.clone() for k, v in get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()}
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    return {k: v.clone() for k, v in full.items()}
 
 
 def _shards(model) -> dict[str, torch.Tensor]:

@@ -101,7 +101,8 @@ def test_every_metric_the_trainers_log_has_a_panel_with_a_unit(tmp_path):
             cfg = tiny_cfg(tmp_path / name, *small, **sections)
             run(cfg, session=tiny_session(cfg, need_target=name == "sft"))
     for name in runs:
-        keys = {k for r in read_metrics(tmp_path / name) if r["stage"] not in NOT_TRAINING for k in r} - {"step", "stage"}
+        rows = [r for r in read_metrics(tmp_path / name) if r["stage"] not in NOT_TRAINING]
+        keys = {k for r in rows for k in r} - {"step", "stage"}
         unclaimed = [k for k in keys if not any(report._matches(k, p) for _, panels in report.GROUPS
                                                 for _, _, pats in panels for p in pats)]
         assert not unclaimed, f"{name}: metrics no report panel knows: {unclaimed}"
