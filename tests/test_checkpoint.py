@@ -42,6 +42,10 @@ def test_resume_reproduces_uninterrupted_run_exactly(tmp_path, kind):
     for step in (3, 4):
         assert a[step] == b[step], f"step {step} differs after resume"
     assert "loss" in a[4]
+    # the data checks' row: written once, at the start; the resumed run keeps it, adds none
+    data = [[r for r in map(json.loads, (tmp_path / run / "metrics.jsonl").read_text().splitlines())
+             if r["stage"] == "data"] for run in ("full", "part")]
+    assert len(data[0]) == 1 and data[0] == data[1] and data[0][0]["train/kept"] > 0
 
 
 def test_rotation_and_atomic_save(tmp_path, monkeypatch):

@@ -78,3 +78,33 @@ def test_torn_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
 def test_not_a_run_folder(tmp_path):
     with pytest.raises(ValueError, match="no metrics.jsonl here or in its subfolders"):
         report.render(tmp_path)
+
+
+def test_every_metric_the_trainers_log_has_a_panel_with_a_unit(tmp_path):
+    """One short run of each trainer (SFT, GRPO with a KL reference, PPO, DPO): every key
+    they log lands in a known panel (none in "other metrics", whose y label is "value")."""
+    from train_setup import one_thread, tiny_cfg, tiny_session
+
+    from rlfuse.train.dpo import run_dpo
+    from rlfuse.train.grpo import run_grpo
+    from rlfuse.train.metrics import NOT_TRAINING, read_metrics
+    from rlfuse.train.ppo import run_ppo
+    from rlfuse.train.sft import run_sft
+
+    small = ("sft.steps=2", "grpo.steps=2", "grpo.kl_coef=0.1", "ppo.steps=2", "ppo.prompts_per_step=4",
+             "ppo.samples_per_prompt=2", "ppo.max_new_tokens=3", "ppo.kl_coef=0.1", "dpo.steps=2",
+             "dpo.batch_size=6")
+    runs = {"sft": (run_sft, {}), "grpo": (run_grpo, {}), "ppo": (run_ppo, {}),
+            "dpo": (run_dpo, {"data": {"train": "builtin:arithmetic_pref", "train_size": 40}})}
+    with one_thread():
+        for name, (run, sections) in runs.items():
+            cfg = tiny_cfg(tmp_path / name, *small, **sections)
+            run(cfg, session=tiny_session(cfg, need_target=name == "sft"))
+    for name in runs:
+        rows = [r for r in read_metrics(tmp_path / name) if r["stage"] not in NOT_TRAINING]
+        keys = {k for r in rows for k in r} - {"step", "stage"}
+        unclaimed = [k for k in keys if not any(report._matches(k, p) for _, panels in report.GROUPS
+                                                for _, _, pats in panels for p in pats)]
+        assert not unclaimed, f"{name}: metrics no report panel knows: {unclaimed}"
+    page = report.render(tmp_path).read_text()
+    assert "other metrics" not in page and not list((tmp_path / "report").glob("*_other.png"))

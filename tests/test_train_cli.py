@@ -61,3 +61,13 @@ def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():
     out = subprocess.run([sys.executable, "-m", "rlfuse", "--help"], capture_output=True, text=True, env=env,
                          cwd=root, check=True).stdout
     assert all(name in out for name in COMMANDS) and "consistency" not in out
+
+
+def test_missing_model_folder_is_said_so(tmp_path, recipe, capsys):
+    nope = tmp_path / "nope"
+    assert main(["generate", str(nope), "--prompt", "1+1="]) == 2
+    assert f"rlfuse: error: MODEL: {nope}: no such model folder" in capsys.readouterr().err
+    assert main(["eval", str(recipe), "--checkpoint", str(nope), "--run-dir", str(tmp_path / "ev")]) == 2
+    assert f"rlfuse: error: --checkpoint: {nope}: no such model folder" in capsys.readouterr().err
+    assert main(["generate", str(nope)]) == 2
+    assert "rlfuse: error: no prompts: give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err

@@ -17,6 +17,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from rlfuse.train.build import pick_device
 from rlfuse.train.config import RunConfig, load_config
 from rlfuse.train.config_io import describe
+from rlfuse.train.data import data_lines
 from rlfuse.train.distributed import (DistContext, fail_together, init_distributed, launch_env, quiet_non_main,
                                      shutdown)
 from rlfuse.train.run_folder import prepare_run_folder
@@ -91,7 +92,8 @@ def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None)
 
 
 def print_summary(command: str, res: dict) -> None:
-    """The closing line of a training command: the held-out metric first -> last, the run folder."""
+    """The closing lines of a training command: the held-out metric first -> last, the run
+    folder, then the data checks (rows kept / dropped per split)."""
     if res["evals"]:
         first, last = res["evals"][0], res["evals"][-1]
         key = "accuracy" if "accuracy" in last else "reward"
@@ -99,6 +101,13 @@ def print_summary(command: str, res: dict) -> None:
               f"(step {last['step']}); run folder {res['run_dir']}")
     else:
         print(f"{command} done; run folder {res['run_dir']}")
+    print_data(res)
+
+
+def print_data(res: dict) -> None:
+    """One `data` line per split: rows kept, dropped and truncated by reason (run_loop's "data")."""
+    for line in data_lines(res.get("data", {})):
+        print(f"data {line}")
 
 
 def setup_threads(threads: int | None) -> None:

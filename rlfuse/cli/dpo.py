@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, setup_threads,
+from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, print_data, setup_threads,
                                single_process_only)
 from rlfuse.train.dpo import run_dpo
 
@@ -33,4 +33,5 @@ def run(args) -> int:
         pe = res["pair_evals"]
         print(f"held-out pairs ({pe['num_pairs']}): " + ", ".join(
             f"{k} {pe['before'][k]:.4f} -> {pe['after'][k]:.4f}" for k in ("pair_accuracy", "logp_margin")))
+    print_data(res)
     return 0

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.train.build import check_model_folder
 from rlfuse.train.config_io import replace
 from rlfuse.train.evaluate import evaluate
 from rlfuse.train.session import open_session
@@ -27,6 +28,7 @@ def run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         if args.checkpoint:
+            check_model_folder(args.checkpoint, "--checkpoint")
             path = Path(args.checkpoint)
             path = path / "model" if (path / "model" / "config.json").exists() else path
             tok = cfg.model.tokenizer if cfg.model.tokenizer not in ("", "char") else str(path)

@@ -9,13 +9,14 @@ index, sample index, output ids, text, finish reason, sum of log-probs.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
 
+from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.train.build import check_model_folder
 from rlfuse.train.checkpoint import load_model_folder
 
 HELP = "generate completions for prompts with the built-in engine"
@@ -50,8 +51,7 @@ def run(args) -> int:
     if args.prompts_file:
         prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
-        print("rlfuse generate: no prompts (use --prompt or --prompts-file)", file=sys.stderr)
-        return 2
+        return fail(ValueError("no prompts: give --prompt TEXT or --prompts-file FILE"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
@@ -59,18 +59,19 @@ def run(args) -> int:
                                 seed=args.seed, stop=tuple(args.stop))
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager)
+        check_model_folder(args.model, "MODEL")
         folder = Path(args.model)
         folder = folder / "model" if (folder / "model" / "config.json").exists() else folder  # a checkpoint
-        tok = Tokenizer.from_pretrained(folder)
+        # the model first: a missing or wrong folder is reported as such, not as a missing tokenizer
         model = load_model_folder(folder, device=device, dtype=args.dtype).eval()
+        tok = Tokenizer.from_pretrained(folder)
         if args.chat:
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                tokenize=True) for q in prompts]
         llm = LLM(model, tok, cfg)
         outs = llm.generate(prompts, params)
     except ValueError as e:
-        print(f"rlfuse generate: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     for j, o in enumerate(outs):
         if args.json:
             print(json.dumps(dict(prompt=j // args.n, sample=o.index, output_token_ids=o.output_token_ids,

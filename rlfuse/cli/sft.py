@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, prepare_run,
-                               setup_threads, start_distributed)
+                               print_data, setup_threads, start_distributed)
 from rlfuse.train.distributed import RankFailed
 from rlfuse.train.sft import run_sft
 
@@ -35,4 +35,5 @@ def _run(args) -> int:
           f"run folder {res['run_dir']} (weights in final/)")
     for ev in res["evals"][-1:]:
         print("eval:", {k: round(v, 4) for k, v in ev.items()})
+    print_data(res)
     return 0

@@ -20,6 +20,12 @@ examples; `max_prompt_len` must leave room for output in the model context (an e
 load otherwise), so no prompt kept fills the context; SFT sequences over the context are
 truncated or dropped (counted).
 
+The counts are also run metrics (`stats=`: what rlfuse.train.loop writes once, at step 0,
+as the "data" row of metrics.jsonl, TensorBoard `data/...`, and what the report and the
+commands' summaries show), per split: `<split>/rows`, `<split>/kept` (truncated rows
+count as kept) and `<split>/<action>/<reason>`, where the (action, reason) slugs are
+stable names (DATA_REASONS).
+
 `PromptStream` hands out rows in a seeded order, epoch after epoch, and resumes from
 an integer position (checkpointed).
 Test: python -m pytest -q tests/test_data.py
@@ -220,49 +226,93 @@ def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
     return not row[cfg.prompt_field].strip()
 
 
-class _Drops:
-    """Rows dropped (or changed) by reason, with a few `file:line` examples for the log."""
+DATA_REASONS = {
+    "dropped/empty_prompt": "the prompt is empty (or only white space)",
+    "dropped/prompt_too_long": "the prompt is longer than data.max_prompt_len tokens",
+    "dropped/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context "
+                            "(sft.overlong: drop)",
+    "truncated/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context; "
+                              "cut on the completion side (sft.overlong: truncate)",
+    "dropped/sft_no_target": "SFT: no target token left within the length limit",
+    "dropped/dpo_same_responses": "DPO: the chosen and rejected responses tokenize the same",
+    "dropped/dpo_no_response_room": "DPO: the prompt leaves no response token within dpo.max_seq_len",
+}
+"""What can happen to a row before training, by metric slug (`<action>/<reason>`): the
+names metrics.jsonl, TensorBoard and the report use. Stable: dashboards key on them."""
+
+
+class Drops:
+    """Rows dropped or truncated, by reason: the stable slug (a DATA_REASONS key), the
+    sentence the log shows (with the limits of this run), a few `file:line` examples."""
 
     def __init__(self):
         self.where: dict[str, list[str]] = {}
+        self.text: dict[str, str] = {}
 
-    def add(self, reason: str, where: str) -> None:
-        self.where.setdefault(reason, []).append(where)
+    def add(self, slug: str, text: str, where: str) -> None:
+        assert slug in DATA_REASONS, slug
+        self.where.setdefault(slug, []).append(where)
+        self.text[slug] = text
 
     def counts(self) -> dict[str, int]:
-        return {r: len(w) for r, w in self.where.items()}
+        """{log sentence: rows}."""
+        return {self.text[s]: len(w) for s, w in self.where.items()}
 
-    def report(self, what: str, total: int, into: dict | None) -> None:
-        if into is not None:
-            into.update(self.counts())
+    def report(self, what: str, total: int, kept: int, *, split: str, counts: dict | None,
+               stats: dict | None) -> None:
+        """Log the drops with examples; fill `counts` ({sentence: rows}) and `stats` (the
+        metrics of the module docstring for `split`)."""
+        if counts is not None:
+            counts.update(self.counts())
+        if stats is not None:
+            stats.update({f"{split}/rows": total, f"{split}/kept": kept,
+                          **{f"{split}/{s}": len(w) for s, w in self.where.items()}})
         if not self.where:
             return
-        parts = [f"{len(w)} {reason} (e.g. {', '.join(w[:3])})" for reason, w in self.where.items()]
+        parts = [f"{len(w)} {self.text[s]} (e.g. {', '.join(w[:3])})" for s, w in self.where.items()]
         log.warning("%s (%d rows): %s", what, total, "; ".join(parts))
 
 
+def data_lines(stats: dict) -> list[str]:
+    """One line per split of the data metrics (`stats=` of the builders, or a metrics.jsonl
+    "data" row): "train: 98 of 100 rows kept; dropped: 1 empty_prompt, 1 prompt_too_long"."""
+    splits = dict.fromkeys(k.split("/", 1)[0] for k in stats if k.endswith("/rows"))
+    out = []
+    for sp in splits:
+        line = f"{sp}: {int(stats[f'{sp}/kept'])} of {int(stats[f'{sp}/rows'])} rows kept"
+        for action in ("dropped", "truncated"):
+            got = [(k.split("/", 2)[2], int(v)) for k, v in stats.items()
+                   if k.startswith(f"{sp}/{action}/") and v]
+            if got:
+                line += f"; {action}: " + ", ".join(f"{n} {r}" for r, n in got)
+        out.append(line)
+    return out
+
+
 def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,
-                  counts: dict | None = None) -> list[Prompt]:
+                  counts: dict | None = None, stats: dict | None = None) -> list[Prompt]:
     """Tokenize every row up front. Dropped, counted and logged with `file:line` examples:
     empty prompts and prompts over data.max_prompt_len tokens. Given `context_len` (the
     model's context), max_prompt_len must leave room for output in it (so no prompt kept
-    fills the context). `counts`, if given, receives {reason: number dropped}."""
+    fills the context). `counts`, if given, receives {reason sentence: number dropped};
+    `stats` the data metrics of `split` (module docstring)."""
     if context_len is not None:
         check_prompt_len(cfg, context_len)
-    out, drops = [], _Drops()
+    out, drops = [], Drops()
     for where, row in pairs:
         if _empty_prompt(row, cfg):
-            drops.add("empty", where)
+            drops.add("dropped/empty_prompt", "empty", where)
             continue
         text = render_prompt(row, tokenizer, cfg, where)
         ids = _encode(tokenizer, text, _chat(row, cfg))
         if not ids:
-            drops.add("empty", where)
+            drops.add("dropped/empty_prompt", "empty", where)
         elif len(ids) > cfg.max_prompt_len:
-            drops.add(f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens", f"{where} ({len(ids)} tokens)")
+            drops.add("dropped/prompt_too_long", f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
+                      f"{where} ({len(ids)} tokens)")
         else:
             out.append(Prompt(ids, text, row, where))
-    drops.report(f"data {split}: dropped prompts", len(pairs), counts)
+    drops.report(f"data {split}: dropped prompts", len(pairs), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"data {split}: no prompts left of {len(pairs)} rows after the checks above "
                          f"({', '.join(f'{n} {r}' for r, n in drops.counts().items())})")
@@ -270,12 +320,14 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
 
 
 def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, context_len: int | None = None,
-                       overlong: str = "truncate", counts: dict | None = None) -> list[SFTExample]:
+                       overlong: str = "truncate", counts: dict | None = None, stats: dict | None = None,
+                       split: str = "train") -> list[SFTExample]:
     """Tokenize every row up front into (ids, target mask). Sequences longer than
     min(max_seq_len, context_len) are truncated on the completion side (overlong="truncate",
     the default: the prompt and the start of the answer still teach) or dropped
     (overlong="drop"); examples with an empty prompt, a prompt over data.max_prompt_len or
-    no target token left are dropped. All counted and logged; `counts` receives them."""
+    no target token left are dropped. All counted and logged; `counts` receives
+    {reason sentence: rows}, `stats` the data metrics of `split` (module docstring)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     limit = max_seq_len if context_len is None else min(max_seq_len, context_len)
@@ -283,10 +335,10 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
     if context_len is not None:
         check_prompt_len(cfg, context_len)
     eos = tokenizer.eos_token_ids[:1]
-    out, drops = [], _Drops()
+    out, drops = [], Drops()
     for where, row in pairs:
         if _empty_prompt(row, cfg):
-            drops.add("dropped: empty prompt", where)
+            drops.add("dropped/empty_prompt", "dropped: empty prompt", where)
             continue
         if cfg.messages_field in row:
             ids, mask = _chat_sft(row[cfg.messages_field], tokenizer, where)
@@ -297,20 +349,23 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
             c_ids = tokenizer.encode(str(target), add_special_tokens=False) + eos
             ids, mask, n_prompt = p_ids + c_ids, [False] * len(p_ids) + [True] * len(c_ids), len(p_ids)
         if n_prompt > cfg.max_prompt_len:
-            drops.add(f"dropped: prompt longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
+            drops.add("dropped/prompt_too_long",
+                      f"dropped: prompt longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
                       f"{where} ({n_prompt} tokens)")
             continue
         if len(ids) > limit:
             if overlong == "drop":
-                drops.add(f"dropped: longer than {limit} tokens ({limit_src})", f"{where} ({len(ids)} tokens)")
+                drops.add("dropped/sft_too_long", f"dropped: longer than {limit} tokens ({limit_src})",
+                          f"{where} ({len(ids)} tokens)")
                 continue
-            drops.add(f"truncated to {limit} tokens ({limit_src})", f"{where} ({len(ids)} tokens)")
+            drops.add("truncated/sft_too_long", f"truncated to {limit} tokens ({limit_src})",
+                      f"{where} ({len(ids)} tokens)")
             ids, mask = ids[:limit], mask[:limit]
         if any(mask[1:]):  # position 0 is never a target
             out.append(SFTExample(ids, mask, where))
         else:
-            drops.add(f"dropped: no target token within {limit} tokens", where)
-    drops.report("sft data", len(pairs), counts)
+            drops.add("dropped/sft_no_target", f"dropped: no target token within {limit} tokens", where)
+    drops.report("sft data", len(pairs), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"sft data: no examples left of {len(pairs)} rows after the checks above "
                          f"({', '.join(f'{n} {r}' for r, n in drops.counts().items())})")

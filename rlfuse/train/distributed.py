@@ -378,6 +378,15 @@ def max_across_ranks(ctx: DistContext, value: int) -> int:
     return int(t.item())  # host sync: a loop bound
 
 
+def on_any_rank(ctx: DistContext, flag: torch.Tensor) -> torch.Tensor:
+    """1 (a 0-d int32 tensor on ctx.device) when the 0-d bool tensor `flag` is true on any
+    rank, else 0: one all_reduce (MAX), no host sync, so a decision taken on it (e.g. to
+    skip an optimizer step) is the same on every rank."""
+    t = flag.to(device=ctx.device, dtype=torch.int32).reshape(1)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.reshape(())
+
+
 _OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 

@@ -175,7 +175,7 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     evaluation before the first step and at the end when the recipe names rewards.
     `stop_after` as in `run_loop` (tests of resume)."""
     ses = session or open_session(cfg)
-    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo)
+    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo, stats=ses.data_stats)
     ref_model = None
     if cfg.dpo.ref_path:
         ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=ses.model.lm_head_weight.dtype)
@@ -188,7 +188,8 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     # at the start and the end (the reference-relative h is 0 at the start by definition)
     held_out = []
     if ses.eval_rows and all(d.chosen_field in r and d.rejected_field in r for _, r in ses.eval_rows):
-        held_out = build_preference_pairs(ses.eval_rows, ses.tokenizer, cfg.data, d)
+        held_out = build_preference_pairs(ses.eval_rows, ses.tokenizer, cfg.data, d, stats=ses.data_stats,
+                                          split="eval_pairs")
         before = pair_metrics(sequence_logprobs(ses.model, held_out, d.micro_batch_tokens, ses.device))
     evaluation = None
     if cfg.rewards:

@@ -84,7 +84,7 @@ class GRPOTrainer(StreamAndGuardState):
         self._owner = None  # data-parallel: global sample index -> the rank that generated it
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.g.steps, eval_every=self.g.eval_every, eval_at_start=True,
                                  sample_every=self.g.sample_every, headline="reward/mean")
@@ -359,7 +359,8 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     torchrun), ignored when `session` is given (its own `dist` counts)."""
     ses = session or open_session(cfg, dist=dist)
     rewards = ses.rewards()
-    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len)
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
+                            stats=ses.data_stats)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None

@@ -19,6 +19,8 @@ everything after it is labelled `done`. With N = trainer.schedule.steps:
               schedule.eval_every steps before N, and at the end
   checkpoint  every checkpoint.every steps before N; at the end when checkpoint.save_final
   final       RUN_DIR/final, an HF folder of the weights (+ tokenizer), at the end
+  data        the session's data metrics (rows kept / dropped / truncated by reason),
+              once, as a step-0 row of stage "data", when the run starts afresh
 "The end" is step N, or the step after which `stop_when(done)` returned True. A run cut
 short by `stop_after` (tests of resume) stops without any of it.
 Data-parallel (`session.dist`): rank 0 resolves the resume and alone writes metrics,
@@ -45,7 +47,7 @@ from rlfuse.train.data_parallel import SilentLog, evaluate_on_ranks, step_metric
 from rlfuse.train.data import Prompt
 from rlfuse.train.distributed import ShardedAdamW, is_sharded, log_memory, on_main
 from rlfuse.train.evaluate import evaluate
-from rlfuse.train.metrics import RunLog
+from rlfuse.train.metrics import DATA_STAGE, RunLog
 from rlfuse.train.optim import MasterAdamW
 from rlfuse.train.rewards import RewardSet
 from rlfuse.train.session import Session
@@ -125,7 +127,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
              stop_after: int | None = None, stop_when: Callable[[int], bool] | None = None) -> dict:
     """Train `trainer` to trainer.schedule.steps with the cadences of the module docstring;
     resumes per cfg.checkpoint.resume. Returns {"history": logged rows, "evals": eval rows,
-    "steps": steps done, "run_dir", "model", "tokenizer"}."""
+    "steps": steps done, "run_dir", "model", "tokenizer", "data": session.data_stats}."""
     cfg, sched = session.cfg, trainer.schedule
     dist = session.dist
     start = 0
@@ -138,6 +140,8 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                     total=sched.steps, desc=trainer.stage, initial=start) if dist is None or dist.is_main else SilentLog()
     history, evals = [], []
+    if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
+        runlog.log(0, session.data_stats, stage=DATA_STAGE)
 
     def do_eval(step: int) -> None:
         if evaluation is None:
@@ -194,4 +198,4 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     finally:
         runlog.close()
     return {"history": history, "evals": evals, "steps": done, "run_dir": str(session.run_dir),
-            "model": trainer.model, "tokenizer": session.tokenizer}
+            "model": trainer.model, "tokenizer": session.tokenizer, "data": dict(session.data_stats)}

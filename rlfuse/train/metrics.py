@@ -1,7 +1,8 @@
 """Observability: per-step metrics to metrics.jsonl and TensorBoard, a progress bar,
 sample completions, phase timers and peak memory.
 
-RUN_DIR/metrics.jsonl   one JSON object per logged step: {"step", "stage", <name>: float, ...}
+RUN_DIR/metrics.jsonl   one JSON object per logged step: {"step", "stage", <name>: float, ...};
+                        stage "data" (step 0, once per run): rows kept / dropped by reason
 RUN_DIR/samples.jsonl   {"step", "prompt", "completion", "reward", ...} every N steps
 RUN_DIR/tb/             TensorBoard event files (same scalars; `tensorboard --logdir RUN_DIR/tb`)
 Metric names use "/" groups: reward/<fn>, time/generate, tokens_per_s/train, ...
@@ -27,6 +28,11 @@ from pathlib import Path
 import torch
 
 log = logging.getLogger(__name__)
+
+DATA_STAGE = "data"
+"""Stage of the one metrics row (step 0) holding the data checks' counts (rlfuse.train.data)."""
+NOT_TRAINING = ("eval", DATA_STAGE)
+"""Stages of metrics rows that are not training steps."""
 
 
 def device_sync(device) -> None:

@@ -19,7 +19,10 @@ not round to bf16; clip with `clip_grad_norm_(opt.grads(), ...)`. No host syncs 
 
 `NonFiniteGuard` keeps NaN/inf out of the weights: a step whose loss or gradient norm is
 not finite is skipped (weights, masters, moments and step count untouched), counted, and
-after `max_consecutive` skips in a row the run stops with NonFiniteError.
+after `max_consecutive` skips in a row the run stops with NonFiniteError. Data-parallel,
+the decision is global: each rank holds only its share of the loss, so a rank that skipped
+alone would leave its weight shards (and step count) behind the others'; one all_reduce
+of the "not finite" flag makes every rank skip or step together.
 Test: python -m pytest -q tests/test_train_optim.py
 """
 
@@ -32,7 +35,7 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlfuse.train.distributed import clip_sharded_grads_
+from rlfuse.train.distributed import DistContext, clip_sharded_grads_, on_any_rank
 
 log = logging.getLogger(__name__)
 
@@ -198,31 +201,45 @@ class NonFiniteGuard:
 
     A skipped step leaves the weights, the fp32 masters, the moments and the step count
     (hence bias correction and the schedule position the optimizer sees) exactly as they
-    were. `max_consecutive` skips in a row raise NonFiniteError (0 = never)."""
+    were. `max_consecutive` skips in a row raise NonFiniteError (0 = never). With `dist`
+    (data-parallel) a step is skipped on every rank when the loss or gradient norm is not
+    finite on any rank, so the counts, the skips and the error are the same everywhere."""
 
-    def __init__(self, max_consecutive: int = 5):
+    def __init__(self, max_consecutive: int = 5, *, dist: DistContext | None = None):
         if max_consecutive < 0:
             raise ValueError(f"max_consecutive must be >= 0, got {max_consecutive}")
+        self.dist = dist
         self.max_consecutive = max_consecutive
         self.consecutive = 0
         self.total_skipped = 0
         self._pending = 0
 
     def finite(self, loss: torch.Tensor | float, grad_norm: torch.Tensor | float, where: str = "") -> bool:
-        """True when both are finite; otherwise count a skip (and raise after too many)."""
-        vals = torch.stack([torch.as_tensor(loss, dtype=torch.float32).detach().cpu().reshape(()),
-                            torch.as_tensor(grad_norm, dtype=torch.float32).detach().cpu().reshape(())])
-        ok = bool(torch.isfinite(vals).all())  # host sync: one per optimizer step, to decide the step
+        """True when both are finite (data-parallel: on every rank); otherwise count a skip
+        (and raise after too many)."""
+        if self.dist is None:
+            vals = torch.stack([torch.as_tensor(loss, dtype=torch.float32).detach().cpu().reshape(()),
+                                torch.as_tensor(grad_norm, dtype=torch.float32).detach().cpu().reshape(())])
+            ok = bool(torch.isfinite(vals).all())  # host sync: one per optimizer step, to decide the step
+            loss_v, norm_v = vals.tolist()
+        else:
+            vals = torch.stack([torch.as_tensor(x, dtype=torch.float32).detach().to(self.dist.device).reshape(())
+                                for x in (loss, grad_norm)])
+            bad = on_any_rank(self.dist, ~torch.isfinite(vals).all())
+            # host sync: one per optimizer step, to decide the step (the global flag and this rank's values)
+            bad_v, loss_v, norm_v = torch.cat([bad.float().reshape(1), vals]).tolist()
+            ok = not bad_v
         if ok:
             self.consecutive = 0
             return True
         self.consecutive += 1
         self.total_skipped += 1
         self._pending += 1
-        loss_v, norm_v = vals.tolist()
-        log.warning("%sloss %s, grad norm %s: not finite; optimizer step skipped (weights unchanged; %d in a row, "
-                    "%d in this run)", f"{where}: " if where else "", loss_v, norm_v, self.consecutive,
-                    self.total_skipped)
+        here = math.isfinite(loss_v) and math.isfinite(norm_v)  # data-parallel: another rank's were not
+        log.warning("%sloss %s, grad norm %s: not finite%s; optimizer step skipped%s (weights unchanged; %d in a "
+                    "row, %d in this run)", f"{where}: " if where else "", loss_v, norm_v,
+                    " on another rank (these are this rank's)" if here else "",
+                    " on every rank" if self.dist is not None else "", self.consecutive, self.total_skipped)
         if self.max_consecutive and self.consecutive >= self.max_consecutive:
             raise NonFiniteError(
                 f"{where + ': ' if where else ''}{self.consecutive} optimizer steps in a row had a non-finite loss or "

@@ -329,7 +329,8 @@ def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     prompts before the first step, every ppo.eval_every and at the end."""
     ses = session or open_session(cfg)
     rewards = ses.rewards()
-    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train")
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
+                            stats=ses.data_stats)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     critic = build_critic(cfg, ses.model)
     trainer = PPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),

@@ -11,21 +11,18 @@ builtin:arithmetic_pref), in one of two forms:
     response = what the chat template adds for the reply (it must render the prompt as a
     prefix of the full conversation, else the row is an error).
 Checked before training: wrong types name `file:line` and the field. Dropped, counted and
-logged: a prompt over data.max_prompt_len, chosen == rejected (no preference: zero
-gradient), and pairs with no response token within dpo.max_seq_len. Longer sequences are
-truncated on the response side.
+logged: an empty prompt, a prompt over data.max_prompt_len, chosen == rejected (no
+preference: zero gradient), and pairs with no response token within dpo.max_seq_len.
+Longer sequences are truncated on the response side.
 Test: python -m pytest -q tests/test_dpo.py
 """
 
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 from rlfuse.train.config import DataConfig, DPOConfig
-from rlfuse.train.data import _chat, _encode, render_prompt  # the data module's rendering rules
-
-log = logging.getLogger(__name__)
+from rlfuse.train.data import Drops, _chat, _empty_prompt, _encode, render_prompt  # the data module's rendering rules
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,12 +65,13 @@ def _chat_response(context: list[dict], reply: list[dict], prompt_ids: list[int]
     return full[len(prompt_ids):]
 
 
-def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
-                           counts: dict | None = None) -> list[PreferencePair]:
-    """Tokenize every (where, row) up front (module docstring); `counts` receives {reason: dropped}."""
+def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *, counts: dict | None = None,
+                           stats: dict | None = None, split: str = "train") -> list[PreferencePair]:
+    """Tokenize every (where, row) up front (module docstring); `counts` receives {reason: dropped},
+    `stats` the data metrics of `split` (rlfuse.train.data)."""
     eos = tokenizer.eos_token_ids[:1]
     out: list[PreferencePair] = []
-    drops: dict[str, list[str]] = {}
+    drops = Drops()
     for where, row in rows:
         for f in (dpo.chosen_field, dpo.rejected_field):
             if f not in row:
@@ -98,22 +96,20 @@ def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
                                      f"{type(row[f]).__name__}")
                 resp.append(tokenizer.encode(str(row[f]), add_special_tokens=False) + eos)
         reason = None
-        if len(p_ids) > data.max_prompt_len:
-            reason = f"prompt longer than data.max_prompt_len={data.max_prompt_len} tokens"
+        if _empty_prompt(row, data):
+            reason = ("dropped/empty_prompt", "empty prompt")
+        elif len(p_ids) > data.max_prompt_len:
+            reason = ("dropped/prompt_too_long", f"prompt longer than data.max_prompt_len={data.max_prompt_len} tokens")
         elif resp[0] == resp[1]:
-            reason = "chosen == rejected"
+            reason = ("dropped/dpo_same_responses", "chosen == rejected")
         elif len(p_ids) >= dpo.max_seq_len:
-            reason = f"no response token within dpo.max_seq_len={dpo.max_seq_len}"
+            reason = ("dropped/dpo_no_response_room", f"no response token within dpo.max_seq_len={dpo.max_seq_len}")
         if reason:
-            drops.setdefault(reason, []).append(where)
+            drops.add(*reason, where)
             continue
         room = dpo.max_seq_len - len(p_ids)
         out.append(PreferencePair(p_ids, resp[0][:room], resp[1][:room], where))
-    if drops:
-        log.warning("preference data (%d rows): dropped %s", len(rows),
-                    "; ".join(f"{len(w)} {r} (e.g. {', '.join(w[:3])})" for r, w in drops.items()))
-    if counts is not None:
-        counts.update({r: len(w) for r, w in drops.items()})
+    drops.report("preference data: dropped pairs", len(rows), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"preference data: no pairs left of {len(rows)} rows after the checks above")
     return out

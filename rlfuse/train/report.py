@@ -3,8 +3,9 @@
 Every folder at or below RUN_DIR (two levels; the demo writes sft/ and grpo/) holding a
 metrics.jsonl gets a section. The page leads with the headline result (held-out accuracy
 before -> after, or held-out reward, or the final loss when there is no evaluation), then
-per run: the held-out evaluation (plotted and tabulated), one PNG per metric group, the
-last logged values, the latest sample completions and the config.
+per run: the data checks (rows kept, dropped and truncated by reason), the held-out
+evaluation (plotted and tabulated), one PNG per metric group, the last logged values, the
+latest sample completions and the config.
 
 Plot rules: every axis has a y label with its unit; a panel holds metrics of one unit, and
 lines whose magnitudes differ by more than SCALE_RATIO get separate axes; the page heads
@@ -22,8 +23,10 @@ import math
 from pathlib import Path
 
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
+from matplotlib.ticker import MaxNLocator
 
-from rlfuse.train.metrics import read_jsonl
+from rlfuse.train.data import DATA_REASONS, data_lines
+from rlfuse.train.metrics import DATA_STAGE, NOT_TRAINING, read_jsonl
 
 SCALE_RATIO = 10.0
 """Lines whose typical magnitudes differ by more than this factor go on separate axes."""
@@ -33,6 +36,7 @@ SCALE_RATIO = 10.0
 GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
     ("reward", [("training-sample accuracy", "fraction correct", ("accuracy",)),
                 ("reward (weighted total)", "reward", ("reward/mean", "reward/std")),
+                ("normalized reward", "reward / running std", ("reward/normalized_mean",)),
                 ("reward per function", "reward", ("reward/",)),
                 ("reward errors", "examples per step", ("reward_errors/",))]),
     ("completions", [("completion length", "tokens", ("completion_len/",)),
@@ -41,13 +45,25 @@ GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
                      ("clipped tokens", "fraction of tokens", ("clip_frac", "clip_frac_")),
                      ("importance ratio", "ratio", ("ratio_mean",)),
                      ("KL to the reference", "nats per token", ("kl",)),
+                     ("KL to the reference per sequence", "nats per sequence", ("kl/seq",)),
+                     ("KL coefficient", "coefficient", ("kl_coef",)),
                      ("entropy", "nats per token", ("entropy",))]),
+    ("preference pairs", [("implicit reward accuracy", "fraction of pairs", ("rewards/accuracy",)),
+                                ("implicit rewards", "beta x log-prob ratio", ("rewards/",)),
+                                ("sequence log-probs", "nats per sequence", ("logps/",))]),
     ("advantage", [("advantage statistics", "advantage", ("adv/",)),
                    ("zero-variance groups", "fraction of groups", ("groups/zero_variance_frac",)),
-                   ("groups trained", "groups", ("groups/kept",))]),
+                   ("groups trained", "groups", ("groups/kept",)),
+                   ("no group trained: update skipped", "rollout steps", ("skipped_update",))]),
+    ("critic", [("value loss", "loss", ("critic/value_loss",)),
+                      ("values and returns", "return", ("values/mean", "returns/mean")),
+                      ("explained variance", "fraction of return variance", ("critic/explained_variance",)),
+                      ("clipped values", "fraction of tokens", ("critic/value_clip_frac",)),
+                      ("critic gradient norm", "L2 norm (before clipping)", ("critic/grad_norm",)),
+                      ("critic skipped updates", "optimizer steps", ("critic/skipped_steps",))]),
     ("optimizer", [("gradient norm", "L2 norm (before clipping)", ("grad_norm",)),
                    ("learning rate", "learning rate", ("lr",)),
-                   ("skipped updates", "steps", ("skipped_update", "skipped_steps"))]),
+                   ("skipped updates (non-finite)", "optimizer steps", ("optim/skipped_steps",))]),
     ("time", [("time per step", "seconds", ("time/",))]),
     ("throughput", [("tokens per second", "tokens / s", ("tokens_per_s", "tokens_per_s/")),
                     ("tokens per step", "tokens", ("tokens", "target_tokens"))]),
@@ -142,6 +158,7 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel, fontsize=9)
         ax.set_xlabel(xlabel, fontsize=9)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no "2.25" ticks on short runs
         if ylabel in _FRACTIONS:
             ax.set_ylim(-0.03, 1.03)
         ax.grid(alpha=0.3)
@@ -178,7 +195,7 @@ def headline(rows: list[dict]) -> str | None:
             return f"held-out {key} {first[key]:.3f} at step {first['step']}{on}"
         return (f"held-out {key} {first[key]:.3f} &rarr; {last[key]:.3f} ({last[key] - first[key]:+.3f}) "
                 f"from step {first['step']} to step {last['step']}{on}")
-    train = [r for r in rows if r.get("stage") != "eval"]
+    train = [r for r in rows if r.get("stage") not in NOT_TRAINING]
     for k, what in (("reward/mean", "training reward"), ("loss", "training loss")):
         pts = [r for r in train if isinstance(r.get(k), (int, float))]
         if pts:
@@ -187,13 +204,28 @@ def headline(rows: list[dict]) -> str | None:
     return None
 
 
+def _data_section(row: dict) -> str:
+    """The data checks of the run (its "data" row): rows kept, dropped and truncated by
+    reason per split, with what each reason means."""
+    stats = {k: v for k, v in row.items() if k not in ("step", "stage") and isinstance(v, (int, float))}
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in data_lines(stats))
+    reasons = dict.fromkeys(k.split("/", 1)[1] for k, v in stats.items() if k.count("/") == 2 and v)
+    legend = "".join(f"<li><code>{html.escape(r.split('/', 1)[1])}</code> ({html.escape(r.split('/', 1)[0])}): "
+                     f"{html.escape(DATA_REASONS.get(r, ''))}</li>" for r in reasons)
+    return (f"<h3>data (checked before training)</h3><ul>{lines}</ul>"
+            + (f"<details><summary>reasons</summary><ul>{legend}</ul></details>" if legend else ""))
+
+
 def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
     parts = [f"<h2>{html.escape(name)}</h2>"]
     if line := headline(rows):
         parts.append(f"<p class='headline'>{line}</p>")
     stem = name.replace("/", "_").strip(".") or "run"
-    stages = [s for s in dict.fromkeys(r.get("stage", "train") for r in rows) if s != "eval"]
+    stages = [s for s in dict.fromkeys(r.get("stage", "train") for r in rows) if s not in NOT_TRAINING]
     evals = [r for r in rows if r.get("stage") == "eval"]
+    data = [r for r in rows if r.get("stage") == DATA_STAGE]
+    if data:
+        parts.append(_data_section(data[-1]))
     if evals:
         parts.append("<h3>held-out evaluation (greedy completions of the held-out prompts)</h3>")
         ev = _series(rows, "eval")

@@ -28,6 +28,7 @@ import yaml
 
 from rlfuse.train.config import RunConfig
 from rlfuse.train.config_io import to_dict
+from rlfuse.train.metrics import NOT_TRAINING
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,7 @@ def run_kind(run_dir: Path) -> str | None:
                 stage = json.loads(line).get("stage")
             except (json.JSONDecodeError, AttributeError):
                 continue
-            if isinstance(stage, str) and stage != "eval":
+            if isinstance(stage, str) and stage not in NOT_TRAINING:
                 return stage
     return None
 

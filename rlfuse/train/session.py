@@ -45,6 +45,10 @@ class Session:
     _sampler: object = None
     dist: DistContext | None = None
     """Set when the run is data-parallel (rlfuse.train.distributed); None in one process."""
+    data_stats: dict = dataclasses.field(default_factory=dict)
+    """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
+    of rlfuse.train.data's builders), filled as the run builds its data; run_loop writes
+    them once at the start of a fresh run."""
 
     @property
     def sampler(self):
@@ -61,8 +65,8 @@ class Session:
         return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
 
     def eval_prompts(self):
-        return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval",
-                             context_len=self.context_len) if self.eval_rows else []
+        return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
+                             stats=self.data_stats) if self.eval_rows else []
 
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,

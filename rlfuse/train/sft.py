@@ -42,7 +42,7 @@ class SFTTrainer(StreamAndGuardState):
         self.dist = dist
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, headline="loss")
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
 
     def step(self, step: int) -> dict:
         m = self.train_step(self.stream.take(self.cfg.sft.batch_size), step)
@@ -103,7 +103,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     demo's "warm up to partial accuracy" is a stop_when)."""
     ses = session or open_session(cfg, need_target=True, dist=dist)
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
-                                  context_len=ses.context_len, overlong=cfg.sft.overlong)
+                                  context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
