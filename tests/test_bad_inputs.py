@@ -1086,6 +1086,10 @@ def test_run_folders_get_normal_permissions(sft_run):
     os.umask(umask)
     for p in (run / "final", run / "checkpoints" / "step_000002" / "model"):
         assert stat.S_IMODE(p.stat().st_mode) == 0o777 & ~umask, p
+    files = [f for f in run.rglob("*") if f.is_file()]
+    assert any(f.suffix == ".safetensors" for f in files)
+    for f in files:  # safetensors' own writer makes 0600 files
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~umask, f
 
 
 # ------------------------------------------------------------------ non-finite numbers in the training step

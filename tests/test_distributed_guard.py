@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import torch
-import torch.multiprocessing as mp
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from train_setup import tiny_cfg
+from spawn_ranks import free_port, spawn_ranks
 
 from rlfuse.train import distributed as D
 from rlfuse.train.data import PromptStream, build_sft_examples
@@ -90,13 +89,8 @@ def _job(rank: int, port: int, out_dir: str) -> None:
         D.shutdown()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
-    mp.spawn(_job, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=True)
+    spawn_ranks(_job, WORLD, free_port(), str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert got == [{"skipped": 1.0, "skipped_after": 0.0, "total_skipped": 1}] * WORLD

@@ -9,6 +9,7 @@ ValueError naming the tensor and file.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -139,6 +140,21 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     return folder
 
 
+@functools.cache
+def _file_mode() -> int:
+    # The process umask, read once (os.umask can only be read by setting it).
+    mask = os.umask(0)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
+def _save_shard(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
+    """safetensors' save_file creates its file with mode 0600; give it the mode any other
+    file of the run gets (0666 less the umask), so a checkpoint is as readable as its folder."""
+    save_file(tensors, path, metadata=meta)
+    os.chmod(path, _file_mode())
+
+
 def _write_weights(model: CausalLM, folder: Path, max_shard_bytes: int, dtype: torch.dtype | None) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
@@ -155,12 +171,12 @@ def _write_weights(model: CausalLM, folder: Path, max_shard_bytes: int, dtype: t
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        save_file(shards[0], folder / "model.safetensors", metadata=meta)
+        _save_shard(shards[0], folder / "model.safetensors", meta)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, folder / fname, metadata=meta)
+        _save_shard(shard, folder / fname, meta)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()
