@@ -52,7 +52,7 @@ QWEN_LIKE = """{%- if tools %}
     {%- elif message.role == 'assistant' %}
         {{- '<|im_start|>assistant\\n' }}
         {%- generation %}{{- message.content | default('', true) }}{%- endgeneration %}
-        {%- if message.tool_calls is defined %}
+        {%- if message.tool_calls %}
             {%- for call in message.tool_calls %}
                 {{- '\\n<tool_call>\\n' + call | tojson + '\\n</tool_call>' }}
             {%- endfor %}

@@ -1,33 +1,57 @@
-"""Test-session set-up: Triton kernels run under Triton's interpreter on CPU-only machines;
-the hooks that record the bad-input corpus's messages (tests/bad_input_catalog.py).
+"""Test-session set-up: which device a session runs on; the hooks that record the
+bad-input corpus's messages (tests/bad_input_catalog.py).
 
-TRITON_INTERPRET must be set before triton decorates any kernel, i.e. before the first
-import of a module of rlfuse.kernels, hence here at conftest import time."""
+Two kinds of session, because Triton's CPU interpreter is process-wide (TRITON_INTERPRET
+is read when triton first decorates a kernel, so one process cannot run the compiled GPU
+kernels and the interpreted ones):
+* the CPU suite, `python -m pytest -q` (the README's command, what CI runs): Triton under
+  its interpreter and CUDA hidden, so it runs the same on a CPU-only machine and on a GPU
+  machine; the gpu-marked tests are skipped with the command that runs them;
+* the GPU tests, `python -m pytest -m gpu tests` on a machine with CUDA: the compiled
+  kernels, nothing hidden.
+Both are decided in pytest_configure, before any test module imports rlfuse.kernels or
+touches CUDA."""
 
 import gc
 import os
+import re
 from pathlib import Path
 
+import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+import bad_input_catalog as catalog
 
-import pytest  # noqa: E402
+GPU_COMMAND = "python -m pytest -m gpu tests"
 
-import bad_input_catalog as catalog  # noqa: E402
+
+def _gpu_session(config) -> bool:
+    """Whether `-m` selects the gpu tests alone ("gpu", "gpu and not slow", ...)."""
+    expr = config.getoption("markexpr") or ""
+    return bool(re.search(r"(?<!not )\bgpu\b", expr)) and not re.search(r"\bnot gpu\b", expr)
+
+
+def pytest_configure(config):
+    config.gpu_session = _gpu_session(config)
+    if not config.gpu_session:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    config.stash[_DESELECTED] = []
+    if config.getoption("--bad-input-catalog") and getattr(config.option, "numprocesses", None):
+        raise pytest.UsageError("--bad-input-catalog runs the corpus in one process: leave out -n")
 
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if problem := catalog.check_mark(item):
             raise pytest.UsageError(problem)
-    if torch.cuda.is_available():
+    if config.gpu_session and torch.cuda.is_available():
         return
-    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    reason = (f"a GPU test: run them with `{GPU_COMMAND}` on a machine with CUDA (this session runs "
+              "the CPU suite)" if not config.gpu_session else "needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
-            item.add_marker(skip_gpu)
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 @pytest.fixture(autouse=True)
@@ -51,7 +75,6 @@ def smollm2_dir():
     return ensure_smollm2()
 
 
-
 # ------------------------------------------------------------------ the bad-input corpus's catalog
 _OUTCOME = pytest.StashKey[str]()  # a corpus case's outcome: "passed", "failed" or "skipped: <reason>"
 _DESELECTED = pytest.StashKey[list]()
@@ -62,12 +85,6 @@ def pytest_addoption(parser):
     parser.addoption("--bad-input-catalog", metavar="PATH", default=None,
                      help="write the catalog of the bad-input corpus (every case, what it fed, the message the "
                           "user sees) to PATH, e.g. docs/bad-inputs.md; see tests/bad_input_catalog.py")
-
-
-def pytest_configure(config):
-    config.stash[_DESELECTED] = []
-    if config.getoption("--bad-input-catalog") and getattr(config.option, "numprocesses", None):
-        raise pytest.UsageError("--bad-input-catalog runs the corpus in one process: leave out -n")
 
 
 @pytest.fixture(autouse=True)
