@@ -1071,7 +1071,7 @@ def test_resume_with_nothing_to_resume_says_so(tmp_path, capsys, caplog):
 def test_a_failed_start_does_not_block_the_next(tmp_path, capsys):
     recipe = _tiny_recipe(tmp_path)
     rc, _, err = _cli(["sft", str(recipe), "--set", "data.train=absent.jsonl"], capsys)
-    cli_error_line(rc, err, r"error: absent\.jsonl: no such data file",  # a --set path: relative to the cwd
+    cli_error_line(rc, err, r"error: absent\.jsonl: no such data file \(a relative path: looked in ",
                    f"rlfuse sft {recipe} --set data.train=absent.jsonl, then the same without the bad file")
     rc, _, err = _cli(["sft", str(recipe)], capsys)  # only config.yaml was left: not a run
     assert rc == 0, err

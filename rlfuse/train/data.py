@@ -65,7 +65,8 @@ class SFTExample:
 # ------------------------------------------------------------------ reading rows
 def _read_bytes(path: Path) -> bytes:
     if not path.exists():
-        raise ValueError(f"{path}: no such data file")
+        where = "" if path.is_absolute() else f" (a relative path: looked in {Path.cwd()})"
+        raise ValueError(f"{path}: no such data file{where}")
     if path.is_dir():
         raise ValueError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
     try:
