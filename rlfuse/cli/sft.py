@@ -34,6 +34,8 @@ def _run(args) -> int:
     print(f"sft done: {res['steps']} steps, last loss {last.get('loss', float('nan')):.4f}; "
           f"run folder {res['run_dir']} (weights in final/)")
     for ev in res["evals"][-1:]:
-        print("eval:", {k: round(v, 4) for k, v in ev.items()})
+        key = "accuracy" if "accuracy" in ev else "reward"
+        rest = ", ".join(f"{k} {v:.4g}" for k, v in ev.items() if k not in (key, "step"))
+        print(f"held-out {key} {ev[key]:.4f} at step {ev['step']} ({rest})")
     print_data(res)
     return 0
