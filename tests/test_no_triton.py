@@ -15,8 +15,7 @@ import textwrap
 import tomllib
 from pathlib import Path
 
-import yaml
-from train_setup import TINY_MODEL
+from train_setup import tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,19 +38,7 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_runs_without_triton(tmp_path):
-    cfg = {
-        "model": {"random_init": TINY_MODEL, "tokenizer": "char", "dtype": "float32", "device": "cpu"},
-        "data": {"train": "builtin:arithmetic", "task": {"digits": 1, "ops": "+"}, "train_size": 40,
-                 "eval_size": 8, "max_prompt_len": 8},
-        "rewards": [{"name": "arithmetic"}],
-        "optim": {"lr": 1e-2, "schedule": "constant"},
-        "sft": {"steps": 2, "batch_size": 8},
-        "grpo": {"steps": 1, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 3},
-        "engine": {"max_num_seqs": 8},
-        "logging": {"tensorboard": False, "progress": False},
-    }
-    recipe = tmp_path / "tiny.yaml"
-    recipe.write_text(yaml.safe_dump(cfg))
+    recipe = tiny_recipe(tmp_path / "tiny.yaml", grpo={"steps": 1}, logging={"tensorboard": False})
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     r = subprocess.run([sys.executable, "-c", SCRIPT, str(recipe), str(tmp_path / "runs")], env=env,

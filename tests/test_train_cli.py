@@ -8,28 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from train_setup import TINY_MODEL
+from train_setup import tiny_recipe
 
 from rlfuse.cli import COMMANDS, build_parser, main
 
 
 @pytest.fixture
 def recipe(tmp_path):
-    cfg = {
-        "model": {"random_init": TINY_MODEL, "tokenizer": "char", "dtype": "float32", "device": "cpu"},
-        "data": {"train": "builtin:arithmetic", "task": {"digits": 1, "ops": "+"}, "train_size": 60, "eval_size": 10,
-                 "max_prompt_len": 8},
-        "rewards": [{"name": "arithmetic"}, {"name": "length_penalty", "kwargs": {"max_len": 3}}],
-        "optim": {"lr": 1e-2, "schedule": "constant"},
-        "sft": {"steps": 3, "batch_size": 8},
-        "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 3},
-        "engine": {"max_num_seqs": 16},
-        "logging": {"tensorboard": True, "progress": False},
-    }
-    p = tmp_path / "tiny.yaml"
-    p.write_text(yaml.safe_dump(cfg))
-    return p
+    return tiny_recipe(tmp_path / "tiny.yaml")
 
 
 def test_sft_grpo_eval_report(tmp_path, recipe, capsys):

@@ -3,6 +3,7 @@ built-in arithmetic and the TinySampler (no engine), fp32 on CPU."""
 
 from __future__ import annotations
 
+import yaml
 from tiny_sampler import TinySampler
 
 from rlfuse.train.config import load_config
@@ -30,6 +31,26 @@ def tiny_cfg(run_dir, *overrides: str, **sections):
     for k, v in sections.items():
         base[k] = {**base.get(k, {}), **v} if isinstance(v, dict) else v
     return load_config(base, list(overrides))
+
+
+def tiny_recipe(path, **sections):
+    """A recipe file for the CLI tests (the engine generates, so kernel_backend stays auto):
+    the tiny model on 1-digit addition, a few SFT and GRPO steps; `sections` update it."""
+    cfg = {
+        "model": {"random_init": TINY_MODEL, "tokenizer": "char", "dtype": "float32", "device": "cpu"},
+        "data": {"train": "builtin:arithmetic", "task": {"digits": 1, "ops": "+"}, "train_size": 60,
+                 "eval_size": 10, "max_prompt_len": 8},
+        "rewards": [{"name": "arithmetic"}, {"name": "length_penalty", "kwargs": {"max_len": 3}}],
+        "optim": {"lr": 1e-2, "schedule": "constant"},
+        "sft": {"steps": 3, "batch_size": 8},
+        "grpo": {"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 3},
+        "engine": {"max_num_seqs": 16},
+        "logging": {"tensorboard": True, "progress": False},
+    }
+    for k, v in sections.items():
+        cfg[k] = {**cfg.get(k, {}), **v} if isinstance(v, dict) else v
+    path.write_text(yaml.safe_dump(cfg))
+    return path
 
 
 def tiny_session(cfg, need_target=False):
