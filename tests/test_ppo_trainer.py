@@ -8,8 +8,7 @@ import json
 
 import pytest
 import torch
-import yaml
-from train_setup import TINY_MODEL, tiny_cfg, tiny_session
+from train_setup import tiny_cfg, tiny_recipe, tiny_session
 
 from rlfuse.cli import main
 from rlfuse.train.data import PromptStream, build_prompts
@@ -159,18 +158,8 @@ def test_critic_from_checkpoint_and_config_errors(tmp_path):
 
 
 def test_cli_ppo_with_the_engine(tmp_path, capsys):
-    recipe = {
-        "model": {"random_init": TINY_MODEL, "tokenizer": "char", "dtype": "float32", "device": "cpu"},
-        "data": {"train": "builtin:arithmetic", "task": {"digits": 1, "ops": "+"}, "train_size": 60,
-                 "eval_size": 10, "max_prompt_len": 8},
-        "rewards": [{"name": "arithmetic"}, {"name": "length_penalty", "kwargs": {"max_len": 3}}],
-        "optim": {"lr": 1e-2, "schedule": "constant"},
-        "ppo": {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 3, "mu": 2},
-        "engine": {"max_num_seqs": 16},
-        "logging": {"tensorboard": False, "progress": False},
-    }
-    path = tmp_path / "tiny.yaml"
-    path.write_text(yaml.safe_dump(recipe))
+    path = tiny_recipe(tmp_path / "tiny.yaml", logging={"tensorboard": False},
+                       ppo={"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2, "max_new_tokens": 3, "mu": 2})
     run_dir = tmp_path / "run"
     assert main(["ppo", str(path), "--run-dir", str(run_dir)]) == 0
     assert "ppo done: held-out accuracy" in capsys.readouterr().out
