@@ -39,11 +39,22 @@ def compiled_variants() -> dict[str, int]:
 
 @triton.jit
 def dot(a, b, acc, PREC: tl.constexpr):
-    """acc + a @ b (acc None: a @ b), PREC from `dot_precision`. "interp": Triton's CPU
-    interpreter multiplies bf16 as raw uint16 (Triton 3.9), so there the operands go up to
-    fp32 first: the same products, fp32 sums."""
+    """acc + a @ b (acc None: a @ b), PREC from `dot_precision`. "interp" (Triton's CPU
+    interpreter) does not call tl.dot: the interpreter runs it as numpy's matmul, whose
+    result for a row depends on the row's place in the tile on some CPUs (OpenBLAS
+    micro-kernels), which breaks the batch invariance the exact kernels are tested for; and
+    it multiplies bf16 as raw uint16 (Triton 3.9). So the operands go up to fp32 and each
+    element sums its fp32 products in k order by itself: the same products, fp32 sums.
+    A tile whose (M, K, N) products exceed Triton's largest tensor (2^20 elements) keeps
+    tl.dot on fp32 operands (close, not batch-invariant there)."""
     if PREC == "interp":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        if a.shape[0] * a.shape[1] * b.shape[1] <= 1048576:
+            prod = tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
+            if acc is None:
+                return prod
+            return acc + prod
+        else:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
 
