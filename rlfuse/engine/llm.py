@@ -9,7 +9,9 @@ in-place update (optimizer step, `p.copy_`) is used by the next `generate` with 
 and no sync step; CUDA graphs replay over the same parameter tensors. Cached prompt K/V
 would be stale after an update: the prefix cache is dropped when the parameters' version
 counters changed since the last request (in-place ops bump them; writes through `.data`
-do not -- call `reset_prefix_cache()` after those), and on `wake()`.
+do not -- call `reset_prefix_cache()` after those), and on `wake()`. LoRA adapters
+(`rlfuse.model.lora`) are parameters like any other; attaching them or switching them
+off/on between requests drops the prefix cache and the decode graphs too.
 
 Streaming: `add_request` (validates, names the request in any ValueError, leaves the
 other requests untouched), `step()` (one scheduler step; returns the completions that
@@ -38,6 +40,7 @@ from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status
+from rlfuse.model.lora import adapter_switches
 from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -109,6 +112,7 @@ class LLM:
         self._pending: _Launched | None = None  # a look-ahead step launched, not read yet
         self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
         self._weights_version = self._param_version()
+        self._adapters = adapter_switches(model)
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s, decode %s, numerics %s", mcfg.architecture,
@@ -130,6 +134,17 @@ class LLM:
             self._weights_version = v
             self.block_manager.reset_prefix_cache()
             log.debug("parameters changed in place: prefix cache dropped")
+        switches = adapter_switches(self.model)
+        if switches != self._adapters:
+            # LoRA adapters attached or switched on/off: cached prefixes were computed, and
+            # the decode graphs recorded, under the old forward
+            self._adapters = switches
+            self.block_manager.reset_prefix_cache()
+            if self.runner.graphs and self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)  # host sync: no replay in flight when its graph goes
+            self.runner.drop_graphs()
+            log.info("LoRA adapters changed (%d, %d on): prefix cache and decode graphs dropped", len(switches),
+                     sum(switches))
 
     # ------------------------------------------------------------------ requests
     def _validate(self, rid: str, prompt, params) -> list[int]:
