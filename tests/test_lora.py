@@ -25,7 +25,7 @@ from engine_helpers import one_thread  # noqa: F401 (fixture)
 from engine_helpers import random_prompts, tiny_model
 from test_model import _hf_logits, _loss, _ours_logits, _seqs
 from tiny_hf import FAMILIES, hf_model, rel_err
-from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.lora import lora_linear, lora_linear_ref
@@ -321,3 +321,70 @@ def test_engine_follows_the_adapter_switch():
         back = rows(llm.generate(prompts, params))
     assert first == want_lora and back == want_lora
     assert off == want_base and off != want_lora
+
+
+def test_gradient_checkpointing_and_dropout_with_adapters():
+    """Activation checkpointing recomputes the adapters' forward in backward: the same A, B
+    gradients. Dropout acts in training forwards that record gradients only."""
+    from rlfuse.model import Packed
+    model = tiny_model()
+    attach_lora(model, LoRAConfig(rank=2, dropout=0.5))
+    _randomize_adapters(model)
+    ids = torch.tensor(random_prompts([11])[0])
+    pos, attn = torch.arange(11), Packed.from_lengths([11])
+    model.eval()
+    with torch.no_grad():
+        want = model(ids, pos, attn)
+    model.train()
+    with torch.no_grad():  # e.g. a rollout on a model left in train mode: no dropout
+        assert torch.equal(model(ids, pos, attn), want)
+    assert not torch.equal(model(ids, pos, attn), want)  # a training forward drops
+    model.eval()  # no dropout: compare gradients with and without checkpointing
+    grads = []
+    for ckpt in (False, True):
+        model.gradient_checkpointing = ckpt
+        model.zero_grad(set_to_none=True)
+        with use_numerics("exact"), use_backend("torch"):
+            model(ids, pos, attn).square().sum().backward()
+        grads.append([p.grad.clone() for _, p in lora_parameters(model)])
+        assert all(p.grad is None for n, p in model.named_parameters() if ".lora_" not in n)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def _one_engine_sees_in_place_updates(device, dtype, backend):
+    """One engine (decode graphs on CUDA, static buffers on the CPU) generates, A and B are
+    updated in place (as the optimizer does), it generates again: both rollouts equal the
+    trainer's log-probs bitwise, the update changed them, and no graph was re-captured."""
+    model = tiny_model(dtype=dtype, device=device)
+    attach_lora(model, LoRAConfig(rank=8))
+    _randomize_adapters(model)
+    prompts = random_prompts(PROMPT_LENS)
+    params = SamplingParams(n=2, temperature=1.0, max_tokens=10, seed=3, ignore_eos=True)
+    rolls = []
+    with use_backend(backend):
+        llm = LLM(model, config=EngineConfig(max_num_seqs=16, numerics="exact", seed=0))
+        for step in range(2):
+            outs = llm.generate(prompts, params)
+            graphs = dict(llm.runner.graphs)
+            seqs = [(list(o.prompt_token_ids), list(o.output_token_ids)) for o in outs]
+            with use_numerics("exact"):
+                train = trainer_logprobs(model, seqs, 1.0)
+            assert all(torch.equal(t, o.logprobs) for t, o in zip(train, outs)), step
+            rolls.append(seqs)
+            with torch.no_grad():
+                for n, p in lora_parameters(model):
+                    if n.endswith("lora_B"):
+                        p.neg_()
+    assert rolls[0] != rolls[1]
+    assert llm.stats.decode_steps > 0 and dict(llm.runner.graphs) == graphs  # the same graph objects
+    if device == "cuda":
+        assert llm.stats.graph_steps > 0
+
+
+def test_one_engine_sees_in_place_adapter_updates():
+    _one_engine_sees_in_place_updates("cpu", torch.float32, "torch")
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_see_in_place_adapter_updates_gpu():
+    _one_engine_sees_in_place_updates("cuda", torch.bfloat16, "triton")
