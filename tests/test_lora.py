@@ -30,7 +30,7 @@ from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.lora import lora_linear, lora_linear_ref
 from rlfuse.model import load_model
-from rlfuse.model.lora import (LoRAConfig, adapters_off, attach_lora, lora_memory, lora_modules, lora_parameters)
+from rlfuse.model.lora import (BaseModelView, LoRAConfig, adapters_off, attach_lora, lora_memory, lora_modules, lora_parameters)
 from rlfuse.model.lora_peft import load_peft_adapter, read_peft_config, save_merged, save_peft_adapter
 
 # Relative error (2-norm) against the fp64 gold, per dtype: a few roundings of O(1) values
@@ -216,6 +216,7 @@ def test_attach_freezes_the_base_and_adapters_off_is_the_base_model_bitwise():
         on = model(ids, pos, attn)
         with adapters_off(model):
             assert torch.equal(model(ids, pos, attn), before)
+        assert torch.equal(BaseModelView(model).eval()(ids, pos, attn), before)
         assert torch.equal(model(ids, pos, attn), on) and not torch.equal(on, before)
     assert names == [f"model.layers.{i}.self_attn.{p}" for i in range(2) for p in ("q_proj", "v_proj")]
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]

@@ -3,6 +3,7 @@
     attach_lora(model, LoRAConfig(rank=8))     # q/k/v/o/gate/up/down of every layer
     opt = AdamW([p for _, p in lora_parameters(model)])   # A and B only
     with adapters_off(model): ref = forward(...)          # the base model, same weights
+    ref_model = BaseModelView(model)                      # the same, called like the model
 
 `attach_lora` swaps each target projection (a `transformer.Linear`) for a `LoRALinear`
 that shares the projection's weight and bias tensors (nothing is copied) and adds the
@@ -167,6 +168,36 @@ def adapters_off(model: nn.Module):
     finally:
         for m, e in zip(mods, was):
             m.enabled = e
+
+
+class BaseModelView:
+    """The model with its adapters off, called like the model: the KL / DPO reference with
+    no second copy of the weights. `requires_grad_` and `eval` are accepted and do nothing
+    (the base is frozen already, and switching the view to eval would switch the policy);
+    a no-grad forward never applies dropout anyway."""
+
+    def __init__(self, model: CausalLM):
+        if not has_lora(model):
+            raise ValueError("BaseModelView: the model has no LoRA adapters")
+        self.model = model
+
+    def __call__(self, *args, **kwargs):
+        with adapters_off(self.model):
+            return self.model(*args, **kwargs)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.lm_head_weight
+
+    def requires_grad_(self, requires_grad: bool = True) -> "BaseModelView":
+        return self
+
+    def eval(self) -> "BaseModelView":
+        return self
 
 
 @torch.no_grad()
