@@ -2,6 +2,7 @@
 
     rlfuse generate MODEL_DIR --prompt "2+2=" --prompt "Hello" --max-tokens 64
     rlfuse generate MODEL_DIR --prompts-file prompts.txt --chat --temperature 0.7 --n 4 --json
+    rlfuse generate BASE_MODEL_DIR --adapter PEFT_ADAPTER_DIR --prompt "2+2="
 One completion per line (text), or with --json one JSON object per completion: prompt
 index, sample index, output ids, text, finish reason, sum of log-probs.
 """
@@ -15,6 +16,7 @@ import torch
 
 from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.train.build import check_model_folder
 from rlfuse.train.checkpoint import load_model_folder
@@ -25,6 +27,8 @@ HELP = "generate completions for prompts with the built-in engine"
 def add_arguments(p) -> None:
     p.add_argument("model", help="HF model folder (config.json, safetensors, tokenizer.json) or a training "
                                  "checkpoint folder (either layout, one-process or sharded)")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder (adapter_config.json + "
+                                                   "adapter_model.safetensors) applied to MODEL, unmerged")
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
@@ -64,6 +68,8 @@ def run(args) -> int:
         folder = folder / "model" if (folder / "model" / "config.json").exists() else folder  # a checkpoint
         # the model first: a missing or wrong folder is reported as such, not as a missing tokenizer
         model = load_model_folder(folder, device=device, dtype=args.dtype).eval()
+        if args.adapter:
+            load_peft_adapter(model, args.adapter)
         tok = Tokenizer.from_pretrained(folder)
         if args.chat:
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
