@@ -6,40 +6,43 @@ adapter branch's input, defaults to x (the model passes dropout(x) while trainin
 float dtype for all tensors; y (..., N) in x.dtype. Differentiable w.r.t. x, W, b, A, B
 (the model freezes W and b, so only A and B get gradients).
 
-The rounding is PEFT's (`peft.tuners.lora.Linear.forward`), step by step, each result
-rounded to x.dtype:
-    1. base = linear(x, W, b)          the layer as it is without the adapter
-    2. z    = linear(x_a, A)           (..., r), the shrink
-    3. d    = linear(z, B)             (..., N), the expand
-    4. y    = base + d * s             two rounded elementwise ops (never one fused
-                                       multiply-add, whose rounding depends on the path)
-Each product runs through `rlfuse.kernels.linear.linear`, so it inherits that op's two
-numerics: "fast" is F.linear (cuBLAS on GPU; on the CPU the same calls as PEFT's); "exact"
-reduces every output element in a canonical order that does not depend on the number of
-rows (Triton on CUDA, the pairwise reference on CPU). Steps 1-3 are then batch-invariant,
-and step 4 is elementwise, so row m of y depends on row m of x and the weights only:
-`torch.equal(lora_linear(x)[:k], lora_linear(x[:k]))`, and the engine's decode and
-prefill give the trainer's bits. With the adapter switched off the model calls
-`linear(x, W, b)`, step 1 alone: the base model's bits.
-
-Why three products and not one kernel: A and B are tiny (r << K, N), so steps 2-3 read
-r (K + N) weights against the base's N K; the composition also inherits the backward of
-`linear` (dA = dz^T x_a, dB = dd^T z), and under the "triton" backend each product is the
-exact-mode Triton GEMM. A fused epilogue (step 3 inside the base GEMM) would save two
-launches per layer; it is not written.
+The steps:
+    1. base = x W^T + b                 the layer as it is without the adapter
+    2. z    = x_a A^T                   (..., r), the shrink, rounded to x.dtype
+    3. d    = z B^T                     (..., N), the expand
+    4. y    = base + s d
+Numerics "fast": F.linear for 1 and 2 (cuBLAS on GPU), then 3 and 4 as one
+`torch.addmm(base, z, B^T, alpha=s)` (one GEMM whose epilogue adds base: no separate
+multiply and add kernels).
+Numerics "exact": every output element is reduced in an order that does not depend on
+the number of rows, so row m of y depends on row m of x and the weights only
+(`torch.equal(lora_linear(x)[:k], lora_linear(x[:k]))`) and the engine's decode and
+prefill give the trainer's bits:
+  * torch backend (`lora_linear_ref`): PEFT's rounding step by step, each product the exact
+    linear's reference (`rlfuse.kernels.linear.linear_exact_ref`), each result rounded to
+    x.dtype, then `base + d * s` as two rounded elementwise ops (never one fused
+    multiply-add, whose rounding depends on the code path);
+  * triton backend (`rlfuse.kernels.triton.lora`): step 2 by the exact linear, steps 1, 3
+    and 4 in one GEMM whose epilogue adds s z B^T before the single rounding.
+The two backends are each batch-invariant, not equal to each other (as for `linear`).
+With the adapter switched off the model calls `linear(x, W, b)`, step 1 alone: the base
+model's bits.
 Tests: python -m pytest -q tests/test_lora.py
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from rlfuse.kernels.linear import linear, linear_exact_ref
+from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
+from rlfuse.kernels.linear import linear_exact, linear_exact_ref
 
 
 def lora_linear_ref(x, weight, bias, lora_a, lora_b, scale: float, x_a=None):
-    """The contract written out with the exact reference products (batch-invariant on any
-    device; what `lora_linear` computes in exact numerics under the torch backend)."""
+    """The exact-mode reference: the module docstring's steps with the exact linear's
+    reference products, each rounded (what `lora_linear` computes in exact numerics under
+    the torch backend)."""
     base = linear_exact_ref(x, weight, bias)
     d = linear_exact_ref(linear_exact_ref(x if x_a is None else x_a, lora_a), lora_b)
     return base + d * scale
@@ -57,9 +60,16 @@ def _check(x, weight, lora_a, lora_b):
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float, x_a: torch.Tensor | None = None) -> torch.Tensor:
-    """Public op: the module docstring's four steps, each product through `linear` (the
-    current numerics and backend choose F.linear, the exact reference or Triton)."""
+    """Public op: the current numerics and backend pick the path (module docstring)."""
     _check(x, weight, lora_a, lora_b)
-    base = linear(x, weight, bias)
-    d = linear(linear(x if x_a is None else x_a, lora_a), lora_b)
-    return base + d * scale
+    x_a = x if x_a is None else x_a
+    if is_exact():
+        if resolve_backend("lora", x) == "triton":
+            return triton_ops("lora").lora_linear_exact_triton(x, weight, bias, lora_a, lora_b, scale, x_a)
+        # the differentiable exact products (torch backward), with lora_linear_ref's bits
+        base = linear_exact(x, weight, bias)
+        return base + linear_exact(linear_exact(x_a, lora_a), lora_b) * scale
+    N, r = weight.shape[0], lora_a.shape[0]
+    base = F.linear(x, weight, bias).reshape(-1, N)
+    z = F.linear(x_a, lora_a).reshape(-1, r)
+    return torch.addmm(base, z, lora_b.t(), alpha=scale).view(*x.shape[:-1], N)
