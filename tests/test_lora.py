@@ -28,12 +28,14 @@ from engine_helpers import one_thread  # noqa: F401 (fixture)
 from engine_helpers import random_prompts, tiny_model
 from test_model import _hf_logits, _loss, _ours_logits, _seqs
 from tiny_hf import FAMILIES, hf_model, rel_err
+from rlfuse.cli import main
 from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.lora import lora_linear, lora_linear_ref
 from rlfuse.model import load_model
-from rlfuse.model.lora import (BaseModelView, LoRAConfig, adapters_off, attach_lora, lora_memory, lora_modules, lora_parameters)
+from rlfuse.model.lora import (BaseModelView, LoRAConfig, adapters_off, attach_lora, init_lora_, lora_memory,
+                               lora_modules, lora_parameters)
 from rlfuse.model.lora_peft import load_peft_adapter, read_peft_config, save_merged, save_peft_adapter
 
 # Relative error (2-norm) against the fp64 gold, per dtype: a few roundings of O(1) values
@@ -161,10 +163,7 @@ def pair(request, tmp_path_factory):
 
 def _randomize_adapters(model, seed=5):
     """B = 0 after init leaves the model unchanged: draw B too, so a wrong adapter shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for _, p in lora_parameters(model):
-            p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    init_lora_(model, seed, b_std=0.2)
 
 
 def test_peft_adapter_loads_with_peft_logits_and_grads(pair, tmp_path):
@@ -295,9 +294,9 @@ def _sweep(tokens):
     return {s.name: s for s in default_sweep(8, small_pool_blocks=2 * -(-need // 16), chunk_tokens=16)}
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_rollout_equals_trainer_with_lora(dtype):
-    model = _lora_model(dtype)
+def test_exact_rollout_equals_trainer_with_lora_bf16():
+    """The sweep in bf16 (fp32: `rlfuse check --tiny --lora-rank` below)."""
+    model = _lora_model(torch.bfloat16)
     prompts = random_prompts(PROMPT_LENS)
     with use_backend("torch"):
         for s in _sweep(12).values():
@@ -310,6 +309,16 @@ def test_exact_rollout_equals_trainer_with_lora(dtype):
         r2 = run_setting(model, prompts, _sweep(12)["combined"], numerics="exact", max_tokens=12, temperature=1.0)
         assert r2.bitwise_frac == 1.0, (r2.row(), r2.first_diff)
         assert r2.sequences != r.sequences  # the update changed the rollouts
+
+
+def test_check_cli_with_a_random_adapter(tmp_path, capsys):
+    rc = main(["check", "--tiny", "--lora-rank", "4", "--numerics", "exact", "--max-batch", "4", "--max-tokens", "6",
+               "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr()
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert report["adapter"] == "random rank 4" and len(report["settings"]) == 8
+    assert all(row["bitwise_frac"] == 1.0 and row["tokens"] > 0 for row in report["settings"])
+    assert "LoRA on 14 projections" in capsys.readouterr().out
 
 
 def test_exact_rollout_equals_trainer_with_lora_triton():

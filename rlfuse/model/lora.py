@@ -201,15 +201,17 @@ class BaseModelView:
 
 
 @torch.no_grad()
-def init_lora_(model: nn.Module, seed: int = 0) -> None:
-    """PEFT's init: A kaiming-uniform (bound 1/sqrt(in)), drawn in fp32 on the CPU from
-    `seed` so every device and dtype starts from the same values; B zero."""
+def init_lora_(model: nn.Module, seed: int = 0, b_std: float = 0.0) -> None:
+    """PEFT's init: A kaiming-uniform (bound 1/sqrt(in)), B zero, drawn in fp32 on the CPU
+    from `seed` so every device and dtype starts from the same values. `b_std` > 0 draws B
+    from N(0, b_std^2) instead: an adapter that changes the output from the start, for
+    checks and tests (with B = 0 they would compare the base model)."""
     g = torch.Generator().manual_seed(seed)
     for _, m in lora_modules(model):
         bound = 1.0 / math.sqrt(m.in_features)
-        a = torch.empty(m.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g)
-        m.lora_A.copy_(a)
-        m.lora_B.zero_()
+        m.lora_A.copy_(torch.empty(m.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g))
+        m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * b_std if b_std > 0 else
+                       torch.zeros(m.lora_B.shape))
 
 
 def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
