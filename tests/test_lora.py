@@ -421,3 +421,11 @@ def test_one_engine_sees_in_place_adapter_updates():
 @pytest.mark.gpu
 def test_cuda_graphs_see_in_place_adapter_updates_gpu():
     _one_engine_sees_in_place_updates("cuda", torch.bfloat16, "triton")
+
+
+def test_critic_from_a_lora_policy_copies_the_base_trunk():
+    from rlfuse.model.scalar_head import ScalarHeadModel
+    base = ScalarHeadModel.from_causal_lm(tiny_model())
+    policy = _lora_model(torch.float32)
+    critic = ScalarHeadModel.from_causal_lm(policy)
+    assert all(torch.equal(a, b) for a, b in zip(critic.state_dict().values(), base.state_dict().values()))
