@@ -18,8 +18,7 @@ from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.train.build import check_model_folder
-from rlfuse.train.checkpoint import load_model_folder
+from rlfuse.run import check_model_folder, load_model_folder
 
 HELP = "generate completions for prompts with the built-in engine"
 
