@@ -38,7 +38,7 @@ def test_generate_cli_json(tmp_path, capsys, adapter):
         with torch.no_grad():
             for _, p in lora_parameters(model):
                 p.normal_(0.0, 0.3, generator=g)
-        save_peft_adapter(model, tmp_path / "adapter", cfg)
+        save_peft_adapter(model, tmp_path / "adapter")
         extra = ["--adapter", str(tmp_path / "adapter")]
     prompt = "".join(CHARS[i] for i in (5, 17, 3, 99))
     rc = main(["--log-level", "WARNING", "generate", str(tmp_path / "m"), "--prompt", prompt, "--max-tokens", "6",

@@ -199,7 +199,7 @@ def test_our_adapter_and_merged_export_load_in_transformers(pair, tmp_path):
     cfg = LoRAConfig(rank=3, alpha=5.0)
     attach_lora(ours, cfg)
     _randomize_adapters(ours)
-    save_peft_adapter(ours, tmp_path / "adapter", cfg)
+    save_peft_adapter(ours, tmp_path / "adapter")
     seqs = _seqs(hf.config.vocab_size, seed=6)
     with torch.no_grad(), use_backend("torch"):
         mine = _ours_logits(ours, seqs)
@@ -264,7 +264,7 @@ def test_peft_folder_errors(tmp_path):
     model = tiny_model()
     cfg = LoRAConfig(rank=2)
     attach_lora(model, cfg)
-    save_peft_adapter(model, tmp_path / "a", cfg)
+    save_peft_adapter(model, tmp_path / "a")
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_peft_config(tmp_path)
     d = json.loads((tmp_path / "a" / "adapter_config.json").read_text())

@@ -109,19 +109,20 @@ class LoRAConfig:
 class LoRALinear(Linear):
     """A target projection with its adapter: y = x W^T + b + s (x A^T) B^T through
     `rlfuse.kernels.lora.lora_linear`. `weight` and `bias` are the base projection's own
-    tensors (same state-dict names); `lora_A`, `lora_B` are the adapter."""
+    tensors (same state-dict names); `lora_A`, `lora_B` are the adapter, `cfg` the
+    LoRAConfig it was attached with."""
 
     adapter_params = ("lora_A", "lora_B")
     """Parameters that are no part of the HF checkpoint (`rlfuse.model.weights` skips them)."""
 
-    def __init__(self, base: Linear, rank: int, scale: float, dropout: float):
+    def __init__(self, base: Linear, cfg: LoRAConfig):
         nn.Module.__init__(self)
         self.in_features, self.out_features = base.in_features, base.out_features
         self.weight, self.bias = base.weight, base.bias
         w = base.weight
-        self.lora_A = nn.Parameter(torch.empty(rank, self.in_features, dtype=w.dtype, device=w.device))
-        self.lora_B = nn.Parameter(torch.zeros(self.out_features, rank, dtype=w.dtype, device=w.device))
-        self.scale, self.dropout, self.enabled = scale, dropout, True
+        self.lora_A = nn.Parameter(torch.empty(cfg.rank, self.in_features, dtype=w.dtype, device=w.device))
+        self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=w.dtype, device=w.device))
+        self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
 
     def forward(self, x):
         if not self.enabled:
@@ -149,6 +150,14 @@ def has_lora(model: nn.Module) -> bool:
     return any(isinstance(m, LoRALinear) for m in model.modules())
 
 
+def lora_config(model: nn.Module) -> LoRAConfig:
+    """The LoRAConfig the model's adapters were attached with."""
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("the model has no LoRA adapters")
+    return mods[0][1].cfg
+
+
 def adapter_switches(model: nn.Module) -> tuple[bool, ...]:
     """Each adapter's on/off state, in module order (() without adapters): the engine
     compares it between requests, since its decode graphs and cached prefixes were
@@ -172,8 +181,8 @@ def adapters_off(model: nn.Module):
 
 class BaseModelView:
     """The model with its adapters off, called like the model: the KL / DPO reference with
-    no second copy of the weights. `requires_grad_` and `eval` are accepted and do nothing
-    (the base is frozen already, and switching the view to eval would switch the policy);
+    no second copy of the weights. `requires_grad_`, `eval` and `train` are accepted and do
+    nothing (the base is frozen already, and switching the view would switch the policy);
     a no-grad forward never applies dropout anyway."""
 
     def __init__(self, model: CausalLM):
@@ -193,10 +202,17 @@ class BaseModelView:
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head_weight
 
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
     def requires_grad_(self, requires_grad: bool = True) -> "BaseModelView":
         return self
 
     def eval(self) -> "BaseModelView":
+        return self
+
+    def train(self, mode: bool = True) -> "BaseModelView":
         return self
 
 
@@ -226,7 +242,7 @@ def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]
         leaf = name.rsplit(".", 1)[-1]
         if leaf in cfg.target_names and type(mod) is Linear and name.startswith("model.layers."):
             parent = model.get_submodule(name.rsplit(".", 1)[0])
-            setattr(parent, leaf, LoRALinear(mod, cfg.rank, cfg.scale, float(cfg.dropout)))
+            setattr(parent, leaf, LoRALinear(mod, cfg))
             names.append(name)
     if not names:
         raise ValueError(f"attach_lora: no projection named {list(cfg.target_names)} in the model")

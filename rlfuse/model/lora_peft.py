@@ -7,6 +7,7 @@ module names being the `transformers` ones, which are ours. So:
 
     load_peft_adapter(model, folder)        # attach + load A and B
     save_peft_adapter(model, folder)        # PeftModel.from_pretrained(hf_model, folder) loads it
+    load_peft_weights(model, folder)        # into adapters attached already (resume)
     save_merged(model, folder)              # an HF folder with W + s B A rounded into W
 
 Only plain LoRA is read: DoRA, adapter biases, modules_to_save, per-module rank or alpha
@@ -26,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_modules
+from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
 from rlfuse.model.transformer import CausalLM
-from rlfuse.model.weights import save_tensors_file, hf_parameters, save_model
+from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
 
 log = logging.getLogger(__name__)
 
@@ -107,49 +108,65 @@ def load_peft_adapter(model: CausalLM, folder: str | Path, cfg: LoRAConfig | Non
     folder = Path(folder)
     found, modules = read_peft_config(folder)
     eff = _agree(cfg, found, folder) if cfg is not None else found
-    names = set(attach_lora(model, eff))
-    wanted = set(modules.values())
-    if names != wanted:
-        extra = sorted(names - wanted)[:3] or sorted(wanted - names)[:3]
-        raise ValueError(f"{folder / WEIGHTS_FILE}: adapts {len(wanted)} modules, the model's "
-                         f"{list(eff.target_names)} are {len(names)} (e.g. {extra} differ); per-layer subsets "
-                         f"are not supported")
+    attach_lora(model, eff)
+    load_peft_weights(model, folder, modules)
+    log.info("LoRA: loaded the adapter %s (rank %d, alpha %g, %d modules)", folder, eff.rank, eff.alpha,
+             len(modules) // 2)
+    return eff
+
+
+@torch.no_grad()
+def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, str] | None = None) -> None:
+    """Copy the folder's A and B into the model's adapters (attached already, e.g. a
+    resumed run's): the folder must adapt exactly the model's modules, at its rank."""
+    folder = Path(folder)
+    if modules is None:
+        modules = read_peft_config(folder)[1]
     mods = dict(lora_modules(model))
+    wanted = set(modules.values())
+    if set(mods) != wanted:
+        differ = sorted(set(mods) ^ wanted)[:3]
+        raise ValueError(f"{folder / WEIGHTS_FILE}: adapts {len(wanted)} modules, the model has adapters on "
+                         f"{len(mods)} (e.g. {differ} differ); per-layer subsets are not supported")
     with safe_open(folder / WEIGHTS_FILE, framework="pt") as f:
         for key, mod in modules.items():
             t = f.get_tensor(key)
             p = getattr(mods[mod], "lora_A" if key.endswith("lora_A.weight") else "lora_B")
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{folder / WEIGHTS_FILE}: {key} has shape {tuple(t.shape)}, the model with "
-                                 f"rank {eff.rank} expects {tuple(p.shape)}")
+                raise ValueError(f"{folder / WEIGHTS_FILE}: {key} has shape {tuple(t.shape)}, the model's adapter "
+                                 f"expects {tuple(p.shape)} (another rank?)")
             p.copy_(t)
-    log.info("LoRA: loaded the adapter %s (rank %d, alpha %g, %d modules)", folder, eff.rank, eff.alpha, len(names))
-    return eff
 
 
-def save_peft_adapter(model: CausalLM, folder: str | Path, cfg: LoRAConfig, *,
-                      base_model_name_or_path: str | None = None) -> Path:
+def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or_path: str | None = None,
+                      tokenizer_dir: str | Path | None = None) -> Path:
     """Write adapter_config.json + adapter_model.safetensors as PEFT does, so
-    `peft.PeftModel.from_pretrained(transformers_model, folder)` applies this adapter.
-    `cfg` is the config the adapters were attached with."""
+    `peft.PeftModel.from_pretrained(transformers_model, folder)` applies this adapter
+    (atomically: a temporary sibling renamed over `folder`); the tokenizer files of
+    `tokenizer_dir` go beside them."""
     mods = lora_modules(model)
     if not mods:
         raise ValueError("save_peft_adapter: the model has no LoRA adapters")
+    cfg = lora_config(model)
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for name, m in mods:
         tensors[_tensor_key(name, "lora_A")] = m.lora_A.detach().contiguous().cpu()
         tensors[_tensor_key(name, "lora_B")] = m.lora_B.detach().contiguous().cpu()
-    save_tensors_file(tensors, folder / WEIGHTS_FILE, {"format": "pt"})
-    d = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-         "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": list(cfg.target_names),
-         "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
-         "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None, "layers_pattern": None,
-         "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model_name_or_path,
-         "revision": None}
-    (folder / CONFIG_FILE).write_text(json.dumps(d, indent=2))
+    with atomic_folder(folder) as tmp:
+        save_tensors_file(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, base_model_name_or_path), indent=2))
+        copy_side_files(tokenizer_dir, tmp)
     return folder
+
+
+def _peft_config(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": list(cfg.target_names),
+            "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+            "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model_name_or_path,
+            "revision": None}
 
 
 @torch.no_grad()

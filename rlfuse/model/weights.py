@@ -9,6 +9,7 @@ ValueError naming the tensor and file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -115,6 +116,34 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     atomically: into a temporary sibling folder, then renamed over `folder`. The weights
     are `hf_parameters(model)`, or `tensors` (name -> tensor, e.g. LoRA merged in)."""
     folder = Path(folder)
+    with atomic_folder(folder) as tmp:
+        named = hf_parameters(model) if tensors is None else list(tensors.items())
+        _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
+        cfg = model.config.to_hf()
+        out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
+        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        copy_side_files(tokenizer_dir, tmp)
+        if not (tmp / "generation_config.json").exists():
+            gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return folder
+
+
+def copy_side_files(tokenizer_dir: str | Path | None, folder: Path) -> None:
+    """The tokenizer and generation files of `tokenizer_dir` (SIDE_FILES) into `folder`."""
+    if tokenizer_dir is None:
+        return
+    for name in SIDE_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy2(src, folder / name)
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: Path):
+    """Yield a temporary sibling of `folder` to fill; on success it is renamed over
+    `folder` (an old one moved aside first, removed last), on an error it is removed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     # not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder, private to this user
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
@@ -122,20 +151,7 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        named = hf_parameters(model) if tensors is None else list(tensors.items())
-        _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
-        cfg = model.config.to_hf()
-        out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
-        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if tokenizer_dir is not None:
-            for name in SIDE_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.exists():
-                    shutil.copy2(src, tmp / name)
-        if not (tmp / "generation_config.json").exists():
-            gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        yield tmp
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old")
             if old.exists():
@@ -148,7 +164,6 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
 
 
 @functools.cache

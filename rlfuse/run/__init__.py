@@ -5,6 +5,7 @@ by module where a report is written."""
 
 from rlfuse.run.batching import PackedBatch, pack_by_tokens
 from rlfuse.run.build import (
+           apply_lora,
            build_engine,
            build_model,
            build_tokenizer,
@@ -19,6 +20,6 @@ from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.run.resume import load_checkpoint, load_model_folder, resolve_resume
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer", "RunLog",
-           "build_engine", "build_model", "build_tokenizer", "check_model_folder", "clip_grad_norm_", "data_lines",
+           "apply_lora", "build_engine", "build_model", "build_tokenizer", "check_model_folder", "clip_grad_norm_", "data_lines",
            "load_checkpoint", "load_model_folder", "lr_at", "pack_by_tokens", "peak_memory_mb", "pick_device",
            "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final", "seed_everything"]

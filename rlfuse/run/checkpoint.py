@@ -3,11 +3,14 @@ step. Reading them back, verification and resume: rlfuse/run/resume.py.
 
 Layout: RUN_DIR/checkpoints/step_000012/
     model/               config.json + model.safetensors (+ tokenizer files): loads in transformers
+    adapter/             instead of model/ with LoRA (model.lora): the PEFT adapter folder
+                         (A and B + tokenizer files); the frozen base is the recipe's model.path
     optimizer.pt         MasterAdamW.state_dict() (fp32 masters, moments, step count)
     state.pt             trainer state: step, data stream positions, RNG states (python,
                          numpy, torch CPU, torch CUDA), extra (e.g. the reference-model flag)
     COMPLETE             written last: the step, then "<bytes> <file>" for every file
-RUN_DIR/final/ holds the last weights (HF folder) for the next stage (`save_final`).
+RUN_DIR/final/ holds the last weights (HF folder) for the next stage (`save_final`); with
+LoRA the PEFT adapter folder (use it as model.lora.path, or `--adapter` of generate / eval).
 
 Data-parallel runs (a DistContext `dist`, FSDP2-sharded model) write the sharded layout:
 RUN_DIR/checkpoints/step_000012/
@@ -51,6 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlfuse.model.lora import has_lora
+from rlfuse.model.lora_peft import save_peft_adapter
 from rlfuse.model.weights import save_model
 from rlfuse.run.distributed.context import DistContext, gather_results, on_main
 from rlfuse.run.distributed.dcp import save_hf_export, save_sharded
@@ -128,7 +133,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
         tok_dir = None
         if tokenizer is not None:
             tok_dir = tokenizer.save(tmp / "tokenizer")
-        save_model(model, tmp / "model", tokenizer_dir=tok_dir)
+        save_weights(model, tmp, tokenizer_dir=tok_dir)
         if tok_dir is not None:
             shutil.rmtree(tok_dir)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -148,6 +153,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
     _rotate(run_dir, keep_last)
     log.info("checkpoint step %d -> %s", step, final)
     return final
+
+
+def save_weights(model, folder: Path, *, tokenizer_dir=None) -> None:
+    """A one-process checkpoint's weights into `folder`: model/ (HF folder), or with LoRA
+    adapter/ (the PEFT folder: A and B only, the base is frozen)."""
+    if has_lora(model):
+        save_peft_adapter(model, folder / "adapter", tokenizer_dir=tokenizer_dir)
+    else:
+        save_model(model, folder / "model", tokenizer_dir=tokenizer_dir)
 
 
 def _rotate(run_dir: str | Path, keep_last: int) -> None:
@@ -219,10 +233,13 @@ def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext 
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None else None
-            save_model(model, final, tokenizer_dir=tok_dir)
+            if has_lora(model):
+                save_peft_adapter(model, final, tokenizer_dir=tok_dir)
+            else:
+                save_model(model, final, tokenizer_dir=tok_dir)
     except (OSError, RuntimeError) as e:
         raise _write_error(final, e) from e
-    log.info("final weights -> %s", final)
+    log.info("final %s -> %s", "LoRA adapter (PEFT folder)" if has_lora(model) else "weights", final)
     return final
 
 

@@ -8,6 +8,8 @@ and GRPO on one model; tests use a tiny sampler).
 With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
 and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
+With model.lora the adapters go onto the model (built or passed in) before the engine or
+an optimizer is built on it (`rlfuse.run.build.apply_lora`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
 from rlfuse.rollout import EngineSampler, RewardSet
-from rlfuse.run import build_engine, build_model, build_tokenizer, pick_device, seed_everything
+from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, pick_device, seed_everything
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -87,6 +89,10 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
         model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
+    if cfg.model.lora is not None and dist is not None:
+        raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
+                         "process or drop model.lora")
+    apply_lora(model, cfg.model, seed=cfg.seed)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
     if dist is not None:

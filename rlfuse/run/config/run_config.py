@@ -149,6 +149,7 @@ RANGES: dict[str, str] = {
     "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
     "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
     "dpo.beta": "> 0", "dpo.label_smoothing": "[0, 0.5)", "dpo.eval_every": ">= 0",
+    "model.lora.rank": "> 0", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
 }
 """The valid range of every numeric field of RunConfig, checked at load (`check_ranges`):
 "> 0", ">= 0", ">= 1", an interval "[0, 1)" / "(0, 1]" / "[0, 1]", or "any" (finite). A
@@ -172,6 +173,8 @@ def _range_values(cfg, key: str):
     if head.endswith("]"):
         head, idx = head[:-1].split("[")
     v = getattr(cfg, head)
+    if v is None and rest:  # an optional section left out (model.lora: null)
+        return []
     if idx == "":
         return [(f"{head}[{i}].{n}", x) for i, item in enumerate(v) for n, x in _range_values(item, rest)]
     if idx is not None:

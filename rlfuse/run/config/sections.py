@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlfuse.model.lora import LoRAConfig
+
 _DC = dict(frozen=True, kw_only=True, slots=True)
 
 
@@ -27,6 +29,10 @@ class ModelSpec:
     """Recompute each layer's activations in the backward pass (less memory, one more forward)."""
     kernel_backend: str = "auto"
     """rlfuse.kernels backend: auto, torch or triton."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters trained on the frozen base (docs/lora.md); null: full fine-tune. `lora: {}`
+    takes every default (rank 16, alpha 32, all linear layers); set optim.lr ~10x the full
+    fine-tune's."""
 
 
 @dataclasses.dataclass(**_DC)
