@@ -1,4 +1,4 @@
-"""Imports point down only: kernels -> model -> engine -> consistency -> train -> recipes -> cli.
+"""Imports point down only: kernels -> model -> engine -> consistency -> train -> api -> serve -> recipes -> cli.
 
 An `ast` walk over every module: a module of layer L may import rlfuse modules of
 layers <= L only (its own layer included). Triton is an optional dependency: only
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-LAYERS = ["utils", "kernels", "model", "engine", "consistency", "train", "recipes", "cli"]
+LAYERS = ["utils", "kernels", "model", "engine", "consistency", "train", "api", "serve", "recipes", "cli"]
 ROOT = Path(__file__).resolve().parents[1] / "rlfuse"
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from rlfuse.engine import EngineConfig
+from rlfuse.kernels.backend import NUMERICS
 from rlfuse.train.build import pick_device
 from rlfuse.train.config import RunConfig, load_config
 from rlfuse.train.config_io import describe
@@ -89,6 +91,25 @@ def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None)
         return
     with fail_together(ctx, "run folder"):
         prepare()
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and engine options of the inference commands (generate, serve)."""
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one engine step")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--numerics", choices=NUMERICS, default="fast",
+                   help="engine numerics: exact = batch-invariant kernels, each request's log-probs independent "
+                        "of the batch it ran in (docs/numerics.md)")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+                        numerics=args.numerics)
 
 
 def print_summary(command: str, res: dict) -> None:
