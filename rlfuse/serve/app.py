@@ -52,7 +52,7 @@ class _Call:
         try:
             for i, ids in enumerate(self.prompts):
                 rid = f"{self.id}-{i}"
-                await self.app.worker.submit(rid, ids, self.params, self.events, i)
+                await self.app.worker.submit(rid, ids, self.params, self.events, i, stream=self.req.stream)
                 self.rids.append(rid)
                 self.open += self.params.n
         except ValueError as e:

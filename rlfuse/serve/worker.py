@@ -55,6 +55,7 @@ class Done:
 @dataclasses.dataclass(slots=True)
 class _Live:
     publish: Callable[[object], None]
+    stream: bool                     # publish Deltas (else only Done events)
     sent: list[int]                  # per sample: output tokens already published
     text: list[IncrementalText]
     remaining: int                   # samples not finished yet
@@ -85,16 +86,16 @@ class EngineWorker:
 
     # ------------------------------------------------------------------ called from the event loop
     async def submit(self, request_id: str, prompt: list[int], params: SamplingParams, events: asyncio.Queue,
-                     tag: int = 0) -> None:
-        """Queue a request; its `Delta`/`Done` events arrive on `events` as (tag, event)
-        (an exception instead if the engine loop fails). Raises the engine's ValueError if
-        it refuses the request."""
+                     tag: int = 0, stream: bool = True) -> None:
+        """Queue a request; its events arrive on `events` as (tag, event): `Delta`s (only if
+        `stream`) and one `Done` per sample, or an exception if the engine loop fails.
+        Raises the engine's ValueError if it refuses the request."""
         loop = asyncio.get_running_loop()
 
         def publish(ev):
             loop.call_soon_threadsafe(events.put_nowait, (tag, ev))
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(("add", request_id, prompt, params, publish, fut))
+        self._send(("add", request_id, prompt, params, publish, stream, fut))
         await asyncio.wrap_future(fut)
 
     def abort(self, request_id: str) -> None:
@@ -140,14 +141,14 @@ class EngineWorker:
     def _run(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
-            _, rid, prompt, params, publish, fut = cmd
+            _, rid, prompt, params, publish, stream, fut = cmd
             try:
                 self.llm.add_request(prompt, params, request_id=rid)
             except ValueError as e:
                 fut.set_exception(e)
                 return
             tok = self.llm.tokenizer
-            self._live[rid] = _Live(publish, [0] * params.n,
+            self._live[rid] = _Live(publish, stream, [0] * params.n,
                                     [IncrementalText(tok, skip_special_tokens=params.skip_special_tokens,
                                                      stop=params.stop) for _ in range(params.n)], params.n)
             fut.set_result(None)
@@ -170,7 +171,7 @@ class EngineWorker:
         for c in finished:
             done.setdefault(c.request_id, []).append(c)
         for rid, live in list(self._live.items()):
-            for k, (ids, lps) in enumerate(self.llm.partial(rid, live.sent)):
+            for k, (ids, lps) in enumerate(self.llm.partial(rid, live.sent) if live.stream else ()):
                 if ids:
                     live.sent[k] += len(ids)
                     live.publish(Delta(k, ids, lps, live.text[k].add(ids)))
