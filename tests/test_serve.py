@@ -232,10 +232,8 @@ def test_disconnect_frees_its_sequence(server, client):
     before = server.llm.stats.output_tokens
     stream = client.completions.create(model=NAME, prompt="long", max_tokens=150, temperature=1.0, seed=3,
                                        stream=True, extra_body={"ignore_eos": True})
-    got = 0
-    for ch in stream:
-        got += 1
-        if got == 3:
+    for got, _ in enumerate(stream, 1):
+        if got == 3:  # a few chunks in: the client goes away
             break
     stream.close()
     h = _wait_idle(server)
@@ -270,7 +268,8 @@ def test_adapter_is_refused(folder, capsys):
 
 
 def test_serve_command(folder):
-    """`rlfuse serve` as a user starts it: a subprocess on a free port, the model list, one completion."""
+    """`rlfuse serve` as a user starts it (exact numerics): a subprocess on a free port, the
+    model list, one completion."""
     import os
     import socket
     import subprocess
@@ -279,9 +278,9 @@ def test_serve_command(folder):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "rlfuse", "serve", str(folder), "--port", str(port),
-                             "--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "4"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = [sys.executable, "-m", "rlfuse", "serve", str(folder), "--port", str(port), "--device", "cpu",
+           "--max-model-len", "64", "--max-num-seqs", "4", "--numerics", "exact"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0, timeout=30)
         for _ in range(600):  # bounded: 60 s

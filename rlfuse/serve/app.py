@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from rlfuse.engine import LLM, SamplingParams
 from rlfuse.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_message
-from rlfuse.serve.worker import Delta, Done, EngineWorker
+from rlfuse.serve.worker import Done, EngineWorker
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 1.0
