@@ -113,6 +113,8 @@ class EngineWorker:
         if not self.alive:
             raise RuntimeError(f"the engine loop is not running ({self.error or 'stopped'})")
         self._inbox.put(cmd)
+        if self.error is not None:  # the loop died between the check and the put: nobody reads the inbox
+            self._fail_inbox(self.error)
 
     # ------------------------------------------------------------------ the worker thread
     def _loop(self) -> None:
