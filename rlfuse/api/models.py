@@ -15,8 +15,7 @@ import torch
 
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.transformer import CausalLM
-from rlfuse.train.build import check_model_folder, pick_device
-from rlfuse.train.checkpoint import latest, load_model_folder
+from rlfuse.run import check_model_folder, list_checkpoints, load_model_folder, pick_device
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +32,10 @@ def resolve_model_folder(path: str | Path, what: str = "MODEL") -> Path:
     if (p / "final" / "config.json").exists():  # a run: its final weights
         log.info("%s: the run's final weights %s", p, p / "final")
         return p / "final"
-    ckpt = latest(p)
-    if ckpt is not None:  # a run without final/: its latest checkpoint
-        log.info("%s: no final/; the run's latest checkpoint %s", p, ckpt)
-        return resolve_model_folder(ckpt, what)
+    ckpts = list_checkpoints(p)
+    if ckpts:  # a run without final/: its latest complete checkpoint
+        log.info("%s: no final/; the run's latest checkpoint %s", p, ckpts[-1])
+        return resolve_model_folder(ckpts[-1], what)
     raise ValueError(f"{what}: {p} has no config.json; expected an HF model folder, a checkpoint folder "
                      "(model/config.json) or a run folder (final/ or checkpoints/step_*)")
 
