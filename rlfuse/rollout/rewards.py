@@ -199,7 +199,10 @@ class RewardSet:
     returns the counts summed since its previous call and resets them (for a step that
     scores in several calls); `total_error_counts` is the run's total."""
 
-    def __init__(self, specs: list[RewardSpec], on_error: str = "raise"):
+    def __init__(self, specs: list[RewardSpec], on_error: str = "raise",
+                 functions: dict[str, Callable] | None = None):
+        """`functions`: callables by spec name (the Python API's reward_funcs), used instead
+        of resolving those names."""
         if not specs:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
@@ -215,7 +218,7 @@ class RewardSet:
                 raise ValueError(f"reward {s.name!r}: `path` is for model rewards ({', '.join(MODEL_REWARDS)}); "
                                  f"a function takes its settings in kwargs")
             else:
-                fn = resolve(s.name)
+                fn = functions[s.name] if functions and s.name in functions else resolve(s.name)
                 check_kwargs(s.name, fn, s.kwargs)
                 fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)
