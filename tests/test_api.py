@@ -122,3 +122,22 @@ def test_example_script_runs(tmp_path, capsys):
     assert "sft: 2 steps" in out and "grpo: held-out reward" in out and "generate: [" in out
     assert (tmp_path / "api" / "export" / "config.json").exists()
     assert (tmp_path / "api" / "grpo" / "final" / "config.json").exists()
+
+
+def test_a_python_reward_of_another_process_is_named(tmp_path):
+    """A run's config.yaml records a lambda as python:<name>: a later process (rlfuse eval,
+    a resume without the function) is told to pass it again."""
+    from rlfuse.rollout import RewardSet
+    from rlfuse.run.config import RewardSpec
+    with pytest.raises(ValueError, match="'python:reward_0': a Python function given to the API in another process"):
+        RewardSet([RewardSpec(name="python:reward_0")])
+    fn = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
+    assert RewardSet([RewardSpec(name="python:reward_0")], functions={"python:reward_0": fn}).fns == [fn]
+
+
+def test_real_datasets_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = write_model_folder(tmp_path / "base")
+    t = SFTTrainer(str(folder), train_dataset=datasets.Dataset.from_list(SFT_ROWS[:8]), config=SMALL,
+                   run_dir=tmp_path / "r", args={"steps": 1, "batch_size": 4})
+    assert [r for _, r in t.session.train_rows] == SFT_ROWS[:8]

@@ -126,10 +126,19 @@ MODEL_REWARDS: dict[str, type] = {"reward_model": RewardModelReward}
 CORRECTNESS = ("math_accuracy", "arithmetic", "countdown")
 
 
+PYTHON_REWARD = "python:"
+"""Prefix of a reward recorded by name only (`python:<name>`): a callable a Python API
+caller passed in, which only that process holds (RewardSet's `functions`)."""
+
+
 def resolve(name: str) -> Callable:
     """A built-in name, `module:function` or `file.py:function`."""
     if name in BUILTINS:
         return BUILTINS[name]
+    if name.startswith(PYTHON_REWARD):
+        raise ValueError(f"reward {name!r}: a Python function given to the API in another process (a lambda, or "
+                         f"defined in a notebook or __main__); pass it again as reward_funcs=[...], or name a "
+                         f"module:function / file.py:function")
     if ":" not in name:
         raise ValueError(f"reward {name!r}: not a builtin ({', '.join(BUILTINS)}) and not module:function")
     mod_name, fn_name = name.rsplit(":", 1)
