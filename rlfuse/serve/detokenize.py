@@ -4,8 +4,7 @@
 now safe to send. Only a window of the last tokens is decoded per call (the window starts a
 few tokens back, so decoders that treat the first token specially, such as a leading
 space, see the same context as in a full decode). Text is held back while
-  * the window's text has a U+FFFD: the last token may end inside a multi-byte character
-    (a real U+FFFD in the output waits until `finish`);
+  * the window's text ends in U+FFFD: the last token may end inside a multi-byte character;
   * it could be the start of a stop string: the last len(longest stop) - 1 characters.
 `finish(final_text)` returns the rest of the engine's final text (cut at a stop string),
 so the deltas of a stream always add up to the non-streamed text.
@@ -37,7 +36,7 @@ class IncrementalText:
         self._ids += ids
         before = self._decode(self._ids[self._prefix:self._read])
         now = self._decode(self._ids[self._prefix:])
-        if len(now) > len(before) and "\ufffd" not in now:
+        if len(now) > len(before) and not now.endswith("\ufffd"):
             self._text += now[len(before):]
             self._prefix, self._read = self._read, len(self._ids)
         upto = max(len(self._text) - self._hold, self._sent)
