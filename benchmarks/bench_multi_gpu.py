@@ -71,7 +71,7 @@ NOT_COMPARED = ("time/", "tokens_per_s", "memory/")
 def setup(work: Path) -> None:
     """The tokenizer folder, the prompt file and the reward file (same seed every time)."""
     sys.path.insert(0, str(ROOT))
-    from rlfuse.train.build import char_tokenizer
+    from rlfuse.run.build import char_tokenizer
 
     work.mkdir(parents=True, exist_ok=True)
     letters = "abcdefghijklmnopqrstuvwxyz"
