@@ -344,6 +344,7 @@ def phase_scale(out: Path, work: Path, args) -> dict:
 def resume_from(src: Path, dst: Path, step: int) -> None:
     """A run folder holding `src`'s step checkpoint and metrics, to be continued with --resume."""
     name = f"step_{step:06d}"
+    shutil.rmtree(dst, ignore_errors=True)  # a rerun in the same --work starts from the copy again
     if (src / "checkpoints" / name).exists():
         shutil.copytree(src / "checkpoints" / name, dst / "checkpoints" / name)
         for f in ("metrics.jsonl", "config.yaml", "run.json"):
