@@ -367,7 +367,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
         for k in ("res_2to2", "res_2to1"):
             res[k] = {**metric_diff(metrics(work / k, "grpo"), metrics(work / "res_full", "grpo")),
                       "weights": weight_diff(work / k / "final", work / "res_full" / "final")}
-        for mode in ("raise", "kill"):
+        for mode in () if args.resume_only else ("raise", "kill"):
             rw = [{"name": f"{work}/reward.py:faulty", "kwargs": {"mode": mode, "rank": 1, "call": 2}}]
             cfg = recipe(work, f"fault_{mode}", "grpo", rewards=rw, steps=4, prompts=8, group=4, new=64)
             r = J.run(f"fault_{mode}", J.argv("grpo", cfg, work / f"fault_{mode}", 2, "--dist-timeout", "60"),
@@ -398,6 +398,7 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
+    ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
     SMALL[0] = args.small
