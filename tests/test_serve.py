@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import socket
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -262,6 +266,12 @@ def test_detokenize_deltas_add_up(stop):
         assert sent + inc.finish(text) == text
 
 
+def test_without_the_serve_extra_the_command_says_which(folder, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed: importing it raises ImportError
+    assert main(["serve", str(folder)]) == 2
+    assert "rlfuse serve needs the serve extra (uvicorn is not installed)" in capsys.readouterr().err
+
+
 def test_adapter_is_refused(folder, capsys):
     assert main(["serve", str(folder), "--adapter", "a"]) == 2
     assert "--adapter: LoRA adapters are not supported yet" in capsys.readouterr().err
@@ -270,10 +280,6 @@ def test_adapter_is_refused(folder, capsys):
 def test_serve_command(folder):
     """`rlfuse serve` as a user starts it (exact numerics): a subprocess on a free port, the
     model list, one completion."""
-    import os
-    import socket
-    import subprocess
-    import sys
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
