@@ -141,3 +141,19 @@ def test_real_datasets_dataset(tmp_path):
     t = SFTTrainer(str(folder), train_dataset=datasets.Dataset.from_list(SFT_ROWS[:8]), config=SMALL,
                    run_dir=tmp_path / "r", args={"steps": 1, "batch_size": 4})
     assert [r for _, r in t.session.train_rows] == SFT_ROWS[:8]
+
+
+def test_dpo_and_ppo_from_lists(tmp_path):
+    """The other two trainers on rows in memory: DPO on preference pairs, PPO with a lambda."""
+    from rlfuse import DPOTrainer, PPOTrainer
+    folder = write_model_folder(tmp_path / "base")
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+             for a in range(3) for b in range(3)]
+    dpo = DPOTrainer(str(folder), train_dataset=pairs, config=SMALL, run_dir=tmp_path / "dpo",
+                     args={"steps": 2, "batch_size": 4})
+    res = dpo.train()
+    assert res["steps"] == 2 and all("loss" in r for r in res["history"])
+    ppo = PPOTrainer(dpo, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+                     train_dataset=GRPO_ROWS, config=SMALL, run_dir=tmp_path / "ppo",
+                     args={"steps": 1, "prompts_per_step": 4, "max_new_tokens": 4})
+    assert ppo.model is dpo.model and ppo.train()["steps"] == 1
