@@ -65,12 +65,32 @@ class _Call:
         self.rids, self.open = [], 0
 
     async def next_event(self, timeout: float | None = None):
-        tag, ev = await asyncio.wait_for(self.events.get(), timeout)
+        return self._take(await asyncio.wait_for(self.events.get(), timeout))
+
+    def _take(self, item):
+        tag, ev = item
         if isinstance(ev, BaseException):
             raise APIError(503, f"the engine failed: {ev}", type="server_error")
         if isinstance(ev, Done):
             self.open -= 1
         return tag * self.params.n + ev.index, ev
+
+    async def next_events(self) -> dict[int, list]:
+        """Every event waiting now (at least one), merged per choice index into
+        [text, token ids, log-probs, finish reason, prompt ids]: a client that reads slower
+        than the engine steps gets fewer, larger chunks instead of a growing backlog."""
+        got = [await self.next_event()]
+        while not self.events.empty():
+            got.append(self._take(self.events.get_nowait()))
+        merged: dict[int, list] = {}
+        for index, ev in got:
+            m = merged.setdefault(index, ["", [], [], None, None])
+            m[0] += ev.text
+            m[1] += ev.token_ids
+            m[2] += ev.logprobs
+            if isinstance(ev, Done):
+                m[3], m[4] = _finish(ev.completion.finish_reason), ev.completion.prompt_token_ids
+        return merged
 
     # ------------------------------------------------------------------ response pieces
     def _logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
@@ -145,19 +165,16 @@ class _Call:
                 yield _sse(self._envelope(first, True))
             while self.open:
                 try:
-                    index, ev = await self.next_event()
+                    merged = await self.next_events()
                 except APIError as e:
                     yield _sse(e.body())
                     return
-                outputs += len(ev.token_ids)
-                finish = _finish(ev.completion.finish_reason) if isinstance(ev, Done) else None
-                quiet = not ev.text and finish is None and not self.req.return_token_ids and (
-                    not self.req.logprobs if self.kind == "chat" else self.req.logprobs is None)
-                if quiet:
-                    continue
-                prompt = ev.completion.prompt_token_ids if isinstance(ev, Done) else None
-                yield _sse(self._envelope([self._choice(index, ev.text, ev.token_ids, ev.logprobs, finish, True,
-                                                        prompt)], True))
+                for index, (text, ids, lps, finish, prompt) in merged.items():
+                    outputs += len(ids)
+                    quiet = not text and finish is None and not self.req.return_token_ids and (
+                        not self.req.logprobs if self.kind == "chat" else self.req.logprobs is None)
+                    if not quiet:
+                        yield _sse(self._envelope([self._choice(index, text, ids, lps, finish, True, prompt)], True))
             if self.req.include_usage:
                 body = self._envelope([], True)
                 body["usage"] = self._usage(outputs)
