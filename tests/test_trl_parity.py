@@ -258,3 +258,70 @@ def test_same_loss_and_gradients_as_trl(folder, tmp_path, case):
         assert off["clip_frac"] > off["clip_frac_low"] + off["clip_frac_high"], off  # the cap binds
     if "kl_coef" in grpo:
         assert off["kl"] > 0, off
+
+
+# ---------------------------------------------------------------------- DPO
+PAIRS = [("3+4=", "7", "8"), ("12+5=", "17", "71"), ("9+9=", "18", "19"), ("20+1=", "21", "2")]
+
+
+@pytest.mark.parametrize("reference", ["precompute", "live"])
+def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference):
+    """DPO with the sigmoid loss on 4 fixed (prompt, chosen, rejected) text pairs, two AdamW
+    steps (the first at the reference, h = 0; the second with h != 0): rlfuse's
+    `DPOTrainer.step` against `trl.DPOTrainer.train()`; TRL accumulates 2 micro-batches of 2
+    pairs, rlfuse packs by tokens. `reference` pairs rlfuse's dpo.reference with TRL's
+    precompute_ref_log_probs."""
+    import datasets
+
+    from rlfuse.train.dpo import DPOTrainer as RlfuseDPO
+    from rlfuse.train.preference import build_preference_pairs
+
+    data = folder / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in PAIRS))
+    beta = 0.5
+    cfg = load_config({
+        "model": {"path": str(folder), "dtype": "float32", "device": "cpu", "kernel_backend": "torch"},
+        "data": {"train": str(data), "shuffle": False, "max_prompt_len": 16},
+        "optim": {"lr": LR, "eps": ADAM_EPS, "schedule": "constant", "max_grad_norm": 0.0},
+        "dpo": {"steps": 2, "batch_size": len(PAIRS), "micro_batch_tokens": 24, "beta": beta, "loss": "sigmoid",
+                "reference": reference},
+        "logging": {"run_dir": str(tmp_path / "rlfuse"), "tensorboard": False, "progress": False},
+        "checkpoint": {"save_final": False},
+    })
+    ses = open_session(cfg)
+    o = cfg.optim
+    opt = RecordingAdamW(ses.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+    tr = RlfuseDPO(cfg, ses.model, opt, build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo))
+    rl_metrics = [tr.step(0), tr.step(1)]
+
+    class LossRecordingDPO(trl.DPOTrainer):
+        def compute_loss(self, model, inputs, *a, **k):
+            loss = super().compute_loss(model, inputs, *a, **k)
+            self.micro_losses = getattr(self, "micro_losses", []) + [loss.detach().clone()]
+            return loss
+
+    torch.manual_seed(0)
+    rec = _GradRecorder()
+    args = trl.DPOConfig(output_dir=str(tmp_path / "trl"), use_cpu=True, bf16=False, beta=beta,
+                         loss_type=["sigmoid"], precompute_ref_log_probs=reference == "precompute",
+                         per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
+                         learning_rate=LR, adam_epsilon=ADAM_EPS, lr_scheduler_type="constant", optim="adamw_torch",
+                         max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
+    trainer = LossRecordingDPO(model=str(folder), args=args, processing_class=transformers.AutoTokenizer.from_pretrained(folder),
+                               train_dataset=datasets.Dataset.from_list(
+                                   [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]),
+                               callbacks=[rec])
+    trainer.train()
+    # HF's Trainer divides each micro-batch loss by the accumulation steps after compute_loss
+    trl_losses = [sum(trainer.micro_losses[2 * i:2 * i + 2]) / 2 for i in range(2)]
+    assert len(opt.grads_at_step) == len(rec.grads) == 2
+    for step in range(2):
+        what = f"dpo ({reference} reference), optimizer step {step + 1}"
+        torch.testing.assert_close(torch.as_tensor(rl_metrics[step]["loss"]).float(), trl_losses[step].float(),
+                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: loss differs\n{m}")
+        worst, wname = _worst(opt.grads_at_step[step], rec.grads[step])
+        print(f"{what}: loss {float(rl_metrics[step]['loss']):.6g} vs {float(trl_losses[step]):.6g}, "
+              f"margin {float(rl_metrics[step]['rewards/margin']):.4g}, worst relative gradient difference "
+              f"{worst:.2g} ({wname})")
+        assert worst < 2e-5, f"{what}: gradients differ (worst {worst:.3g} of the largest entry, {wname})"
+    assert float(rl_metrics[1]["rewards/margin"]) != 0.0  # the second step is away from the reference
