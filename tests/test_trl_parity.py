@@ -37,12 +37,13 @@ from train_setup import one_thread  # noqa: E402
 from rlfuse.engine.config import logprob_temperature  # noqa: E402
 from rlfuse.kernels.logprob import token_logprobs  # noqa: E402
 from rlfuse.model import Packed  # noqa: E402
-from rlfuse.train.build import char_tokenizer  # noqa: E402
-from rlfuse.train.config import load_config  # noqa: E402
-from rlfuse.train.data import PromptStream, build_prompts  # noqa: E402
+from rlfuse.data import PromptStream, build_preference_pairs, build_prompts  # noqa: E402
+from rlfuse.rollout.sampler import Sample  # noqa: E402
+from rlfuse.run.build import char_tokenizer  # noqa: E402
+from rlfuse.run.config import load_config  # noqa: E402
+from rlfuse.run.optim import MasterAdamW  # noqa: E402
+from rlfuse.train.dpo import DPOTrainer as RlfuseDPO  # noqa: E402
 from rlfuse.train.grpo import GRPOTrainer as RlfuseGRPO  # noqa: E402
-from rlfuse.train.optim import MasterAdamW  # noqa: E402
-from rlfuse.train.rollout import Sample  # noqa: E402
 from rlfuse.train.session import open_session  # noqa: E402
 
 ALPHABET = "0123456789+=abcdefgh "
@@ -272,9 +273,6 @@ def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference)
     pairs, rlfuse packs by tokens. `reference` pairs rlfuse's dpo.reference with TRL's
     precompute_ref_log_probs."""
     import datasets
-
-    from rlfuse.train.dpo import DPOTrainer as RlfuseDPO
-    from rlfuse.train.preference import build_preference_pairs
 
     data = folder / "pairs.jsonl"
     data.write_text("".join(json.dumps({"prompt": p, "chosen": c, "rejected": r}) + "\n" for p, c, r in PAIRS))
