@@ -229,6 +229,8 @@ CASES = {
                        {"loss_type": "dapo", "mask_truncated": True}, 2),
     "kl": ({"loss_type": "dapo", "beta": 0.5, "use_bias_correction_kl": False},
            {"loss_type": "dapo", "kl_coef": 0.5, "kl_type": "k3"}, 1),
+    # TRL's default: the KL term weighted by the ratio (use_bias_correction_kl)
+    "kl_ratio": ({"loss_type": "dapo", "beta": 0.2}, {"loss_type": "dapo", "kl_coef": 0.2, "kl_ratio": True}, 2),
     "temperature": ({"loss_type": "grpo", "temperature": 0.7}, {"loss_type": "grpo", "temperature": 0.7}, 1),
     # TRL's cispo caps the weight at epsilon_high itself (not 1 + epsilon_high)
     "cispo": ({"loss_type": "cispo", "epsilon_high": 1.28}, {"loss_type": "cispo", "clip_high": 0.28}, 2),

@@ -102,6 +102,11 @@ class RunConfig:
             raise ValueError(f"grpo.dual_clip must be > 1 (or null), got {g.dual_clip}")
         if g.dual_clip is not None and g.loss_type == "cispo":
             raise ValueError("grpo.dual_clip does not apply to grpo.loss_type cispo (its clipped weight is detached)")
+        if g.cispo_clip_low and g.loss_type != "cispo":
+            raise ValueError(f"grpo.cispo_clip_low applies to grpo.loss_type cispo only (loss_type is {g.loss_type!r})")
+        if g.kl_ratio and g.loss_type == "gspo":
+            raise ValueError("grpo.kl_ratio weights each token's KL by that token's ratio; grpo.loss_type gspo has "
+                             "one ratio per sequence (turn kl_ratio off with gspo)")
         _check_choice("grpo.old_logprobs", g.old_logprobs, ("rollout", "recompute"))
         if g.tis_cap is not None and not g.tis_cap > 0:
             raise ValueError(f"grpo.tis_cap must be > 0 (or null), got {g.tis_cap}")
