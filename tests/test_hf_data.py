@@ -30,6 +30,7 @@ def test_save_to_disk_folders(tmp_path):
     with pytest.raises(ValueError, match=r"data.eval: .*no split 'validation'; it has \['test', 'train'\]"):
         read_hf(str(both), split="validation", field="data.eval")
     (tmp_path / "plain").mkdir()
+    assert not is_hf_source(str(tmp_path / "plain"))  # the file reader's "is a folder" error
     with pytest.raises(ValueError, match="not one written by save_to_disk"):
         read_hf(str(tmp_path / "plain"), split="train")
 
@@ -67,3 +68,30 @@ def test_columns_and_map(tmp_path):
         transform_rows(pairs, {}, lambda r: {"p": r["question"]} if r["level"] == 1 else r["nope"])
     with pytest.raises(ValueError, match="f row 0: data.map must return a dict"):
         transform_rows(pairs, {}, lambda r: None)
+
+
+def test_recipe_keys_reach_the_rows(tmp_path):
+    """data.train as a save_to_disk folder or a file, data.split / eval_split, data.columns and a
+    data.map file named relative to the recipe; hf: names are not taken for paths."""
+    from rlfuse.data import load_rows
+    from rlfuse.run.config import load_config
+
+    folder = tmp_path / "ds"
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                          "validation": datasets.Dataset.from_list(ROWS[1:])}).save_to_disk(str(folder))
+    (tmp_path / "hint.py").write_text("def hint(row):\n    return {**row, 'prompt': 'Q: ' + row['prompt']}\n")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("data:\n  train: ds\n  eval: ds\n  eval_split: validation\n"
+                      "  columns: {question: prompt, solution: answer}\n  map: hint.py:hint\n")
+    cfg = load_config(recipe, relative_to=tmp_path)
+    assert cfg.data.train == str(folder) and cfg.data.map == f"{tmp_path / 'hint.py'}:hint"
+    train = load_rows(cfg.data, "train", need_target=True)  # the SFT target: the renamed answer column
+    assert [(w, r["prompt"], r["answer"]) for w, r in train] == [(f"{folder}[train] row 0", "Q: 1+2=", "3"),
+                                                                 (f"{folder}[train] row 1", "Q: 4+4=", "8")]
+    assert [r["prompt"] for _, r in load_rows(cfg.data, "eval")] == ["Q: 4+4="]
+    recipe.write_text("data:\n  train: hf:gsm8k:main\n")
+    assert load_config(recipe, relative_to=tmp_path).data.train == "hf:gsm8k:main"
+    with pytest.raises(ValueError, match="data.columns must map"):
+        load_config(None, ["data.columns={question: 3}"])
+    with pytest.raises(ValueError, match=r"data.map 'nope.py:f': no such file"):
+        load_rows(load_config(None, [f"data.train={folder}", "data.map=nope.py:f"]).data)

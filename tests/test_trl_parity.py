@@ -307,7 +307,8 @@ def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference)
                          per_device_train_batch_size=2, gradient_accumulation_steps=2, max_steps=2,
                          learning_rate=LR, adam_epsilon=ADAM_EPS, lr_scheduler_type="constant", optim="adamw_torch",
                          max_grad_norm=0.0, logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True)
-    trainer = LossRecordingDPO(model=str(folder), args=args, processing_class=transformers.AutoTokenizer.from_pretrained(folder),
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    trainer = LossRecordingDPO(model=str(folder), args=args, processing_class=tok,
                                train_dataset=datasets.Dataset.from_list(
                                    [{"prompt": p, "chosen": c, "rejected": r} for p, c, r in PAIRS]),
                                callbacks=[rec])

@@ -28,8 +28,10 @@ HF_PREFIX = "hf:"
 
 
 def is_hf_source(src: str) -> bool:
-    """A hub name (hf:...) or a folder (datasets' save_to_disk layout)."""
-    return src.startswith(HF_PREFIX) or Path(src).is_dir()
+    """A hub name (hf:...) or a folder in datasets' save_to_disk layout (other folders stay
+    errors of the file reader)."""
+    folder = Path(src)
+    return src.startswith(HF_PREFIX) or (folder / "state.json").is_file() or (folder / "dataset_dict.json").is_file()
 
 
 def _datasets(field: str, src: str):
@@ -52,7 +54,7 @@ def read_hf(src: str, split: str, field: str = "data.train") -> list[tuple[str, 
             ds = datasets.load_dataset(name, config or None, split=split)
         # datasets raises many types here (no network, not on the Hub, no such config or
         # split, a cache miss in offline mode); each becomes one error naming what was tried
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             what = f"{name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
             raise ValueError(
                 f"{field}: {src}: could not load {what}: {type(e).__name__}: {e}. A hub dataset is read from the "
@@ -95,7 +97,7 @@ def transform_rows(pairs: list[tuple[str, dict]], columns: dict, row_map: Callab
             try:
                 new = row_map(dict(row))
             # a user function: whatever it raises, the error names the row it failed on
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 raise ValueError(f"{where}: {map_name} raised {type(e).__name__}: {e}") from e
             if not isinstance(new, dict):
                 raise ValueError(f"{where}: {map_name} must return a dict (the row), got {type(new).__name__}")

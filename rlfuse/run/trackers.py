@@ -111,7 +111,7 @@ class Trackers:
                 getattr(t, fn_name)(*args)
             # any error of a third-party logging client (network, auth, disk, its own bugs):
             # training must not die for it; the warning names it and the tracker goes off
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 log.warning("%s: %s failed (%s: %s); %s logging is off for the rest of this run "
                             "(metrics.jsonl has every row)", t.name, what, type(e).__name__, e, t.name)
                 self.trackers.remove(t)
@@ -152,7 +152,7 @@ def open_trackers(logging_cfg, run_dir: str | Path, params: dict, run_name: str)
             log.warning("logging.%s is set but %s is not installed (%s): pip install 'rlfuse[%s]'; training "
                         "goes on without it", cls.name, cls.name, e, _EXTRA[cls.name])
         # a tracker that cannot start (network, credentials, a bad tracking_uri) must not stop training
-        except Exception as e:  # noqa: BLE001
+        except Exception as e:
             log.warning("logging.%s: could not start a %s run (%s: %s); training goes on without it "
                         "(metrics.jsonl has every row)", cls.name, cls.name, type(e).__name__, e)
         else:

@@ -117,6 +117,10 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
+        if bad:
+            raise ValueError(f"data.columns must map dataset column names to rlfuse column names (strings), "
+                             f"got {bad}")
         d = self.dpo
         _check_choice("dpo.loss", d.loss, DPO_LOSSES)
         _check_choice("dpo.reference", d.reference, ("precompute", "live"))
@@ -211,8 +215,8 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] = (),
 
 def resolve_input_paths(data: dict, base: Path) -> None:
     """Make the relative input paths of recipe data `data` (plain YAML data, changed in
-    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval, the file
-    of a `file.py:function` reward and a checkpoint.resume folder. Outputs
+    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval (not hf:),
+    the file of a `file.py:function` reward or data.map and a checkpoint.resume folder. Outputs
     (logging.run_dir) stay relative to the working directory, where the run is started."""
     def fix(section: dict | None, key: str, skip=lambda v: False) -> None:
         if not isinstance(section, dict):
@@ -224,13 +228,13 @@ def resolve_input_paths(data: dict, base: Path) -> None:
     fix(data.get("model"), "path")
     fix(data.get("model"), "tokenizer", lambda v: v == "char")
     for key in ("train", "eval"):
-        fix(data.get("data"), key, lambda v: v.startswith("builtin:"))
+        fix(data.get("data"), key, lambda v: v.startswith(("builtin:", "hf:")))
     fix(data.get("checkpoint"), "resume", lambda v: v in ("never", "auto"))
-    for spec in data.get("rewards") or []:
-        if isinstance(spec, dict) and isinstance(spec.get("name"), str) and ".py:" in spec["name"]:
-            file, _, fn = spec["name"].rpartition(":")
+    for section, key in [*((spec, "name") for spec in data.get("rewards") or []), (data.get("data"), "map")]:
+        if isinstance(section, dict) and isinstance(section.get(key), str) and ".py:" in section[key]:
+            file, _, fn = section[key].rpartition(":")
             p = Path(file).expanduser()
-            spec["name"] = f"{p if p.is_absolute() else base / p}:{fn}"
+            section[key] = f"{p if p.is_absolute() else base / p}:{fn}"
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:

@@ -56,9 +56,21 @@ class OptimConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown."""
+    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
+    a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
+    written by Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
+    split: str = "train"
+    """Split of a Hugging Face data.train (hf:NAME or a saved DatasetDict)."""
+    eval_split: str = "test"
+    """Split of a Hugging Face data.eval."""
+    columns: dict = dataclasses.field(default_factory=dict)
+    """Renames applied to every row first, {dataset column: rlfuse column}, e.g.
+    {question: prompt, solution: answer} (the *_field keys then name the renamed columns)."""
+    map: str = ""
+    """A row transform `file.py:fn` or `module:fn`, fn(row: dict) -> dict, applied to every row
+    after the renames (empty: none)."""
     eval_size: int = 200
     """Held-out problems generated for builtin tasks."""
     train_size: int = 20000
