@@ -25,11 +25,9 @@ import logging
 import time
 from pathlib import Path
 
+from rlfuse.run.config import RunConfig, to_dict
+
 log = logging.getLogger(__name__)
-
-WANDB_MODES = ("online", "offline", "disabled")
-"""Values of logging.wandb.mode (wandb.init's)."""
-
 
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     """{"grpo": {"clip_high": 0.28}} -> {"grpo.clip_high": "0.28"}: MLflow params are flat strings."""
@@ -131,14 +129,29 @@ class Trackers:
         self._call("closing the run", "close")
         self.trackers = []
 
+    def finish(self, run_dir: str | Path) -> None:
+        """At the end of a run: render its report (`rlfuse report RUN_DIR`), hand the PNGs to
+        the trackers, close them. A report that cannot be rendered is a warning."""
+        if self.trackers:
+            # matplotlib comes in only when a tracker wants the plots
+            from rlfuse.run.report import render
+
+            try:
+                self.log_images(sorted(render(run_dir).parent.glob("*.png")))
+            # the report reads the run's files back; a failure there must not fail the run
+            except Exception as e:
+                log.warning("trackers: could not render the report's plots (%s: %s); the metrics are logged "
+                            "(rlfuse report %s renders them)", type(e).__name__, e, run_dir)
+        self.close()
+
     def __bool__(self) -> bool:
         return bool(self.trackers)
 
 
-def open_trackers(logging_cfg, run_dir: str | Path, params: dict, run_name: str) -> Trackers:
-    """The trackers `logging_cfg` turns on (`logging.wandb`, `logging.mlflow`); `params` is
-    the resolved config as a nested dict. A missing package or a failed start is a warning."""
-    run_dir = Path(run_dir)
+def open_trackers(cfg: RunConfig, run_dir: str | Path, run_name: str) -> Trackers:
+    """The trackers cfg.logging turns on (`logging.wandb`, `logging.mlflow`), each given the
+    resolved config. A missing package or a failed start is a warning."""
+    run_dir, logging_cfg, params = Path(run_dir), cfg.logging, to_dict(cfg)
     wanted = []
     if logging_cfg.wandb.project:
         wanted.append((WandbTracker, logging_cfg.wandb))

@@ -44,6 +44,7 @@ from rlfuse.run.config.algorithms import (
 from rlfuse.run.config.sections import (
     _DC,
     ON_REWARD_ERROR,
+    WANDB_MODES,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -117,6 +118,7 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
         bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
         if bad:
             raise ValueError(f"data.columns must map dataset column names to rlfuse column names (strings), "

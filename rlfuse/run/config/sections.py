@@ -111,6 +111,32 @@ class RewardSpec:
     """Keyword arguments bound to the function."""
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+"""Values of logging.wandb.mode (wandb.init's)."""
+
+
+@dataclasses.dataclass(**_DC)
+class WandbConfig:
+    project: str = ""
+    """W&B project; non-empty turns Weights & Biases logging on (the `wandb` extra)."""
+    entity: str = ""
+    """W&B team or user; empty: your default entity."""
+    name: str = ""
+    """Run name; empty: the run folder's name and the stage (e.g. my_run/grpo)."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Run tags."""
+    mode: str = "online"
+    """online | offline (written under RUN_DIR/wandb, `wandb sync` it later) | disabled."""
+
+
+@dataclasses.dataclass(**_DC)
+class MlflowConfig:
+    experiment: str = ""
+    """MLflow experiment name; non-empty turns MLflow logging on (the `mlflow` extra)."""
+    tracking_uri: str = ""
+    """Tracking server or store URI (http://..., sqlite:///mlflow.db, file:///path); empty: MLflow's default."""
+
+
 @dataclasses.dataclass(**_DC)
 class LoggingConfig:
     run_dir: str = "runs/latest"
@@ -123,6 +149,10 @@ class LoggingConfig:
     """tqdm progress bar with reward and step time."""
     num_samples: int = 4
     """Completions written per sample dump."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases: the resolved config, the same metrics as TensorBoard, the report's plots."""
+    mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
+    """MLflow: the resolved config as params, the same metrics as TensorBoard, the report's plots as artifacts."""
 
 
 @dataclasses.dataclass(**_DC)
