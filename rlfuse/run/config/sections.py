@@ -134,7 +134,8 @@ class MlflowConfig:
     experiment: str = ""
     """MLflow experiment name; non-empty turns MLflow logging on (the `mlflow` extra)."""
     tracking_uri: str = ""
-    """Tracking server or store URI (http://..., sqlite:///mlflow.db, file:///path); empty: MLflow's default."""
+    """Tracking server or store URI (http://..., sqlite:///mlflow.db, file:///path); empty: MLflow's
+    default (MLflow 3: ./mlflow.db, which needs the full mlflow package, not the extra's mlflow-skinny)."""
 
 
 @dataclasses.dataclass(**_DC)
