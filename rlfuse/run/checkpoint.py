@@ -79,7 +79,11 @@ def set_rng_state(st: dict) -> None:
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        # one state per device the saving process saw: a 2-GPU torchrun rank saves two, a
+        # 1-GPU resume of its checkpoint sees one (measured on 2 x H100: set_rng_state_all
+        # raised IndexError there), so restore the devices both saw
+        for i, s in enumerate(st["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def check_finite(model, what: str, dist: DistContext | None = None) -> None:
