@@ -95,3 +95,36 @@ def test_recipe_keys_reach_the_rows(tmp_path):
         load_config(None, ["data.columns={question: 3}"])
     with pytest.raises(ValueError, match=r"data.map 'nope.py:f': no such file"):
         load_rows(load_config(None, [f"data.train={folder}", "data.map=nope.py:f"]).data)
+
+
+def test_sft_trains_on_a_saved_dataset(tmp_path):
+    """End to end: `rlfuse sft`'s run on a save_to_disk folder whose columns are renamed."""
+    import torch
+    import transformers
+    from tiny_hf import hf_config, randomize_
+    from train_setup import one_thread
+
+    from rlfuse.run.build import char_tokenizer
+    from rlfuse.run.config import load_config
+    from rlfuse.run.metrics import read_metrics
+    from rlfuse.train.sft import run_sft
+
+    model = tmp_path / "model"
+    tok = char_tokenizer("0123456789+= ")
+    tok.save(model)
+    cfg = hf_config("qwen3", vocab_size=tok.vocab_size, bos_token_id=None, eos_token_id=1, pad_token_id=0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    randomize_(hf, seed=1).save_pretrained(model)
+    data = tmp_path / "ds"
+    datasets.Dataset.from_list(ROWS * 4).save_to_disk(str(data))
+    cfg = load_config({"model": {"path": str(model), "dtype": "float32", "device": "cpu", "kernel_backend": "torch"},
+                       "data": {"train": str(data), "columns": {"question": "prompt", "solution": "completion"},
+                                "max_prompt_len": 16},
+                       "sft": {"steps": 2, "batch_size": 4},
+                       "logging": {"run_dir": str(tmp_path / "run"), "tensorboard": False, "progress": False},
+                       "checkpoint": {"save_final": False}})
+    with one_thread():
+        run_sft(cfg)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows if r["stage"] == "sft"] == [1, 2]
+    assert next(r for r in rows if r["stage"] == "data")["train/kept"] == 8
