@@ -29,6 +29,7 @@ from rlfuse.run.config import RunConfig, to_dict
 
 log = logging.getLogger(__name__)
 
+
 def flatten(d: dict, prefix: str = "") -> dict[str, str]:
     """{"grpo": {"clip_high": 0.28}} -> {"grpo.clip_high": "0.28"}: MLflow params are flat strings."""
     out = {}
@@ -91,9 +92,6 @@ class MlflowTracker:
 
     def close(self) -> None:
         self.client.set_terminated(self.run_id)
-
-
-_EXTRA = {"wandb": "wandb", "mlflow": "mlflow"}
 
 
 class Trackers:
@@ -163,7 +161,7 @@ def open_trackers(cfg: RunConfig, run_dir: str | Path, run_name: str) -> Tracker
             out.append(cls(spec, run_dir, params, run_name))
         except ImportError as e:
             log.warning("logging.%s is set but %s is not installed (%s): pip install 'rlfuse[%s]'; training "
-                        "goes on without it", cls.name, cls.name, e, _EXTRA[cls.name])
+                        "goes on without it", cls.name, cls.name, e, cls.name)
         # a tracker that cannot start (network, credentials, a bad tracking_uri) must not stop training
         except Exception as e:
             log.warning("logging.%s: could not start a %s run (%s: %s); training goes on without it "
