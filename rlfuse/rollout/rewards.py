@@ -38,18 +38,15 @@ Test: python -m pytest -q tests/test_rewards.py
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import re
-import sys
-from pathlib import Path
 from typing import Callable
 
 from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
 from rlfuse.rollout.reward_model import RewardModelReward
+from rlfuse.run import load_function
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
 
 log = logging.getLogger(__name__)
@@ -141,24 +138,7 @@ def resolve(name: str) -> Callable:
                          f"module:function / file.py:function")
     if ":" not in name:
         raise ValueError(f"reward {name!r}: not a builtin ({', '.join(BUILTINS)}) and not module:function")
-    mod_name, fn_name = name.rsplit(":", 1)
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.exists():
-            raise ValueError(f"reward {name!r}: no such file {path}")
-        spec = importlib.util.spec_from_file_location(f"rlfuse_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ValueError(f"reward {name!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
+    return load_function(name, f"reward {name!r}")
 
 
 class RewardError(ValueError):
