@@ -15,9 +15,11 @@ off/on between requests drops the prefix cache and the decode graphs too.
 
 Streaming: `add_request` (validates, names the request in any ValueError, leaves the
 other requests untouched), `step()` (one scheduler step; returns the completions that
-finished in it), `abort(request_id)`, `has_unfinished()`. `sleep()` frees the KV pool and
-the graphs' memory for training (running requests are preempted and resume by
-recompute after `wake()`), `wake()` re-creates the pool with the same number of blocks.
+finished in it), `abort(request_id)`, `has_unfinished()`, `partial(request_id, start)`
+(the tokens running samples have so far: what a streaming server sends). `sleep()` frees
+the KV pool and the graphs' memory for training (running requests are preempted and
+resume by recompute after `wake()`), `wake()` re-creates the pool with the same number
+of blocks.
 
 Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
 filtering, from `rlfuse.kernels.logprob.token_logprobs`, the function the trainer uses.
@@ -206,6 +208,18 @@ class LLM:
     def has_unfinished(self) -> bool:
         """Requests still running or waiting, or finished samples `step()` has not returned yet."""
         return self.scheduler.has_unfinished() or self._pending is not None or bool(self._ready)
+
+    def partial(self, request_id: str, start: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Streaming: per sample k of a request, the output token ids sampled so far after
+        the first `start[k]`, with their log-probs; empty for a finished sample (its
+        Completion comes from `step()`) and for a request that is not running."""
+        seqs = self._requests.get(str(request_id), [])
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in start]
+        for s in seqs:
+            if not s.is_finished() and s.index < len(start):
+                a = start[s.index]
+                out[s.index] = (s.token_ids[s.num_prompt_tokens + a:], s.logprobs[a:].tolist())
+        return out
 
     def abort(self, request_id: str) -> list[Completion]:
         """Stop a request now; returns its unfinished samples with finish_reason "abort"."""

@@ -3,7 +3,7 @@ reward models, and held-out evaluation. Multi-turn episodes (environments, tools
 sandbox, chat rendering) live here too."""
 
 from rlfuse.rollout.evaluate import evaluate, score_samples
-from rlfuse.rollout.rewards import RewardSet
+from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
 from rlfuse.rollout.sampler import EngineSampler, Sample, Sampler
 
-__all__ = ["EngineSampler", "RewardSet", "Sample", "Sampler", "evaluate", "score_samples"]
+__all__ = ["PYTHON_REWARD", "EngineSampler", "RewardSet", "Sample", "Sampler", "evaluate", "score_samples"]

@@ -84,7 +84,11 @@ def set_rng_state(st: dict) -> None:
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        # one state per device the saving process saw: a 2-GPU torchrun rank saves two, a
+        # 1-GPU resume of its checkpoint sees one (measured on 2 x H100: set_rng_state_all
+        # raised IndexError there), so restore the devices both saw
+        for i, s in enumerate(st["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def check_finite(model, what: str, dist: DistContext | None = None) -> None:
@@ -220,15 +224,22 @@ def _save_sharded_checkpoint(dist: DistContext, run_dir, step: int, model, optim
 def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
                dtype: torch.dtype | None = None) -> Path:
     """RUN_DIR/final: the trained weights (+ tokenizer) as an HF folder, for the next stage
-    (written atomically by save_model; never with non-finite weights). With `dist`: the
-    full weights gathered on rank 0 and written there in `dtype` (the run's)."""
-    final = Path(run_dir) / "final"
+    (`export_model`)."""
+    return export_model(Path(run_dir) / "final", model, tokenizer, dist=dist, dtype=dtype)
+
+
+def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
+    """The weights (+ tokenizer) as an HF folder (written atomically by save_model; never
+    with non-finite weights); with LoRA adapters, the PEFT adapter folder instead. With `dist`: the full weights gathered on rank 0 and written
+    there in `dtype` (the run's)."""
+    final = Path(folder)
     check_finite(model, str(final), dist)
     if dist is not None:
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None and dist.is_main else None
             save_hf_export(dist, model, final, dtype=dtype, tokenizer_dir=tok_dir)
-        log.info("final weights -> %s (gathered on rank 0)", final)
+        log.info("weights -> %s (gathered on rank 0)", final)
         return final
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -239,7 +250,7 @@ def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext 
                 save_model(model, final, tokenizer_dir=tok_dir)
     except (OSError, RuntimeError) as e:
         raise _write_error(final, e) from e
-    log.info("final %s -> %s", "LoRA adapter (PEFT folder)" if has_lora(model) else "weights", final)
+    log.info("%s -> %s", "LoRA adapter (PEFT folder)" if has_lora(model) else "weights", final)
     return final
 
 

@@ -323,6 +323,7 @@ class GRPOTrainer(StreamAndGuardState):
                                    loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
                                    dual_clip=g.dual_clip, ref_logp=ref_N,
                                    kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
+                                   kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
                                    max_tokens=g.max_new_tokens)
             mb_tokens = 0.0 if pad else sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)

@@ -44,7 +44,8 @@ from rlfuse.data import Prompt
 from rlfuse.model.lora import has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
-from rlfuse.run import DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.run import (DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, open_trackers, resolve_resume, save_checkpoint,
+                        save_final)
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     ShardedAdamW,
@@ -143,8 +144,12 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
         state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, dist=dist)
         trainer.load_state_dict(state)
         start = state["step"]
-    runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                    total=sched.steps, desc=trainer.stage, initial=start) if dist is None or dist.is_main else SilentLog()
+    if dist is None or dist.is_main:
+        trackers = open_trackers(cfg, session.run_dir, run_name=f"{session.run_dir.name}/{trainer.stage}")
+        runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                        total=sched.steps, desc=trainer.stage, initial=start, trackers=trackers)
+    else:
+        runlog = SilentLog()
     history, evals = [], []
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)

@@ -44,6 +44,9 @@ class Session:
     _sampler: object = None
     dist: DistContext | None = None
     """Set when the run is data-parallel (rlfuse.run.distributed.context); None in one process."""
+    reward_functions: dict = dataclasses.field(default_factory=dict)
+    """Reward callables by RewardSpec name (the Python API's reward_funcs), used instead of
+    resolving those names."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
     of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
@@ -61,7 +64,7 @@ class Session:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
-        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
+        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions)
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
@@ -69,7 +72,8 @@ class Session:
 
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
-                 write_config: bool = True, dist: DistContext | None = None) -> Session:
+                 write_config: bool = True, dist: DistContext | None = None,
+                 reward_functions: dict | None = None) -> Session:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if write_config and (dist is None or dist.is_main):
@@ -97,4 +101,5 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     check_prompt_len(cfg.data, context_len)
     if dist is not None:
         model = shard_model(model, dist)
-    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist)
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
+                   reward_functions=dict(reward_functions or {}))
