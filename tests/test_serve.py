@@ -22,6 +22,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -272,9 +273,29 @@ def test_without_the_serve_extra_the_command_says_which(folder, capsys, monkeypa
     assert "rlfuse serve needs the serve extra (uvicorn is not installed)" in capsys.readouterr().err
 
 
-def test_adapter_is_refused(folder, capsys):
-    assert main(["serve", str(folder), "--adapter", "a"]) == 2
-    assert "--adapter: LoRA adapters are not supported yet" in capsys.readouterr().err
+def test_adapter_is_applied_unmerged(folder, tmp_path, capsys, monkeypatch):
+    """--adapter loads a PEFT folder onto MODEL (as generate --adapter); a missing one is an
+    error naming it. uvicorn.run is stubbed: the app it would serve is inspected."""
+    import uvicorn
+
+    from rlfuse.api import load_model
+    from rlfuse.model.lora import LoRAConfig, attach_lora, has_lora, init_lora_
+    from rlfuse.model.lora_peft import save_peft_adapter
+
+    assert main(["serve", str(folder), "--adapter", str(tmp_path / "nope"), "--device", "cpu"]) == 2
+    assert "nope" in capsys.readouterr().err
+    model, _ = load_model(str(folder), device="cpu")
+    attach_lora(model, LoRAConfig(rank=2, alpha=4.0))
+    init_lora_(model, seed=1, b_std=0.05)
+    save_peft_adapter(model, tmp_path / "adapter")
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app))
+    assert main(["serve", str(folder), "--adapter", str(tmp_path / "adapter"), "--device", "cpu",
+                 "--max-model-len", "64", "--max-num-seqs", "4"]) == 0
+    llm = served["app"].state.serve.worker.llm
+    assert has_lora(llm.model)
+    for (n, p), (n2, q) in zip(sorted(llm.model.state_dict().items()), sorted(model.state_dict().items())):
+        assert n == n2 and torch.equal(p, q), n
 
 
 def test_serve_command(folder):

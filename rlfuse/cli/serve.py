@@ -15,6 +15,7 @@ from pathlib import Path
 from rlfuse.api import load_model
 from rlfuse.cli.common import add_engine_arguments, engine_config, fail
 from rlfuse.engine import LLM
+from rlfuse.model.lora_peft import load_peft_adapter
 
 HELP = "serve a model or run over an OpenAI-compatible HTTP API (completions, chat)"
 log = logging.getLogger("rlfuse.cli")
@@ -24,8 +25,8 @@ def add_arguments(p) -> None:
     p.add_argument("model", metavar="MODEL_OR_RUN",
                    help="HF model folder, checkpoint folder, or run folder (its final/, else its latest checkpoint)")
     p.add_argument("--adapter", default=None,
-                   help="a LoRA adapter to serve on top of the model: not supported yet (rlfuse has no adapter "
-                        "format); serve a merged model folder instead")
+                   help="a PEFT LoRA adapter folder (adapter_config.json + adapter_model.safetensors) applied "
+                        "to MODEL, unmerged, as `rlfuse generate --adapter` does")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -43,11 +44,10 @@ def run(args) -> int:
         return fail(ValueError(f"rlfuse serve needs the serve extra ({e.name} is not installed): "
                                "pip install 'rlfuse[serve]'"))
     try:
-        if args.adapter is not None:
-            raise ValueError("--adapter: LoRA adapters are not supported yet (rlfuse has no adapter format); "
-                             "serve a merged model folder instead")
         cfg = engine_config(args)
         model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype)
+        if args.adapter is not None:
+            load_peft_adapter(model, args.adapter)
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(LLM(model, tok, cfg), name)
     except ValueError as e:
