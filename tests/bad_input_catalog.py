@@ -17,6 +17,7 @@ checks that the document lists exactly the collected cases.
 from __future__ import annotations
 
 import re
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,9 +85,11 @@ def end() -> None:
 
 def normalize(text: str) -> str:
     """Machine-specific parts of a message replaced: the case's temporary folder -> <tmp>,
-    this checkout -> <repo>, the free space of the disk -> <N> GiB free."""
+    this checkout -> <repo>, the free space of the disk -> <N> GiB free, process ids and this
+    machine's host name (a run folder's lock) -> <pid>, <host>."""
     assert _current is not None
     text = re.sub(re.escape(_current.tmp_root) + r"/[^/\s'\"():,]+", "<tmp>", text)
+    text = re.sub(r"\bpid \d+ on host " + re.escape(socket.gethostname()) + r"\b", "pid <pid> on host <host>", text)
     text = text.replace(str(REPO), "<repo>")
     return re.sub(r"\b\d+(\.\d+)? GiB free", "<N> GiB free", text)
 

@@ -1079,6 +1079,45 @@ def test_a_failed_start_does_not_block_the_next(tmp_path, capsys):
     assert rc == 0, err
 
 
+def _lock_of(pid: int, started: str = "2026-01-01T00:00:00+00:00") -> str:
+    import socket
+
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "started": started})
+
+
+@pytest.mark.bad_input("run-folders")
+def test_a_second_run_on_a_held_folder_is_refused(sft_run, capsys):
+    import os
+    import socket
+
+    recipe, run = sft_run
+    assert not (run / "run.lock").exists()  # the finished run let go of it
+    (run / "run.lock").write_text(_lock_of(os.getpid()))  # a live process: this one, as a stand-in
+    before = sorted(p.name for p in run.iterdir())
+    rc, _, err = _cli(["sft", str(recipe), "--resume"], capsys)
+    cli_error_line(rc, err, rf"{run}: another run is using this run folder \(pid {os.getpid()} on host "
+                             rf"{re.escape(socket.gethostname())}, started 2026-01-01T00:00:00\+00:00\); wait for it",
+                   f"rlfuse sft {recipe} --resume while another run holds {run}")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+@pytest.mark.bad_input("run-folders")
+def test_a_stale_lock_is_taken_over_and_said(sft_run, capsys, caplog):
+    import subprocess
+    import sys
+
+    recipe, run = sft_run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is free now
+    (run / "run.lock").write_text(_lock_of(gone.pid))
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["sft", str(recipe), "--overwrite"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "taking over the lock of a run that is gone", f"rlfuse sft {recipe} --overwrite over the "
+                    f"lock of a process that exited", count=1)
+    assert not (run / "run.lock").exists()
+
+
 def test_run_folders_get_normal_permissions(sft_run):
     import os
     import stat

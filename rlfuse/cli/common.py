@@ -5,6 +5,7 @@ a key listing for --help."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -16,7 +17,15 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlfuse.run import data_lines, pick_device, prepare_run_folder
 from rlfuse.run.config import RunConfig, describe, load_config
-from rlfuse.run.distributed import DistContext, fail_together, init_distributed, launch_env, quiet_non_main, shutdown
+from rlfuse.run.distributed import (
+    DistContext,
+    RankFailed,
+    fail_together,
+    init_distributed,
+    launch_env,
+    quiet_non_main,
+    shutdown,
+)
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -72,19 +81,29 @@ def load_run_config(args) -> RunConfig:
     return load_config(path, over, relative_to=None if builtin else path.resolve().parent)
 
 
-def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None) -> None:
-    """Start, resume or overwrite the run folder per --resume / --overwrite / --force
-    (rlfuse.run.folder), before anything is written. Under torchrun rank 0 alone
-    touches the folder; every rank stops with its error if it refuses."""
+def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None):
+    """Take the run folder's lock, then start, resume or overwrite it per --resume /
+    --overwrite / --force (rlfuse.run.folder), before anything is written. Returns a context
+    manager that holds the lock for the run: `with prepare_run(...): train`. Under torchrun
+    rank 0 alone touches the folder and holds the lock; every rank stops with its error if
+    it refuses."""
+    lock = contextlib.nullcontext()
+
     def prepare():
+        nonlocal lock
         if ctx is None or ctx.is_main:
-            prepare_run_folder(cfg, kind, resume=getattr(args, "resume", False),
-                               overwrite=getattr(args, "overwrite", False), force=getattr(args, "force", False))
+            lock = prepare_run_folder(cfg, kind, resume=getattr(args, "resume", False),
+                                      overwrite=getattr(args, "overwrite", False), force=getattr(args, "force", False))
     if ctx is None:
         prepare()
-        return
-    with fail_together(ctx, "run folder"):
-        prepare()
+        return lock
+    try:
+        with fail_together(ctx, "run folder"):
+            prepare()
+    except RankFailed:
+        lock.__exit__(None, None, None)
+        raise
+    return lock
 
 
 def print_summary(command: str, res: dict) -> None:

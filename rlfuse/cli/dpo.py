@@ -24,9 +24,9 @@ def run(args) -> int:
     try:
         single_process_only("dpo")
         cfg = load_run_config(args)
-        prepare_run(args, cfg, "dpo")
         setup_threads(args.threads)
-        res = run_dpo(cfg)
+        with prepare_run(args, cfg, "dpo"):
+            res = run_dpo(cfg)
     except ValueError as e:
         return fail(e)
     last = res["history"][-1] if res["history"] else {}

@@ -24,9 +24,9 @@ def run(args) -> int:
     try:
         single_process_only("ppo")
         cfg = load_run_config(args)
-        prepare_run(args, cfg, "ppo")
         setup_threads(args.threads)
-        res = run_ppo(cfg)
+        with prepare_run(args, cfg, "ppo"):
+            res = run_ppo(cfg)
     except ValueError as e:
         return fail(e)
     print_summary("ppo", res)

@@ -32,8 +32,8 @@ def _run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         ctx = start_distributed(args, cfg)  # None unless launched by torchrun
-        prepare_run(args, cfg, "sft", ctx)
-        res = run_sft(cfg, dist=ctx)
+        with prepare_run(args, cfg, "sft", ctx):
+            res = run_sft(cfg, dist=ctx)
     except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)
     end_distributed(ctx)
