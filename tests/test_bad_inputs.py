@@ -1118,6 +1118,75 @@ def test_a_stale_lock_is_taken_over_and_said(sft_run, capsys, caplog):
     assert not (run / "run.lock").exists()
 
 
+def _signal_at_step(monkeypatch, at: int, *signums):
+    """SFT steps that send this process `signums` during step `at` (0-based), as a user or
+    a cluster would."""
+    import os
+
+    from rlfuse.train.sft import SFTTrainer
+
+    step = SFTTrainer.step
+
+    def step_then_signal(self, s):
+        m = step(self, s)
+        if s == at:
+            for sig in signums:
+                os.kill(os.getpid(), sig)
+        return m
+    monkeypatch.setattr(SFTTrainer, "step", step_then_signal)
+
+
+@pytest.mark.bad_input("run-folders")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_and_the_resume_command(tmp_path, capsys, monkeypatch, signame):
+    import shlex
+    import signal
+
+    sig = getattr(signal, signame)
+    recipe = _tiny_recipe(tmp_path)
+    _signal_at_step(monkeypatch, 1, sig)
+    before = signal.getsignal(signal.SIGINT)
+    argv = ["sft", str(recipe), "--set", "sft.steps=4"]
+    rc, _, err = _cli(argv, capsys)
+    assert rc == 128 + sig and signal.getsignal(signal.SIGINT) is before, err
+    assert f"{signame} received: stopping after the current step" in err and "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("rlfuse: stopped"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert line == (f"rlfuse: stopped by {signame} after step 2; checkpoint {ckpt}; continue with: "
+                    f"{shlex.join(['rlfuse', '--log-level', 'WARNING', *argv, '--resume'])}"), line
+    catalog.seen(f"{signame} during step 2 of 4 of rlfuse {' '.join(argv)} (exit status {rc})", line)
+    assert (ckpt / "COMPLETE").is_file() and not (tmp_path / "run" / "run.lock").exists()
+    monkeypatch.undo()
+    rc, out, err = _cli(shlex.split(line.split("continue with: ")[1])[3:], capsys)
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("stage") == "sft"] == [1, 2, 3, 4]
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """The second signal ends the process before the step is over, without a checkpoint
+    (a process of its own: it leaves through os._exit)."""
+    import subprocess
+    import sys
+
+    recipe = _tiny_recipe(tmp_path)
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import pytest
+        from test_bad_inputs import _signal_at_step
+        mp = pytest.MonkeyPatch()
+        _signal_at_step(mp, 0, signal.SIGINT, signal.SIGINT)
+        from rlfuse.cli import main
+        sys.exit(main(["--log-level", "WARNING", "sft", {str(recipe)!r}]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.rstrip().endswith("rlfuse: second SIGINT: stopping now, without a checkpoint (the last complete "
+                                      "checkpoint is kept)"), r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and "Traceback" not in r.stderr
+
+
 def test_run_folders_get_normal_permissions(sft_run):
     import os
     import stat

@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # a stopped run prints the command that continues it
     level = args.log_level.upper()
     if not isinstance(logging.getLevelName(level), int):
         parser.error(f"--log-level: {args.log_level!r} is not a level (DEBUG, INFO, WARNING, ERROR)")
@@ -61,3 +63,6 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
     except (ValueError, OSError) as e:  # user errors and file-system failures no command caught itself
         return fail(e)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops at a step instead)
+        sys.stderr.write("\nrlfuse: interrupted\n")
+        return 130

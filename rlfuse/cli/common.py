@@ -8,6 +8,8 @@ import argparse
 import contextlib
 import logging
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +17,13 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rlfuse.run import data_lines, pick_device, prepare_run_folder
+from rlfuse.run import (
+    Interrupted,
+    data_lines,
+    pick_device,
+    prepare_run_folder,
+    stop_on_signals,
+)
 from rlfuse.run.config import RunConfig, describe, load_config
 from rlfuse.run.distributed import (
     DistContext,
@@ -104,6 +112,37 @@ def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None)
         lock.__exit__(None, None, None)
         raise
     return lock
+
+
+def training(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None):
+    """The context a training command runs in: the run folder's lock (`prepare_run`) and
+    SIGINT / SIGTERM handled as a stop at the next step with a checkpoint
+    (rlfuse.run.interrupt; the command catches `Interrupted` and returns `stopped(args, e)`)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(prepare_run(args, cfg, kind, ctx))
+    stack.enter_context(stop_on_signals())
+    return stack
+
+
+def resume_command(args) -> str:
+    """The command line that continues this run: the same arguments, with --resume instead
+    of --overwrite."""
+    argv = [a for a in getattr(args, "argv", []) if a != "--overwrite"]
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return shlex.join(["rlfuse", *argv])
+
+
+def stopped(args, e: Interrupted, ctx: DistContext | None = None) -> int:
+    """A run stopped by a signal: where its steps are and the exact command that continues
+    it; exit status 128 + the signal (130 SIGINT, 143 SIGTERM)."""
+    if ctx is None or ctx.is_main:
+        where = f"checkpoint {e.checkpoint}" if e.checkpoint else "no new checkpoint (no step since the last one)"
+        torchrun = " (with the same torchrun options)" if ctx is not None else ""
+        sys.stderr.write(f"rlfuse: stopped by {signal.Signals(e.signum).name} after step {e.step}; {where}; "
+                         f"continue with: {resume_command(args)}{torchrun}\n")
+        sys.stderr.flush()
+    return e.exit_code
 
 
 def print_summary(command: str, res: dict) -> None:

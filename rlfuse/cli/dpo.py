@@ -6,11 +6,13 @@ from rlfuse.cli.common import (
     add_config_arguments,
     fail,
     load_run_config,
-    prepare_run,
     print_data,
     setup_threads,
     single_process_only,
+    stopped,
+    training,
 )
+from rlfuse.run import Interrupted
 from rlfuse.train import run_dpo
 
 HELP = "DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)"
@@ -25,10 +27,12 @@ def run(args) -> int:
         single_process_only("dpo")
         cfg = load_run_config(args)
         setup_threads(args.threads)
-        with prepare_run(args, cfg, "dpo"):
+        with training(args, cfg, "dpo"):
             res = run_dpo(cfg)
     except ValueError as e:
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e)
     last = res["history"][-1] if res["history"] else {}
     print(f"dpo done: {res['steps']} steps, last loss {float(last.get('loss', float('nan'))):.4f}, reward margin "
           f"{float(last.get('rewards/margin', float('nan'))):.4f}; run folder {res['run_dir']} (weights in final/)")

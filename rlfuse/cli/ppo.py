@@ -6,11 +6,13 @@ from rlfuse.cli.common import (
     add_config_arguments,
     fail,
     load_run_config,
-    prepare_run,
     print_summary,
     setup_threads,
     single_process_only,
+    stopped,
+    training,
 )
+from rlfuse.run import Interrupted
 from rlfuse.train import run_ppo
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
@@ -25,9 +27,11 @@ def run(args) -> int:
         single_process_only("ppo")
         cfg = load_run_config(args)
         setup_threads(args.threads)
-        with prepare_run(args, cfg, "ppo"):
+        with training(args, cfg, "ppo"):
             res = run_ppo(cfg)
     except ValueError as e:
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e)
     print_summary("ppo", res)
     return 0

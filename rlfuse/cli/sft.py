@@ -8,11 +8,13 @@ from rlfuse.cli.common import (
     end_distributed,
     fail,
     load_run_config,
-    prepare_run,
     print_data,
     setup_threads,
     start_distributed,
+    stopped,
+    training,
 )
+from rlfuse.run import Interrupted
 from rlfuse.run.distributed import RankFailed
 from rlfuse.train import run_sft
 
@@ -32,10 +34,12 @@ def _run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         ctx = start_distributed(args, cfg)  # None unless launched by torchrun
-        with prepare_run(args, cfg, "sft", ctx):
+        with training(args, cfg, "sft", ctx):
             res = run_sft(cfg, dist=ctx)
     except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e, ctx)
     end_distributed(ctx)
     if ctx is not None and not ctx.is_main:
         return 0
