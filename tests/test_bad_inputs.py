@@ -591,6 +591,24 @@ def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
 
 
 @pytest.mark.bad_input("checkpoints-fs")
+def test_half_deleted_checkpoint_of_a_cut_rotation_removed_at_start(tmp_path, caplog):
+    model = _tiny_model()
+    opt = MasterAdamW(model.parameters(), lr=1e-3)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"data": {}}, keep_last=2)
+    half = tmp_path / "checkpoints" / "step_000001"
+    (half / "COMPLETE").unlink()  # what _rotate does first; a kill then leaves the rest
+    (half / "optimizer.pt").unlink()
+    rs.resolve_resume("auto", tmp_path)
+    assert not half.exists() and [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000002"]
+    expect_reported(caplog, "whose deletion by the rotation", "checkpoints/step_000001/ without COMPLETE, partly "
+                    "deleted, beside a complete step_000002/ (a rotation cut short)", count=1)
+    # a step_* folder without COMPLETE that is the newest is not a rotation's: left alone
+    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").unlink()
+    assert rs.clean_temporary(tmp_path) == [] and (tmp_path / "checkpoints" / "step_000002").is_dir()
+
+
+@pytest.mark.bad_input("checkpoints-fs")
 def test_nothing_to_resume_said_plainly(tmp_path, caplog):
     assert rs.resolve_resume("auto", tmp_path) is None
     expect_reported(caplog, "checkpoint.resume=auto: nothing to resume (no complete checkpoint in",

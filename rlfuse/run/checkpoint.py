@@ -242,8 +242,11 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def clean_temporary(run_dir: str | Path) -> list[Path]:
-    """Remove leftovers of an interrupted save (hidden .step_*.tmp* / .final.tmp* folders);
-    a `.old` copy whose replacement never arrived is put back. Returns what was removed."""
+    """Remove leftovers of an interrupted save (hidden .step_*.tmp* / .final.tmp* folders)
+    and of an interrupted rotation (a step_* folder without COMPLETE older than the newest
+    complete checkpoint: `_rotate` deletes COMPLETE first, and a save publishes its folder
+    with COMPLETE inside, so nothing else leaves one); a `.old` copy whose replacement never
+    arrived is put back. Returns what was removed."""
     run_dir = Path(run_dir)
     removed = []
     for root in (run_dir, run_dir / "checkpoints"):
@@ -261,6 +264,16 @@ def clean_temporary(run_dir: str | Path) -> list[Path]:
             shutil.rmtree(p)
             removed.append(p)
             log.warning("removed %s: a temporary folder left by an interrupted save", p)
+    complete = list_checkpoints(run_dir)
+    newest = int(_STEP.match(complete[-1].name).group(1)) if complete else -1
+    root = run_dir / "checkpoints"
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and int(m.group(1)) < newest and not (p / "COMPLETE").exists():
+            shutil.rmtree(p)
+            removed.append(p)
+            log.warning("removed %s: a checkpoint whose deletion by the rotation (checkpoint.keep_last) was cut short",
+                        p)
     return removed
 
 
