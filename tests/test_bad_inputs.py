@@ -317,6 +317,63 @@ def test_reward_failures_under_zero_are_counted_zeroed_and_reported(tmp_path, ca
                     count=1)
 
 
+@pytest.mark.bad_input("rewards")
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_hung_reward_times_out_in_its_worker(tmp_path, caplog, on_error):
+    import time
+
+    p = tmp_path / "slow.py"
+    p.write_text("import time\n"
+                 "def hangs_on_b(prompts, completions, **kw):\n"
+                 "    if 'b' in completions:\n"
+                 "        time.sleep(3600)\n"
+                 "    return [1.0 for c in completions]\n")
+    rs = RewardSet([RewardSpec(name=f"{p}:hangs_on_b")], on_error=on_error, timeout_s=2.0)
+    fed = (f"rewards: [{{name: {p}:hangs_on_b}}] (sleeps an hour on 'b'), reward_timeout_s: 2, on_reward_error: "
+           f"{on_error}; completions 'aa', 'b', 'cc'")
+    t0 = time.perf_counter()
+    if on_error == "raise":
+        expect_error(lambda: rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {}),
+                     r"(?s)reward function 'hangs_on_b' timed out after 2 s scoring \(reward_timeout_s\); its "
+                     r"worker process was stopped.*on example 1: prompt='p1'", fed)
+    else:
+        total, _ = rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {})
+        assert total == [1.0, 0.0, 1.0] and rs.error_counts == {"hangs_on_b": 1}
+        expect_reported(caplog, "timed out after 2 s", fed, count=1)
+        assert rs.score(["p3"], ["dd"], {})[0] == [1.0]  # a fresh worker serves the next call
+    assert time.perf_counter() - t0 < 60  # two timeouts and two worker starts, not an hour
+    rs.fns[0].close()
+
+
+@pytest.mark.bad_input("rewards")
+def test_a_reward_exception_in_the_worker_is_reported_as_in_process(tmp_path):
+    rs = RewardSet([RewardSpec(name=f"{_user_rewards(tmp_path)}:boom")], timeout_s=30.0)
+    expect_error(lambda: rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {}),
+                 r"(?s)reward function 'boom' raised ZeroDivisionError: float division by zero.*on example 1",
+                 _reward_fed(f"{tmp_path / 'myrewards.py'}:boom", {}, "raise") + ", in a worker (reward_timeout_s 30)")
+    rs.fns[0].close()
+
+
+REWARD_IMPORT_CASES = [
+    ("syntax-error", "def f(prompts, completions, **kw)\n    return [1.0]\n",
+     r"reward '.*bad\.py:f': .*bad\.py:1: SyntaxError: expected ':'"),
+    ("import-error", "import no_such_package_xyz\ndef f(prompts, completions, **kw):\n    return []\n",
+     r"reward '.*bad\.py:f': importing .*bad\.py failed at .*bad\.py:1: ModuleNotFoundError: No module named "
+     r"'no_such_package_xyz'"),
+    ("raises-at-import", "X = 1\nTABLE = {}['missing']\n", r"reward '.*bad\.py:f': importing .*bad\.py failed at "
+                                                          r".*bad\.py:2: KeyError: 'missing'"),
+]
+
+
+@pytest.mark.bad_input("rewards")
+@pytest.mark.parametrize("source,msg", [c[1:] for c in REWARD_IMPORT_CASES], ids=[c[0] for c in REWARD_IMPORT_CASES])
+def test_reward_file_that_fails_to_import(tmp_path, source, msg):
+    p = tmp_path / "bad.py"
+    p.write_text(source)
+    expect_error(lambda: RewardSet([RewardSpec(name=f"{p}:f")]), msg, f"rewards: [{{name: {p}:f}}], bad.py = "
+                                                                        f"{_short(source, 90)}")
+
+
 # ------------------------------------------------------------------ model config.json
 def _hf(**change):
     d = {"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 64,

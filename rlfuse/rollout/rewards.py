@@ -30,7 +30,11 @@ a failure too (None is the way to say "does not apply"). With on_reward_error="r
 run stops with a ValueError naming the function, the example index, its prompt and
 completion; with "zero" failing examples score 0 and are counted (metrics
 `reward_errors/<name>`, per step) and logged once per function; a function that fails on
-every example of a `score()` call is an error even then. Built-ins take their settings
+every example of a `score()` call is an error even then. With `timeout_s` > 0 (the run's
+reward_timeout_s) user functions run in a worker process (rlfuse.rollout.reward_worker)
+and a call that takes longer is stopped: the batch is re-run per example to find the one
+that hangs, and a timed-out example is a failure like the others (each costs up to
+timeout_s). Built-ins take their settings
 (RewardSpec.kwargs) as keyword-only parameters; an unknown kwarg is an error at start.
 Test: python -m pytest -q tests/test_rewards.py
 """
@@ -38,19 +42,17 @@ Test: python -m pytest -q tests/test_rewards.py
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import re
-import sys
-from pathlib import Path
 from typing import Callable
 
 from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
 from rlfuse.rollout.reward_model import RewardModelReward
+from rlfuse.rollout.reward_worker import RewardImportError, RewardTimeout, WorkerReward
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
+from rlfuse.utils.user_code import import_function
 
 log = logging.getLogger(__name__)
 
@@ -132,24 +134,7 @@ def resolve(name: str) -> Callable:
         return BUILTINS[name]
     if ":" not in name:
         raise ValueError(f"reward {name!r}: not a builtin ({', '.join(BUILTINS)}) and not module:function")
-    mod_name, fn_name = name.rsplit(":", 1)
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.exists():
-            raise ValueError(f"reward {name!r}: no such file {path}")
-        spec = importlib.util.spec_from_file_location(f"rlfuse_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ValueError(f"reward {name!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
+    return import_function(name, "reward")
 
 
 class RewardError(ValueError):
@@ -199,7 +184,7 @@ class RewardSet:
     returns the counts summed since its previous call and resets them (for a step that
     scores in several calls); `total_error_counts` is the run's total."""
 
-    def __init__(self, specs: list[RewardSpec], on_error: str = "raise"):
+    def __init__(self, specs: list[RewardSpec], on_error: str = "raise", timeout_s: float = 0.0):
         if not specs:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
@@ -217,7 +202,10 @@ class RewardSet:
             else:
                 fn = resolve(s.name)
                 check_kwargs(s.name, fn, s.kwargs)
-                fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
+                if timeout_s > 0 and s.name not in BUILTINS:
+                    fn = WorkerReward(s.name, s.kwargs, timeout_s)
+                else:
+                    fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)
             self.fns.append(fn)
             self.weights.append(float(s.weight))
@@ -259,16 +247,19 @@ class RewardSet:
         n = len(completions)
         try:
             raw = fn(prompts, completions, **columns)
-        except RewardError:
+        except (RewardError, RewardImportError):
             raise
-        except Exception:  # user code: find the failing example(s)
+        except Exception:  # user code (or its timeout): find the failing example(s)
             out = []
             for i in range(n):
                 cols_i = {k: v[i:i + 1] for k, v in columns.items()}
                 try:
                     raw_i = fn(prompts[i:i + 1], completions[i:i + 1], **cols_i)
-                except RewardError:
+                except (RewardError, RewardImportError):
                     raise
+                except RewardTimeout as e:
+                    out.append(self._fail(name, i, str(e), prompts, completions, e))
+                    continue
                 except Exception as e:
                     out.append(self._fail(name, i, f"raised {type(e).__name__}: {e}", prompts, completions, e))
                     continue

@@ -77,6 +77,12 @@ class RunConfig:
     """Reward functions (a list of {name, weight, kwargs}); their weighted sum is the reward."""
     on_reward_error: str = "raise"
     """raise (stop with the failing example) | zero (score it 0, count and log)."""
+    reward_timeout_s: float = 120.0
+    """Seconds one call of a user reward function (module:function, file.py:function) may take
+    on one batch; a longer call is stopped and is a reward error (follows on_reward_error).
+    User functions then run in a worker process: one per function, started on first use
+    (1-3 s), plus pickling each batch's texts both ways (ms). 0: run them in the trainer's
+    process, with no timeout (a hung function hangs the run)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Run folder and metrics."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -138,7 +144,7 @@ RANGES: dict[str, str] = {
     "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.sample_every": ">= 0",
     "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
     "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
-    "rewards[].weight": "any",
+    "rewards[].weight": "any", "reward_timeout_s": ">= 0",
     "logging.log_every": ">= 1", "logging.num_samples": ">= 0",
     "checkpoint.every": ">= 0", "checkpoint.keep_last": ">= 0",
     "ppo.steps": "> 0", "ppo.prompts_per_step": "> 0", "ppo.samples_per_prompt": "> 0",
