@@ -929,7 +929,8 @@ def _tiny_recipe(tmp, **change) -> Path:
 
 CLI_CONFIG_CASES = [
     # (recipe changes (section__field), --set overrides, expected error line)
-    ({}, ["optim.lr=0"], r"recipe\.yaml: optim\.lr must be a finite number > 0, got 0\.0"),
+    ({}, ["optim.lr=0"], r"--set optim\.lr=0: optim\.lr must be a finite number > 0, got 0\.0"),
+    ({}, ["sft.steps=1.5"], r"--set sft\.steps=1\.5: sft\.steps: expected an integer, got 1\.5"),
     ({}, ["logging.log_every=0"], r"logging\.log_every must be an integer >= 1, got 0"),
     ({"optim": {"betas": [0.9, 1.0]}}, [], r"recipe\.yaml: optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
     ({}, ["engine.block_size=24"], r"engine: EngineConfig\.block_size must be a power of two, got 24"),
@@ -954,7 +955,7 @@ CLI_CONFIG_CASES = [
 
 @pytest.mark.bad_input("cli")
 @pytest.mark.parametrize("change,over,msg", CLI_CONFIG_CASES, ids=[
-    "lr-zero", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
+    "lr-zero", "set-type-error-blames-the-override", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
     "max-prompt-len-over-model", "device-unknown", "device-meta", "model-folder-missing", "model-path-a-file",
     "tokenizer-folder-missing", "relative-data-file-missing", "overlong-choice", "head-dim-triton"])
 def test_cli_config_errors(tmp_path, capsys, change, over, msg):
@@ -964,6 +965,17 @@ def test_cli_config_errors(tmp_path, capsys, change, over, msg):
     line = cli_error_line(rc, err, msg, f"rlfuse {' '.join(argv)}" + (f" (the recipe with {recipe})" if change else ""))
     if "absent.jsonl" in msg:  # a relative path in a recipe resolves against the recipe's folder
         assert str(tmp_path / "absent.jsonl") in line
+
+
+@pytest.mark.bad_input("cli")
+def test_cli_recipe_with_a_key_given_twice(tmp_path, capsys):
+    recipe = _tiny_recipe(tmp_path)
+    text = recipe.read_text() + "optim:\n  warmup_steps: 2\n"
+    recipe.write_text("optim:\n  lr: 0.001\n" + text)
+    n = len(text.splitlines()) + 1  # the second optim: is the file's second-to-last line
+    _cli_case(tmp_path, capsys, ["sft", str(recipe)], rf"recipe\.yaml:{n}: key 'optim' is given twice in one mapping "
+              rf"\(first at line 1\); YAML would keep only the last one: merge the two into one",
+              " (the recipe with two optim: blocks, lines 1 and %d)" % n)
 
 
 def _cli_case(tmp_path, capsys, argv, pattern, fed=""):
@@ -1013,7 +1025,7 @@ CLI_USAGE_CASES = [
     ("unknown-ppo-key", ["ppo", "arith_ppo", "--set", "ppo.gae=0.3"],
      r"override 'ppo\.gae': unknown key 'gae' in ppo; valid keys: .*gamma, lam"),
     ("dpo-loss-choice", ["dpo", "arith_dpo", "--set", "dpo.loss=hinge"],
-     r"arith_dpo\.yaml: dpo\.loss must be one of \['sigmoid', 'ipo', 'conservative'\], got 'hinge'"),
+     r"--set dpo\.loss=hinge: dpo\.loss must be one of \['sigmoid', 'ipo', 'conservative'\], got 'hinge'"),
     ("unknown-recipe", ["sft", "no_such_recipe"], r"config 'no_such_recipe': no such file and no built-in recipe of "
                                                   r"that name \(built-in recipes: .*arith_grpo, .*arith_sft"),
     ("check-without-a-model", ["check", "--out", "{tmp}"],
