@@ -110,6 +110,12 @@ DATA_FILE_CASES = [
      r"d\.jsonl:1: field 'answer' must be a string or a number, got list"),
     ("messages-malformed", "d.jsonl", '{"messages": [{"role": "user"}]}\n', False,
      r"d\.jsonl:1: field messages\[0\] must be an object with string 'role' and 'content'"),
+    ("messages-unknown-role", "d.jsonl", '{"messages": [{"role": "human", "content": "x"}]}\n', False,
+     r"d\.jsonl:1: field messages\[0\]\.role is 'human'; expected one of system, user, assistant, tool"),
+    ("nan-in-a-field", "d.jsonl", '{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": NaN}\n', False,
+     r"d\.jsonl:2: field 'answer' is NaN, which is not a JSON number; expected a finite number \(or null"),
+    ("infinity-nested-json", "d.json", '[{"prompt": "a", "meta": {"w": [1, -Infinity]}}]', False,
+     r"d\.json: row 0: field 'meta\.w\[1\]' is -Infinity, which is not a JSON number"),
     ("messages-empty", "d.jsonl", '{"messages": []}\n', False,
      r"d\.jsonl:1: field 'messages' must be a non-empty list of messages"),
     ("sft-no-completion", "d.jsonl", '{"prompt": "a"}\n', True,
@@ -965,6 +971,42 @@ def test_cli_config_errors(tmp_path, capsys, change, over, msg):
     line = cli_error_line(rc, err, msg, f"rlfuse {' '.join(argv)}" + (f" (the recipe with {recipe})" if change else ""))
     if "absent.jsonl" in msg:  # a relative path in a recipe resolves against the recipe's folder
         assert str(tmp_path / "absent.jsonl") in line
+
+
+@pytest.mark.bad_input("config-ranges")
+def test_greedy_grpo_is_refused_with_the_reason():
+    from rlfuse.run.config import load_config
+
+    expect_error(lambda: load_config(None, ["grpo.temperature=0"]),
+                 r"grpo\.temperature must be > 0, got 0: greedy rollouts make every completion of a group the same, "
+                 r"so every advantage is 0", "--set grpo.temperature=0")
+
+
+SAMPLING_CASES = [
+    ("temperature-inf", {"temperature": float("inf")},
+     r"SamplingParams\.temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
+    ("temperature-nan", {"temperature": float("nan")}, r"SamplingParams\.temperature must be a finite number >= 0"),
+    ("stop-token-ids-an-int", {"stop_token_ids": 5},
+     r"SamplingParams\.stop_token_ids must be a list of token ids \(e\.g\. \[5\]\), got int 5"),
+]
+
+
+@pytest.mark.bad_input("config-ranges")
+@pytest.mark.parametrize("kw,msg", [c[1:] for c in SAMPLING_CASES], ids=[c[0] for c in SAMPLING_CASES])
+def test_bad_sampling_params(kw, msg):
+    from rlfuse.engine import SamplingParams
+
+    expect_error(lambda: SamplingParams(**kw), msg, f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in kw.items())})")
+
+
+@pytest.mark.bad_input("config-ranges")
+def test_grpo_max_new_tokens_over_the_context_is_warned(tmp_path, capsys, caplog):
+    recipe = _tiny_recipe(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["grpo", str(recipe), "--set", "grpo.max_new_tokens=40"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "grpo.max_new_tokens=40 is not below the model context (32 tokens",
+                    "rlfuse grpo with grpo.max_new_tokens=40 and a 32-token model context", count=1)
 
 
 @pytest.mark.bad_input("cli")

@@ -102,6 +102,10 @@ class RunConfig:
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
         g = self.grpo
+        if g.temperature == 0:
+            raise ValueError("grpo.temperature must be > 0, got 0: greedy rollouts make every completion of a group "
+                             "the same, so every advantage is 0 and nothing is learned (held-out evaluation is "
+                             "greedy already); use e.g. 1.0")
         if g.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
         if g.dual_clip is not None and g.dual_clip <= 1:
