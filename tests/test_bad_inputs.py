@@ -734,6 +734,27 @@ def test_report_of_a_folder_without_runs(tmp_path):
                  "report of an empty folder")
 
 
+@pytest.mark.bad_input("non-finite")
+def test_weight_norm_growing_by_orders_of_magnitude_is_warned(caplog):
+    from rlfuse.run.optim import WeightNormWatch
+
+    model = _tiny_model()
+    watch = WeightNormWatch(model.parameters())
+    n0 = watch.check(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    assert watch.check(1) == pytest.approx(3 * n0, rel=1e-5) and not caplog.records  # x3: no warning
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0)
+    with caplog.at_level(logging.WARNING):
+        watch.check(2)
+        watch.check(3)  # still x15: said once
+    expect_reported(caplog, "the weight norm grew from", "weights scaled x15 between steps 0 and 2 (as a learning "
+                    "rate far too high does)", count=1)
+
+
 # ------------------------------------------------------------------ non-finite training numbers
 @pytest.mark.bad_input("non-finite")
 def test_consecutive_non_finite_steps_stop_with_a_clear_error(caplog):
@@ -793,10 +814,13 @@ def test_cli_report_errors_and_torn_lines(tmp_path, capsys, caplog):
 # ------------------------------------------------------------------ run config: every numeric field's range
 RANGE_CASES = [
     # (override, the message: the field and its valid range)
-    ("optim.lr=0", r"optim\.lr must be a finite number > 0, got 0\.0"),
-    ("optim.lr=-1e-3", r"optim\.lr must be a finite number > 0, got -0\.001"),
-    ("optim.lr=.nan", r"optim\.lr must be a finite number > 0, got nan"),
-    ("optim.lr=.inf", r"optim\.lr must be a finite number > 0, got inf"),
+    ("optim.lr=0", r"optim\.lr must be in \(0, 1\], got 0\.0"),
+    ("optim.lr=-1e-3", r"optim\.lr must be in \(0, 1\], got -0\.001"),
+    ("optim.lr=.nan", r"optim\.lr must be in \(0, 1\], got nan"),
+    ("optim.lr=.inf", r"optim\.lr must be in \(0, 1\], got inf"),
+    ("optim.lr=1e10", r"optim\.lr must be in \(0, 1\], got 10000000000\.0"),
+    ("optim.lr=1e38", r"optim\.lr must be in \(0, 1\], got 1e\+38"),
+    ("ppo.critic_lr=2", r"ppo\.critic_lr must be in \(0, 1\], got 2"),
     ("optim.betas=[0.9, 1.0]", r"optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
     ("optim.betas=[-0.1, 0.99]", r"optim\.betas\[0\] must be in \[0, 1\), got -0\.1"),
     ("optim.eps=0", r"optim\.eps must be a finite number > 0, got 0\.0"),
@@ -935,7 +959,7 @@ def _tiny_recipe(tmp, **change) -> Path:
 
 CLI_CONFIG_CASES = [
     # (recipe changes (section__field), --set overrides, expected error line)
-    ({}, ["optim.lr=0"], r"--set optim\.lr=0: optim\.lr must be a finite number > 0, got 0\.0"),
+    ({}, ["optim.lr=1e38"], r"--set optim\.lr=1e38: optim\.lr must be in \(0, 1\], got 1e\+38"),
     ({}, ["sft.steps=1.5"], r"--set sft\.steps=1\.5: sft\.steps: expected an integer, got 1\.5"),
     ({}, ["logging.log_every=0"], r"logging\.log_every must be an integer >= 1, got 0"),
     ({"optim": {"betas": [0.9, 1.0]}}, [], r"recipe\.yaml: optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
@@ -961,7 +985,7 @@ CLI_CONFIG_CASES = [
 
 @pytest.mark.bad_input("cli")
 @pytest.mark.parametrize("change,over,msg", CLI_CONFIG_CASES, ids=[
-    "lr-zero", "set-type-error-blames-the-override", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
+    "lr-overflow", "set-type-error-blames-the-override", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
     "max-prompt-len-over-model", "device-unknown", "device-meta", "model-folder-missing", "model-path-a-file",
     "tokenizer-folder-missing", "relative-data-file-missing", "overlong-choice", "head-dim-triton"])
 def test_cli_config_errors(tmp_path, capsys, change, over, msg):

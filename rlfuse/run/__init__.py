@@ -23,11 +23,11 @@ from rlfuse.run.metrics import (
            data_lines,
            peak_memory_mb,
 )
-from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
+from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, WeightNormWatch, clip_grad_norm_, lr_at
 from rlfuse.run.resume import load_checkpoint, load_model_folder, resolve_resume
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
-           "RunLock", "RunLog", "build_engine", "build_model", "build_tokenizer", "check_model_folder",
+           "RunLock", "RunLog", "WeightNormWatch", "build_engine", "build_model", "build_tokenizer", "check_model_folder",
            "clip_grad_norm_", "data_lines", "load_checkpoint", "load_model_folder", "lr_at", "pack_by_tokens",
            "peak_memory_mb", "pick_device", "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final",
            "seed_everything", "stop_agreed", "stop_on_signals"]

@@ -50,6 +50,7 @@ from rlfuse.run import (
     Interrupted,
     MasterAdamW,
     RunLog,
+    WeightNormWatch,
     load_checkpoint,
     resolve_resume,
     save_checkpoint,
@@ -156,6 +157,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
                     total=sched.steps, desc=trainer.stage, initial=start) if dist is None or dist.is_main else SilentLog()
     history, evals = [], []
+    watch = WeightNormWatch(trainer.model.parameters(), dist=dist)
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)
 
@@ -183,6 +185,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     done = start
     finished = False
     try:
+        watch.check(start)
         if start == 0 and sched.eval_at_start:
             do_eval(0)
         while done < sched.steps:
@@ -196,6 +199,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
             m = trainer.step(done)
             done += 1
             if done % cfg.logging.log_every == 0 or done == sched.steps:
+                watch.check(done)
                 if dist is not None:  # the same row on every rank, with each rank's memory (max over ranks)
                     m = {**step_metrics(dist, m), **log_memory(dist, trainer.model, trainer.optimizer.opt,
                                                                compute_dtype=trainer.optimizer.compute_dtype)}

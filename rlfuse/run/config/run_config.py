@@ -137,7 +137,7 @@ class RunConfig:
 
 RANGES: dict[str, str] = {
     "seed": ">= 0",
-    "optim.lr": "> 0", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
+    "optim.lr": "(0, 1]", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
     "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "[0, 1]",
     "optim.max_grad_norm": ">= 0", "optim.max_nonfinite_steps": ">= 0",
     "sft.steps": "> 0", "sft.batch_size": "> 0", "sft.micro_batch_tokens": "> 0", "sft.max_seq_len": "> 0",
@@ -154,7 +154,7 @@ RANGES: dict[str, str] = {
     "ppo.steps": "> 0", "ppo.prompts_per_step": "> 0", "ppo.samples_per_prompt": "> 0",
     "ppo.max_new_tokens": "> 0", "ppo.temperature": ">= 0", "ppo.top_p": "(0, 1]", "ppo.top_k": ">= 0",
     "ppo.clip_low": "[0, 1)", "ppo.clip_high": ">= 0", "ppo.mu": "> 0", "ppo.mini_batches": "> 0",
-    "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "> 0",
+    "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "(0, 1]",
     "ppo.kl_coef": ">= 0", "ppo.kl_horizon": "> 0", "ppo.entropy_coef": ">= 0", "ppo.sample_every": ">= 0",
     "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
     "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
