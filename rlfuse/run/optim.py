@@ -271,7 +271,6 @@ class NonFiniteGuard:
         self.consecutive, self.total_skipped = int(sd["consecutive"]), int(sd["total_skipped"])
 
 
-@torch.no_grad()
 class WeightNormWatch:
     """Warns when the global L2 norm of `params` reaches GROWTH times its value at the first
     `check` (and again at each further GROWTH x). `check` costs one pass over the weights
@@ -287,6 +286,7 @@ class WeightNormWatch:
         self.start: tuple[int, float] | None = None
         self.next_warning = math.inf
 
+    @torch.no_grad()
     def norm(self) -> float:
         local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
         sq = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum()
@@ -308,6 +308,7 @@ class WeightNormWatch:
         return n
 
 
+@torch.no_grad()
 def nonfinite_tensors(named_tensors) -> list[str]:
     """Names of the tensors holding NaN or inf, from (name, tensor) pairs; one host sync."""
     named = [(n, t) for n, t in named_tensors if t.is_floating_point()]
