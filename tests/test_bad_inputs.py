@@ -592,17 +592,25 @@ def _fail_with(monkeypatch, target, attr, err):
 
 
 @pytest.mark.bad_input("checkpoints-fs")
-@pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-weights", "read-only-folder"])
+@pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-unexpected-pos", "disk-full-weights",
+                                  "read-only-folder"])
 def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeypatch, what):
     r, model, opt = run
     fed = {"disk-full-torch-save": "saving checkpoint step 3: torch.save fails (RuntimeError: PytorchStreamWriter "
                                    "failed writing file data/0: file write failed)",
+           "disk-full-unexpected-pos": "saving checkpoint step 3: torch.save fails (RuntimeError: [enforce fail at "
+                                       "inline_container.cc:603] . unexpected pos 4096 vs 3980)",
            "disk-full-weights": "saving checkpoint step 3: writing the weights fails (OSError ENOSPC)",
            "read-only-folder": "saving checkpoint step 3: creating its folder fails (OSError EROFS)"}[what]
     if what == "disk-full-torch-save":
         _fail_with(monkeypatch, ck.torch, "save", RuntimeError("PytorchStreamWriter failed writing file data/0: "
                                                                "file write failed"))
-        msg = r"cannot write .*step_000003: PytorchStreamWriter failed writing file"
+        msg = (r"cannot write .*step_000003: no space left on device\? torch\.save could not write its data \(torch: "
+               r"PytorchStreamWriter failed writing file")
+    elif what == "disk-full-unexpected-pos":
+        _fail_with(monkeypatch, ck.torch, "save", RuntimeError("[enforce fail at inline_container.cc:603] . "
+                                                               "unexpected pos 4096 vs 3980"))
+        msg = r"cannot write .*step_000003: no space left on device\? .*unexpected pos 4096 vs 3980"
     elif what == "disk-full-weights":
         _fail_with(monkeypatch, ck, "save_model", OSError(errno.ENOSPC, "No space left on device", "x.safetensors"))
         msg = r"cannot write .*step_000003: No space left on device \(x\.safetensors\); .*GiB free on that disk"
@@ -1057,6 +1065,78 @@ def test_cli_device_the_machine_does_not_have(tmp_path, capsys, device):
     _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--set", f"model.device={device}"],
               rf"model\.device: '{device}' asked for, but this machine has no usable CUDA device.*"
               r"use model\.device: cpu", " (on a machine without CUDA)")
+
+
+@pytest.mark.bad_input("kernels-devices")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
+def test_cli_generate_on_a_device_the_machine_does_not_have(tmp_path, capsys):
+    _cli_case(tmp_path, capsys, ["generate", str(tmp_path), "--prompt", "1+1=", "--device", "cuda"],
+              r"--device: 'cuda' asked for, but this machine has no usable CUDA device.*use --device cpu",
+              " (on a machine without CUDA)")
+
+
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_cli_threads_not_positive(tmp_path, capsys, threads):
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--threads", threads],
+              rf"--threads: expected an integer >= 1 \(torch CPU threads\), got {threads}")
+
+
+def _hf_folder(tmp_path, vocab_size: int = 16) -> Path:
+    """A tiny HF folder: random weights and a character tokenizer of ALPHA (47 ids)."""
+    from rlfuse.model.weights import save_model
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=32, qk_norm=True)
+    model = CausalLM(cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "m"
+    tok_dir = char_tokenizer(ALPHA).save(tmp_path / "tok")
+    save_model(model, folder, tokenizer_dir=tok_dir)
+    return folder
+
+
+@pytest.mark.bad_input("model-config")
+def test_truncated_weights_file_is_named_incomplete(tmp_path, capsys):
+    folder = _hf_folder(tmp_path, vocab_size=48)
+    _truncate(folder / "model.safetensors", 2000)
+    _cli_case(tmp_path, capsys, ["generate", str(folder), "--prompt", "1+1=", "--device", "cpu"],
+              r"m/model\.safetensors: incomplete or not a safetensors file \(2000 bytes; .*\): it was probably cut "
+              r"short", " (model.safetensors cut to 2000 bytes)")
+
+
+@pytest.mark.bad_input("model-config")
+def test_vocab_size_below_the_tokenizer_names_both(tmp_path, capsys):
+    folder = _hf_folder(tmp_path, vocab_size=16)
+    _cli_case(tmp_path, capsys, ["generate", str(folder), "--prompt", "1+1=", "--device", "cpu"],
+              r"m/config\.json: vocab_size is 16, smaller than the tokenizer's 47 ids: ids 16\.\.46 would index "
+              r"past the embedding", " (config.json vocab_size 16, tokenizer.json with 47 ids)")
+    expect_error(lambda: build_model_spec(vocab_size=8), r"model\.random_init: vocab_size is 8, smaller than the "
+                 r"tokenizer's 47 ids", "model.random_init.vocab_size=8 with a 47-id tokenizer")
+
+
+def build_model_spec(**random_init):
+    from rlfuse.run.build import build_model
+    from rlfuse.run.config.sections import ModelSpec
+
+    spec = ModelSpec(random_init={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16, **random_init},
+                     kernel_backend="torch")
+    return build_model(spec, char_tokenizer(ALPHA), torch.device("cpu"))
+
+
+@pytest.mark.bad_input("cli")
+def test_model_path_at_a_training_checkpoint_is_accepted(sft_run, capsys, caplog):
+    recipe, run = sft_run
+    ckpt = run / "checkpoints" / "step_000002"
+    argv = ["sft", str(recipe), "--run-dir", str(run.parent / "run2"), "--set", f"model.path={ckpt}",
+            "--set", "model.random_init=null", "--set", "model.tokenizer="]
+    with caplog.at_level(logging.INFO):
+        rc, _, err = _cli(argv, capsys)
+    assert rc == 0, err
+    expect_reported(caplog, f"from {ckpt / 'model'}", f"rlfuse sft with model.path={ckpt} (a training checkpoint, "
+                                                       f"weights in its model/)", count=1)
 
 
 @pytest.mark.bad_input("kernels-devices")

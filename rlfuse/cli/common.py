@@ -165,11 +165,18 @@ def print_data(res: dict) -> None:
 
 
 def setup_threads(threads: int | None) -> None:
-    n = threads if threads is not None else (int(os.environ["RLFUSE_THREADS"]) if "RLFUSE_THREADS" in os.environ
-                                             else None)
-    if n is not None:
-        torch.set_num_threads(n)
-        log.info("torch CPU threads: %d (--threads / RLFUSE_THREADS)", n)
+    """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer >= 1)."""
+    what, raw = ("--threads", threads) if threads is not None else ("RLFUSE_THREADS", os.environ.get("RLFUSE_THREADS"))
+    if raw is None:
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1 or str(raw).strip() != str(n):
+        raise ValueError(f"{what}: expected an integer >= 1 (torch CPU threads), got {raw!r}")
+    torch.set_num_threads(n)
+    log.info("torch CPU threads: %d (--threads / RLFUSE_THREADS)", n)
 
 
 def fail(e: Exception) -> int:

@@ -11,12 +11,16 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import torch
-
 from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.run import check_model_folder, load_model_folder
+from rlfuse.run import (
+    check_model_folder,
+    check_vocab,
+    load_model_folder,
+    model_folder,
+    pick_device,
+)
 
 HELP = "generate completions for prompts with the built-in engine"
 
@@ -51,19 +55,19 @@ def run(args) -> int:
         prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]
     if not prompts:
         return fail(ValueError("no prompts: give --prompt TEXT or --prompts-file FILE"))
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
+        device = pick_device(args.device or "auto", "--device")
         params = SamplingParams(n=args.n, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                                 min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                                 seed=args.seed, stop=tuple(args.stop))
         cfg = EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                            gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager)
         check_model_folder(args.model, "MODEL")
-        folder = Path(args.model)
-        folder = folder / "model" if (folder / "model" / "config.json").exists() else folder  # a checkpoint
+        folder = model_folder(args.model)  # a training checkpoint's too
         # the model first: a missing or wrong folder is reported as such, not as a missing tokenizer
         model = load_model_folder(folder, device=device, dtype=args.dtype).eval()
         tok = Tokenizer.from_pretrained(folder)
+        check_vocab(model.config.vocab_size, tok, str(folder / "config.json"))
         if args.chat:
             prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True,
                                                tokenize=True) for q in prompts]

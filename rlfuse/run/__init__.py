@@ -9,6 +9,7 @@ from rlfuse.run.build import (
            build_model,
            build_tokenizer,
            check_model_folder,
+           check_vocab,
            pick_device,
            seed_everything,
 )
@@ -23,11 +24,23 @@ from rlfuse.run.metrics import (
            data_lines,
            peak_memory_mb,
 )
-from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, WeightNormWatch, clip_grad_norm_, lr_at
-from rlfuse.run.resume import load_checkpoint, load_model_folder, resolve_resume
+from rlfuse.run.optim import (
+           MasterAdamW,
+           NonFiniteGuard,
+           WeightNormWatch,
+           clip_grad_norm_,
+           lr_at,
+)
+from rlfuse.run.resume import (
+           load_checkpoint,
+           load_model_folder,
+           model_folder,
+           resolve_resume,
+)
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
-           "RunLock", "RunLog", "WeightNormWatch", "build_engine", "build_model", "build_tokenizer", "check_model_folder",
-           "clip_grad_norm_", "data_lines", "load_checkpoint", "load_model_folder", "lr_at", "pack_by_tokens",
-           "peak_memory_mb", "pick_device", "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final",
-           "seed_everything", "stop_agreed", "stop_on_signals"]
+           "RunLock", "RunLog", "WeightNormWatch", "build_engine", "build_model", "build_tokenizer",
+           "check_model_folder", "check_vocab", "clip_grad_norm_", "data_lines", "load_checkpoint",
+           "load_model_folder", "lr_at", "model_folder", "pack_by_tokens", "peak_memory_mb", "pick_device",
+           "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final", "seed_everything", "stop_agreed",
+           "stop_on_signals"]

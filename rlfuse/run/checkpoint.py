@@ -96,8 +96,17 @@ def check_finite(model, what: str, dist: DistContext | None = None) -> None:
                              f"optim.lr or resume from an earlier checkpoint")
 
 
+# how torch.save's C++ writer reports a write that did not go through (a full disk, most
+# often): "[enforce fail at inline_container.cc:...] . unexpected pos N vs M",
+# "PytorchStreamWriter failed writing file data/0: file write failed"
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing file")
+
+
 def _write_error(path: Path, e: BaseException) -> CheckpointError:
     what = getattr(e, "strerror", None) or str(e)
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(what):
+        what = (f"no space left on device? torch.save could not write its data (torch: "
+                f"{what.strip().splitlines()[0][:160]})")
     at = f" ({e.filename})" if getattr(e, "filename", None) else ""
     try:
         probe = next(p for p in (path, *path.parents) if p.exists())
