@@ -181,6 +181,33 @@ def test_prompts_dropped_counted_and_reported(tmp_path, tok, caplog, rows, kw, c
 
 
 @pytest.mark.bad_input("data")
+def test_rows_the_tokenizer_cannot_represent_are_counted_and_warned(tmp_path, tok, caplog):
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "3×4=", "completion": "12"},
+            {"prompt": "5+5=", "completion": "10"}, {"prompt": "2+2=", "completion": "4"}]
+    p = _rows(tmp_path, rows)
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    stats = {}
+    with caplog.at_level(logging.WARNING):
+        prompts = build_prompts(load_rows(cfg), tok, cfg, stats=stats)
+    assert len(prompts) == 4 and stats["train/kept/unknown_tokens"] == 1
+    expect_reported(caplog, f"1 of 4 rows hold text the tokenizer cannot represent (encoded as <unk>), e.g. {p}:2; "
+                            "characters: '×'", f"{p}: 4 rows, one with '×' outside the character tokenizer", count=1)
+    assert mt.data_lines(stats) == ["train: 4 of 4 rows kept; 1 with unknown tokens"]
+
+
+@pytest.mark.bad_input("data")
+def test_most_rows_unrepresentable_is_an_error(tmp_path, tok):
+    rows = [{"prompt": "Ünïcode?", "completion": "é"}, {"prompt": "3×4=", "completion": "12"},
+            {"prompt": "1+1=", "completion": "2"}]
+    p = _rows(tmp_path, rows)
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    expect_error(lambda: build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 32),
+                 rf"sft data train: 2 of 3 rows hold text the tokenizer cannot represent \(encoded as <unk>\), e\.g\. "
+                 rf"{re.escape(str(p))}:1; characters: 'Ü' 'ï' 'é' '×'; the model would learn from <unk> tokens",
+                 f"SFT data {p}: 2 of 3 rows with characters outside the character tokenizer")
+
+
+@pytest.mark.bad_input("data")
 def test_every_prompt_dropped_is_an_error(tmp_path, tok):
     rows = [{"prompt": ""}, {"prompt": "9" * 30}]
     p = _rows(tmp_path, rows)
