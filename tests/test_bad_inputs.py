@@ -1447,6 +1447,25 @@ def test_a_second_signal_stops_at_once(tmp_path):
     assert not (tmp_path / "run" / "checkpoints").exists() and "Traceback" not in r.stderr
 
 
+@pytest.mark.bad_input("run-folders")
+def test_a_demo_rerun_replaces_the_previous_demo_and_says_so(tmp_path, caplog):
+    from rlfuse.cli.demo import replace_previous_demo
+
+    root = tmp_path / "demo"
+    for stage in ("sft", "grpo"):
+        (root / stage / "tb").mkdir(parents=True)
+        (root / stage / "metrics.jsonl").write_text('{"step": 1, "stage": "%s", "loss": 1.0}\n' % stage)
+    (root / "report").mkdir()
+    (root / "report" / "index.html").write_text("old")
+    (root / "demo.json").write_text("{}")
+    (root / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING):
+        replace_previous_demo(root)
+    assert sorted(p.name for p in root.rglob("*")) == ["grpo", "notes.txt", "sft"]
+    expect_reported(caplog, "a re-run replaces the previous demo", f"rlfuse demo again over {root} (sft/, grpo/ with "
+                    "metrics and tb/, report/, demo.json)", count=4)
+
+
 def test_run_folders_get_normal_permissions(sft_run):
     import os
     import stat

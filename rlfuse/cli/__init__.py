@@ -21,6 +21,7 @@ import sys
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rlfuse import __version__
 from rlfuse.cli import bench, check, demo, dpo, generate, grpo, ppo, report, sft
 from rlfuse.cli import eval as eval_cmd
 from rlfuse.cli.common import fail
@@ -32,6 +33,7 @@ COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "dpo": dpo, "eva
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfuse", description="RL post-training of LLMs on one shared copy of the weights.")
+    p.add_argument("--version", action="version", version=f"rlfuse {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show the engine's INFO lines (one per generate call; quiet by default)")

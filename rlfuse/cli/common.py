@@ -34,6 +34,7 @@ from rlfuse.run.distributed import (
     quiet_non_main,
     shutdown,
 )
+from rlfuse.run.metrics import read_jsonl
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -55,7 +56,14 @@ def resolve_config_path(name: str) -> Path:
                      f"(built-in recipes: {', '.join(recipe_names())})")
 
 
-def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
+ALGORITHMS = ("sft", "grpo", "ppo", "dpo")
+"""The config sections of one algorithm each; a command's --help lists only its own."""
+
+
+def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True, uses: tuple[str, ...] = ()) -> None:
+    """CONFIG, --set and the run options; the epilog lists the config keys the command
+    reads: every section but the other algorithms' (`uses`: the algorithm sections, or
+    single keys of another algorithm's section, it reads)."""
     p.add_argument("config", metavar="CONFIG",
                    help=f"recipe YAML file or built-in recipe name ({', '.join(recipe_names())})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -73,7 +81,11 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> 
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a rank waits in a collective for the others before it fails")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = "config keys (--set KEY=VALUE):\n" + "\n".join("  " + ln for ln in describe(RunConfig))
+    skip = tuple(f"{a}." for a in ALGORITHMS if a not in uses)
+    keep = tuple(f"{k} " for k in uses if "." in k)
+    keys = [ln for ln in describe(RunConfig) if not ln.startswith(skip) or ln.startswith(keep)]
+    p.epilog = (f"config keys this command reads (--set KEY=VALUE; all of them: docs/configuration.md):\n"
+                + "\n".join("  " + ln for ln in keys))
 
 
 def load_run_config(args) -> RunConfig:
@@ -146,16 +158,25 @@ def stopped(args, e: Interrupted, ctx: DistContext | None = None) -> int:
 
 
 def print_summary(command: str, res: dict) -> None:
-    """The closing lines of a training command: the held-out metric first -> last, the run
+    """The closing lines of a training command: the held-out metric first -> last over the
+    whole run (a resumed run's earlier evaluations are read from its metrics.jsonl), the run
     folder, then the data checks (rows kept / dropped per split)."""
-    if res["evals"]:
-        first, last = res["evals"][0], res["evals"][-1]
+    evals = run_evals(res)
+    if evals:
+        first, last = evals[0], evals[-1]
         key = "accuracy" if "accuracy" in last else "reward"
-        print(f"{command} done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
-              f"(step {last['step']}); run folder {res['run_dir']}")
+        change = (f"{first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} (step {last['step']})"
+                  if first["step"] != last["step"] else f"{last[key]:.4f} (step {last['step']})")
+        print(f"{command} done: held-out {key} {change}; run folder {res['run_dir']}")
     else:
         print(f"{command} done; run folder {res['run_dir']}")
     print_data(res)
+
+
+def run_evals(res: dict) -> list[dict]:
+    """The held-out evaluations of the whole run: metrics.jsonl's eval rows (a resumed run's
+    earlier ones included), else those of this process (res["evals"])."""
+    return [r for r in read_jsonl(Path(res["run_dir"]) / "metrics.jsonl") if r.get("stage") == "eval"] or res["evals"]
 
 
 def print_data(res: dict) -> None:

@@ -7,6 +7,7 @@ from rlfuse.cli.common import (
     fail,
     load_run_config,
     print_data,
+    run_evals,
     setup_threads,
     single_process_only,
     stopped,
@@ -19,7 +20,7 @@ HELP = "DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("dpo", "grpo.max_new_tokens"))  # held-out answers' length
 
 
 def run(args) -> int:
@@ -36,8 +37,8 @@ def run(args) -> int:
     last = res["history"][-1] if res["history"] else {}
     print(f"dpo done: {res['steps']} steps, last loss {float(last.get('loss', float('nan'))):.4f}, reward margin "
           f"{float(last.get('rewards/margin', float('nan'))):.4f}; run folder {res['run_dir']} (weights in final/)")
-    if res["evals"]:
-        first, lastev = res["evals"][0], res["evals"][-1]
+    if evals := run_evals(res):
+        first, lastev = evals[0], evals[-1]
         key = "accuracy" if "accuracy" in lastev else "reward"
         print(f"held-out {key} {first[key]:.4f} (step {first['step']}) -> {lastev[key]:.4f} (step {lastev['step']})")
     if "pair_evals" in res:

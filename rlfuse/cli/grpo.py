@@ -22,7 +22,7 @@ HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("grpo",))
 
 
 def run(args) -> int:

@@ -19,7 +19,7 @@ HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a rec
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("ppo",))
 
 
 def run(args) -> int:

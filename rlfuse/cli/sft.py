@@ -22,7 +22,7 @@ HELP = "supervised fine-tuning from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("sft", "grpo.max_new_tokens"))  # held-out answers' length
 
 
 def run(args) -> int:

@@ -118,8 +118,8 @@ def run_kind(run_dir: Path) -> str | None:
     return None
 
 
-def clear_run(run_dir: Path) -> list[str]:
-    """Remove the files of RUN_FILES from `run_dir` (logged); returns their names."""
+def clear_run(run_dir: Path, why: str = "--overwrite") -> list[str]:
+    """Remove the files of RUN_FILES from `run_dir` (logged, with `why`); returns their names."""
     removed = []
     for name in RUN_FILES:
         p = run_dir / name
@@ -131,7 +131,7 @@ def clear_run(run_dir: Path) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        log.warning("--overwrite: removed the previous run's %s from %s", ", ".join(removed), run_dir)
+        log.warning("%s: removed the previous run's %s from %s", why, ", ".join(removed), run_dir)
     return removed
 
 
