@@ -21,8 +21,8 @@ log = logging.getLogger("rlfuse.cli")
 
 def add_arguments(p):
     p.add_argument("--size", choices=SIZES, default=None,
-                   help="cpu (~2 min on 2 CPU cores: docs/benchmarks.md), ci (shortened), gpu (larger); default: gpu with "
-                        "CUDA, else cpu")
+                   help="cpu (~2 min on 2 CPU cores: docs/benchmarks.md), ci (shortened), gpu (larger); "
+                        "default: gpu with CUDA, else cpu")
     p.add_argument("--run-dir", default="runs/demo",
                    help="run folder (default runs/demo); a previous demo there is replaced, and said so")
     p.add_argument("--seed", type=int, default=0)
