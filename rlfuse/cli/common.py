@@ -17,13 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rlfuse.run import (
-    Interrupted,
-    data_lines,
-    pick_device,
-    prepare_run_folder,
-    stop_on_signals,
-)
+from rlfuse.run import Interrupted, data_lines, pick_device, prepare_run_folder, stop_on_signals
 from rlfuse.run.config import RunConfig, describe, load_config
 from rlfuse.run.distributed import (
     DistContext,

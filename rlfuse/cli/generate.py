@@ -16,13 +16,7 @@ from pathlib import Path
 from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.run import (
-    check_model_folder,
-    check_vocab,
-    load_model_folder,
-    model_folder,
-    pick_device,
-)
+from rlfuse.run import check_model_folder, check_vocab, load_model_folder, model_folder, pick_device
 
 HELP = "generate completions for prompts with the built-in engine"
 

@@ -16,27 +16,9 @@ from rlfuse.run.build import (
 from rlfuse.run.checkpoint import save_checkpoint, save_final
 from rlfuse.run.folder import RunLock, prepare_run_folder
 from rlfuse.run.interrupt import Interrupted, stop_agreed, stop_on_signals
-from rlfuse.run.metrics import (
-           DATA_REASONS,
-           DATA_STAGE,
-           PhaseTimer,
-           RunLog,
-           data_lines,
-           peak_memory_mb,
-)
-from rlfuse.run.optim import (
-           MasterAdamW,
-           NonFiniteGuard,
-           WeightNormWatch,
-           clip_grad_norm_,
-           lr_at,
-)
-from rlfuse.run.resume import (
-           load_checkpoint,
-           load_model_folder,
-           model_folder,
-           resolve_resume,
-)
+from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, PhaseTimer, RunLog, data_lines, peak_memory_mb
+from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, WeightNormWatch, clip_grad_norm_, lr_at
+from rlfuse.run.resume import load_checkpoint, load_model_folder, model_folder, resolve_resume
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
            "RunLock", "RunLog", "WeightNormWatch", "build_engine", "build_model", "build_tokenizer",

@@ -21,12 +21,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_dtype
-from rlfuse.run.checkpoint import (
-    CheckpointError,
-    clean_temporary,
-    list_checkpoints,
-    set_rng_state,
-)
+from rlfuse.run.checkpoint import CheckpointError, clean_temporary, list_checkpoints, set_rng_state
 from rlfuse.run.distributed.context import DistContext
 from rlfuse.run.distributed.dcp import load_sharded
 
