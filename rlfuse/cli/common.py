@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rlfuse.run import Interrupted, data_lines, pick_device, prepare_run_folder, stop_on_signals
+from rlfuse.run import Interrupted, data_lines, pick_device, prepare_run_folder, read_jsonl, stop_on_signals
 from rlfuse.run.config import RunConfig, describe, load_config
 from rlfuse.run.distributed import (
     DistContext,
@@ -28,7 +28,6 @@ from rlfuse.run.distributed import (
     quiet_non_main,
     shutdown,
 )
-from rlfuse.run.metrics import read_jsonl
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"

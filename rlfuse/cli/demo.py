@@ -13,7 +13,7 @@ import torch
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.demo import SIZES, run_demo
-from rlfuse.run.folder import clear_run
+from rlfuse.run import clear_run
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")

@@ -14,15 +14,15 @@ from rlfuse.run.build import (
            seed_everything,
 )
 from rlfuse.run.checkpoint import save_checkpoint, save_final
-from rlfuse.run.folder import RunLock, prepare_run_folder
+from rlfuse.run.folder import RunLock, clear_run, prepare_run_folder
 from rlfuse.run.interrupt import Interrupted, stop_agreed, stop_on_signals
-from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, PhaseTimer, RunLog, data_lines, peak_memory_mb
+from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, PhaseTimer, RunLog, data_lines, peak_memory_mb, read_jsonl
 from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, WeightNormWatch, clip_grad_norm_, lr_at
 from rlfuse.run.resume import load_checkpoint, load_model_folder, model_folder, resolve_resume
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
            "RunLock", "RunLog", "WeightNormWatch", "build_engine", "build_model", "build_tokenizer",
-           "check_model_folder", "check_vocab", "clip_grad_norm_", "data_lines", "load_checkpoint",
+           "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines", "load_checkpoint",
            "load_model_folder", "lr_at", "model_folder", "pack_by_tokens", "peak_memory_mb", "pick_device",
-           "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final", "seed_everything", "stop_agreed",
-           "stop_on_signals"]
+           "prepare_run_folder", "read_jsonl", "resolve_resume", "save_checkpoint", "save_final", "seed_everything",
+           "stop_agreed", "stop_on_signals"]
