@@ -1543,3 +1543,21 @@ def test_the_catalog_lists_every_case(request):
     assert listed == collected, (f"docs/bad-inputs.md is out of date: regenerate it with `{catalog.COMMAND}` "
                                  f"(missing: {sorted(collected - listed)[:5]}; "
                                  f"not a case: {sorted(listed - collected)[:5]})")
+
+
+def test_a_changed_message_fails_its_case():
+    """The catalog's check compares each case's recorded text with its row (the other
+    direction, every unchanged case agreeing, is this file's run itself)."""
+    class Item:  # the parts of a pytest item the catalog reads
+        nodeid = "tests/test_bad_inputs.py::test_cli_bad_log_level"
+        user_properties = [(catalog.PROPERTY, ("rlfuse --log-level LOUD report .",
+                                               "rlfuse: error: --log-level: 'LOUD' is not a level, reworded"))]
+
+        def get_closest_marker(self, name):
+            return pytest.mark.bad_input("cli").mark if name == "bad_input" else None
+
+    assert ("cli", "test_cli_bad_log_level") in catalog.documented()
+    problem = catalog.stale(Item())
+    assert problem and "regenerate the catalog" in problem and "reworded" in problem
+    Item.nodeid = "tests/test_bad_inputs.py::test_not_yet_in_the_catalog"
+    assert catalog.stale(Item()) is None  # a new case: test_the_catalog_lists_every_case says so
