@@ -110,6 +110,12 @@ DATA_FILE_CASES = [
      r"d\.jsonl:1: field 'answer' must be a string or a number, got list"),
     ("messages-malformed", "d.jsonl", '{"messages": [{"role": "user"}]}\n', False,
      r"d\.jsonl:1: field messages\[0\] must be an object with string 'role' and 'content'"),
+    ("messages-unknown-role", "d.jsonl", '{"messages": [{"role": "human", "content": "x"}]}\n', False,
+     r"d\.jsonl:1: field messages\[0\]\.role is 'human'; expected one of system, user, assistant, tool"),
+    ("nan-in-a-field", "d.jsonl", '{"prompt": "a", "answer": 1}\n{"prompt": "b", "answer": NaN}\n', False,
+     r"d\.jsonl:2: field 'answer' is NaN, which is not a JSON number; expected a finite number \(or null"),
+    ("infinity-nested-json", "d.json", '[{"prompt": "a", "meta": {"w": [1, -Infinity]}}]', False,
+     r"d\.json: row 0: field 'meta\.w\[1\]' is -Infinity, which is not a JSON number"),
     ("messages-empty", "d.jsonl", '{"messages": []}\n', False,
      r"d\.jsonl:1: field 'messages' must be a non-empty list of messages"),
     ("sft-no-completion", "d.jsonl", '{"prompt": "a"}\n', True,
@@ -172,6 +178,33 @@ def test_prompts_dropped_counted_and_reported(tmp_path, tok, caplog, rows, kw, c
     fed = f"{p}: rows {json.dumps(rows)}, data.max_prompt_len=20" + (f", context {kw['context_len']} tokens"
                                                                     if kw else "")
     expect_reported(caplog, text.format(p=p), fed, count=1)
+
+
+@pytest.mark.bad_input("data")
+def test_rows_the_tokenizer_cannot_represent_are_counted_and_warned(tmp_path, tok, caplog):
+    rows = [{"prompt": "1+1=", "completion": "2"}, {"prompt": "3×4=", "completion": "12"},
+            {"prompt": "5+5=", "completion": "10"}, {"prompt": "2+2=", "completion": "4"}]
+    p = _rows(tmp_path, rows)
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    stats = {}
+    with caplog.at_level(logging.WARNING):
+        prompts = build_prompts(load_rows(cfg), tok, cfg, stats=stats)
+    assert len(prompts) == 4 and stats["train/kept/unknown_tokens"] == 1
+    expect_reported(caplog, f"1 of 4 rows hold text the tokenizer cannot represent (encoded as <unk>), e.g. {p}:2; "
+                            "characters: '×'", f"{p}: 4 rows, one with '×' outside the character tokenizer", count=1)
+    assert mt.data_lines(stats) == ["train: 4 of 4 rows kept; 1 with unknown tokens"]
+
+
+@pytest.mark.bad_input("data")
+def test_most_rows_unrepresentable_is_an_error(tmp_path, tok):
+    rows = [{"prompt": "Ünïcode?", "completion": "é"}, {"prompt": "3×4=", "completion": "12"},
+            {"prompt": "1+1=", "completion": "2"}]
+    p = _rows(tmp_path, rows)
+    cfg = DataConfig(train=str(p), max_prompt_len=20)
+    expect_error(lambda: build_sft_examples(load_rows(cfg, need_target=True), tok, cfg, 32),
+                 rf"sft data train: 2 of 3 rows hold text the tokenizer cannot represent \(encoded as <unk>\), e\.g\. "
+                 rf"{re.escape(str(p))}:1; characters: 'Ü' 'ï' 'é' '×'; the model would learn from <unk> tokens",
+                 f"SFT data {p}: 2 of 3 rows with characters outside the character tokenizer")
 
 
 @pytest.mark.bad_input("data")
@@ -315,6 +348,63 @@ def test_reward_failures_under_zero_are_counted_zeroed_and_reported(tmp_path, ca
     assert "on example 1" in caplog.text
     expect_reported(caplog, f"reward function '{fn}'", _reward_fed(f"{tmp_path / 'myrewards.py'}:{fn}", {}, "zero"),
                     count=1)
+
+
+@pytest.mark.bad_input("rewards")
+@pytest.mark.parametrize("on_error", ["raise", "zero"])
+def test_a_hung_reward_times_out_in_its_worker(tmp_path, caplog, on_error):
+    import time
+
+    p = tmp_path / "slow.py"
+    p.write_text("import time\n"
+                 "def hangs_on_b(prompts, completions, **kw):\n"
+                 "    if 'b' in completions:\n"
+                 "        time.sleep(3600)\n"
+                 "    return [1.0 for c in completions]\n")
+    rs = RewardSet([RewardSpec(name=f"{p}:hangs_on_b")], on_error=on_error, timeout_s=2.0)
+    fed = (f"rewards: [{{name: {p}:hangs_on_b}}] (sleeps an hour on 'b'), reward_timeout_s: 2, on_reward_error: "
+           f"{on_error}; completions 'aa', 'b', 'cc'")
+    t0 = time.perf_counter()
+    if on_error == "raise":
+        expect_error(lambda: rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {}),
+                     r"(?s)reward function 'hangs_on_b' timed out after 2 s scoring \(reward_timeout_s\); its "
+                     r"worker process was stopped.*on example 1: prompt='p1'", fed)
+    else:
+        total, _ = rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {})
+        assert total == [1.0, 0.0, 1.0] and rs.error_counts == {"hangs_on_b": 1}
+        expect_reported(caplog, "timed out after 2 s", fed, count=1)
+        assert rs.score(["p3"], ["dd"], {})[0] == [1.0]  # a fresh worker serves the next call
+    assert time.perf_counter() - t0 < 60  # two timeouts and two worker starts, not an hour
+    rs.fns[0].close()
+
+
+@pytest.mark.bad_input("rewards")
+def test_a_reward_exception_in_the_worker_is_reported_as_in_process(tmp_path):
+    rs = RewardSet([RewardSpec(name=f"{_user_rewards(tmp_path)}:boom")], timeout_s=30.0)
+    expect_error(lambda: rs.score(["p0", "p1", "p2"], ["aa", "b", "cc"], {}),
+                 r"(?s)reward function 'boom' raised ZeroDivisionError: float division by zero.*on example 1",
+                 _reward_fed(f"{tmp_path / 'myrewards.py'}:boom", {}, "raise") + ", in a worker (reward_timeout_s 30)")
+    rs.fns[0].close()
+
+
+REWARD_IMPORT_CASES = [
+    ("syntax-error", "def f(prompts, completions, **kw)\n    return [1.0]\n",
+     r"reward '.*bad\.py:f': .*bad\.py:1: SyntaxError: expected ':'"),
+    ("import-error", "import no_such_package_xyz\ndef f(prompts, completions, **kw):\n    return []\n",
+     r"reward '.*bad\.py:f': importing .*bad\.py failed at .*bad\.py:1: ModuleNotFoundError: No module named "
+     r"'no_such_package_xyz'"),
+    ("raises-at-import", "X = 1\nTABLE = {}['missing']\n", r"reward '.*bad\.py:f': importing .*bad\.py failed at "
+                                                          r".*bad\.py:2: KeyError: 'missing'"),
+]
+
+
+@pytest.mark.bad_input("rewards")
+@pytest.mark.parametrize("source,msg", [c[1:] for c in REWARD_IMPORT_CASES], ids=[c[0] for c in REWARD_IMPORT_CASES])
+def test_reward_file_that_fails_to_import(tmp_path, source, msg):
+    p = tmp_path / "bad.py"
+    p.write_text(source)
+    expect_error(lambda: RewardSet([RewardSpec(name=f"{p}:f")]), msg, f"rewards: [{{name: {p}:f}}], bad.py = "
+                                                                        f"{_short(source, 90)}")
 
 
 # ------------------------------------------------------------------ model config.json
@@ -529,17 +619,25 @@ def _fail_with(monkeypatch, target, attr, err):
 
 
 @pytest.mark.bad_input("checkpoints-fs")
-@pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-weights", "read-only-folder"])
+@pytest.mark.parametrize("what", ["disk-full-torch-save", "disk-full-unexpected-pos", "disk-full-weights",
+                                  "read-only-folder"])
 def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeypatch, what):
     r, model, opt = run
     fed = {"disk-full-torch-save": "saving checkpoint step 3: torch.save fails (RuntimeError: PytorchStreamWriter "
                                    "failed writing file data/0: file write failed)",
+           "disk-full-unexpected-pos": "saving checkpoint step 3: torch.save fails (RuntimeError: [enforce fail at "
+                                       "inline_container.cc:603] . unexpected pos 4096 vs 3980)",
            "disk-full-weights": "saving checkpoint step 3: writing the weights fails (OSError ENOSPC)",
            "read-only-folder": "saving checkpoint step 3: creating its folder fails (OSError EROFS)"}[what]
     if what == "disk-full-torch-save":
         _fail_with(monkeypatch, ck.torch, "save", RuntimeError("PytorchStreamWriter failed writing file data/0: "
                                                                "file write failed"))
-        msg = r"cannot write .*step_000003: PytorchStreamWriter failed writing file"
+        msg = (r"cannot write .*step_000003: no space left on device\? torch\.save could not write its data \(torch: "
+               r"PytorchStreamWriter failed writing file")
+    elif what == "disk-full-unexpected-pos":
+        _fail_with(monkeypatch, ck.torch, "save", RuntimeError("[enforce fail at inline_container.cc:603] . "
+                                                               "unexpected pos 4096 vs 3980"))
+        msg = r"cannot write .*step_000003: no space left on device\? .*unexpected pos 4096 vs 3980"
     elif what == "disk-full-weights":
         _fail_with(monkeypatch, ck, "save_model", OSError(errno.ENOSPC, "No space left on device", "x.safetensors"))
         msg = r"cannot write .*step_000003: No space left on device \(x\.safetensors\); .*GiB free on that disk"
@@ -588,6 +686,24 @@ def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
     assert not (r / "checkpoints/.step_000003.tmp4242").exists() and not (r / ".final.tmpxyz").exists()
     expect_reported(caplog, "a temporary folder left by an interrupted save", "a run folder holding "
                     "checkpoints/.step_000003.tmp4242/ and .final.tmpxyz/ (saves cut short)", count=2)
+
+
+@pytest.mark.bad_input("checkpoints-fs")
+def test_half_deleted_checkpoint_of_a_cut_rotation_removed_at_start(tmp_path, caplog):
+    model = _tiny_model()
+    opt = MasterAdamW(model.parameters(), lr=1e-3)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, model, opt, {"data": {}}, keep_last=2)
+    half = tmp_path / "checkpoints" / "step_000001"
+    (half / "COMPLETE").unlink()  # what _rotate does first; a kill then leaves the rest
+    (half / "optimizer.pt").unlink()
+    rs.resolve_resume("auto", tmp_path)
+    assert not half.exists() and [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000002"]
+    expect_reported(caplog, "whose deletion by the rotation", "checkpoints/step_000001/ without COMPLETE, partly "
+                    "deleted, beside a complete step_000002/ (a rotation cut short)", count=1)
+    # a step_* folder without COMPLETE that is the newest is not a rotation's: left alone
+    (tmp_path / "checkpoints" / "step_000002" / "COMPLETE").unlink()
+    assert rs.clean_temporary(tmp_path) == [] and (tmp_path / "checkpoints" / "step_000002").is_dir()
 
 
 @pytest.mark.bad_input("checkpoints-fs")
@@ -653,6 +769,27 @@ def test_report_of_a_folder_without_runs(tmp_path):
                  "report of an empty folder")
 
 
+@pytest.mark.bad_input("non-finite")
+def test_weight_norm_growing_by_orders_of_magnitude_is_warned(caplog):
+    from rlfuse.run.optim import WeightNormWatch
+
+    model = _tiny_model()
+    watch = WeightNormWatch(model.parameters())
+    n0 = watch.check(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3.0)
+    assert watch.check(1) == pytest.approx(3 * n0, rel=1e-5) and not caplog.records  # x3: no warning
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(5.0)
+    with caplog.at_level(logging.WARNING):
+        watch.check(2)
+        watch.check(3)  # still x15: said once
+    expect_reported(caplog, "the weight norm grew from", "weights scaled x15 between steps 0 and 2 (as a learning "
+                    "rate far too high does)", count=1)
+
+
 # ------------------------------------------------------------------ non-finite training numbers
 @pytest.mark.bad_input("non-finite")
 def test_consecutive_non_finite_steps_stop_with_a_clear_error(caplog):
@@ -712,10 +849,13 @@ def test_cli_report_errors_and_torn_lines(tmp_path, capsys, caplog):
 # ------------------------------------------------------------------ run config: every numeric field's range
 RANGE_CASES = [
     # (override, the message: the field and its valid range)
-    ("optim.lr=0", r"optim\.lr must be a finite number > 0, got 0\.0"),
-    ("optim.lr=-1e-3", r"optim\.lr must be a finite number > 0, got -0\.001"),
-    ("optim.lr=.nan", r"optim\.lr must be a finite number > 0, got nan"),
-    ("optim.lr=.inf", r"optim\.lr must be a finite number > 0, got inf"),
+    ("optim.lr=0", r"optim\.lr must be in \(0, 1\], got 0\.0"),
+    ("optim.lr=-1e-3", r"optim\.lr must be in \(0, 1\], got -0\.001"),
+    ("optim.lr=.nan", r"optim\.lr must be in \(0, 1\], got nan"),
+    ("optim.lr=.inf", r"optim\.lr must be in \(0, 1\], got inf"),
+    ("optim.lr=1e10", r"optim\.lr must be in \(0, 1\], got 10000000000\.0"),
+    ("optim.lr=1e38", r"optim\.lr must be in \(0, 1\], got 1e\+38"),
+    ("ppo.critic_lr=2", r"ppo\.critic_lr must be in \(0, 1\], got 2"),
     ("optim.betas=[0.9, 1.0]", r"optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
     ("optim.betas=[-0.1, 0.99]", r"optim\.betas\[0\] must be in \[0, 1\), got -0\.1"),
     ("optim.eps=0", r"optim\.eps must be a finite number > 0, got 0\.0"),
@@ -854,7 +994,8 @@ def _tiny_recipe(tmp, **change) -> Path:
 
 CLI_CONFIG_CASES = [
     # (recipe changes (section__field), --set overrides, expected error line)
-    ({}, ["optim.lr=0"], r"recipe\.yaml: optim\.lr must be a finite number > 0, got 0\.0"),
+    ({}, ["optim.lr=1e38"], r"--set optim\.lr=1e38: optim\.lr must be in \(0, 1\], got 1e\+38"),
+    ({}, ["sft.steps=1.5"], r"--set sft\.steps=1\.5: sft\.steps: expected an integer, got 1\.5"),
     ({}, ["logging.log_every=0"], r"logging\.log_every must be an integer >= 1, got 0"),
     ({"optim": {"betas": [0.9, 1.0]}}, [], r"recipe\.yaml: optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
     ({}, ["engine.block_size=24"], r"engine: EngineConfig\.block_size must be a power of two, got 24"),
@@ -879,7 +1020,7 @@ CLI_CONFIG_CASES = [
 
 @pytest.mark.bad_input("cli")
 @pytest.mark.parametrize("change,over,msg", CLI_CONFIG_CASES, ids=[
-    "lr-zero", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
+    "lr-overflow", "set-type-error-blames-the-override", "log-every-zero", "beta-one-in-file", "engine-block-size", "engine-context-below-prompt",
     "max-prompt-len-over-model", "device-unknown", "device-meta", "model-folder-missing", "model-path-a-file",
     "tokenizer-folder-missing", "relative-data-file-missing", "overlong-choice", "head-dim-triton"])
 def test_cli_config_errors(tmp_path, capsys, change, over, msg):
@@ -889,6 +1030,53 @@ def test_cli_config_errors(tmp_path, capsys, change, over, msg):
     line = cli_error_line(rc, err, msg, f"rlfuse {' '.join(argv)}" + (f" (the recipe with {recipe})" if change else ""))
     if "absent.jsonl" in msg:  # a relative path in a recipe resolves against the recipe's folder
         assert str(tmp_path / "absent.jsonl") in line
+
+
+@pytest.mark.bad_input("config-ranges")
+def test_greedy_grpo_is_refused_with_the_reason():
+    from rlfuse.run.config import load_config
+
+    expect_error(lambda: load_config(None, ["grpo.temperature=0"]),
+                 r"grpo\.temperature must be > 0, got 0: greedy rollouts make every completion of a group the same, "
+                 r"so every advantage is 0", "--set grpo.temperature=0")
+
+
+SAMPLING_CASES = [
+    ("temperature-inf", {"temperature": float("inf")},
+     r"SamplingParams\.temperature must be a finite number >= 0 \(0 = greedy\), got inf"),
+    ("temperature-nan", {"temperature": float("nan")}, r"SamplingParams\.temperature must be a finite number >= 0"),
+    ("stop-token-ids-an-int", {"stop_token_ids": 5},
+     r"SamplingParams\.stop_token_ids must be a list of token ids \(e\.g\. \[5\]\), got int 5"),
+]
+
+
+@pytest.mark.bad_input("config-ranges")
+@pytest.mark.parametrize("kw,msg", [c[1:] for c in SAMPLING_CASES], ids=[c[0] for c in SAMPLING_CASES])
+def test_bad_sampling_params(kw, msg):
+    from rlfuse.engine import SamplingParams
+
+    expect_error(lambda: SamplingParams(**kw), msg, f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in kw.items())})")
+
+
+@pytest.mark.bad_input("config-ranges")
+def test_grpo_max_new_tokens_over_the_context_is_warned(tmp_path, capsys, caplog):
+    recipe = _tiny_recipe(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["grpo", str(recipe), "--set", "grpo.max_new_tokens=40"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "grpo.max_new_tokens=40 is not below the model context (32 tokens",
+                    "rlfuse grpo with grpo.max_new_tokens=40 and a 32-token model context", count=1)
+
+
+@pytest.mark.bad_input("cli")
+def test_cli_recipe_with_a_key_given_twice(tmp_path, capsys):
+    recipe = _tiny_recipe(tmp_path)
+    text = recipe.read_text() + "optim:\n  warmup_steps: 2\n"
+    recipe.write_text("optim:\n  lr: 0.001\n" + text)
+    n = len(text.splitlines()) + 1  # the second optim: is the file's second-to-last line
+    _cli_case(tmp_path, capsys, ["sft", str(recipe)], rf"recipe\.yaml:{n}: key 'optim' is given twice in one mapping "
+              rf"\(first at line 1\); YAML would keep only the last one: merge the two into one",
+              " (the recipe with two optim: blocks, lines 1 and %d)" % n)
 
 
 def _cli_case(tmp_path, capsys, argv, pattern, fed=""):
@@ -904,6 +1092,78 @@ def test_cli_device_the_machine_does_not_have(tmp_path, capsys, device):
     _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--set", f"model.device={device}"],
               rf"model\.device: '{device}' asked for, but this machine has no usable CUDA device.*"
               r"use model\.device: cpu", " (on a machine without CUDA)")
+
+
+@pytest.mark.bad_input("kernels-devices")
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA on a machine without it")
+def test_cli_generate_on_a_device_the_machine_does_not_have(tmp_path, capsys):
+    _cli_case(tmp_path, capsys, ["generate", str(tmp_path), "--prompt", "1+1=", "--device", "cuda"],
+              r"--device: 'cuda' asked for, but this machine has no usable CUDA device.*use --device cpu",
+              " (on a machine without CUDA)")
+
+
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("threads", ["0", "-1"])
+def test_cli_threads_not_positive(tmp_path, capsys, threads):
+    _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--threads", threads],
+              rf"--threads: expected an integer >= 1 \(torch CPU threads\), got {threads}")
+
+
+def _hf_folder(tmp_path, vocab_size: int = 16) -> Path:
+    """A tiny HF folder: random weights and a character tokenizer of ALPHA (47 ids)."""
+    from rlfuse.model.weights import save_model
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab_size, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=1, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=32, qk_norm=True)
+    model = CausalLM(cfg)
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    folder = tmp_path / "m"
+    tok_dir = char_tokenizer(ALPHA).save(tmp_path / "tok")
+    save_model(model, folder, tokenizer_dir=tok_dir)
+    return folder
+
+
+@pytest.mark.bad_input("model-config")
+def test_truncated_weights_file_is_named_incomplete(tmp_path, capsys):
+    folder = _hf_folder(tmp_path, vocab_size=48)
+    _truncate(folder / "model.safetensors", 2000)
+    _cli_case(tmp_path, capsys, ["generate", str(folder), "--prompt", "1+1=", "--device", "cpu"],
+              r"m/model\.safetensors: incomplete or not a safetensors file \(2000 bytes; .*\): it was probably cut "
+              r"short", " (model.safetensors cut to 2000 bytes)")
+
+
+@pytest.mark.bad_input("model-config")
+def test_vocab_size_below_the_tokenizer_names_both(tmp_path, capsys):
+    folder = _hf_folder(tmp_path, vocab_size=16)
+    _cli_case(tmp_path, capsys, ["generate", str(folder), "--prompt", "1+1=", "--device", "cpu"],
+              r"m/config\.json: vocab_size is 16, smaller than the tokenizer's 47 ids: ids 16\.\.46 would index "
+              r"past the embedding", " (config.json vocab_size 16, tokenizer.json with 47 ids)")
+    expect_error(lambda: build_model_spec(vocab_size=8), r"model\.random_init: vocab_size is 8, smaller than the "
+                 r"tokenizer's 47 ids", "model.random_init.vocab_size=8 with a 47-id tokenizer")
+
+
+def build_model_spec(**random_init):
+    from rlfuse.run.build import build_model
+    from rlfuse.run.config.sections import ModelSpec
+
+    spec = ModelSpec(random_init={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 1, "num_key_value_heads": 1, "head_dim": 16, **random_init},
+                     kernel_backend="torch")
+    return build_model(spec, char_tokenizer(ALPHA), torch.device("cpu"))
+
+
+@pytest.mark.bad_input("cli")
+def test_model_path_at_a_training_checkpoint_is_accepted(sft_run, capsys, caplog):
+    recipe, run = sft_run
+    ckpt = run / "checkpoints" / "step_000002"
+    argv = ["sft", str(recipe), "--run-dir", str(run.parent / "run2"), "--set", f"model.path={ckpt}",
+            "--set", "model.random_init=null", "--set", "model.tokenizer="]
+    with caplog.at_level(logging.INFO):
+        rc, _, err = _cli(argv, capsys)
+    assert rc == 0, err
+    expect_reported(caplog, f"from {ckpt / 'model'}", f"rlfuse sft with model.path={ckpt} (a training checkpoint, "
+                                                       f"weights in its model/)", count=1)
 
 
 @pytest.mark.bad_input("kernels-devices")
@@ -938,7 +1198,7 @@ CLI_USAGE_CASES = [
     ("unknown-ppo-key", ["ppo", "arith_ppo", "--set", "ppo.gae=0.3"],
      r"override 'ppo\.gae': unknown key 'gae' in ppo; valid keys: .*gamma, lam"),
     ("dpo-loss-choice", ["dpo", "arith_dpo", "--set", "dpo.loss=hinge"],
-     r"arith_dpo\.yaml: dpo\.loss must be one of \['sigmoid', 'ipo', 'conservative'\], got 'hinge'"),
+     r"--set dpo\.loss=hinge: dpo\.loss must be one of \['sigmoid', 'ipo', 'conservative'\], got 'hinge'"),
     ("unknown-recipe", ["sft", "no_such_recipe"], r"config 'no_such_recipe': no such file and no built-in recipe of "
                                                   r"that name \(built-in recipes: .*arith_grpo, .*arith_sft"),
     ("check-without-a-model", ["check", "--out", "{tmp}"],
@@ -1079,6 +1339,133 @@ def test_a_failed_start_does_not_block_the_next(tmp_path, capsys):
     assert rc == 0, err
 
 
+def _lock_of(pid: int, started: str = "2026-01-01T00:00:00+00:00") -> str:
+    import socket
+
+    return json.dumps({"pid": pid, "host": socket.gethostname(), "started": started})
+
+
+@pytest.mark.bad_input("run-folders")
+def test_a_second_run_on_a_held_folder_is_refused(sft_run, capsys):
+    import os
+    import socket
+
+    recipe, run = sft_run
+    assert not (run / "run.lock").exists()  # the finished run let go of it
+    (run / "run.lock").write_text(_lock_of(os.getpid()))  # a live process: this one, as a stand-in
+    before = sorted(p.name for p in run.iterdir())
+    rc, _, err = _cli(["sft", str(recipe), "--resume"], capsys)
+    cli_error_line(rc, err, rf"{run}: another run is using this run folder \(pid {os.getpid()} on host "
+                             rf"{re.escape(socket.gethostname())}, started 2026-01-01T00:00:00\+00:00\); wait for it",
+                   f"rlfuse sft {recipe} --resume while another run holds {run}")
+    assert sorted(p.name for p in run.iterdir()) == before
+
+
+@pytest.mark.bad_input("run-folders")
+def test_a_stale_lock_is_taken_over_and_said(sft_run, capsys, caplog):
+    import subprocess
+    import sys
+
+    recipe, run = sft_run
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # its pid is free now
+    (run / "run.lock").write_text(_lock_of(gone.pid))
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["sft", str(recipe), "--overwrite"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "taking over the lock of a run that is gone", f"rlfuse sft {recipe} --overwrite over the "
+                    f"lock of a process that exited", count=1)
+    assert not (run / "run.lock").exists()
+
+
+def _signal_at_step(monkeypatch, at: int, *signums):
+    """SFT steps that send this process `signums` during step `at` (0-based), as a user or
+    a cluster would."""
+    import os
+
+    from rlfuse.train.sft import SFTTrainer
+
+    step = SFTTrainer.step
+
+    def step_then_signal(self, s):
+        m = step(self, s)
+        if s == at:
+            for sig in signums:
+                os.kill(os.getpid(), sig)
+        return m
+    monkeypatch.setattr(SFTTrainer, "step", step_then_signal)
+
+
+@pytest.mark.bad_input("run-folders")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_stops_at_a_step_with_a_checkpoint_and_the_resume_command(tmp_path, capsys, monkeypatch, signame):
+    import shlex
+    import signal
+
+    sig = getattr(signal, signame)
+    recipe = _tiny_recipe(tmp_path)
+    _signal_at_step(monkeypatch, 1, sig)
+    before = signal.getsignal(signal.SIGINT)
+    argv = ["sft", str(recipe), "--set", "sft.steps=4"]
+    rc, _, err = _cli(argv, capsys)
+    assert rc == 128 + sig and signal.getsignal(signal.SIGINT) is before, err
+    assert f"{signame} received: stopping after the current step" in err and "Traceback" not in err
+    line = next(ln for ln in err.splitlines() if ln.startswith("rlfuse: stopped"))
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000002"
+    assert line == (f"rlfuse: stopped by {signame} after step 2; checkpoint {ckpt}; continue with: "
+                    f"{shlex.join(['rlfuse', '--log-level', 'WARNING', *argv, '--resume'])}"), line
+    catalog.seen(f"{signame} during step 2 of 4 of rlfuse {' '.join(argv)} (exit status {rc})", line)
+    assert (ckpt / "COMPLETE").is_file() and not (tmp_path / "run" / "run.lock").exists()
+    monkeypatch.undo()
+    rc, out, err = _cli(shlex.split(line.split("continue with: ")[1])[3:], capsys)
+    assert rc == 0, err
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r.get("stage") == "sft"] == [1, 2, 3, 4]
+
+
+def test_a_second_signal_stops_at_once(tmp_path):
+    """The second signal ends the process before the step is over, without a checkpoint
+    (a process of its own: it leaves through os._exit)."""
+    import subprocess
+    import sys
+
+    recipe = _tiny_recipe(tmp_path)
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {str(Path(__file__).parent)!r})
+        import pytest
+        from test_bad_inputs import _signal_at_step
+        mp = pytest.MonkeyPatch()
+        _signal_at_step(mp, 0, signal.SIGINT, signal.SIGINT)
+        from rlfuse.cli import main
+        sys.exit(main(["--log-level", "WARNING", "sft", {str(recipe)!r}]))
+    """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 130, r.stderr
+    assert r.stderr.rstrip().endswith("rlfuse: second SIGINT: stopping now, without a checkpoint (the last complete "
+                                      "checkpoint is kept)"), r.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists() and "Traceback" not in r.stderr
+
+
+@pytest.mark.bad_input("run-folders")
+def test_a_demo_rerun_replaces_the_previous_demo_and_says_so(tmp_path, caplog):
+    from rlfuse.cli.demo import replace_previous_demo
+
+    root = tmp_path / "demo"
+    for stage in ("sft", "grpo"):
+        (root / stage / "tb").mkdir(parents=True)
+        (root / stage / "metrics.jsonl").write_text('{"step": 1, "stage": "%s", "loss": 1.0}\n' % stage)
+    (root / "report").mkdir()
+    (root / "report" / "index.html").write_text("old")
+    (root / "demo.json").write_text("{}")
+    (root / "notes.txt").write_text("mine")
+    with caplog.at_level(logging.WARNING):
+        replace_previous_demo(root)
+    assert sorted(p.name for p in root.rglob("*")) == ["grpo", "notes.txt", "sft"]
+    expect_reported(caplog, "a re-run replaces the previous demo", f"rlfuse demo again over {root} (sft/, grpo/ with "
+                    "metrics and tb/, report/, demo.json)", count=4)
+
+
 def test_run_folders_get_normal_permissions(sft_run):
     import os
     import stat
@@ -1156,3 +1543,21 @@ def test_the_catalog_lists_every_case(request):
     assert listed == collected, (f"docs/bad-inputs.md is out of date: regenerate it with `{catalog.COMMAND}` "
                                  f"(missing: {sorted(collected - listed)[:5]}; "
                                  f"not a case: {sorted(listed - collected)[:5]})")
+
+
+def test_a_changed_message_fails_its_case():
+    """The catalog's check compares each case's recorded text with its row (the other
+    direction, every unchanged case agreeing, is this file's run itself)."""
+    class Item:  # the parts of a pytest item the catalog reads
+        nodeid = "tests/test_bad_inputs.py::test_cli_bad_log_level"
+        user_properties = [(catalog.PROPERTY, ("rlfuse --log-level LOUD report .",
+                                               "rlfuse: error: --log-level: 'LOUD' is not a level, reworded"))]
+
+        def get_closest_marker(self, name):
+            return pytest.mark.bad_input("cli").mark if name == "bad_input" else None
+
+    assert ("cli", "test_cli_bad_log_level") in catalog.documented()
+    problem = catalog.stale(Item())
+    assert problem and "regenerate the catalog" in problem and "reworded" in problem
+    Item.nodeid = "tests/test_bad_inputs.py::test_not_yet_in_the_catalog"
+    assert catalog.stale(Item()) is None  # a new case: test_the_catalog_lists_every_case says so

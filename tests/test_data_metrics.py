@@ -116,4 +116,4 @@ def test_sft_truncation_and_preference_drops_have_stable_slugs(tmp_path):
     assert stats == {"eval_pairs/rows": 3, "eval_pairs/kept": 1, "eval_pairs/dropped/dpo_same_responses": 1,
                      "eval_pairs/dropped/empty_prompt": 1}
     assert data_lines(stats) == ["eval_pairs: 1 of 3 rows kept; dropped: 1 dpo_same_responses, 1 empty_prompt"]
-    assert all(k.split("/")[0] in ("dropped", "truncated") for k in DATA_REASONS)
+    assert all(k.split("/")[0] in ("dropped", "truncated", "kept") for k in DATA_REASONS)

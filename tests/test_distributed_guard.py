@@ -94,3 +94,46 @@ def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     spawn_ranks(_job, WORLD, free_port(), str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     assert got == [{"skipped": 1.0, "skipped_after": 0.0, "total_skipped": 1}] * WORLD
+
+
+def _signal_job(rank: int, port: int, out_dir: str) -> None:
+    """Rank 1 alone gets SIGTERM during step 0; both ranks must stop after step 1, with one
+    (sharded) checkpoint of it."""
+    import signal
+
+    from rlfuse.run import Interrupted, stop_on_signals
+    from rlfuse.train import run_sft
+
+    torch.set_num_threads(1)
+    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=60)
+    step = SFTTrainer.step
+
+    def step_then_signal(self, s):
+        m = step(self, s)
+        if s == 0 and rank == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return m
+    SFTTrainer.step = step_then_signal
+    got = None
+    try:
+        with stop_on_signals():
+            run_sft(tiny_cfg(os.path.join(out_dir, "run")), dist=ctx)
+    except Interrupted as e:
+        got = {"signum": e.signum, "step": e.step, "checkpoint": e.checkpoint}
+    finally:
+        SFTTrainer.step = step
+        D.shutdown()
+    with open(os.path.join(out_dir, f"signal{rank}.json"), "w") as f:
+        json.dump(got, f)
+
+
+def test_a_signal_on_one_rank_stops_every_rank_after_the_same_step(tmp_path):
+    import signal
+
+    spawn_ranks(_signal_job, WORLD, free_port(), str(tmp_path))
+    got = [json.loads((tmp_path / f"signal{r}.json").read_text()) for r in range(WORLD)]
+    ckpt = str(tmp_path / "run" / "checkpoints" / "step_000001")
+    assert got == [{"signum": int(signal.SIGTERM), "step": 1, "checkpoint": ckpt}] * WORLD
+    assert (tmp_path / "run" / "checkpoints" / "step_000001" / "COMPLETE").is_file()

@@ -56,7 +56,10 @@ def test_rollout_and_training_logprobs_agree(tmp_path):
 def test_greedy_rollouts_train_on_temperature_one_logprobs(tmp_path):
     # greedy (T = 0) samples come with the unscaled policy's log-probs; the trainer
     # recomputes the same quantity (logprob_temperature), so the first pass is on-policy
-    cfg = tiny_cfg(tmp_path, "grpo.temperature=0")
+    cfg = tiny_cfg(tmp_path)
+    # RunConfig refuses grpo.temperature 0 (identical completions per group); the trainer's
+    # greedy branch is what PPO's temperature 0 runs, so it is checked here on a set field
+    object.__setattr__(cfg.grpo, "temperature", 0.0)
     ses = tiny_session(cfg)
     m = _trainer(cfg, ses).step(0)
     assert float(m["mismatch/max_abs"]) < 1e-5

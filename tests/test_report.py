@@ -108,3 +108,42 @@ def test_every_metric_the_trainers_log_has_a_panel_with_a_unit(tmp_path):
         assert not unclaimed, f"{name}: metrics no report panel knows: {unclaimed}"
     page = report.render(tmp_path).read_text()
     assert "other metrics" not in page and not list((tmp_path / "report").glob("*_other.png"))
+
+
+@pytest.mark.parametrize("ys,ylabel,lo,hi", [
+    ([2.5, 2.5, 2.5], "loss", 2.25, 2.75),                      # constant: +-10%, not +-0.04
+    ([0.99999994, 1.0, 1.0], "ratio", 0.9, 1.1),                # rounding noise around 1
+    ([-4e-8, 3e-8], "loss", -5.05e-7, 4.95e-7),                 # float32 noise around 0: NOISE_SPAN
+    ([376.0, 400.0], "MiB", 0.0, 432.0),                        # an amount: from 0, not a "leak"
+    ([0.0, 0.0], "fraction of tokens", 0.0, 1.0),               # an all-zero fraction
+    ([0.2, 0.9], "reward", None, None),                          # a real trend: matplotlib's own limits
+])
+def test_axes_do_not_make_noise_look_like_a_trend(ys, ylabel, lo, hi):
+    from matplotlib.figure import Figure
+
+    ax = Figure().subplots()
+    ax.plot(range(len(ys)), ys)
+    auto = ax.get_ylim()
+    report._sensible_ylim(ax, ys, ylabel)
+    got = ax.get_ylim()
+    if lo is None:
+        assert got == auto
+    else:
+        assert got == pytest.approx((lo, hi), rel=1e-6, abs=1e-12)
+
+
+def test_no_doubled_file_names(tmp_path):
+    _write(tmp_path / "demo" / "grpo", _grpo_rows())
+    report.render(tmp_path)
+    names = sorted(p.name for p in (tmp_path / "report").glob("*.png"))
+    assert names and all(n.startswith("demo_grpo_") and "grpo_grpo" not in n for n in names), names
+
+
+def test_sft_evaluates_at_step_zero(tmp_path):
+    from train_setup import tiny_cfg, tiny_session
+
+    from rlfuse.train import run_sft
+
+    cfg = tiny_cfg(tmp_path, "sft.steps=2")
+    res = run_sft(cfg, session=tiny_session(cfg, need_target=True))
+    assert [e["step"] for e in res["evals"]] == [0, 2]

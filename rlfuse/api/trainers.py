@@ -43,7 +43,7 @@ from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
 from rlfuse.model.transformer import CausalLM
 from rlfuse.rollout import PYTHON_REWARD
-from rlfuse.run import export_model, prepare_run_folder
+from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
@@ -146,30 +146,49 @@ class _Trainer:
                              "its path (every rank reads it)")
         self.config: RunConfig = replace(cfg, **changes) if changes else cfg
         self.dist = dist
+        self._lock: RunLock | None = None
         self._prepare(resume, overwrite, force)
-        for split, rows in in_memory.items():
-            _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
-        self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
-                                             reward_functions=fns, **self._given)
+        try:
+            for split, rows in in_memory.items():
+                _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
+            self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
+                                                 reward_functions=fns, **self._given)
+        except BaseException:
+            self._release()
+            raise
         self.summary: dict | None = None
 
     def _prepare(self, resume: bool, overwrite: bool, force: bool) -> None:
-        """Start, resume or overwrite the run folder (rlfuse.run.folder). Under
-        torchrun rank 0 alone touches it; every rank stops with its error if it refuses."""
+        """Take the run folder's lock, then start, resume or overwrite it (rlfuse.run.folder).
+        Under torchrun rank 0 alone touches it and holds the lock; every rank stops with its
+        error if it refuses. The lock is held until `train()` ends."""
         def prepare():
             if self.dist is None or self.dist.is_main:
-                prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite, force=force)
+                self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
+                                                force=force)
         if self.dist is None:
             prepare()
             return
-        with fail_together(self.dist, "run folder"):
-            prepare()
+        try:
+            with fail_together(self.dist, "run folder"):
+                prepare()
+        except BaseException:
+            self._release()
+            raise
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
 
     # ------------------------------------------------------------------ the run
     def train(self) -> dict:
         """Run the algorithm to its configured steps (resuming per the config); returns the
         summary: history (logged rows), evals, steps, run_dir, data (rows kept/dropped)."""
-        res = type(self).run(self.config, session=self.session)
+        try:
+            res = type(self).run(self.config, session=self.session)
+        finally:
+            self._release()  # the run folder is free for the next run (a resume too)
         self.summary = {k: v for k, v in res.items() if k not in ("model", "tokenizer")}
         return self.summary
 

@@ -22,6 +22,7 @@ import sys
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
+from rlfuse import __version__
 from rlfuse.cli import bench, check, demo, dpo, generate, grpo, ppo, report, serve, sft
 from rlfuse.cli import eval as eval_cmd
 from rlfuse.cli.common import fail
@@ -33,6 +34,7 @@ COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "dpo": dpo, "eva
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="rlfuse", description="RL post-training of LLMs on one shared copy of the weights.")
+    p.add_argument("--version", action="version", version=f"rlfuse {__version__}")
     p.add_argument("--log-level", default="INFO", help="logging level (DEBUG, INFO, WARNING)")
     p.add_argument("-v", "--verbose", action="store_true",
                    help="also show the engine's INFO lines (one per generate call; quiet by default)")
@@ -46,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parser.parse_args(argv)
+    args.argv = argv  # a stopped run prints the command that continues it
     level = args.log_level.upper()
     if not isinstance(logging.getLevelName(level), int):
         parser.error(f"--log-level: {args.log_level!r} is not a level (DEBUG, INFO, WARNING, ERROR)")
@@ -62,3 +66,6 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
     except (ValueError, OSError) as e:  # user errors and file-system failures no command caught itself
         return fail(e)
+    except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops at a step instead)
+        sys.stderr.write("\nrlfuse: interrupted\n")
+        return 130

@@ -7,8 +7,11 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
+import signal
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -17,14 +20,21 @@ from rlfuse.api.config import load_run_config as api_config
 from rlfuse.api.config import recipe_names
 from rlfuse.engine import EngineConfig
 from rlfuse.kernels.backend import NUMERICS
-from rlfuse.run import data_lines, pick_device
+from rlfuse.run import Interrupted, data_lines, pick_device, read_jsonl
 from rlfuse.run.config import RunConfig, describe
 from rlfuse.run.distributed import DistContext, init_distributed, launch_env, quiet_non_main, shutdown
 
 log = logging.getLogger("rlfuse.cli")
 
 
-def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
+ALGORITHMS = ("sft", "grpo", "ppo", "dpo")
+"""The config sections of one algorithm each; a command's --help lists only its own."""
+
+
+def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True, uses: tuple[str, ...] = ()) -> None:
+    """CONFIG, --set and the run options; the epilog lists the config keys the command
+    reads: every section but the other algorithms' (`uses`: the algorithm sections, or
+    single keys of another algorithm's section, it reads)."""
     p.add_argument("config", metavar="CONFIG",
                    help=f"recipe YAML file or built-in recipe name ({', '.join(recipe_names())})")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -42,7 +52,11 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> 
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a rank waits in a collective for the others before it fails")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
-    p.epilog = "config keys (--set KEY=VALUE):\n" + "\n".join("  " + ln for ln in describe(RunConfig))
+    skip = tuple(f"{a}." for a in ALGORITHMS if a not in uses)
+    keep = tuple(f"{k} " for k in uses if "." in k)
+    keys = [ln for ln in describe(RunConfig) if not ln.startswith(skip) or ln.startswith(keep)]
+    p.epilog = (f"config keys this command reads (--set KEY=VALUE; all of them: docs/configuration.md):\n"
+                + "\n".join("  " + ln for ln in keys))
 
 
 def load_run_config(args) -> RunConfig:
@@ -63,11 +77,14 @@ def run_flags(args) -> dict:
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model and engine options of the inference commands (generate, serve)."""
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
-    p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one engine step")
-    p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model dtype: float32, bfloat16 or float16 (default: the "
+                                                 "checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence, prompt + completion (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences decoded together")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9,
+                   help="share of the GPU's memory the engine may use (weights + KV cache)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine numerics: exact = batch-invariant kernels, each request's log-probs independent "
@@ -80,17 +97,47 @@ def engine_config(args) -> EngineConfig:
                         numerics=args.numerics)
 
 
+def resume_command(args) -> str:
+    """The command line that continues this run: the same arguments, with --resume instead
+    of --overwrite."""
+    argv = [a for a in getattr(args, "argv", []) if a != "--overwrite"]
+    if "--resume" not in argv:
+        argv.append("--resume")
+    return shlex.join(["rlfuse", *argv])
+
+
+def stopped(args, e: Interrupted, ctx: DistContext | None = None) -> int:
+    """A run stopped by a signal: where its steps are and the exact command that continues
+    it; exit status 128 + the signal (130 SIGINT, 143 SIGTERM)."""
+    if ctx is None or ctx.is_main:
+        where = f"checkpoint {e.checkpoint}" if e.checkpoint else "no new checkpoint (no step since the last one)"
+        torchrun = " (with the same torchrun options)" if ctx is not None else ""
+        sys.stderr.write(f"rlfuse: stopped by {signal.Signals(e.signum).name} after step {e.step}; {where}; "
+                         f"continue with: {resume_command(args)}{torchrun}\n")
+        sys.stderr.flush()
+    return e.exit_code
+
+
 def print_summary(command: str, res: dict) -> None:
-    """The closing lines of a training command: the held-out metric first -> last, the run
+    """The closing lines of a training command: the held-out metric first -> last over the
+    whole run (a resumed run's earlier evaluations are read from its metrics.jsonl), the run
     folder, then the data checks (rows kept / dropped per split)."""
-    if res["evals"]:
-        first, last = res["evals"][0], res["evals"][-1]
+    evals = run_evals(res)
+    if evals:
+        first, last = evals[0], evals[-1]
         key = "accuracy" if "accuracy" in last else "reward"
-        print(f"{command} done: held-out {key} {first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} "
-              f"(step {last['step']}); run folder {res['run_dir']}")
+        change = (f"{first[key]:.4f} (step {first['step']}) -> {last[key]:.4f} (step {last['step']})"
+                  if first["step"] != last["step"] else f"{last[key]:.4f} (step {last['step']})")
+        print(f"{command} done: held-out {key} {change}; run folder {res['run_dir']}")
     else:
         print(f"{command} done; run folder {res['run_dir']}")
     print_data(res)
+
+
+def run_evals(res: dict) -> list[dict]:
+    """The held-out evaluations of the whole run: metrics.jsonl's eval rows (a resumed run's
+    earlier ones included), else those of this process (res["evals"])."""
+    return [r for r in read_jsonl(Path(res["run_dir"]) / "metrics.jsonl") if r.get("stage") == "eval"] or res["evals"]
 
 
 def print_data(res: dict) -> None:
@@ -100,11 +147,18 @@ def print_data(res: dict) -> None:
 
 
 def setup_threads(threads: int | None) -> None:
-    n = threads if threads is not None else (int(os.environ["RLFUSE_THREADS"]) if "RLFUSE_THREADS" in os.environ
-                                             else None)
-    if n is not None:
-        torch.set_num_threads(n)
-        log.info("torch CPU threads: %d (--threads / RLFUSE_THREADS)", n)
+    """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer >= 1)."""
+    what, raw = ("--threads", threads) if threads is not None else ("RLFUSE_THREADS", os.environ.get("RLFUSE_THREADS"))
+    if raw is None:
+        return
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1 or str(raw).strip() != str(n):
+        raise ValueError(f"{what}: expected an integer >= 1 (torch CPU threads), got {raw!r}")
+    torch.set_num_threads(n)
+    log.info("torch CPU threads: %d (--threads / RLFUSE_THREADS)", n)
 
 
 def fail(e: Exception) -> int:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
+from pathlib import Path
 
 import torch
 
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.demo import SIZES, run_demo
+from rlfuse.run import clear_run
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")
@@ -18,8 +21,10 @@ log = logging.getLogger("rlfuse.cli")
 
 def add_arguments(p):
     p.add_argument("--size", choices=SIZES, default=None,
-                   help="cpu (~5 min on 2 cores), ci (shortened), gpu (larger); default: gpu with CUDA, else cpu")
-    p.add_argument("--run-dir", default="runs/demo", help="run folder (default runs/demo)")
+                   help="cpu (~2 min on 2 CPU cores: docs/benchmarks.md), ci (shortened), gpu (larger); "
+                        "default: gpu with CUDA, else cpu")
+    p.add_argument("--run-dir", default="runs/demo",
+                   help="run folder (default runs/demo); a previous demo there is replaced, and said so")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -27,6 +32,24 @@ def add_arguments(p):
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 for the CPU sizes: the ops of a 0.4M-parameter model "
                         "are too small to gain from intra-op threads)")
+
+
+def replace_previous_demo(root: Path) -> None:
+    """A re-run replaces the previous demo whole: its stage folders' files (metrics,
+    TensorBoard, checkpoints, final/), its report/ and demo.json, so nothing stale or doubled
+    is left; each removal is logged."""
+    for stage in ("sft", "grpo"):
+        if (root / stage).is_dir():
+            clear_run(root / stage, "rlfuse demo (a re-run replaces the previous demo)")
+    for name in ("report", "demo.json"):
+        p = root / name
+        if p.is_dir():
+            shutil.rmtree(p)
+        elif p.exists():
+            p.unlink()
+        else:
+            continue
+        log.warning("rlfuse demo (a re-run replaces the previous demo): removed %s", p)
 
 
 def run(args) -> int:
@@ -41,6 +64,7 @@ def run(args) -> int:
             setup_threads(threads)
         elif threads is not None:
             torch.set_num_threads(threads)
+        replace_previous_demo(Path(args.run_dir))
         res = run_demo(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
     except ValueError as e:
         return fail(e)

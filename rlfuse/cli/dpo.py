@@ -9,15 +9,18 @@ from rlfuse.cli.common import (
     load_run_config,
     print_data,
     run_flags,
+    run_evals,
     setup_threads,
     single_process_only,
+    stopped,
 )
+from rlfuse.run import Interrupted, stop_on_signals
 
 HELP = "DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("dpo", "grpo.max_new_tokens"))  # held-out answers' length
 
 
 def run(args) -> int:
@@ -25,14 +28,17 @@ def run(args) -> int:
         single_process_only("dpo")
         cfg = load_run_config(args)
         setup_threads(args.threads)
-        res = DPOTrainer(config=cfg, **run_flags(args)).train()
+        with stop_on_signals():
+            res = DPOTrainer(config=cfg, **run_flags(args)).train()
     except ValueError as e:
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e)
     last = res["history"][-1] if res["history"] else {}
     print(f"dpo done: {res['steps']} steps, last loss {float(last.get('loss', float('nan'))):.4f}, reward margin "
           f"{float(last.get('rewards/margin', float('nan'))):.4f}; run folder {res['run_dir']} (weights in final/)")
-    if res["evals"]:
-        first, lastev = res["evals"][0], res["evals"][-1]
+    if evals := run_evals(res):
+        first, lastev = evals[0], evals[-1]
         key = "accuracy" if "accuracy" in lastev else "reward"
         print(f"held-out {key} {first[key]:.4f} (step {first['step']}) -> {lastev[key]:.4f} (step {lastev['step']})")
     if "pair_evals" in res:

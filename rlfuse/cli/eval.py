@@ -21,7 +21,7 @@ HELP = "evaluate a checkpoint on a recipe's eval set"
 
 
 def add_arguments(p):
-    add_config_arguments(p, resume=False)
+    add_config_arguments(p, resume=False, uses=("grpo.max_new_tokens",))  # the answers' length
     p.add_argument("--checkpoint", default=None, help="model folder or checkpoint folder to evaluate")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder applied to the recipe's model "
                                                    "(or to --checkpoint's), unmerged")
@@ -55,6 +55,12 @@ def run(args) -> int:
     except ValueError as e:
         return fail(e)
     res = {"model": cfg.model.path, **({"adapter": adapter} if adapter else {}), **res}
-    (ses.run_dir / "eval.json").write_text(json.dumps(res, indent=2))
-    print(json.dumps(res, indent=2))
+    out = ses.run_dir / "eval.json"
+    out.write_text(json.dumps(res, indent=2))
+    print(f"eval of {res['model'] or 'the recipe model'} on {int(res.get('num_problems', len(prompts)))} held-out "
+          f"problems (greedy):")
+    for k, v in res.items():
+        if k not in ("model", "num_problems"):
+            print(f"  {k:<24} {v:.4g}" if isinstance(v, float) else f"  {k:<24} {v}")
+    print(f"written to {out}")
     return 0

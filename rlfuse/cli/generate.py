@@ -9,7 +9,9 @@ index, sample index, output ids, text, finish reason, sum of log-probs.
 
 from __future__ import annotations
 
+import argparse
 import json
+import sys
 from pathlib import Path
 
 from rlfuse.api import load_model
@@ -21,6 +23,9 @@ HELP = "generate completions for prompts with the built-in engine"
 
 
 def add_arguments(p) -> None:
+    p.formatter_class = argparse.ArgumentDefaultsHelpFormatter
+    p.epilog = ("output: one line per completion, `[P.S] (REASON) TEXT`: prompt P, sample S of it, and why it "
+                "ended: stop (the end-of-sequence token or a --stop string) or length (--max-tokens reached)")
     p.add_argument("model", help="HF model folder (config.json, safetensors, tokenizer.json), a training "
                                  "checkpoint folder (either layout, one-process or sharded) or a run folder "
                                  "(its final/, else its latest checkpoint)")
@@ -29,14 +34,16 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     p.add_argument("--prompts-file", help="a file with one prompt per line")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--min-tokens", type=int, default=0)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--max-tokens", type=int, default=128, help="most new tokens per completion")
+    p.add_argument("--min-tokens", type=int, default=0, help="fewest new tokens before a stop can end a completion")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: the smallest set of tokens holding "
+                                                             "this probability (1: all)")
+    p.add_argument("--min-p", type=float, default=0.0, help="drop tokens less likely than min-p times the most "
+                                                            "likely one (0: none)")
     p.add_argument("--n", type=int, default=1, help="completions per prompt")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (the same seed gives the same completions)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     add_engine_arguments(p)
     p.add_argument("--json", action="store_true", help="one JSON object per completion")
@@ -53,7 +60,7 @@ def run(args) -> int:
                                 min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                                 seed=args.seed, stop=tuple(args.stop))
         cfg = engine_config(args)
-        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype)
+        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype, device_option="--device")
         if args.adapter:
             load_peft_adapter(model, args.adapter)
         if args.chat:
@@ -62,6 +69,9 @@ def run(args) -> int:
         outs = llm.generate(prompts, params)
     except ValueError as e:
         return fail(e)
+    if not args.json:  # the legend of the lines below, on stderr so that stdout stays the completions
+        print("# [prompt.sample] (stop: end of sequence or a --stop string | length: --max-tokens reached) "
+              "completion", file=sys.stderr)
     for j, o in enumerate(outs):
         if args.json:
             print(json.dumps(dict(prompt=j // args.n, sample=o.index, output_token_ids=o.output_token_ids,

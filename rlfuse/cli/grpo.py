@@ -13,14 +13,16 @@ from rlfuse.cli.common import (
     run_flags,
     setup_threads,
     start_distributed,
+    stopped,
 )
+from rlfuse.run import Interrupted, stop_on_signals
 from rlfuse.run.distributed import RankFailed
 
 HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("grpo",))
 
 
 def run(args) -> int:
@@ -32,9 +34,12 @@ def _run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         ctx = start_distributed(args, cfg)  # None unless launched by torchrun
-        res = GRPOTrainer(config=cfg, dist=ctx, **run_flags(args)).train()
+        with stop_on_signals():
+            res = GRPOTrainer(config=cfg, dist=ctx, **run_flags(args)).train()
     except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e, ctx)
     end_distributed(ctx)
     if ctx is not None and not ctx.is_main:
         return 0

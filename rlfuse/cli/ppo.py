@@ -11,13 +11,15 @@ from rlfuse.cli.common import (
     run_flags,
     setup_threads,
     single_process_only,
+    stopped,
 )
+from rlfuse.run import Interrupted, stop_on_signals
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
 
 
 def add_arguments(p):
-    add_config_arguments(p)
+    add_config_arguments(p, uses=("ppo",))
 
 
 def run(args) -> int:
@@ -25,8 +27,11 @@ def run(args) -> int:
         single_process_only("ppo")
         cfg = load_run_config(args)
         setup_threads(args.threads)
-        res = PPOTrainer(config=cfg, **run_flags(args)).train()
+        with stop_on_signals():
+            res = PPOTrainer(config=cfg, **run_flags(args)).train()
     except ValueError as e:
         return fail(e)
+    except Interrupted as e:
+        return stopped(args, e)
     print_summary("ppo", res)
     return 0

@@ -45,7 +45,8 @@ def run(args) -> int:
                                "pip install 'rlfuse[serve]'"))
     try:
         cfg = engine_config(args)
-        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype)
+        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype,
+                                device_option="--device")
         if args.adapter is not None:
             load_peft_adapter(model, args.adapter)
         name = args.served_model_name or Path(args.model).resolve().name

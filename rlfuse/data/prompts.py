@@ -20,7 +20,10 @@ are missing, empty, not UTF-8 or not JSON name the file (and line). Empty prompt
 prompts over `max_prompt_len` are dropped, counted and logged with a few `file:line`
 examples; `max_prompt_len` must leave room for output in the model context (an error at
 load otherwise), so no prompt kept fills the context; SFT sequences over the context are
-truncated or dropped (counted).
+truncated or dropped (counted). Rows holding text the tokenizer cannot represent (ids of
+its unknown token, e.g. a character tokenizer meeting a character outside its alphabet)
+are counted and warned with a `file:line` example and the characters; when they are most
+of the rows it is an error (the model would train on `<unk>`s).
 
 The counts are also run metrics (`stats=`: what rlfuse.train.loop writes once, at step 0,
 as the "data" row of metrics.jsonl, TensorBoard `data/...`, and what the report and the
@@ -154,6 +157,44 @@ class Drops:
 
 
 
+class UnknownText:
+    """Rows whose ids hold the tokenizer's unknown token: counted, with the characters that
+    map to it (each distinct character encoded once)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.unk = tokenizer.token_id("unk_token") if hasattr(tokenizer, "token_id") else None
+        self.rows: list[str] = []
+        self.chars: dict[str, None] = {}
+        self._unknown: dict[str, bool] = {}
+
+    def check(self, where: str, text: str, ids: list[int]) -> None:
+        if self.unk is None or self.unk not in ids:
+            return
+        self.rows.append(where)
+        for c in dict.fromkeys(text):
+            if c not in self._unknown:
+                self._unknown[c] = self.unk in self.tokenizer.encode(c, add_special_tokens=False)
+            if self._unknown[c]:
+                self.chars[c] = None
+
+    def report(self, what: str, total: int, *, split: str, stats: dict | None) -> None:
+        """Warn (a few rows) or raise (most rows); stats `<split>/kept/unknown_tokens`."""
+        n = len(self.rows)
+        if stats is not None and n:
+            stats[f"{split}/kept/unknown_tokens"] = n
+        if not n:
+            return
+        chars = " ".join(repr(c) for c in list(self.chars)[:20]) + (" ..." if len(self.chars) > 20 else "")
+        unk = self.tokenizer.special_tokens.get("unk_token")
+        text = (f"{what}: {n} of {total} rows hold text the tokenizer cannot represent (encoded as {unk}), e.g. "
+                f"{self.rows[0]}; characters: {chars or '(none alone: a combination)'}")
+        if 2 * n > total:
+            raise ValueError(f"{text}; the model would learn from {unk} tokens: use a tokenizer that covers this "
+                             f"text (model.tokenizer), or fix the data")
+        log.warning("%s; those rows are kept", text)
+
+
 def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,
                   counts: dict | None = None, stats: dict | None = None) -> list[Prompt]:
     """Tokenize every row up front. Dropped, counted and logged with `file:line` examples:
@@ -163,13 +204,14 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
     `stats` the data metrics of `split` (module docstring)."""
     if context_len is not None:
         check_prompt_len(cfg, context_len)
-    out, drops = [], Drops()
+    out, drops, unknown = [], Drops(), UnknownText(tokenizer)
     for where, row in pairs:
         if _empty_prompt(row, cfg):
             drops.add("dropped/empty_prompt", "empty", where)
             continue
         text = render_prompt(row, tokenizer, cfg, where)
         ids = _encode(tokenizer, text, _chat(row, cfg))
+        unknown.check(where, text, ids)
         if not ids:
             drops.add("dropped/empty_prompt", "empty", where)
         elif len(ids) > cfg.max_prompt_len:
@@ -177,6 +219,7 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
                       f"{where} ({len(ids)} tokens)")
         else:
             out.append(Prompt(ids, text, row, where))
+    unknown.report(f"data {split}", len(pairs), split=split, stats=stats)
     drops.report(f"data {split}: dropped prompts", len(pairs), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"data {split}: no prompts left of {len(pairs)} rows after the checks above "
@@ -200,7 +243,7 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
     if context_len is not None:
         check_prompt_len(cfg, context_len)
     eos = tokenizer.eos_token_ids[:1]
-    out, drops = [], Drops()
+    out, drops, unknown = [], Drops(), UnknownText(tokenizer)
     for where, row in pairs:
         if _empty_prompt(row, cfg):
             drops.add("dropped/empty_prompt", "dropped: empty prompt", where)
@@ -208,11 +251,14 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
         if cfg.messages_field in row:
             ids, mask = _chat_sft(row[cfg.messages_field], tokenizer, where)
             n_prompt = mask.index(True) if True in mask else len(ids)
+            unknown.check(where, "".join(m["content"] for m in row[cfg.messages_field]), ids)
         else:
-            p_ids = _encode(tokenizer, render_prompt(row, tokenizer, cfg, where), _chat(row, cfg))
+            prompt = render_prompt(row, tokenizer, cfg, where)
+            p_ids = _encode(tokenizer, prompt, _chat(row, cfg))
             target = row[cfg.completion_field] if cfg.completion_field in row else row[cfg.answer_field]
             c_ids = tokenizer.encode(str(target), add_special_tokens=False) + eos
             ids, mask, n_prompt = p_ids + c_ids, [False] * len(p_ids) + [True] * len(c_ids), len(p_ids)
+            unknown.check(where, prompt + str(target), ids)
         if n_prompt > cfg.max_prompt_len:
             drops.add("dropped/prompt_too_long",
                       f"dropped: prompt longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
@@ -230,6 +276,7 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
             out.append(SFTExample(ids, mask, where))
         else:
             drops.add("dropped/sft_no_target", f"dropped: no target token within {limit} tokens", where)
+    unknown.report(f"sft data {split}", len(pairs), split=split, stats=stats)
     drops.report("sft data", len(pairs), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"sft data: no examples left of {len(pairs)} rows after the checks above "

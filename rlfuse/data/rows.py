@@ -47,6 +47,31 @@ def _decode(path: Path, data: bytes) -> str:
                          f"save the file as UTF-8") from None
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat row's messages may have."""
+
+
+class _NonFinite(str):
+    """What json.loads makes of NaN / Infinity / -Infinity (Python's json accepts them; JSON
+    does not): kept as a marker, so the row's check can name the field (`_check_finite`)."""
+
+
+def _loads(text: str):
+    return json.loads(text, parse_constant=_NonFinite)
+
+
+def _check_finite(where: str, value, field: str = "") -> None:
+    if isinstance(value, _NonFinite):
+        raise ValueError(f"{where}: field {field!r} is {value}, which is not a JSON number; expected a finite number "
+                         f"(or null for a missing value)")
+    if isinstance(value, dict):
+        for k, v in value.items():
+            _check_finite(where, v, f"{field}.{k}" if field else str(k))
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_finite(where, v, f"{field}[{i}]")
+
+
 def _read_file(path: Path) -> list[tuple[str, dict]]:
     """[(where, row)] from a .jsonl / .json / .parquet file."""
     suffix = path.suffix.lower()
@@ -59,13 +84,13 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
             if not line.strip():
                 continue
             try:
-                row = json.loads(line)
+                row = _loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
             out.append((f"{path}:{i}", row))
     elif suffix == ".json":
         try:
-            data = json.loads(_decode(path, data))
+            data = _loads(_decode(path, data))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
         if isinstance(data, dict) and isinstance(data.get("data"), list):
@@ -88,6 +113,7 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
     for where, row in out:
         if not isinstance(row, dict):
             raise ValueError(f"{where}: expected an object (a row of fields), got {type(row).__name__}")
+        _check_finite(where, row)
     return out
 
 
@@ -100,6 +126,9 @@ def _check_row(where: str, row: dict, cfg: DataConfig, need_target: bool) -> Non
         for j, m in enumerate(msgs):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content'")
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"{where}: field {mf}[{j}].role is {m['role']!r}; expected one of "
+                                 f"{', '.join(CHAT_ROLES)}")
         if need_target and not any(m["role"] == "assistant" for m in msgs):
             raise ValueError(f"{where}: field {mf!r} has no assistant message to train on")
         return

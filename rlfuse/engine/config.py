@@ -11,6 +11,7 @@ which names the request.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from rlfuse.kernels.backend import NUMERICS
 
@@ -147,8 +148,8 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"{o}.min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")
-        if not isinstance(self.temperature, (int, float)) or not self.temperature >= 0:
-            raise ValueError(f"{o}.temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
+            raise ValueError(f"{o}.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"{o}.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
@@ -157,6 +158,9 @@ class SamplingParams:
             raise ValueError(f"{o}.top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_SEED):
             raise ValueError(f"{o}.seed must be None or an int in [0, 2**32), got {self.seed!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)):
+            raise ValueError(f"{o}.stop_token_ids must be a list of token ids (e.g. [{self.stop_token_ids!r}]), "
+                             f"got {type(self.stop_token_ids).__name__} {self.stop_token_ids!r}")
         ids = tuple(self.stop_token_ids)
         if not all(isinstance(i, int) and i >= 0 for i in ids):
             raise ValueError(f"{o}.stop_token_ids must be non-negative ints, got {self.stop_token_ids!r}")

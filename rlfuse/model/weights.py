@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlfuse.model.config import ModelConfig
@@ -41,6 +41,19 @@ def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
     return DTYPES[dtype]
 
 
+@contextlib.contextmanager
+def _open(path: Path, device: str = "cpu"):
+    """safe_open with a ValueError naming the file when it is cut short or not safetensors
+    (safetensors' own error is "Error while deserializing header: ..." without the file)."""
+    try:
+        with safe_open(path, framework="pt", device=device) as f:
+            yield f
+    except SafetensorError as e:
+        size = path.stat().st_size if path.exists() else 0
+        raise ValueError(f"{path}: incomplete or not a safetensors file ({size} bytes; {e}): it was probably cut "
+                         f"short (an interrupted download, copy or save); fetch or write it again") from None
+
+
 def _weight_files(folder: Path) -> dict[str, Path]:
     """tensor name -> file, from model.safetensors or a sharded index."""
     index = folder / "model.safetensors.index.json"
@@ -53,7 +66,7 @@ def _weight_files(folder: Path) -> dict[str, Path]:
     single = folder / "model.safetensors"
     if not single.exists():
         raise ValueError(f"{folder}: no model.safetensors or model.safetensors.index.json")
-    with safe_open(single, framework="pt") as f:
+    with _open(single) as f:
         return {name: single for name in f.keys()}
 
 
@@ -99,7 +112,7 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
             by_file.setdefault(path, []).append(name)
     device = next(iter(params.values())).device
     for path, names in by_file.items():
-        with safe_open(path, framework="pt", device=str(device) if device.type != "meta" else "cpu") as f:
+        with _open(path, str(device) if device.type != "meta" else "cpu") as f:
             for name in names:
                 t = f.get_tensor(name)
                 p = params[name]

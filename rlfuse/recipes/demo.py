@@ -21,6 +21,7 @@ from pathlib import Path
 
 from rlfuse.data import build_prompts
 from rlfuse.rollout import evaluate
+from rlfuse.run import RunLog
 from rlfuse.run.config import RunConfig, load_config, replace
 from rlfuse.train import open_session, run_grpo, run_sft
 
@@ -107,6 +108,12 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     t_sft = time.perf_counter()
     sft, dev_acc = sft_warm_up(ses, sft_cfg, max_new_tokens=base.grpo.max_new_tokens)
     t_sft = time.perf_counter() - t_sft
+    # the warm-up's accuracy checks into the SFT run's metrics, so that the report plots them
+    # (initial = the last step: a RunLog continuing the run keeps every row up to it)
+    dev_log = RunLog(sft_cfg.logging.run_dir, tensorboard=False, progress=False, initial=sft["steps"])
+    for step, acc in dev_acc:
+        dev_log.log(step, {"dev/accuracy": acc}, stage="sft")
+    dev_log.close()
     echo(f"SFT warm-up: {sft['steps']} steps in {t_sft:.0f} s, training-problem accuracy "
          f"{dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")
     grpo_ses = open_session(grpo_cfg, model=model, tokenizer=tok, sampler=ses.sampler)

@@ -30,7 +30,11 @@ a failure too (None is the way to say "does not apply"). With on_reward_error="r
 run stops with a ValueError naming the function, the example index, its prompt and
 completion; with "zero" failing examples score 0 and are counted (metrics
 `reward_errors/<name>`, per step) and logged once per function; a function that fails on
-every example of a `score()` call is an error even then. Built-ins take their settings
+every example of a `score()` call is an error even then. With `timeout_s` > 0 (the run's
+reward_timeout_s) user functions run in a worker process (rlfuse.rollout.reward_worker)
+and a call that takes longer is stopped: the batch is re-run per example to find the one
+that hangs, and a timed-out example is a failure like the others (each costs up to
+timeout_s). Built-ins take their settings
 (RewardSpec.kwargs) as keyword-only parameters; an unknown kwarg is an error at start.
 Test: python -m pytest -q tests/test_rewards.py
 """
@@ -47,6 +51,7 @@ from typing import Callable
 from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
 from rlfuse.rollout.reward_model import RewardModelReward
 from rlfuse.run import load_function
+from rlfuse.rollout.reward_worker import RewardImportError, RewardTimeout, WorkerReward
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
 
 log = logging.getLogger(__name__)
@@ -138,7 +143,7 @@ def resolve(name: str) -> Callable:
                          f"module:function / file.py:function")
     if ":" not in name:
         raise ValueError(f"reward {name!r}: not a builtin ({', '.join(BUILTINS)}) and not module:function")
-    return load_function(name, f"reward {name!r}")
+    return load_function(name, "reward")
 
 
 class RewardError(ValueError):
@@ -189,9 +194,9 @@ class RewardSet:
     scores in several calls); `total_error_counts` is the run's total."""
 
     def __init__(self, specs: list[RewardSpec], on_error: str = "raise",
-                 functions: dict[str, Callable] | None = None):
+                 functions: dict[str, Callable] | None = None, timeout_s: float = 0.0):
         """`functions`: callables by spec name (the Python API's reward_funcs), used instead
-        of resolving those names."""
+        of resolving those names (they run in this process: no timeout)."""
         if not specs:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
@@ -207,9 +212,13 @@ class RewardSet:
                 raise ValueError(f"reward {s.name!r}: `path` is for model rewards ({', '.join(MODEL_REWARDS)}); "
                                  f"a function takes its settings in kwargs")
             else:
-                fn = functions[s.name] if functions and s.name in functions else resolve(s.name)
+                given = bool(functions) and s.name in functions
+                fn = functions[s.name] if given else resolve(s.name)
                 check_kwargs(s.name, fn, s.kwargs)
-                fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
+                if timeout_s > 0 and s.name not in BUILTINS and not given:
+                    fn = WorkerReward(s.name, s.kwargs, timeout_s)
+                else:
+                    fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)
             self.fns.append(fn)
             self.weights.append(float(s.weight))
@@ -251,16 +260,19 @@ class RewardSet:
         n = len(completions)
         try:
             raw = fn(prompts, completions, **columns)
-        except RewardError:
+        except (RewardError, RewardImportError):
             raise
-        except Exception:  # user code: find the failing example(s)
+        except Exception:  # user code (or its timeout): find the failing example(s)
             out = []
             for i in range(n):
                 cols_i = {k: v[i:i + 1] for k, v in columns.items()}
                 try:
                     raw_i = fn(prompts[i:i + 1], completions[i:i + 1], **cols_i)
-                except RewardError:
+                except (RewardError, RewardImportError):
                     raise
+                except RewardTimeout as e:
+                    out.append(self._fail(name, i, str(e), prompts, completions, e))
+                    continue
                 except Exception as e:
                     out.append(self._fail(name, i, f"raised {type(e).__name__}: {e}", prompts, completions, e))
                     continue

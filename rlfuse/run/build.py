@@ -26,15 +26,16 @@ from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run.config.sections import ModelSpec
-from rlfuse.run.resume import load_model_folder
+from rlfuse.run.resume import load_model_folder, model_folder
 
 log = logging.getLogger(__name__)
 
 CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
 
 
-def pick_device(spec: str) -> torch.device:
-    """model.device as a torch.device; a device this machine does not have is a ValueError."""
+def pick_device(spec: str, what: str = "model.device") -> torch.device:
+    """model.device (or the option `what`) as a torch.device; a device this machine does not
+    have is a ValueError."""
     if spec == "auto":
         dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         log.info("device auto -> %s (%s)", dev, "CUDA available" if dev.type == "cuda" else "no CUDA device")
@@ -42,17 +43,17 @@ def pick_device(spec: str) -> torch.device:
     try:
         dev = torch.device(spec)
     except RuntimeError:
-        raise ValueError(f"model.device: {spec!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
+        raise ValueError(f"{what}: {spec!r} is not a device; expected auto, cpu, cuda or cuda:N") from None
     if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"model.device: {spec!r} is not supported; expected auto, cpu, cuda or cuda:N")
+        raise ValueError(f"{what}: {spec!r} is not supported; expected auto, cpu, cuda or cuda:N")
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise ValueError(f"model.device: {spec!r} asked for, but this machine has no usable CUDA device "
+            raise ValueError(f"{what}: {spec!r} asked for, but this machine has no usable CUDA device "
                              f"(torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
-                             f"use model.device: cpu (or auto)")
+                             f"use {what}{':' if '.' in what else ''} cpu (or auto)")
         if dev.index is not None and dev.index >= n:
-            raise ValueError(f"model.device: {spec!r} asked for, but this machine has {n} CUDA device(s) "
+            raise ValueError(f"{what}: {spec!r} asked for, but this machine has {n} CUDA device(s) "
                              f"(cuda:0..cuda:{n - 1})")
     return dev
 
@@ -95,7 +96,7 @@ def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:
     if not folder:
         raise ValueError("model.tokenizer: give a tokenizer folder, 'char', or model.path")
     check_model_folder(folder, "model.tokenizer" if spec.tokenizer else "model.path")
-    return Tokenizer.from_pretrained(folder)
+    return Tokenizer.from_pretrained(model_folder(folder))  # a training checkpoint's too
 
 
 def check_model_folder(path: str, what: str = "model.path") -> None:
@@ -117,7 +118,9 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
     if spec.path:
         check_model_folder(spec.path)
         model = load_model_folder(spec.path, device=device, dtype=dtype)  # HF folder or a checkpoint
-        check_kernel_support(model.config, spec.kernel_backend, device.type, f"{Path(spec.path) / 'config.json'}")
+        config_json = model_folder(spec.path) / "config.json"
+        check_kernel_support(model.config, spec.kernel_backend, device.type, str(config_json))
+        check_vocab(model.config.vocab_size, tokenizer, str(config_json))
     elif spec.random_init:
         fields = {f.name for f in dataclasses.fields(ModelConfig)}
         bad = [k for k in spec.random_init if k not in fields]
@@ -137,6 +140,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         except (TypeError, ValueError) as e:  # ModelConfig's own messages name the field, not the recipe key
             raise ValueError(f"model.random_init: {e}") from None
         check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
+        check_vocab(cfg.vocab_size, tokenizer, "model.random_init")
         model = CausalLM(cfg)
         model.init_weights(generator=torch.Generator().manual_seed(seed))
         model = model.to(device=device, dtype=dtype)
@@ -164,6 +168,14 @@ def apply_lora(model: CausalLM, spec: ModelSpec, seed: int = 0) -> None:
     log.info("LoRA: %.2fM trainable parameters, %.2fM frozen; %.2f GiB of training state (gradients, fp32 "
              "masters, Adam moments) not kept for the base, by formula", mem["lora/trainable_params"] / 1e6,
              mem["lora/frozen_params"] / 1e6, mem["lora/saved_train_state_gib"])
+
+
+def check_vocab(vocab_size: int, tokenizer: Tokenizer, where: str) -> None:
+    """The model's embedding must have a row for every id the tokenizer can produce."""
+    if tokenizer.vocab_size > vocab_size:
+        raise ValueError(f"{where}: vocab_size is {vocab_size}, smaller than the tokenizer's {tokenizer.vocab_size} "
+                         f"ids: ids {vocab_size}..{tokenizer.vocab_size - 1} would index past "
+                         f"the embedding; expected vocab_size >= {tokenizer.vocab_size} (a tokenizer of another model?)")
 
 
 def build_engine(model: CausalLM, tokenizer: Tokenizer, engine: EngineConfig) -> LLM:

@@ -105,8 +105,17 @@ def check_finite(model, what: str, dist: DistContext | None = None) -> None:
                              f"optim.lr or resume from an earlier checkpoint")
 
 
+# how torch.save's C++ writer reports a write that did not go through (a full disk, most
+# often): "[enforce fail at inline_container.cc:...] . unexpected pos N vs M",
+# "PytorchStreamWriter failed writing file data/0: file write failed"
+_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing file")
+
+
 def _write_error(path: Path, e: BaseException) -> CheckpointError:
     what = getattr(e, "strerror", None) or str(e)
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(what):
+        what = (f"no space left on device? torch.save could not write its data (torch: "
+                f"{what.strip().splitlines()[0][:160]})")
     at = f" ({e.filename})" if getattr(e, "filename", None) else ""
     try:
         probe = next(p for p in (path, *path.parents) if p.exists())
@@ -270,8 +279,11 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def clean_temporary(run_dir: str | Path) -> list[Path]:
-    """Remove leftovers of an interrupted save (hidden .step_*.tmp* / .final.tmp* folders);
-    a `.old` copy whose replacement never arrived is put back. Returns what was removed."""
+    """Remove leftovers of an interrupted save (hidden .step_*.tmp* / .final.tmp* folders)
+    and of an interrupted rotation (a step_* folder without COMPLETE older than the newest
+    complete checkpoint: `_rotate` deletes COMPLETE first, and a save publishes its folder
+    with COMPLETE inside, so nothing else leaves one); a `.old` copy whose replacement never
+    arrived is put back. Returns what was removed."""
     run_dir = Path(run_dir)
     removed = []
     for root in (run_dir, run_dir / "checkpoints"):
@@ -289,6 +301,16 @@ def clean_temporary(run_dir: str | Path) -> list[Path]:
             shutil.rmtree(p)
             removed.append(p)
             log.warning("removed %s: a temporary folder left by an interrupted save", p)
+    complete = list_checkpoints(run_dir)
+    newest = int(_STEP.match(complete[-1].name).group(1)) if complete else -1
+    root = run_dir / "checkpoints"
+    for p in sorted(root.iterdir()) if root.is_dir() else []:
+        m = _STEP.match(p.name)
+        if m and p.is_dir() and int(m.group(1)) < newest and not (p / "COMPLETE").exists():
+            shutil.rmtree(p)
+            removed.append(p)
+            log.warning("removed %s: a checkpoint whose deletion by the rotation (checkpoint.keep_last) was cut short",
+                        p)
     return removed
 
 

@@ -14,14 +14,22 @@
     the fields in BREAKING (the model, the training data, the seeds, the algorithm) are
     refused unless `force`, the others are logged as warnings.
 RUN_DIR/run.json records the kind ({"kind": "grpo"}).
+Before any of this the run takes RUN_DIR/run.lock (`RunLock`: pid, host and start time,
+created with O_EXCL) and holds it until it ends: a second run on the same folder is
+refused naming the holder; a lock left by a process that no longer exists on this host is
+taken over, and the takeover is logged. Under torchrun rank 0 alone calls this, so rank 0
+holds the lock for the job.
 Test: python -m pytest -q tests/test_bad_inputs.py -k run_folder
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
+import os
 import shutil
+import socket
 from pathlib import Path
 
 import yaml
@@ -33,6 +41,7 @@ from rlfuse.run.metrics import NOT_TRAINING
 log = logging.getLogger(__name__)
 
 RUN_MARK = "run.json"
+LOCK = "run.lock"
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tb", "checkpoints", "final", "report", "eval.json", "config.yaml",
              RUN_MARK)
 """What a run writes into its folder (and --overwrite removes)."""
@@ -109,8 +118,8 @@ def run_kind(run_dir: Path) -> str | None:
     return None
 
 
-def clear_run(run_dir: Path) -> list[str]:
-    """Remove the files of RUN_FILES from `run_dir` (logged); returns their names."""
+def clear_run(run_dir: Path, why: str = "--overwrite") -> list[str]:
+    """Remove the files of RUN_FILES from `run_dir` (logged, with `why`); returns their names."""
     removed = []
     for name in RUN_FILES:
         p = run_dir / name
@@ -122,8 +131,77 @@ def clear_run(run_dir: Path) -> list[str]:
             continue
         removed.append(name)
     if removed:
-        log.warning("--overwrite: removed the previous run's %s from %s", ", ".join(removed), run_dir)
+        log.warning("%s: removed the previous run's %s from %s", why, ", ".join(removed), run_dir)
     return removed
+
+
+class RunLock:
+    """RUN_DIR/run.lock, held by this process from `acquire` to `release` (module docstring)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = run_dir / LOCK
+        self.held = False
+
+    def acquire(self) -> RunLock:
+        me = {"pid": os.getpid(), "host": socket.gethostname(),
+              "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds")}
+        for _ in range(2):  # the second try follows the removal of a stale lock
+            try:
+                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            except FileExistsError:
+                holder = self._holder()
+                if not self._stale(holder):
+                    raise ValueError(f"{self.path.parent}: another run is using this run folder ({_who(holder)}); "
+                                     f"wait for it to end, stop it, or choose another --run-dir (if that process "
+                                     f"is gone, delete {self.path})") from None
+                log.warning("%s: taking over the lock of a run that is gone (%s)", self.path, _who(holder))
+                self.path.unlink(missing_ok=True)
+                continue
+            with os.fdopen(fd, "w") as f:
+                f.write(json.dumps(me) + "\n")
+            self.held = True
+            return self
+        raise ValueError(f"{self.path}: could not take the run folder's lock (another process keeps creating it)")
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            if self._holder().get("pid") == os.getpid():
+                self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _holder(self) -> dict:
+        try:
+            d = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+        return d if isinstance(d, dict) else {}
+
+    @staticmethod
+    def _stale(holder: dict) -> bool:
+        """A lock whose process is known to be gone: same host, pid not running. A lock
+        from another host (a shared file system) or an unreadable one is never stale."""
+        pid = holder.get("pid")
+        if holder.get("host") != socket.gethostname() or not isinstance(pid, int) or pid <= 0:
+            return False
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:  # alive, owned by another user
+            return False
+        return False
+
+
+def _who(holder: dict) -> str:
+    if not holder:
+        return "the lock file is empty or unreadable: a run may be starting right now"
+    return f"pid {holder.get('pid')} on host {holder.get('host')}, started {holder.get('started')}"
 
 
 def _show(v) -> str:
@@ -131,9 +209,11 @@ def _show(v) -> str:
 
 
 def prepare_run_folder(cfg: RunConfig, kind: str, *, resume: bool = False, overwrite: bool = False,
-                       force: bool = False) -> None:
-    """Decide start / resume / overwrite for cfg.logging.run_dir (module docstring); a
-    ValueError, before anything is written, when the folder's state and the flags disagree."""
+                       force: bool = False) -> RunLock:
+    """Take the folder's lock, then decide start / resume / overwrite for cfg.logging.run_dir
+    (module docstring); a ValueError, with nothing changed, when another run holds the folder
+    or the folder's state and the flags disagree. Returns the held lock: release it (or use
+    it as a context manager) when the run ends."""
     run_dir = Path(cfg.logging.run_dir)
     if resume and overwrite:
         raise ValueError("--resume and --overwrite contradict each other: continue the run in "
@@ -145,18 +225,27 @@ def prepare_run_folder(cfg: RunConfig, kind: str, *, resume: bool = False, overw
     if blocker is not None:
         raise ValueError(f"logging.run_dir: {run_dir} cannot be created: {blocker} is a file; expected a folder "
                          f"(new or a run's)")
-    evidence = run_evidence(run_dir) if run_dir.is_dir() else []
-    if evidence and overwrite:
-        clear_run(run_dir)
-    elif evidence and not resume:
-        other = run_kind(run_dir)
-        raise ValueError(f"{run_dir}: already holds {'a ' + other if other else 'a'} run ({', '.join(evidence)}); "
-                         f"continue it with --resume, replace it with --overwrite, or choose another --run-dir "
-                         f"(nothing was changed)")
-    elif evidence:
-        _check_resume(cfg, kind, run_dir, force)
+    existed = run_dir.is_dir()
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / RUN_MARK).write_text(json.dumps({"kind": kind}) + "\n")
+    lock = RunLock(run_dir).acquire()
+    try:
+        evidence = run_evidence(run_dir)
+        if evidence and overwrite:
+            clear_run(run_dir)
+        elif evidence and not resume:
+            other = run_kind(run_dir)
+            raise ValueError(f"{run_dir}: already holds {'a ' + other if other else 'a'} run ({', '.join(evidence)}); "
+                             f"continue it with --resume, replace it with --overwrite, or choose another --run-dir "
+                             f"(nothing was changed)")
+        elif evidence:
+            _check_resume(cfg, kind, run_dir, force)
+        (run_dir / RUN_MARK).write_text(json.dumps({"kind": kind}) + "\n")
+    except BaseException:
+        lock.release()
+        if not existed:
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
+    return lock
 
 
 def _check_resume(cfg: RunConfig, kind: str, run_dir: Path, force: bool) -> None:

@@ -217,6 +217,7 @@ DATA_REASONS = {
     "dropped/sft_no_target": "SFT: no target token left within the length limit",
     "dropped/dpo_same_responses": "DPO: the chosen and rejected responses tokenize the same",
     "dropped/dpo_no_response_room": "DPO: the prompt leaves no response token within dpo.max_seq_len",
+    "kept/unknown_tokens": "text the tokenizer cannot represent (encoded as its unknown token); the row is kept",
 }
 """What can happen to a row before training, by metric slug (`<action>/<reason>`): the
 names metrics.jsonl, TensorBoard and the report use. Stable: dashboards key on them."""
@@ -234,6 +235,8 @@ def data_lines(stats: dict) -> list[str]:
                    if k.startswith(f"{sp}/{action}/") and v]
             if got:
                 line += f"; {action}: " + ", ".join(f"{n} {r}" for r, n in got)
+        if stats.get(f"{sp}/kept/unknown_tokens"):
+            line += f"; {int(stats[f'{sp}/kept/unknown_tokens'])} with unknown tokens"
         out.append(line)
     return out
 

@@ -23,6 +23,9 @@ after `max_consecutive` skips in a row the run stops with NonFiniteError. Data-p
 the decision is global: each rank holds only its share of the loss, so a rank that skipped
 alone would leave its weight shards (and step count) behind the others'; one all_reduce
 of the "not finite" flag makes every rank skip or step together.
+`WeightNormWatch` warns when the weights' global L2 norm grows by an order of magnitude
+over the run (a learning rate far too high diverges this way while the loss may still
+read finite).
 Test: python -m pytest -q tests/test_train_optim.py
 """
 
@@ -266,6 +269,43 @@ class NonFiniteGuard:
 
     def load_state_dict(self, sd: dict) -> None:
         self.consecutive, self.total_skipped = int(sd["consecutive"]), int(sd["total_skipped"])
+
+
+class WeightNormWatch:
+    """Warns when the global L2 norm of `params` reaches GROWTH times its value at the first
+    `check` (and again at each further GROWTH x). `check` costs one pass over the weights
+    and one host sync (data-parallel: plus one all_reduce of the local shards' sums), so the
+    run loop calls it at the logging cadence only; every rank calls it at the same steps."""
+
+    GROWTH = 10.0
+    """One order of magnitude: healthy fine-tuning moves the weight norm by percents."""
+
+    def __init__(self, params, *, dist: DistContext | None = None):
+        self.params = list(params)
+        self.dist = dist
+        self.start: tuple[int, float] | None = None
+        self.next_warning = math.inf
+
+    @torch.no_grad()
+    def norm(self) -> float:
+        local = [p.to_local() if isinstance(p, DTensor) else p for p in self.params]
+        sq = torch.stack([t.detach().float().pow(2).sum() for t in local]).sum()
+        if self.dist is not None:
+            sq = sq.to(self.dist.device)
+            torch.distributed.all_reduce(sq)
+        return math.sqrt(float(sq))  # host sync: at the logging cadence only
+
+    def check(self, step: int) -> float:
+        n = self.norm()
+        if self.start is None:
+            self.start = (step, n)
+            self.next_warning = n * self.GROWTH if n > 0 else math.inf
+        elif math.isfinite(n) and n >= self.next_warning:
+            s0, n0 = self.start
+            log.warning("the weight norm grew from %.4g (step %d) to %.4g (step %d), %.0fx: the run may be "
+                        "diverging; check optim.lr and the loss curve", n0, s0, n, step, n / n0)
+            self.next_warning = n * self.GROWTH
+        return n
 
 
 @torch.no_grad()

@@ -29,11 +29,22 @@ from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, NOT_TRAINING, data_line
 
 SCALE_RATIO = 10.0
 """Lines whose typical magnitudes differ by more than this factor go on separate axes."""
+MIN_SPAN = 0.2
+"""A y axis spans at least this share of its largest |value|, and at least NOISE_SPAN, so
+that noise (a constant loss, a ratio of 0.99999994..1) does not read as a trend."""
+NOISE_SPAN = 1e-6
+"""Smallest span of a signed axis: a GRPO loss of +-4e-8 is float32 rounding around 0."""
+FROM_ZERO = ("MiB", "tokens", "seconds", "tokens / s", "optimizer steps", "examples per step", "rollout steps",
+             "groups", "nats per token", "nats per sequence", "nats", "|delta log p| (nats)",
+             "L2 norm (before clipping)")
+"""Units of amounts (>= 0) whose axis starts at 0 (376..400 MiB is flat, not a leak); so do
+all fractions ("fraction ...")."""
 
 # group -> panels (title, y label, metric-key patterns); "x/" matches keys under x/, "x_" keys
 # starting with x_, anything else the exact key. The first panel claiming a key plots it.
 GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
     ("reward", [("training-sample accuracy", "fraction correct", ("accuracy",)),
+                ("greedy accuracy on training problems", "fraction solved", ("dev/accuracy",)),
                 ("reward (weighted total)", "reward", ("reward/mean", "reward/std")),
                 ("normalized reward", "reward / running std", ("reward/normalized_mean",)),
                 ("reward per function", "reward", ("reward/",)),
@@ -81,7 +92,7 @@ EVAL_PANELS = [("held-out accuracy", "fraction solved", ("accuracy",)),
                ("truncated held-out completions", "fraction", ("truncated_frac",))]
 EVAL_LABELS = {"accuracy": "held-out accuracy", "reward": "held-out reward",
                "completion_len": "held-out completion length", "truncated_frac": "held-out truncated fraction"}
-LABELS = {"accuracy": "training-sample accuracy"}
+LABELS = {"accuracy": "training-sample accuracy", "dev/accuracy": "greedy accuracy on training problems"}
 """Legend names of training-stage keys that would be ambiguous next to the held-out ones."""
 _FRACTIONS = ("fraction correct", "fraction solved")
 
@@ -143,9 +154,10 @@ def _panels(series: dict, panels) -> list[tuple[str, str, list[str]]]:
 
 
 def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, path: Path, labels: dict,
-            extra: dict | None = None) -> None:
+            extra: dict | None = None, markers: int = 12) -> None:
     """One PNG: a grid of panels (two columns). `extra` maps a panel title to further
-    (label, xs, ys, style) lines drawn on it."""
+    (label, xs, ys, style) lines drawn on it; lines of fewer than `markers` points mark
+    each point."""
     n = len(axes)
     cols = 1 if n == 1 else 2
     rows = -(-n // cols)
@@ -154,7 +166,7 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
     for ax, (title, ylabel, keys) in zip(grid.flat, axes):
         for k in keys:
             xs, ys = series[k]
-            ax.plot(xs, ys, label=labels.get(k, k), marker="o" if len(xs) < 12 else None, markersize=4)
+            ax.plot(xs, ys, label=labels.get(k, k), marker="o" if len(xs) < markers else None, markersize=4)
         for label, xs, ys, style in (extra or {}).get(title, []):
             ax.plot(xs, ys, label=label, **style)
         ax.set_title(title, fontsize=10)
@@ -163,6 +175,9 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps: no "2.25" ticks on short runs
         if ylabel in _FRACTIONS:
             ax.set_ylim(-0.03, 1.03)
+        else:
+            _sensible_ylim(ax, [y for k in keys for y in series[k][1]]
+                           + [y for _, _, ys, _ in (extra or {}).get(title, []) for y in ys], ylabel)
         ax.grid(alpha=0.3)
         ax.tick_params(labelsize=8)
         if ax.get_yscale() == "linear":
@@ -172,6 +187,22 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
         ax.set_visible(False)
     fig.tight_layout()
     fig.savefig(path)
+
+
+def _sensible_ylim(ax, ys: list[float], ylabel: str) -> None:
+    """Widen an auto-scaled y axis to at least MIN_SPAN of its magnitude (centered on the
+    data), and start amounts (FROM_ZERO units) at 0."""
+    ys = [y for y in ys if math.isfinite(y)]
+    if not ys:
+        return
+    lo, hi = min(ys), max(ys)
+    if (ylabel in FROM_ZERO or ylabel.startswith("fraction")) and lo >= 0:
+        ax.set_ylim(0, hi * 1.08 if hi > 0 else 1.0)
+        return
+    need = max(MIN_SPAN * max(abs(lo), abs(hi)), NOISE_SPAN)
+    if hi - lo < need:
+        mid = (lo + hi) / 2
+        ax.set_ylim(mid - need / 2, mid + need / 2)
 
 
 def _fmt(v) -> str:
@@ -236,9 +267,13 @@ def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
         train_acc = {s: _series(rows, s).get("accuracy") for s in stages}
         extra = {"held-out accuracy": [(f"training-sample accuracy ({s})", *xy, dict(alpha=0.45, linewidth=1))
                                        for s, xy in train_acc.items() if xy]}
+        dev_acc = {s: _series(rows, s).get("dev/accuracy") for s in stages}
+        extra["held-out accuracy"] += [(f"greedy accuracy on training problems ({s})", *xy,
+                                        dict(alpha=0.6, linewidth=1, marker="s", markersize=3))
+                                       for s, xy in dev_acc.items() if xy]
         if axes:
             png = out / f"{stem}_eval.png"
-            _figure(ev, axes, "step", png, EVAL_LABELS, extra)
+            _figure(ev, axes, "step", png, EVAL_LABELS, extra, markers=200)  # held-out points are few: mark each
             parts.append(f'<img src="{png.name}" alt="held-out evaluation">')
         keys = [k for k in evals[0] if k != "stage"]
         head = "".join(f"<th>{html.escape(k)}</th>" for k in keys)
@@ -247,7 +282,8 @@ def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
     for stage in stages:
         series = _series(rows, stage)
         xlabel = f"{stage} step"
-        prefix = stem if stem == stage else f"{stem}_{stage}"
+        # no doubled names: the run folder "grpo" (or "demo/grpo") of stage grpo -> grpo_*.png
+        prefix = stem if stem == stage or stem.endswith(f"_{stage}") else f"{stem}_{stage}"
         for gname, panels in GROUPS:
             axes = _panels(series, panels)
             if not axes:

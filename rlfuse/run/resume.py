@@ -229,14 +229,20 @@ def _load_one_process_into_sharded(path: Path, model, optimizer) -> None:
                                   "exp_avg_sq": shard(sd["exp_avg_sq"][i])}
 
 
+def model_folder(folder: str | Path) -> Path:
+    """Where the weights and tokenizer of `folder` are: an HF folder itself, a one-process
+    training checkpoint's model/, or a sharded checkpoint folder itself (config.json, dcp/
+    and the tokenizer side by side)."""
+    folder = Path(folder)
+    return folder / "model" if (folder / "model" / "config.json").exists() else folder
+
+
 def load_model_folder(folder: str | Path, *, device: str | torch.device = "cpu",
                       dtype: str | torch.dtype | None = None) -> CausalLM:
     """A model from an HF folder, a checkpoint folder (its model/), or a sharded
     checkpoint folder (config.json + dcp/, read without a process group). dtype defaults
     to the config's torch_dtype."""
-    folder = Path(folder)
-    if (folder / "model" / "config.json").exists():
-        folder = folder / "model"
+    folder = model_folder(folder)
     if not (folder / "dcp").is_dir():
         return load_model(folder, device=device, dtype=dtype)
     cfg = ModelConfig.from_hf(folder)

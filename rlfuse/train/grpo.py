@@ -376,6 +376,10 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     `stop_after` as in `run_loop` (tests of resume); `dist`: data-parallel (the CLI under
     torchrun), ignored when `session` is given (its own `dist` counts)."""
     ses = session or open_session(cfg, dist=dist)
+    if cfg.grpo.max_new_tokens >= ses.context_len:
+        log.warning("grpo.max_new_tokens=%d is not below the model context (%d tokens: engine.max_model_len or the "
+                    "model's max_position_embeddings): every completion stops at the context, prompt included, "
+                    "before max_new_tokens", cfg.grpo.max_new_tokens, ses.context_len)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
                             stats=ses.data_stats)

@@ -22,7 +22,9 @@ everything after it is labelled `done`. With N = trainer.schedule.steps:
   data        the session's data metrics (rows kept / dropped / truncated by reason),
               once, as a step-0 row of stage "data", when the run starts afresh
 "The end" is step N, or the step after which `stop_when(done)` returned True. A run cut
-short by `stop_after` (tests of resume) stops without any of it.
+short by `stop_after` (tests of resume) stops without any of it. A stop signal
+(rlfuse.run.interrupt: SIGINT / SIGTERM under the CLI) is honoured at the next step
+boundary, agreed over ranks: a checkpoint of the steps done, then `Interrupted`.
 Data-parallel (`session.dist`): rank 0 resolves the resume and alone writes metrics,
 samples and the progress bar (other ranks get rlfuse.run.distributed.data_parallel.SilentLog);
 logged metrics are reduced over ranks with the per-rank memory of params, gradients and
@@ -44,8 +46,8 @@ from rlfuse.data import Prompt
 from rlfuse.model.lora import has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
-from rlfuse.run import (DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, open_trackers, resolve_resume, save_checkpoint,
-                        save_final)
+from rlfuse.run import (DATA_STAGE, Interrupted, MasterAdamW, RunLog, WeightNormWatch, load_checkpoint, open_trackers,
+                        resolve_resume, save_checkpoint, save_final, stop_agreed)
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     ShardedAdamW,
@@ -151,6 +153,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     else:
         runlog = SilentLog()
     history, evals = [], []
+    watch = WeightNormWatch(trainer.model.parameters(), dist=dist)
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)
     # LoRA: parameter counts and the training state the frozen base does not need, in every row
@@ -169,21 +172,32 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
         evals.append({"step": step, **res})
         log.info("%s eval step %d: %s", trainer.stage, step, {k: round(v, 4) for k, v in res.items()})
 
-    def save(step: int) -> None:
-        save_checkpoint(session.run_dir, step, trainer.model, trainer.optimizer, trainer.state_dict(),
-                        tokenizer=session.tokenizer, keep_last=cfg.checkpoint.keep_last, dist=dist)
+    saved = start if ckpt is not None else None
+
+    def save(step: int):
+        nonlocal saved
+        saved = step
+        return save_checkpoint(session.run_dir, step, trainer.model, trainer.optimizer, trainer.state_dict(),
+                               tokenizer=session.tokenizer, keep_last=cfg.checkpoint.keep_last, dist=dist)
 
     done = start
     finished = False
     try:
+        watch.check(start)
         if start == 0 and sched.eval_at_start:
             do_eval(0)
         while done < sched.steps:
             if stop_after is not None and done - start >= stop_after:
                 break
+            if (signum := stop_agreed(dist)) is not None:
+                path = save(done) if done != saved and done > 0 else None
+                log.warning("%s: stopped by a signal after step %d%s", trainer.stage, done,
+                            f"; checkpoint {path}" if path else "")
+                raise Interrupted(signum, done, str(path) if path else None)
             m = trainer.step(done)
             done += 1
             if done % cfg.logging.log_every == 0 or done == sched.steps:
+                watch.check(done)
                 if dist is not None:  # the same row on every rank, with each rank's memory (max over ranks)
                     m = {**step_metrics(dist, m), **log_memory(dist, trainer.model, trainer.optimizer.opt,
                                                                compute_dtype=trainer.optimizer.compute_dtype)}

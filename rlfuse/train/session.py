@@ -64,7 +64,8 @@ class Session:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
-        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions)
+        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions,
+                         timeout_s=self.cfg.reward_timeout_s)
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,

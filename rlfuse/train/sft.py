@@ -39,7 +39,9 @@ class SFTTrainer(StreamAndGuardState):
         self.cfg, self.model, self.optimizer, self.stream = cfg, model, optimizer, stream
         self.dist = dist
         self.device = model.lm_head_weight.device
-        self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, headline="loss")
+        # eval_at_start: the held-out baseline the run's result ("from step 0") is read against
+        self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, eval_at_start=True,
+                                 headline="loss")
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
 
     def step(self, step: int) -> dict:

@@ -38,7 +38,8 @@ class GRPOConfig:
     max_new_tokens: int = 256
     """Longest completion (rollouts, and held-out evaluation of both SFT and GRPO)."""
     temperature: float = 1.0
-    """Rollout sampling temperature (0 = greedy). The policy, old and reference log-probs are
+    """Rollout sampling temperature, > 0 (greedy rollouts give a group identical completions
+    and zero advantages). The policy, old and reference log-probs are
     all taken at `rlfuse.engine.config.logprob_temperature(temperature)`: this T, or 1 when greedy."""
     top_p: float = 1.0
     """Rollout nucleus sampling mass in (0, 1]; 1 disables (the log-probs stay the unfiltered policy's)."""

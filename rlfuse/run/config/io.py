@@ -137,6 +137,37 @@ def _coerce(tp, v, where: str):
 
 
 # ------------------------------------------------------------------ overrides and files
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (PyYAML keeps the last
+    silently: a second `optim:` block would drop the first one's keys to their defaults)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen: dict = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            try:
+                first = seen.setdefault(key, key_node.start_mark.line + 1)
+            except TypeError:  # an unhashable key: PyYAML's own error follows
+                continue
+            if first != key_node.start_mark.line + 1:
+                raise ValueError(f"{key_node.start_mark.name}:{key_node.start_mark.line + 1}: key {key!r} is given "
+                                 f"twice in one mapping (first at line {first}); YAML would keep only the last "
+                                 f"one: merge the two into one")
+        return super().construct_mapping(node, deep)
+
+
+def read_yaml(path: Path):
+    """The YAML file `path` parsed, with ValueErrors naming the file (and line) for invalid
+    YAML and for a key given twice in one mapping."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return yaml.load(f, Loader=_UniqueKeyLoader)  # noqa: S506 -- a SafeLoader subclass
+    except yaml.YAMLError as e:
+        raise ValueError(f"{path}: not valid YAML ({e})") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not valid UTF-8 (byte {e.object[e.start]:#04x} at offset {e.start})") from None
+
+
 def apply_override(data: dict, item: str, cls=None) -> dict:
     """Set `a.b.c=value` in nested dict `data` (in place). With `cls`, unknown keys raise
     ValueError listing the valid ones. The value is parsed as a YAML scalar/flow value."""
@@ -183,10 +214,7 @@ def load(cls, src: str | Path | dict | None = None, overrides: list[str] = (), p
         where = str(path)
         if not path.exists():
             raise ValueError(f"{path}: no such config file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as e:
-            raise ValueError(f"{path}: not valid YAML ({e})") from None
+        data = read_yaml(path) or {}
         if not isinstance(data, dict):
             raise ValueError(f"{path}: expected a mapping at the top level")
         if prepare is not None:
@@ -196,7 +224,11 @@ def load(cls, src: str | Path | dict | None = None, overrides: list[str] = (), p
     try:
         return from_dict(cls, data)
     except ValueError as e:
-        raise ValueError(f"{where}: {e}") from None
+        # the value an error names came from --set when its key is an override's: blame that
+        msg = str(e)
+        item = next((o for o in reversed(overrides) if re.match(rf"{re.escape(o.split('=', 1)[0].strip())}\b", msg)),
+                    None)
+        raise ValueError(f"--set {item}: {msg}" if item else f"{where}: {msg}") from None
 
 
 def save(cfg, path: str | Path) -> Path:

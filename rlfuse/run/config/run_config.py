@@ -78,6 +78,12 @@ class RunConfig:
     """Reward functions (a list of {name, weight, kwargs}); their weighted sum is the reward."""
     on_reward_error: str = "raise"
     """raise (stop with the failing example) | zero (score it 0, count and log)."""
+    reward_timeout_s: float = 120.0
+    """Seconds one call of a user reward function (module:function, file.py:function) may take
+    on one batch; a longer call is stopped and is a reward error (follows on_reward_error).
+    User functions then run in a worker process: one per function, started on first use
+    (1-3 s), plus pickling each batch's texts both ways (ms). 0: run them in the trainer's
+    process, with no timeout (a hung function hangs the run)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Run folder and metrics."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
@@ -97,6 +103,10 @@ class RunConfig:
         _check_choice("model.dtype", self.model.dtype, ("float32", "bfloat16", "float16"))
         _check_choice("model.kernel_backend", self.model.kernel_backend, BACKENDS)
         g = self.grpo
+        if g.temperature == 0:
+            raise ValueError("grpo.temperature must be > 0, got 0: greedy rollouts make every completion of a group "
+                             "the same, so every advantage is 0 and nothing is learned (held-out evaluation is "
+                             "greedy already); use e.g. 1.0")
         if g.group_size < 2:
             raise ValueError(f"grpo.group_size must be >= 2 for group-relative advantages, got {g.group_size}")
         if g.dual_clip is not None and g.dual_clip <= 1:
@@ -138,7 +148,7 @@ class RunConfig:
 
 RANGES: dict[str, str] = {
     "seed": ">= 0",
-    "optim.lr": "> 0", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
+    "optim.lr": "(0, 1]", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
     "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "[0, 1]",
     "optim.max_grad_norm": ">= 0", "optim.max_nonfinite_steps": ">= 0",
     "sft.steps": "> 0", "sft.batch_size": "> 0", "sft.micro_batch_tokens": "> 0", "sft.max_seq_len": "> 0",
@@ -149,13 +159,13 @@ RANGES: dict[str, str] = {
     "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.sample_every": ">= 0",
     "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
     "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
-    "rewards[].weight": "any",
+    "rewards[].weight": "any", "reward_timeout_s": ">= 0",
     "logging.log_every": ">= 1", "logging.num_samples": ">= 0",
     "checkpoint.every": ">= 0", "checkpoint.keep_last": ">= 0",
     "ppo.steps": "> 0", "ppo.prompts_per_step": "> 0", "ppo.samples_per_prompt": "> 0",
     "ppo.max_new_tokens": "> 0", "ppo.temperature": ">= 0", "ppo.top_p": "(0, 1]", "ppo.top_k": ">= 0",
     "ppo.clip_low": "[0, 1)", "ppo.clip_high": ">= 0", "ppo.mu": "> 0", "ppo.mini_batches": "> 0",
-    "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "> 0",
+    "ppo.micro_batch_tokens": "> 0", "ppo.gamma": "[0, 1]", "ppo.lam": "[0, 1]", "ppo.critic_lr": "(0, 1]",
     "ppo.kl_coef": ">= 0", "ppo.kl_horizon": "> 0", "ppo.entropy_coef": ">= 0", "ppo.sample_every": ">= 0",
     "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
     "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
