@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-LAYERS = ["utils", "kernels", "model", "engine", "consistency", "train", "recipes", "cli"]
+LAYERS = ["utils", "kernels", "model", "engine", "consistency", "rollout", "train", "recipes", "cli"]
 ROOT = Path(__file__).resolve().parents[1] / "rlfuse"
 
 
