@@ -288,7 +288,10 @@ def load_tools(specs, *, timeout_s: float = 10.0, base: Path | None = None, what
         elif callable(s):
             tools.append(Tool.from_function(s))
         elif isinstance(s, str) and ":" not in s:
-            tools.append(builtin_tool(s, timeout_s=timeout_s))
+            try:
+                tools.append(builtin_tool(s, timeout_s=timeout_s))
+            except ValueError as e:
+                raise ValueError(f"{w}: {e}") from None
         elif isinstance(s, str):
             obj = load_object(s, w, base)
             tools.append(obj if isinstance(obj, Tool) else Tool.from_function(obj))
