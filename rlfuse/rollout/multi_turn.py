@@ -82,6 +82,8 @@ class Episode:
     """Per token of `token_ids`: 1 the model sampled it (trained), 0 an observation token (context)."""
     logprobs: list[float] = dataclasses.field(default_factory=list)
     """The engine's log-prob of each model token; 0.0 at observation tokens."""
+    turn_spans: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    """(start, end) of each model turn in `token_ids`; the gaps between are observations."""
     turn_texts: list[str] = dataclasses.field(default_factory=list)
     turn_rewards: list[float | None] = dataclasses.field(default_factory=list)
     env_reward: float | None = None
@@ -179,6 +181,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
         if ep.turns:
             ep.cached_tokens += c.num_cached_prompt_tokens
             ep.continuation_tokens += len(c.prompt_token_ids)
+        ep.turn_spans.append((len(ep.token_ids), len(ep.token_ids) + len(ids)))
         ep.token_ids += ids
         ep.loss_mask += [1] * len(ids)
         ep.logprobs += [float(x) for x in c.logprobs]
