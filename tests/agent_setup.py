@@ -4,6 +4,8 @@ the engine (its streaming API) and answers each turn from a script, as canonical
 
 from __future__ import annotations
 
+import time
+
 import torch
 from chat_templates import LLAMA31_TOOLS, QWEN3_THINK, QWEN25_TOOLS, bpe_backend
 
@@ -33,8 +35,10 @@ class ScriptedEngine:
     (finish "length"). Records every request's prompt ids. Completes one request per step,
     newest first, so requests finish out of submission order."""
 
-    def __init__(self, tokenizer, policy, max_model_len: int = 4096):
+    def __init__(self, tokenizer, policy, max_model_len: int = 4096, step_s: float = 0.0):
         self.tok, self.policy, self.max_model_len = tokenizer, policy, max_model_len
+        self.step_s = step_s
+        self.step_times: list[float] = []
         self.queue: list[tuple[str, list[int], object]] = []
         self.prompts: dict[str, list[int]] = {}
         self.turn: dict[str, int] = {}
@@ -50,6 +54,8 @@ class ScriptedEngine:
     def step(self):
         if not self.queue:
             return []
+        time.sleep(self.step_s)
+        self.step_times.append(time.perf_counter())
         rid, ids, params = self.queue.pop()
         episode = rid.split("-")[0]
         k = self.turn.get(episode, 0)

@@ -201,3 +201,39 @@ def test_async_env_turn_rewards_and_token_budget():
     eng = ScriptedEngine(tok, lambda ids, k: "a long answer that goes on and on")
     eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=MultiTurnConfig(max_turn_tokens=3))
     assert all(len(t) > 0 for t in eps[0].turn_texts) and eps[0].turns == 3 and eps[0].truncated
+
+
+def test_the_engine_keeps_decoding_while_a_tool_runs():
+    """Episode 0 calls a 0.4 s tool once; episode 1 takes 20 quick turns meanwhile: its engine
+    steps happen while the slow tool runs, and the engine idles only when nothing is left."""
+    tok = chat_tokenizer("qwen2")
+    window = []
+
+    def timed(seconds: float) -> str:
+        """Sleep.
+
+        Args:
+            seconds: how long.
+        """
+        window.append(time.perf_counter())
+        time.sleep(seconds)
+        window.append(time.perf_counter())
+        return "ok"
+
+    runner = ToolRunner([Tool.from_function(timed), Tool.from_function(calculator)], timeout_s=5)
+    renderer = ChatRenderer(tok, tools=runner.schemas())
+
+    def policy(ids, k):
+        slow = "slow one" in tok.decode(ids)
+        if slow:
+            return format_tool_call(ToolCall("timed", {"seconds": 0.4}), "hermes") if k == 0 else "done"
+        return format_tool_call(ToolCall("calculator", {"expression": f"{k}+1"}), "hermes") if k < 19 else "done"
+
+    eng = ScriptedEngine(tok, policy, step_s=0.005)
+    eps, m = run_episodes(eng, renderer, lambda: ToolEnv(runner), [{"prompt": "slow one"}, {"prompt": "fast"}],
+                          cfg=MultiTurnConfig(max_turns=25))
+    runner.close()
+    assert [e.turns for e in eps] == [2, 20]
+    during = [t for t in eng.step_times if window[0] < t < window[1]]
+    assert len(during) >= 10, len(during)
+    assert 0.0 < m["rollout/engine_idle_frac"] < 1.0
