@@ -237,3 +237,24 @@ def test_the_engine_keeps_decoding_while_a_tool_runs():
     during = [t for t in eng.step_times if window[0] < t < window[1]]
     assert len(during) >= 10, len(during)
     assert 0.0 < m["rollout/engine_idle_frac"] < 1.0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_sft_transcripts_follow_the_rollout_rule(family):
+    """ChatRenderer.transcript lays a finished conversation out as the rollout would have:
+    the same ids and the same loss mask as the scripted episode."""
+    tok = chat_tokenizer(family)
+    runner = ToolRunner([Tool.from_function(calculator), Tool.from_function(lookup)], timeout_s=5)
+    renderer = ChatRenderer(tok, tools=runner.schemas())
+    policy = _policy(family, family == "qwen3")
+    eng = ScriptedEngine(tok, policy)
+    (ep,), _ = run_episodes(eng, renderer, lambda: ToolEnv(runner), [{"prompt": "Weather?"}],
+                            cfg=MultiTurnConfig())
+    runner.close()
+    msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": policy(None, 0)},
+            {"role": "tool", "content": "408"}]
+    if family != "llama":
+        msgs.append({"role": "tool", "content": "Oslo: 21 degrees"})
+    msgs.append({"role": "assistant", "content": policy(None, 1)})
+    ids, mask = renderer.transcript(msgs)
+    assert ids == ep.prompt_ids + ep.token_ids and mask == [0] * len(ep.prompt_ids) + ep.loss_mask

@@ -140,6 +140,33 @@ class ChatRenderer:
         conv.text = after
         return self.encode(rest + after[len(closed):])
 
+    def transcript(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """(ids, loss mask) of a whole conversation laid out by the rollout's rule: the
+        messages before the first assistant one are the prompt, each assistant content is
+        encoded as the model would write it (its ids, then the first EOS id) with mask 1,
+        everything else is rendered by `observation` with mask 0. SFT on tool transcripts
+        thus trains on exactly the ids a rollout produces."""
+        k = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        if k is None or k == 0:
+            raise ValueError("a transcript needs prompt messages, then at least one assistant message")
+        conv, ids = self.start(messages[:k])
+        mask = [0] * len(ids)
+        eos = min(self.eos_ids)
+        i = k
+        while i < len(messages):
+            turn = self.encode(messages[i]["content"]) + [eos]
+            ids += turn
+            mask += [1] * len(turn)
+            j = i + 1
+            while j < len(messages) and messages[j]["role"] != "assistant":
+                j += 1
+            if j < len(messages):
+                obs = self.observation(conv, turn, "stop", messages[i + 1:j])
+                ids += obs
+                mask += [0] * len(obs)
+            i = j
+        return ids, mask
+
     # ------------------------------------------------------------------ checks
     def _resolve_format(self, fmt: str) -> str:
         if fmt not in TOOL_CALL_FORMATS:
