@@ -270,7 +270,12 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     wall = time.perf_counter() - t_start
-    return episodes, episode_metrics(episodes, idle_s=idle_s, wall_s=wall)
+    m = episode_metrics(episodes, idle_s=idle_s, wall_s=wall)
+    log.info("multi-turn rollout: %d episodes in %.2f s, %.2f turns and %.2f tool calls each, %.1f%% truncated, "
+             "engine idle %.1f%% of the time (waiting for environments)", len(episodes), wall,
+             m["rollout/turns_mean"], m["rollout/tool_calls_per_episode"], 100 * m["rollout/truncated_frac"],
+             100 * m["rollout/engine_idle_frac"])
+    return episodes, m
 
 
 def episode_metrics(episodes: list[Episode], *, idle_s: float = 0.0, wall_s: float = 0.0) -> dict:
