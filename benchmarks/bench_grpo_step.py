@@ -37,13 +37,12 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
 
 
 def step_bench(out: Path, small: bool, numerics: str = "fast") -> list[dict]:
-    from rlfuse.train.build import char_tokenizer
-    from rlfuse.train.config import load_config
-    from rlfuse.train.data import Prompt, PromptStream
+    from rlfuse.data.prompts import Prompt, PromptStream
+    from rlfuse.rollout.rewards import RewardSet
+    from rlfuse.rollout.sampler import EngineSampler
+    from rlfuse.run.build import build_engine, build_model, char_tokenizer
+    from rlfuse.run.config.run_config import load_config
     from rlfuse.train.grpo import GRPOTrainer
-    from rlfuse.train.rewards import RewardSet
-    from rlfuse.train.rollout import EngineSampler
-    from rlfuse.train.build import build_engine, build_model
     from rlfuse.train.sft import make_optimizer
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")

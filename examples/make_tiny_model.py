@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 from rlfuse.model import save_model
-from rlfuse.train.build import build_model, char_tokenizer, pick_device
-from rlfuse.train.config import ModelSpec
+from rlfuse.run.build import build_model, char_tokenizer, pick_device
+from rlfuse.run.config.sections import ModelSpec
 
 TINY = dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=32, max_position_embeddings=64)

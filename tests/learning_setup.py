@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 from train_setup import one_thread
 
+from rlfuse.data.preference import build_preference_pairs
 from rlfuse.recipes.demo import demo_config, sft_warm_up
-from rlfuse.train.build import build_model, pick_device
-from rlfuse.train.config import RunConfig
-from rlfuse.train.config_io import replace
+from rlfuse.run.build import build_model, pick_device
+from rlfuse.run.config.io import replace
+from rlfuse.run.config.run_config import RunConfig
 from rlfuse.train.dpo import run_dpo, sequence_logprobs
 from rlfuse.train.grpo import run_grpo
-from rlfuse.train.preference import build_preference_pairs
 from rlfuse.train.session import open_session
 
 QUIET = {"logging.progress": False, "logging.tensorboard": False, "checkpoint.save_final": False}

@@ -22,23 +22,25 @@ import re
 import textwrap
 from pathlib import Path
 
+import bad_input_catalog as catalog
 import pytest
 import torch
 import yaml
 
-import bad_input_catalog as catalog
 from rlfuse.cli.common import fail
-from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.data.prompts import build_prompts, build_sft_examples
+from rlfuse.data.rows import load_rows
 from rlfuse.kernels.attention import supports_head_dim as triton_attention_supports
+from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
-from rlfuse.train import checkpoint as ck
-from rlfuse.train import metrics as mt
-from rlfuse.train.build import char_tokenizer
-from rlfuse.train.config import DataConfig, RewardSpec
-from rlfuse.train.data import build_prompts, build_sft_examples, load_rows
-from rlfuse.train.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
-from rlfuse.train.report import render
-from rlfuse.train.rewards import RewardSet
+from rlfuse.rollout.rewards import RewardSet
+from rlfuse.run import checkpoint as ck
+from rlfuse.run import resume as rs
+from rlfuse.run import metrics as mt
+from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.sections import DataConfig, RewardSpec
+from rlfuse.run.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
+from rlfuse.run.report import render
 
 ALPHA = "abcdefghijklmnopqrstuvwxyz0123456789 +-*=?.:"
 
@@ -406,8 +408,8 @@ def test_absent_optional_fields_follow_hf_and_are_logged(caplog):
                                          ("max_position_embeddings", 0)])
 def test_random_init_config_checked_too(tok, field, value):
     """A random model's fields (model.random_init in a recipe) are checked like a config.json's."""
-    from rlfuse.train.build import build_model
-    from rlfuse.train.config import ModelSpec
+    from rlfuse.run.build import build_model
+    from rlfuse.run.config.sections import ModelSpec
 
     init = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, **{field: value})
@@ -473,32 +475,32 @@ def _truncate(path: Path, keep: int = 40):
 CKPT_CASES = [
     # (id, what was fed (in a run folder with checkpoints of steps 1 and 2), action, expected message)
     ("resume-not-a-checkpoint", "checkpoint.resume=<tmp>/elsewhere (a folder without a checkpoint)",
-     lambda r: ck.resolve_resume(str(r / "elsewhere"), r),
+     lambda r: rs.resolve_resume(str(r / "elsewhere"), r),
      r"checkpoint\.resume: .*elsewhere is not a complete checkpoint folder \(no COMPLETE file\)"),
     ("resume-explicit-truncated-weights", "checkpoint.resume=step_000002 whose model.safetensors is cut to 40 bytes",
      lambda r: (_truncate(r / "checkpoints/step_000002/model/model.safetensors"),
-                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+                rs.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(model/model\.safetensors: \d+ bytes, \d+ when saved\)"),
     ("resume-explicit-missing-state", "checkpoint.resume=step_000002 without its state.pt",
      lambda r: ((r / "checkpoints/step_000002/state.pt").unlink(),
-                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+                rs.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(state\.pt: missing\)"),
     ("resume-all-damaged", "checkpoint.resume=auto, the optimizer.pt of both checkpoints cut to 40 bytes",
      lambda r: ([_truncate(r / f"checkpoints/step_00000{s}/optimizer.pt") for s in (1, 2)],
-                ck.resolve_resume("auto", r)),
+                rs.resolve_resume("auto", r)),
      r"checkpoints: no intact checkpoint to resume from \(step_000002: optimizer\.pt: 40 bytes, \d+ when saved; "
      r"step_000001: .*\); move them away to start afresh"),
     ("resume-weights-header-garbled-old-format",  # a checkpoint without the size manifest
      "checkpoint.resume=step_000002 (without a size manifest) whose model.safetensors is 64 bytes of 0xff",
      lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
                 (r / "checkpoints/step_000002/model/model.safetensors").write_bytes(b"\xff" * 64),
-                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+                rs.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(model/model\.safetensors: truncated or not a safetensors file \(64 bytes"),
     ("resume-torch-archive-garbled-old-format",
      "checkpoint.resume=step_000002 (without a size manifest) whose state.pt is b'garbage'",
      lambda r: ((r / "checkpoints/step_000002/COMPLETE").write_text("2\n"),
                 (r / "checkpoints/step_000002/state.pt").write_bytes(b"garbage"),
-                ck.resolve_resume(str(r / "checkpoints/step_000002"), r)),
+                rs.resolve_resume(str(r / "checkpoints/step_000002"), r)),
      r"step_000002 is damaged \(state\.pt: unreadable \(File is not a zip file\)\)"),
 ]
 
@@ -513,7 +515,7 @@ def test_bad_checkpoint(run, fed, action, msg):
 def test_damaged_newest_checkpoint_falls_back_and_says_so(run, caplog):
     r, model, opt = run
     _truncate(r / "checkpoints/step_000002/model/model.safetensors", 100)
-    assert ck.resolve_resume("auto", r).name == "step_000001"
+    assert rs.resolve_resume("auto", r).name == "step_000001"
     [line] = expect_reported(caplog, "checkpoint step_000002 is damaged (model/model.safetensors: 100 bytes",
                              "checkpoint.resume=auto, the newest checkpoint's model.safetensors cut to 100 bytes",
                              count=1)
@@ -548,7 +550,7 @@ def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeyp
                                                                                      r"are untouched", fed)
     monkeypatch.undo()
     assert [p.name for p in ck.list_checkpoints(r)] == ["step_000001", "step_000002"]
-    assert ck.resolve_resume("auto", r).name == "step_000002"
+    assert rs.resolve_resume("auto", r).name == "step_000002"
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
@@ -582,7 +584,7 @@ def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
     r, _, _ = run
     (r / "checkpoints/.step_000003.tmp4242/model").mkdir(parents=True)
     (r / ".final.tmpxyz").mkdir()
-    ck.resolve_resume("never", r)
+    rs.resolve_resume("never", r)
     assert not (r / "checkpoints/.step_000003.tmp4242").exists() and not (r / ".final.tmpxyz").exists()
     expect_reported(caplog, "a temporary folder left by an interrupted save", "a run folder holding "
                     "checkpoints/.step_000003.tmp4242/ and .final.tmpxyz/ (saves cut short)", count=2)
@@ -590,7 +592,7 @@ def test_leftover_temporary_folders_cleaned_at_start(run, caplog):
 
 @pytest.mark.bad_input("checkpoints-fs")
 def test_nothing_to_resume_said_plainly(tmp_path, caplog):
-    assert ck.resolve_resume("auto", tmp_path) is None
+    assert rs.resolve_resume("auto", tmp_path) is None
     expect_reported(caplog, "checkpoint.resume=auto: nothing to resume (no complete checkpoint in",
                     "checkpoint.resume=auto in an empty folder", count=1)
 
@@ -775,14 +777,14 @@ RANGE_CASES = [
 @pytest.mark.parametrize("override,msg", RANGE_CASES, ids=[c[0].split("=")[0] + "=" + c[0].split("=", 1)[1][:12]
                                                            for c in RANGE_CASES])
 def test_config_value_out_of_range(override, msg):
-    from rlfuse.train.config import load_config
+    from rlfuse.run.config.run_config import load_config
 
     expect_error(lambda: load_config(None, [override]), msg, f"--set {override}")
 
 
 @pytest.mark.bad_input("config-ranges")
 def test_config_range_error_names_the_recipe_file(tmp_path):
-    from rlfuse.train.config import load_config
+    from rlfuse.run.config.run_config import load_config
 
     p = tmp_path / "r.yaml"
     p.write_text("optim:\n  betas: [0.9, 1.5]\n")
@@ -792,8 +794,8 @@ def test_config_range_error_names_the_recipe_file(tmp_path):
 
 def test_every_numeric_config_field_has_a_range():
     """A new numeric field without an entry in RANGES fails here (so it is checked at load)."""
-    from rlfuse.train.config import RANGES, RunConfig
-    from rlfuse.train.config_io import leaves
+    from rlfuse.run.config.io import leaves
+    from rlfuse.run.config.run_config import RANGES, RunConfig
 
     numeric = {x.key for x in leaves(RunConfig) if x.type in ("int", "float", "tuple[float, float]")
                and not x.key.startswith("engine.")}
@@ -801,7 +803,7 @@ def test_every_numeric_config_field_has_a_range():
     # optional knobs with their own checks (None = off): dual_clip, tis_cap, mis/icepop bounds
     own_checks = {"grpo.dual_clip", "grpo.tis_cap", "grpo.mis_bounds", "grpo.icepop_bounds", "grpo.group_size"}
     missing = sorted(numeric - listed - own_checks)
-    assert not missing, f"add these to rlfuse.train.config.RANGES: {missing}"
+    assert not missing, f"add these to rlfuse.run.config.run_config.RANGES: {missing}"
 
 
 # ------------------------------------------------------------------ through the CLI: one line, no traceback
@@ -906,7 +908,7 @@ def test_cli_device_the_machine_does_not_have(tmp_path, capsys, device):
 
 @pytest.mark.bad_input("kernels-devices")
 def test_cli_triton_backend_on_cpu_without_the_interpreter(tmp_path, capsys, monkeypatch):
-    from rlfuse.train import build
+    from rlfuse.run import build
 
     monkeypatch.setattr(build, "triton_interpreting", lambda: False)
     _cli_case(tmp_path, capsys, ["sft", str(_tiny_recipe(tmp_path)), "--set", "model.kernel_backend=triton"],
@@ -1097,8 +1099,8 @@ def test_run_folders_get_normal_permissions(sft_run):
 def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch, caplog):
     from train_setup import tiny_cfg, tiny_session
 
+    from rlfuse.data.prompts import PromptStream
     from rlfuse.train import sft as sft_mod
-    from rlfuse.train.data import PromptStream
     from rlfuse.train.loop import make_optimizer
 
     cfg = tiny_cfg(tmp_path, "optim.max_nonfinite_steps=2")
@@ -1123,8 +1125,8 @@ def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkey
 def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkeypatch, caplog):
     from train_setup import tiny_cfg, tiny_session
 
+    from rlfuse.data.prompts import PromptStream, build_prompts
     from rlfuse.train import grpo as grpo_mod
-    from rlfuse.train.data import PromptStream, build_prompts
     from rlfuse.train.loop import make_optimizer
 
     cfg = tiny_cfg(tmp_path)

@@ -9,7 +9,8 @@ import pytest
 import torch
 from train_setup import tiny_cfg, tiny_session
 
-from rlfuse.train import checkpoint as ck
+from rlfuse.run import checkpoint as ck
+from rlfuse.run import resume as rs
 from rlfuse.train.grpo import run_grpo
 from rlfuse.train.sft import run_sft
 
@@ -67,10 +68,10 @@ def test_rotation_and_atomic_save(tmp_path, monkeypatch):
         ck.save_checkpoint(tmp_path, 4, ses.model, opt, {}, keep_last=2)
     # nothing half-written is visible, and resume still finds step 3
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_000002", "step_000003"]
-    assert ck.resolve_resume("auto", tmp_path).name == "step_000003"
-    assert ck.resolve_resume("never", tmp_path) is None
+    assert rs.resolve_resume("auto", tmp_path).name == "step_000003"
+    assert rs.resolve_resume("never", tmp_path) is None
     with pytest.raises(ValueError, match="not a complete checkpoint"):
-        ck.resolve_resume(str(tmp_path / "nope"), tmp_path)
+        rs.resolve_resume(str(tmp_path / "nope"), tmp_path)
 
 
 def test_checkpoint_weights_load_in_transformers(tmp_path):
@@ -122,20 +123,20 @@ def test_resume_skips_a_damaged_newest_checkpoint_and_says_so(saved, caplog):
     run, model, opt = saved
     weights = run / "checkpoints/step_000003/model/model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-100])  # a torn write
-    assert "model.safetensors" in ck.verify_checkpoint(weights.parents[1])
-    assert ck.resolve_resume("auto", run).name == "step_000002"
+    assert "model.safetensors" in rs.verify_checkpoint(weights.parents[1])
+    assert rs.resolve_resume("auto", run).name == "step_000002"
     assert "checkpoint step_000003 is damaged (model/model.safetensors" in caplog.text
     assert "resuming from the previous intact checkpoint step_000002" in caplog.text
-    state = ck.load_checkpoint(ck.resolve_resume("auto", run), model, opt)
+    state = rs.load_checkpoint(rs.resolve_resume("auto", run), model, opt)
     assert state["step"] == 2
     (run / "checkpoints/step_000002/optimizer.pt").write_bytes(b"garbage")
     (run / "checkpoints/step_000001/state.pt").unlink()
     with pytest.raises(ck.CheckpointError, match=r"no intact checkpoint to resume from \(step_000003: .*; "
                                                  r"step_000002: optimizer.pt: 7 bytes, \d+ when saved; "
                                                  r"step_000001: state.pt: missing\)"):
-        ck.resolve_resume("auto", run)
+        rs.resolve_resume("auto", run)
     with pytest.raises(ck.CheckpointError, match=r"step_000002 is damaged \(optimizer.pt"):
-        ck.resolve_resume(str(run / "checkpoints/step_000002"), run)
+        rs.resolve_resume(str(run / "checkpoints/step_000002"), run)
 
 
 def test_leftover_temporary_folders_are_cleaned_at_start(saved, caplog):
@@ -144,14 +145,14 @@ def test_leftover_temporary_folders_are_cleaned_at_start(saved, caplog):
     (run / ".final.tmpabc").mkdir()
     # a save cut between its two renames: the previous copy is put back, not deleted
     (run / "checkpoints/step_000003").rename(run / "checkpoints/.step_000003.old")
-    assert ck.resolve_resume("never", run) is None
+    assert rs.resolve_resume("never", run) is None
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002", "step_000003"]
     assert not (run / ".final.tmpabc").exists()
     assert "a temporary folder left by an interrupted save" in caplog.text
 
 
 def test_nothing_to_resume_is_said_plainly(tmp_path, caplog):
-    assert ck.resolve_resume("auto", tmp_path) is None
+    assert rs.resolve_resume("auto", tmp_path) is None
     assert "nothing to resume (no complete checkpoint in" in caplog.text
 
 

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rlfuse.train.config import RunConfig, load_config, save_config
-from rlfuse.train.config_io import apply_override, describe, replace, to_dict
+from rlfuse.run.config.io import apply_override, describe, replace, to_dict
+from rlfuse.run.config.run_config import RunConfig, load_config, save_config
 
 RECIPES = Path(__file__).resolve().parents[1] / "rlfuse" / "recipes"
 

@@ -1,19 +1,19 @@
 """docs/configuration.md is generated from the config dataclasses: it must equal a fresh
-`render()` (regenerate: python -m rlfuse.train.config_docs > docs/configuration.md), and
+`render()` (regenerate: python -m rlfuse.run.config.docs > docs/configuration.md), and
 every key it documents has a type, a default and a meaning."""
 
 from pathlib import Path
 
-from rlfuse.train.config import RunConfig
-from rlfuse.train.config_docs import render
-from rlfuse.train.config_io import leaves
+from rlfuse.run.config.docs import render
+from rlfuse.run.config.io import leaves
+from rlfuse.run.config.run_config import RunConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
 
 def test_configuration_md_is_up_to_date():
     assert DOC.read_text() == render(), (
-        "docs/configuration.md is out of date: run `python -m rlfuse.train.config_docs > docs/configuration.md`")
+        "docs/configuration.md is out of date: run `python -m rlfuse.run.config.docs > docs/configuration.md`")
 
 
 def test_every_key_is_documented_with_its_meaning():

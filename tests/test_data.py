@@ -6,11 +6,19 @@ import logging
 
 import pytest
 
-from rlfuse.train.build import char_tokenizer
-from rlfuse.train.config import DataConfig
-from rlfuse.train.data import PromptStream, build_prompts, build_sft_examples, load_rows
-from rlfuse.train.tasks import (arithmetic_rows, countdown_rows, extract_answer, make_split, task_alphabet,
-                                verify_arithmetic, verify_countdown)
+from rlfuse.data.prompts import PromptStream, build_prompts, build_sft_examples
+from rlfuse.data.rows import load_rows
+from rlfuse.data.tasks import (
+    arithmetic_rows,
+    countdown_rows,
+    extract_answer,
+    make_split,
+    task_alphabet,
+    verify_arithmetic,
+    verify_countdown,
+)
+from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.sections import DataConfig
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

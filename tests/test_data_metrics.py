@@ -11,12 +11,15 @@ from tiny_sampler import TinySampler
 from train_setup import tiny_cfg
 
 from rlfuse.cli.common import print_summary
-from rlfuse.train.build import char_tokenizer
-from rlfuse.train.config import DataConfig, DPOConfig
-from rlfuse.train.data import DATA_REASONS, build_sft_examples, data_lines, load_rows
+from rlfuse.data.preference import build_preference_pairs
+from rlfuse.data.prompts import build_sft_examples
+from rlfuse.data.rows import load_rows
+from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.algorithms import DPOConfig
+from rlfuse.run.config.sections import DataConfig
+from rlfuse.run.metrics import DATA_REASONS, data_lines
+from rlfuse.run.report import render
 from rlfuse.train.grpo import run_grpo
-from rlfuse.train.preference import build_preference_pairs
-from rlfuse.train.report import render
 from rlfuse.train.session import open_session
 from rlfuse.train.sft import run_sft
 

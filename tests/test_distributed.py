@@ -27,17 +27,19 @@ import os
 
 import pytest
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from spawn_ranks import free_port, spawn_ranks
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.model import CausalLM, ModelConfig, load_model
-from rlfuse.train import distributed as D
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
-from rlfuse.train.batching import PackedBatch, pack_by_tokens
-from rlfuse.train.optim import MasterAdamW
-from rlfuse.train.optim import clip_grad_norm_ as clip_one_process
+from rlfuse.model import CausalLM, ModelConfig, load_model
+from rlfuse.run.batching import PackedBatch, pack_by_tokens
+from rlfuse.run.distributed import context as D
+from rlfuse.run.distributed import dcp as DCP
+from rlfuse.run.distributed import fsdp as FS
+from rlfuse.run.optim import MasterAdamW
+from rlfuse.run.optim import clip_grad_norm_ as clip_one_process
 
 WORLD = 2
 LR, MAX_NORM = 1e-2, 0.5
@@ -164,11 +166,11 @@ def _dp_step(ctx, model, opt, step: int, kind: str):
     n_micro = D.max_across_ranks(ctx, n_local)
     loss = _accumulate(model, mine, kind, tuple(totals), mbs, n_micro)
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    norm = D.clip_grad_norm_(model.parameters(), MAX_NORM)
-    mem = D.memory_bytes(model, opt, compute_dtype=torch.float32)
-    D.set_lr(opt, LR)
+    norm = FS.clip_grad_norm_(model.parameters(), MAX_NORM)
+    mem = FS.memory_bytes(model, opt, compute_dtype=torch.float32)
+    FS.set_lr(opt, LR)
     opt.step()
-    mem["optimizer"] = D.memory_bytes(model, opt, compute_dtype=torch.float32)["optimizer"]
+    mem["optimizer"] = FS.memory_bytes(model, opt, compute_dtype=torch.float32)["optimizer"]
     opt.zero_grad(set_to_none=True)
     m = {"loss": loss, "grad_norm": norm}
     m["padded_ranks"] = float(n_local < n_micro)
@@ -207,16 +209,16 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
     name = str(dtype).replace("torch.", "")
     ref = _reference(dtype) if ctx.is_main else None
     n_params = sum(p.numel() for p in _model(dtype).parameters())
-    model = D.shard_model(_model(dtype), ctx)
-    opt = D.sharded_adamw(model, **ADAM)
+    model = FS.shard_model(_model(dtype), ctx)
+    opt = FS.sharded_adamw(model, **ADAM)
     rows = []
     for step, kind in enumerate(STEPS):
         if step == 2:  # checkpoint before the last step; resumed below
             ckpt = os.path.join(out_dir, f"ckpt_{name}")
-            D.save_sharded(ctx, ckpt, model, opt)
+            DCP.save_sharded(ctx, ckpt, model, opt)
             _save_full(ctx, model, opt, os.path.join(out_dir, f"full_at_ckpt_{name}.pt"))
         m, mem, n_micro, grads = _dp_step(ctx, model, opt, step, kind)
-        with D.gathered_weights(model):
+        with FS.gathered_weights(model):
             gathered = {n: p.detach().clone() for n, p in model.named_parameters()}
         assert all(p.dtype == dtype and not isinstance(p, torch.distributed.tensor.DTensor)
                    for p in gathered.values())
@@ -225,7 +227,7 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
         # memory: the shards of each rank add up to the whole, each about 1/N of it
         sizes = [None] * WORLD
         torch.distributed.all_gather_object(sizes, mem)
-        mib = D.log_memory(ctx, model, opt, compute_dtype=dtype)  # max over ranks
+        mib = FS.log_memory(ctx, model, opt, compute_dtype=dtype)  # max over ranks
         assert mib["memory/params_mib"] == max(s["params"] for s in sizes) / 2**20
         assert mib["memory/gathered_mib"] == n_params * dtype.itemsize / 2**20
         n_tensors = len(list(model.parameters()))
@@ -257,12 +259,12 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
     final = full
 
     # resume at the same N: a fresh sharded model whose first call is the engine-style one
-    model2 = D.shard_model(_model(dtype), ctx)
-    opt2 = D.sharded_adamw(model2, **ADAM)
-    D.load_sharded(ckpt, model2, opt2)
+    model2 = FS.shard_model(_model(dtype), ctx)
+    opt2 = FS.sharded_adamw(model2, **ADAM)
+    DCP.load_sharded(ckpt, model2, opt2)
     assert all(torch.equal(before_last[n], t) for n, t in _full(model2).items())
     batch = PackedBatch.build([(ids, c) for ids, c, _, _ in _batch(0)], "cpu")
-    with torch.no_grad(), D.gathered_weights(model2):
+    with torch.no_grad(), FS.gathered_weights(model2):
         h_engine = model2.forward(batch.input_ids, batch.positions, batch.attn)
         lm_head_is_gathered = model2.lm_head_weight.dtype == dtype
     assert lm_head_is_gathered
@@ -276,7 +278,7 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
     assert all(torch.equal(final[n], t) for n, t in _full(model2).items()), "resume at the same N is not exact"
 
     _save_full(ctx, model, opt, os.path.join(out_dir, f"final_{name}.pt"))
-    D.save_hf_export(ctx, model, os.path.join(out_dir, f"hf_{name}"), dtype=dtype)
+    DCP.save_hf_export(ctx, model, os.path.join(out_dir, f"hf_{name}"), dtype=dtype)
     return rows
 
 
@@ -313,7 +315,7 @@ def test_two_rank_checkpoint_loads_in_one_process(job, dtype):
     expect = torch.load(job / f"full_at_ckpt_{dtype}.pt", weights_only=False)
     model = _model(torch.float32)
     opt = torch.optim.AdamW(model.parameters(), **ADAM, foreach=False)
-    D.load_sharded(job / f"ckpt_{dtype}", model, opt)
+    DCP.load_sharded(job / f"ckpt_{dtype}", model, opt)
     sd_model, sd_optim = get_state_dict(model, opt)
     assert set(sd_model) == set(expect["model"]) and set(sd_optim["state"]) == set(expect["optim"]["state"])
     for n, t in expect["model"].items():

@@ -17,12 +17,12 @@ import json
 import os
 
 import torch
+from spawn_ranks import free_port, spawn_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from train_setup import tiny_cfg
-from spawn_ranks import free_port, spawn_ranks
 
-from rlfuse.train import distributed as D
-from rlfuse.train.data import PromptStream, build_sft_examples
+from rlfuse.data.prompts import PromptStream, build_sft_examples
+from rlfuse.run.distributed import context as D
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 from rlfuse.train.sft import SFTTrainer

@@ -57,13 +57,14 @@ def _worker(mode: str) -> None:
 
     from rlfuse.kernels import use_backend
     from rlfuse.model import Packed
-    from rlfuse.train import distributed as D
+    from rlfuse.run.distributed import context as D
+    from rlfuse.run.distributed import fsdp as FS
 
     ctx = D.init_distributed(D.launch_env(os.environ), device_type="cpu", timeout_s=30)
     try:
         with use_backend("torch"):
-            model = D.shard_model(_model(torch.bfloat16), ctx)
-            opt = D.sharded_adamw(model, lr=1e-2)
+            model = FS.shard_model(_model(torch.bfloat16), ctx)
+            opt = FS.sharded_adamw(model, lr=1e-2)
             seqs = D.local_slice(_batch(0), ctx, what="global batch")
             mbs = _micro_batches(seqs, 1)
             totals = tuple(D.global_sums(ctx, _totals(seqs)))
@@ -73,9 +74,9 @@ def _worker(mode: str) -> None:
                 model(torch.tensor(ids), torch.arange(len(ids)), Packed.from_lengths([len(ids)]))
                 raise ValueError(MESSAGE)  # rank 0 goes on into the backward's collectives
             _accumulate(model, seqs, "sft", totals, mbs, n_micro)
-            D.clip_grad_norm_(model.parameters(), 1.0)
+            FS.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
-            with D.gathered_weights(model):
+            with FS.gathered_weights(model):
                 same = _same_on_all_ranks({n: p.detach().clone() for n, p in model.named_parameters()})
             if ctx.is_main:
                 print(f"RESULT world={ctx.world_size} identical={same}", flush=True)

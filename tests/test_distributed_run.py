@@ -34,15 +34,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from train_setup import tiny_cfg
 from spawn_ranks import free_port, spawn_ranks
+from train_setup import tiny_cfg
 
 from rlfuse.cli import main
 from rlfuse.model import load_model
-from rlfuse.train import distributed as D
-from rlfuse.train.checkpoint import load_model_folder
+from rlfuse.run.distributed import context as D
+from rlfuse.run.metrics import read_metrics
+from rlfuse.run.resume import load_model_folder
 from rlfuse.train.grpo import run_grpo
-from rlfuse.train.metrics import read_metrics
 from rlfuse.train.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -13,13 +13,15 @@ import torch
 from train_setup import tiny_cfg, tiny_session
 
 from rlfuse.cli import main
-from rlfuse.train.build import char_tokenizer
-from rlfuse.train.config import DataConfig, DPOConfig, load_config
-from rlfuse.train.data import load_rows
+from rlfuse.data.preference import build_preference_pairs
+from rlfuse.data.rows import load_rows
+from rlfuse.data.tasks import make_split, verify_arithmetic
+from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.algorithms import DPOConfig
+from rlfuse.run.config.run_config import load_config
+from rlfuse.run.config.sections import DataConfig
 from rlfuse.train.dpo import DPOTrainer, dpo_loss, run_dpo
 from rlfuse.train.loop import make_optimizer
-from rlfuse.train.preference import build_preference_pairs
-from rlfuse.train.tasks import make_split, verify_arithmetic
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

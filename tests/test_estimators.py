@@ -12,8 +12,7 @@ import torch
 
 from rlfuse.kernels.policy_loss import policy_loss_ref
 from rlfuse.kernels.triton.policy_loss import policy_loss_triton
-from rlfuse.train.advantages import (group_advantages, reinforce_pp_advantages, rloo_advantages,
-                                     token_advantages)
+from rlfuse.train.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages, token_advantages
 
 
 def test_rloo_hand_computed():
@@ -91,7 +90,7 @@ def test_cispo_hand_computed_both_backends():
 
 # ---------------------------------------------------------------- in the GRPO trainer
 def _trainer(cfg, ses):
-    from rlfuse.train.data import PromptStream, build_prompts
+    from rlfuse.data.prompts import PromptStream, build_prompts
     from rlfuse.train.grpo import GRPOTrainer
     from rlfuse.train.loop import make_optimizer
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from train_setup import tiny_cfg
 
-from rlfuse.train.data import PromptStream, build_prompts
+from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session

@@ -6,9 +6,9 @@ import pytest
 import torch
 from train_setup import one_thread
 
+from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.engine.naive import teacher_forced_logprobs
-from rlfuse.train.config import load_config
-from rlfuse.train.data import PromptStream, build_prompts
+from rlfuse.run.config.run_config import load_config
 from rlfuse.train.grpo import GRPOTrainer
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session

@@ -9,8 +9,8 @@ import torch
 from tiny_sampler import TinySampler
 from train_setup import tiny_cfg, tiny_session
 
+from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.advantages import group_advantages
-from rlfuse.train.data import PromptStream, build_prompts
 from rlfuse.train.grpo import GRPOTrainer, run_grpo
 from rlfuse.train.loop import make_optimizer
 

@@ -6,8 +6,7 @@ import math
 import pytest
 import torch
 
-from rlfuse.train.ppo_math import (RunningMoments, adaptive_kl_coef, explained_variance, gae, value_loss,
-                                   whiten)
+from rlfuse.train.ppo_math import RunningMoments, adaptive_kl_coef, explained_variance, gae, value_loss, whiten
 
 
 def _t(*rows):

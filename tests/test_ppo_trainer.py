@@ -11,7 +11,7 @@ import torch
 from train_setup import tiny_cfg, tiny_recipe, tiny_session
 
 from rlfuse.cli import main
-from rlfuse.train.data import PromptStream, build_prompts
+from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.ppo import PPOTrainer, build_critic, make_critic_optimizer, run_ppo
 
@@ -132,8 +132,8 @@ def test_resume_reproduces_uninterrupted_run(tmp_path):
 
 
 def test_critic_from_checkpoint_and_config_errors(tmp_path):
-    from tiny_hf import hf_config, randomize_
     import transformers
+    from tiny_hf import hf_config, randomize_
 
     cfg = _cfg(tmp_path / "run")
     ses = tiny_session(cfg)

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from rlfuse.train import report
+from rlfuse.run import report
 
 
 def _write(run, rows):
@@ -85,9 +85,9 @@ def test_every_metric_the_trainers_log_has_a_panel_with_a_unit(tmp_path):
     they log lands in a known panel (none in "other metrics", whose y label is "value")."""
     from train_setup import one_thread, tiny_cfg, tiny_session
 
+    from rlfuse.run.metrics import NOT_TRAINING, read_metrics
     from rlfuse.train.dpo import run_dpo
     from rlfuse.train.grpo import run_grpo
-    from rlfuse.train.metrics import NOT_TRAINING, read_metrics
     from rlfuse.train.ppo import run_ppo
     from rlfuse.train.sft import run_sft
 

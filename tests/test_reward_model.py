@@ -24,9 +24,9 @@ from rlfuse.kernels import use_backend
 from rlfuse.model import Packed, load_model
 from rlfuse.model.scalar_head import ScalarHeadModel, last_non_pad_rows, load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.train.build import char_tokenizer
-from rlfuse.train.config import RewardSpec
-from rlfuse.train.rewards import RewardSet
+from rlfuse.rollout.rewards import RewardSet
+from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.sections import RewardSpec
 
 PAD = 0
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"

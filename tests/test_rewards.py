@@ -6,8 +6,8 @@ import textwrap
 
 import pytest
 
-from rlfuse.train.config import RewardSpec
-from rlfuse.train.rewards import RewardError, RewardSet, format_reward, math_accuracy, overlong_penalty, resolve
+from rlfuse.rollout.rewards import RewardError, RewardSet, format_reward, math_accuracy, overlong_penalty, resolve
+from rlfuse.run.config.sections import RewardSpec
 
 
 def test_math_accuracy_with_math_verify():

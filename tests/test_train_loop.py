@@ -6,7 +6,7 @@ import json
 
 from train_setup import tiny_cfg, tiny_session
 
-from rlfuse.train import checkpoint as ck
+from rlfuse.run import checkpoint as ck
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 
 

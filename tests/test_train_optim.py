@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from rlfuse.train.optim import MasterAdamW, NonFiniteError, NonFiniteGuard, clip_grad_norm_, lr_at, nonfinite_tensors
+from rlfuse.run.optim import MasterAdamW, NonFiniteError, NonFiniteGuard, clip_grad_norm_, lr_at, nonfinite_tensors
 
 
 def _params(seed, dtype=torch.float32):

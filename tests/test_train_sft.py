@@ -5,8 +5,8 @@ import pytest
 import torch
 from train_setup import tiny_cfg, tiny_session
 
+from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.engine.naive import teacher_forced_logprobs
-from rlfuse.train.data import PromptStream, build_sft_examples
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.sft import SFTTrainer, run_sft
 

@@ -13,7 +13,7 @@ import torch
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import Packed
-from rlfuse.train.rollout import Sample
+from rlfuse.rollout.sampler import Sample
 
 
 class TinySampler:

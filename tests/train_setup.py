@@ -6,7 +6,7 @@ from __future__ import annotations
 import yaml
 from tiny_sampler import TinySampler
 
-from rlfuse.train.config import load_config
+from rlfuse.run.config.run_config import load_config
 from rlfuse.train.session import open_session
 
 TINY_MODEL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,

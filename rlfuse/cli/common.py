@@ -14,13 +14,9 @@ from pathlib import Path
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rlfuse.train.build import pick_device
-from rlfuse.train.config import RunConfig, load_config
-from rlfuse.train.config_io import describe
-from rlfuse.train.data import data_lines
-from rlfuse.train.distributed import (DistContext, fail_together, init_distributed, launch_env, quiet_non_main,
-                                     shutdown)
-from rlfuse.train.run_folder import prepare_run_folder
+from rlfuse.run import data_lines, pick_device, prepare_run_folder
+from rlfuse.run.config import RunConfig, describe, load_config
+from rlfuse.run.distributed import DistContext, fail_together, init_distributed, launch_env, quiet_non_main, shutdown
 
 log = logging.getLogger("rlfuse.cli")
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
@@ -78,7 +74,7 @@ def load_run_config(args) -> RunConfig:
 
 def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None) -> None:
     """Start, resume or overwrite the run folder per --resume / --overwrite / --force
-    (rlfuse.train.run_folder), before anything is written. Under torchrun rank 0 alone
+    (rlfuse.run.folder), before anything is written. Under torchrun rank 0 alone
     touches the folder; every rank stops with its error if it refuses."""
     def prepare():
         if ctx is None or ctx.is_main:

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, print_data, setup_threads,
-                               single_process_only)
-from rlfuse.train.dpo import run_dpo
+from rlfuse.cli.common import (
+    add_config_arguments,
+    fail,
+    load_run_config,
+    prepare_run,
+    print_data,
+    setup_threads,
+    single_process_only,
+)
+from rlfuse.train import run_dpo
 
 HELP = "DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)"
 

@@ -9,10 +9,10 @@ import json
 from pathlib import Path
 
 from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
-from rlfuse.train.build import check_model_folder
-from rlfuse.train.config_io import replace
-from rlfuse.train.evaluate import evaluate
-from rlfuse.train.session import open_session
+from rlfuse.rollout import evaluate
+from rlfuse.run import check_model_folder
+from rlfuse.run.config import replace
+from rlfuse.train import open_session
 
 HELP = "evaluate a checkpoint on a recipe's eval set"
 

@@ -16,8 +16,7 @@ import torch
 from rlfuse.cli.common import fail
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.train.build import check_model_folder
-from rlfuse.train.checkpoint import load_model_folder
+from rlfuse.run import check_model_folder, load_model_folder
 
 HELP = "generate completions for prompts with the built-in engine"
 

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, as_rank, end_distributed, fail, load_run_config, prepare_run,
-                               print_summary, setup_threads, start_distributed)
-from rlfuse.train.distributed import RankFailed
-from rlfuse.train.grpo import run_grpo
+from rlfuse.cli.common import (
+    add_config_arguments,
+    as_rank,
+    end_distributed,
+    fail,
+    load_run_config,
+    prepare_run,
+    print_summary,
+    setup_threads,
+    start_distributed,
+)
+from rlfuse.run.distributed import RankFailed
+from rlfuse.train import run_grpo
 
 HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
 

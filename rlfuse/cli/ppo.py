@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
-from rlfuse.cli.common import (add_config_arguments, fail, load_run_config, prepare_run, print_summary,
-                               setup_threads, single_process_only)
-from rlfuse.train.ppo import run_ppo
+from rlfuse.cli.common import (
+    add_config_arguments,
+    fail,
+    load_run_config,
+    prepare_run,
+    print_summary,
+    setup_threads,
+    single_process_only,
+)
+from rlfuse.train import run_ppo
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
 

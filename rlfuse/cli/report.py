@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rlfuse.cli.common import fail
-from rlfuse.train.report import render
+from rlfuse.run.report import render
 
 HELP = "render PNG plots and an HTML summary of a run folder"
 

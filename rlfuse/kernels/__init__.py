@@ -9,8 +9,14 @@ manager) or the `backend=` argument where an op takes one. "auto" runs Triton on
 tensors and the reference elsewhere.
 """
 
-from rlfuse.kernels.backend import (current_backend, current_numerics, resolve_backend, triton_available,
-                                    use_backend, use_numerics)
+from rlfuse.kernels.backend import (
+                                    current_backend,
+                                    current_numerics,
+                                    resolve_backend,
+                                    triton_available,
+                                    use_backend,
+                                    use_numerics,
+)
 
 __all__ = ["current_backend", "current_numerics", "resolve_backend", "triton_available", "use_backend",
            "use_numerics"]

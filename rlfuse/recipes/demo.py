@@ -19,13 +19,10 @@ import logging
 import time
 from pathlib import Path
 
-from rlfuse.train.config import RunConfig, load_config
-from rlfuse.train.config_io import replace
-from rlfuse.train.data import build_prompts
-from rlfuse.train.evaluate import evaluate
-from rlfuse.train.grpo import run_grpo
-from rlfuse.train.session import open_session
-from rlfuse.train.sft import run_sft
+from rlfuse.data import build_prompts
+from rlfuse.rollout import evaluate
+from rlfuse.run.config import RunConfig, load_config, replace
+from rlfuse.train import open_session, run_grpo, run_sft
 
 log = logging.getLogger(__name__)
 

@@ -15,10 +15,8 @@ import time
 from pathlib import Path
 
 from rlfuse.recipes.demo import demo_config, sft_warm_up
-from rlfuse.train.config import RunConfig
-from rlfuse.train.config_io import replace
-from rlfuse.train.ppo import run_ppo
-from rlfuse.train.session import open_session
+from rlfuse.run.config import RunConfig, replace
+from rlfuse.train import open_session, run_ppo
 
 SFT_TARGET = 0.3
 """SFT stops once greedy accuracy on 200 training problems reaches this (checked every 25 steps)."""

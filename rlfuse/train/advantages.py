@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import torch
 
-ADV_SCALES = ("group", "batch", "none")
-"""Normalizers of the centred group rewards (module docstring)."""
-ESTIMATORS = ("group", "rloo", "reinforce_pp", "reinforce_pp_baseline")
-"""Values of `grpo.advantage` (module docstring)."""
+from rlfuse.run.config import ADV_SCALES, ESTIMATORS
+
 KL_IN_REWARD = ("reinforce_pp", "reinforce_pp_baseline")
 """Estimators that fold the KL penalty into the per-token return (the loss then has no KL term)."""
 

@@ -36,16 +36,13 @@ import time
 import torch
 import torch.nn.functional as F
 
+from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import load_model
-from rlfuse.train.batching import PackedBatch, pack_by_tokens
-from rlfuse.train.config import DPO_LOSSES, RunConfig
-from rlfuse.train.data import PromptStream
+from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
+from rlfuse.run.config import DPO_LOSSES, RunConfig
 from rlfuse.train.grpo import frozen_copy
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
-from rlfuse.train.metrics import peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
-from rlfuse.train.preference import PreferencePair, build_preference_pairs
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)

@@ -18,7 +18,7 @@ One step:
 The optimizer writes into the same parameter tensors, so the next generate uses them.
 `GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
 Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
-then every rank holds the global samples and scores (rlfuse.train.data_parallel), so
+then every rank holds the global samples and scores (rlfuse.run.distributed.data_parallel), so
 advantages, kept groups and mini-batches are the one-process ones; each rank trains on
 its own sequences of each mini-batch with the global normalizers, padded to the same
 number of micro-batches, and the loss statistics are summed over ranks.
@@ -33,24 +33,35 @@ import math
 import torch
 
 from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.model.weights import parse_dtype
+from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
+from rlfuse.run import (
+    MasterAdamW,
+    NonFiniteGuard,
+    PackedBatch,
+    PhaseTimer,
+    clip_grad_norm_,
+    lr_at,
+    pack_by_tokens,
+    peak_memory_mb,
+)
+from rlfuse.run.config import RunConfig
+from rlfuse.run.distributed import (
+    DistContext,
+    full_copy,
+    local_micro_batches,
+    reduce_metrics,
+    reduce_mismatch,
+    rollout_on_ranks,
+)
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
-from rlfuse.train.batching import PackedBatch, pack_by_tokens
-from rlfuse.train.config import RunConfig
-from rlfuse.train.data import Prompt, PromptStream, build_prompts
-from rlfuse.train.data_parallel import local_micro_batches, reduce_mismatch, rollout_on_ranks
-from rlfuse.train.distributed import DistContext, full_copy, reduce_metrics
-from rlfuse.train.evaluate import score_samples
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
-from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
 from rlfuse.train.off_policy import off_policy_corrections
-from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
-from rlfuse.train.rewards import RewardSet
-from rlfuse.train.rollout import Sample, Sampler
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ everything after it is labelled `done`. With N = trainer.schedule.steps:
 "The end" is step N, or the step after which `stop_when(done)` returned True. A run cut
 short by `stop_after` (tests of resume) stops without any of it.
 Data-parallel (`session.dist`): rank 0 resolves the resume and alone writes metrics,
-samples and the progress bar (other ranks get rlfuse.train.data_parallel.SilentLog);
+samples and the progress bar (other ranks get rlfuse.run.distributed.data_parallel.SilentLog);
 logged metrics are reduced over ranks with the per-rank memory of params, gradients and
 optimizer state; evaluation is split over ranks; checkpoints are sharded and the final
-weights are gathered on rank 0 (rlfuse.train.checkpoint).
+weights are gathered on rank 0 (rlfuse.run.checkpoint).
 Test: python -m pytest -q tests/test_train_loop.py tests/test_checkpoint.py
 """
 
@@ -40,16 +40,20 @@ from typing import Protocol
 
 import torch
 
-from rlfuse.train.checkpoint import load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.data import Prompt
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.config import RunConfig
-from rlfuse.train.data_parallel import SilentLog, evaluate_on_ranks, step_metrics
-from rlfuse.train.data import Prompt
-from rlfuse.train.distributed import ShardedAdamW, is_sharded, log_memory, on_main
-from rlfuse.train.evaluate import evaluate
-from rlfuse.train.metrics import DATA_STAGE, RunLog
-from rlfuse.train.optim import MasterAdamW
-from rlfuse.train.rewards import RewardSet
+from rlfuse.rollout import RewardSet, evaluate
+from rlfuse.run import DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.run.config import RunConfig
+from rlfuse.run.distributed import (
+    ShardedAdamW,
+    SilentLog,
+    evaluate_on_ranks,
+    is_sharded,
+    log_memory,
+    on_main,
+    step_metrics,
+)
 from rlfuse.train.session import Session
 
 log = logging.getLogger(__name__)
@@ -117,7 +121,7 @@ class StreamAndGuardState:
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Evaluation:
-    """Held-out greedy evaluation (`rlfuse.train.evaluate.evaluate`) on the session's sampler."""
+    """Held-out greedy evaluation (`rlfuse.rollout.evaluate.evaluate`) on the session's sampler."""
     prompts: list[Prompt]
     rewards: RewardSet
     max_new_tokens: int

@@ -33,24 +33,36 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from rlfuse.consistency.mismatch import logprob_mismatch
+from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.batching import PackedBatch, pack_by_tokens
-from rlfuse.train.config import RunConfig
-from rlfuse.train.data import Prompt, PromptStream, build_prompts
-from rlfuse.train.evaluate import score_samples
+from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
+from rlfuse.run import (
+    MasterAdamW,
+    NonFiniteGuard,
+    PackedBatch,
+    PhaseTimer,
+    clip_grad_norm_,
+    lr_at,
+    pack_by_tokens,
+    peak_memory_mb,
+)
+from rlfuse.run.config import RunConfig
 from rlfuse.train.grpo import frozen_copy
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
-from rlfuse.train.metrics import PhaseTimer, peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
-from rlfuse.train.ppo_math import (RunningMoments, adaptive_kl_coef, explained_variance, gae, masked_mean,
-                                   value_loss, whiten)
-from rlfuse.train.rewards import RewardSet
-from rlfuse.train.rollout import Sample, Sampler
+from rlfuse.train.ppo_math import (
+    RunningMoments,
+    adaptive_kl_coef,
+    explained_variance,
+    gae,
+    masked_mean,
+    value_loss,
+    whiten,
+)
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)

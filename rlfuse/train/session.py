@@ -7,7 +7,7 @@ model object. Callers may pass `model`, `tokenizer` and `sampler` in (the demo c
 and GRPO on one model; tests use a tiny sampler).
 With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
-and the sampler gathers the weights around each rollout (rlfuse.train.data_parallel).
+and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
 """
 
 from __future__ import annotations
@@ -18,14 +18,11 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.train.build import build_engine, build_model, build_tokenizer, pick_device, seed_everything
-from rlfuse.train.config import RunConfig, save_config
-from rlfuse.train.data import build_prompts, check_prompt_len, load_rows
-from rlfuse.train.data_parallel import GatheredSampler
-from rlfuse.train.distributed import DistContext, shard_model
-from rlfuse.train.rewards import RewardSet
-from rlfuse.train.rollout import EngineSampler
-from rlfuse.train.tasks import task_alphabet
+from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
+from rlfuse.rollout import EngineSampler, RewardSet
+from rlfuse.run import build_engine, build_model, build_tokenizer, pick_device, seed_everything
+from rlfuse.run.config import RunConfig, save_config
+from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -44,10 +41,10 @@ class Session:
     max_position_embeddings (prompts and SFT examples are checked against it)."""
     _sampler: object = None
     dist: DistContext | None = None
-    """Set when the run is data-parallel (rlfuse.train.distributed); None in one process."""
+    """Set when the run is data-parallel (rlfuse.run.distributed.context); None in one process."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
-    of rlfuse.train.data's builders), filled as the run builds its data; run_loop writes
+    of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
     them once at the start of a fresh run."""
 
     @property

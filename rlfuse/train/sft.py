@@ -20,16 +20,14 @@ from collections.abc import Callable
 
 import torch
 
+from rlfuse.data import PromptStream, SFTExample, build_sft_examples
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.train.batching import PackedBatch, pack_by_tokens
-from rlfuse.train.config import RunConfig
-from rlfuse.train.data import PromptStream, SFTExample, build_sft_examples
-from rlfuse.train.data_parallel import local_micro_batches
-from rlfuse.train.distributed import DistContext, local_slice, reduce_metrics
+from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
+from rlfuse.run.config import RunConfig
+from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, reduce_metrics
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
-from rlfuse.train.metrics import peak_memory_mb
-from rlfuse.train.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.train.session import Session, open_session
+
 
 class SFTTrainer(StreamAndGuardState):
     """The SFT step over batches of `stream` (a `rlfuse.train.loop.Trainer`)."""

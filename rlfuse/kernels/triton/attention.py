@@ -12,7 +12,6 @@ import triton.language as tl
 from rlfuse.kernels.attention import KV_BLOCK
 from rlfuse.kernels.triton.common import dot, dot_precision
 
-
 LOG2E = 1.4426950408889634  # kernels spell log2(e) and ln(2) as literals (jit globals)
 
 

@@ -39,11 +39,18 @@ def compiled_variants() -> dict[str, int]:
 
 @triton.jit
 def dot(a, b, acc, PREC: tl.constexpr):
-    """acc + a @ b (acc None: a @ b), PREC from `dot_precision`. "interp": Triton's CPU
-    interpreter multiplies bf16 as raw uint16 (Triton 3.9), so there the operands go up to
-    fp32 first: the same products, fp32 sums."""
+    """acc + a @ b (acc None: a @ b), PREC from `dot_precision`. "interp" (Triton's CPU
+    interpreter, where `tl.dot` is numpy's matmul): the operands go up to fp64 (the
+    interpreter multiplies bf16 as raw uint16, Triton 3.9), the fp32 x fp32 products are
+    exact there and the sums carry 29 more bits than fp32, and the result is rounded to
+    fp32. The BLAS under numpy may pick its kernel, and so the sum order, by the tile's
+    shape and a row's place in it (seen with OpenBLAS on an AMD EPYC): in fp32 that broke
+    the bitwise batch invariance and tile agreement the exact-mode tests check; in fp64 a
+    different order changes the fp32 result only when the exact sum lies within ~2^-40 of
+    an fp32 rounding boundary."""
     if PREC == "interp":
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        out = tl.dot(a.to(tl.float64), b.to(tl.float64), input_precision="ieee").to(tl.float32)
+        return out if acc is None else acc + out
     else:
         return tl.dot(a, b, acc, input_precision=PREC)
 

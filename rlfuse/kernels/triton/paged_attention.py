@@ -15,7 +15,6 @@ from rlfuse.kernels.paged_attention import _check_cache
 from rlfuse.kernels.triton.attention import LOG2E, attend_tile, exact_config
 from rlfuse.kernels.triton.common import dot_precision
 
-
 _MIN_SPLIT_BLOCKS = 2  # keys per split >= 2 * KV_BLOCK: a guess, not yet timed (bench_attention.py: auto vs nosplit)
 _MAX_SPLITS = 64
 

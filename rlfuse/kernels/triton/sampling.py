@@ -13,7 +13,6 @@ import triton.language as tl
 
 from rlfuse.kernels.triton.sampling_threshold import _all_pairs_threshold_draw, _bisect_threshold_draw, _gumbel
 
-
 # Tuning constants (H100, bench_sampling.py; the sweeps that chose them: docs/perf-log.md).
 _BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER_NAT / T))
 _HIST_BINS = 64         # histogram bins a chunk: ~31.5 nats below its max, then one rest bin

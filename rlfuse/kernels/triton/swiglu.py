@@ -9,7 +9,6 @@ import triton.language as tl
 
 from rlfuse.kernels.triton.common import round_to
 
-
 # Tile: the best of 12 BLOCK x warps settings for both kernels in an H100 sweep at Qwen3-0.6B
 # shapes (bench_layers.py; docs/perf-log.md).
 _BLOCK = 1024  # elements a program (4 a thread)

@@ -6,7 +6,7 @@ RUN_DIR/metrics.jsonl   one JSON object per logged step: {"step", "stage", <name
 RUN_DIR/samples.jsonl   {"step", "prompt", "completion", "reward", ...} every N steps
 RUN_DIR/tb/             TensorBoard event files (same scalars; `tensorboard --logdir RUN_DIR/tb`)
 Metric names use "/" groups: reward/<fn>, time/generate, tokens_per_s/train, ...
-`rlfuse report RUN_DIR` reads these files back (rlfuse.train.report).
+`rlfuse report RUN_DIR` reads these files back (rlfuse.run.report).
 
 Crash safety: a kill or a full disk during an append can leave a torn last line; readers
 (`read_jsonl`, a resuming RunLog, the report) drop it with a warning. A line that is not
@@ -30,7 +30,7 @@ import torch
 log = logging.getLogger(__name__)
 
 DATA_STAGE = "data"
-"""Stage of the one metrics row (step 0) holding the data checks' counts (rlfuse.train.data)."""
+"""Stage of the one metrics row (step 0) holding the data checks' counts (rlfuse.data.prompts)."""
 NOT_TRAINING = ("eval", DATA_STAGE)
 """Stages of metrics rows that are not training steps."""
 
@@ -197,3 +197,36 @@ class RunLog:
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
     return read_jsonl(Path(run_dir) / "metrics.jsonl")
+
+
+DATA_REASONS = {
+    "dropped/empty_prompt": "the prompt is empty (or only white space)",
+    "dropped/prompt_too_long": "the prompt is longer than data.max_prompt_len tokens",
+    "dropped/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context "
+                            "(sft.overlong: drop)",
+    "truncated/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context; "
+                              "cut on the completion side (sft.overlong: truncate)",
+    "dropped/sft_no_target": "SFT: no target token left within the length limit",
+    "dropped/dpo_same_responses": "DPO: the chosen and rejected responses tokenize the same",
+    "dropped/dpo_no_response_room": "DPO: the prompt leaves no response token within dpo.max_seq_len",
+}
+"""What can happen to a row before training, by metric slug (`<action>/<reason>`): the
+names metrics.jsonl, TensorBoard and the report use. Stable: dashboards key on them."""
+
+
+def data_lines(stats: dict) -> list[str]:
+    """One line per split of the data metrics (`stats=` of the builders, or a metrics.jsonl
+    "data" row): "train: 98 of 100 rows kept; dropped: 1 empty_prompt, 1 prompt_too_long"."""
+    splits = dict.fromkeys(k.split("/", 1)[0] for k in stats if k.endswith("/rows"))
+    out = []
+    for sp in splits:
+        line = f"{sp}: {int(stats[f'{sp}/kept'])} of {int(stats[f'{sp}/rows'])} rows kept"
+        for action in ("dropped", "truncated"):
+            got = [(k.split("/", 2)[2], int(v)) for k, v in stats.items()
+                   if k.startswith(f"{sp}/{action}/") and v]
+            if got:
+                line += f"; {action}: " + ", ".join(f"{n} {r}" for r, n in got)
+        out.append(line)
+    return out
+
+

@@ -31,7 +31,7 @@ from fractions import Fraction
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
-_INT = re.compile(r"^[+-]?\d+$")
+INT_RE = re.compile(r"^[+-]?\d+$")
 
 
 def extract_answer(text: str) -> str:
@@ -99,7 +99,7 @@ def arithmetic_pref_rows(n: int, *, seed: int = 0, digits: int = 2, ops: str = "
 
 def verify_arithmetic(completion: str, answer: str) -> bool:
     got = extract_answer(completion)
-    return bool(_INT.match(got)) and int(got) == int(answer)
+    return bool(INT_RE.match(got)) and int(got) == int(answer)
 
 
 # ------------------------------------------------------------------ countdown

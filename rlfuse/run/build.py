@@ -23,8 +23,8 @@ from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
-from rlfuse.train.checkpoint import load_model_folder
-from rlfuse.train.config import ModelSpec
+from rlfuse.run.config.sections import ModelSpec
+from rlfuse.run.resume import load_model_folder
 
 log = logging.getLogger(__name__)
 

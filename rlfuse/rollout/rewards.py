@@ -20,7 +20,7 @@ Built-ins (BUILTINS):
                   then linearly down to -1 at max_len (and -1 when truncated)
 Model rewards (MODEL_REWARDS), built once per RewardSpec from its `path` and kwargs:
   reward_model    an HF *ForSequenceClassification checkpoint's score of the conversation,
-                  under its own chat template (rlfuse.train.reward_model; kwargs: device,
+                  under its own chat template (rlfuse.rollout.reward_model; kwargs: device,
                   dtype, batch_tokens, max_length, use_chat_template)
 User functions: "package.module:function" or "path/to/file.py:function" (kwargs are bound).
 
@@ -48,9 +48,9 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-from rlfuse.train.config import ON_REWARD_ERROR, RewardSpec
-from rlfuse.train.reward_model import RewardModelReward
-from rlfuse.train.tasks import _INT, extract_answer, verify_arithmetic, verify_countdown
+from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
+from rlfuse.rollout.reward_model import RewardModelReward
+from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ def arithmetic_digits(prompts, completions, answer, **_):
     out = []
     for c, a in zip(completions, answer):
         got, want = extract_answer(c), str(a).strip()
-        if not _INT.match(got):
+        if not INT_RE.match(got):
             out.append(0.0)
             continue
         n = max(len(got), len(want))

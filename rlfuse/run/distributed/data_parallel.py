@@ -1,6 +1,6 @@
 """The data-parallel side of a run: what the session, the trainers and the loop call when
 the CLI started them under torchrun (`Session.dist` is a DistContext). The building
-blocks (sharding, collectives, checkpoints) are rlfuse.train.distributed; this file puts
+blocks (sharding, collectives, checkpoints) are rlfuse.run.distributed.context; this file puts
 them together for the engine, GRPO's rollouts, micro-batching and evaluation.
 
 Rules every function here keeps (each rank runs the same program on its share):
@@ -21,10 +21,10 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
-from rlfuse.train.batching import pack_by_tokens
-from rlfuse.train.distributed import (DistContext, gather_results, gathered_weights, local_slice, max_across_ranks,
-                                      reduce_metrics)
-from rlfuse.train.metrics import to_floats
+from rlfuse.run.batching import pack_by_tokens
+from rlfuse.run.distributed.context import DistContext, gather_results, local_slice, max_across_ranks, reduce_metrics
+from rlfuse.run.distributed.fsdp import gathered_weights
+from rlfuse.run.metrics import to_floats
 
 
 class GatheredSampler:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import math
 
-from rlfuse.train.data import Prompt
-from rlfuse.train.rewards import RewardSet
-from rlfuse.train.rollout import Sampler
+from rlfuse.data import Prompt
+from rlfuse.rollout.rewards import RewardSet
+from rlfuse.rollout.sampler import Sampler
 
 
 def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):

@@ -1,6 +1,6 @@
 """Preference data for DPO: rows -> (prompt, chosen, rejected) token ids.
 
-Rows come from `rlfuse.train.data.load_rows` (JSONL / JSON / Parquet files or
+Rows come from `rlfuse.data.prompts.load_rows` (JSONL / JSON / Parquet files or
 builtin:arithmetic_pref), in one of two forms:
   * prompt rows: `data.prompt_field` (str) and `dpo.chosen_field` / `dpo.rejected_field`
     (str): prompt rendered as for SFT (template, system prompt, optional chat template),
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlfuse.train.config import DataConfig, DPOConfig
-from rlfuse.train.data import Drops, _chat, _empty_prompt, _encode, render_prompt  # the data module's rendering rules
+from rlfuse.data.prompts import Drops, _chat, _empty_prompt, _encode, render_prompt
+from rlfuse.run.config import DataConfig, DPOConfig
 
 
 @dataclasses.dataclass(slots=True)
@@ -68,7 +68,7 @@ def _chat_response(context: list[dict], reply: list[dict], prompt_ids: list[int]
 def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *, counts: dict | None = None,
                            stats: dict | None = None, split: str = "train") -> list[PreferencePair]:
     """Tokenize every (where, row) up front (module docstring); `counts` receives {reason: dropped},
-    `stats` the data metrics of `split` (rlfuse.train.data)."""
+    `stats` the data metrics of `split` (rlfuse.data.prompts)."""
     eos = tokenizer.eos_token_ids[:1]
     out: list[PreferencePair] = []
     drops = Drops()

@@ -27,7 +27,7 @@ import torch
 from rlfuse.model.scalar_head import load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.transformer import Packed
-from rlfuse.train.batching import pack_by_tokens
+from rlfuse.run import pack_by_tokens
 
 log = logging.getLogger(__name__)
 

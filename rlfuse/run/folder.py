@@ -26,9 +26,9 @@ from pathlib import Path
 
 import yaml
 
-from rlfuse.train.config import RunConfig
-from rlfuse.train.config_io import to_dict
-from rlfuse.train.metrics import NOT_TRAINING
+from rlfuse.run.config.io import to_dict
+from rlfuse.run.config.run_config import RunConfig
+from rlfuse.run.metrics import NOT_TRAINING
 
 log = logging.getLogger(__name__)
 

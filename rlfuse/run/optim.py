@@ -35,7 +35,8 @@ import weakref
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlfuse.train.distributed import DistContext, clip_sharded_grads_, on_any_rank
+from rlfuse.run.distributed.context import DistContext, on_any_rank
+from rlfuse.run.distributed.fsdp import clip_sharded_grads_
 
 log = logging.getLogger(__name__)
 

@@ -25,8 +25,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
 from matplotlib.ticker import MaxNLocator
 
-from rlfuse.train.data import DATA_REASONS, data_lines
-from rlfuse.train.metrics import DATA_STAGE, NOT_TRAINING, read_jsonl
+from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, NOT_TRAINING, data_lines, read_jsonl
 
 SCALE_RATIO = 10.0
 """Lines whose typical magnitudes differ by more than this factor go on separate axes."""

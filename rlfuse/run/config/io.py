@@ -1,6 +1,6 @@
 """Dataclass configs <-> YAML and `a.b=value` overrides, for any tree of frozen dataclasses.
 
-Generic: nothing here knows which configs exist (those are in `rlfuse.train.config`).
+Generic: nothing here knows which configs exist (those are in `rlfuse.run.config.run_config`).
     load(cls, "recipe.yaml", ["grpo.clip_high=0.28"])   YAML + overrides -> cls, type-checked
     to_dict(cfg) / from_dict(cls, data)                  plain data <-> dataclass
     save(cfg, path)                                      YAML that `load` reads back equal

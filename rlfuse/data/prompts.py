@@ -1,7 +1,9 @@
-"""Datasets: files or built-in tasks -> rows -> token ids for SFT and prompts for RL.
+"""Rows -> token ids: prompts for RL, SFT examples with their target masks.
+
+Rows are read by rlfuse/data/rows.py.
 
 Sources: `.jsonl` (one object per line), `.json` (a list of objects, or {"data": [...]}),
-`.parquet` (needs pyarrow), or `builtin:<task>` (rlfuse.train.tasks: a train split and a
+`.parquet` (needs pyarrow), or `builtin:<task>` (rlfuse.data.tasks: a train split and a
 disjoint held-out split). A row is either
   * prompt/answer: `prompt_field` (str), optional `answer_field`, `completion_field` (SFT target);
   * chat: `messages_field`, a list of {"role": str, "content": str}.
@@ -24,7 +26,7 @@ The counts are also run metrics (`stats=`: what rlfuse.train.loop writes once, a
 as the "data" row of metrics.jsonl, TensorBoard `data/...`, and what the report and the
 commands' summaries show), per split: `<split>/rows`, `<split>/kept` (truncated rows
 count as kept) and `<split>/<action>/<reason>`, where the (action, reason) slugs are
-stable names (DATA_REASONS).
+stable names (`rlfuse.run.metrics.DATA_REASONS`).
 
 `PromptStream` hands out rows in a seeded order, epoch after epoch, and resumes from
 an integer position (checkpointed).
@@ -34,13 +36,11 @@ Test: python -m pytest -q tests/test_data.py
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import random
-from pathlib import Path
 
-from rlfuse.train.config import DataConfig
-from rlfuse.train.tasks import make_split
+from rlfuse.run import DATA_REASONS
+from rlfuse.run.config import DataConfig
 
 log = logging.getLogger(__name__)
 
@@ -62,123 +62,14 @@ class SFTExample:
     where: str
 
 
-# ------------------------------------------------------------------ reading rows
-def _read_bytes(path: Path) -> bytes:
-    if not path.exists():
-        where = "" if path.is_absolute() else f" (a relative path: looked in {Path.cwd()})"
-        raise ValueError(f"{path}: no such data file{where}")
-    if path.is_dir():
-        raise ValueError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
-    try:
-        data = path.read_bytes()
-    except OSError as e:
-        raise ValueError(f"{path}: cannot read the data file ({e.strerror or e})") from None
-    if not data.strip():
-        raise ValueError(f"{path}: the data file is empty (expected rows)")
-    return data
 
 
-def _decode(path: Path, data: bytes) -> str:
-    """UTF-8 text (a leading BOM is dropped); undecodable bytes name the file and line."""
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data.count(b"\n", 0, e.start) + 1
-        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
-                         f"save the file as UTF-8") from None
 
 
-def _read_file(path: Path) -> list[tuple[str, dict]]:
-    """[(where, row)] from a .jsonl / .json / .parquet file."""
-    suffix = path.suffix.lower()
-    if suffix not in (".jsonl", ".json", ".parquet"):
-        raise ValueError(f"{path}: unsupported data file type {suffix!r} (expected .jsonl, .json or .parquet)")
-    data = _read_bytes(path)
-    out = []
-    if suffix == ".jsonl":
-        for i, line in enumerate(_decode(path, data).splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
-            out.append((f"{path}:{i}", row))
-    elif suffix == ".json":
-        try:
-            data = json.loads(_decode(path, data))
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
-        if isinstance(data, dict) and isinstance(data.get("data"), list):
-            data = data["data"]
-        if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a list of rows (or an object with a 'data' list)")
-        out = [(f"{path}: row {i}", row) for i, row in enumerate(data)]
-    else:
-        try:
-            import pyarrow.parquet as pq  # optional dependency: only Parquet data needs it
-        except ImportError:
-            raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        try:
-            table = pq.read_table(path)
-        except Exception as e:  # pyarrow's own error types; the message says what is wrong
-            raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
-        out = [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
-    if not out:
-        raise ValueError(f"{path}: no rows in the data file (expected at least one row object)")
-    for where, row in out:
-        if not isinstance(row, dict):
-            raise ValueError(f"{where}: expected an object (a row of fields), got {type(row).__name__}")
-    return out
 
 
-def _check_row(where: str, row: dict, cfg: DataConfig, need_target: bool) -> None:
-    mf, pf = cfg.messages_field, cfg.prompt_field
-    if mf in row:
-        msgs = row[mf]
-        if not isinstance(msgs, list) or not msgs:
-            raise ValueError(f"{where}: field {mf!r} must be a non-empty list of messages")
-        for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content'")
-        if need_target and not any(m["role"] == "assistant" for m in msgs):
-            raise ValueError(f"{where}: field {mf!r} has no assistant message to train on")
-        return
-    if pf not in row:
-        raise ValueError(f"{where}: missing field {pf!r} (or {mf!r}); the row has fields {sorted(row)}")
-    if not isinstance(row[pf], str):
-        raise ValueError(f"{where}: field {pf!r} must be a string, got {type(row[pf]).__name__}")
-    af = cfg.answer_field
-    if af in row and not isinstance(row[af], (str, int, float)):
-        raise ValueError(f"{where}: field {af!r} must be a string or a number, got {type(row[af]).__name__}")
-    if need_target:
-        cf = cfg.completion_field if cfg.completion_field in row else af
-        if cf not in row:
-            raise ValueError(f"{where}: missing field {cfg.completion_field!r} (the SFT target; "
-                             f"{af!r} is used when it is absent)")
-        if not isinstance(row[cf], (str, int, float)):
-            raise ValueError(f"{where}: field {cf!r} must be a string, got {type(row[cf]).__name__}")
 
 
-def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) -> list[tuple[str, dict]]:
-    """[(where, row)] of the train or eval split, validated."""
-    src = cfg.train if split == "train" else (cfg.eval or (cfg.train if cfg.train.startswith("builtin:") else ""))
-    if not src:
-        raise ValueError(f"data.{split} is empty: give a .jsonl/.json/.parquet file or builtin:<task>")
-    if src.startswith("builtin:"):
-        task = src.removeprefix("builtin:")
-        # eval first: small and fixed, then train excluding its prompts (disjoint splits)
-        ev = make_split(task, cfg.eval_size, seed=cfg.seed + 10007, **cfg.task)
-        if split == "eval":
-            rows = ev
-        else:
-            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r["prompt"] for r in ev}, **cfg.task)
-        pairs = [(f"{src}[{split} {i}]", r) for i, r in enumerate(rows)]
-    else:
-        pairs = _read_file(Path(src))
-    for where, row in pairs:
-        _check_row(where, row, cfg, need_target)
-    return pairs
 
 
 # ------------------------------------------------------------------ rendering
@@ -227,19 +118,6 @@ def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
     return not row[cfg.prompt_field].strip()
 
 
-DATA_REASONS = {
-    "dropped/empty_prompt": "the prompt is empty (or only white space)",
-    "dropped/prompt_too_long": "the prompt is longer than data.max_prompt_len tokens",
-    "dropped/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context "
-                            "(sft.overlong: drop)",
-    "truncated/sft_too_long": "SFT: the example is longer than sft.max_seq_len or the model context; "
-                              "cut on the completion side (sft.overlong: truncate)",
-    "dropped/sft_no_target": "SFT: no target token left within the length limit",
-    "dropped/dpo_same_responses": "DPO: the chosen and rejected responses tokenize the same",
-    "dropped/dpo_no_response_room": "DPO: the prompt leaves no response token within dpo.max_seq_len",
-}
-"""What can happen to a row before training, by metric slug (`<action>/<reason>`): the
-names metrics.jsonl, TensorBoard and the report use. Stable: dashboards key on them."""
 
 
 class Drops:
@@ -274,20 +152,6 @@ class Drops:
         log.warning("%s (%d rows): %s", what, total, "; ".join(parts))
 
 
-def data_lines(stats: dict) -> list[str]:
-    """One line per split of the data metrics (`stats=` of the builders, or a metrics.jsonl
-    "data" row): "train: 98 of 100 rows kept; dropped: 1 empty_prompt, 1 prompt_too_long"."""
-    splits = dict.fromkeys(k.split("/", 1)[0] for k in stats if k.endswith("/rows"))
-    out = []
-    for sp in splits:
-        line = f"{sp}: {int(stats[f'{sp}/kept'])} of {int(stats[f'{sp}/rows'])} rows kept"
-        for action in ("dropped", "truncated"):
-            got = [(k.split("/", 2)[2], int(v)) for k, v in stats.items()
-                   if k.startswith(f"{sp}/{action}/") and v]
-            if got:
-                line += f"; {action}: " + ", ".join(f"{n} {r}" for r, n in got)
-        out.append(line)
-    return out
 
 
 def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,

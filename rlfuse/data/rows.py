@@ -1,0 +1,138 @@
+"""Rows from a data source: `.jsonl`, `.json`, `.parquet` files or `builtin:<task>`,
+read, decoded and validated. A malformed row raises ValueError naming `file:line` (the
+row number for .json/.parquet) and the field; a missing, empty, non-UTF-8 or non-JSON
+file names the file. The row formats are described in rlfuse/data/prompts.py.
+Test: python -m pytest -q tests/test_data.py tests/test_bad_inputs.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from rlfuse.data.tasks import make_split
+from rlfuse.run.config import DataConfig
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------ reading rows
+def _read_bytes(path: Path) -> bytes:
+    if not path.exists():
+        where = "" if path.is_absolute() else f" (a relative path: looked in {Path.cwd()})"
+        raise ValueError(f"{path}: no such data file{where}")
+    if path.is_dir():
+        raise ValueError(f"{path}: is a folder; expected a .jsonl, .json or .parquet file")
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the data file ({e.strerror or e})") from None
+    if not data.strip():
+        raise ValueError(f"{path}: the data file is empty (expected rows)")
+    return data
+
+
+def _decode(path: Path, data: bytes) -> str:
+    """UTF-8 text (a leading BOM is dropped); undecodable bytes name the file and line."""
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not valid UTF-8 (byte {data[e.start]:#04x} at offset {e.start}); "
+                         f"save the file as UTF-8") from None
+
+
+def _read_file(path: Path) -> list[tuple[str, dict]]:
+    """[(where, row)] from a .jsonl / .json / .parquet file."""
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise ValueError(f"{path}: unsupported data file type {suffix!r} (expected .jsonl, .json or .parquet)")
+    data = _read_bytes(path)
+    out = []
+    if suffix == ".jsonl":
+        for i, line in enumerate(_decode(path, data).splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{i}: not valid JSON ({e.msg})") from None
+            out.append((f"{path}:{i}", row))
+    elif suffix == ".json":
+        try:
+            data = json.loads(_decode(path, data))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: not valid JSON ({e.msg})") from None
+        if isinstance(data, dict) and isinstance(data.get("data"), list):
+            data = data["data"]
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a list of rows (or an object with a 'data' list)")
+        out = [(f"{path}: row {i}", row) for i, row in enumerate(data)]
+    else:
+        try:
+            import pyarrow.parquet as pq  # optional dependency: only Parquet data needs it
+        except ImportError:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
+        try:
+            table = pq.read_table(path)
+        except Exception as e:  # pyarrow's own error types; the message says what is wrong
+            raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
+        out = [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
+    if not out:
+        raise ValueError(f"{path}: no rows in the data file (expected at least one row object)")
+    for where, row in out:
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object (a row of fields), got {type(row).__name__}")
+    return out
+
+
+def _check_row(where: str, row: dict, cfg: DataConfig, need_target: bool) -> None:
+    mf, pf = cfg.messages_field, cfg.prompt_field
+    if mf in row:
+        msgs = row[mf]
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: field {mf!r} must be a non-empty list of messages")
+        for j, m in enumerate(msgs):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content'")
+        if need_target and not any(m["role"] == "assistant" for m in msgs):
+            raise ValueError(f"{where}: field {mf!r} has no assistant message to train on")
+        return
+    if pf not in row:
+        raise ValueError(f"{where}: missing field {pf!r} (or {mf!r}); the row has fields {sorted(row)}")
+    if not isinstance(row[pf], str):
+        raise ValueError(f"{where}: field {pf!r} must be a string, got {type(row[pf]).__name__}")
+    af = cfg.answer_field
+    if af in row and not isinstance(row[af], (str, int, float)):
+        raise ValueError(f"{where}: field {af!r} must be a string or a number, got {type(row[af]).__name__}")
+    if need_target:
+        cf = cfg.completion_field if cfg.completion_field in row else af
+        if cf not in row:
+            raise ValueError(f"{where}: missing field {cfg.completion_field!r} (the SFT target; "
+                             f"{af!r} is used when it is absent)")
+        if not isinstance(row[cf], (str, int, float)):
+            raise ValueError(f"{where}: field {cf!r} must be a string, got {type(row[cf]).__name__}")
+
+
+def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) -> list[tuple[str, dict]]:
+    """[(where, row)] of the train or eval split, validated."""
+    src = cfg.train if split == "train" else (cfg.eval or (cfg.train if cfg.train.startswith("builtin:") else ""))
+    if not src:
+        raise ValueError(f"data.{split} is empty: give a .jsonl/.json/.parquet file or builtin:<task>")
+    if src.startswith("builtin:"):
+        task = src.removeprefix("builtin:")
+        # eval first: small and fixed, then train excluding its prompts (disjoint splits)
+        ev = make_split(task, cfg.eval_size, seed=cfg.seed + 10007, **cfg.task)
+        if split == "eval":
+            rows = ev
+        else:
+            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r["prompt"] for r in ev}, **cfg.task)
+        pairs = [(f"{src}[{split} {i}]", r) for i, r in enumerate(rows)]
+    else:
+        pairs = _read_file(Path(src))
+    for where, row in pairs:
+        _check_row(where, row, cfg, need_target)
+    return pairs
+
+

@@ -1,0 +1,137 @@
+"""The sections of a recipe every command shares: `model`, `optim`, `data`, `rewards`,
+`logging`, `checkpoint`. Field docstrings feed `--help` and docs/configuration.md.
+Test: python -m pytest -q tests/test_config.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+_DC = dict(frozen=True, kw_only=True, slots=True)
+
+
+@dataclasses.dataclass(**_DC)
+class ModelSpec:
+    path: str = ""
+    """HF checkpoint folder (config.json, safetensors, tokenizer.json); empty with `random_init`."""
+    random_init: dict | None = None
+    """ModelConfig fields of a freshly initialized model (vocab_size is taken from the tokenizer)."""
+    tokenizer: str = ""
+    """Tokenizer folder; empty = the model folder. `char` builds a character-level tokenizer
+    over the data's alphabet (the built-in tasks only)."""
+    dtype: str = "float32"
+    """Parameter dtype: float32 or bfloat16 (the optimizer keeps fp32 master weights either way)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu or cuda[:i]."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass (less memory, one more forward)."""
+    kernel_backend: str = "auto"
+    """rlfuse.kernels backend: auto, torch or triton."""
+
+
+@dataclasses.dataclass(**_DC)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate (after warmup)."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW moment decay rates (beta1, beta2)."""
+    eps: float = 1e-8
+    """AdamW denominator epsilon."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW), applied to every parameter."""
+    warmup_steps: int = 0
+    """Linear warmup from 0 over this many optimizer steps."""
+    schedule: str = "cosine"
+    """cosine | constant | linear (decay after warmup, to min_lr_ratio * lr at the last step)."""
+    min_lr_ratio: float = 0.0
+    """The decay ends at min_lr_ratio * lr at the last step."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this (0 = no clipping; the norm is logged either way)."""
+    max_nonfinite_steps: int = 5
+    """An optimizer step whose loss or gradient norm is NaN/inf is skipped (weights and
+    optimizer state unchanged, counted as optim/skipped_steps); this many skips in a row stop
+    the run with an error (0 = never stop)."""
+
+
+@dataclasses.dataclass(**_DC)
+class DataConfig:
+    train: str = ""
+    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown."""
+    eval: str = ""
+    """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
+    eval_size: int = 200
+    """Held-out problems generated for builtin tasks."""
+    train_size: int = 20000
+    """Problems generated for builtin tasks."""
+    task: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the builtin task generator (e.g. {digits: 2, ops: "+-"})."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt text of prompt rows."""
+    answer_field: str = "answer"
+    """Column holding the reference answer (handed to rewards; the SFT target when there is no completion)."""
+    completion_field: str = "completion"
+    """SFT target text for prompt/completion rows."""
+    messages_field: str = "messages"
+    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows."""
+    prompt_template: str = "{prompt}"
+    """str.format template over the row's columns, applied to prompt rows."""
+    system_prompt: str = ""
+    """Prepended as a system message (chat template) or as text before the prompt."""
+    use_chat_template: bool = False
+    """Render prompts with the tokenizer's chat template (messages rows always are)."""
+    max_prompt_len: int = 512
+    """Prompts with more tokens are dropped (counted and logged)."""
+    shuffle: bool = True
+    """Visit the training rows in a seeded random order, a new one each epoch."""
+    seed: int = 0
+    """Seeds the data order and the builtin tasks' problem generation."""
+
+
+@dataclasses.dataclass(**_DC)
+class RewardSpec:
+    name: str
+    """A builtin (see rlfuse.rollout.rewards.BUILTINS), `reward_model`, or `module:function` / `path.py:function`."""
+    path: str = ""
+    """`reward_model` only: an HF *ForSequenceClassification checkpoint folder (Llama, Qwen2, Qwen3; one output)."""
+    weight: float = 1.0
+    """The total reward is the weighted sum of the functions' rewards."""
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments bound to the function."""
+
+
+@dataclasses.dataclass(**_DC)
+class LoggingConfig:
+    run_dir: str = "runs/latest"
+    """Run folder: config.yaml, metrics.jsonl, samples.jsonl, tb/, checkpoints/, final/."""
+    log_every: int = 1
+    """Write metrics every this many steps (and at the last)."""
+    tensorboard: bool = True
+    """Also write the metrics as TensorBoard events under RUN_DIR/tb."""
+    progress: bool = True
+    """tqdm progress bar with reward and step time."""
+    num_samples: int = 4
+    """Completions written per sample dump."""
+
+
+@dataclasses.dataclass(**_DC)
+class CheckpointConfig:
+    every: int = 0
+    """Save every this many steps (0 = only at the end)."""
+    keep_last: int = 2
+    """Keep only the newest this many checkpoints (0 = keep all)."""
+    resume: str = "never"
+    """never | auto (latest complete checkpoint in run_dir, if any) | a checkpoint folder."""
+    save_final: bool = True
+    """Also write a resumable checkpoint (weights, optimizer, data position) at the end;
+    RUN_DIR/final (the weights, an HF folder) is written either way."""
+
+
+ON_REWARD_ERROR = ("raise", "zero")
+"""What a failing reward function does (RunConfig.on_reward_error)."""
+
+
+def _check_choice(field: str, value, choices):
+    if value not in choices:
+        raise ValueError(f"{field} must be one of {list(choices)}, got {value!r}")
+
+

@@ -1,0 +1,209 @@
+"""FSDP2 sharding of the policy: `shard_model` (fp32 master shards, bf16 all-gathers),
+the sharded AdamW and gradient clipping, per-rank memory accounting, and
+`gathered_weights`, the block in which the engine reads the gathered weights (no second
+copy). The rounding and loss contracts are in rlfuse/run/distributed/context.py.
+Test: python -m pytest -q tests/test_distributed.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from rlfuse.model.transformer import CausalLM, Packed
+from rlfuse.run.distributed.context import DistContext, reduce_metrics
+
+log = logging.getLogger(__name__)
+
+
+# ---------------------------------------------------------------------- sharding
+def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def _apply_reshard_policy(model: torch.nn.Module) -> None:
+    # layers free their gathered weights after forward (re-gathered for backward); the root
+    # (embedding, final norm, LM head) keeps them: the trainer reads `model.lm_head_weight`
+    # after forward for the log-probs, and that must be the gathered tensor, not the shard
+    for m in _fsdp_modules(model):
+        m.set_reshard_after_forward(m is not model, recurse=False)
+
+
+def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
+    """FSDP2-shard `model` in place across ctx.mesh and return it. The parameters become
+    fp32 DTensor shards (the master weights, upcast exactly from the model's dtype, as
+    MasterAdamW does); forward computes in the model's dtype (bf16: gathered weights are
+    round(fp32 master)), gradients are reduced in fp32 and SUMMED across ranks (see the
+    loss contract in the module doc). One FSDP group per decoder layer plus the root."""
+    compute = model.lm_head_weight.dtype
+    if any(p.dtype != compute for p in model.parameters()):
+        raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
+    model.float()
+    # cast_forward_inputs off: a layer's inputs include the fp32 RoPE frequencies, which
+    # must not be rounded to bf16 (the activations already come out of bf16 weights)
+    policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
+                                  reduce_dtype=torch.float32, cast_forward_inputs=False)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
+    _apply_reshard_policy(model)
+    # FSDP2 makes the first module to run forward the root; the engine calls
+    # `model.forward` (not the root's hooks) and may run first, so run one token through
+    # the root now (collective: every rank calls shard_model)
+    with torch.no_grad():
+        one = torch.zeros(1, dtype=torch.long, device=ctx.device)
+        model(one, one, Packed.from_lengths([1], ctx.device))
+    model.reshard()  # the root keeps its gathered weights after forward; the optimizer must see the shards
+    for m in _fsdp_modules(model):
+        # sum, not mean: each rank's loss already carries its share of the global normalizer
+        m.set_gradient_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)
+    log.info("FSDP2: %d groups over %d ranks, fp32 masters, %s compute", len(_fsdp_modules(model)),
+             ctx.world_size, str(compute).replace("torch.", ""))
+    return model
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(ts) -> int:
+    return sum(_local(t).numel() * _local(t).element_size() for t in ts if t is not None)
+
+
+def memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, *,
+                 compute_dtype: torch.dtype) -> dict[str, int]:
+    """This rank's bytes of parameter shards, gradient shards and optimizer state (local
+    pieces of DTensors), plus `gathered`: what `gathered_weights` holds (every parameter
+    in `compute_dtype`, the model's dtype before `shard_model`)."""
+    params = list(model.parameters())
+    states = [] if optimizer is None else [v for st in optimizer.state.values() for v in st.values()
+                                           if isinstance(v, torch.Tensor)]
+    return {"params": _nbytes(params), "grads": _nbytes(p.grad for p in params), "optimizer": _nbytes(states),
+            "gathered": sum(p.numel() for p in params) * compute_dtype.itemsize}
+
+
+def log_memory(ctx: DistContext, model, optimizer=None, *, compute_dtype: torch.dtype) -> dict[str, float]:
+    """memory_bytes in MiB as metrics (`memory/params_mib`, ...), max over ranks; rank 0 logs them."""
+    mib = {f"memory/{k}_mib": v / 2**20
+           for k, v in memory_bytes(model, optimizer, compute_dtype=compute_dtype).items()}
+    mib = reduce_metrics(ctx, mib, default="max")
+    if ctx.is_main:
+        log.info("per-rank memory (max over %d ranks, MiB): %s", ctx.world_size,
+                 ", ".join(f"{k.split('/')[1].removesuffix('_mib')} {v:.1f}" for k, v in mib.items()))
+    return mib
+
+
+# ---------------------------------------------------------------------- optimizer
+def sharded_adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                  weight_decay: float = 0.0) -> torch.optim.AdamW:
+    """torch's AdamW on the fp32 shards: moments are DTensors with the params' sharding.
+    The single-tensor path (foreach=False): elementwise the same op order as MasterAdamW,
+    so equal gradients give bitwise equal updates. Set the step's lr with `set_lr`."""
+    return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
+                             foreach=False, fused=False)
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+
+
+def clip_grad_norm_(params, max_norm: float) -> torch.Tensor:
+    """Global L2 gradient norm over all ranks' shards (a plain replicated tensor); scales
+    the gradients by min(1, max_norm / (norm + 1e-6)) when max_norm > 0, like
+    rlfuse.run.optim.clip_grad_norm_ in one process."""
+    return clip_sharded_grads_([p.grad for p in params if p.grad is not None], max_norm)
+
+
+def clip_sharded_grads_(grads, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_ on the gradient DTensors themselves (`ShardedAdamW.grads()`;
+    rlfuse.run.optim.clip_grad_norm_ sends DTensor gradients here)."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return torch.zeros(())
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=False)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()  # all-reduce of the per-rank partial sums of squares
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(coef)
+    return norm
+
+
+class ShardedAdamW:
+    """MasterAdamW's interface (`step(lr)`, `zero_grad()`, `grads()`) over `sharded_adamw`,
+    so the trainers drive a sharded model unchanged. No gradient hooks: FSDP2 owns the
+    fp32 gradient shards (MasterAdamW's hooks must never see FSDP parameters)."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, compute_dtype: torch.dtype):
+        self.params = list(model.parameters())
+        self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.compute_dtype = compute_dtype
+        """The dtype the gathered weights have (what `log_memory` counts for rollouts)."""
+
+    def grads(self) -> list[torch.Tensor]:
+        return [p.grad for p in self.params if p.grad is not None]
+
+    def step(self, lr: float | None = None) -> None:
+        if lr is not None:
+            set_lr(self.opt, lr)
+        self.opt.step()
+
+    def zero_grad(self) -> None:
+        self.opt.zero_grad(set_to_none=True)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """True for a model `shard_model` wrapped (FSDP2)."""
+    return isinstance(model, FSDPModule)
+
+
+def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
+    """A plain, frozen CausalLM holding the full weights of sharded `model` in `dtype` on
+    this rank's device (collective: every rank calls it). The masters are exact upcasts
+    of the run's dtype until the first step, so a copy taken before training holds the
+    starting weights exactly. Costs 2 P bytes per rank in bf16 (the KL reference model)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+    device = next(iter(full.values())).device
+    with torch.device("meta"):
+        ref = CausalLM(model.config).to(dtype)
+    ref = ref.to_empty(device=device)
+    ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
+    return ref.requires_grad_(False).eval()
+
+
+# ---------------------------------------------------------------------- the engine's weights
+@contextlib.contextmanager
+def gathered_weights(model: CausalLM):
+    """Inside the block every parameter of `model` is the gathered compute-dtype tensor
+    (FSDP2 unshard) and forward calls keep it gathered: the engine (`LLM(model, ...)`, built
+    and used inside) runs on these tensors. On exit they are freed (reshard).
+
+    Pointer stability: the gathered Parameter objects are created once and reused, but
+    their storage is freed on exit and allocated again at the next entry, so data
+    pointers may move. The engine must therefore `sleep()` before the block ends (it drops
+    its CUDA graphs and KV pool) and `wake()` inside the next block (graphs are recaptured
+    on first use, the prefix cache is dropped). Build the engine inside a block so it reads
+    the compute dtype and plans its KV pool with the gathered weights resident."""
+    groups = _fsdp_modules(model)
+    handles = [m.unshard(async_op=True) for m in groups]
+    for h in handles:
+        h.wait()
+    for m in groups:
+        m.set_reshard_after_forward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        _apply_reshard_policy(model)
+        for m in groups:
+            m.reshard()
+
+

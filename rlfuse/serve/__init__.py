@@ -1,0 +1,2 @@
+"""The OpenAI-compatible HTTP server on the engine (`rlfuse serve`). Reserved: nothing
+here yet."""
