@@ -16,10 +16,11 @@ import pytest
 from agent_setup import ScriptedEngine, chat_tokenizer
 from chat_templates import QWEN3_THINK, QWEN_LIKE
 
-from rlfuse.rollout import (ChatRenderer, MultiTurnConfig, Step, TemplateError, ToolEnv, ToolRunner, calculator,
+from rlfuse.rollout import (ChatRenderer, Step, TemplateError, ToolEnv, ToolRunner, calculator,
                             run_episodes)
 from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
 from rlfuse.rollout.tools import Tool
+from rlfuse.run.config import RolloutConfig
 
 
 def lookup(city: str, metric: bool = True) -> str:
@@ -61,7 +62,7 @@ def test_turn_by_turn_ids_equal_the_whole_conversation_rendered(family):
     think = family == "qwen3"
     eng = ScriptedEngine(tok, _policy(family, think))
     rows = [{"prompt": "What is 12 * 34?"}, {"prompt": "Weather in Oslo?"}]
-    cfg = MultiTurnConfig(max_turns=4, max_turn_tokens=200, max_total_tokens=1000)
+    cfg = RolloutConfig(max_turns=4, max_turn_tokens=200, max_total_tokens=1000)
     episodes, m = run_episodes(eng, renderer, lambda: ToolEnv(runner), rows, cfg=cfg, group_size=2, seed=3)
     runner.close()
     assert len(episodes) == 4 and [e.prompt_index for e in episodes] == [0, 0, 1, 1]
@@ -116,7 +117,7 @@ def test_templates_that_are_not_append_only_are_refused_with_the_fix():
 
     eng = ScriptedEngine(tok, lambda ids, k: f"<think>\nhm {k}\n</think>\n\nguess {k}")
     with pytest.raises(TemplateError, match="role 'tool'"):
-        run_episodes(eng, renderer, Feedback, [{"prompt": "Guess."}], cfg=MultiTurnConfig(max_turns=3))
+        run_episodes(eng, renderer, Feedback, [{"prompt": "Guess."}], cfg=RolloutConfig(max_turns=3))
     # a template that writes text between the model's content and its end token
     with pytest.raises(TemplateError, match="never sampled"):
         ChatRenderer(chat_tokenizer("qwen2", template=QWEN_LIKE))
@@ -154,7 +155,7 @@ def test_tool_errors_timeouts_and_limits_are_counted_and_never_stall():
         return scripts[ep][min(k, len(scripts[ep]) - 1)]
 
     eng = ScriptedEngine(tok, policy)
-    cfg = MultiTurnConfig(max_turns=3, max_obs_tokens=32, obs_truncation="left")
+    cfg = RolloutConfig(max_turns=3, max_obs_tokens=32, obs_truncation="left")
     t0 = time.perf_counter()
     eps, m = run_episodes(eng, renderer, lambda: ToolEnv(runner), [{"prompt": f"case {i}?"} for i in scripts],
                           cfg=cfg)
@@ -191,15 +192,15 @@ def test_async_env_turn_rewards_and_token_budget():
             return 10.0 + self.n
 
     eng = ScriptedEngine(tok, lambda ids, k: f"turn {k}")
-    eps, m = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=MultiTurnConfig(max_turns=5),
+    eps, m = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=RolloutConfig(max_turns=5),
                           group_size=2, seed=7)
     for e in eps:
         assert e.turns == 3 and e.turn_rewards == [0.5, 1.0, 1.5] and e.env_reward == 13.0 and e.stop == "done"
     # a tight token budget truncates; so does a turn cut at max_turn_tokens
-    eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=MultiTurnConfig(max_total_tokens=20))
+    eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=RolloutConfig(max_total_tokens=20))
     assert eps[0].truncated and eps[0].stop == "max_total_tokens" and len(eps[0].token_ids) < 20
     eng = ScriptedEngine(tok, lambda ids, k: "a long answer that goes on and on")
-    eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=MultiTurnConfig(max_turn_tokens=3))
+    eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=RolloutConfig(max_turn_tokens=3))
     assert all(len(t) > 0 for t in eps[0].turn_texts) and eps[0].turns == 3 and eps[0].truncated
 
 
@@ -231,7 +232,7 @@ def test_the_engine_keeps_decoding_while_a_tool_runs():
 
     eng = ScriptedEngine(tok, policy, step_s=0.005)
     eps, m = run_episodes(eng, renderer, lambda: ToolEnv(runner), [{"prompt": "slow one"}, {"prompt": "fast"}],
-                          cfg=MultiTurnConfig(max_turns=25))
+                          cfg=RolloutConfig(max_turns=25))
     runner.close()
     assert [e.turns for e in eps] == [2, 20]
     during = [t for t in eng.step_times if window[0] < t < window[1]]
@@ -249,7 +250,7 @@ def test_sft_transcripts_follow_the_rollout_rule(family):
     policy = _policy(family, family == "qwen3")
     eng = ScriptedEngine(tok, policy)
     (ep,), _ = run_episodes(eng, renderer, lambda: ToolEnv(runner), [{"prompt": "Weather?"}],
-                            cfg=MultiTurnConfig())
+                            cfg=RolloutConfig())
     runner.close()
     msgs = [{"role": "user", "content": "Weather?"}, {"role": "assistant", "content": policy(None, 0)},
             {"role": "tool", "content": "408"}]

@@ -25,6 +25,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from rlfuse.run.config import TOOL_CALL_FORMATS
+
 log = logging.getLogger(__name__)
 
 ANSWER = "ANSWER"
@@ -32,7 +34,6 @@ REASON = "REASON"
 # placeholder assistant contents tried in order: plain text, then a reasoning block (templates
 # that render <think> differently for the last turn need one in every turn to stay append-only)
 _PLACEHOLDERS = (ANSWER, f"<think>\n{REASON}\n</think>\n\n{ANSWER}")
-TOOL_CALL_FORMATS = ("auto", "hermes", "json")
 
 
 class TemplateError(ValueError):

@@ -26,7 +26,8 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.rollout.chat import ChatRenderer
 from rlfuse.rollout.env import Step
-from rlfuse.rollout.multi_turn import Episode, MultiTurnConfig, run_episodes
+from rlfuse.rollout.multi_turn import Episode, run_episodes
+from rlfuse.run.config import RolloutConfig
 
 _WORDS = ("408", "error: try again", "the tool says 17 and 25", "ok")
 PROBE_ROWS = ({"prompt": "What is 12 * 34?"}, {"prompt": "Add 5 and 7."}, {"prompt": "hi"})
@@ -52,11 +53,11 @@ class ScriptedToolEnv:
 
 
 def play(model, tokenizer, *, numerics: str, engine: dict, rows=PROBE_ROWS, group_size: int = 3,
-         cfg: MultiTurnConfig | None = None, temperature: float = 1.0, seed: int = 0):
+         cfg: RolloutConfig | None = None, temperature: float = 1.0, seed: int = 0):
     """(episodes, rollout metrics, engine counters) of the scripted-tool episodes on a fresh engine."""
     ecfg = EngineConfig(**{"max_num_seqs": 8, "numerics": numerics, "seed": seed, **engine})
     llm = LLM(model, tokenizer, ecfg)
-    cfg = cfg or MultiTurnConfig(max_turns=4, max_turn_tokens=24, max_total_tokens=150)
+    cfg = cfg or RolloutConfig(max_turns=4, max_turn_tokens=24, max_total_tokens=150)
     eps, m = run_episodes(llm, ChatRenderer(tokenizer), ScriptedToolEnv, list(rows), cfg=cfg,
                           group_size=group_size, seed=seed, sampling=dict(temperature=temperature))
     stats = dataclasses.asdict(llm.stats)

@@ -1,7 +1,7 @@
 """Multi-turn rollouts over the engine: episodes of model turns and observations, as token ids.
 
     renderer = ChatRenderer(tokenizer, tools=runner.schemas())
-    episodes, metrics = run_episodes(llm, renderer, lambda: ToolEnv(runner), rows, cfg=MultiTurnConfig(),
+    episodes, metrics = run_episodes(llm, renderer, lambda: ToolEnv(runner), rows, cfg=RolloutConfig(),
                                      group_size=4, sampling=dict(temperature=1.0), seed=0)
 
 Each episode is one growing sequence of ids: the prompt, then model turns (the engine's
@@ -37,38 +37,9 @@ from rlfuse.engine.config import SamplingParams
 from rlfuse.rollout.chat import ChatRenderer, Conversation
 from rlfuse.rollout.env import Environment, Step, Turn, call
 from rlfuse.rollout.tool_calls import parse_tool_calls
+from rlfuse.run.config import RolloutConfig
 
 log = logging.getLogger(__name__)
-TRUNCATION_SIDES = ("right", "left")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class MultiTurnConfig:
-    max_turns: int = 4
-    """Most model turns per episode; an episode still going after them is truncated."""
-    max_turn_tokens: int = 256
-    """Most tokens of one model turn (the engine's max_tokens per request)."""
-    max_total_tokens: int = 1024
-    """Most tokens after the prompt (model turns and observations); past it the episode is truncated."""
-    max_obs_tokens: int = 256
-    """Most tokens of one observation message's content; longer content is cut (`obs_truncation`)."""
-    obs_truncation: str = "right"
-    """"right": keep the head of a long observation; "left": keep its tail."""
-    env_timeout_s: float = 60.0
-    """Longest an environment step may take before the episode ends with an error."""
-    env_workers: int = 8
-    """Threads running environment steps concurrently."""
-
-    def __post_init__(self):
-        for f in ("max_turns", "max_turn_tokens", "max_total_tokens", "max_obs_tokens", "env_workers"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"MultiTurnConfig.{f} must be a positive integer, got {v!r}")
-        if self.obs_truncation not in TRUNCATION_SIDES:
-            raise ValueError(f"MultiTurnConfig.obs_truncation must be one of {TRUNCATION_SIDES}, "
-                             f"got {self.obs_truncation!r}")
-        if not self.env_timeout_s > 0:
-            raise ValueError(f"MultiTurnConfig.env_timeout_s must be > 0, got {self.env_timeout_s!r}")
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,7 +107,7 @@ def truncate_content(renderer: ChatRenderer, text: str, max_tokens: int, side: s
 
 
 def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environment], rows: list[dict], *,
-                 cfg: MultiTurnConfig, group_size: int = 1, sampling: dict | None = None,
+                 cfg: RolloutConfig, group_size: int = 1, sampling: dict | None = None,
                  seed: int = 0) -> tuple[list[Episode], dict]:
     """`group_size` episodes per row (episode i of row r at r * group_size + i), each with a
     fresh environment from `make_env`. `engine`: an `rlfuse.engine.LLM` (or anything with

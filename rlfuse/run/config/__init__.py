@@ -5,15 +5,18 @@ from rlfuse.run.config.algorithms import ADV_SCALES, DPO_LOSSES, ESTIMATORS, DPO
 from rlfuse.run.config.io import describe, replace
 from rlfuse.run.config.run_config import RunConfig, load_config, save_config
 from rlfuse.run.config.sections import (
+                                          OBS_TRUNCATION,
                                           ON_REWARD_ERROR,
+                                          TOOL_CALL_FORMATS,
                                           CheckpointConfig,
                                           DataConfig,
                                           LoggingConfig,
                                           ModelSpec,
                                           OptimConfig,
                                           RewardSpec,
+                                          RolloutConfig,
 )
 
-__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "ON_REWARD_ERROR", "CheckpointConfig", "DPOConfig", "DataConfig",
-           "GRPOConfig", "LoggingConfig", "ModelSpec", "OptimConfig", "PPOConfig", "RewardSpec", "RunConfig", "SFTConfig",
+__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "OBS_TRUNCATION", "ON_REWARD_ERROR", "TOOL_CALL_FORMATS", "CheckpointConfig", "DPOConfig", "DataConfig",
+           "GRPOConfig", "LoggingConfig", "ModelSpec", "OptimConfig", "PPOConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
            "describe", "load_config", "replace", "save_config"]
