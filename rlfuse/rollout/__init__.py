@@ -2,14 +2,14 @@
 reward models, and held-out evaluation. Multi-turn episodes (environments, tools, the
 sandbox, chat rendering) live here too."""
 
-from rlfuse.rollout.chat import ChatRenderer, TemplateError
+from rlfuse.rollout.chat import ChatRenderer, TemplateError, char_chat_tokenizer
 from rlfuse.rollout.env import Environment, Step, ToolEnv, ToolRunner, Turn
 from rlfuse.rollout.evaluate import evaluate, score_samples
 from rlfuse.rollout.multi_turn import Episode, run_episodes
 from rlfuse.rollout.rewards import RewardSet
-from rlfuse.rollout.sampler import EngineSampler, Sample, Sampler
+from rlfuse.rollout.sampler import EngineSampler, MultiTurnSampler, Sample, Sampler
 from rlfuse.rollout.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
 
-__all__ = ["ChatRenderer", "EngineSampler", "Environment", "Episode", "RewardSet", "Sample",
+__all__ = ["ChatRenderer", "EngineSampler", "MultiTurnSampler", "char_chat_tokenizer", "Environment", "Episode", "RewardSet", "Sample",
            "Sampler", "Step", "TemplateError", "Tool", "ToolEnv", "ToolError", "ToolRunner", "ToolTimeout", "Turn",
            "calculator", "evaluate", "load_tools", "run_episodes", "score_samples"]

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from rlfuse.run import char_tokenizer
 from rlfuse.run.config import TOOL_CALL_FORMATS
 
 log = logging.getLogger(__name__)
@@ -232,3 +233,28 @@ def _fix_hint(a: str, b: str) -> str:
                 "(rollout.chat_template: FILE.jinja)")
     return ("Fix: give a chat template that renders earlier turns unchanged when turns are added "
             "(rollout.chat_template: FILE.jinja)")
+
+
+# ---------------------------------------------------------------------- tiny models
+CHAR_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.role == 'system' %}{{ '<s>' + m.content }}"
+    "{% elif m.role == 'user' %}{{ '<u>' + m.content }}"
+    "{% elif m.role == 'assistant' %}{{ '<a>' + m.content + eos_token }}"
+    "{% else %}{{ '<r>' + m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<a>' }}{% endif %}")
+"""A compact chat template for character-level tokenizers: one marker token per role, the
+assistant turn ends with EOS; tools are not listed (a tiny model learns them from SFT)."""
+CHAR_CHAT_CONTROL = ("<s>", "<u>", "<a>", "<r>")
+
+
+def char_chat_tokenizer(alphabet: str, tools: list[dict] | None = None):
+    """The character tokenizer of the built-in tasks plus CHAR_CHAT_TEMPLATE's markers and
+    one token per fixed piece of a Hermes tool call (the scaffolding, each tool's name and
+    each parameter key), so a call costs its argument values' characters plus ~6 tokens."""
+    phrases = ['<tool_call>\n{"name": "', '", "arguments": {', '}}\n</tool_call>', ", "]
+    for t in tools or []:
+        fn = t["function"]
+        phrases.append(fn["name"])
+        phrases += [f'"{p}": ' for p in fn["parameters"]["properties"]]
+    return char_tokenizer(alphabet + '"', control=CHAR_CHAT_CONTROL, phrases=tuple(dict.fromkeys(phrases)),
+                          chat_template=CHAR_CHAT_TEMPLATE)

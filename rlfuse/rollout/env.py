@@ -110,18 +110,21 @@ class ToolRunner:
 
 
 class ToolEnv:
-    """The environment of `rollout.tools`: the first messages are the row's (`messages`, or
-    `prompt` as one user message after an optional `system` prompt); each turn's tool calls
+    """The environment of `rollout.tools`: the first messages are the row's (`messages` up
+    to the first assistant one; or `prompt_template` filled from the row as one user
+    message after an optional `system` prompt); each turn's tool calls
     are run and answered in 'tool' messages; a turn without tool calls ends the episode."""
 
-    def __init__(self, runner: ToolRunner, *, system: str | None = None):
-        self.runner, self.system = runner, system
+    def __init__(self, runner: ToolRunner, *, system: str | None = None, prompt_template: str = "{prompt}"):
+        self.runner, self.system, self.prompt_template = runner, system, prompt_template
 
     def reset(self, row: dict, *, seed: int) -> list[dict]:
-        if isinstance(row.get("messages"), list):
-            return list(row["messages"])
+        if isinstance(row.get("messages"), list):  # a chat row: the messages before its first answer
+            msgs = row["messages"]
+            k = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), len(msgs))
+            return list(msgs[:k])
         msgs = [{"role": "system", "content": self.system}] if self.system else []
-        return msgs + [{"role": "user", "content": row["prompt"]}]
+        return msgs + [{"role": "user", "content": self.prompt_template.format_map(row)}]
 
     def step(self, turn: Turn) -> Step:
         if not turn.tool_calls and not turn.parse_errors:

@@ -8,6 +8,7 @@ from rlfuse.run.build import (
            build_engine,
            build_model,
            build_tokenizer,
+           char_tokenizer,
            check_model_folder,
            pick_device,
            seed_everything,
@@ -19,6 +20,6 @@ from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.run.resume import load_checkpoint, load_model_folder, resolve_resume
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer", "RunLog",
-           "build_engine", "build_model", "build_tokenizer", "check_model_folder", "clip_grad_norm_", "data_lines",
+           "build_engine", "build_model", "build_tokenizer", "char_tokenizer", "check_model_folder", "clip_grad_norm_", "data_lines",
            "load_checkpoint", "load_model_folder", "lr_at", "pack_by_tokens", "peak_memory_mb", "pick_device",
            "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final", "seed_everything"]
