@@ -4,7 +4,9 @@
     rlfuse check MODEL_DIR --prompts prompts.txt --numerics fast --out runs/check
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
-decode, look-ahead, micro-batch packing, all combined), teacher-forces the same tokens
+decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
+scripted tool, with observations appended as ids, chunked, with preemption and prefix-cache
+hits between turns), teacher-forces the same tokens
 through the trainer's forward and prints one row per setting: tokens, % bitwise equal,
 max and mean |delta|, k3 KL. Writes OUT/check.json. Where a setting differs, the first
 differing token is replayed along both forwards with hooks on every layer: the first
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import string
 import sys
 import time
 from pathlib import Path
@@ -28,6 +31,8 @@ from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.rollout import TemplateError, char_chat_tokenizer
+from rlfuse.rollout.exactness import multi_turn_setting
 
 log = logging.getLogger("rlfuse.cli")
 HELP = "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)"
@@ -113,6 +118,18 @@ def run(args) -> int:
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
                   f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / {st['look_ahead_steps']}",
                   flush=True)
+        # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
+        # fit the model's vocabulary); a model folder uses its own chat template
+        try:
+            mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
+            r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+            results.append(r)
+            st = r.engine_stats
+            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
+                  f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
+        except TemplateError as e:
+            print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or "tiny", "settings": [r.row() for r in results]}
         differing = next((r for r in results if r.first_diff is not None), None)

@@ -31,6 +31,7 @@ from rlfuse.run.config import RolloutConfig
 
 _WORDS = ("408", "error: try again", "the tool says 17 and 25", "ok")
 PROBE_ROWS = ({"prompt": "What is 12 * 34?"}, {"prompt": "Add 5 and 7."}, {"prompt": "hi"})
+DEFAULT = RolloutConfig(max_turns=4, max_turn_tokens=24, max_total_tokens=150)
 
 
 class ScriptedToolEnv:
@@ -57,7 +58,7 @@ def play(model, tokenizer, *, numerics: str, engine: dict, rows=PROBE_ROWS, grou
     """(episodes, rollout metrics, engine counters) of the scripted-tool episodes on a fresh engine."""
     ecfg = EngineConfig(**{"max_num_seqs": 8, "numerics": numerics, "seed": seed, **engine})
     llm = LLM(model, tokenizer, ecfg)
-    cfg = cfg or RolloutConfig(max_turns=4, max_turn_tokens=24, max_total_tokens=150)
+    cfg = cfg or DEFAULT
     eps, m = run_episodes(llm, ChatRenderer(tokenizer), ScriptedToolEnv, list(rows), cfg=cfg,
                           group_size=group_size, seed=seed, sampling=dict(temperature=temperature))
     stats = dataclasses.asdict(llm.stats)
@@ -84,9 +85,23 @@ def compare(model, episodes: list[Episode], *, numerics: str, temperature: float
     return torch.cat(ts), torch.cat(rs), first
 
 
-def multi_turn_setting(model, tokenizer, *, numerics: str, engine: dict, name: str = "multi-turn, scripted tool",
-                       temperature: float = 1.0, seed: int = 0, micro_batch_tokens: int = 1 << 30) -> SettingResult:
-    """One `rlfuse check` row: scripted-tool episodes under `engine` overrides, compared."""
+def combined_engine(tokenizer, cfg: RolloutConfig = DEFAULT, block_size: int = 16) -> dict:
+    """Engine overrides that exercise everything at once: a per-step budget smaller than an
+    observation (chunked prefill) and a KV pool that holds one longest episode and a bit
+    (the 9 episodes contend: preemption), prefix caching on."""
+    renderer = ChatRenderer(tokenizer)
+    longest = max(len(renderer.start([{"role": "user", "content": r["prompt"]}])[1])
+                  for r in PROBE_ROWS) + cfg.max_total_tokens + cfg.max_turn_tokens
+    return dict(max_num_batched_tokens=8, num_kv_blocks=-(-longest // block_size) + 1, block_size=block_size,
+                enable_prefix_caching=True)
+
+
+def multi_turn_setting(model, tokenizer, *, numerics: str, engine: dict | None = None,
+                       name: str = "multi-turn, scripted tool", temperature: float = 1.0, seed: int = 0,
+                       micro_batch_tokens: int = 1 << 30) -> SettingResult:
+    """One `rlfuse check` row: scripted-tool episodes under `engine` overrides (default:
+    `combined_engine`), compared token by token."""
+    engine = combined_engine(tokenizer) if engine is None else engine
     eps, m, stats = play(model, tokenizer, numerics=numerics, engine=engine, temperature=temperature, seed=seed)
     t, r, first = compare(model, eps, numerics=numerics, temperature=temperature,
                           micro_batch_tokens=micro_batch_tokens)
