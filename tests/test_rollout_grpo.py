@@ -16,10 +16,10 @@ import torch
 from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.data import Prompt
+from rlfuse.kernels.policy_loss import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS
-from rlfuse.kernels.policy_loss import LOSS_TYPES
 from rlfuse.train.grpo import GRPOTrainer, frozen_copy, run_grpo
 from rlfuse.train.loop import make_optimizer
 
@@ -49,7 +49,8 @@ def _episodes(vocab: int, G: int = 4):
     for i in range(2 * G):
         mask = []
         for _ in range(1 + i % 3):
-            mask += [1.0] * int(torch.randint(2, 6, (1,), generator=g)) + [0.0] * int(torch.randint(1, 5, (1,), generator=g))
+            model_n, obs_n = int(torch.randint(2, 6, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+            mask += [1.0] * model_n + [0.0] * obs_n
         mask += [1.0] * 3
         n = len(mask)
         ids = torch.randint(3, vocab, (n,), generator=g).tolist()
@@ -136,6 +137,6 @@ def test_env_reward_adds_to_the_reward_functions():
     from rlfuse.rollout import RewardSet
     from rlfuse.run.config import RewardSpec
     prompts = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]
-    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)  # noqa: E731
+    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
     total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([RewardSpec(name="arithmetic")]), 2)
     assert total == [1.5, 0.0] and per["arithmetic"] == [1.0, 0.0] and per["env"][0] == 0.5

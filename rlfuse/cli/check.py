@@ -31,8 +31,7 @@ from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.rollout import TemplateError, char_chat_tokenizer
-from rlfuse.rollout.exactness import multi_turn_setting
+from rlfuse.rollout import TemplateError, char_chat_tokenizer, multi_turn_setting
 
 log = logging.getLogger("rlfuse.cli")
 HELP = "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)"

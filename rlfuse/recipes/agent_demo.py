@@ -21,12 +21,9 @@ import time
 from pathlib import Path
 
 from rlfuse.data import PromptStream, SFTExample, build_prompts
-from rlfuse.rollout import evaluate
-from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
+from rlfuse.rollout import ToolCall, evaluate, format_tool_call
 from rlfuse.run.config import RunConfig, load_config, replace
-from rlfuse.train import open_session, run_grpo
-from rlfuse.train.loop import make_optimizer
-from rlfuse.train.sft import SFTTrainer
+from rlfuse.train import SFTTrainer, make_optimizer, open_session, run_grpo
 
 # max SFT steps, GRPO steps, prompts per step, group size, held-out problems
 _SCHEDULE = {"ci": (200, 16, 16, 8, 200), "cpu": (300, 40, 16, 8, 500)}

@@ -17,6 +17,7 @@ from rlfuse.run.config.sections import (
                                           RolloutConfig,
 )
 
-__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "OBS_TRUNCATION", "ON_REWARD_ERROR", "TOOL_CALL_FORMATS", "CheckpointConfig", "DPOConfig", "DataConfig",
-           "GRPOConfig", "LoggingConfig", "ModelSpec", "OptimConfig", "PPOConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
-           "describe", "load_config", "replace", "save_config"]
+__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "OBS_TRUNCATION", "ON_REWARD_ERROR", "TOOL_CALL_FORMATS",
+           "CheckpointConfig", "DPOConfig", "DataConfig", "GRPOConfig", "LoggingConfig", "ModelSpec", "OptimConfig",
+           "PPOConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig", "describe", "load_config", "replace",
+           "save_config"]
