@@ -140,3 +140,22 @@ def test_env_reward_adds_to_the_reward_functions():
     mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
     total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([RewardSpec(name="arithmetic")]), 2)
     assert total == [1.5, 0.0] and per["arithmetic"] == [1.0, 0.0] and per["env"][0] == 0.5
+
+
+def test_cli_grpo_and_eval_with_tools(tmp_path):
+    """A recipe with rollout.tools: `rlfuse grpo` trains on episodes, and `rlfuse eval` of its
+    final folder (tokenizer with the chat template saved beside the weights) plays episodes."""
+    import json
+
+    from train_setup import tiny_recipe
+
+    from rlfuse.cli import main
+    recipe = tiny_recipe(tmp_path / "r.yaml", rollout={"tools": ["calculator"], "max_turns": 2, "max_turn_tokens": 4,
+                                                         "max_total_tokens": 30})
+    run = tmp_path / "run"
+    with one_thread():
+        assert main(["grpo", str(recipe), "--run-dir", str(run)]) == 0
+        rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+        assert any("rollout/turns_mean" in r for r in rows)
+        assert main(["eval", str(recipe), "--run-dir", str(run), "--checkpoint", str(run / "final")]) == 0
+    assert json.loads((run / "eval.json").read_text())["num_problems"] == 10
