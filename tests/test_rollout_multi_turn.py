@@ -196,6 +196,12 @@ def test_async_env_turn_rewards_and_token_budget():
                           group_size=2, seed=7)
     for e in eps:
         assert e.turns == 3 and e.turn_rewards == [0.5, 1.0, 1.5] and e.env_reward == 13.0 and e.stop == "done"
+
+    class TurnRewardsOnly:  # no reward(): the episode's reward is the sum of the per-turn ones
+        reset, step = Counter.reset, Counter.step
+
+    eps, _ = run_episodes(eng, renderer, TurnRewardsOnly, [{"prompt": "count"}], cfg=RolloutConfig(max_turns=5))
+    assert eps[0].env_reward == 3.0
     # a tight token budget truncates; so does a turn cut at max_turn_tokens
     eps, _ = run_episodes(eng, renderer, Counter, [{"prompt": "count"}], cfg=RolloutConfig(max_total_tokens=20))
     assert eps[0].truncated and eps[0].stop == "max_total_tokens" and len(eps[0].token_ids) < 20

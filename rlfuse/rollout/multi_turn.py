@@ -58,6 +58,7 @@ class Episode:
     turn_texts: list[str] = dataclasses.field(default_factory=list)
     turn_rewards: list[float | None] = dataclasses.field(default_factory=list)
     env_reward: float | None = None
+    """The environment's reward(), or else the sum of its per-turn rewards; None if it gives neither."""
     truncated: bool = False
     stop: str = ""
     """Why it ended: done, max_turns, max_total_tokens, context, env_error, env_timeout."""
@@ -139,6 +140,9 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
     def finish(lv: _Live, stop: str) -> None:
         lv.ep.stop = stop
         lv.ep.truncated = lv.ep.truncated or stop not in ("done",)
+        turn = [r for r in lv.ep.turn_rewards if r is not None]
+        if turn and not hasattr(lv.env, "reward"):  # per-turn rewards only: the episode's is their sum
+            lv.ep.env_reward = float(sum(turn))
         if hasattr(lv.env, "reward"):
             try:
                 lv.ep.env_reward = call(lv.env.reward)
