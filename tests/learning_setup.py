@@ -41,6 +41,8 @@ QUIET = {"logging.progress": False, "logging.tensorboard": False, "checkpoint.sa
 RUNS = {
     "rloo": ("grpo", {"grpo.advantage": "rloo"}),
     "reinforce_pp": ("grpo", {"grpo.advantage": "reinforce_pp"}),
+    # rank-8 LoRA on every linear layer (alpha 32), lr 10x the full fine-tune's 1e-4
+    "lora_rloo": ("grpo", {"grpo.advantage": "rloo", "model.lora": {"rank": 8}, "optim.lr": 1e-3}),
     # 2000 pairs: the 30 x 64 the run visits (the reference log-probs of all are precomputed)
     "dpo": ("dpo", {"data.train": "builtin:arithmetic_pref", "data.train_size": 2000, "optim.lr": 3e-4,
                     "dpo.steps": 30, "dpo.batch_size": 64, "dpo.beta": 0.5}),

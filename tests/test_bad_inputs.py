@@ -135,8 +135,8 @@ def test_bad_data_file(tmp_path, name, content, need_target, msg):
 
 @pytest.mark.bad_input("data")
 def test_no_train_data_given():
-    expect_error(lambda: load_rows(DataConfig()), r"data\.train is empty: give a \.jsonl/\.json/\.parquet file or "
-                                                  r"builtin:<task>", "no data.train")
+    expect_error(lambda: load_rows(DataConfig()), r"data\.train is empty: give a \.jsonl/\.json/\.parquet file, "
+                                                  r"builtin:<task>, hf:NAME or a save_to_disk folder", "no data.train")
 
 
 @pytest.fixture

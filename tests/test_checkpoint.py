@@ -176,3 +176,25 @@ def test_checkpoint_folders_get_normal_permissions(saved):
     umask = os.umask(0)
     os.umask(umask)
     assert mode == 0o777 & ~umask
+
+
+def test_cuda_rng_states_restore_onto_fewer_devices(monkeypatch):
+    """A checkpoint of a 2-GPU torchrun rank holds two CUDA RNG states; resuming it in one
+    process that sees one GPU restores device 0's and leaves the other (it raised
+    IndexError in torch.cuda.set_rng_state_all on 2 x H100)."""
+    import torch
+
+    from rlfuse.run import checkpoint as ck
+
+    st = ck.rng_state()
+    st["cuda"] = [torch.tensor([1], dtype=torch.uint8), torch.tensor([2], dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, i: restored.append((i, int(s[0]))))
+    ck.set_rng_state(st)
+    assert restored == [(0, 1)]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    restored.clear()
+    ck.set_rng_state(st)
+    assert restored == [(0, 1), (1, 2)]

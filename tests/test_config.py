@@ -47,6 +47,11 @@ def test_yaml_unknown_key_and_bad_type_name_the_field(tmp_path):
 def test_choices_are_checked():
     with pytest.raises(ValueError, match="grpo.loss_type must be one of"):
         load_config(None, ["grpo.loss_type=ppo"])
+    with pytest.raises(ValueError, match="grpo.cispo_clip_low applies to grpo.loss_type cispo only"):
+        load_config(None, ["grpo.cispo_clip_low=true"])
+    with pytest.raises(ValueError, match="grpo.kl_ratio .* gspo"):
+        load_config(None, ["grpo.kl_ratio=true", "grpo.loss_type=gspo"])
+    assert load_config(None, ["grpo.cispo_clip_low=true", "grpo.loss_type=cispo"]).grpo.cispo_clip_low
     with pytest.raises(ValueError, match="group_size must be >= 2"):
         load_config(None, ["grpo.group_size=1"])
     with pytest.raises(ValueError, match="expected KEY=VALUE"):

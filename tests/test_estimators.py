@@ -68,22 +68,28 @@ def test_token_advantages_dispatch():
         token_advantages("ppo", r, lens, 2)
 
 
-def test_cispo_hand_computed_both_backends():
+@pytest.mark.parametrize("clip_low", [False, True])
+def test_cispo_hand_computed_both_backends(clip_low):
     """seq 0: ratios (1, 1.5, 0.5), A = +1; seq 1: ratios (1.1, 0.7), A = -2, and a masked
-    token. Clip 0.2: weights (1, 1.2, 0.8 | 1.1, 0.8); pg_t = -w_t A_t logp_t, token mean."""
+    token. Clip 0.2, capped above only (the paper's form): weights (1, 1.2, 0.5 | 1.1, 0.7);
+    with cispo_clip_low also bounded below: (1, 1.2, 0.8 | 1.1, 0.8). pg_t = -w_t A_t logp_t,
+    token mean."""
     ratios = [1.0, 1.5, 0.5, 1.1, 0.7, 3.0]
     old = [-1.0, -2.0, -0.5, -1.5, -0.3, -2.5]
     lp = [o + math.log(r) for o, r in zip(old, ratios)]
-    w, a = [1.0, 1.2, 0.8, 1.1, 0.8], [1.0, 1.0, 1.0, -2.0, -2.0]
+    w = [1.0, 1.2, 0.8, 1.1, 0.8] if clip_low else [1.0, 1.2, 0.5, 1.1, 0.7]
+    a = [1.0, 1.0, 1.0, -2.0, -2.0]
     want = sum(-wi * ai * li for wi, ai, li in zip(w, a, lp)) / 5
     want_grad = [-wi * ai / 5 for wi, ai in zip(w, a)] + [0.0]
     for fn in (policy_loss_ref, policy_loss_triton):
         logp = torch.tensor(lp, dtype=torch.float64, requires_grad=True)
         loss, st = fn(logp, torch.tensor(old, dtype=torch.float64),
                       torch.tensor(a + [-2.0], dtype=torch.float64), torch.tensor([1, 1, 1, 1, 1, 0], dtype=torch.bool),
-                      torch.tensor([0, 0, 0, 1, 1, 1]), 2, loss_type="cispo", clip_low=0.2, clip_high=0.2)
+                      torch.tensor([0, 0, 0, 1, 1, 1]), 2, loss_type="cispo", clip_low=0.2, clip_high=0.2,
+                      cispo_clip_low=clip_low)
         assert loss.item() == pytest.approx(want, abs=1e-9), fn.__name__
-        assert st["clip_frac"].item() == pytest.approx(3 / 5)  # r = 1.5, 0.5 and 0.7 (1.1 inside)
+        # weights changed by a bound: r = 1.5, and with the lower bound 0.5 and 0.7 (1.1 inside)
+        assert st["clip_frac"].item() == pytest.approx(3 / 5 if clip_low else 1 / 5)
         loss.backward()
         torch.testing.assert_close(logp.grad, torch.tensor(want_grad, dtype=torch.float64), rtol=0, atol=1e-9)
 

@@ -155,7 +155,8 @@ def check_policy_loss(N=65536, B=256):
                 if lt == "gspo":
                     kw.update(clip_low=3e-3, clip_high=4e-3)
                 if kl:
-                    kw.update(ref_logp=ref, kl_coef=0.05, kl_type=kl)
+                    # kl_ratio (the ratio-weighted KL) on k3, the estimator it is used with
+                    kw.update(ref_logp=ref, kl_coef=0.05, kl_type=kl, kl_ratio=kl == "k3" and lt != "gspo")
                 a, b = logp.clone().requires_grad_(), logp.clone().requires_grad_()
                 la, sa = policy_loss_triton(a, old, adv, mask, seq, B, **kw)
                 lb, sb = policy_loss_ref(b, old, adv, mask, seq, B, **kw)

@@ -46,8 +46,11 @@ def _hand_batch(dtype=torch.float64):
 # gspo: s_0 = exp(mean(0, ln 1.5, ln 0.5)) = 0.75^(1/3) ~ 0.9086 (inside [0.8, 1.2]) -> -s_0;
 #       s_1 = exp(mean(0, ln 1.5)) = 1.5^(1/2) ~ 1.2247, A=-1 -> -min(-1.2247, -1.2) = 1.2247
 #       loss = (-0.75^(1/3) + 1.5^(1/2)) / 2
-# cispo: pg = -clip(r) A logp with logp = ln r: seq 0 -> 0, -1.2 ln 1.5, -0.8 ln 0.5; seq 1 -> 0,
-#       +1.2 ln 1.5; token mean over 5: (-0.8 ln 0.5) / 5 = 0.16 ln 2
+# cispo: pg = -w A logp with logp = ln r, w = min(r, 1.2) (no lower bound): seq 0 -> 0, -1.2 ln 1.5,
+#       -0.5 ln 0.5; seq 1 -> 0, +1.2 ln 1.5; token mean over 5: (-0.5 ln 0.5) / 5 = 0.1 ln 2
+#       cispo_clip_low: w = clip(r, 0.8, 1.2), the 0.5 weighs 0.8: (-0.8 ln 0.5) / 5 = 0.16 ln 2
+# kl_ratio with k1 as above: the KL term is r * 0.5 * 0.1: seq 0 mean(0.05, 0.075, 0.025) = 0.05,
+#       seq 1 mean(0.05, 0.075) = 0.0625 -> grpo 0.175 + 0.05625 = 0.23125
 HAND = [
     (dict(loss_type="grpo"), 0.175),
     (dict(loss_type="dapo"), -0.04),
@@ -56,7 +59,9 @@ HAND = [
     (dict(loss_type="grpo", kl_coef=0.1, kl_type="k1", ref=0.5), 0.225),
     (dict(loss_type="grpo", kl_coef=0.1, kl_type="k2", ref=0.5), 0.1875),
     (dict(loss_type="gspo"), (-(0.75 ** (1 / 3)) + 1.5 ** 0.5) / 2),
-    (dict(loss_type="cispo"), 0.16 * math.log(2)),
+    (dict(loss_type="cispo"), 0.1 * math.log(2)),
+    (dict(loss_type="cispo", cispo_clip_low=True), 0.16 * math.log(2)),
+    (dict(loss_type="grpo", kl_coef=0.1, kl_type="k1", ref=0.5, kl_ratio=True), 0.23125),
 ]
 
 
@@ -81,14 +86,22 @@ def test_hand_computed(fn, kw, expected):
     if "dual_clip" in kw:
         assert stats["clip_frac"].item() == pytest.approx(0.4)
     if kw.get("loss_type") == "cispo":
-        # weights clipped at r = 1.5 (twice) and r = 0.5: 3 of 5 tokens; every live token has a
-        # gradient -clip(r) A / 5 (the clip only bounds the detached weight)
-        assert stats["clip_frac"].item() == pytest.approx(0.6)
+        # weights capped at r = 1.5 (twice), and with the lower bound at r = 0.5 too: 2 or 3 of 5
+        # tokens; every live token has a gradient -w A / 5 (the bounds only act on the detached weight)
+        low = kw.get("cispo_clip_low", False)
+        assert stats["clip_frac"].item() == pytest.approx(0.6 if low else 0.4)
         loss.backward()
-        expect = torch.tensor([-1.0, -1.2, -0.8, 1.0, 1.2, 0.0], dtype=logp.dtype) / 5
+        expect = torch.tensor([-1.0, -1.2, -0.8 if low else -0.5, 1.0, 1.2, 0.0], dtype=logp.dtype) / 5
         assert torch.allclose(logp.grad, expect, atol=1e-12), logp.grad
     if kw.get("kl_type") == "k1":
-        assert stats["kl"].item() == pytest.approx(0.5)
+        assert stats["kl"].item() == pytest.approx(0.5)  # the estimate itself, not the ratio-weighted term
+    if kw.get("kl_ratio"):
+        # d/d logp of 0.1 r kl1 = 0.1 r (1 + kl1) = 0.15 r, plus the pg gradient of the grpo case
+        loss.backward()
+        pg = torch.tensor([-1 / 6, 0.0, -0.5 / 6, 1 / 4, 1.5 / 4, 0.0], dtype=logp.dtype)
+        r = torch.tensor([1.0, 1.5, 0.5, 1.0, 1.5, 0.0], dtype=logp.dtype)
+        w = torch.tensor([1 / 6] * 3 + [1 / 4] * 3, dtype=logp.dtype)
+        assert torch.allclose(logp.grad, pg + w * 0.15 * r, atol=1e-12), logp.grad
 
 
 def _random_batch(N=300, B=7, dtype=torch.float32, seed=0):
@@ -103,10 +116,11 @@ def _random_batch(N=300, B=7, dtype=torch.float32, seed=0):
 
 
 CASES = [dict(loss_type=lt, dual_clip=dc) for lt in ("grpo", "dapo", "dr_grpo", "gspo") for dc in (None, 1.3)] + \
-    [dict(loss_type="cispo", dual_clip=None)]
+    [dict(loss_type="cispo", dual_clip=None), dict(loss_type="cispo", dual_clip=None, cispo_clip_low=True),
+     dict(loss_type="dapo", dual_clip=1.3, kl_ratio=True), dict(loss_type="cispo", dual_clip=None, kl_ratio=True)]
 
 
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['loss_type']}-dual{c['dual_clip']}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
 @pytest.mark.parametrize("kl_type", [None, "k1", "k2", "k3"])
 def test_triton_vs_ref(case, kl_type):
     logp, old, adv, mask, seq, ref = _random_batch(seed=len(str(case)) + len(str(kl_type)))
@@ -160,7 +174,9 @@ def test_backend_switch_and_errors():
     assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
     for bad, msg in [(dict(loss_type="ppo"), "loss_type"), (dict(loss_type="dr_grpo"), "max_tokens"),
                      (dict(dual_clip=1.0), "dual_clip"), (dict(kl_type="k4"), "kl_type"),
-                     (dict(loss_type="cispo", dual_clip=2.0), "cispo")]:
+                     (dict(loss_type="cispo", dual_clip=2.0), "cispo"),
+                     (dict(loss_type="gspo", kl_ratio=True), "kl_ratio"),
+                     (dict(loss_type="grpo", cispo_clip_low=True), "cispo_clip_low")]:
         with pytest.raises(ValueError, match=msg):
             policy_loss_triton(logp, old, adv, mask, seq, 7, **bad)
 

@@ -2,9 +2,10 @@
 train -> api -> serve -> recipes -> cli.
 
 An `ast` walk over every module: a module of layer L may import rlfuse modules of
-layers <= L only (its own layer included). Triton is an optional dependency: only
-`rlfuse/kernels/triton/` imports it, and no other module imports that package by an
-import statement (the public ops reach it through `kernels.backend.triton_ops`, once a
+layers <= L only (its own layer included). The package root (rlfuse/__init__.py)
+re-exports the Python API, so it is of layer api, and so is `from rlfuse import ...`.
+Triton is an optional dependency: only `rlfuse/kernels/triton/` imports it, and no other
+module imports that package by an import statement (the public ops reach it through `kernels.backend.triton_ops`, once a
 backend resolves to "triton"); `test_no_triton` runs the package with triton hidden."""
 
 import ast
@@ -20,6 +21,8 @@ ROOT = Path(__file__).resolve().parents[1] / "rlfuse"
 def _layer(modname: str) -> int | None:
     if modname == "rlfuse.__main__":  # `python -m rlfuse`: the command line
         return LAYERS.index("cli")
+    if modname in ("rlfuse", "rlfuse.__init__"):  # the root re-exports the Python API (`from rlfuse import ...`)
+        return LAYERS.index("api")
     parts = modname.split(".")
     if parts[0] != "rlfuse" or len(parts) < 2:
         return None
@@ -59,8 +62,8 @@ def test_every_package_is_a_known_layer():
 def test_imports_point_down(path, modname):
     own = _layer(modname)
     if own is None:
-        own = -1  # rlfuse/__init__.py and top-level helpers import no layer
-        own_name = "the package root"
+        own = -1  # top-level helpers import no layer
+        own_name = "a top-level module"
     else:
         own_name = LAYERS[own]
     for lineno, target in _imports(path, modname):

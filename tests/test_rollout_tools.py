@@ -91,14 +91,14 @@ def test_calculator_is_exact_and_refuses_code():
 def test_load_tools_from_builtins_and_files(tmp_path):
     (tmp_path / "mytools.py").write_text('def shout(text: str) -> str:\n    """Upper-case text.\n\n    Args:\n'
                                          '        text: what to shout.\n    """\n    return text.upper()\n')
-    tools = load_tools(["calculator", "mytools.py:shout"], base=tmp_path)
+    tools = load_tools(["calculator", f"{tmp_path}/mytools.py:shout"])
     assert [t.name for t in tools] == ["calculator", "shout"] and tools[1].call({"text": "hi"}) == "HI"
     with pytest.raises(ValueError, match=r"rollout.tools\[0\].*unknown built-in"):
         load_tools(["calc"])
-    with pytest.raises(ValueError, match="does not exist"):
-        load_tools(["nope.py:f"], base=tmp_path)
-    with pytest.raises(ValueError, match="defines no 'g'"):
-        load_tools(["mytools.py:g"], base=tmp_path)
+    with pytest.raises(ValueError, match=r"rollout.tools\[0\]: no such file"):
+        load_tools([f"{tmp_path}/nope.py:f"])
+    with pytest.raises(ValueError, match="has no function 'g'"):
+        load_tools([f"{tmp_path}/mytools.py:g"])
     with pytest.raises(ValueError, match="twice"):
         load_tools(["calculator", "calculator"])
 

@@ -11,6 +11,7 @@ Each subcommand is a module here (`rlfuse/cli/<name>.py`) with `HELP` (one line)
     rlfuse ppo CONFIG [--set a.b=v ...] [--resume]
     rlfuse dpo CONFIG [--set a.b=v ...] [--resume]
     rlfuse check --tiny --numerics exact
+    rlfuse serve MODEL_OR_RUN [--port 8000]
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import sys
 
 from tqdm.contrib.logging import logging_redirect_tqdm
 
-from rlfuse.cli import bench, check, demo, dpo, generate, grpo, ppo, report, sft
+from rlfuse.cli import bench, check, demo, dpo, generate, grpo, ppo, report, serve, sft
 from rlfuse.cli import eval as eval_cmd
 from rlfuse.cli.common import fail
 
 COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "dpo": dpo, "eval": eval_cmd, "generate": generate,
-            "report": report, "check": check, "bench": bench}
+            "serve": serve, "report": report, "check": check, "bench": bench}
 """Subcommand name -> its module, in the order `--help` lists them."""
 
 

@@ -2,6 +2,8 @@
 
     rlfuse check --tiny --numerics exact          # a small random model, ~1 min on a CPU
     rlfuse check MODEL_DIR --prompts prompts.txt --numerics fast --out runs/check
+    rlfuse check MODEL_DIR --adapter PEFT_DIR        # the same with a LoRA adapter applied
+    rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
@@ -30,6 +32,8 @@ from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
+from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
+from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.rollout import TemplateError, char_chat_tokenizer, multi_turn_setting
 
@@ -57,6 +61,9 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default=None, help="model dtype (default: bf16 on CUDA, fp32 on CPU for --tiny; "
                    "the checkpoint's otherwise)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="kernel backend")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder applied to the model (unmerged)")
+    p.add_argument("--lora-rank", type=int, default=0, help="attach a random LoRA adapter of this rank on every "
+                   "linear layer (B drawn nonzero, so the adapter changes the output)")
 
 
 def _model(args, device):
@@ -64,8 +71,17 @@ def _model(args, device):
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
         m = CausalLM(ModelConfig(**_TINY))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
-        return m.to(device=device, dtype=getattr(torch, dtype)), None
-    return load_model(args.model, device=device, dtype=args.dtype), Tokenizer.from_pretrained(args.model)
+        m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
+    else:
+        m, tok = load_model(args.model, device=device, dtype=args.dtype), Tokenizer.from_pretrained(args.model)
+    if args.adapter and args.lora_rank:
+        raise ValueError("check: give --adapter or --lora-rank, not both")
+    if args.adapter:
+        load_peft_adapter(m, args.adapter)
+    elif args.lora_rank:
+        attach_lora(m, LoRAConfig(rank=args.lora_rank))
+        init_lora_(m, seed=args.seed, b_std=0.1)
+    return m, tok
 
 
 def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
@@ -103,7 +119,8 @@ def run(args) -> int:
     # a pool that holds two of the longest sequences at full length: preemption is forced
     small_pool = 2 * -(-need // block)
     settings = default_sweep(max_batch, small_pool_blocks=small_pool, chunk_tokens=max(block, need // 3))
-    print(f"rlfuse check: {model.config.architecture} on {device} ({model.lm_head_weight.dtype}), numerics "
+    lora = f", LoRA on {len(lora_modules(model))} projections" if lora_modules(model) else ""
+    print(f"rlfuse check: {model.config.architecture}{lora} on {device} ({model.lm_head_weight.dtype}), numerics "
           f"{args.numerics}, {len(settings)} settings, up to {max_batch} sequences x {max_tokens} tokens")
     print(f"{'setting':34s} {'tokens':>7s} {'bitwise':>8s} {'max|d|':>10s} {'mean|d|':>10s} {'kl_k3':>10s}  "
           "engine: preemptions / cached prompt tokens / look-ahead steps")
@@ -130,7 +147,9 @@ def run(args) -> int:
         except TemplateError as e:
             print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
-                  "model": args.model or "tiny", "settings": [r.row() for r in results]}
+                  "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
+                                                                             if args.lora_rank else None),
+                  "settings": [r.row() for r in results]}
         differing = next((r for r in results if r.first_diff is not None), None)
         if differing is not None:
             i, pos = differing.first_diff

@@ -1,6 +1,6 @@
-"""Shared CLI plumbing for the training commands: CONFIG resolution, --set overrides,
---resume, run-folder and runtime set-up (threads, the process group under torchrun), and
-a key listing for --help."""
+"""Shared CLI plumbing for the training commands: CONFIG with --set overrides and --resume
+(resolved by rlfuse.api.config), runtime set-up (threads, the process group under
+torchrun), a key listing for --help, and the inference commands' engine options."""
 
 from __future__ import annotations
 
@@ -9,33 +9,19 @@ import logging
 import os
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from rlfuse.run import data_lines, pick_device, prepare_run_folder
-from rlfuse.run.config import RunConfig, describe, load_config
-from rlfuse.run.distributed import DistContext, fail_together, init_distributed, launch_env, quiet_non_main, shutdown
+from rlfuse.api.config import load_run_config as api_config
+from rlfuse.api.config import recipe_names
+from rlfuse.engine import EngineConfig
+from rlfuse.kernels.backend import NUMERICS
+from rlfuse.run import data_lines, pick_device
+from rlfuse.run.config import RunConfig, describe
+from rlfuse.run.distributed import DistContext, init_distributed, launch_env, quiet_non_main, shutdown
 
 log = logging.getLogger("rlfuse.cli")
-RECIPES = Path(__file__).resolve().parents[1] / "recipes"
-
-
-def recipe_names() -> list[str]:
-    return sorted(p.stem for p in RECIPES.glob("*.yaml"))
-
-
-def resolve_config_path(name: str) -> Path:
-    """A YAML path, or the name of a built-in recipe (rlfuse/recipes/<name>.yaml)."""
-    path = Path(name)
-    if path.exists():
-        return path
-    builtin = RECIPES / (name if name.endswith(".yaml") else f"{name}.yaml")
-    if builtin.exists():
-        return builtin
-    raise ValueError(f"config {name!r}: no such file and no built-in recipe of that name "
-                     f"(built-in recipes: {', '.join(recipe_names())})")
 
 
 def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> None:
@@ -60,31 +46,38 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True) -> 
 
 
 def load_run_config(args) -> RunConfig:
+    """CONFIG with --set, --run-dir and --resume applied (rlfuse.api.config)."""
     over = list(args.overrides)
     if getattr(args, "run_dir", None):
         over.append(f"logging.run_dir={args.run_dir}")
     if getattr(args, "resume", False):
         over.append("checkpoint.resume=auto")
-    path = resolve_config_path(args.config)
-    # a user's recipe names its inputs relative to its own folder; a built-in recipe's
-    # paths (runs/<earlier stage>/final) are relative to the working directory
-    builtin = path.resolve().parent == RECIPES
-    return load_config(path, over, relative_to=None if builtin else path.resolve().parent)
+    return api_config(args.config, over)
 
 
-def prepare_run(args, cfg: RunConfig, kind: str, ctx: DistContext | None = None) -> None:
-    """Start, resume or overwrite the run folder per --resume / --overwrite / --force
-    (rlfuse.run.folder), before anything is written. Under torchrun rank 0 alone
-    touches the folder; every rank stops with its error if it refuses."""
-    def prepare():
-        if ctx is None or ctx.is_main:
-            prepare_run_folder(cfg, kind, resume=getattr(args, "resume", False),
-                               overwrite=getattr(args, "overwrite", False), force=getattr(args, "force", False))
-    if ctx is None:
-        prepare()
-        return
-    with fail_together(ctx, "run folder"):
-        prepare()
+def run_flags(args) -> dict:
+    """--resume / --overwrite / --force as the trainers' keywords (rlfuse.run.folder)."""
+    return dict(resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
+                force=getattr(args, "force", False))
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The model and engine options of the inference commands (generate, serve)."""
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="model dtype (default: the checkpoint's)")
+    p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + output (default: the model's)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one engine step")
+    p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    p.add_argument("--numerics", choices=NUMERICS, default="fast",
+                   help="engine numerics: exact = batch-invariant kernels, each request's log-probs independent "
+                        "of the batch it ran in (docs/numerics.md)")
+
+
+def engine_config(args) -> EngineConfig:
+    return EngineConfig(max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
+                        numerics=args.numerics)
 
 
 def print_summary(command: str, res: dict) -> None:

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from rlfuse.api import DPOTrainer
 from rlfuse.cli.common import (
     add_config_arguments,
     fail,
     load_run_config,
-    prepare_run,
     print_data,
+    run_flags,
     setup_threads,
     single_process_only,
 )
-from rlfuse.train import run_dpo
 
 HELP = "DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)"
 
@@ -24,9 +24,8 @@ def run(args) -> int:
     try:
         single_process_only("dpo")
         cfg = load_run_config(args)
-        prepare_run(args, cfg, "dpo")
         setup_threads(args.threads)
-        res = run_dpo(cfg)
+        res = DPOTrainer(config=cfg, **run_flags(args)).train()
     except ValueError as e:
         return fail(e)
     last = res["history"][-1] if res["history"] else {}

@@ -1,7 +1,9 @@
 """`rlfuse eval CONFIG [--checkpoint DIR]`: greedy evaluation on the recipe's eval set.
 
 DIR is an HF model folder or a checkpoint folder (its model/ is used; a sharded
-checkpoint's dcp/ is read in this one process); default: the recipe's model.path. Prints the metrics and writes RUN_DIR/eval.json."""
+checkpoint's dcp/ is read in this one process); default: the recipe's model.path. A
+LoRA run's checkpoint (its adapter/) or final/ (a PEFT folder), or `--adapter DIR`, is
+applied to the recipe's base model. Prints the metrics and writes RUN_DIR/eval.json."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import json
 from pathlib import Path
 
 from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.model.lora_peft import CONFIG_FILE as ADAPTER_CONFIG
 from rlfuse.rollout import evaluate
 from rlfuse.run import check_model_folder
 from rlfuse.run.config import replace
@@ -20,6 +23,8 @@ HELP = "evaluate a checkpoint on a recipe's eval set"
 def add_arguments(p):
     add_config_arguments(p, resume=False)
     p.add_argument("--checkpoint", default=None, help="model folder or checkpoint folder to evaluate")
+    p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder applied to the recipe's model "
+                                                   "(or to --checkpoint's), unmerged")
     p.add_argument("--limit", type=int, default=None, help="evaluate only the first N problems")
 
 
@@ -27,12 +32,20 @@ def run(args) -> int:
     try:
         cfg = load_run_config(args)
         setup_threads(args.threads)
+        adapter = args.adapter
         if args.checkpoint:
             check_model_folder(args.checkpoint, "--checkpoint")
             path = Path(args.checkpoint)
-            path = path / "model" if (path / "model" / "config.json").exists() else path
-            tok = cfg.model.tokenizer if cfg.model.tokenizer not in ("", "char") else str(path)
-            cfg = replace(cfg, **{"model.path": str(path), "model.random_init": None, "model.tokenizer": tok})
+            if (path / "adapter").is_dir() or (path / ADAPTER_CONFIG).is_file():  # a LoRA run's
+                if adapter:
+                    raise ValueError(f"eval: --checkpoint {path} holds a LoRA adapter already; drop --adapter")
+                adapter = str(path / "adapter" if (path / "adapter").is_dir() else path)
+            else:
+                path = path / "model" if (path / "model" / "config.json").exists() else path
+                tok = cfg.model.tokenizer if cfg.model.tokenizer not in ("", "char") else str(path)
+                cfg = replace(cfg, **{"model.path": str(path), "model.random_init": None, "model.tokenizer": tok})
+        if adapter:
+            cfg = replace(cfg, **{"model.lora": {"path": adapter}})
         ses = open_session(cfg, write_config=False)
         prompts = ses.eval_prompts()
         if not prompts:
@@ -41,7 +54,7 @@ def run(args) -> int:
         res = evaluate(ses.sampler, prompts, ses.rewards(), max_new_tokens=cfg.grpo.max_new_tokens)
     except ValueError as e:
         return fail(e)
-    res = {"model": cfg.model.path, **res}
+    res = {"model": cfg.model.path, **({"adapter": adapter} if adapter else {}), **res}
     (ses.run_dir / "eval.json").write_text(json.dumps(res, indent=2))
     print(json.dumps(res, indent=2))
     return 0

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from rlfuse.api import GRPOTrainer
 from rlfuse.cli.common import (
     add_config_arguments,
     as_rank,
     end_distributed,
     fail,
     load_run_config,
-    prepare_run,
     print_summary,
+    run_flags,
     setup_threads,
     start_distributed,
 )
 from rlfuse.run.distributed import RankFailed
-from rlfuse.train import run_grpo
 
 HELP = "GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)"
 
@@ -32,8 +32,7 @@ def _run(args) -> int:
         cfg = load_run_config(args)
         setup_threads(args.threads)
         ctx = start_distributed(args, cfg)  # None unless launched by torchrun
-        prepare_run(args, cfg, "grpo", ctx)
-        res = run_grpo(cfg, dist=ctx)
+        res = GRPOTrainer(config=cfg, dist=ctx, **run_flags(args)).train()
     except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
         return fail(e)
     end_distributed(ctx)

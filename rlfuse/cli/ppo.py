@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
+from rlfuse.api import PPOTrainer
 from rlfuse.cli.common import (
     add_config_arguments,
     fail,
     load_run_config,
-    prepare_run,
     print_summary,
+    run_flags,
     setup_threads,
     single_process_only,
 )
-from rlfuse.train import run_ppo
 
 HELP = "PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)"
 
@@ -24,9 +24,8 @@ def run(args) -> int:
     try:
         single_process_only("ppo")
         cfg = load_run_config(args)
-        prepare_run(args, cfg, "ppo")
         setup_threads(args.threads)
-        res = run_ppo(cfg)
+        res = PPOTrainer(config=cfg, **run_flags(args)).train()
     except ValueError as e:
         return fail(e)
     print_summary("ppo", res)

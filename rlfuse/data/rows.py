@@ -1,7 +1,9 @@
-"""Rows from a data source: `.jsonl`, `.json`, `.parquet` files or `builtin:<task>`,
-read, decoded and validated. A malformed row raises ValueError naming `file:line` (the
-row number for .json/.parquet) and the field; a missing, empty, non-UTF-8 or non-JSON
-file names the file. The row formats are described in rlfuse/data/prompts.py.
+"""Rows from a data source: `.jsonl`, `.json`, `.parquet` files, `builtin:<task>`, or a
+Hugging Face dataset (rlfuse.data.hf: hf:NAME[:CONFIG], a save_to_disk folder), read,
+decoded, renamed (data.columns), transformed (data.map) and validated. A malformed row
+raises ValueError naming `file:line` (the row number for .json/.parquet) and the field; a
+missing, empty, non-UTF-8 or non-JSON file names the file. The row formats are described
+in rlfuse/data/prompts.py.
 Test: python -m pytest -q tests/test_data.py tests/test_bad_inputs.py
 """
 
@@ -11,7 +13,9 @@ import json
 import logging
 from pathlib import Path
 
+from rlfuse.data.hf import is_hf_source, read_hf, transform_rows
 from rlfuse.data.tasks import make_split
+from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig
 
 log = logging.getLogger(__name__)
@@ -119,7 +123,8 @@ def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) 
     """[(where, row)] of the train or eval split, validated."""
     src = cfg.train if split == "train" else (cfg.eval or (cfg.train if cfg.train.startswith("builtin:") else ""))
     if not src:
-        raise ValueError(f"data.{split} is empty: give a .jsonl/.json/.parquet file or builtin:<task>")
+        raise ValueError(f"data.{split} is empty: give a .jsonl/.json/.parquet file, builtin:<task>, hf:NAME "
+                         f"or a save_to_disk folder")
     if src.startswith("builtin:"):
         task = src.removeprefix("builtin:")
         # eval first: small and fixed, then train excluding its prompts (disjoint splits)
@@ -129,8 +134,13 @@ def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) 
         else:
             rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r["prompt"] for r in ev}, **cfg.task)
         pairs = [(f"{src}[{split} {i}]", r) for i, r in enumerate(rows)]
+    elif is_hf_source(src):
+        pairs = read_hf(src, cfg.split if split == "train" else cfg.eval_split, f"data.{split}")
     else:
         pairs = _read_file(Path(src))
+    if cfg.columns or cfg.map:
+        row_map = load_function(cfg.map, f"data.map {cfg.map!r}") if cfg.map else None
+        pairs = transform_rows(pairs, cfg.columns, row_map)
     for where, row in pairs:
         _check_row(where, row, cfg, need_target)
     return pairs

@@ -9,13 +9,17 @@ in-place update (optimizer step, `p.copy_`) is used by the next `generate` with 
 and no sync step; CUDA graphs replay over the same parameter tensors. Cached prompt K/V
 would be stale after an update: the prefix cache is dropped when the parameters' version
 counters changed since the last request (in-place ops bump them; writes through `.data`
-do not -- call `reset_prefix_cache()` after those), and on `wake()`.
+do not -- call `reset_prefix_cache()` after those), and on `wake()`. LoRA adapters
+(`rlfuse.model.lora`) are parameters like any other; attaching them or switching them
+off/on between requests drops the prefix cache and the decode graphs too.
 
 Streaming: `add_request` (validates, names the request in any ValueError, leaves the
 other requests untouched), `step()` (one scheduler step; returns the completions that
-finished in it), `abort(request_id)`, `has_unfinished()`. `sleep()` frees the KV pool and
-the graphs' memory for training (running requests are preempted and resume by
-recompute after `wake()`), `wake()` re-creates the pool with the same number of blocks.
+finished in it), `abort(request_id)`, `has_unfinished()`, `partial(request_id, start)`
+(the tokens running samples have so far: what a streaming server sends). `sleep()` frees
+the KV pool and the graphs' memory for training (running requests are preempted and
+resume by recompute after `wake()`), `wake()` re-creates the pool with the same number
+of blocks.
 
 Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
 filtering, from `rlfuse.kernels.logprob.token_logprobs`, the function the trainer uses.
@@ -38,6 +42,7 @@ from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status
+from rlfuse.model.lora import adapter_switches
 from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -109,6 +114,7 @@ class LLM:
         self._pending: _Launched | None = None  # a look-ahead step launched, not read yet
         self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
         self._weights_version = self._param_version()
+        self._adapters = adapter_switches(model)
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s, decode %s, numerics %s", mcfg.architecture,
@@ -130,6 +136,17 @@ class LLM:
             self._weights_version = v
             self.block_manager.reset_prefix_cache()
             log.debug("parameters changed in place: prefix cache dropped")
+        switches = adapter_switches(self.model)
+        if switches != self._adapters:
+            # LoRA adapters attached or switched on/off: cached prefixes were computed, and
+            # the decode graphs recorded, under the old forward
+            self._adapters = switches
+            self.block_manager.reset_prefix_cache()
+            if self.runner.graphs and self.runner.device.type == "cuda":
+                torch.cuda.synchronize(self.runner.device)  # host sync: no replay in flight when its graph goes
+            self.runner.drop_graphs()
+            log.info("LoRA adapters changed (%d, %d on): prefix cache and decode graphs dropped", len(switches),
+                     sum(switches))
 
     # ------------------------------------------------------------------ requests
     def _validate(self, rid: str, prompt, params) -> list[int]:
@@ -191,6 +208,18 @@ class LLM:
     def has_unfinished(self) -> bool:
         """Requests still running or waiting, or finished samples `step()` has not returned yet."""
         return self.scheduler.has_unfinished() or self._pending is not None or bool(self._ready)
+
+    def partial(self, request_id: str, start: list[int]) -> list[tuple[list[int], list[float]]]:
+        """Streaming: per sample k of a request, the output token ids sampled so far after
+        the first `start[k]`, with their log-probs; empty for a finished sample (its
+        Completion comes from `step()`) and for a request that is not running."""
+        seqs = self._requests.get(str(request_id), [])
+        out: list[tuple[list[int], list[float]]] = [([], []) for _ in start]
+        for s in seqs:
+            if not s.is_finished() and s.index < len(start):
+                a = start[s.index]
+                out[s.index] = (s.token_ids[s.num_prompt_tokens + a:], s.logprobs[a:].tolist())
+        return out
 
     def abort(self, request_id: str) -> list[Completion]:
         """Stop a request now; returns its unfinished samples with finish_reason "abort"."""

@@ -25,7 +25,7 @@ import torch
 
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.transformer import CausalLM, Linear, Packed
-from rlfuse.model.weights import load_state_dict_from_files, parse_dtype
+from rlfuse.model.weights import hf_parameters, load_state_dict_from_files, parse_dtype
 
 log = logging.getLogger(__name__)
 
@@ -70,13 +70,14 @@ class ScalarHeadModel(CausalLM):
 
     @classmethod
     def from_causal_lm(cls, lm: CausalLM) -> "ScalarHeadModel":
-        """A critic initialized from a policy: a copy of its trunk (not shared), zero head."""
+        """A critic initialized from a policy: a copy of its trunk (not shared), zero head.
+        A policy's LoRA adapters are not copied: the critic starts from the base trunk."""
         ref = lm.model.embed_tokens.weight
         with torch.device("meta"):
             out = cls(lm.config).to(ref.dtype)
         out = out.to_empty(device=ref.device)
         with torch.no_grad():
-            for (name, p), (src_name, q) in zip(out.model.named_parameters(), lm.model.named_parameters()):
+            for (name, p), (src_name, q) in zip(out.model.named_parameters(), hf_parameters(lm.model), strict=True):
                 assert name == src_name, (name, src_name)
                 p.copy_(q)
         out.init_head_()

@@ -244,6 +244,12 @@ class Tokenizer:
             raise ValueError(f"{self._source}: chat template error: {e}") from e
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
+    def chat_prompt_ids(self, messages: list[dict], **kwargs) -> list[int]:
+        """The prompt that asks for the next assistant turn after `messages`: the template
+        with the generation prompt, encoded without added special tokens (the template
+        writes its own). `rlfuse generate --chat` and `rlfuse serve` prompt with this."""
+        return self.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
+
 
 # -------------------------------------------------------------------- helpers
 def _read_json(path: Path) -> dict:

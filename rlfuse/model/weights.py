@@ -9,6 +9,7 @@ ValueError naming the tensor and file.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -71,9 +72,17 @@ def load_model(folder: str | Path, *, device: str | torch.device = "cpu",
     return model
 
 
+def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(name, parameter) of what an HF checkpoint folder holds: every parameter but an
+    adapter's (a module lists those in its `adapter_params`; they are saved as a PEFT
+    folder, `rlfuse.model.lora_peft`)."""
+    skip = {f"{mn}.{pn}" for mn, m in model.named_modules() for pn in getattr(m, "adapter_params", ())}
+    return [(n, p) for n, p in model.named_parameters() if n not in skip]
+
+
 @torch.no_grad()
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
-    params = dict(model.named_parameters())
+    params = dict(hf_parameters(model))
     files = _weight_files(folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
@@ -101,10 +110,40 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
 
 
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
-               max_shard_bytes: int = 5 * 1024**3, dtype: str | torch.dtype | None = None) -> Path:
+               max_shard_bytes: int = 5 * 1024**3, dtype: str | torch.dtype | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
     """Write config.json + safetensors (sharded with an index above `max_shard_bytes`),
-    atomically: into a temporary sibling folder, then renamed over `folder`."""
+    atomically: into a temporary sibling folder, then renamed over `folder`. The weights
+    are `hf_parameters(model)`, or `tensors` (name -> tensor, e.g. LoRA merged in)."""
     folder = Path(folder)
+    with atomic_folder(folder) as tmp:
+        named = hf_parameters(model) if tensors is None else list(tensors.items())
+        _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
+        cfg = model.config.to_hf()
+        out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
+        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        copy_side_files(tokenizer_dir, tmp)
+        if not (tmp / "generation_config.json").exists():
+            gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
+            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return folder
+
+
+def copy_side_files(tokenizer_dir: str | Path | None, folder: Path) -> None:
+    """The tokenizer and generation files of `tokenizer_dir` (SIDE_FILES) into `folder`."""
+    if tokenizer_dir is None:
+        return
+    for name in SIDE_FILES:
+        src = Path(tokenizer_dir) / name
+        if src.exists():
+            shutil.copy2(src, folder / name)
+
+
+@contextlib.contextmanager
+def atomic_folder(folder: Path):
+    """Yield a temporary sibling of `folder` to fill; on success it is renamed over
+    `folder` (an old one moved aside first, removed last), on an error it is removed."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     # not tempfile.mkdtemp: its 0700 mode would stay on the renamed folder, private to this user
     tmp = folder.with_name(f".{folder.name}.tmp{os.getpid()}")
@@ -112,19 +151,7 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        _write_weights(model, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
-        cfg = model.config.to_hf()
-        out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
-        cfg["torch_dtype"] = cfg["dtype"] = str(out_dtype).replace("torch.", "")
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        if tokenizer_dir is not None:
-            for name in SIDE_FILES:
-                src = Path(tokenizer_dir) / name
-                if src.exists():
-                    shutil.copy2(src, tmp / name)
-        if not (tmp / "generation_config.json").exists():
-            gen = {"bos_token_id": model.config.bos_token_id, "eos_token_id": model.config.eos_token_id}
-            (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2))
+        yield tmp
         if folder.exists():
             old = folder.with_name(f".{folder.name}.old")
             if old.exists():
@@ -137,7 +164,6 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return folder
 
 
 @functools.cache
@@ -148,17 +174,18 @@ def _file_mode() -> int:
     return 0o666 & ~mask
 
 
-def _save_shard(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
+def save_tensors_file(tensors: dict[str, torch.Tensor], path: Path, meta: dict) -> None:
     """safetensors' save_file creates its file with mode 0600; give it the mode any other
     file of the run gets (0666 less the umask), so a checkpoint is as readable as its folder."""
     save_file(tensors, path, metadata=meta)
     os.chmod(path, _file_mode())
 
 
-def _write_weights(model: CausalLM, folder: Path, max_shard_bytes: int, dtype: torch.dtype | None) -> None:
+def _write_weights(named: list[tuple[str, torch.Tensor]], folder: Path, max_shard_bytes: int,
+                   dtype: torch.dtype | None) -> None:
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
-    for name, p in model.named_parameters():
+    for name, p in named:
         t = p.detach()
         if dtype is not None:
             t = t.to(dtype)
@@ -171,12 +198,12 @@ def _write_weights(model: CausalLM, folder: Path, max_shard_bytes: int, dtype: t
         size += nbytes
     meta = {"format": "pt"}
     if len(shards) == 1:
-        _save_shard(shards[0], folder / "model.safetensors", meta)
+        save_tensors_file(shards[0], folder / "model.safetensors", meta)
         return
     weight_map, total = {}, 0
     for i, shard in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        _save_shard(shard, folder / fname, meta)
+        save_tensors_file(shard, folder / fname, meta)
         for name, t in shard.items():
             weight_map[name] = fname
             total += t.numel() * t.element_size()

@@ -38,18 +38,15 @@ Test: python -m pytest -q tests/test_rewards.py
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import inspect
 import logging
 import math
 import re
-import sys
-from pathlib import Path
 from typing import Callable
 
 from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
 from rlfuse.rollout.reward_model import RewardModelReward
+from rlfuse.run import load_function
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
 
 log = logging.getLogger(__name__)
@@ -126,30 +123,22 @@ MODEL_REWARDS: dict[str, type] = {"reward_model": RewardModelReward}
 CORRECTNESS = ("math_accuracy", "arithmetic", "countdown")
 
 
+PYTHON_REWARD = "python:"
+"""Prefix of a reward recorded by name only (`python:<name>`): a callable a Python API
+caller passed in, which only that process holds (RewardSet's `functions`)."""
+
+
 def resolve(name: str) -> Callable:
     """A built-in name, `module:function` or `file.py:function`."""
     if name in BUILTINS:
         return BUILTINS[name]
+    if name.startswith(PYTHON_REWARD):
+        raise ValueError(f"reward {name!r}: a Python function given to the API in another process (a lambda, or "
+                         f"defined in a notebook or __main__); pass it again as reward_funcs=[...], or name a "
+                         f"module:function / file.py:function")
     if ":" not in name:
         raise ValueError(f"reward {name!r}: not a builtin ({', '.join(BUILTINS)}) and not module:function")
-    mod_name, fn_name = name.rsplit(":", 1)
-    if mod_name.endswith(".py"):
-        path = Path(mod_name)
-        if not path.exists():
-            raise ValueError(f"reward {name!r}: no such file {path}")
-        spec = importlib.util.spec_from_file_location(f"rlfuse_user_reward_{path.stem}", path)
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module
-        spec.loader.exec_module(module)
-    else:
-        try:
-            module = importlib.import_module(mod_name)
-        except ImportError as e:
-            raise ValueError(f"reward {name!r}: cannot import module {mod_name!r} ({e})") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        raise ValueError(f"reward {name!r}: module {mod_name!r} has no function {fn_name!r}")
-    return fn
+    return load_function(name, f"reward {name!r}")
 
 
 class RewardError(ValueError):
@@ -199,7 +188,10 @@ class RewardSet:
     returns the counts summed since its previous call and resets them (for a step that
     scores in several calls); `total_error_counts` is the run's total."""
 
-    def __init__(self, specs: list[RewardSpec], on_error: str = "raise"):
+    def __init__(self, specs: list[RewardSpec], on_error: str = "raise",
+                 functions: dict[str, Callable] | None = None):
+        """`functions`: callables by spec name (the Python API's reward_funcs), used instead
+        of resolving those names."""
         if not specs:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
@@ -215,7 +207,7 @@ class RewardSet:
                 raise ValueError(f"reward {s.name!r}: `path` is for model rewards ({', '.join(MODEL_REWARDS)}); "
                                  f"a function takes its settings in kwargs")
             else:
-                fn = resolve(s.name)
+                fn = functions[s.name] if functions and s.name in functions else resolve(s.name)
                 check_kwargs(s.name, fn, s.kwargs)
                 fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)

@@ -26,7 +26,8 @@ from rlfuse.engine import SamplingParams
 from rlfuse.rollout.chat import ChatRenderer
 from rlfuse.rollout.env import ToolEnv, ToolRunner
 from rlfuse.rollout.multi_turn import run_episodes
-from rlfuse.rollout.tools import load_object, load_tools
+from rlfuse.rollout.tools import load_tools
+from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
 
 
@@ -94,7 +95,7 @@ class MultiTurnSampler:
         self.base, self.cfg = base, cfg
         self.runner = None
         if cfg.env:
-            env_cls = load_object(cfg.env, "rollout.env")
+            env_cls = load_function(cfg.env, "rollout.env")
             kwargs = dict(cfg.env_kwargs)
             self.make_env, schemas = (lambda: env_cls(**kwargs)), None
         else:

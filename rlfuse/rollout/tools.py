@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import importlib.util
 import inspect
 import math
 import operator
@@ -39,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from rlfuse.rollout.sandbox import Sandbox
+from rlfuse.run import load_function
 
 
 class ToolError(Exception):
@@ -255,31 +255,7 @@ def builtin_tool(name: str, *, timeout_s: float = 10.0) -> Tool:
     raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, python; or FILE.py:FUNCTION)")
 
 
-def load_object(spec: str, what: str, base: Path | None = None):
-    """`FILE.py:NAME` -> the object NAME defined in FILE (relative to `base`)."""
-    file, sep, attr = spec.rpartition(":")
-    if not sep or not file.endswith(".py") or not attr.isidentifier():
-        raise ValueError(f"{what}: {spec!r} must be FILE.py:NAME")
-    path = Path(file) if base is None or Path(file).is_absolute() else base / file
-    if not path.is_file():
-        raise ValueError(f"{what}: {path} does not exist (relative paths are read from {base or Path.cwd()})")
-    mod_name = f"rlfuse_user_{path.stem}_{abs(hash(str(path.resolve())))}"
-    mod = sys.modules.get(mod_name)
-    if mod is None:
-        loader_spec = importlib.util.spec_from_file_location(mod_name, path)
-        mod = importlib.util.module_from_spec(loader_spec)
-        sys.modules[mod_name] = mod
-        try:
-            loader_spec.loader.exec_module(mod)
-        except Exception as e:
-            del sys.modules[mod_name]
-            raise ValueError(f"{what}: importing {path} failed: {type(e).__name__}: {e}") from e
-    if not hasattr(mod, attr):
-        raise ValueError(f"{what}: {path} defines no {attr!r}")
-    return getattr(mod, attr)
-
-
-def load_tools(specs, *, timeout_s: float = 10.0, base: Path | None = None, what: str = "rollout.tools") -> list[Tool]:
+def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools") -> list[Tool]:
     tools = []
     for i, s in enumerate(specs):
         w = f"{what}[{i}]"
@@ -293,7 +269,7 @@ def load_tools(specs, *, timeout_s: float = 10.0, base: Path | None = None, what
             except ValueError as e:
                 raise ValueError(f"{w}: {e}") from None
         elif isinstance(s, str):
-            obj = load_object(s, w, base)
+            obj = load_function(s, w)
             tools.append(obj if isinstance(obj, Tool) else Tool.from_function(obj))
         else:
             raise ValueError(f"{w}: expected a built-in name, FILE.py:FUNCTION or a function, got {s!r}")

@@ -5,6 +5,7 @@ by module where a report is written."""
 
 from rlfuse.run.batching import PackedBatch, pack_by_tokens
 from rlfuse.run.build import (
+           apply_lora,
            build_engine,
            build_model,
            build_tokenizer,
@@ -13,13 +14,16 @@ from rlfuse.run.build import (
            pick_device,
            seed_everything,
 )
-from rlfuse.run.checkpoint import save_checkpoint, save_final
+from rlfuse.run.checkpoint import export_model, list_checkpoints, save_checkpoint, save_final
 from rlfuse.run.folder import prepare_run_folder
 from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, PhaseTimer, RunLog, data_lines, peak_memory_mb
 from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, clip_grad_norm_, lr_at
 from rlfuse.run.resume import load_checkpoint, load_model_folder, resolve_resume
+from rlfuse.run.trackers import open_trackers
+from rlfuse.run.user_code import load_function
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer", "RunLog",
-           "build_engine", "build_model", "build_tokenizer", "char_tokenizer", "check_model_folder", "clip_grad_norm_", "data_lines",
-           "load_checkpoint", "load_model_folder", "lr_at", "pack_by_tokens", "peak_memory_mb", "pick_device",
+           "apply_lora", "build_engine", "build_model", "build_tokenizer", "char_tokenizer", "check_model_folder",
+           "clip_grad_norm_", "data_lines", "export_model", "list_checkpoints", "load_checkpoint", "load_function",
+           "load_model_folder", "lr_at", "open_trackers", "pack_by_tokens", "peak_memory_mb", "pick_device",
            "prepare_run_folder", "resolve_resume", "save_checkpoint", "save_final", "seed_everything"]

@@ -21,6 +21,8 @@ from rlfuse.engine import LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend, triton_available, triton_interpreting
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
+from rlfuse.model.lora import attach_lora, has_lora, lora_memory
+from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run.config.sections import ModelSpec
@@ -153,6 +155,23 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         raise ValueError("model: set model.path (an HF folder) or model.random_init (ModelConfig fields)")
     model.gradient_checkpointing = spec.gradient_checkpointing
     return model
+
+
+def apply_lora(model: CausalLM, spec: ModelSpec, seed: int = 0) -> None:
+    """model.lora onto `model` (in place, before any engine or optimizer is built on it):
+    adapters from model.lora.path (a PEFT folder), else fresh ones (PEFT's init from
+    `seed`); every base parameter frozen. A model that has adapters already (a caller's)
+    is left as it is."""
+    if spec.lora is None or has_lora(model):
+        return
+    if spec.lora.path:
+        load_peft_adapter(model, spec.lora.path, spec.lora)
+    else:
+        attach_lora(model, spec.lora, seed=seed)
+    mem = lora_memory(model)
+    log.info("LoRA: %.2fM trainable parameters, %.2fM frozen; %.2f GiB of training state (gradients, fp32 "
+             "masters, Adam moments) not kept for the base, by formula", mem["lora/trainable_params"] / 1e6,
+             mem["lora/frozen_params"] / 1e6, mem["lora/saved_train_state_gib"])
 
 
 def build_engine(model: CausalLM, tokenizer: Tokenizer, engine: EngineConfig) -> LLM:

@@ -3,11 +3,14 @@ step. Reading them back, verification and resume: rlfuse/run/resume.py.
 
 Layout: RUN_DIR/checkpoints/step_000012/
     model/               config.json + model.safetensors (+ tokenizer files): loads in transformers
+    adapter/             instead of model/ with LoRA (model.lora): the PEFT adapter folder
+                         (A and B + tokenizer files); the frozen base is the recipe's model.path
     optimizer.pt         MasterAdamW.state_dict() (fp32 masters, moments, step count)
     state.pt             trainer state: step, data stream positions, RNG states (python,
                          numpy, torch CPU, torch CUDA), extra (e.g. the reference-model flag)
     COMPLETE             written last: the step, then "<bytes> <file>" for every file
-RUN_DIR/final/ holds the last weights (HF folder) for the next stage (`save_final`).
+RUN_DIR/final/ holds the last weights (HF folder) for the next stage (`save_final`); with
+LoRA the PEFT adapter folder (use it as model.lora.path, or `--adapter` of generate / eval).
 
 Data-parallel runs (a DistContext `dist`, FSDP2-sharded model) write the sharded layout:
 RUN_DIR/checkpoints/step_000012/
@@ -51,6 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rlfuse.model.lora import has_lora
+from rlfuse.model.lora_peft import save_peft_adapter
 from rlfuse.model.weights import save_model
 from rlfuse.run.distributed.context import DistContext, gather_results, on_main
 from rlfuse.run.distributed.dcp import save_hf_export, save_sharded
@@ -79,7 +84,11 @@ def set_rng_state(st: dict) -> None:
     np.random.set_state(st["numpy"])
     torch.set_rng_state(st["torch"])
     if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
+        # one state per device the saving process saw: a 2-GPU torchrun rank saves two, a
+        # 1-GPU resume of its checkpoint sees one (measured on 2 x H100: set_rng_state_all
+        # raised IndexError there), so restore the devices both saw
+        for i, s in enumerate(st["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(s, i)
 
 
 def check_finite(model, what: str, dist: DistContext | None = None) -> None:
@@ -128,7 +137,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
         tok_dir = None
         if tokenizer is not None:
             tok_dir = tokenizer.save(tmp / "tokenizer")
-        save_model(model, tmp / "model", tokenizer_dir=tok_dir)
+        save_weights(model, tmp, tokenizer_dir=tok_dir)
         if tok_dir is not None:
             shutil.rmtree(tok_dir)
         torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
@@ -148,6 +157,15 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
     _rotate(run_dir, keep_last)
     log.info("checkpoint step %d -> %s", step, final)
     return final
+
+
+def save_weights(model, folder: Path, *, tokenizer_dir=None) -> None:
+    """A one-process checkpoint's weights into `folder`: model/ (HF folder), or with LoRA
+    adapter/ (the PEFT folder: A and B only, the base is frozen)."""
+    if has_lora(model):
+        save_peft_adapter(model, folder / "adapter", tokenizer_dir=tokenizer_dir)
+    else:
+        save_model(model, folder / "model", tokenizer_dir=tokenizer_dir)
 
 
 def _rotate(run_dir: str | Path, keep_last: int) -> None:
@@ -206,23 +224,33 @@ def _save_sharded_checkpoint(dist: DistContext, run_dir, step: int, model, optim
 def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
                dtype: torch.dtype | None = None) -> Path:
     """RUN_DIR/final: the trained weights (+ tokenizer) as an HF folder, for the next stage
-    (written atomically by save_model; never with non-finite weights). With `dist`: the
-    full weights gathered on rank 0 and written there in `dtype` (the run's)."""
-    final = Path(run_dir) / "final"
+    (`export_model`)."""
+    return export_model(Path(run_dir) / "final", model, tokenizer, dist=dist, dtype=dtype)
+
+
+def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
+                 dtype: torch.dtype | None = None) -> Path:
+    """The weights (+ tokenizer) as an HF folder (written atomically by save_model; never
+    with non-finite weights); with LoRA adapters, the PEFT adapter folder instead. With `dist`: the full weights gathered on rank 0 and written
+    there in `dtype` (the run's)."""
+    final = Path(folder)
     check_finite(model, str(final), dist)
     if dist is not None:
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None and dist.is_main else None
             save_hf_export(dist, model, final, dtype=dtype, tokenizer_dir=tok_dir)
-        log.info("final weights -> %s (gathered on rank 0)", final)
+        log.info("weights -> %s (gathered on rank 0)", final)
         return final
     try:
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None else None
-            save_model(model, final, tokenizer_dir=tok_dir)
+            if has_lora(model):
+                save_peft_adapter(model, final, tokenizer_dir=tok_dir)
+            else:
+                save_model(model, final, tokenizer_dir=tok_dir)
     except (OSError, RuntimeError) as e:
         raise _write_error(final, e) from e
-    log.info("final weights -> %s", final)
+    log.info("%s -> %s", "LoRA adapter (PEFT folder)" if has_lora(model) else "weights", final)
     return final
 
 

@@ -5,6 +5,7 @@ RUN_DIR/metrics.jsonl   one JSON object per logged step: {"step", "stage", <name
                         stage "data" (step 0, once per run): rows kept / dropped by reason
 RUN_DIR/samples.jsonl   {"step", "prompt", "completion", "reward", ...} every N steps
 RUN_DIR/tb/             TensorBoard event files (same scalars; `tensorboard --logdir RUN_DIR/tb`)
+W&B / MLflow            the same scalars, when logging.wandb / logging.mlflow are set (rlfuse.run.trackers)
 Metric names use "/" groups: reward/<fn>, time/generate, tokens_per_s/train, ...
 `rlfuse report RUN_DIR` reads these files back (rlfuse.run.report).
 
@@ -123,10 +124,13 @@ class RunLog:
     """Metric and sample sink for one run folder."""
 
     def __init__(self, run_dir: str | Path, *, tensorboard: bool = True, progress: bool = True,
-                 total: int | None = None, desc: str = "train", initial: int = 0):
+                 total: int | None = None, desc: str = "train", initial: int = 0, trackers=None):
         """`initial` = the step the run starts from: 0 starts the files afresh; a resumed run
-        keeps the rows up to `initial` and drops later ones (logged after the checkpoint)."""
+        keeps the rows up to `initial` and drops later ones (logged after the checkpoint).
+        `trackers` (rlfuse.run.trackers.Trackers): also sent every row, after the files are
+        written; `close` hands them the report's plots."""
         self.run_dir = Path(run_dir)
+        self._trackers = trackers
         try:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -172,6 +176,8 @@ class RunLog:
                 if k not in ("step", "stage") and v is not None:
                     self._tb.add_scalar(f"{stage}/{k}", v, step)
             self._tb.flush()
+        if self._trackers is not None:
+            self._trackers.log(step, stage, row)
         return row
 
     def progress(self, n: int = 1, **postfix) -> None:
@@ -193,6 +199,8 @@ class RunLog:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
+        if self._trackers is not None:
+            self._trackers.finish(self.run_dir)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:

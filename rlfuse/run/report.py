@@ -70,7 +70,10 @@ GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
                                                                                          "mismatch/mean_abs")),
                                       ("mismatch KL (k3)", "nats", ("mismatch/kl_k3",)),
                                       ("largest ratio", "ratio", ("mismatch/ratio_max",))]),
-    ("memory", [("peak memory", "MiB", ("memory/",))]),
+    ("memory", [("peak memory", "MiB", ("memory/",)),
+                ("training state LoRA does not keep (by formula)", "GiB", ("lora/saved_train_state_gib",)),
+                ("LoRA: trained and frozen parameters", "parameters", ("lora/trainable_params",
+                                                                       "lora/frozen_params"))]),
 ]
 EVAL_PANELS = [("held-out accuracy", "fraction solved", ("accuracy",)),
                ("held-out reward", "reward", ("reward",)),

@@ -20,6 +20,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import distribute_tensor
 
 from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model.lora import has_lora
+from rlfuse.model.lora_peft import load_peft_weights
 from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_dtype
 from rlfuse.run.checkpoint import CheckpointError, clean_temporary, list_checkpoints, set_rng_state
 from rlfuse.run.distributed.context import DistContext
@@ -65,6 +67,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
             return f"{name}: {f.stat().st_size} bytes, {size} when saved"
     if (path / "dcp").is_dir():
         return _verify_sharded(path)
+    if (path / "adapter").is_dir():
+        return _verify_adapter(path)
     for name in ("model/config.json", "optimizer.pt", "state.pt"):
         if not (path / name).is_file():
             return f"{name}: missing"
@@ -90,6 +94,15 @@ def _archives_and_config_problem(path: Path, archives: tuple[str, ...], config: 
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         return f"{config}: not valid JSON ({e})"
     return None
+
+
+def _verify_adapter(path: Path) -> str | None:
+    for name in ("adapter/adapter_config.json", "adapter/adapter_model.safetensors", "optimizer.pt", "state.pt"):
+        if not (path / name).is_file():
+            return f"{name}: missing"
+    if problem := _check_safetensors(path / "adapter" / "adapter_model.safetensors"):
+        return f"adapter/{problem}"
+    return _archives_and_config_problem(path, ("optimizer.pt", "state.pt"), "adapter/adapter_config.json")
 
 
 def _verify_sharded(path: Path) -> str | None:
@@ -140,7 +153,15 @@ def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | N
     path = Path(path)
     if (path / "dcp").is_dir() or dist is not None:
         return _load_resharded(path, model, optimizer, dist)
-    load_state_dict_from_files(model, path / "model")
+    adapter = (path / "adapter").is_dir()
+    if adapter != has_lora(model):
+        raise CheckpointError(f"checkpoint {path}: holds {'a LoRA adapter' if adapter else 'full weights'}, but the "
+                              f"run {'has' if has_lora(model) else 'has no'} model.lora; resume with the recipe "
+                              f"that wrote it")
+    if adapter:
+        load_peft_weights(model, path / "adapter")  # the base: the recipe's model.path, frozen
+    else:
+        load_state_dict_from_files(model, path / "model")
     if optimizer is not None:
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=model.lm_head_weight.device,
                                              weights_only=False))

@@ -23,7 +23,8 @@ Reference log-probs: `dpo.reference: precompute` computes them for every trainin
 once, before the first step (no grad, same packing), and caches them (P, 2); then no
 reference weights are kept. `live` keeps a frozen reference model and evaluates it on
 each micro-batch. The reference is the policy at the start of the run (a resumed run
-starts from the recipe's weights too, so the cache is the same) or `dpo.ref_path`.
+starts from the recipe's weights too, so the cache is the same) or `dpo.ref_path`; with
+model.lora, the base model (the policy with its adapters off: no copy).
 `DPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse dpo RECIPE.yaml   Test: python -m pytest -q tests/test_dpo.py
 """
@@ -39,9 +40,10 @@ import torch.nn.functional as F
 from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import load_model
+from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
-from rlfuse.train.grpo import frozen_copy
+from rlfuse.train.grpo import reference_model
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.session import Session, open_session
 
@@ -107,7 +109,9 @@ class DPOTrainer(StreamAndGuardState):
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,
                                  headline="rewards/margin")
-        ref = ref_model if ref_model is not None else model
+        # precompute reads the reference once, at the start: the model itself, or with LoRA
+        # its base (adapters off), which a loaded adapter (model.lora.path) differs from
+        ref = ref_model if ref_model is not None else (BaseModelView(model) if has_lora(model) else model)
         self.ref_model, self.ref_cache = None, None
         if self.d.reference == "precompute":
             t0 = time.perf_counter()
@@ -116,7 +120,7 @@ class DPOTrainer(StreamAndGuardState):
                      len(pairs), time.perf_counter() - t0)
         else:
             # the weights the run starts from (built before a resume loads the checkpoint)
-            self.ref_model = (ref if ref_model is not None else frozen_copy(model)).requires_grad_(False).eval()
+            self.ref_model = (ref if ref_model is not None else reference_model(model)).requires_grad_(False).eval()
 
     def samples(self) -> list[dict]:
         return []

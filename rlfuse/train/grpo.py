@@ -14,7 +14,8 @@ One step:
                  accumulated gradient equals that of the loss on the whole mini-batch.
                  Old log-probs = the engine's; the first forward (before any update)
                  recomputes them, and the difference is logged (rlfuse.consistency).
-  With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term.
+  With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term (with LoRA:
+  the model itself with its adapters off, no copy).
 The optimizer writes into the same parameter tensors, so the next generate uses them.
 `GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
 Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
@@ -38,6 +39,7 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import (
@@ -67,9 +69,13 @@ from rlfuse.train.session import Session, open_session
 log = logging.getLogger(__name__)
 
 
-def frozen_copy(model):
-    """A separate, grad-free copy of `model`'s weights (not deepcopy: that would also copy
-    whatever the parameters' hooks reference, e.g. the optimizer)."""
+def reference_model(model):
+    """The frozen reference of KL terms and DPO. With LoRA adapters: the model itself with
+    its adapters off (`BaseModelView`: no copy, bit for bit the base model). Else a separate,
+    grad-free copy of `model`'s weights (not deepcopy: that would also copy whatever the
+    parameters' hooks reference, e.g. the optimizer)."""
+    if has_lora(model):
+        return BaseModelView(model)
     with torch.device("meta"):
         ref = type(model)(model.config).to(model.lm_head_weight.dtype)
     ref = ref.to_empty(device=model.lm_head_weight.device)
@@ -101,7 +107,7 @@ class GRPOTrainer(StreamAndGuardState):
                                  sample_every=self.g.sample_every, headline="reward/mean")
         if self.g.kl_coef > 0 and ref_model is None:
             # the weights the run starts from (built before a resume loads the checkpoint)
-            ref_model = frozen_copy(model)
+            ref_model = reference_model(model)
         self.ref_model = ref_model if self.g.kl_coef > 0 else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
@@ -348,6 +354,7 @@ class GRPOTrainer(StreamAndGuardState):
                                    loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
                                    dual_clip=g.dual_clip, ref_logp=ref_N,
                                    kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
+                                   kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
                                    max_tokens=self.max_loss_tokens)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)

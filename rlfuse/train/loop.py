@@ -41,9 +41,11 @@ from typing import Protocol
 import torch
 
 from rlfuse.data import Prompt
+from rlfuse.model.lora import has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
-from rlfuse.run import DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, resolve_resume, save_checkpoint, save_final
+from rlfuse.run import (DATA_STAGE, MasterAdamW, RunLog, load_checkpoint, open_trackers, resolve_resume, save_checkpoint,
+                        save_final)
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     ShardedAdamW,
@@ -60,7 +62,8 @@ log = logging.getLogger(__name__)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> MasterAdamW:
-    """MasterAdamW over every parameter of `model` with the run's optim settings (the
+    """MasterAdamW over every parameter of `model` that requires grad (with LoRA: A and B
+    only, so the frozen base gets no optimizer state) with the run's optim settings (the
     learning rate itself is set per step by the trainer's schedule); for an FSDP-sharded
     model torch's AdamW on the fp32 shards behind the same interface (ShardedAdamW)."""
     o = cfg.optim
@@ -141,11 +144,17 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
         state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, dist=dist)
         trainer.load_state_dict(state)
         start = state["step"]
-    runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
-                    total=sched.steps, desc=trainer.stage, initial=start) if dist is None or dist.is_main else SilentLog()
+    if dist is None or dist.is_main:
+        trackers = open_trackers(cfg, session.run_dir, run_name=f"{session.run_dir.name}/{trainer.stage}")
+        runlog = RunLog(session.run_dir, tensorboard=cfg.logging.tensorboard, progress=cfg.logging.progress,
+                        total=sched.steps, desc=trainer.stage, initial=start, trackers=trackers)
+    else:
+        runlog = SilentLog()
     history, evals = [], []
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)
+    # LoRA: parameter counts and the training state the frozen base does not need, in every row
+    lora_rows = lora_memory(trainer.model) if has_lora(trainer.model) else {}
 
     def do_eval(step: int) -> None:
         if evaluation is None:
@@ -178,7 +187,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
                 if dist is not None:  # the same row on every rank, with each rank's memory (max over ranks)
                     m = {**step_metrics(dist, m), **log_memory(dist, trainer.model, trainer.optimizer.opt,
                                                                compute_dtype=trainer.optimizer.compute_dtype)}
-                row = runlog.log(done, m, stage=trainer.stage)
+                row = runlog.log(done, {**m, **lora_rows}, stage=trainer.stage)
                 history.append(row)
                 runlog.progress(1, **{sched.headline: row.get(sched.headline)}, s_per_step=row.get("time/step"))
             else:

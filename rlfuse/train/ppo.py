@@ -52,7 +52,7 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import frozen_copy
+from rlfuse.train.grpo import reference_model
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,
@@ -118,7 +118,7 @@ class PPOTrainer:
         self.schedule = Schedule(steps=self.p.steps, eval_every=self.p.eval_every, eval_at_start=True,
                                  sample_every=self.p.sample_every, headline="reward/mean")
         if self.p.kl_coef > 0 and ref_model is None:
-            ref_model = frozen_copy(model)  # the weights the run starts from
+            ref_model = reference_model(model)  # the weights the run starts from (LoRA: the base)
         self.ref_model = ref_model.requires_grad_(False).eval() if self.p.kl_coef > 0 else None
         self.kl_coef = self.p.kl_coef
         self.reward_stats = RunningMoments()

@@ -8,6 +8,8 @@ and GRPO on one model; tests use a tiny sampler).
 With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
 and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
+With model.lora the adapters go onto the model (built or passed in) before the engine or
+an optimizer is built on it (`rlfuse.run.build.apply_lora`).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 
 from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import build_engine, build_model, build_tokenizer, pick_device, seed_everything
+from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, pick_device, seed_everything
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -42,6 +44,9 @@ class Session:
     _sampler: object = None
     dist: DistContext | None = None
     """Set when the run is data-parallel (rlfuse.run.distributed.context); None in one process."""
+    reward_functions: dict = dataclasses.field(default_factory=dict)
+    """Reward callables by RewardSpec name (the Python API's reward_funcs), used instead of
+    resolving those names."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
     of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
@@ -64,7 +69,7 @@ class Session:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
-        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error)
+        return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions)
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
@@ -72,7 +77,8 @@ class Session:
 
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
-                 write_config: bool = True, dist: DistContext | None = None) -> Session:
+                 write_config: bool = True, dist: DistContext | None = None,
+                 reward_functions: dict | None = None) -> Session:
     run_dir = Path(cfg.logging.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if write_config and (dist is None or dist.is_main):
@@ -97,8 +103,13 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
         model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
+    if cfg.model.lora is not None and dist is not None:
+        raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
+                         "process or drop model.lora")
+    apply_lora(model, cfg.model, seed=cfg.seed)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
     if dist is not None:
         model = shard_model(model, dist)
-    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist)
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
+                   reward_functions=dict(reward_functions or {}))

@@ -4,6 +4,8 @@ K order (the order, the plans and why tile families may change with M are in
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -31,22 +33,40 @@ def _tile_of(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: t
     return swizzle(pid, tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N), GROUP_M)
 
 
-@triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
-def _linear_fused_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, CHUNK_K,
-                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr):
-    tm, tn = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+@triton.jit
+def _tile_rows_cols(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    tm, tn = _tile_of(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    return (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64), (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+
+
+@triton.jit
+def _tile_sum(X, W, B, rows, cols, M, N, K, sxm, swn, CHUNK_K, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREC: tl.constexpr):
+    """x[rows] W[cols]^T (+ b[cols]), fp32: the K chunks in the canonical order, then the bias."""
     y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k_lo in range(0, K, CHUNK_K):
         y += _chunk(X, W, rows, cols, k_lo, tl.minimum(k_lo + CHUNK_K, K), sxm, swn, M, N,
                     BLOCK_M, BLOCK_N, BLOCK_K, PREC)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return y
+
+
+@triton.jit
+def _store_tile(Y, y, rows, cols, sym, M, N):
+    """y (fp32) rounded to Y's dtype, stored at Y[rows, cols]."""
     YT = Y.dtype.element_ty
     tl.store(Y + rows[:, None] * sym + cols[None, :], round_to(y, YT).to(YT),
              mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+
+@triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
+def _linear_fused_kernel(X, W, B, Y, M, N, K, sxm, swn, sym, CHUNK_K,
+                         HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr):
+    rows, cols = _tile_rows_cols(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    y = _tile_sum(X, W, B, rows, cols, M, N, K, sxm, swn, CHUNK_K, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
+    _store_tile(Y, y, rows, cols, sym, M, N)
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
@@ -54,9 +74,7 @@ def _linear_split_kernel(X, W, WS, M, N, K, sxm, swn, CHUNK_K,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          GROUP_M: tl.constexpr, PREC: tl.constexpr):
     s = tl.program_id(1)
-    tm, tn = _tile_of(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
-    rows = (tm * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    cols = (tn * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    rows, cols = _tile_rows_cols(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo = s * CHUNK_K
     c = _chunk(X, W, rows, cols, k_lo, tl.minimum(k_lo + CHUNK_K, K), sxm, swn, M, N,
                BLOCK_M, BLOCK_N, BLOCK_K, PREC)
@@ -99,6 +117,44 @@ def _tiles(dtype: torch.dtype, M: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=8, num_stages=3)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaunchPlan:
+    """How an (M, N, K) exact GEMM runs: tile sizes, the K chunk, S chunks, the tile count,
+    "fused" or "split", the dot precision and the launch options (warps, stages)."""
+    bm: int
+    bn: int
+    bk: int
+    ck: int
+    S: int
+    n_tiles: int
+    plan: str
+    prec: str
+    extra: dict
+
+
+def launch_plan(op: str, x, M: int, N: int, K: int, plan: str | None, tiles: dict | None) -> LaunchPlan:
+    """`plan` forces "fused" or "split" (tests: both give the same bits); None picks split
+    when the tile grid alone would leave most SMs idle. `tiles` overrides `_tiles`."""
+    t = {**_tiles(x.dtype, M), **(tiles or {})}
+    bm, bn, bk, ck = t.pop("BLOCK_M"), t.pop("BLOCK_N"), t.pop("BLOCK_K"), t.pop("CHUNK_K")
+    assert ck % bk == 0, "CHUNK_K must be a multiple of BLOCK_K"
+    S = triton.cdiv(K, ck)
+    n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+    if plan is None:
+        plan = "split" if S > 1 and x.is_cuda and n_tiles < num_sms(x.device) else "fused"
+    if plan not in ("fused", "split"):
+        raise ValueError(f"{op}: plan must be 'fused' or 'split', got {plan!r}")
+    return LaunchPlan(bm, bn, bk, ck, S, n_tiles, plan, dot_precision(x), t)
+
+
+def split_partials(x2, w, M: int, N: int, K: int, lp: LaunchPlan) -> torch.Tensor:
+    """The split plan's first kernel: (S, M, N) fp32 chunk partials."""
+    ws = torch.empty((lp.S, M, N), dtype=torch.float32, device=x2.device)
+    _linear_split_kernel[(lp.n_tiles, lp.S)](x2, w, ws, M, N, K, x2.stride(0), w.stride(0), lp.ck, BLOCK_M=lp.bm,
+                                             BLOCK_N=lp.bn, BLOCK_K=lp.bk, GROUP_M=8, PREC=lp.prec, **lp.extra)
+    return ws
+
+
 def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles: dict | None = None):
     """The exact-mode forward. `plan` forces "fused" or "split" (tests: both give the same
     bits); None picks split when the tile grid alone would leave most SMs idle."""
@@ -117,25 +173,14 @@ def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles:
     y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    t = {**_tiles(x.dtype, M), **(tiles or {})}
-    bm, bn, bk, ck = t.pop("BLOCK_M"), t.pop("BLOCK_N"), t.pop("BLOCK_K"), t.pop("CHUNK_K")
-    assert ck % bk == 0, "CHUNK_K must be a multiple of BLOCK_K"
-    S = triton.cdiv(K, ck)
-    n_tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-    if plan is None:
-        plan = "split" if S > 1 and x.is_cuda and n_tiles < num_sms(x.device) else "fused"
+    lp = launch_plan("linear", x, M, N, K, plan, tiles)
     b = bias if bias is not None else y  # unused pointer when HAS_BIAS is False
-    prec = dot_precision(x)
-    if plan == "fused":
-        _linear_fused_kernel[(n_tiles,)](x2, w, b, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0), ck,
-                                         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                         GROUP_M=8, PREC=prec, **t)
-    elif plan == "split":
-        ws = torch.empty((S, M, N), dtype=torch.float32, device=x.device)
-        _linear_split_kernel[(n_tiles, S)](x2, w, ws, M, N, K, x2.stride(0), w.stride(0), ck,
-                                           BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PREC=prec, **t)
-        _linear_combine_kernel[(triton.cdiv(M * N, 1024),)](ws, b, y, M, N, S, y.stride(0),
-                                                            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+    if lp.plan == "fused":
+        _linear_fused_kernel[(lp.n_tiles,)](x2, w, b, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0), lp.ck,
+                                            HAS_BIAS=bias is not None, BLOCK_M=lp.bm, BLOCK_N=lp.bn, BLOCK_K=lp.bk,
+                                            GROUP_M=8, PREC=lp.prec, **lp.extra)
     else:
-        raise ValueError(f"linear: plan must be 'fused' or 'split', got {plan!r}")
+        ws = split_partials(x2, w, M, N, K, lp)
+        _linear_combine_kernel[(triton.cdiv(M * N, 1024),)](ws, b, y, M, N, lp.S, y.stride(0),
+                                                            HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y.view(*x.shape[:-1], N)

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.policy_loss import KL_TYPES, TOKEN_MEAN_TYPES, _seg_sum, _validate
+from rlfuse.kernels.policy_loss import KL_TYPES, TOKEN_MEAN_TYPES, _seg_sum, _validate, ratio_bounds
 
 # The partial sums `_pl_kernel` writes, one row per program, in this column order: masked
 # sums of w l, of clipped tokens (clip, low, high), of r, of kl and of the mask (the
@@ -23,8 +23,9 @@ PART_COLS = tl.constexpr(len(_PART_NAMES))
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
                GSPO: tl.constexpr, CISPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr,
-               BLOCK: tl.constexpr):
-    """KL: 0 none, 1/2/3 = k1/k2/k3. PART (P, PART_COLS): this program's sums, columns PART_*.
+               KL_RATIO: tl.constexpr, BLOCK: tl.constexpr):
+    """KL: 0 none, 1/2/3 = k1/k2/k3; KL_RATIO: the KL term is r kl. lo, hi: the ratio bounds
+    (`ratio_bounds`). PART (P, PART_COLS): this program's sums, columns PART_*.
     Scalars arrive as fp32 (Triton's float arguments), as torch rounds them for fp32 tensors;
     for fp64 logp they differ from the double constants by < 1e-7 relative."""
     pid = tl.program_id(0)
@@ -73,8 +74,12 @@ def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual
             ee = tl.exp(-e)
             kl = ee + e - 1.0
             dk = 1.0 - ee
-        lt = lt + kl_coef * kl
-        dl = dl + kl_coef * dk
+        if KL_RATIO:  # d (r kl) / d logp = r (dk + kl): r's own derivative is r
+            lt = lt + kl_coef * r * kl
+            dl = dl + kl_coef * r * (dk + kl)
+        else:
+            lt = lt + kl_coef * kl
+            dl = dl + kl_coef * dk
     tl.store(COEF + offs, tl.where(act, w * dl, 0.0), mask=valid)
     zero = tl.zeros_like(pg)
     row = PART + pid * PART_COLS
@@ -108,8 +113,10 @@ def _block(N: int) -> int:
 
 def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *, loss_type: str = "grpo",
                        clip_low: float = 0.2, clip_high: float = 0.2, dual_clip: float | None = None,
-                       ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3", max_tokens: int | None = None):
-    _validate(loss_type, kl_type, dual_clip, max_tokens)
+                       ref_logp=None, kl_coef: float = 0.0, kl_type: str = "k3", max_tokens: int | None = None,
+                       kl_ratio: bool = False, cispo_clip_low: bool = False):
+    _validate(loss_type, kl_type, dual_clip, max_tokens, kl_ratio, cispo_clip_low)
+    lo, hi = ratio_bounds(loss_type, clip_low, clip_high, cispo_clip_low)
     N = logp.shape[0]
     ct = torch.float64 if logp.dtype == torch.float64 else torch.float32
     with torch.no_grad():
@@ -135,9 +142,10 @@ def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int,
         if N:
             _pl_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
                              ref_logp.contiguous() if has_kl else None, coef, part, N,
-                             1.0 - clip_low, 1.0 + clip_high, float(dual_clip or 0.0), float(kl_coef),
+                             lo, hi, float(dual_clip or 0.0), float(kl_coef),
                              GSPO=loss_type == "gspo", CISPO=loss_type == "cispo", DUAL=dual_clip is not None,
-                             KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, BLOCK=blk)
+                             KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, KL_RATIO=has_kl and kl_ratio,
+                             BLOCK=blk)
         sums = dict(zip(_PART_NAMES, part.sum(0).unbind()))
         tot = sums["count"].clamp_min(1.0)
         stats = {"clip_frac": sums["clip"] / tot, "clip_frac_low": sums["clip_low"] / tot,

@@ -47,7 +47,8 @@ class GRPOConfig:
     loss_type: str = "grpo"
     """grpo (mean over sequences of token means) | dr_grpo (sum / (seqs * max_new_tokens)) |
     dapo (token-level mean) | gspo (sequence-level ratio; its paper clips at ~3e-4 / 4e-4) |
-    cispo (clipped, detached importance weight times log-prob, token-level mean)."""
+    cispo (importance weight capped above at 1 + clip_high and detached, times the log-prob,
+    token-level mean). TRL's names and defaults: docs/coming-from-trl.md."""
     clip_low: float = 0.2
     """PPO clip range below 1: ratios under 1 - clip_low stop pushing down."""
     clip_high: float = 0.2
@@ -58,6 +59,13 @@ class GRPOConfig:
     """beta; > 0 keeps a frozen reference copy of the initial weights."""
     kl_type: str = "k3"
     """k1 | k2 | k3 estimator of KL(policy || reference)."""
+    kl_ratio: bool = False
+    """Weight each token's KL term by its importance ratio, with the ratio's gradient (TRL's
+    use_bias_correction_kl, on there by default): the expected gradient is then that of
+    KL(policy || reference) even off-policy. Off: the GRPO paper's k3 term. Not with gspo."""
+    cispo_clip_low: bool = False
+    """loss_type cispo: also bound the importance weight below at 1 - clip_low (off: capped
+    above only, as the MiniMax-M1 paper and TRL)."""
     advantage: str = "group"
     """Advantage estimator: group (group-relative, scaled per adv_scale) | rloo (leave-one-out
     baseline) | reinforce_pp (REINFORCE++: per-token return with kl_coef * k1 KL folded in,

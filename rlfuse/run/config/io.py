@@ -34,6 +34,18 @@ def _hints(cls) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+def _section(tp):
+    """The dataclass of a section field typed `X` or `X | None` (an optional section, e.g.
+    model.lora), else None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1 and dataclasses.is_dataclass(args[0]):
+            return args[0]
+    return None
+
+
 def to_dict(cfg) -> Any:
     """Plain YAML-able data (tuples become lists)."""
     if dataclasses.is_dataclass(cfg):
@@ -144,8 +156,7 @@ def apply_override(data: dict, item: str, cls=None) -> dict:
             if p not in names:
                 raise ValueError(f"override {key!r}: unknown key {p!r}"
                                  f"{' in ' + prefix if prefix else ''}; valid keys: {', '.join(names)}")
-            tp = _hints(node_cls)[p]
-            node_cls = tp if dataclasses.is_dataclass(tp) else None
+            node_cls = _section(_hints(node_cls)[p])
         if i == len(parts) - 1:
             node[p] = value
         else:
@@ -258,6 +269,7 @@ def leaves(cls, prefix: str = "") -> list[Leaf]:
         if dataclasses.is_dataclass(tp):
             out += leaves(tp, key + ".")
             continue
+        optional = _section(tp)  # `X | None`: the key itself (null: off), then X's keys
         if f.default is not dataclasses.MISSING:
             default = to_dict(f.default)
         elif f.default_factory is not dataclasses.MISSING:
@@ -265,6 +277,8 @@ def leaves(cls, prefix: str = "") -> list[Leaf]:
         else:
             default = REQUIRED
         out.append(Leaf(key, _type_name(tp), default, docs.get(f.name, "")))
+        if optional is not None:
+            out += leaves(optional, key + ".")
         args = typing.get_args(tp)
         if typing.get_origin(tp) is list and args and dataclasses.is_dataclass(args[0]):
             out += leaves(args[0], key + "[].")

@@ -47,6 +47,7 @@ from rlfuse.run.config.sections import (
     OBS_TRUNCATION,
     ON_REWARD_ERROR,
     TOOL_CALL_FORMATS,
+    WANDB_MODES,
     CheckpointConfig,
     DataConfig,
     LoggingConfig,
@@ -108,6 +109,11 @@ class RunConfig:
             raise ValueError(f"grpo.dual_clip must be > 1 (or null), got {g.dual_clip}")
         if g.dual_clip is not None and g.loss_type == "cispo":
             raise ValueError("grpo.dual_clip does not apply to grpo.loss_type cispo (its clipped weight is detached)")
+        if g.cispo_clip_low and g.loss_type != "cispo":
+            raise ValueError(f"grpo.cispo_clip_low applies to grpo.loss_type cispo only (loss_type is {g.loss_type!r})")
+        if g.kl_ratio and g.loss_type == "gspo":
+            raise ValueError("grpo.kl_ratio weights each token's KL by that token's ratio; grpo.loss_type gspo has "
+                             "one ratio per sequence (turn kl_ratio off with gspo)")
         _check_choice("grpo.old_logprobs", g.old_logprobs, ("rollout", "recompute"))
         if g.tis_cap is not None and not g.tis_cap > 0:
             raise ValueError(f"grpo.tis_cap must be > 0 (or null), got {g.tis_cap}")
@@ -118,6 +124,11 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
+        bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
+        if bad:
+            raise ValueError(f"data.columns must map dataset column names to rlfuse column names (strings), "
+                             f"got {bad}")
         d = self.dpo
         _check_choice("dpo.loss", d.loss, DPO_LOSSES)
         _check_choice("dpo.reference", d.reference, ("precompute", "live"))
@@ -164,6 +175,7 @@ RANGES: dict[str, str] = {
     "rollout.max_obs_tokens": "> 0", "rollout.tool_timeout_s": "> 0", "rollout.env_timeout_s": "> 0",
     "rollout.env_workers": "> 0",
     "dpo.beta": "> 0", "dpo.label_smoothing": "[0, 0.5)", "dpo.eval_every": ">= 0",
+    "model.lora.rank": "> 0", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
 }
 """The valid range of every numeric field of RunConfig, checked at load (`check_ranges`):
 "> 0", ">= 0", ">= 1", an interval "[0, 1)" / "(0, 1]" / "[0, 1]", or "any" (finite). A
@@ -187,6 +199,8 @@ def _range_values(cfg, key: str):
     if head.endswith("]"):
         head, idx = head[:-1].split("[")
     v = getattr(cfg, head)
+    if v is None and rest:  # an optional section left out (model.lora: null)
+        return []
     if idx == "":
         return [(f"{head}[{i}].{n}", x) for i, item in enumerate(v) for n, x in _range_values(item, rest)]
     if idx is not None:
@@ -221,8 +235,8 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] = (),
 
 def resolve_input_paths(data: dict, base: Path) -> None:
     """Make the relative input paths of recipe data `data` (plain YAML data, changed in
-    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval, the file
-    of a `file.py:function` reward and a checkpoint.resume folder. Outputs
+    place) relative to `base`: model.path, model.tokenizer, data.train, data.eval (not hf:),
+    the file of a `file.py:function` reward or data.map and a checkpoint.resume folder. Outputs
     (logging.run_dir) stay relative to the working directory, where the run is started."""
     def fix(section: dict | None, key: str, skip=lambda v: False) -> None:
         if not isinstance(section, dict):
@@ -234,7 +248,7 @@ def resolve_input_paths(data: dict, base: Path) -> None:
     fix(data.get("model"), "path")
     fix(data.get("model"), "tokenizer", lambda v: v == "char")
     for key in ("train", "eval"):
-        fix(data.get("data"), key, lambda v: v.startswith("builtin:"))
+        fix(data.get("data"), key, lambda v: v.startswith(("builtin:", "hf:")))
     fix(data.get("checkpoint"), "resume", lambda v: v in ("never", "auto"))
     ro = data.get("rollout")
     if isinstance(ro, dict):
@@ -243,9 +257,9 @@ def resolve_input_paths(data: dict, base: Path) -> None:
             ro["tools"] = [_relative_spec(t, base) for t in ro["tools"]]
         if isinstance(ro.get("env"), str):
             ro["env"] = _relative_spec(ro["env"], base)
-    for spec in data.get("rewards") or []:
-        if isinstance(spec, dict):
-            spec["name"] = _relative_spec(spec.get("name"), base)
+    for section, key in [*((spec, "name") for spec in data.get("rewards") or []), (data.get("data"), "map")]:
+        if isinstance(section, dict) and key in section:
+            section[key] = _relative_spec(section.get(key), base)
 
 
 def _relative_spec(spec, base: Path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from rlfuse.model.lora import LoRAConfig
+
 _DC = dict(frozen=True, kw_only=True, slots=True)
 
 
@@ -27,6 +29,10 @@ class ModelSpec:
     """Recompute each layer's activations in the backward pass (less memory, one more forward)."""
     kernel_backend: str = "auto"
     """rlfuse.kernels backend: auto, torch or triton."""
+    lora: LoRAConfig | None = None
+    """LoRA adapters trained on the frozen base (docs/lora.md); null: full fine-tune. `lora: {}`
+    takes every default (rank 16, alpha 32, all linear layers); set optim.lr ~10x the full
+    fine-tune's."""
 
 
 @dataclasses.dataclass(**_DC)
@@ -56,9 +62,21 @@ class OptimConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, or builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown."""
+    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
+    a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
+    written by Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
+    split: str = "train"
+    """Split of a Hugging Face data.train (hf:NAME or a saved DatasetDict)."""
+    eval_split: str = "test"
+    """Split of a Hugging Face data.eval."""
+    columns: dict = dataclasses.field(default_factory=dict)
+    """Renames applied to every row first, {dataset column: rlfuse column}, e.g.
+    {question: prompt, solution: answer} (the *_field keys then name the renamed columns)."""
+    map: str = ""
+    """A row transform `file.py:fn` or `module:fn`, fn(row: dict) -> dict, applied to every row
+    after the renames (empty: none)."""
     eval_size: int = 200
     """Held-out problems generated for builtin tasks."""
     train_size: int = 20000
@@ -99,6 +117,33 @@ class RewardSpec:
     """Keyword arguments bound to the function."""
 
 
+WANDB_MODES = ("online", "offline", "disabled")
+"""Values of logging.wandb.mode (wandb.init's)."""
+
+
+@dataclasses.dataclass(**_DC)
+class WandbConfig:
+    project: str = ""
+    """W&B project; non-empty turns Weights & Biases logging on (the `wandb` extra)."""
+    entity: str = ""
+    """W&B team or user; empty: your default entity."""
+    name: str = ""
+    """Run name; empty: the run folder's name and the stage (e.g. my_run/grpo)."""
+    tags: list[str] = dataclasses.field(default_factory=list)
+    """Run tags."""
+    mode: str = "online"
+    """online | offline (written under RUN_DIR/wandb, `wandb sync` it later) | disabled."""
+
+
+@dataclasses.dataclass(**_DC)
+class MlflowConfig:
+    experiment: str = ""
+    """MLflow experiment name; non-empty turns MLflow logging on (the `mlflow` extra)."""
+    tracking_uri: str = ""
+    """Tracking server or store URI (http://..., sqlite:///mlflow.db, file:///path); empty: MLflow's
+    default (MLflow 3: ./mlflow.db, which needs the full mlflow package, not the extra's mlflow-skinny)."""
+
+
 @dataclasses.dataclass(**_DC)
 class LoggingConfig:
     run_dir: str = "runs/latest"
@@ -111,6 +156,10 @@ class LoggingConfig:
     """tqdm progress bar with reward and step time."""
     num_samples: int = 4
     """Completions written per sample dump."""
+    wandb: WandbConfig = dataclasses.field(default_factory=WandbConfig)
+    """Weights & Biases: the resolved config, the same metrics as TensorBoard, the report's plots."""
+    mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
+    """MLflow: the resolved config as params, the same metrics as TensorBoard, the report's plots as artifacts."""
 
 
 @dataclasses.dataclass(**_DC)

@@ -1,0 +1,231 @@
+"""The Python API's trainers: `SFTTrainer`, `GRPOTrainer`, `PPOTrainer`, `DPOTrainer`.
+
+    from rlfuse import GRPOConfig, GRPOTrainer
+    def exact(prompts, completions, answer, **columns):          # TRL's reward signature
+        return [float(c.strip() == a) for c, a in zip(completions, answer)]
+    trainer = GRPOTrainer("runs/sft", reward_funcs=[exact], train_dataset=rows,
+                          args=GRPOConfig(steps=50, group_size=8), run_dir="runs/grpo")
+    summary = trainer.train()                      # what `rlfuse grpo` prints its closing lines from
+    trainer.generate(["2+3="]); trainer.save("exports/grpo")
+
+A trainer is a run: the constructor resolves the config, takes the run folder (start,
+resume or overwrite, as the commands' --resume / --overwrite / --force), opens the session
+(data, tokenizer, model) and `train()` runs the same loop as the command. `rlfuse sft` /
+`grpo` / `ppo` / `dpo` construct these trainers: one path for both.
+
+  * config: a RunConfig, a dict, a YAML path or a built-in recipe name (api.config); `args`
+    replaces the algorithm's section (an SFTConfig / GRPOConfig / PPOConfig / DPOConfig or a
+    dict of its fields); `overrides`: "a.b=value" strings as --set.
+  * model: a folder (HF, checkpoint or run: `load_model`'s forms), a CausalLM with its
+    `tokenizer=`, or an earlier trainer, whose model, tokenizer and engine are taken over
+    (SFT then GRPO on one copy of the weights); None: the config's model section.
+  * train_dataset / eval_dataset: a path (data.train / data.eval), a list of dicts, or
+    anything with `to_list()` (a `datasets.Dataset`). Rows in memory are written to
+    RUN_DIR/data/<split>.jsonl and read back like a file, so the run folder's config.yaml
+    names data that `rlfuse eval` and --resume can read.
+  * reward_funcs: callables with TRL's signature, built-in names, "file.py:fn" strings or
+    {name, weight, kwargs} dicts; reward_weights: one weight per function. A function
+    importable by module and name is recorded as "module:function"; others (lambdas,
+    functions of a notebook or __main__) as "python:<name>", which only this process can
+    resolve.
+Test: python -m pytest -q tests/test_api.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from rlfuse.api.config import load_run_config
+from rlfuse.api.models import resolve_model_folder
+from rlfuse.engine import SamplingParams
+from rlfuse.model.transformer import CausalLM
+from rlfuse.rollout import PYTHON_REWARD
+from rlfuse.run import export_model, prepare_run_folder
+from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
+from rlfuse.run.distributed import DistContext, fail_together
+from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
+
+def _rows(data, what: str) -> list[dict]:
+    if hasattr(data, "to_list"):  # a datasets.Dataset (or anything shaped like one)
+        data = data.to_list()
+    if not isinstance(data, (list, tuple)) or not all(isinstance(r, dict) for r in data):
+        raise ValueError(f"{what}: expected a path, a list of dicts or a datasets.Dataset, got {type(data).__name__}")
+    return list(data)
+
+
+def _write_rows(rows: list[dict], path: Path, what: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, r in enumerate(rows):
+        try:
+            lines.append(json.dumps(r, ensure_ascii=False, allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{what}[{i}]: the row cannot be written as JSON ({e}); rows hold strings, numbers, "
+                             f"lists and dicts") from None
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+
+
+def _reward_spec(fn, weight: float, i: int) -> tuple[RewardSpec, Callable | None]:
+    """(the RewardSpec the config records, the callable if `fn` is one)."""
+    if isinstance(fn, RewardSpec):
+        return dataclasses.replace(fn, weight=weight) if weight != 1.0 else fn, None
+    if isinstance(fn, str):
+        return RewardSpec(name=fn, weight=weight), None
+    if isinstance(fn, dict):
+        return RewardSpec(**{"weight": weight, **fn}), None
+    if not callable(fn):
+        raise ValueError(f"reward_funcs[{i}]: expected a callable, a reward name or a dict, got {fn!r}")
+    name = getattr(fn, "__name__", "") or f"reward_{i}"
+    qual, mod = getattr(fn, "__qualname__", ""), getattr(fn, "__module__", None)
+    if mod and mod != "__main__" and qual == name and name != "<lambda>":
+        return RewardSpec(name=f"{mod}:{name}", weight=weight), fn
+    return RewardSpec(name=PYTHON_REWARD + (name if name != "<lambda>" else f"reward_{i}"), weight=weight), fn
+
+
+class _Trainer:
+    kind = ""
+    """The command and config section: sft, grpo, ppo, dpo."""
+    section: type = object
+    run: Callable = None
+    need_target = False
+
+    def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
+                 overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
+                 tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
+                 force: bool = False, dist: DistContext | None = None):
+        cfg = load_run_config(config, overrides)
+        changes: dict = {}
+        if args is not None:
+            if not isinstance(args, (self.section, dict)):
+                raise ValueError(f"args: expected a {self.section.__name__} (or a dict of its fields), "
+                                 f"got {type(args).__name__}")
+            # a config object replaces the section (TRL's `args`); a dict changes the fields it names
+            changes.update({f"{self.kind}.{k}": v for k, v in args.items()} if isinstance(args, dict) else
+                           {self.kind: args})
+        if run_dir is not None:
+            changes["logging.run_dir"] = str(run_dir)
+        if resume and cfg.checkpoint.resume == "never":  # as --resume: from the run folder's latest checkpoint
+            changes["checkpoint.resume"] = "auto"
+        self._given: dict = {}
+        if isinstance(model, _Trainer):  # take over the earlier stage's weights, tokenizer and engine
+            prev = model.session
+            self._given = dict(model=prev.model, tokenizer=prev.tokenizer, sampler=prev._sampler)
+        elif isinstance(model, CausalLM):
+            if tokenizer is None:
+                raise ValueError("model: a CausalLM needs its tokenizer= (or pass a folder or an earlier trainer)")
+            self._given = dict(model=model, tokenizer=tokenizer)
+        elif model is not None:
+            changes.update({"model.path": str(resolve_model_folder(model, "model")), "model.random_init": None})
+        fns: dict[str, Callable] = {}
+        if reward_funcs is not None:
+            funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+            weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
+            if len(weights) != len(funcs):
+                raise ValueError(f"reward_weights: {len(weights)} weights for {len(funcs)} reward functions")
+            specs = []
+            for i, (fn, w) in enumerate(zip(funcs, weights)):
+                spec, call = _reward_spec(fn, float(w), i)
+                specs.append(spec)
+                if call is not None:
+                    fns[spec.name] = call
+            changes["rewards"] = specs
+        in_memory = {}
+        for split, data in (("train", train_dataset), ("eval", eval_dataset)):
+            if isinstance(data, (str, Path)):
+                changes[f"data.{split}"] = str(data)
+            elif data is not None:
+                in_memory[split] = _rows(data, f"{split}_dataset")
+        run_path = Path(changes.get("logging.run_dir", cfg.logging.run_dir))
+        for split in in_memory:
+            changes[f"data.{split}"] = str(run_path / "data" / f"{split}.jsonl")
+        if in_memory and dist is not None:
+            raise ValueError("train_dataset / eval_dataset in memory under torchrun: save them to a file and pass "
+                             "its path (every rank reads it)")
+        self.config: RunConfig = replace(cfg, **changes) if changes else cfg
+        self.dist = dist
+        self._prepare(resume, overwrite, force)
+        for split, rows in in_memory.items():
+            _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
+        self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
+                                             reward_functions=fns, **self._given)
+        self.summary: dict | None = None
+
+    def _prepare(self, resume: bool, overwrite: bool, force: bool) -> None:
+        """Start, resume or overwrite the run folder (rlfuse.run.folder). Under
+        torchrun rank 0 alone touches it; every rank stops with its error if it refuses."""
+        def prepare():
+            if self.dist is None or self.dist.is_main:
+                prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite, force=force)
+        if self.dist is None:
+            prepare()
+            return
+        with fail_together(self.dist, "run folder"):
+            prepare()
+
+    # ------------------------------------------------------------------ the run
+    def train(self) -> dict:
+        """Run the algorithm to its configured steps (resuming per the config); returns the
+        summary: history (logged rows), evals, steps, run_dir, data (rows kept/dropped)."""
+        res = type(self).run(self.config, session=self.session)
+        self.summary = {k: v for k, v in res.items() if k not in ("model", "tokenizer")}
+        return self.summary
+
+    @property
+    def model(self) -> CausalLM:
+        """The policy being trained (the same tensors the engine generates from)."""
+        return self.session.model
+
+    @property
+    def tokenizer(self):
+        return self.session.tokenizer
+
+    @property
+    def run_dir(self) -> Path:
+        return self.session.run_dir
+
+    def save(self, path: str | Path) -> Path:
+        """Write the current weights and the tokenizer as an HF folder (what RUN_DIR/final holds)."""
+        return export_model(path, self.model, self.tokenizer, dist=self.session.dist)
+
+    def generate(self, prompts: str | list[str], *, chat: bool = False, max_tokens: int = 128,
+                 temperature: float = 0.0, n: int = 1, **sampling) -> list[str]:
+        """Completions of `prompts` with the run's engine on the current weights (greedy by
+        default; other SamplingParams fields as keywords). `chat`: each prompt is a user
+        message in the chat template. Returns len(prompts) * n texts, prompt-major."""
+        if self.session.dist is not None:
+            raise ValueError("generate: not under torchrun (each rank holds a shard of the weights)")
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        tok = self.tokenizer
+        ids = [tok.chat_prompt_ids([{"role": "user", "content": p}]) if chat else tok.encode(p) for p in prompts]
+        sampler = self.session.sampler
+        sampler.wake()
+        try:
+            outs = sampler.llm.generate(ids, SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
+                                                            **sampling))
+        finally:
+            sampler.sleep()  # the KV pool goes back to training
+        return [o.text if o.text is not None else tok.decode(o.output_token_ids, skip_special_tokens=True)
+                for o in outs]
+
+
+class SFTTrainer(_Trainer):
+    """Supervised fine-tuning (`rlfuse sft`): rows with prompt + completion, or messages."""
+    kind, section, run, need_target = "sft", SFTConfig, staticmethod(run_sft), True
+
+
+class GRPOTrainer(_Trainer):
+    """GRPO and its variants (`rlfuse grpo`): prompts, reward functions."""
+    kind, section, run = "grpo", GRPOConfig, staticmethod(run_grpo)
+
+
+class PPOTrainer(_Trainer):
+    """PPO with a critic (`rlfuse ppo`): prompts, reward functions."""
+    kind, section, run = "ppo", PPOConfig, staticmethod(run_ppo)
+
+
+class DPOTrainer(_Trainer):
+    """DPO / IPO / conservative DPO (`rlfuse dpo`): preference rows (prompt, chosen, rejected)."""
+    kind, section, run = "dpo", DPOConfig, staticmethod(run_dpo)

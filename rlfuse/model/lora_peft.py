@@ -1,0 +1,191 @@
+"""PEFT adapter folders in and out, and the merged HF export.
+
+A PEFT LoRA folder is `adapter_config.json` (r, lora_alpha, target_modules, ...) and
+`adapter_model.safetensors` with tensors named
+`base_model.model.<module>.lora_A.weight` (r, in) and `...lora_B.weight` (out, r), the
+module names being the `transformers` ones, which are ours. So:
+
+    load_peft_adapter(model, folder)        # attach + load A and B
+    save_peft_adapter(model, folder)        # PeftModel.from_pretrained(hf_model, folder) loads it
+    load_peft_weights(model, folder)        # into adapters attached already (resume)
+    save_merged(model, folder)              # an HF folder with W + s B A rounded into W
+
+Only plain LoRA is read: DoRA, adapter biases, modules_to_save, per-module rank or alpha
+patterns and per-layer subsets are refused with a ValueError naming the file and field.
+The merged export rounds W + s B A (computed in fp32) to the weight's dtype, which loses
+part of a small update in bf16: the unmerged adapter is what the engine and the trainer
+run, the merged folder is for tools that cannot apply an adapter.
+Test: python -m pytest -q tests/test_lora.py
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
+from rlfuse.model.transformer import CausalLM
+from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
+
+log = logging.getLogger(__name__)
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PREFIX = "base_model.model."
+_DEFAULTS = LoRAConfig()
+# adapter_config.json fields that would change the math if set: (field, the value we support)
+_UNSUPPORTED = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False),
+                ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
+                ("layers_to_transform", None), ("target_parameters", None), ("trainable_token_indices", None))
+
+
+def _tensor_key(module: str, which: str) -> str:
+    return f"{_PREFIX}{module}.{which}.weight"
+
+
+def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, dict[str, str]]:
+    """The folder's LoRA settings as a LoRAConfig (path = folder) and the tensor names of
+    its adapter_model.safetensors -> module name (e.g. 'model.layers.0.self_attn.q_proj')."""
+    folder = Path(folder)
+    cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    for p in (cfg_path, w_path):
+        if not p.is_file():
+            raise ValueError(f"lora.path {str(folder)!r}: no {p.name} (a PEFT LoRA adapter folder holds "
+                             f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+    try:
+        d = json.loads(cfg_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("peft_type") != "LORA":
+        raise ValueError(f"{cfg_path}: peft_type must be 'LORA', got {d.get('peft_type') if isinstance(d, dict) else d!r}")
+    for key, ok in _UNSUPPORTED:
+        v = d.get(key, ok)
+        if v != ok and not (ok is None and v in ([], {})) and not (ok == {} and v is None):
+            raise ValueError(f"{cfg_path}: {key} = {v!r} is not supported (only plain LoRA: {key} = {ok!r})")
+    with safe_open(w_path, framework="pt") as f:
+        keys = list(f.keys())
+    modules: dict[str, str] = {}
+    for k in keys:
+        mod, _, tail = k[len(_PREFIX):].rpartition(".lora_")
+        if not k.startswith(_PREFIX) or tail not in ("A.weight", "B.weight"):
+            raise ValueError(f"{w_path}: unexpected tensor {k!r} (expected {_PREFIX}<module>.lora_A.weight "
+                             f"and .lora_B.weight)")
+        modules[k] = mod
+    leaves = {m.rsplit(".", 1)[-1] for m in modules.values()}
+    bad = sorted(leaves - set(TARGETS))
+    if bad:
+        raise ValueError(f"{w_path}: adapters on {bad}; rlfuse adapts only {list(TARGETS)}")
+    try:
+        cfg = LoRAConfig(rank=d.get("r"), alpha=d.get("lora_alpha"), dropout=d.get("lora_dropout", 0.0),
+                         rslora=bool(d.get("use_rslora", False)),
+                         targets=ALL_LINEAR if leaves == set(TARGETS) else tuple(sorted(leaves)), path=str(folder))
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+    return cfg, modules
+
+
+def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
+    """The folder's settings, with the asked dropout; a field set away from its default in
+    `asked` must equal the folder's."""
+    for f in ("rank", "alpha", "targets", "rslora"):
+        a, d, got = getattr(asked, f), getattr(_DEFAULTS, f), getattr(found, f)
+        if a != d and a != got:
+            raise ValueError(f"lora.{f} = {a!r} but the adapter at {where} has {got!r}: set lora.{f} to {got!r} "
+                             f"or leave it out")
+    return LoRAConfig(rank=found.rank, alpha=found.alpha, targets=found.targets, rslora=found.rslora,
+                      dropout=asked.dropout, path=str(where))
+
+
+@torch.no_grad()
+def load_peft_adapter(model: CausalLM, folder: str | Path, cfg: LoRAConfig | None = None) -> LoRAConfig:
+    """Attach adapters shaped as the folder's and load its A and B (cast to the model's
+    dtype). `cfg` (e.g. the run's `model.lora`) gives the dropout and must agree with the
+    folder on what it sets. Returns the config in effect."""
+    folder = Path(folder)
+    found, modules = read_peft_config(folder)
+    eff = _agree(cfg, found, folder) if cfg is not None else found
+    attach_lora(model, eff)
+    load_peft_weights(model, folder, modules)
+    log.info("LoRA: loaded the adapter %s (rank %d, alpha %g, %d modules)", folder, eff.rank, eff.alpha,
+             len(modules) // 2)
+    return eff
+
+
+@torch.no_grad()
+def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, str] | None = None) -> None:
+    """Copy the folder's A and B into the model's adapters (attached already, e.g. a
+    resumed run's): the folder must adapt exactly the model's modules, at its rank."""
+    folder = Path(folder)
+    if modules is None:
+        modules = read_peft_config(folder)[1]
+    mods = dict(lora_modules(model))
+    wanted = set(modules.values())
+    if set(mods) != wanted:
+        differ = sorted(set(mods) ^ wanted)[:3]
+        raise ValueError(f"{folder / WEIGHTS_FILE}: adapts {len(wanted)} modules, the model has adapters on "
+                         f"{len(mods)} (e.g. {differ} differ); per-layer subsets are not supported")
+    with safe_open(folder / WEIGHTS_FILE, framework="pt") as f:
+        for key, mod in modules.items():
+            t = f.get_tensor(key)
+            p = getattr(mods[mod], "lora_A" if key.endswith("lora_A.weight") else "lora_B")
+            if tuple(t.shape) != tuple(p.shape):
+                raise ValueError(f"{folder / WEIGHTS_FILE}: {key} has shape {tuple(t.shape)}, the model's adapter "
+                                 f"expects {tuple(p.shape)} (another rank?)")
+            p.copy_(t)
+
+
+def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or_path: str | None = None,
+                      tokenizer_dir: str | Path | None = None) -> Path:
+    """Write adapter_config.json + adapter_model.safetensors as PEFT does, so
+    `peft.PeftModel.from_pretrained(transformers_model, folder)` applies this adapter
+    (atomically: a temporary sibling renamed over `folder`); the tokenizer files of
+    `tokenizer_dir` go beside them."""
+    mods = lora_modules(model)
+    if not mods:
+        raise ValueError("save_peft_adapter: the model has no LoRA adapters")
+    cfg = lora_config(model)
+    folder = Path(folder)
+    tensors = {}
+    for name, m in mods:
+        tensors[_tensor_key(name, "lora_A")] = m.lora_A.detach().contiguous().cpu()
+        tensors[_tensor_key(name, "lora_B")] = m.lora_B.detach().contiguous().cpu()
+    with atomic_folder(folder) as tmp:
+        save_tensors_file(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
+        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, base_model_name_or_path), indent=2))
+        copy_side_files(tokenizer_dir, tmp)
+    return folder
+
+
+def _peft_config(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict:
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
+            "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": list(cfg.target_names),
+            "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
+            "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None, "layers_pattern": None,
+            "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model_name_or_path,
+            "revision": None}
+
+
+@torch.no_grad()
+def merged_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """The HF checkpoint's tensors with every adapter merged: W + s B A in fp32, rounded
+    to W's dtype (CPU tensors; the live model is untouched)."""
+    merged = {f"{n}.weight": m for n, m in lora_modules(model)}
+    out = {}
+    for name, p in hf_parameters(model):
+        m = merged.get(name)
+        if m is None:
+            out[name] = p.detach().cpu()
+        else:
+            w = p.float() + m.scale * (m.lora_B.float() @ m.lora_A.float())
+            out[name] = w.to(p.dtype).cpu()
+    return out
+
+
+def save_merged(model: CausalLM, folder: str | Path, **kw) -> Path:
+    """An HF folder (config.json + safetensors) of the model with its adapters merged;
+    `kw` as `rlfuse.model.weights.save_model`."""
+    return save_model(model, folder, tensors=merged_tensors(model), **kw)

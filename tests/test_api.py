@@ -1,0 +1,159 @@
+"""The Python API: SFT then GRPO in one process on one copy of the weights, with a lambda
+reward and lists of dicts, on a tiny random model (tests/serve_helpers.py's folder: byte
+tokenizer, ChatML template). The summary, trainer.model, save() and generate() work in the
+same process; rows in memory land in RUN_DIR/data as JSONL that the run's config names."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from engine_helpers import one_thread  # noqa: F401 (fixture)
+from serve_helpers import write_model_folder
+
+import rlfuse
+from rlfuse import GRPOTrainer, SFTConfig, SFTTrainer, load_model
+
+SMALL = {"model": {"dtype": "float32", "device": "cpu"}, "engine": {"max_num_seqs": 16, "max_model_len": 64},
+         "data": {"max_prompt_len": 16},
+         "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+         "logging": {"tensorboard": False, "progress": False}, "checkpoint": {"save_final": False}}
+SFT_ROWS = [{"prompt": f"{a}+{b}=", "completion": str(a + b)} for a in range(4) for b in range(4)]
+GRPO_ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(4) for b in range(4)]
+
+
+def test_package_exports_the_api():
+    for name in ("SFTTrainer", "GRPOTrainer", "PPOTrainer", "DPOTrainer", "load_model", "RunConfig", "SFTConfig",
+                 "GRPOConfig", "PPOConfig", "DPOConfig"):
+        assert name in rlfuse.__all__ and getattr(rlfuse, name) is not None
+
+
+def test_sft_then_grpo_in_process(tmp_path):
+    folder = write_model_folder(tmp_path / "base")
+    sft = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft",
+                     args=SFTConfig(steps=3, batch_size=8, micro_batch_tokens=64))
+    before = [p.detach().clone() for p in sft.model.parameters()]
+    res = sft.train()
+    assert res["steps"] == 3 and len(res["history"]) == 3 and all("loss" in r for r in res["history"])
+    assert any(not torch.equal(a, b) for a, b in zip(before, sft.model.parameters()))
+    saved = json.loads(json.dumps([json.loads(x) for x in (tmp_path / "sft" / "data" / "train.jsonl").open()]))
+    assert saved == SFT_ROWS
+    assert str(tmp_path / "sft" / "data" / "train.jsonl") in (tmp_path / "sft" / "config.yaml").read_text()
+
+    calls = []
+
+    def longer(prompts, completions, **kw):  # rewards length: variance within every group
+        calls.append(len(completions))
+        return [float(len(c)) for c in completions]
+    grpo = GRPOTrainer(sft, reward_funcs=[lambda prompts, completions, answer, **kw: [
+                           float(c.strip() == a) for c, a in zip(completions, answer)], longer],
+                       reward_weights=[1.0, 0.1], train_dataset=GRPO_ROWS, config=SMALL, run_dir=tmp_path / "grpo",
+                       args={"steps": 2, "prompts_per_step": 2, "group_size": 4, "max_new_tokens": 4})
+    assert grpo.model is sft.model  # one copy of the weights: GRPO trains the SFT tensors in place
+    before = [p.detach().clone() for p in grpo.model.parameters()]
+    out = grpo.train()
+    assert out["steps"] == 2 and calls and all(n == 2 * 4 for n in calls[:2])
+    assert any(not torch.equal(a, b) for a, b in zip(before, grpo.model.parameters()))
+    rows = [json.loads(x) for x in (tmp_path / "grpo" / "metrics.jsonl").open()]
+    assert any("reward/reward_0" in r and "reward/longer" in r for r in rows)
+    cfg_text = (tmp_path / "grpo" / "config.yaml").read_text()
+    assert "python:reward_0" in cfg_text and "python:longer" in cfg_text
+
+    texts = grpo.generate(["1+2=", "3+0="], max_tokens=4)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    out_dir = grpo.save(tmp_path / "export")
+    model, tok = load_model(out_dir, device="cpu")
+    for a, b in zip(model.parameters(), grpo.model.parameters()):
+        assert torch.equal(a, b)
+    assert tok.encode("1+2=") == grpo.tokenizer.encode("1+2=")
+    assert grpo.generate("1+2=", max_tokens=4) == texts[:1]  # greedy: the same again
+
+
+def test_bad_api_inputs_name_what_was_expected(tmp_path):
+    folder = write_model_folder(tmp_path / "base")
+    with pytest.raises(ValueError, match="train_dataset: expected a path, a list of dicts"):
+        SFTTrainer(str(folder), train_dataset=[1, 2], config=SMALL, run_dir=tmp_path / "a")
+    with pytest.raises(ValueError, match=r"train_dataset\[0\]: the row cannot be written as JSON"):
+        SFTTrainer(str(folder), train_dataset=[{"prompt": object()}], config=SMALL, run_dir=tmp_path / "b")
+    with pytest.raises(ValueError, match="args: expected a GRPOConfig"):
+        GRPOTrainer(str(folder), reward_funcs=[len], args=SFTConfig(), config=SMALL, run_dir=tmp_path / "c")
+    with pytest.raises(ValueError, match="reward_weights: 1 weights for 2 reward functions"):
+        GRPOTrainer(str(folder), reward_funcs=[len, len], reward_weights=[1.0], config=SMALL, run_dir=tmp_path / "d")
+    with pytest.raises(ValueError, match="model: a CausalLM needs its tokenizer="):
+        GRPOTrainer(load_model(folder, device="cpu")[0], reward_funcs=[len], config=SMALL, run_dir=tmp_path / "e")
+
+
+class _DatasetLike:
+    """What the API asks of a `datasets.Dataset`: to_list()."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def to_list(self):
+        return list(self.rows)
+
+
+def test_dataset_objects_are_read_through_to_list(tmp_path):
+    folder = write_model_folder(tmp_path / "base")
+    t = SFTTrainer(str(folder), train_dataset=_DatasetLike(SFT_ROWS[:8]), config=SMALL, run_dir=tmp_path / "r",
+                   args={"steps": 1, "batch_size": 4})
+    assert [r for _, r in t.session.train_rows] == SFT_ROWS[:8]
+
+
+def _example(name: str):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "examples" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_example_script_runs(tmp_path, capsys):
+    """examples/python_api.py with a few steps: SFT, GRPO, generate, save."""
+    data = [str(_example("python_api").HERE / "data" / f) for f in ("reverse_train.jsonl", "reverse_eval.jsonl")]
+    assert _example("make_tiny_model").main([str(tmp_path / "m"), "--data", *data]) == 0
+    assert _example("python_api").main([str(tmp_path / "m"), "--out", str(tmp_path / "api"), "--sft-steps", "2",
+                                        "--grpo-steps", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "sft: 2 steps" in out and "grpo: held-out reward" in out and "generate: [" in out
+    assert (tmp_path / "api" / "export" / "config.json").exists()
+    assert (tmp_path / "api" / "grpo" / "final" / "config.json").exists()
+
+
+def test_a_python_reward_of_another_process_is_named(tmp_path):
+    """A run's config.yaml records a lambda as python:<name>: a later process (rlfuse eval,
+    a resume without the function) is told to pass it again."""
+    from rlfuse.rollout import RewardSet
+    from rlfuse.run.config import RewardSpec
+    with pytest.raises(ValueError, match="'python:reward_0': a Python function given to the API in another process"):
+        RewardSet([RewardSpec(name="python:reward_0")])
+    fn = lambda prompts, completions, **kw: [0.0] * len(completions)  # noqa: E731
+    assert RewardSet([RewardSpec(name="python:reward_0")], functions={"python:reward_0": fn}).fns == [fn]
+
+
+def test_real_datasets_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    folder = write_model_folder(tmp_path / "base")
+    t = SFTTrainer(str(folder), train_dataset=datasets.Dataset.from_list(SFT_ROWS[:8]), config=SMALL,
+                   run_dir=tmp_path / "r", args={"steps": 1, "batch_size": 4})
+    assert [r for _, r in t.session.train_rows] == SFT_ROWS[:8]
+
+
+def test_dpo_and_ppo_from_lists(tmp_path):
+    """The other two trainers on rows in memory: DPO on preference pairs, PPO with a lambda."""
+    from rlfuse import DPOTrainer, PPOTrainer
+    folder = write_model_folder(tmp_path / "base")
+    pairs = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}
+             for a in range(3) for b in range(3)]
+    dpo = DPOTrainer(str(folder), train_dataset=pairs, config=SMALL, run_dir=tmp_path / "dpo",
+                     args={"steps": 2, "batch_size": 4})
+    res = dpo.train()
+    assert res["steps"] == 2 and all("loss" in r for r in res["history"])
+    ppo = PPOTrainer(dpo, reward_funcs=[lambda prompts, completions, **kw: [float(len(c)) for c in completions]],
+                     train_dataset=GRPO_ROWS, config=SMALL, run_dir=tmp_path / "ppo",
+                     args={"steps": 1, "prompts_per_step": 4, "max_new_tokens": 4})
+    assert ppo.model is dpo.model and ppo.train()["steps"] == 1
