@@ -20,7 +20,7 @@ from rlfuse.kernels.policy_loss import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS
-from rlfuse.train.grpo import GRPOTrainer, frozen_copy, run_grpo
+from rlfuse.train.grpo import GRPOTrainer, reference_model, run_grpo
 from rlfuse.train.loop import make_optimizer
 
 
@@ -77,7 +77,7 @@ def test_observation_tokens_never_reach_the_loss(tmp_path, estimator, loss_type)
         ses = tiny_session(cfg)
         model = ses.model
         trainer = GRPOTrainer(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg),
-                              ref_model=frozen_copy(model) if kl else None)
+                              ref_model=reference_model(model) if kl else None)
         with torch.no_grad():  # a reference that differs from the policy: the KL is not 0
             for p in trainer.ref_model.parameters() if kl else ():
                 p.add_(0.01 * torch.randn_like(p))

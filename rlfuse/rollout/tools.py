@@ -31,10 +31,8 @@ import inspect
 import math
 import operator
 import re
-import sys
 import types
 import typing
-from pathlib import Path
 from typing import Any, Callable
 
 from rlfuse.rollout.sandbox import Sandbox
