@@ -11,10 +11,10 @@ VOCAB = 128
 
 
 def tiny_model(seed: int = 0, std: float = 0.1, layers: int = 2, dtype=torch.float32, device="cpu",
-               eos: int | None = None) -> CausalLM:
-    """hidden 64, 4 q / 2 kv heads of 16, vocab 128, qk-norm, untied LM head (a tied random
+               eos: int | None = None, vocab: int = VOCAB) -> CausalLM:
+    """hidden 64, 4 q / 2 kv heads of 16, vocab 128 (default), qk-norm, untied LM head (a tied random
     model mostly repeats its input token); fp32."""
-    cfg = ModelConfig(model_type="qwen3", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+    cfg = ModelConfig(model_type="qwen3", vocab_size=vocab, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                       qk_norm=True, tie_word_embeddings=False, max_position_embeddings=512, eos_token_id=eos)
     m = CausalLM(cfg)

@@ -105,7 +105,8 @@ def test_check_cli_tiny(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 8
+    assert len(report["settings"]) == 9 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
+    assert report["settings"][-1]["engine_stats"]["preemptions"] > 0
     for row in report["settings"]:
         assert set(row) >= {"name", "tokens", "bitwise_frac", "max_abs", "mean_abs", "kl_k3"}
         assert row["bitwise_frac"] == 1.0 and row["tokens"] > 0

@@ -13,9 +13,9 @@ from datetime import datetime
 
 import pytest
 import transformers
-from chat_templates import LLAMA3_LIKE, QWEN_LIKE, SMOLLM2
+from chat_templates import LLAMA3_LIKE, QWEN_LIKE, SMOLLM2, bpe_backend
 from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers
 
 from rlfuse.model.tokenizer import Tokenizer
 
@@ -37,19 +37,9 @@ TOOLS = [{"type": "function", "function": {"name": "add", "description": "Add <t
                                            "parameters": {"a": "int", "b": "int"}}}]
 
 
-def _bpe() -> Backend:
-    tok = Backend(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=CONTROL, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-
 @pytest.fixture(scope="module")
 def bpe():
-    return _bpe()
+    return bpe_backend(CONTROL, CORPUS)
 
 
 def _pair(tok: Tokenizer, tmp_path):

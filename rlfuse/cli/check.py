@@ -6,7 +6,9 @@
     rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
-decode, look-ahead, micro-batch packing, all combined), teacher-forces the same tokens
+decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
+scripted tool, with observations appended as ids, chunked, with preemption and prefix-cache
+hits between turns), teacher-forces the same tokens
 through the trainer's forward and prints one row per setting: tokens, % bitwise equal,
 max and mean |delta|, k3 KL. Writes OUT/check.json. Where a setting differs, the first
 differing token is replayed along both forwards with hooks on every layer: the first
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import string
 import sys
 import time
 from pathlib import Path
@@ -32,6 +35,7 @@ from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.rollout import TemplateError, char_chat_tokenizer, multi_turn_setting
 
 log = logging.getLogger("rlfuse.cli")
 HELP = "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)"
@@ -130,6 +134,18 @@ def run(args) -> int:
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
                   f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / {st['look_ahead_steps']}",
                   flush=True)
+        # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
+        # fit the model's vocabulary); a model folder uses its own chat template
+        try:
+            mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
+            r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+            results.append(r)
+            st = r.engine_stats
+            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
+                  f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
+        except TemplateError as e:
+            print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),

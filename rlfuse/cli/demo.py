@@ -1,5 +1,7 @@
 """`rlfuse demo`: the embedded default -- tiny Qwen3-style model, SFT warm-up, GRPO on
-arithmetic, held-out accuracy before and after (rlfuse.recipes.demo). Nothing downloaded."""
+arithmetic, held-out accuracy before and after (rlfuse.recipes.demo). `--agent`: the same
+tiny model learns to call a calculator on 3-digit multiplication (rlfuse.recipes.agent_demo).
+Nothing downloaded."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
+from rlfuse.recipes.agent_demo import AGENT_SIZES, run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
 from rlfuse.run import clear_run
 
@@ -23,8 +26,12 @@ def add_arguments(p):
     p.add_argument("--size", choices=SIZES, default=None,
                    help="cpu (~2 min on 2 CPU cores: docs/benchmarks.md), ci (shortened), gpu (larger); "
                         "default: gpu with CUDA, else cpu")
-    p.add_argument("--run-dir", default="runs/demo",
-                   help="run folder (default runs/demo); a previous demo there is replaced, and said so")
+    p.add_argument("--run-dir", default=None,
+                   help="run folder (default runs/demo, runs/agent_demo with --agent); a previous demo there is "
+                        "replaced, and said so")
+    p.add_argument("--agent", action="store_true",
+                   help="multi-turn with a tool: SFT on calculator transcripts, then GRPO on episodes that call "
+                        "it (3-digit multiplication), vs a no-tool baseline (sizes ci, cpu)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -38,7 +45,7 @@ def replace_previous_demo(root: Path) -> None:
     """A re-run replaces the previous demo whole: its stage folders' files (metrics,
     TensorBoard, checkpoints, final/), its report/ and demo.json, so nothing stale or doubled
     is left; each removal is logged."""
-    for stage in ("sft", "grpo"):
+    for stage in ("sft", "grpo", "no_tool"):  # no_tool: the agent demo's baseline
         if (root / stage).is_dir():
             clear_run(root / stage, "rlfuse demo (a re-run replaces the previous demo)")
     for name in ("report", "demo.json"):
@@ -53,7 +60,10 @@ def replace_previous_demo(root: Path) -> None:
 
 
 def run(args) -> int:
-    size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
+    if args.agent and args.size == "gpu":
+        return fail(ValueError(f"demo --agent: --size must be one of {AGENT_SIZES}, got 'gpu'"))
+    size = args.size or ("gpu" if torch.cuda.is_available() and not args.agent else "cpu")
+    args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")
     threads = args.threads if args.threads is not None else (None if size == "gpu" else 1)
@@ -65,7 +75,8 @@ def run(args) -> int:
         elif threads is not None:
             torch.set_num_threads(threads)
         replace_previous_demo(Path(args.run_dir))
-        res = run_demo(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+        run = run_agent_demo if args.agent else run_demo
+        res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
     except ValueError as e:
         return fail(e)
     summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}

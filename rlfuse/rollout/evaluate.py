@@ -2,7 +2,9 @@
 
 accuracy = mean of the correctness reward (math_accuracy / arithmetic / countdown, the
 first one in the list) -- 1 per solved problem; reward = mean weighted total.
-Greedy (temperature 0) so the number is a property of the weights, not of a seed.
+Greedy (temperature 0) so the number is a property of the weights, not of a seed. With a
+multi-turn sampler (rollout.tools / rollout.env) each problem is a greedy episode and the
+final turn is scored.
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from rlfuse.rollout.sampler import Sampler
 
 
 def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
-    """(total, per-function) rewards of samples (prompt-major, n per prompt)."""
+    """(total, per-function) rewards of samples (prompt-major, n per prompt); an
+    environment's episode reward (Sample.env_reward) is added as the function "env"."""
     p_text = [prompts[s.prompt_index].text for s in samples]
     cols: dict[str, list] = {}
     keys = [k for k in dict.fromkeys(k for p in prompts for k in p.columns) if k not in ("prompts", "completions")]
@@ -23,17 +26,26 @@ def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
         cols[k] = [prompts[s.prompt_index].columns.get(k) for s in samples]
     cols["completion_ids"] = [s.token_ids for s in samples]
     cols["truncated"] = [s.truncated for s in samples]
-    return rewards.score(p_text, [s.text for s in samples], cols)
+    total, per = rewards.score(p_text, [s.text for s in samples], cols)
+    env = [getattr(s, "env_reward", None) for s in samples]
+    if any(r is not None for r in env):
+        per["env"] = [float("nan") if r is None else float(r) for r in env]
+        total = [t + (0.0 if r is None else float(r)) for t, r in zip(total, env)]
+    return total, per
 
 
 def evaluate(sampler: Sampler, prompts: list[Prompt], rewards: RewardSet, *, max_new_tokens: int,
              batch_size: int = 256) -> dict:
     totals, correct, lengths, trunc = [], [], [], []
     sampler.wake()
+    multi_turn = hasattr(sampler, "episodes")
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        samples = sampler.generate([p.ids for p in chunk], n=1, temperature=0.0, top_p=1.0, top_k=0,
-                                   max_tokens=max_new_tokens, seed=0)
+        if multi_turn:  # episodes with the recipe's tools or environment, greedy
+            samples = sampler.episodes(chunk, n=1, temperature=0.0, seed=0)
+        else:
+            samples = sampler.generate([p.ids for p in chunk], n=1, temperature=0.0, top_p=1.0, top_k=0,
+                                       max_tokens=max_new_tokens, seed=0)
         total, per = score_samples(chunk, samples, rewards, 1)
         totals += total
         if rewards.correctness:

@@ -8,6 +8,11 @@ A Sample's `logprobs` are the engine's log p(token) under softmax(logits / T) be
 top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.logprob.token_logprobs` -- exactly the
 quantity the trainer recomputes, so they serve as the PPO "old" log-probs.
 Order: prompt-major, `n` samples per prompt (sample k of prompt i at i * n + k).
+
+`MultiTurnSampler` adds `episodes(prompts, ...)`: multi-turn episodes with the recipe's
+tools or environment (rlfuse.rollout.multi_turn), as Samples whose `token_ids` hold the
+model turns and the observations, `loss_mask` telling them apart, and `prompt_ids` the
+episode's own prompt (rendered with the tools' schemas).
 """
 
 from __future__ import annotations
@@ -18,6 +23,12 @@ from typing import Protocol
 import torch
 
 from rlfuse.engine import SamplingParams
+from rlfuse.rollout.chat import ChatRenderer
+from rlfuse.rollout.env import ToolEnv, ToolRunner
+from rlfuse.rollout.multi_turn import run_episodes
+from rlfuse.rollout.tools import load_tools
+from rlfuse.run import load_function
+from rlfuse.run.config import DataConfig, RolloutConfig
 
 
 @dataclasses.dataclass(slots=True)
@@ -26,8 +37,16 @@ class Sample:
     token_ids: list[int]
     logprobs: torch.Tensor  # (len(token_ids),) fp32, CPU
     truncated: bool
-    """Stopped by max_tokens rather than EOS / a stop condition."""
+    """Stopped by max_tokens rather than EOS / a stop condition (multi-turn: the episode did not finish)."""
     text: str
+    """The completion's text (multi-turn: the last turn's, the answer rewards score)."""
+    loss_mask: torch.Tensor | None = None
+    """Multi-turn: (len(token_ids),) fp32, 1 on the model's tokens, 0 on observation tokens
+    (context only); None: every token is the model's."""
+    prompt_ids: list[int] | None = None
+    """Multi-turn: the episode's prompt ids; None: the Prompt's."""
+    env_reward: float | None = None
+    """Multi-turn: the environment's episode reward, if it gives one."""
 
 
 class Sampler(Protocol):
@@ -65,3 +84,51 @@ class EngineSampler:
 
     def wake(self) -> None:
         self.llm.wake()
+
+
+class MultiTurnSampler:
+    """An `EngineSampler` plus multi-turn episodes (`rollout.tools` or `rollout.env`);
+    `generate` stays the single-turn one. `last_metrics`: the last `episodes` call's
+    rollout/* metrics (turns, tool calls, errors, timeouts, idle fraction, ...)."""
+
+    def __init__(self, base: EngineSampler, tokenizer, cfg: RolloutConfig, data: DataConfig):
+        self.base, self.cfg = base, cfg
+        self.runner = None
+        if cfg.env:
+            env_cls = load_function(cfg.env, "rollout.env")
+            kwargs = dict(cfg.env_kwargs)
+            self.make_env, schemas = (lambda: env_cls(**kwargs)), None
+        else:
+            self.runner = ToolRunner(load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s), timeout_s=cfg.tool_timeout_s,
+                                     workers=cfg.env_workers)
+            system = data.system_prompt or None
+            self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
+            schemas = self.runner.schemas()
+        template = None
+        if cfg.chat_template:
+            try:
+                template = open(cfg.chat_template, encoding="utf-8").read()
+            except OSError as e:
+                raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
+        self.renderer = ChatRenderer(tokenizer, tools=schemas, chat_template=template,
+                                     tool_call_format=cfg.tool_call_format)
+        self.last_metrics: dict = {}
+
+    def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
+                 seed: int) -> list[Sample]:
+        """`n` episodes per Prompt (its `columns` are the row the environment resets from)."""
+        self.base.wake()
+        eps, self.last_metrics = run_episodes(self.base.llm, self.renderer, self.make_env, [p.columns for p in prompts],
+                                              cfg=self.cfg, group_size=n, seed=seed,
+                                              sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
+        return [Sample(e.prompt_index, e.token_ids, e.logprobs_tensor(), e.truncated, e.final_text,
+                       torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward) for e in eps]
+
+    def generate(self, prompt_ids, **kwargs) -> list[Sample]:
+        return self.base.generate(prompt_ids, **kwargs)
+
+    def sleep(self) -> None:
+        self.base.sleep()
+
+    def wake(self) -> None:
+        self.base.wake()

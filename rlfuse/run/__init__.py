@@ -4,8 +4,8 @@ and the distributed plumbing. `rlfuse.run.report` (plots; imports matplotlib) is
 by module where a report is written."""
 
 from rlfuse.run.batching import PackedBatch, pack_by_tokens
-from rlfuse.run.build import (apply_lora, build_engine, build_model, build_tokenizer, check_model_folder, check_vocab,
-                              pick_device, seed_everything)
+from rlfuse.run.build import (apply_lora, build_engine, build_model, build_tokenizer, char_tokenizer, check_model_folder,
+                              check_vocab, pick_device, seed_everything)
 from rlfuse.run.checkpoint import export_model, list_checkpoints, save_checkpoint, save_final
 from rlfuse.run.folder import RunLock, clear_run, prepare_run_folder
 from rlfuse.run.interrupt import Interrupted, stop_agreed, stop_on_signals
@@ -17,7 +17,8 @@ from rlfuse.utils.user_code import load_function
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
            "RunLock", "RunLog", "WeightNormWatch", "apply_lora", "build_engine", "build_model", "build_tokenizer",
-           "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines", "export_model",
-           "list_checkpoints", "load_checkpoint", "load_function", "load_model_folder", "lr_at", "model_folder",
-           "open_trackers", "pack_by_tokens", "peak_memory_mb", "pick_device", "prepare_run_folder", "read_jsonl",
-           "resolve_resume", "save_checkpoint", "save_final", "seed_everything", "stop_agreed", "stop_on_signals"]
+           "char_tokenizer", "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines",
+           "export_model", "list_checkpoints", "load_checkpoint", "load_function", "load_model_folder", "lr_at",
+           "model_folder", "open_trackers", "pack_by_tokens", "peak_memory_mb", "pick_device", "prepare_run_folder",
+           "read_jsonl", "resolve_resume", "save_checkpoint", "save_final", "seed_everything", "stop_agreed",
+           "stop_on_signals"]

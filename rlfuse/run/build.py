@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
 from rlfuse.engine import LLM, EngineConfig
@@ -72,17 +72,25 @@ def check_backend(backend: str, device: torch.device) -> None:
                          "auto or torch on cpu")
 
 
-def char_tokenizer(alphabet: str) -> Tokenizer:
+def char_tokenizer(alphabet: str, *, control: tuple[str, ...] = (), phrases: tuple[str, ...] = (),
+                   chat_template: str | None = None) -> Tokenizer:
     """A character-level tokenizer built in memory: ids 0..2 = <pad>, <eos>, <unk>, then
-    one id per character of `alphabet` (sorted, deduplicated)."""
+    one id per character of `alphabet` (sorted, deduplicated), then the `control` tokens
+    (special: a chat template's markers) and the `phrases` (one id per fixed string, e.g.
+    the tool-call scaffolding of rlfuse.rollout.chat.char_chat_tokenizer)."""
     vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
     for c in sorted(set(alphabet)):
         vocab.setdefault(c, len(vocab))
     backend = Backend(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
     backend.decoder = decoders.Fuse()
+    if control:
+        backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in control])
+    if phrases:
+        backend.add_tokens([AddedToken(t, normalized=False) for t in phrases])
     return Tokenizer(backend, eos_token="<eos>", pad_token="<pad>", special_tokens={"unk_token": "<unk>"},
-                     generation_config={"eos_token_id": 1, "pad_token_id": 0}, source="char tokenizer")
+                     generation_config={"eos_token_id": 1, "pad_token_id": 0}, chat_template=chat_template,
+                     source="char tokenizer")
 
 
 def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:

@@ -130,6 +130,13 @@ class GRPOTrainer(StreamAndGuardState):
         log.info("numerics %s (engine.numerics): %s", self.numerics,
                  "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
                  else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
+        # multi-turn episodes (rollout.tools / rollout.env): samples carry a loss mask over the
+        # model's tokens and their own prompt ids; observation tokens are context only
+        self.multi_turn = cfg.rollout.multi_turn
+        if self.multi_turn and not hasattr(sampler, "episodes"):
+            raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
+                             f"got {type(sampler).__name__}")
+        self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
         self.last_samples: list[dict] = []
 
     def samples(self) -> list[dict]:
@@ -159,6 +166,8 @@ class GRPOTrainer(StreamAndGuardState):
         if self.rewards.correctness:
             m["accuracy"] = _mean(per[self.rewards.correctness])
         lens = [len(s.token_ids) for s in samples]
+        if self.multi_turn:
+            m.update(self.sampler.last_metrics)
         m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
         m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
         adv_N = torch.cat(adv)
@@ -177,6 +186,7 @@ class GRPOTrainer(StreamAndGuardState):
         m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
         m["memory/peak_mb"] = peak_memory_mb(self.device)
         self.last_samples = [{"prompt": prompts[s.prompt_index].text, "completion": s.text, "reward": total[j],
+                              **({"episode": self._transcript(s)} if self.multi_turn else {}),
                               **{f"reward/{k}": v[j] for k, v in per.items()},
                               "advantage": float(adv[j][0]) if len(adv[j]) else 0.0,  # the first token's
                               "truncated": s.truncated} for j, s in enumerate(samples)]
@@ -188,13 +198,29 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         with timer("generate"):
             self.sampler.wake()
-            samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
-                                            top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                            seed=g.seed + step)
+            if self.multi_turn:
+                samples = self.sampler.episodes(prompts, n=g.group_size, temperature=g.temperature, top_p=g.top_p,
+                                                top_k=g.top_k, seed=g.seed + step)
+            else:
+                samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
+                                                top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                                seed=g.seed + step)
             self.sampler.sleep()
         with timer("score"):
             total, per = score_samples(prompts, samples, self.rewards, g.group_size)
         return samples, total, per, dict(self.rewards.error_counts)
+
+    @staticmethod
+    def _prompt_ids(prompts: list[Prompt], s: Sample) -> list[int]:
+        return s.prompt_ids if s.prompt_ids is not None else prompts[s.prompt_index].ids
+
+    @staticmethod
+    def _loss_mask(s: Sample) -> torch.Tensor:
+        """(len(token_ids),) fp32: 1 on the model's tokens (all of a single-turn completion)."""
+        return s.loss_mask if s.loss_mask is not None else torch.ones(len(s.token_ids))
+
+    def _transcript(self, s: Sample) -> str:
+        return self.sampler.renderer.tok.decode(s.token_ids, skip_special_tokens=False)
 
     def _micro_batches(self, seq_idx: list[int], lengths: list[int]) -> list[tuple[list[int], bool]]:
         """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
@@ -212,7 +238,8 @@ class GRPOTrainer(StreamAndGuardState):
         kl_N = None
         if g.advantage in KL_IN_REWARD and self.ref_model is not None:
             ref = self._trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
-            kl_N = torch.cat([samples[j].logprobs - ref[j].float().cpu() for j in range(len(samples))])
+            kl_N = torch.cat([(samples[j].logprobs - ref[j].float().cpu()) * self._loss_mask(samples[j])
+                              for j in range(len(samples))])
         return token_advantages(g.advantage, r, [len(s.token_ids) for s in samples], g.group_size,
                                 adv_scale=g.adv_scale, eps=g.adv_eps, kl_N=kl_N, kl_coef=g.kl_coef)
 
@@ -232,7 +259,9 @@ class GRPOTrainer(StreamAndGuardState):
             old = self._trainer_logprobs(prompts, samples, seqs)
             mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
             full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]))
+                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
+                                    torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
+                                              or [torch.zeros(0, device=self.device)]))
             if self.dist is not None:
                 full = reduce_mismatch(self.dist, full)
             extra = {f"mismatch/full_{k}": v for k, v in full.items()}
@@ -290,20 +319,22 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         dev = self.device
         self.model.train()
-        # per-sequence loss mask (truncated completions optionally masked)
+        # per-sequence loss mask (truncated completions optionally masked) times the per-token
+        # one (multi-turn: observation tokens are context)
         live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
+        n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
         total_seqs = len(seq_idx)
-        total_tokens = sum(len(samples[j].token_ids) * w for j, w in zip(seq_idx, live))
-        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        total_tokens = sum(n * w for n, w in zip(n_loss, live))
+        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
         for mb, pad in self._micro_batches(seq_idx, lengths):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
-                                        len(prompts[samples[j].prompt_index].ids)) for j in js], dev)
+            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
+                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], dev)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
-            mask_N = torch.cat([torch.full((len(samples[j].token_ids),), live[i]) for i, j in zip(mb, js)]).to(dev)
+            mask_N = torch.cat([self._loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
             corr: dict = {}
             if old is not None:
                 rollout_N, old_N = old_N, torch.cat([old[j] for j in js])
@@ -324,8 +355,8 @@ class GRPOTrainer(StreamAndGuardState):
                                    dual_clip=g.dual_clip, ref_logp=ref_N,
                                    kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
                                    kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
-                                   max_tokens=g.max_new_tokens)
-            mb_tokens = 0.0 if pad else sum(live[i] * len(samples[j].token_ids) for i, j in zip(mb, js))
+                                   max_tokens=self.max_loss_tokens)
+            mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             (loss * w).backward()
             tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
@@ -348,11 +379,11 @@ class GRPOTrainer(StreamAndGuardState):
         exact-mode check, or REINFORCE++'s reference."""
         model = self.model if model is None else model
         out = {}
-        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
         for mb, pad in self._micro_batches(seq_idx, lengths):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
-                                        len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
+            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
+                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], self.device)
             with use_numerics(self.numerics):
                 h = model(batch.input_ids, batch.positions, batch.attn)
                 lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)

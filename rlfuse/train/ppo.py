@@ -339,6 +339,9 @@ class PPOTrainer:
 def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
     """PPO for cfg.ppo.steps (resuming per cfg.checkpoint.resume), evaluated on the held-out
     prompts before the first step, every ppo.eval_every and at the end."""
+    if cfg.rollout.multi_turn:
+        raise ValueError("rollout.tools / rollout.env: PPO does not train on multi-turn episodes yet (its values "
+                         "and GAE would need the observation mask); use rlfuse grpo, or remove rollout.tools / env")
     ses = session or open_session(cfg)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
-from rlfuse.rollout import EngineSampler, RewardSet
+from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
 from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, pick_device, seed_everything
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
@@ -55,9 +55,14 @@ class Session:
     @property
     def sampler(self):
         if self._sampler is None and self.dist is not None:
+            if self.cfg.rollout.multi_turn:
+                raise ValueError("rollout.tools / rollout.env: multi-turn episodes run in one process; "
+                                 "data-parallel (torchrun) is not supported for them yet")
             self._sampler = GatheredSampler(self.model, self._engine_sampler)
         if self._sampler is None:
             self._sampler = self._engine_sampler()
+            if self.cfg.rollout.multi_turn:
+                self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data)
         return self._sampler
 
     def _engine_sampler(self) -> EngineSampler:
@@ -88,7 +93,12 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
         if cfg.model.tokenizer == "char" and cfg.data.train.startswith("builtin:"):
             alphabet = task_alphabet(cfg.data.train.removeprefix("builtin:"),
                                      [r for _, r in train_rows] + [r for _, r in eval_rows])
-        tokenizer = build_tokenizer(cfg.model, alphabet)
+        if cfg.rollout.multi_turn and alphabet:
+            # episodes need a chat template: the compact one, with the tool calls' fixed pieces as tokens
+            tools = [t.schema() for t in load_tools(cfg.rollout.tools)] if cfg.rollout.tools else None
+            tokenizer = char_chat_tokenizer(alphabet, tools)
+        else:
+            tokenizer = build_tokenizer(cfg.model, alphabet)
     if model is None:
         device = pick_device(cfg.model.device) if dist is None else dist.device
         model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)

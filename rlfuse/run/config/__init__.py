@@ -5,7 +5,9 @@ from rlfuse.run.config.algorithms import ADV_SCALES, DPO_LOSSES, ESTIMATORS, DPO
 from rlfuse.run.config.io import describe, replace, to_dict
 from rlfuse.run.config.run_config import RunConfig, load_config, save_config
 from rlfuse.run.config.sections import (
+                                          OBS_TRUNCATION,
                                           ON_REWARD_ERROR,
+                                          TOOL_CALL_FORMATS,
                                           WANDB_MODES,
                                           CheckpointConfig,
                                           DataConfig,
@@ -14,10 +16,11 @@ from rlfuse.run.config.sections import (
                                           ModelSpec,
                                           OptimConfig,
                                           RewardSpec,
+                                          RolloutConfig,
                                           WandbConfig,
 )
 
-__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "ON_REWARD_ERROR", "WANDB_MODES", "CheckpointConfig", "DPOConfig",
-           "DataConfig", "GRPOConfig", "LoggingConfig", "MlflowConfig", "ModelSpec", "OptimConfig", "PPOConfig",
-           "RewardSpec", "RunConfig", "SFTConfig", "WandbConfig", "describe", "load_config", "replace", "save_config",
-           "to_dict"]
+__all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "OBS_TRUNCATION", "ON_REWARD_ERROR", "TOOL_CALL_FORMATS",
+           "WANDB_MODES", "CheckpointConfig", "DPOConfig", "DataConfig", "GRPOConfig", "LoggingConfig", "MlflowConfig",
+           "ModelSpec", "OptimConfig", "PPOConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
+           "WandbConfig", "describe", "load_config", "replace", "save_config", "to_dict"]

@@ -9,6 +9,7 @@
       ppo         PPOConfig       PPO with a critic
       dpo         DPOConfig       DPO (sigmoid / IPO / conservative) on preference pairs
       data        DataConfig      train / eval sources, templates, prompt-length filter
+      rollout     RolloutConfig   multi-turn episodes: tools or an environment, turn and token limits
       rewards     list[RewardSpec] + on_reward_error
       logging     LoggingConfig   run folder, metrics, TensorBoard, samples
       checkpoint  CheckpointConfig
@@ -43,7 +44,9 @@ from rlfuse.run.config.algorithms import (
 )
 from rlfuse.run.config.sections import (
     _DC,
+    OBS_TRUNCATION,
     ON_REWARD_ERROR,
+    TOOL_CALL_FORMATS,
     WANDB_MODES,
     CheckpointConfig,
     DataConfig,
@@ -51,6 +54,7 @@ from rlfuse.run.config.sections import (
     ModelSpec,
     OptimConfig,
     RewardSpec,
+    RolloutConfig,
     _check_choice,
 )
 from rlfuse.run.optim import SCHEDULES
@@ -74,6 +78,8 @@ class RunConfig:
     """Direct preference optimization (`rlfuse dpo`)."""
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     """Training and held-out data, prompt formatting."""
+    rollout: RolloutConfig = dataclasses.field(default_factory=RolloutConfig)
+    """Multi-turn episodes with tools or an environment (GRPO); single-turn when neither is set."""
     rewards: list[RewardSpec] = dataclasses.field(default_factory=list)
     """Reward functions (a list of {name, weight, kwargs}); their weighted sum is the reward."""
     on_reward_error: str = "raise"
@@ -142,6 +148,12 @@ class RunConfig:
         if d.loss != "conservative" and d.label_smoothing != 0:
             raise ValueError(f"dpo.label_smoothing applies to dpo.loss conservative only (loss is {d.loss!r})")
         _check_ppo(self.ppo)
+        r = self.rollout
+        _check_choice("rollout.obs_truncation", r.obs_truncation, OBS_TRUNCATION)
+        _check_choice("rollout.tool_call_format", r.tool_call_format, TOOL_CALL_FORMATS)
+        if r.tools and r.env:
+            raise ValueError("rollout: give either rollout.tools or rollout.env, not both (an environment runs "
+                             "its own tools)")
 
 
 
@@ -169,6 +181,9 @@ RANGES: dict[str, str] = {
     "ppo.kl_coef": ">= 0", "ppo.kl_horizon": "> 0", "ppo.entropy_coef": ">= 0", "ppo.sample_every": ">= 0",
     "ppo.eval_every": ">= 0", "ppo.seed": ">= 0",
     "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
+    "rollout.max_turns": "> 0", "rollout.max_turn_tokens": "> 0", "rollout.max_total_tokens": "> 0",
+    "rollout.max_obs_tokens": "> 0", "rollout.tool_timeout_s": "> 0", "rollout.env_timeout_s": "> 0",
+    "rollout.env_workers": "> 0",
     "dpo.beta": "> 0", "dpo.label_smoothing": "[0, 0.5)", "dpo.eval_every": ">= 0",
     "model.lora.rank": "> 0", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
 }
@@ -245,11 +260,25 @@ def resolve_input_paths(data: dict, base: Path) -> None:
     for key in ("train", "eval"):
         fix(data.get("data"), key, lambda v: v.startswith(("builtin:", "hf:")))
     fix(data.get("checkpoint"), "resume", lambda v: v in ("never", "auto"))
+    ro = data.get("rollout")
+    if isinstance(ro, dict):
+        fix(ro, "chat_template")
+        if isinstance(ro.get("tools"), list):
+            ro["tools"] = [_relative_spec(t, base) for t in ro["tools"]]
+        if isinstance(ro.get("env"), str):
+            ro["env"] = _relative_spec(ro["env"], base)
     for section, key in [*((spec, "name") for spec in data.get("rewards") or []), (data.get("data"), "map")]:
-        if isinstance(section, dict) and isinstance(section.get(key), str) and ".py:" in section[key]:
-            file, _, fn = section[key].rpartition(":")
-            p = Path(file).expanduser()
-            section[key] = f"{p if p.is_absolute() else base / p}:{fn}"
+        if isinstance(section, dict) and key in section:
+            section[key] = _relative_spec(section.get(key), base)
+
+
+def _relative_spec(spec, base: Path):
+    """`FILE.py:NAME` with a relative FILE -> FILE under `base`; anything else unchanged."""
+    if not isinstance(spec, str) or ".py:" not in spec:
+        return spec
+    file, _, name = spec.rpartition(":")
+    p = Path(file).expanduser()
+    return f"{p if p.is_absolute() else base / p}:{name}"
 
 
 def save_config(cfg: RunConfig, path: str | Path) -> Path:

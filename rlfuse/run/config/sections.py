@@ -175,6 +175,46 @@ class CheckpointConfig:
     RUN_DIR/final (the weights, an HF folder) is written either way."""
 
 
+@dataclasses.dataclass(**_DC)
+class RolloutConfig:
+    tools: list[str] = dataclasses.field(default_factory=list)
+    """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`
+    and `python` (a subprocess sandbox, not a security boundary) or `FILE.py:FUNCTION` (a typed
+    function whose docstring describes it). docs/agents.md."""
+    env: str = ""
+    """An environment class `FILE.py:CLASS` (reset(row, *, seed) -> messages, step(turn) -> Step),
+    instead of `tools`; built with `env_kwargs` once per episode."""
+    env_kwargs: dict = dataclasses.field(default_factory=dict)
+    """Keyword arguments of the environment class."""
+    max_turns: int = 4
+    """Most model turns per episode; an episode still going after them is truncated."""
+    max_turn_tokens: int = 256
+    """Most tokens of one model turn."""
+    max_total_tokens: int = 1024
+    """Most tokens after the prompt (model turns and observations); past it the episode is truncated."""
+    max_obs_tokens: int = 256
+    """Most tokens of one observation message's content; longer content is cut (`obs_truncation`)."""
+    obs_truncation: str = "right"
+    """right: keep the head of a long observation | left: keep its tail."""
+    tool_timeout_s: float = 10.0
+    """Wall-clock limit of one tool call (an error observation past it, counted as a timeout)."""
+    tool_call_format: str = "auto"
+    """auto (from the chat template's markup) | hermes (<tool_call>{json}</tool_call>) | json (a bare
+    {"name", "arguments"} object, Llama-3.1 style)."""
+    chat_template: str = ""
+    """A .jinja chat template file for the episodes; empty: the tokenizer's."""
+    env_timeout_s: float = 60.0
+    """Longest an environment step may take before its episode ends with an error."""
+    env_workers: int = 8
+    """Threads running environment steps (tool calls) while the engine decodes other episodes."""
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools or self.env)
+
+
+OBS_TRUNCATION = ("right", "left")
+TOOL_CALL_FORMATS = ("auto", "hermes", "json")
 ON_REWARD_ERROR = ("raise", "zero")
 """What a failing reward function does (RunConfig.on_reward_error)."""
 

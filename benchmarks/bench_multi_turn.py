@@ -1,0 +1,126 @@
+"""Multi-turn rollouts vs single-turn on the same token budget (Qwen3-0.6B shape, GPU).
+
+A random Qwen3-0.6B-shaped model (bf16) plays 64 episodes (8 prompts x 8) of `turns` model
+turns of `turn_tokens` tokens each (a random model almost never emits EOS); after every
+turn a tool sleeps `tool_ms` and answers with a ~30-token observation. The single-turn row
+generates 64 completions of turns * turn_tokens tokens. Reported: model tokens/s, the
+engine's idle share while waiting for tools (rollout/engine_idle_frac), the prefix-cache
+share of continuation prompts, and, in exact numerics, the rollout-vs-trainer mismatch over
+every model token of every turn (rlfuse.rollout.exactness.compare).
+
+    OUT=out python benchmarks/bench_multi_turn.py          # GPU
+    python benchmarks/bench_multi_turn.py --small          # CPU smoke test (tiny model)
+Writes $OUT/bench_multi_turn.json and $OUT/bench_multi_turn.md (a table for docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import string
+import time
+from pathlib import Path
+
+import torch
+
+from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.rollout import ChatRenderer, Step, char_chat_tokenizer, run_episodes
+from rlfuse.rollout.exactness import compare
+from rlfuse.run.config import RolloutConfig
+
+QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
+                 rope_theta=1e6, tie_word_embeddings=True)
+SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True)
+
+
+class SleepTool:
+    """Sleeps `tool_ms`, answers with a fixed ~30-character observation, ends after `turns` turns."""
+
+    def __init__(self, turns: int, tool_ms: float):
+        self.turns, self.delay = turns, tool_ms / 1000
+
+    def reset(self, row, *, seed):
+        self.n = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, turn):
+        self.n += 1
+        time.sleep(self.delay)
+        return Step(messages=[{"role": "tool", "content": f"result {self.n}: 12345 * 678 = 8369910"}],
+                    done=self.n >= self.turns)
+
+
+def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> list[dict]:
+    dev = "cpu" if small else "cuda"
+    model = CausalLM(ModelConfig(model_type="qwen3", qk_norm=True, **(SMALL if small else QWEN3_06B)))
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    model = model.to(device=dev, dtype=torch.float32 if small else torch.bfloat16)
+    tok = char_chat_tokenizer(string.printable)
+    rows = [{"prompt": f"Problem {i}: multiply the numbers and explain."} for i in range(2 if small else 8)]
+    G = 2 if small else 8
+    cfg = RolloutConfig(max_turns=turns, max_turn_tokens=turn_tokens, max_total_tokens=turns * (turn_tokens + 64))
+    results = []
+    for numerics in ("fast", "exact"):
+        llm = LLM(model, tok, EngineConfig(numerics=numerics, max_model_len=cfg.max_total_tokens + 128))
+        renderer = ChatRenderer(tok)
+        prompt_ids = [renderer.start([{"role": "user", "content": r["prompt"]}])[1] for r in rows]
+        llm.generate(prompt_ids[:1], SamplingParams(max_tokens=8, ignore_eos=True))  # warm-up (graphs, compile)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompt_ids, SamplingParams(n=G, temperature=1.0, max_tokens=turns * turn_tokens,
+                                                       ignore_eos=True, seed=0))
+        dt = time.perf_counter() - t0
+        n = sum(len(o.output_token_ids) for o in outs)
+        results.append({"numerics": numerics, "mode": "single-turn", "tool_ms": None, "model_tokens": n,
+                        "seconds": dt, "tokens_per_s": n / dt})
+        for tool_ms in tool_ms_list:
+            t0 = time.perf_counter()
+            eps, m = run_episodes(llm, renderer, lambda ms=tool_ms: SleepTool(turns, ms), rows, cfg=cfg,
+                                  group_size=G, sampling=dict(temperature=1.0), seed=0)
+            dt = time.perf_counter() - t0
+            n = sum(sum(e.loss_mask) for e in eps)
+            row = {"numerics": numerics, "mode": f"{turns} turns", "tool_ms": tool_ms, "model_tokens": n,
+                   "seconds": dt, "tokens_per_s": n / dt, "engine_idle_frac": m["rollout/engine_idle_frac"],
+                   "continuation_cached_frac": m["rollout/continuation_cached_frac"],
+                   "turns_mean": m["rollout/turns_mean"]}
+            if numerics == "exact" and tool_ms == tool_ms_list[-1]:
+                llm.sleep()
+                t, r, _ = compare(model, eps, numerics="exact", micro_batch_tokens=16384)
+                row["mismatch_max_abs"] = float((t - r).abs().max())
+                row["bitwise_frac"] = float((t == r).float().mean())
+                llm.wake()
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        llm.sleep()
+        del llm
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench_multi_turn.json").write_text(json.dumps(results, indent=2))
+    lines = ["| numerics | rollout | tool sleep | model tokens | s | tok/s | engine idle | cached continuation | "
+             "exact mismatch |", "|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        sleep = "" if r["tool_ms"] is None else f"{r['tool_ms']:g} ms"
+        lines.append(f"| {r['numerics']} | {r['mode']} | {sleep} "
+                     f"| {r['model_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r.get('engine_idle_frac', float('nan')):.3f} | {r.get('continuation_cached_frac', float('nan')):.3f} "
+                     f"| {r.get('mismatch_max_abs', '')} |")
+    (out / "bench_multi_turn.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--small", action="store_true", help="tiny model on the CPU (smoke test)")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--turn-tokens", type=int, default=None, help="tokens per turn (default 256; 8 with --small)")
+    ap.add_argument("--tool-ms", type=float, nargs="+", default=[0.0, 50.0])
+    args = ap.parse_args()
+    run(args.small, args.turns, args.turn_tokens or (8 if args.small else 256), args.tool_ms,
+        Path(os.environ.get("OUT", "out")))
+
+
+if __name__ == "__main__":
+    main()

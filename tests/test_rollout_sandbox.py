@@ -1,0 +1,69 @@
+"""The python tool's sandbox: every fault becomes a result, within the time limit.
+Run: python -m pytest -q tests/test_rollout_sandbox.py
+"""
+
+import concurrent.futures as cf
+import os
+import time
+
+import pytest
+
+from rlfuse.rollout.sandbox import Sandbox
+from rlfuse.rollout.tools import ToolError, ToolTimeout, python_tool
+
+BOX = Sandbox(timeout_s=1.5, memory_mb=256, cpu_s=20, file_bytes=1 << 16, max_output_bytes=200)
+
+
+def test_runs_in_a_scratch_folder_with_a_clean_environment():
+    r = BOX.run("import os\nprint(sorted(os.listdir('.')), os.environ.get('HOME') == os.getcwd())\n"
+                "open('f.txt', 'w').write('x')")
+    assert r.error is None and r.returncode == 0
+    assert r.stdout.strip() == "['.stderr', '.stdout', 'main.py'] True"
+
+
+@pytest.mark.parametrize("code,error", [
+    ("raise SystemExit(3)", "exited with status 3"),
+    ("1/0", "exited with status 1"),
+    ("import time\ntime.sleep(60)", "timed out"),
+    ("while True: print('spam' * 100)", "output reached the limit"),
+    ("x = bytearray(1 << 30)", "exited with status 1"),             # MemoryError under RLIMIT_AS
+])
+def test_faults_become_results_within_the_limits(code, error):
+    t0 = time.perf_counter()
+    r = BOX.run(code)
+    assert error in r.error, (r.error, r.stderr)
+    assert time.perf_counter() - t0 < BOX.timeout_s + 2
+    if "1/0" in code:
+        assert "ZeroDivisionError" in r.stderr and 'File "main.py", line 1' in r.stderr
+
+
+def test_a_timeout_kills_the_children_too():
+    r = BOX.run("import os, time\npid = os.fork()\nif pid == 0:\n    time.sleep(60)\nprint(pid)\ntime.sleep(60)")
+    assert "timed out" in r.error
+    child = int(r.stdout)
+    time.sleep(0.3)
+    stat = f"/proc/{child}/stat"
+    # gone, or a zombie waiting for an init that does not reap (containers)
+    assert not os.path.exists(stat) or open(stat).read().rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_cpu_limit_ends_a_busy_loop():
+    r = Sandbox(timeout_s=20, cpu_s=1).run("while True: pass")
+    assert "CPU-time limit" in r.error and r.seconds < 10
+
+
+def test_output_is_cut_and_the_tool_reports_errors():
+    r = BOX.run("print('a' * 1000)")
+    assert r.error is None and r.stdout.startswith("a" * 200) and "[output cut at 200 bytes]" in r.stdout
+    tool = python_tool(timeout_s=1.0, cpu_s=2)
+    assert tool.call({"code": "print(6 * 7)"}).strip() == "42"
+    with pytest.raises(ToolTimeout):
+        tool.call({"code": "import time\nprint('started')\ntime.sleep(30)"})
+    with pytest.raises(ToolError, match="NameError"):
+        tool.call({"code": "print(undefined)"})
+
+
+def test_concurrent_runs_are_independent():
+    with cf.ThreadPoolExecutor(4) as pool:
+        outs = list(pool.map(lambda i: BOX.run(f"print({i} * {i})").stdout.strip(), range(8)))
+    assert outs == [str(i * i) for i in range(8)]
