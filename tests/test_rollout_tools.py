@@ -95,7 +95,7 @@ def test_load_tools_from_builtins_and_files(tmp_path):
     assert [t.name for t in tools] == ["calculator", "shout"] and tools[1].call({"text": "hi"}) == "HI"
     with pytest.raises(ValueError, match=r"rollout.tools\[0\].*unknown built-in"):
         load_tools(["calc"])
-    with pytest.raises(ValueError, match=r"rollout.tools\[0\]: no such file"):
+    with pytest.raises(ValueError, match=r"rollout.tools\[0\] .*nope.py:f.: no such file"):
         load_tools([f"{tmp_path}/nope.py:f"])
     with pytest.raises(ValueError, match="has no function 'g'"):
         load_tools([f"{tmp_path}/mytools.py:g"])

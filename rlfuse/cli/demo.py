@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import AGENT_SIZES, run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
-from rlfuse.run import clear_run
+from rlfuse.run import clear_run, remove_path
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")
@@ -49,14 +48,8 @@ def replace_previous_demo(root: Path) -> None:
         if (root / stage).is_dir():
             clear_run(root / stage, "rlfuse demo (a re-run replaces the previous demo)")
     for name in ("report", "demo.json"):
-        p = root / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-        else:
-            continue
-        log.warning("rlfuse demo (a re-run replaces the previous demo): removed %s", p)
+        if remove_path(root / name):
+            log.warning("rlfuse demo (a re-run replaces the previous demo): removed %s", root / name)
 
 
 def run(args) -> int:

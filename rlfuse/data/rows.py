@@ -168,7 +168,7 @@ def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) 
     else:
         pairs = _read_file(Path(src))
     if cfg.columns or cfg.map:
-        row_map = load_function(cfg.map, f"data.map {cfg.map!r}") if cfg.map else None
+        row_map = load_function(cfg.map, "data.map") if cfg.map else None
         pairs = transform_rows(pairs, cfg.columns, row_map)
     for where, row in pairs:
         _check_row(where, row, cfg, need_target)

@@ -23,6 +23,7 @@ Test: python -m pytest -q tests/test_bad_inputs.py -k "hung or worker"
 from __future__ import annotations
 
 import contextlib
+import os
 import select
 import subprocess
 import sys
@@ -48,8 +49,12 @@ class WorkerReward:
 
     def start(self) -> None:
         """Start the worker and wait until it has imported the function (ValueError when it cannot)."""
+        # the worker imports what this process can: its module search path, not only the
+        # installed packages (a reward file importing a helper beside it, a package on a
+        # path added at run time); the rest of the environment passes through unchanged
+        path = os.pathsep.join(dict.fromkeys(os.path.abspath(p or os.curdir) for p in sys.path))
         self._proc = subprocess.Popen([sys.executable, "-m", "rlfuse.utils.user_code"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE)
+                                      stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
         send(self._proc.stdin, (self.name, self.kwargs, "reward"))
         kind, msg = self._answer(max(self.timeout_s, 60.0), "importing it")
         if kind == "import-error":

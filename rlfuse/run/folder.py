@@ -118,18 +118,20 @@ def run_kind(run_dir: Path) -> str | None:
     return None
 
 
+def remove_path(p: Path) -> bool:
+    """Remove the file or folder `p`; False when there was nothing."""
+    if p.is_dir():
+        shutil.rmtree(p)
+    elif p.exists():
+        p.unlink()
+    else:
+        return False
+    return True
+
+
 def clear_run(run_dir: Path, why: str = "--overwrite") -> list[str]:
     """Remove the files of RUN_FILES from `run_dir` (logged, with `why`); returns their names."""
-    removed = []
-    for name in RUN_FILES:
-        p = run_dir / name
-        if p.is_dir():
-            shutil.rmtree(p)
-        elif p.exists():
-            p.unlink()
-        else:
-            continue
-        removed.append(name)
+    removed = [name for name in RUN_FILES if remove_path(run_dir / name)]
     if removed:
         log.warning("%s: removed the previous run's %s from %s", why, ", ".join(removed), run_dir)
     return removed
