@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlfuse.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from rlfuse.engine.benchmark import build_model, make_cases  # noqa: E402
-from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_  # noqa: E402
+from rlfuse.model.lora import LoRAConfig, attach_lora, has_lora, init_lora_  # noqa: E402
 
 
 def _sync(device):
@@ -49,6 +49,8 @@ def time_cases(model, cases, numerics: str, small: bool, device) -> dict[str, fl
         _sync(device)
         dt = time.perf_counter() - t0
         out[case.name] = sum(len(o.output_token_ids) for o in outs) / dt
+        print(f"{numerics} {case.name} {'LoRA' if has_lora(model) else 'no LoRA'}: {out[case.name]:.0f} tok/s "
+              f"({dt:.2f} s)", flush=True)
     llm.sleep()
     del llm
     return out
