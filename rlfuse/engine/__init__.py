@@ -3,7 +3,8 @@ batching, CUDA graphs) on the trainer's own weights. Public API: `LLM`, `EngineC
 `SamplingParams`, `Completion`; `naive` holds the full-recompute oracle for tests."""
 
 from rlfuse.engine.config import EngineConfig, SamplingParams
-from rlfuse.engine.llm import LLM, EngineStats
+from rlfuse.engine.llm import LLM
 from rlfuse.engine.sequence import Completion
+from rlfuse.engine.stats import EngineStats
 
 __all__ = ["LLM", "Completion", "EngineConfig", "EngineStats", "SamplingParams"]

@@ -29,11 +29,9 @@ Test: python -m pytest -q tests/test_engine.py
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import random
 import time
-from array import array
 
 import torch
 
@@ -41,44 +39,18 @@ from rlfuse.engine.block_manager import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
-from rlfuse.engine.sequence import Completion, Sequence, Status
+from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sample_key_base
+from rlfuse.engine.stats import EngineStats
 from rlfuse.model.lora import adapter_switches
 from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
 
-def sample_key_base(seed: int, prompt: list[int]) -> bytes:
-    return hashlib.blake2b(seed.to_bytes(8, "little") + array("q", prompt).tobytes(), digest_size=16).digest()
 
 
-def sample_key(base: bytes, k: int) -> int:
-    """63-bit sampling key of sample k: a hash of (seed, prompt tokens, k), so the draws of a
-    sequence depend on nothing else (not the batch, not other prompts sharing the seed)."""
-    return int.from_bytes(hashlib.blake2b(base + k.to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
-@dataclasses.dataclass(slots=True)
-class EngineStats:
-    """Counters since construction (or `reset()`)."""
-    steps: int = 0
-    decode_steps: int = 0
-    graph_steps: int = 0
-    prompt_tokens_computed: int = 0
-    """Prompt tokens whose K/V was computed (prefill chunks, recompute after preemption)."""
-    prompt_tokens_cached: int = 0
-    """Prompt tokens taken from the prefix cache at admission instead of computed."""
-    tokens_computed: int = 0
-    output_tokens: int = 0
-    preemptions: int = 0
-    look_ahead_steps: int = 0
-    """Decode steps launched before the previous step's results were read (look-ahead)."""
-    discarded_tokens: int = 0
-    """Look-ahead samples of sequences that had stopped on a token in the step before."""
-
-    def reset(self) -> None:
-        for f in dataclasses.fields(self):
-            setattr(self, f.name, 0)
 
 
 @dataclasses.dataclass(slots=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import hashlib
 from array import array
 
 import torch
@@ -101,3 +102,15 @@ class Sequence:
     def __repr__(self):
         return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "
                 f"computed={self.num_computed}, blocks={self.block_table})")
+
+
+def sample_key_base(seed: int, prompt: list[int]) -> bytes:
+    return hashlib.blake2b(seed.to_bytes(8, "little") + array("q", prompt).tobytes(), digest_size=16).digest()
+
+
+def sample_key(base: bytes, k: int) -> int:
+    """63-bit sampling key of sample k: a hash of (seed, prompt tokens, k), so the draws of a
+    sequence depend on nothing else (not the batch, not other prompts sharing the seed)."""
+    return int.from_bytes(hashlib.blake2b(base + k.to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
+
+
