@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.transformer import CausalLM
 from rlfuse.run import check_model_folder, check_vocab, list_checkpoints, load_model_folder, pick_device
@@ -45,15 +46,19 @@ def resolve_model_folder(path: str | Path, what: str = "MODEL") -> Path:
 
 
 def load_model(path: str | Path, *, device: str | torch.device = "auto", dtype: str | torch.dtype | None = None,
-               what: str = "MODEL", device_option: str = "device") -> tuple[CausalLM, Tokenizer]:
+               what: str = "MODEL", device_option: str = "device",
+               adapter: str | Path | None = None) -> tuple[CausalLM, Tokenizer]:
     """(model in eval mode, its tokenizer) from PATH (see the module docstring). dtype
     defaults to the checkpoint's; device "auto" is CUDA when there is one (a device this
     machine lacks is a ValueError naming `device_option`). The config's vocab_size must
-    cover every id the tokenizer can produce."""
+    cover every id the tokenizer can produce. `adapter`: a PEFT LoRA folder applied to the
+    model, unmerged."""
     dev = pick_device(device, device_option) if isinstance(device, str) else device
     folder = resolve_model_folder(path, what)
     # the model first: a wrong folder is reported as such, not as a missing tokenizer
     model = load_model_folder(folder, device=dev, dtype=dtype).eval()
     tok = Tokenizer.from_pretrained(folder)
     check_vocab(model.config.vocab_size, tok, str(folder / "config.json"))
+    if adapter is not None:
+        load_peft_adapter(model, adapter)
     return model, tok

@@ -17,7 +17,6 @@ from pathlib import Path
 from rlfuse.api import load_model
 from rlfuse.cli.common import add_engine_arguments, engine_config, fail
 from rlfuse.engine import LLM, SamplingParams
-from rlfuse.model.lora_peft import load_peft_adapter
 
 HELP = "generate completions for prompts with the built-in engine"
 
@@ -60,9 +59,8 @@ def run(args) -> int:
                                 min_p=args.min_p, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
                                 seed=args.seed, stop=tuple(args.stop))
         cfg = engine_config(args)
-        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype, device_option="--device")
-        if args.adapter:
-            load_peft_adapter(model, args.adapter)
+        model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype, device_option="--device",
+                                adapter=args.adapter or None)
         if args.chat:
             prompts = [tok.chat_prompt_ids([{"role": "user", "content": q}]) for q in prompts]
         llm = LLM(model, tok, cfg)

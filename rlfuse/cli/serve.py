@@ -15,7 +15,6 @@ from pathlib import Path
 from rlfuse.api import load_model
 from rlfuse.cli.common import add_engine_arguments, engine_config, fail
 from rlfuse.engine import LLM
-from rlfuse.model.lora_peft import load_peft_adapter
 
 HELP = "serve a model or run over an OpenAI-compatible HTTP API (completions, chat)"
 log = logging.getLogger("rlfuse.cli")
@@ -46,9 +45,7 @@ def run(args) -> int:
     try:
         cfg = engine_config(args)
         model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype,
-                                device_option="--device")
-        if args.adapter is not None:
-            load_peft_adapter(model, args.adapter)
+                                device_option="--device", adapter=args.adapter or None)
         name = args.served_model_name or Path(args.model).resolve().name
         app = build_app(LLM(model, tok, cfg), name)
     except ValueError as e:
