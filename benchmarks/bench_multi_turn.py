@@ -25,16 +25,17 @@ from pathlib import Path
 import torch
 
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.engine.benchmark import QWEN3_06B
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.rollout import ChatRenderer, Step, char_chat_tokenizer, run_episodes
 from rlfuse.rollout.exactness import compare
 from rlfuse.run.config import RolloutConfig
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=8192,
-                 rope_theta=1e6, tie_word_embeddings=True)
-SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=True)
+# the engine benchmark's Qwen3-0.6B shape; an 8K context is plenty for 4 turns of 256 tokens
+SHAPE = QWEN3_06B | dict(max_position_embeddings=8192)
+SMALL = dict(model_type="qwen3", qk_norm=True, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=1024,
+             tie_word_embeddings=True)
 
 
 class SleepTool:
@@ -56,7 +57,7 @@ class SleepTool:
 
 def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> list[dict]:
     dev = "cpu" if small else "cuda"
-    model = CausalLM(ModelConfig(model_type="qwen3", qk_norm=True, **(SMALL if small else QWEN3_06B)))
+    model = CausalLM(ModelConfig(**(SMALL if small else SHAPE)))
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
     model = model.to(device=dev, dtype=torch.float32 if small else torch.bfloat16)
     tok = char_chat_tokenizer(string.printable)
