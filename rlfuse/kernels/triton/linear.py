@@ -155,6 +155,15 @@ def split_partials(x2, w, M: int, N: int, K: int, lp: LaunchPlan) -> torch.Tenso
     return ws
 
 
+def gemm_operands(x, weight):
+    """(x as (M, K) rows, weight, the (M, N) output) with unit last strides, as the GEMM
+    kernels index them; the output is allocated, not written."""
+    x2 = x.reshape(-1, x.shape[-1])
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    return x2, w, torch.empty((x2.shape[0], weight.shape[0]), dtype=x.dtype, device=x.device)
+
+
 def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles: dict | None = None):
     """The exact-mode forward. `plan` forces "fused" or "split" (tests: both give the same
     bits); None picks split when the tile grid alone would leave most SMs idle."""
@@ -165,12 +174,8 @@ def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles:
                          f"{None if bias is None else tuple(bias.shape)}: expected weight (N, K), bias (N,)")
     if x.dtype != weight.dtype or x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise ValueError(f"linear: x and weight must share one of fp16/bf16/fp32, got {x.dtype}, {weight.dtype}")
-    x2 = x.reshape(-1, K)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x2, w, y = gemm_operands(x, weight)
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
     lp = launch_plan("linear", x, M, N, K, plan, tiles)

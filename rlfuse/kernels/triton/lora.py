@@ -18,7 +18,8 @@ import triton.language as tl
 
 from rlfuse.kernels.linear import linear_exact
 from rlfuse.kernels.triton.common import dot
-from rlfuse.kernels.triton.linear import _store_tile, _tile_rows_cols, _tile_sum, launch_plan, split_partials
+from rlfuse.kernels.triton.linear import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
+                                         split_partials)
 
 
 @triton.jit
@@ -63,12 +64,11 @@ def lora_expand_triton(x, weight, bias, z, lora_b, scale: float, *, plan: str | 
     """y = round(x W^T (+ b) + s z B^T): the base GEMM with the expand in its epilogue.
     x (..., K), z (..., r) its shrink; `plan` and `tiles` as `linear_exact_triton`'s."""
     K, N, R = x.shape[-1], weight.shape[0], lora_b.shape[1]
-    x2, z2 = x.reshape(-1, K), z.reshape(-1, R)
-    x2, z2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, z2))
-    w = weight if weight.stride(-1) == 1 else weight.contiguous()
+    x2, w, y = gemm_operands(x, weight)
+    z2 = z.reshape(-1, R)
+    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
     bw = lora_b if lora_b.stride(-1) == 1 else lora_b.contiguous()
     M = x2.shape[0]
-    y = torch.empty((M, N), dtype=x.dtype, device=x.device)
     if M == 0:
         return y.view(*x.shape[:-1], N)
     lp = launch_plan("lora_linear", x, M, N, K, plan, tiles)
