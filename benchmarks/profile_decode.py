@@ -1,0 +1,246 @@
+"""Where a decode step's time goes: GEMMs per projection, attention, norms and rope, the LM
+head, sampling, the rest, and the host gaps between kernels.
+
+Model: the Qwen3-0.6B shape of `rlfuse bench generate` (random bf16 weights). Workload: B
+sequences in steady decode (prompts of P random ids, every sequence decoding at once, CUDA
+graphs and look-ahead as in a real run). Two measurements, per numerics:
+
+1. Steps. `LLM.step()` is timed over N steady steps (wall clock, one batch of B all along),
+   then the same N steps run under torch.profiler (CUPTI traces the kernels inside CUDA
+   graph replays). Each kernel is put in a category by its name; GPU busy time is the union
+   of kernel intervals, and host gap = wall - busy (the GPU idle between kernels: Python,
+   scheduling, launches, the one read-back per step).
+2. Projections. Each linear of a layer (q, k, v, o, gate, up, down) and the LM head is timed
+   alone at M = B rows through the model's own `Linear` (the numerics' kernel), CUDA events,
+   median of 50 after warm-up, against its weight-read bound (weight bytes / copy bandwidth).
+   x 28 layers gives the GEMM time per step per projection. The LM head is read twice per
+   step: the fp32 logits the sampler draws from, then the sampled tokens' log-probs.
+
+    OUT=out python benchmarks/profile_decode.py                # B 256, P 512, fast and exact
+    python benchmarks/profile_decode.py --small                # CPU smoke test (no profile)
+Writes $OUT/profile_decode.json and $OUT/profile_decode.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import statistics
+import time
+
+import torch
+
+from rlfuse.engine.benchmark import build_model, copy_bandwidth
+from rlfuse.engine.config import EngineConfig, SamplingParams
+from rlfuse.engine.llm import LLM
+from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.logprob import token_logprobs
+
+# (category, pattern on the kernel name); first match wins, order matters
+CATEGORIES = [
+    ("attention", r"paged|attn|flash|_combine_kernel|store_kv"),
+    ("norm", r"rmsnorm|norm"),
+    ("rope", r"rope"),
+    ("swiglu", r"swiglu|silu"),
+    ("sampling", r"sampl|cutoff|compact|threshold|gumbel|chunk_stats|histogram|argmax|topk|sort|exponential"),
+    ("log-prob", r"logprob|log_softmax|logsumexp"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_linear_|matmul|splitk|sm90|lora"),
+    ("copy/index", r"copy|index|gather|scatter|fill|cat|elementwise|vectorized|reduce"),
+]
+PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+HEADS = ("lm_head", "logprob")
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def _sync(dev):
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int) -> LLM:
+    ecfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=16384, max_model_len=P + max_new + 64,
+                        gpu_memory_fraction=0.85, seed=seed, numerics=numerics)
+    llm = LLM(model, None, ecfg)
+    llm.capture_graphs()
+    g = torch.Generator().manual_seed(seed)
+    params = SamplingParams(max_tokens=max_new, temperature=0.6, ignore_eos=True)
+    for i in range(B):
+        llm.add_request(torch.randint(0, min(10000, model.config.vocab_size), (P,), generator=g).tolist(), params, request_id=f"r{i}")
+    # prefill everything, then a few decode steps so the look-ahead pipeline is full
+    while llm.stats.prompt_tokens_computed + llm.stats.prompt_tokens_cached < B * P:
+        llm.step()
+    for _ in range(4):
+        llm.step()
+    return llm
+
+
+def time_steps(llm: LLM, n: int, dev) -> float:
+    _sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        llm.step()
+    _sync(dev)
+    return (time.perf_counter() - t0) / n
+
+
+def profile_steps(llm: LLM, n: int, dev) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+    _sync(dev)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            llm.step()
+        _sync(dev)
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    by_name = collections.Counter()
+    by_cat = collections.Counter()
+    spans = []
+    for e in kernels:
+        t = e.time_range
+        d = (t.end - t.start) / 1e6  # us -> s
+        by_name[e.name] += d
+        by_cat[category(e.name)] += d
+        spans.append((t.start, t.end))
+    spans.sort()
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    busy /= 1e6
+    window = (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
+    return dict(profiled_wall_s_per_step=wall / n, kernel_window_s_per_step=window / n,
+                gpu_busy_s_per_step=busy / n, kernels_per_step=len(kernels) / n,
+                by_category_s_per_step={k: v / n for k, v in by_cat.most_common()},
+                top_kernels_s_per_step=[(k[:120], v / n, category(k)) for k, v in by_name.most_common(30)])
+
+
+def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]:
+    layer = model.model.layers[0]
+    mods = {n: getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n) for n in PROJ}
+    rows = []
+    g = torch.Generator(device=dev).manual_seed(0)
+    dtype = model.lm_head_weight.dtype
+    L = model.config.num_hidden_layers
+    W = model.lm_head_weight
+    ids = torch.randint(0, W.shape[0], (B,), device=dev, generator=g)
+    # the engine's two LM-head reads per step: fp32 logits for sampling, then the sampled
+    # tokens' log-probs through the fused log-prob kernel (what the trainer runs)
+    heads = {"lm_head": lambda x: (torch.mm(x, W.t(), out_dtype=torch.float32) if dev.type == "cuda"
+                                   else torch.mm(x, W.t()).float()),
+             "logprob": lambda x: token_logprobs(x, W, ids, 1.0)}
+    for name, mod in list(mods.items()) + list(heads.items()):
+        w = mod.weight if isinstance(mod, torch.nn.Module) else W
+        x = torch.randn(B, w.shape[1], device=dev, dtype=dtype, generator=g)
+        with torch.no_grad(), use_numerics(numerics):
+            f = (lambda: mod(x)) if isinstance(mod, torch.nn.Module) else (lambda: mod(x))
+            for _ in range(5):
+                f()
+            ts = []
+            for _ in range(50 if dev.type == "cuda" else 2):
+                if dev.type == "cuda":
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    f()
+                    b.record()
+                    b.synchronize()
+                    ts.append(a.elapsed_time(b) / 1e3)
+                else:
+                    t0 = time.perf_counter()
+                    f()
+                    ts.append(time.perf_counter() - t0)
+        t = statistics.median(ts)
+        wbytes = w.numel() * w.element_size()
+        per_step = t * (L if isinstance(mod, torch.nn.Module) else 1)
+        rows.append(dict(proj=name, out=w.shape[0], inp=w.shape[1], us=t * 1e6, bound_us=wbytes / bw * 1e6,
+                         pct_bound=100 * (wbytes / bw) / t, ms_per_step=per_step * 1e3))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (smoke test)")
+    ap.add_argument("--batch", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=512)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--numerics", nargs="+", default=["fast", "exact"])
+    args = ap.parse_args()
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    B, P, N = (8, 16, 3) if args.small else (args.batch, args.prompt, args.steps)
+    bw = copy_bandwidth(dev, (64 if args.small else 1024) * 2**20)
+    model = build_model(args.small, dev, 0)
+    wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
+               commit=os.environ.get("RLFUSE_COMMIT", "unknown"), batch=B, prompt=P, steps=N,
+               copy_bandwidth_GBps=bw / 1e9, weight_bytes=wbytes, runs={})
+    for num in args.numerics:
+        llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0)
+        step_s = time_steps(llm, N, dev)
+        r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
+        if dev.type == "cuda":
+            r.update(profile_steps(llm, N, dev))
+            r["host_gap_s_per_step"] = max(0.0, step_s - r["gpu_busy_s_per_step"])
+        r["projections"] = time_projections(model, B, dev, num, bw)
+        res["runs"][num] = r
+        llm.sleep()
+        del llm
+        print(f"[{num}] step {step_s * 1e3:.2f} ms (weight-read bound {wbytes / bw * 1e3:.2f} ms)", flush=True)
+        for k, v in r.get("by_category_s_per_step", {}).items():
+            print(f"  {k:12s} {v * 1e3:8.3f} ms/step", flush=True)
+        if "host_gap_s_per_step" in r:
+            print(f"  {'host gap':12s} {r['host_gap_s_per_step'] * 1e3:8.3f} ms/step "
+                  f"(busy {r['gpu_busy_s_per_step'] * 1e3:.3f}, profiled wall {r['profiled_wall_s_per_step'] * 1e3:.3f})")
+        for k, v, c in r.get("top_kernels_s_per_step", [])[:20]:
+            print(f"    {v * 1e6:9.1f} us  [{c}] {k}")
+        for p in r["projections"]:
+            print(f"  {p['proj']:9s} {p['out']:>6d}x{p['inp']:<5d} {p['us']:8.1f} us  bound {p['bound_us']:7.1f} us "
+                  f"({p['pct_bound']:4.0f}%)  {p['ms_per_step']:6.3f} ms/step")
+    out = os.environ.get("OUT", "out")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "profile_decode.json"), "w") as f:
+        json.dump(res, f, indent=1)
+    with open(os.path.join(out, "profile_decode.md"), "w") as f:
+        f.write(table(res))
+    print(table(res))
+
+
+def table(res: dict) -> str:
+    nums = list(res["runs"])
+    cats = sorted({c for r in res["runs"].values() for c in r.get("by_category_s_per_step", {})})
+    lines = [f"Decode step breakdown, {res['device']}, B={res['batch']}, prompt {res['prompt']}, "
+             f"{res['steps']} steady steps, commit {res['commit']} (ms per step)", "",
+             "| item | " + " | ".join(nums) + " |", "|---|" + "---|" * len(nums)]
+
+    def row(label, f):
+        lines.append(f"| {label} | " + " | ".join(f(res["runs"][n]) for n in nums) + " |")
+    row("step (wall, graphs)", lambda r: f"{r['step_s'] * 1e3:.2f}")
+    row("weight-read bound", lambda r: f"{r['weight_read_bound_s'] * 1e3:.2f}")
+    for c in cats:
+        row(f"kernels: {c}", lambda r, c=c: f"{r.get('by_category_s_per_step', {}).get(c, 0) * 1e3:.3f}")
+    row("GPU busy (union)", lambda r: f"{r.get('gpu_busy_s_per_step', 0) * 1e3:.3f}")
+    row("host gap (wall - busy)", lambda r: f"{r.get('host_gap_s_per_step', 0) * 1e3:.3f}")
+    for i, p in enumerate(PROJ + HEADS):
+        row(f"{p} alone x layers (% of its bound)",
+            lambda r, i=i: f"{r['projections'][i]['ms_per_step']:.3f} ({r['projections'][i]['pct_bound']:.0f}%)")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
