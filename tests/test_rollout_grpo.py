@@ -160,8 +160,3 @@ def test_cli_grpo_and_eval_with_tools(tmp_path):
         assert main(["eval", str(recipe), "--run-dir", str(run), "--checkpoint", str(run / "final")]) == 0
     assert json.loads((run / "eval.json").read_text())["num_problems"] == 10
 
-
-def test_ppo_refuses_multi_turn(tmp_path):
-    from rlfuse.train import run_ppo
-    with pytest.raises(ValueError, match="PPO does not train on multi-turn"):
-        run_ppo(tiny_cfg(tmp_path, "rollout.tools=[calculator]"))

@@ -59,6 +59,8 @@ class Episode:
     turn_rewards: list[float | None] = dataclasses.field(default_factory=list)
     env_reward: float | None = None
     """The environment's reward(), or else the sum of its per-turn rewards; None if it gives neither."""
+    per_turn: bool = False
+    """env_reward is the sum of per-turn rewards (the environment has no reward())."""
     truncated: bool = False
     stop: str = ""
     """Why it ended: done, max_turns, max_total_tokens, context, env_error, env_timeout."""
@@ -79,6 +81,14 @@ class Episode:
 
     def logprobs_tensor(self) -> torch.Tensor:
         return torch.tensor(self.logprobs, dtype=torch.float32)
+
+    def turn_reward_marks(self) -> list[tuple[int, float]]:
+        """(index in token_ids of a turn's last model token, that turn's Step.reward) for each
+        non-empty turn the environment rewarded, when those rewards make up env_reward; else []."""
+        if not self.per_turn:
+            return []
+        return [(end - 1, float(r)) for (start, end), r in zip(self.turn_spans, self.turn_rewards)
+                if r is not None and end > start]
 
 
 @dataclasses.dataclass(slots=True)
@@ -143,6 +153,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
         turn = [r for r in lv.ep.turn_rewards if r is not None]
         if turn and not hasattr(lv.env, "reward"):  # per-turn rewards only: the episode's is their sum
             lv.ep.env_reward = float(sum(turn))
+            lv.ep.per_turn = True
         if hasattr(lv.env, "reward"):
             try:
                 lv.ep.env_reward = call(lv.env.reward)

@@ -47,6 +47,9 @@ class Sample:
     """Multi-turn: the episode's prompt ids; None: the Prompt's."""
     env_reward: float | None = None
     """Multi-turn: the environment's episode reward, if it gives one."""
+    turn_rewards: list[tuple[int, float]] | None = None
+    """Multi-turn: (index in token_ids of a turn's last model token, its per-turn reward) when
+    env_reward is the sum of per-turn rewards (Episode.turn_reward_marks); PPO places them there."""
 
 
 class Sampler(Protocol):
@@ -122,7 +125,8 @@ class MultiTurnSampler:
                                               cfg=self.cfg, group_size=n, seed=seed,
                                               sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
         return [Sample(e.prompt_index, e.token_ids, e.logprobs_tensor(), e.truncated, e.final_text,
-                       torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward) for e in eps]
+                       torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward,
+                       e.turn_reward_marks()) for e in eps]
 
     def generate(self, prompt_ids, **kwargs) -> list[Sample]:
         return self.base.generate(prompt_ids, **kwargs)

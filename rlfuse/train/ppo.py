@@ -16,6 +16,18 @@ and docs/algorithms.md, "PPO"):
                 per-token advantages; minus entropy_coef x token-mean entropy) and the
                 critic's clipped value loss (token mean), each model stepped by its own
                 MasterAdamW (policy: optim.lr; critic: ppo.critic_lr; same schedule shape).
+Multi-turn episodes (rollout.tools / rollout.env, rlfuse.rollout.multi_turn): a sample's
+tokens are model turns and observations, its loss mask m 1 on the model's tokens only.
+The observations are context: they enter the forwards, never the policy loss, the KL,
+the entropy, the values, GAE or the value loss (all masked by m, normalizers counting
+model tokens). GAE runs over the model's tokens only, observation tokens transparent
+(rlfuse.train.ppo_math.gae): gamma discounts per model token, and a turn's last token
+bootstraps from the value of the next turn's first token. Rewards: the episode's reward
+(reward functions on the final answer + the environment's) on the episode's last model
+token; when the environment gives per-turn rewards instead of reward(), each turn's
+Step.reward sits on that turn's last model token and the rest of the episode's reward
+(the reward functions', and with ppo.reward_norm the normalization's shift) on the
+last model token. The token rewards of a sequence always sum to its (normalized) reward.
 The critic (rlfuse.model.ScalarHeadModel) starts as a copy of the policy's trunk with a
 zero head, or from ppo.critic_path; it lives in this process and holds no activations
 outside its own forward/backward. Its weights and optimizer state travel in the
@@ -52,7 +64,7 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import reference_model
+from rlfuse.train.grpo import GRPOTrainer, reference_model
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,
@@ -66,6 +78,11 @@ from rlfuse.train.ppo_math import (
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
+
+# one definition, GRPO's: a multi-turn sample's own prompt ids (else its Prompt's), and its
+# loss mask over token_ids (1 on the model's tokens; all ones for a single-turn completion)
+_prompt_ids = GRPOTrainer._prompt_ids
+_loss_mask = GRPOTrainer._loss_mask
 
 
 def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
@@ -125,6 +142,12 @@ class PPOTrainer:
         self.opt_steps_total = self.p.steps * self.p.mu * self.p.mini_batches
         self.logprob_t = logprob_temperature(self.p.temperature)
         self.numerics = cfg.engine.numerics
+        self.multi_turn = cfg.rollout.multi_turn
+        if self.multi_turn and not hasattr(sampler, "episodes"):
+            raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
+                             f"got {type(sampler).__name__}")
+        # the policy loss's fixed-length normalizer (loss_type dr_grpo): an episode's budget
+        self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.p.max_new_tokens
         self.last_samples: list[dict] = []
 
     def state_dict(self) -> dict:
@@ -153,9 +176,13 @@ class PPOTrainer:
         prompts: list[Prompt] = self.stream.take(p.prompts_per_step)
         with timer("generate"):
             self.sampler.wake()
-            samples = self.sampler.generate([q.ids for q in prompts], n=p.samples_per_prompt,
-                                            temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                            max_tokens=p.max_new_tokens, seed=p.seed + step)
+            if self.multi_turn:
+                samples = self.sampler.episodes(prompts, n=p.samples_per_prompt, temperature=p.temperature,
+                                                top_p=p.top_p, top_k=p.top_k, seed=p.seed + step)
+            else:
+                samples = self.sampler.generate([q.ids for q in prompts], n=p.samples_per_prompt,
+                                                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                                max_tokens=p.max_new_tokens, seed=p.seed + step)
             self.sampler.sleep()
         with timer("score"):
             total, per = score_samples(prompts, samples, self.rewards, p.samples_per_prompt)
@@ -174,6 +201,8 @@ class PPOTrainer:
             m["accuracy"] = _mean(per[self.rewards.correctness])
         m["reward/normalized_mean"] = r_used.mean()
         lens = [len(s.token_ids) for s in samples]
+        if self.multi_turn:  # turns, tool calls, tool errors and timeouts, observation tokens, truncation
+            m.update(self.sampler.last_metrics)
         m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
         m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
         with timer("prepare"):
@@ -191,6 +220,8 @@ class PPOTrainer:
         m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
         m["memory/peak_mb"] = peak_memory_mb(self.device)
         self.last_samples = [{"prompt": prompts[s.prompt_index].text, "completion": s.text, "reward": total[j],
+                              **({"episode": self.sampler.renderer.tok.decode(s.token_ids, skip_special_tokens=False)}
+                                 if self.multi_turn else {}),
                               **{f"reward/{k}": v[j] for k, v in per.items()},
                               "value_first_token": float(old_v[j][0]) if len(old_v[j]) else float("nan"),
                               "truncated": s.truncated} for j, s in enumerate(samples)]
@@ -198,11 +229,11 @@ class PPOTrainer:
 
     def _batches(self, prompts, samples, seq_idx: list[int]):
         """(sample indices, PackedBatch) micro-batches of sequences `seq_idx`."""
-        lengths = [len(prompts[samples[j].prompt_index].ids) + len(samples[j].token_ids) for j in seq_idx]
+        lengths = [len(_prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
         for mb in pack_by_tokens(lengths, self.p.micro_batch_tokens):
             js = [seq_idx[i] for i in mb]
-            yield js, PackedBatch.build([(prompts[samples[j].prompt_index].ids + samples[j].token_ids,
-                                          len(prompts[samples[j].prompt_index].ids)) for j in js], self.device)
+            yield js, PackedBatch.build([(_prompt_ids(prompts, samples[j]) + samples[j].token_ids,
+                                          len(_prompt_ids(prompts, samples[j]))) for j in js], self.device)
 
     # ------------------------------------------------------------------ values, KL, GAE
     @torch.no_grad()
@@ -221,18 +252,15 @@ class PPOTrainer:
                     ref_N = token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets,
                                            self.logprob_t)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device)
-            kl_N = old_N - ref_N if self.ref_model is not None else torch.zeros_like(old_N)  # k1 estimator
-            for j, v, k in zip(js, v_N.split(sizes), kl_N.split(sizes)):
-                values[j], kl[j] = v, k
-        lens = torch.tensor([len(s.token_ids) for s in samples], device=self.device)
-        mask_BT = pad_sequence([torch.ones_like(v) for v in values], batch_first=True)
+            m_N = torch.cat([_loss_mask(samples[j]) for j in js]).to(self.device)
+            kl_N = (old_N - ref_N) * m_N if self.ref_model is not None else torch.zeros_like(old_N)  # k1 estimator
+            for j, v, k, mk in zip(js, v_N.split(sizes), kl_N.split(sizes), m_N.split(sizes)):
+                values[j], kl[j] = v * mk, k  # 0 at observation tokens: context, not states
+        mask_BT = pad_sequence([_loss_mask(s) for s in samples], batch_first=True).to(self.device)
         values_BT = pad_sequence(values, batch_first=True)
         kl_BT = pad_sequence(kl, batch_first=True)
         rew_BT = -self.kl_coef * kl_BT
-        has = lens > 0  # an empty completion has no token to carry its reward
-        last = (lens - 1).clamp_min(0)
-        rows = torch.arange(n, device=self.device)
-        rew_BT[rows[has], last[has]] += r_used.to(self.device)[has]
+        rew_BT += self._reward_tokens(samples, r_used, rew_BT.shape[1])
         adv_BT, ret_BT = gae(rew_BT, values_BT, mask_BT, p.gamma, p.lam)
         out = {"kl_coef": self.kl_coef, "kl": masked_mean(kl_BT, mask_BT), "kl/seq": kl_BT.sum(1).mean(),
                "returns/mean": masked_mean(ret_BT, mask_BT), "values/mean": masked_mean(values_BT, mask_BT),
@@ -248,6 +276,23 @@ class PPOTrainer:
         ret = [ret_BT[j, :lens_l[j]] for j in range(n)]
         return adv, ret, values, out
 
+    def _reward_tokens(self, samples: list[Sample], r_used: torch.Tensor, T: int) -> torch.Tensor:
+        """(B, T) the sequence rewards placed on tokens (module docstring): per-turn rewards
+        on their turns' last tokens (scaled like r_used with ppo.reward_norm), the rest of
+        r_used on the last model token; a sequence without a model token gets nothing."""
+        scale = self.reward_stats.slope() if self.p.reward_norm else 1.0
+        rew = torch.zeros(len(samples), T)
+        for j, s in enumerate(samples):  # host: CPU masks and Python reward lists
+            on = _loss_mask(s).nonzero()
+            if not len(on):
+                continue
+            rest = r_used[j].clone()
+            for pos, r in s.turn_rewards or ():
+                rew[j, pos] += r * scale
+                rest -= r * scale
+            rew[j, int(on[-1])] += rest
+        return rew.to(self.device)
+
     # ------------------------------------------------------------------ the update
     def _train(self, prompts, samples, adv, ret, old_v, step: int) -> dict:
         p = self.p
@@ -256,7 +301,7 @@ class PPOTrainer:
         minis = [list(range(bounds[k], bounds[k + 1])) for k in range(p.mini_batches)]
         acc: dict[str, list] = {}
         n_trained = 0
-        capture: tuple[list, list] = ([], [])
+        capture: tuple[list, list, list] = ([], [], [])
         for it in range(p.mu):
             for k, mini in enumerate(minis):
                 opt_step = step * p.mu * p.mini_batches + it * p.mini_batches + k
@@ -267,7 +312,7 @@ class PPOTrainer:
                     acc.setdefault(key, []).append(v)
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
-        mm = logprob_mismatch(torch.cat(capture[0]), torch.cat(capture[1]))
+        mm = logprob_mismatch(*(torch.cat(c) for c in capture))  # over the model's tokens
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out["_train_tokens"] = float(n_trained)
         return out
@@ -277,15 +322,15 @@ class PPOTrainer:
         self.model.train()
         self.critic.train()
         total_seqs = len(seq_idx)
-        total_tokens = float(sum(len(samples[j].token_ids) for j in seq_idx))
+        total_tokens = float(sum(_loss_mask(samples[j]).sum() for j in seq_idx))  # the model's tokens
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
         want_ent = p.entropy_coef > 0 or capture is not None
         for js, batch in self._batches(prompts, samples, seq_idx):
             old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device, non_blocking=True)
             adv_N = torch.cat([adv[j] for j in js])
-            mask_N = torch.ones_like(adv_N)
-            mb_tokens = float(adv_N.numel())
+            mask_N = torch.cat([_loss_mask(samples[j]) for j in js]).to(self.device)
+            mb_tokens = float(sum(_loss_mask(samples[j]).sum() for j in js))  # host: CPU masks
             tw = mb_tokens / max(total_tokens, 1.0)  # this micro-batch's share of the mini-batch's tokens
             with use_numerics(self.numerics):
                 h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
@@ -294,12 +339,12 @@ class PPOTrainer:
             logp_N, ent_N = out if want_ent else (out, None)
             loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
                                    loss_type=p.loss_type, clip_low=p.clip_low, clip_high=p.clip_high,
-                                   max_tokens=p.max_new_tokens)
+                                   max_tokens=self.max_loss_tokens)
             st.pop("kl")  # no KL in the loss: it is in the reward (logged as "kl")
             w = accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             obj = loss * w
             if ent_N is not None:
-                ent_mean = ent_N.sum() / max(total_tokens, 1.0)  # this micro-batch's part of the token mean
+                ent_mean = (ent_N * mask_N).sum() / max(total_tokens, 1.0)  # this micro-batch's part of the token mean
                 if p.entropy_coef > 0:
                     obj = obj - p.entropy_coef * ent_mean
                 sums["entropy"] = sums.get("entropy", 0.0) + ent_mean.detach()
@@ -310,6 +355,7 @@ class PPOTrainer:
             if capture is not None:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
+                capture[2].append(mask_N)
             # the critic on the same packed batch
             with use_numerics(self.numerics):
                 v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
@@ -339,9 +385,6 @@ class PPOTrainer:
 def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
     """PPO for cfg.ppo.steps (resuming per cfg.checkpoint.resume), evaluated on the held-out
     prompts before the first step, every ppo.eval_every and at the end."""
-    if cfg.rollout.multi_turn:
-        raise ValueError("rollout.tools / rollout.env: PPO does not train on multi-turn episodes yet (its values "
-                         "and GAE would need the observation mask); use rlfuse grpo, or remove rollout.tools / env")
     ses = session or open_session(cfg)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,

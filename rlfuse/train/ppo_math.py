@@ -1,9 +1,16 @@
-"""PPO's estimators, as small pure functions on padded (B, T) tensors (mask m: 1 on a
-completion's tokens, right-padded with 0).
+"""PPO's estimators, as small pure functions on padded (B, T) tensors (mask m: 1 on the
+model's tokens of a completion, 0 on right padding and, in multi-turn episodes, on the
+observation tokens between turns).
 
-GAE (Schulman et al. 2016, arXiv:1506.02438), per sequence, V_{n} = 0 past the last token:
-    delta_t = r_t + gamma V_{t+1} - V_t
-    A_t     = delta_t + gamma lam A_{t+1}          R_t = A_t + V_t   (the value target)
+GAE (Schulman et al. 2016, arXiv:1506.02438), per sequence, over the masked positions
+only: t and t' = next(t) are consecutive positions with m = 1 (observation tokens are
+transparent: they are skipped, not steps of the recursion, so gamma discounts per model
+token and the value of a turn's last token bootstraps from the next turn's first token),
+V_{next(t)} = 0 past the last masked token:
+    delta_t = r_t + gamma V_{next(t)} - V_t
+    A_t     = delta_t + gamma lam A_{next(t)}      R_t = A_t + V_t   (the value target)
+A and R are 0 where m = 0, and r_t there is ignored. With no hole in the mask this is the
+plain per-token recursion, bit for bit.
 Whitening: A <- (A - mean_m A) / sqrt(var_m A + eps), over the masked tokens of the batch.
 Clipped value loss (PPO2 / OpenAI baselines):
     V^clip_t = V^old_t + clamp(V_t - V^old_t, -c, c)
@@ -27,17 +34,20 @@ import torch
 
 def gae(rewards_BT: torch.Tensor, values_BT: torch.Tensor, mask_BT: torch.Tensor, gamma: float,
         lam: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, T) fp32 and 0 where mask is 0."""
+    """(advantages, returns), both (B, T) fp32 and 0 where mask is 0; masked-out positions
+    are skipped (module docstring), so (next_adv, next_v) carry across them unchanged."""
     r, v, m = rewards_BT.float(), values_BT.float(), mask_BT.float()
     B, T = r.shape
     adv = torch.zeros_like(r)
     next_adv = r.new_zeros(B)
     next_v = r.new_zeros(B)
     for t in range(T - 1, -1, -1):
+        on = m[:, t] > 0
         delta = r[:, t] + gamma * next_v - v[:, t]
-        next_adv = (delta + gamma * lam * next_adv) * m[:, t]
-        adv[:, t] = next_adv
-        next_v = v[:, t] * m[:, t]
+        a = (delta + gamma * lam * next_adv) * m[:, t]
+        adv[:, t] = a
+        next_adv = torch.where(on, a, next_adv)
+        next_v = torch.where(on, v[:, t] * m[:, t], next_v)
     return adv, (adv + v) * m
 
 
@@ -104,8 +114,14 @@ class RunningMoments:
         self.var = m2 / tot
         self.count = tot
 
-    def normalize(self, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    EPS = 1e-6
+
+    def normalize(self, x: torch.Tensor, eps: float = EPS) -> torch.Tensor:
         return (x - self.mean) / (math.sqrt(self.var) + eps)
+
+    def slope(self, eps: float = EPS) -> float:
+        """d normalize(x) / dx: how a part of a reward scales (PPO's per-turn rewards)."""
+        return 1.0 / (math.sqrt(self.var) + eps)
 
     def state_dict(self) -> dict:
         return dataclasses.asdict(self)
