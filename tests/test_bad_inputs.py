@@ -387,6 +387,58 @@ def test_a_reward_exception_in_the_worker_is_reported_as_in_process(tmp_path):
     rs.fns[0].close()
 
 
+@pytest.mark.bad_input("rewards")
+def test_a_reward_module_that_hangs_as_it_imports_times_out(tmp_path):
+    """The module is imported in the worker only, under reward_timeout_s: an import that
+    never finishes is stopped at start like a hung call."""
+    import time
+
+    p = tmp_path / "slow_import.py"
+    p.write_text("import time\ntime.sleep(3600)\ndef f(prompts, completions, **kw):\n    return [1.0]\n")
+    t0 = time.perf_counter()
+    expect_error(lambda: RewardSet([RewardSpec(name=f"{p}:f")], timeout_s=2.0),
+                 r"reward '.*slow_import\.py:f': timed out after 2 s importing it \(reward_timeout_s\); its worker "
+                 r"process was stopped; a module that takes this long to import needs a larger reward_timeout_s",
+                 f"rewards: [{{name: {p}:f}}] (sleeps an hour as it imports), reward_timeout_s: 2")
+    assert time.perf_counter() - t0 < 30
+
+
+@pytest.mark.bad_input("rewards")
+def test_a_worker_reward_is_imported_and_checked_in_its_worker_only(tmp_path):
+    """With reward_timeout_s the trainer never imports the user's module: the worker checks
+    the kwargs (the in-process message), and an exception whose class the module defines
+    comes back by its name."""
+    import os
+
+    p = tmp_path / "once.py"
+    p.write_text(textwrap.dedent("""
+        import os, pathlib
+        with pathlib.Path(__file__).with_suffix(".pids").open("a") as f:
+            f.write(f"{os.getpid()}\\n")
+        def strict(prompts, completions, scale=1.0):
+            return [scale for c in completions]
+        class Odd(Exception):
+            pass
+        def odd(prompts, completions, **kw):
+            raise Odd("not this one")
+    """))
+    expect_error(lambda: RewardSet([RewardSpec(name=f"{p}:strict", kwargs={"scal": 2})], timeout_s=30.0),
+                 r"reward '.*once\.py:strict': unknown keyword argument 'scal' in kwargs \(valid kwargs of "
+                 r"'.*once\.py:strict': scale\)",
+                 f"rewards: [{{name: {p}:strict, kwargs: {{scal: 2}}}}], def strict(prompts, completions, scale=1.0), "
+                 f"in a worker (reward_timeout_s 30)")
+    rs = RewardSet([RewardSpec(name=f"{p}:strict", kwargs={"scale": 2.0})], timeout_s=30.0)
+    assert rs.score(["p0"], ["a"], {})[0] == [2.0]
+    rs.fns[0].close()
+    rs = RewardSet([RewardSpec(name=f"{p}:odd")], timeout_s=30.0)
+    expect_error(lambda: rs.score(["p0"], ["a"], {}), r"(?s)reward function 'odd' raised Odd: not this one",
+                 f"rewards: [{{name: {p}:odd}}] (raises its own exception class Odd), in a worker "
+                 f"(reward_timeout_s 30)")
+    rs.fns[0].close()
+    pids = (tmp_path / "once.pids").read_text().split()
+    assert len(pids) == 3 and str(os.getpid()) not in pids  # three workers, never this process
+
+
 REWARD_IMPORT_CASES = [
     ("syntax-error", "def f(prompts, completions, **kw)\n    return [1.0]\n",
      r"reward '.*bad\.py:f': .*bad\.py:1: SyntaxError: expected ':'"),

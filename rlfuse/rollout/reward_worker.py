@@ -1,9 +1,11 @@
 """User reward functions run in a worker process, so that a hung one can be stopped.
 
 `WorkerReward(name, kwargs, timeout_s)` is a callable with a reward function's signature.
-The first call starts a worker (`python -m rlfuse.utils.user_code`: a fresh interpreter
-that imports no torch, safe beside CUDA and the engine's threads) that imports the user's
-`module:function` / `file.py:function` once; each call sends (prompts, completions,
+`start()` (RewardSet calls it when it is built; else the first call) starts a worker
+(`python rlfuse/utils/user_code.py`: a fresh interpreter that imports no torch, safe beside
+CUDA and the engine's threads) that imports the user's `module:function` /
+`file.py:function` and checks the recipe's kwargs against it, within `timeout_s` (a module
+that hangs as it imports is stopped like a hung call); each call sends (prompts, completions,
 columns) over a pipe and waits at most `timeout_s` seconds for the list of rewards. An
 exception in the function comes back and is raised here (the same type and message;
 rlfuse.rollout.rewards then finds the failing example). A call that does not answer in
@@ -13,8 +15,8 @@ Cost (the reward_timeout_s field says it too): one Python process per user rewar
 function, started on its first call (Python's start plus the user module's imports, a
 fraction of a second for a plain module); per call, pickling the batch's prompts,
 completions and columns both ways (milliseconds for thousands of completions); a
-timed-out call costs its timeout plus a restart. The user's module is imported twice:
-once in the trainer (its errors and kwargs are checked at start), once in the worker.
+timed-out call costs its timeout plus a restart. The user's module is imported in the
+worker only (its import errors and kwargs errors come back as one ValueError at start).
 Built-in and model rewards run in the trainer's process (they cannot hang on user code,
 and a reward model holds GPU weights).
 Test: python -m pytest -q tests/test_bad_inputs.py -k "hung or worker"
@@ -28,7 +30,8 @@ import select
 import subprocess
 import sys
 
-from rlfuse.utils.user_code import receive, send
+from rlfuse.utils import user_code
+from rlfuse.utils.user_code import rebuild_exception, receive, send
 
 
 class RewardTimeout(Exception):
@@ -53,10 +56,11 @@ class WorkerReward:
         # installed packages (a reward file importing a helper beside it, a package on a
         # path added at run time); the rest of the environment passes through unchanged
         path = os.pathsep.join(dict.fromkeys(os.path.abspath(p or os.curdir) for p in sys.path))
-        self._proc = subprocess.Popen([sys.executable, "-m", "rlfuse.utils.user_code"], stdin=subprocess.PIPE,
+        # by path, not -m: importing the rlfuse package would import torch (seconds)
+        self._proc = subprocess.Popen([sys.executable, user_code.__file__], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, env={**os.environ, "PYTHONPATH": path})
         send(self._proc.stdin, (self.name, self.kwargs, "reward"))
-        kind, msg = self._answer(max(self.timeout_s, 60.0), "importing it")
+        kind, msg = self._answer(self.timeout_s, "importing it")
         if kind == "import-error":
             self.close()
             raise RewardImportError(msg)
@@ -84,7 +88,7 @@ class WorkerReward:
             raise RuntimeError("its worker process had exited") from None
         kind, value = self._answer(self.timeout_s, "scoring")
         if kind == "raise":
-            raise value
+            raise rebuild_exception(value)
         return value
 
     def close(self) -> None:

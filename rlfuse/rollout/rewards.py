@@ -52,6 +52,7 @@ from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countd
 from rlfuse.rollout.reward_model import RewardModelReward
 from rlfuse.run import load_function
 from rlfuse.rollout.reward_worker import RewardImportError, RewardTimeout, WorkerReward
+from rlfuse.utils.user_code import check_kwargs as check_user_kwargs
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
 
 log = logging.getLogger(__name__)
@@ -159,29 +160,19 @@ def check_kwargs(name: str, fn: Callable, kwargs: dict) -> None:
     """ValueError when `kwargs` (a RewardSpec's) cannot be bound to `fn`. Built-ins take
     their settings as keyword-only parameters (the rest are dataset columns), so those are
     the valid kwargs; a user function without **kwargs accepts only its named parameters."""
-    try:
-        params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):  # a callable without a readable signature: bound as given
+    if name not in BUILTINS and name not in MODEL_REWARDS:
+        check_user_kwargs("reward", name, fn, kwargs)
         return
-    builtin = name in BUILTINS or name in MODEL_REWARDS
-    if builtin:
-        valid = {k: p for k, p in params.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
-    elif any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return
-    else:
-        valid = {k: p for k, p in params.items() if k not in ("prompts", "completions")}
+    valid = {k: p for k, p in inspect.signature(fn).parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    check_user_kwargs("reward", name, fn, kwargs, valid)
     for k, v in kwargs.items():
-        if k not in valid:
-            allowed = ", ".join(valid) if valid else "none"
-            raise ValueError(f"reward {name!r}: unknown keyword argument {k!r} in kwargs "
-                             f"(valid kwargs of {name!r}: {allowed})")
         default = valid[k].default
-        if builtin and isinstance(default, (int, float)) and not isinstance(default, bool) and \
+        if isinstance(default, (int, float)) and not isinstance(default, bool) and \
                 (not isinstance(v, (int, float)) or isinstance(v, bool)):
             raise ValueError(f"reward {name!r}: kwargs.{k} must be a number, got {v!r}")
-        if builtin and isinstance(default, bool) and not isinstance(v, bool):
+        if isinstance(default, bool) and not isinstance(v, bool):
             raise ValueError(f"reward {name!r}: kwargs.{k} must be true or false, got {v!r}")
-        if builtin and isinstance(default, str) and not isinstance(v, str):
+        if isinstance(default, str) and not isinstance(v, str):
             raise ValueError(f"reward {name!r}: kwargs.{k} must be a string, got {v!r}")
 
 
@@ -211,14 +202,20 @@ class RewardSet:
             elif s.path:
                 raise ValueError(f"reward {s.name!r}: `path` is for model rewards ({', '.join(MODEL_REWARDS)}); "
                                  f"a function takes its settings in kwargs")
+            elif (timeout_s > 0 and s.name not in BUILTINS and not (functions and s.name in functions)
+                  and ":" in s.name and not s.name.startswith(PYTHON_REWARD)):
+                # a user function: imported only in its worker, which also checks the kwargs,
+                # so a module that hangs as it imports is stopped by the same timeout
+                fn = WorkerReward(s.name, s.kwargs, timeout_s)
+                try:
+                    fn.start()
+                except RewardTimeout as e:
+                    raise ValueError(f"reward {s.name!r}: {e}; a module that takes this long to import needs a "
+                                     f"larger reward_timeout_s") from None
             else:
-                given = bool(functions) and s.name in functions
-                fn = functions[s.name] if given else resolve(s.name)
+                fn = functions[s.name] if functions and s.name in functions else resolve(s.name)
                 check_kwargs(s.name, fn, s.kwargs)
-                if timeout_s > 0 and s.name not in BUILTINS and not given:
-                    fn = WorkerReward(s.name, s.kwargs, timeout_s)
-                else:
-                    fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
+                fn = functools.partial(fn, **s.kwargs) if s.kwargs else fn
             self.names.append(name)
             self.fns.append(fn)
             self.weights.append(float(s.weight))

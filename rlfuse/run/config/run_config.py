@@ -87,8 +87,9 @@ class RunConfig:
     reward_timeout_s: float = 120.0
     """Seconds one call of a user reward function (module:function, file.py:function) may take
     on one batch; a longer call is stopped and is a reward error (follows on_reward_error).
-    User functions then run in a worker process: one per function, started on first use
-    (1-3 s), plus pickling each batch's texts both ways (ms). 0: run them in the trainer's
+    User functions then run in a worker process: one per function, started when the run
+    starts (1-3 s; importing the function's module there must also finish within this
+    time), plus pickling each batch's texts both ways (ms). 0: run them in the trainer's
     process, with no timeout (a hung function hangs the run)."""
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     """Run folder and metrics."""
