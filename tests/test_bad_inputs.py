@@ -1518,6 +1518,36 @@ def test_a_demo_rerun_replaces_the_previous_demo_and_says_so(tmp_path, caplog):
                     "metrics and tb/, report/, demo.json)", count=4)
 
 
+@pytest.mark.bad_input("run-folders")
+def test_a_second_demo_on_a_held_folder_is_refused(tmp_path, capsys, monkeypatch):
+    """`rlfuse demo` takes its folder's run lock before it replaces a previous demo, holds
+    it while the demo runs, and lets go at the end."""
+    import os
+    import socket
+
+    import rlfuse.cli.demo as demo_cli
+
+    root = tmp_path / "demo"
+    (root / "grpo").mkdir(parents=True)
+    (root / "grpo" / "metrics.jsonl").write_text('{"step": 1, "stage": "grpo", "loss": 1.0}\n')
+    (root / "demo.json").write_text("{}")
+    (root / "run.lock").write_text(_lock_of(os.getpid()))  # a live process: this one, as a stand-in
+    before = sorted(str(p) for p in root.rglob("*"))
+    rc, _, err = _cli(["demo", "--run-dir", str(root), "--size", "ci"], capsys)
+    cli_error_line(rc, err, rf"{root}: another run is using this run folder \(pid {os.getpid()} on host "
+                             rf"{re.escape(socket.gethostname())}, started 2026-01-01T00:00:00\+00:00\); wait for it",
+                   f"rlfuse demo --run-dir {root} while another demo holds it")
+    assert sorted(str(p) for p in root.rglob("*")) == before  # the previous demo is untouched
+    (root / "run.lock").unlink()
+    held = []
+    monkeypatch.setattr(demo_cli, "run_demo", lambda size, run_dir, **kw: held.append(
+        json.loads((Path(run_dir) / "run.lock").read_text())["pid"]) or {"accuracy": 1.0})
+    rc, _, err = _cli(["demo", "--run-dir", str(root), "--size", "ci"], capsys)
+    assert rc == 0, err
+    assert held == [os.getpid()] and not (root / "run.lock").exists()
+    assert json.loads((root / "demo.json").read_text()) == {"accuracy": 1.0}
+
+
 def test_run_folders_get_normal_permissions(sft_run):
     import os
     import stat

@@ -1,7 +1,9 @@
 """`rlfuse demo`: the embedded default -- tiny Qwen3-style model, SFT warm-up, GRPO on
 arithmetic, held-out accuracy before and after (rlfuse.recipes.demo). `--agent`: the same
 tiny model learns to call a calculator on 3-digit multiplication (rlfuse.recipes.agent_demo).
-Nothing downloaded."""
+Nothing downloaded. The demo holds its folder's run lock (rlfuse.run.folder.RunLock, as the
+training commands do) from before it replaces a previous demo until demo.json is written:
+a second demo on the same folder is refused, naming the holder, with nothing removed."""
 
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import AGENT_SIZES, run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
-from rlfuse.run import clear_run, remove_path
+from rlfuse.run import RunLock, clear_run, remove_path
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")
@@ -67,13 +69,16 @@ def run(args) -> int:
             setup_threads(threads)
         elif threads is not None:
             torch.set_num_threads(threads)
-        replace_previous_demo(Path(args.run_dir))
-        run = run_agent_demo if args.agent else run_demo
-        res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+        root = Path(args.run_dir)
+        root.mkdir(parents=True, exist_ok=True)
+        with RunLock(root).acquire():
+            replace_previous_demo(root)
+            run = run_agent_demo if args.agent else run_demo
+            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+            summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
+            with open(root / "demo.json", "w") as f:
+                json.dump(summary, f, indent=2)
     except ValueError as e:
         return fail(e)
-    summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
-    with open(f"{args.run_dir}/demo.json", "w") as f:
-        json.dump(summary, f, indent=2)
     print(f"wrote {args.run_dir}/demo.json; plots: rlfuse report {args.run_dir}")
     return 0
