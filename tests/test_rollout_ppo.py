@@ -151,3 +151,4 @@ def test_ppo_with_an_environment_is_exact_across_turns(tmp_path):
             assert k in h
         assert float(h["mismatch/max_abs"]) == 0.0
         assert "reward/env" in h and "critic/value_loss" in h
+        assert 0 < float(h["optim/update_ratio"]) < 1 and 0 < float(h["critic/update_ratio"]) < 1

@@ -4,6 +4,7 @@ stop_after + resume hands the trainer its saved state and continues at the right
 
 import json
 
+import torch
 from train_setup import tiny_cfg, tiny_session
 
 from rlfuse.run import checkpoint as ck
@@ -81,3 +82,23 @@ def test_stop_after_then_resume_continues_with_the_trainers_state(tmp_path):
     assert tr.calls == [2, 3] and tr.position == 4
     assert _rows(tmp_path, "fake") == [1, 2, 3, 4]  # rows up to the checkpoint kept, then continued
     assert (tmp_path / "final" / "model.safetensors").exists()
+
+
+def test_logged_rows_carry_the_update_ratio(tmp_path):
+    """A trainer whose steps step the optimizer: each logged row has optim/update_ratio, the
+    step's relative weight update (a step without an optimizer step has none)."""
+    ses, _ = _setup(tmp_path)
+    tr = CountingTrainer(ses, Schedule(steps=3))
+    real_step = tr.step
+
+    def step(s):
+        if s != 1:  # step 1 takes no optimizer step
+            for p in tr.model.parameters():
+                p.grad = torch.ones_like(p)
+            tr.optimizer.step(1e-3)
+            tr.optimizer.zero_grad()
+        return real_step(s)
+    tr.step = step
+    rows = run_loop(tr, ses)["history"]
+    assert [("optim/update_ratio" in r) for r in rows] == [True, False, True]
+    assert all(0 < float(r["optim/update_ratio"]) < 1 for r in rows if "optim/update_ratio" in r)

@@ -37,6 +37,28 @@ def test_matches_torch_adamw_fp32_bitwise(wd):
             assert torch.equal(a, b), f"step {step}: max diff {(a - b).abs().max()}"
 
 
+@pytest.mark.parametrize("dtype,wd", [(torch.float32, 0.0), (torch.float32, 0.1), (torch.bfloat16, 0.1)])
+def test_update_ratio_is_the_relative_size_of_the_step(dtype, wd):
+    """pop_update_ratio() == ||w_new - w_old|| / ||w_old|| over the fp32 masters, the largest
+    of the steps since the last pop; None before any step."""
+    ps = _params(3, dtype)
+    opt = MasterAdamW(ps, lr=1e-2, weight_decay=wd)
+    assert opt.pop_update_ratio() is None
+    want = []
+    for step in range(3):
+        before = [w.detach().double().clone() for w in opt.master]
+        _grads(ps, step)
+        opt.step(1e-2 * (step + 1))
+        delta = torch.cat([(w.double() - b).flatten() for w, b in zip(opt.master, before)])
+        want.append(float(delta.norm() / torch.cat([b.flatten() for b in before]).norm()))
+        if step == 0:
+            got = opt.pop_update_ratio()
+            assert got.dtype == torch.float32 and got.dim() == 0
+            assert float(got) == pytest.approx(want[0], rel=1e-4)
+    assert float(opt.pop_update_ratio()) == pytest.approx(max(want[1:]), rel=1e-4)
+    assert opt.pop_update_ratio() is None and 1e-4 < max(want) < 1.0
+
+
 def test_updates_in_place_and_keeps_parameter_objects():
     ps = _params(1, torch.bfloat16)
     ptrs = [p.data_ptr() for p in ps]

@@ -16,6 +16,11 @@ Gradients of bf16/fp16 params are accumulated in fp32 buffers across backward pa
 (a post-accumulate-grad hook moves each .grad into the buffer), so micro-batch sums do
 not round to bf16; clip with `clip_grad_norm_(opt.grads(), ...)`. No host syncs in
 `step`: the step count and lr are Python numbers kept on the host.
+Update size: each step also measures ||w_new - w_old|| / ||w_old|| over all its
+parameters (fp32 masters), on the device (a few reductions per parameter, reusing the
+step's own scratch buffer); `pop_update_ratio()` gives the largest since the previous call
+(the run loop logs it as `optim/update_ratio`). A healthy fine-tuning step moves weights
+by about lr (1e-6 .. 1e-4 relative); a ratio near 1 means the step rewrote the weights.
 
 `NonFiniteGuard` keeps NaN/inf out of the weights: a step whose loss or gradient norm is
 not finite is skipped (weights, masters, moments and step count untouched), counted, and
@@ -68,6 +73,7 @@ class MasterAdamW:
         # fp32 gradient accumulation for low-precision params: each backward's grad is added
         # into an fp32 buffer and the bf16 .grad dropped, so micro-batch sums keep fp32 precision
         self.grad32: list[torch.Tensor | None] = [None] * len(self.params)
+        self._update_ratio: torch.Tensor | None = None  # the largest since pop_update_ratio (0-d, on device)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         # One hook per parameter for the parameter's lifetime, dispatching to the newest
         # MasterAdamW built on it (a weak reference): an SFT optimizer followed by a GRPO one
@@ -94,6 +100,12 @@ class MasterAdamW:
         return [g for g in (self.grad32[i] if self.grad32[i] is not None else p.grad
                             for i, p in enumerate(self.params)) if g is not None]
 
+    def pop_update_ratio(self) -> torch.Tensor | None:
+        """The largest ||w_new - w_old|| / ||w_old|| of the steps since the previous call
+        (a 0-d fp32 tensor on the parameters' device, no host sync), or None if none stepped."""
+        r, self._update_ratio = self._update_ratio, None
+        return r
+
     @torch.no_grad()
     def step(self, lr: float | None = None) -> None:
         lr = self.lr if lr is None else lr
@@ -102,18 +114,34 @@ class MasterAdamW:
         bc1 = 1 - b1 ** self.step_count
         bc2_sqrt = math.sqrt(1 - b2 ** self.step_count)
         step_size = lr / bc1
+        decay = lr * self.weight_decay
+        w_norms, d_norms = [], []
         for i, (p, w, m, v) in enumerate(zip(self.params, self.master, self.exp_avg, self.exp_avg_sq)):
             g = self.grad32[i] if self.grad32[i] is not None else p.grad
             if g is None:
                 continue
             g = g if g.dtype == torch.float32 else g.float()
-            w.mul_(1 - lr * self.weight_decay)
+            w_norms.append(torch.linalg.vector_norm(w))
+            w.mul_(1 - decay)
             m.lerp_(g, 1 - b1)
             v.mul_(b2).addcmul_(g, g, value=1 - b2)
             denom = (v.sqrt() / bc2_sqrt).add_(self.eps)
             w.addcdiv_(m, denom, value=-step_size)
             if w is not p:
                 p.copy_(w)  # in place: the engine's pointers stay valid
+            # w_old - w_new = (step_size u + decay w_new) / (1 - decay), u = m / denom; the
+            # update itself stays the one addcdiv above (bitwise torch's), this is its size
+            d = denom.reciprocal_().mul_(m)
+            if 0 < decay < 1:
+                d.mul_(step_size / (1 - decay)).add_(w, alpha=decay / (1 - decay))
+            elif decay == 0:
+                d.mul_(step_size)
+            else:  # lr x weight_decay >= 1 zeroes or flips the weights each step: w_old is gone
+                d.fill_(math.nan)
+            d_norms.append(torch.linalg.vector_norm(d))
+        if w_norms:
+            r = torch.linalg.vector_norm(torch.stack(d_norms)) / torch.linalg.vector_norm(torch.stack(w_norms))
+            self._update_ratio = r if self._update_ratio is None else torch.maximum(self._update_ratio, r)
 
     def zero_grad(self) -> None:
         for i, p in enumerate(self.params):

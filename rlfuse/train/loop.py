@@ -13,7 +13,8 @@ trainer supplies its step and its state (`Trainer`); the cadence it wants is its
 
 Steps: `trainer.step(s)` performs step s (0-based); then `done = s + 1` steps exist and
 everything after it is labelled `done`. With N = trainer.schedule.steps:
-  log         every logging.log_every steps and at N
+  log         every logging.log_every steps and at N (the trainer's metrics, plus
+              optim/update_ratio: the step's largest relative weight update)
   samples     every schedule.sample_every steps (trainer.samples())
   eval        at 0 when schedule.eval_at_start (fresh runs only), every
               schedule.eval_every steps before N, and at the end
@@ -195,6 +196,11 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
                             f"; checkpoint {path}" if path else "")
                 raise Interrupted(signum, done, str(path) if path else None)
             m = trainer.step(done)
+            # the largest ||dW|| / ||W|| of the step's optimizer steps (MasterAdamW; a 0-d device
+            # tensor, read with the other metrics; FSDP2's ShardedAdamW does not measure it)
+            pop = getattr(trainer.optimizer, "pop_update_ratio", None)
+            if pop is not None and (ratio := pop()) is not None:
+                m["optim/update_ratio"] = ratio
             done += 1
             if done % cfg.logging.log_every == 0 or done == sched.steps:
                 watch.check(done)

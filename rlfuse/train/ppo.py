@@ -212,6 +212,8 @@ class PPOTrainer:
             m.update(self._train(prompts, samples, adv, ret, old_v, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()  # this rollout step's, over mu x mini-batches
         m["critic/skipped_steps"] = self.critic_guard.pop_skipped()
+        if (ratio := self.critic_optimizer.pop_update_ratio()) is not None:  # the policy's: the run loop
+            m["critic/update_ratio"] = ratio
         t = timer.times
         for k in ("generate", "score", "prepare", "train"):
             m[f"time/{k}"] = t[k]
