@@ -17,6 +17,7 @@ Run: python -m pytest -q tests/test_rollout_ppo.py
 
 import pytest
 import torch
+from test_rollout_grpo import ENV as ECHO_ENV
 from test_rollout_grpo import _episodes, _Stub
 from train_setup import one_thread, tiny_cfg, tiny_session
 
@@ -116,23 +117,20 @@ def test_per_turn_rewards_sit_on_their_turns(tmp_path, reward_norm):
     assert rew[0, len(samples[0].token_ids) - 1] == 2.0 and int((rew[0] != 0).sum()) == 1
 
 
-ENV = '''
-from rlfuse.rollout import Step
+ENV = ECHO_ENV + '''
 
 class Count:
-    """A short observation after every turn; ends after `turns` turns; a per-turn reward
-    (0.1 for an even-length turn), no reward(): the episode's env reward is their sum."""
+    """Echo's turns and observations with a per-turn reward (0.1 for an even-length turn)
+    and no reward(): the episode's env reward is their sum."""
     def __init__(self, turns=3):
-        self.turns = turns
+        self.echo = Echo(turns)
 
     def reset(self, row, *, seed):
-        self.n = 0
-        return [{"role": "user", "content": row["prompt"]}]
+        return self.echo.reset(row, seed=seed)
 
     def step(self, turn):
-        self.n += 1
-        return Step(messages=[{"role": "tool", "content": str(self.n * 7)}], done=self.n >= self.turns,
-                    reward=0.1 * (len(turn.token_ids) % 2 == 0))
+        s = self.echo.step(turn)
+        return Step(messages=s.messages, done=s.done, reward=0.1 * (len(turn.token_ids) % 2 == 0))
 '''
 
 
