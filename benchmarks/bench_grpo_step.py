@@ -36,7 +36,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True)
 
 
-def step_bench(out: Path, small: bool, numerics: str = "fast") -> list[dict]:
+def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = True) -> list[dict]:
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.rollout.rewards import RewardSet
     from rlfuse.rollout.sampler import EngineSampler
@@ -55,7 +55,7 @@ def step_bench(out: Path, small: bool, numerics: str = "fast") -> list[dict]:
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
         "optim": {"lr": 1e-6, "schedule": "constant"},
         "grpo": {"steps": 3, "prompts_per_step": P, "group_size": G, "max_new_tokens": new, "temperature": 1.0,
-                 "loss_type": "dapo", "micro_batch_tokens": 16384 if not small else 256},
+                 "loss_type": "dapo", "micro_batch_tokens": 16384 if not small else 256, "warm_kernels": warm},
         "logging": {"run_dir": str(out / "grpo_step"), "tensorboard": False, "progress": False},
     })
     tok = char_tokenizer("abc")  # only for decoding text; prompts are token ids
@@ -76,7 +76,8 @@ def step_bench(out: Path, small: bool, numerics: str = "fast") -> list[dict]:
         wall = time.perf_counter() - t0
         row = {"numerics": numerics, "step": step, "warmup": step == 0, "wall_s": wall, "params_M": n_params / 1e6,
                **{k: float(v) for k, v in m.items() if k.startswith(("time/", "tokens_per_s/", "memory/", "mismatch/",
-                                                                        "completion_len/", "loss", "grad_norm"))}}
+                                                                        "completion_len/", "loss", "grad_norm",
+                                                                        "compile/"))}}
         rows.append(row)
         print(json.dumps(row), flush=True)
     sampler.llm.sleep()
@@ -102,6 +103,9 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
+    ap.add_argument("--no-warm", action="store_true",
+                    help="grpo.warm_kernels false: the first update compiles its kernels itself (an A/B of the "
+                         "first step's time; run each in a fresh process on a cold TRITON_CACHE_DIR)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -110,7 +114,7 @@ def main() -> int:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small,
               "steps": [r for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
-                        for r in step_bench(out, args.small, n)]}
+                        for r in step_bench(out, args.small, n, warm=not args.no_warm)]}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
         try:

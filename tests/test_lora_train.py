@@ -19,7 +19,8 @@ from rlfuse.run import checkpoint as ck
 from rlfuse.run.config import replace
 from rlfuse.run.config.docs import render
 from rlfuse.train.dpo import run_dpo
-from rlfuse.train.grpo import reference_model, run_grpo
+from rlfuse.train.grpo import run_grpo
+from rlfuse.train.loop import reference_model
 from rlfuse.train.ppo import run_ppo
 from rlfuse.train.sft import run_sft
 

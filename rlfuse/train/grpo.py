@@ -36,10 +36,9 @@ import torch
 from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.backend import triton_compiles, use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
-from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import (
@@ -62,25 +61,12 @@ from rlfuse.run.distributed import (
     rollout_on_ranks,
 )
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
-from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.off_policy import off_policy_corrections
+from rlfuse.train.warm import KernelWarmup, compile_left
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
-
-
-def reference_model(model):
-    """The frozen reference of KL terms and DPO. With LoRA adapters: the model itself with
-    its adapters off (`BaseModelView`: no copy, bit for bit the base model). Else a separate,
-    grad-free copy of `model`'s weights (not deepcopy: that would also copy whatever the
-    parameters' hooks reference, e.g. the optimizer)."""
-    if has_lora(model):
-        return BaseModelView(model)
-    with torch.device("meta"):
-        ref = type(model)(model.config).to(model.lm_head_weight.dtype)
-    ref = ref.to_empty(device=model.lm_head_weight.device)
-    ref.load_state_dict(model.state_dict())
-    return ref.requires_grad_(False).eval()
 
 
 def _mean(xs):
@@ -138,6 +124,9 @@ class GRPOTrainer(StreamAndGuardState):
                              f"got {type(sampler).__name__}")
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
         self.last_samples: list[dict] = []
+        # the update's kernels compile on a side thread during the first rollout (train/warm.py)
+        self._warm = KernelWarmup(model, self._warm_head, numerics=self.numerics,
+                                  enabled=g.warm_kernels and dist is None)
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -252,6 +241,9 @@ class GRPOTrainer(StreamAndGuardState):
             log.info("step %d: every group has zero reward variance; no update", step)
             return {"_train_tokens": 0.0, "skipped_update": 1.0}
         seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
+        warm = self._warm.wait() if self._warm is not None else {}
+        compiled_before = triton_compiles() if warm else None
+        self._warm = None
         check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         old: dict[int, torch.Tensor] | None = None
         extra: dict = {}
@@ -295,6 +287,9 @@ class GRPOTrainer(StreamAndGuardState):
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
+        if warm:
+            out.update(warm)
+            out.update(compile_left(compiled_before))
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -350,12 +345,7 @@ class GRPOTrainer(StreamAndGuardState):
                                      return_entropy=want_ent)
                 ref_N = self._ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
-            loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
-                                   loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
-                                   dual_clip=g.dual_clip, ref_logp=ref_N,
-                                   kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
-                                   kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
-                                   max_tokens=self.max_loss_tokens)
+            loss, st = self._policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             (loss * w).backward()
@@ -371,6 +361,27 @@ class GRPOTrainer(StreamAndGuardState):
                 capture[2].append(mask_N)
             n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
+
+    def _policy_loss(self, logp_N, old_N, adv_N, mask_N, batch: PackedBatch, ref_N):
+        g = self.g
+        return policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
+                           loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
+                           dual_clip=g.dual_clip, ref_logp=ref_N,
+                           kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
+                           kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
+                           max_tokens=self.max_loss_tokens)
+
+    def _warm_head(self, h_TD, batch: PackedBatch):
+        """The update's part after the final norm on a dummy batch (train/warm.py): the
+        fused log-prob (with entropy when logged) and the policy loss with this run's
+        settings, so the warm-up compiles the variants the update launches."""
+        out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
+                             return_entropy=self.g.log_entropy)
+        logp_N, ent_N = out if self.g.log_entropy else (out, None)
+        ones = torch.ones_like(logp_N)
+        loss, _ = self._policy_loss(logp_N, logp_N.detach(), ones, ones, batch,
+                                    logp_N.detach() if self.kl_in_loss else None)
+        return loss if ent_N is None else loss + 0.0 * ent_N.sum()
 
     @torch.no_grad()
     def _trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:

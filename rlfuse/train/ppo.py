@@ -52,7 +52,7 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import reference_model
+from rlfuse.train.loop import reference_model
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,

@@ -89,6 +89,9 @@ class GRPOConfig:
     """Give completions cut at max_new_tokens zero loss weight (DAPO overlong filtering)."""
     log_entropy: bool = True
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
+    warm_kernels: bool = True
+    """CUDA, one process: compile the update's Triton kernels on a side thread while the first
+    rollout decodes (the first step then waits only for what is left; logged under compile/)."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
