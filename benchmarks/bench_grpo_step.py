@@ -36,7 +36,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True)
 
 
-def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = True) -> list[dict]:
+def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = False) -> list[dict]:
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.rollout.rewards import RewardSet
     from rlfuse.rollout.sampler import EngineSampler
@@ -103,9 +103,10 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
-    ap.add_argument("--no-warm", action="store_true",
-                    help="grpo.warm_kernels false: the first update compiles its kernels itself (an A/B of the "
-                         "first step's time; run each in a fresh process on a cold TRITON_CACHE_DIR)")
+    ap.add_argument("--warm-kernels", action="store_true",
+                    help="grpo.warm_kernels true: compile the update's kernels on a side thread during the first "
+                         "rollout (an A/B of the first step's time: run each in a fresh process on a cold "
+                         "TRITON_CACHE_DIR)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ def main() -> int:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small,
               "steps": [r for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
-                        for r in step_bench(out, args.small, n, warm=not args.no_warm)]}
+                        for r in step_bench(out, args.small, n, warm=args.warm_kernels)]}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
         try:

@@ -241,8 +241,9 @@ class GRPOTrainer(StreamAndGuardState):
             log.info("step %d: every group has zero reward variance; no update", step)
             return {"_train_tokens": 0.0, "skipped_update": 1.0}
         seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
+        first_cuda = self._warm is not None and self.device.type == "cuda"  # the first update compiles
         warm = self._warm.wait() if self._warm is not None else {}
-        compiled_before = triton_compiles() if warm else None
+        compiled_before = triton_compiles() if first_cuda else None
         self._warm = None
         check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         old: dict[int, torch.Tensor] | None = None
@@ -287,7 +288,7 @@ class GRPOTrainer(StreamAndGuardState):
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
-        if warm:
+        if first_cuda:
             out.update(warm)
             out.update(compile_left(compiled_before))
         out["_train_tokens"] = float(n_trained)

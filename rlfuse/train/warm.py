@@ -17,6 +17,11 @@ Compiles the warm-up missed are counted in that first update and logged ("compil
 
 Only CUDA gains (the CPU runs no compiler); off under torch.distributed, where a layer's
 forward gathers sharded weights with collectives that must stay in step across ranks.
+Off by default (`grpo.warm_kernels`): measured on an H200 (docs/perf-log.md), the thread
+compiled the same kernels ~2.5x slower than the update does inline and slowed the
+rollout, since Triton's front end is Python and the decode loop holds the GIL; a compile
+in other processes is what would pay. `compile_left` logs, on every CUDA run, what the
+first update compiled.
 """
 
 from __future__ import annotations
@@ -106,5 +111,6 @@ def compile_left(before: dict[str, int]) -> dict:
     what the warm-up did not cover."""
     left = new_compiles(before, triton_compiles())
     if left:
-        log.info("compile left in the first update: %s", ", ".join(f"{k} x{n}" for k, n in sorted(left.items())))
+        log.info("the first update compiled %d Triton kernel variants: %s", sum(left.values()),
+                 ", ".join(f"{k} x{n}" for k, n in sorted(left.items())))
     return {"compile/left_kernels": float(sum(left.values()))}

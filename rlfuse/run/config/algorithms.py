@@ -89,9 +89,10 @@ class GRPOConfig:
     """Give completions cut at max_new_tokens zero loss weight (DAPO overlong filtering)."""
     log_entropy: bool = True
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
-    warm_kernels: bool = True
+    warm_kernels: bool = False
     """CUDA, one process: compile the update's Triton kernels on a side thread while the first
-    rollout decodes (the first step then waits only for what is left; logged under compile/)."""
+    rollout decodes (logged under compile/). Off: measured slower on an H200 (docs/perf-log.md):
+    the compiler's Python work and the decode loop contend for the GIL."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
