@@ -1,7 +1,8 @@
-"""The background kernel warm-up (rlfuse/train/warm.py): its forward and backward run the
-update's ops on a dummy batch without touching the weights or their .grad, for full
-models and LoRA adapters, in both numerics; on CPU the trainer never starts the thread.
-(What it saves, the first step's compile time, is a GPU number: benchmarks/bench_grpo_step.py.)
+"""The kernel warm-up (rlfuse/train/warm.py): its forward and backward run the update's
+ops on a dummy batch without touching the weights or their .grad, for full models and
+LoRA adapters, in both numerics; on CPU the trainer starts no workers. The dry run and the
+worker compile need CUDA: tests/test_gpu_warm.py. (What it saves, the first step's compile
+time, is a GPU number: benchmarks/bench_grpo_step.py --warm-kernels.)
 Run: python -m pytest -q tests/test_warm.py
 """
 
@@ -28,7 +29,7 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         model = ses.model
         assert has_lora(model) == lora
         trainer = GRPOTrainer(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
-        assert trainer._warm.thread is None  # CPU: no compiler to warm, no thread
+        assert trainer._warm.pool is None  # CPU: no compiler to warm, no workers
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         heads = []
 
@@ -38,6 +39,7 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
             return loss
 
         w = KernelWarmup(model, head, numerics=numerics, enabled=False)
+        w.lengths = ((40, 8), (30, 8))  # CPU-sized (the GPU's exact dummy is a 4096-token micro-batch)
         with use_numerics(numerics):
             w._forward_backward()
         assert len(heads) == 1 and torch.isfinite(heads[0])

@@ -1,34 +1,37 @@
-"""Compile the training step's kernels in the background while the first rollout runs.
+"""Compile the training step's kernels in other processes while the first rollout runs.
 
 A fresh process on a cold Triton cache compiles every kernel the trainer uses (attention
 forward and backward, the fused log-prob, norms, RoPE, SwiGLU, the policy loss; in exact
 numerics the batch-invariant linear at training sizes) at its first launch, which lands in
-the first step's update: seconds of compiling while the GPU idles. The first rollout,
-meanwhile, keeps the GPU busy with graph replays and leaves the host mostly waiting.
+the first step's update: seconds of compiling while the GPU idles.
 
-So `KernelWarmup` runs, on a background thread and a side CUDA stream, one forward and
-backward of what a training micro-batch runs -- one decoder layer (every layer runs the
-same kernels), the final norm, and the trainer's own head (log-probs and loss) -- on a
-dummy packed batch of two short sequences, with the model's real dimensions, dtypes,
-numerics and kernel backend, so the kernels it compiles are the ones the step will launch.
-Gradients come from `torch.autograd.grad`: no `.grad` is written and the weights are only
-read, which the rollout also only does. The trainer calls `wait()` before its first update.
-Compiles the warm-up missed are counted in that first update and logged ("compile left").
-
-Only CUDA gains (the CPU runs no compiler); off under torch.distributed, where a layer's
-forward gathers sharded weights with collectives that must stay in step across ranks.
-Off by default (`grpo.warm_kernels`): measured on an H200 (docs/perf-log.md), the thread
-compiled the same kernels ~2.5x slower than the update does inline and slowed the
-rollout, since Triton's front end is Python and the decode loop holds the GIL; a compile
-in other processes is what would pay. `compile_left` logs, on every CUDA run, what the
-first update compiled.
+`KernelWarmup` (`grpo.warm_kernels`), at the trainer's construction:
+  1. dry run, main thread: one forward and backward of what a training micro-batch runs --
+     one decoder layer (every layer runs the same kernels), the final norm, and the
+     trainer's own head (log-probs and loss) -- on a dummy packed batch, with the model's
+     dimensions, dtypes, numerics and kernel backend. Triton's `jit_cache_hook` sees each
+     kernel that would compile, records its specialization (Triton's own JSON) and skips
+     it: nothing compiles and those kernels do not launch, so the run's outputs are
+     garbage and are dropped. Gradients come from `torch.autograd.grad` (no `.grad`
+     written; the weights are only read).
+  2. a pool of worker processes compiles the recorded kernels into the Triton cache on
+     disk (no GPU needed: Triton compiles for a target), in parallel with each other and
+     with the first rollout.
+  3. the trainer calls `wait()` before its first update, whose launches then load the
+     compiled kernels from the cache. Whatever still compiles there is logged by
+     `compile_left`.
+A compiler thread in this process instead would contend with the decode loop for the GIL
+(Triton's front end is Python): measured ~2.5x slower than compiling inline (perf-log).
+Only CUDA runs this; off under torch.distributed (a layer's forward gathers sharded
+weights with collectives that must stay in step across ranks).
 """
 
 from __future__ import annotations
 
-import contextvars
+import concurrent.futures
 import logging
-import threading
+import multiprocessing
+import os
 import time
 from collections.abc import Callable
 
@@ -39,8 +42,43 @@ from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)
 
-# two sequences, each longer than the attention kernels' tiles, with 16 context tokens
-_DUMMY = ((96, 16), (80, 16))
+# two sequences of (length, context tokens), longer than the attention kernels' tiles. Exact
+# numerics picks the linear's tile family and launch plan from the row count, so its dummy
+# has a training micro-batch's size (the plan of a large M; a short last micro-batch of a
+# real step may still compile the other plan, logged by `compile_left`)
+_DUMMY = {"fast": ((256, 16), (240, 16)), "exact": ((2048, 16), (2048, 16))}
+
+
+def _compile_one(module: str, name: str, spec: str) -> str:
+    """Worker: compile the kernel `module.name` for the specialization Triton serialized
+    (`JITFunction.preload`'s decoding, for the target in the JSON: no GPU needed)."""
+    import importlib
+    import json
+
+    import triton
+    import triton.language as tl
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import convert_to_tuple_if_list
+
+    fn = getattr(importlib.import_module(module), name)
+    d = json.loads(spec)
+    target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d["target"].items()})
+    backend = make_backend(target)
+
+    def constant(v):
+        if tl.dtype.is_dtype(v):
+            return tl.dtype(v)
+        if isinstance(v, dict) and "constexpr" in v:
+            return tl.constexpr(convert_to_tuple_if_list(v["constexpr"]))
+        return convert_to_tuple_if_list(v)
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = dict(zip(map(tuple, d["attrs_keys"]), d["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
+    triton.compile(fn.ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return name
 
 
 class KernelWarmup:
@@ -49,35 +87,53 @@ class KernelWarmup:
 
     def __init__(self, model, head: Callable, *, numerics: str, enabled: bool = True):
         self.model, self.head, self.numerics = model, head, numerics
+        self.lengths = _DUMMY[numerics]  # the dummy batch: (length, context tokens) per sequence
         self.device = model.lm_head_weight.device
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.seconds = 0.0
-        self.compiled: dict[str, int] = {}
-        if enabled and self.device.type == "cuda":
-            ctx = contextvars.copy_context()  # the caller's kernel backend and numerics
-            self.thread = threading.Thread(target=ctx.run, args=(self._run,), name="rlfuse-kernel-warmup",
-                                           daemon=True)
-            self.thread.start()
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        before = triton_compiles()
+        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
+        self.futures: list = []
+        self.t0 = time.perf_counter()
+        self.error: str | None = None
+        if not (enabled and self.device.type == "cuda"):
+            return
         try:
-            stream = torch.cuda.Stream(self.device)
-            with torch.cuda.stream(stream), use_numerics(self.numerics):
+            requests = self.dry_run()
+        except Exception as e:  # noqa: BLE001 -- a warm-up must never stop a run: it logs and steps aside
+            self.error = f"dry run: {type(e).__name__}: {e}"
+            return
+        if requests:
+            ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA
+            self.pool = concurrent.futures.ProcessPoolExecutor(min(len(requests), os.cpu_count() or 1, 8),
+                                                               mp_context=ctx)
+            self.futures = [self.pool.submit(_compile_one, *r) for r in requests]
+
+    def dry_run(self) -> list[tuple[str, str, str]]:
+        """The dummy forward and backward with every would-be compile recorded and skipped:
+        [(module, kernel name, Triton's specialization JSON)]."""
+        from triton import knobs  # CUDA only (triton is installed wherever CUDA runs rlfuse)
+
+        requests, seen = [], set()
+
+        def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 -- Triton's names
+            if compile["specialization_data"] not in seen:
+                seen.add(compile["specialization_data"])
+                requests.append((fn.module, fn.name, compile["specialization_data"]))
+            return True  # skip: a worker compiles it; this launch does not happen
+
+        before = knobs.runtime.jit_cache_hook
+        knobs.runtime.jit_cache_hook = record
+        try:
+            with use_numerics(self.numerics):
                 self._forward_backward()
-            stream.synchronize()
-        except BaseException as e:  # reported by wait(): the update then compiles as it goes
-            self.error = e
-        self.compiled = new_compiles(before, triton_compiles())
-        self.seconds = time.perf_counter() - t0
+            torch.cuda.synchronize(self.device)
+        finally:
+            knobs.runtime.jit_cache_hook = before
+        return requests
 
     def _forward_backward(self) -> None:
         m = self.model
         V = m.config.vocab_size
         g = torch.Generator().manual_seed(0)
-        seqs = [(torch.randint(0, V, (n,), generator=g).tolist(), c) for n, c in _DUMMY]
+        seqs = [(torch.randint(0, V, (n,), generator=g).tolist(), c) for n, c in self.lengths]
         batch = PackedBatch.build(seqs, self.device)
         dtype = m.lm_head_weight.dtype
         h = torch.randn(batch.num_tokens, m.config.hidden_size, device=self.device, dtype=dtype, requires_grad=True)
@@ -89,21 +145,28 @@ class KernelWarmup:
         torch.autograd.grad(loss, wrt, allow_unused=True)
 
     def wait(self) -> dict:
-        """Join the warm-up (once); returns metrics: its seconds and kernels compiled."""
-        if self.thread is None:
+        """Wait for the workers (once); returns metrics: kernels compiled, failures, seconds."""
+        if self.error is not None:
+            log.warning("kernel warm-up skipped (%s); the first update compiles its kernels itself", self.error)
+            self.error = None
+        if self.pool is None:
             return {}
         t0 = time.perf_counter()
-        self.thread.join()
-        self.thread = None
+        failed = []
+        for f in self.futures:
+            try:
+                f.result()
+            except Exception as e:  # noqa: BLE001 -- that kernel then compiles in the update
+                failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        self.pool.shutdown()
+        self.pool = None
         waited = time.perf_counter() - t0
-        if self.error is not None:
-            log.warning("kernel warm-up failed (%s: %s); the first update compiles its kernels as it goes",
-                        type(self.error).__name__, str(self.error).splitlines()[0] if str(self.error) else "")
-        else:
-            log.info("kernel warm-up: %d kernel variants compiled in %.1f s in the background; the update waited "
-                     "%.1f s for it", sum(self.compiled.values()), self.seconds, waited)
-        return {"compile/warmup_s": self.seconds, "compile/warmup_kernels": float(sum(self.compiled.values())),
-                "compile/waited_s": waited}
+        total = time.perf_counter() - self.t0
+        log.info("kernel warm-up: %d kernel variants compiled in worker processes (%.1f s since the trainer "
+                 "started; the update waited %.1f s)%s", len(self.futures) - len(failed), total, waited,
+                 f"; {len(failed)} failed, first: {failed[0]}" if failed else "")
+        return {"compile/warmup_kernels": float(len(self.futures) - len(failed)),
+                "compile/warmup_failed": float(len(failed)), "compile/waited_s": waited}
 
 
 def compile_left(before: dict[str, int]) -> dict:

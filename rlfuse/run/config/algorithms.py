@@ -90,9 +90,8 @@ class GRPOConfig:
     log_entropy: bool = True
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
     warm_kernels: bool = False
-    """CUDA, one process: compile the update's Triton kernels on a side thread while the first
-    rollout decodes (logged under compile/). Off: measured slower on an H200 (docs/perf-log.md):
-    the compiler's Python work and the decode loop contend for the GIL."""
+    """CUDA, one process: compile the update's Triton kernels in worker processes while the
+    first rollout decodes (rlfuse/train/warm.py; logged under compile/)."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
