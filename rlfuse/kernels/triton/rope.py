@@ -13,6 +13,22 @@ from rlfuse.kernels.triton.common import round_to
 from rlfuse.kernels.triton.rmsnorm import _tile, mean_square, norm_rows
 
 
+@triton.jit
+def _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF: tl.constexpr):
+    """cos, sin (BLOCK_T, BLOCK_F) of the fp32 angles, exactly as the reference:
+    float(pos) * inv_freq."""
+    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
+    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
+    ang = pos[:, None] * inv[None, :]
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
+    """The halves rotated in fp32, each rounded once to DT (returned as fp32)."""
+    return round_to(x1 * cos - x2 * sin, DT), round_to(x2 * cos + x1 * sin, DT)
+
+
 @triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
 def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, stride_yt, stride_yh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
@@ -21,12 +37,8 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, st
     fr = tl.arange(0, BLOCK_F)
     tmask = toks < T
     mask = tmask[:, None] & (fr[None, :] < HALF)
-    # 1. angles in fp32, exactly as the reference: float(pos) * inv_freq
-    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
-    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
-    ang = pos[:, None] * inv[None, :]  # (BLOCK_T, BLOCK_F)
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
+    # 1. angles in fp32, their cos and sin
+    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)
     if BACKWARD:
         sin = -sin
     DT: tl.constexpr = Y_ptr.dtype.element_ty
@@ -37,10 +49,9 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, st
     for h in range(h0, tl.minimum(h0 + HPP, H)):
         x1 = tl.load(X_ptr + xo + h * stride_xh, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(X_ptr + xo + h * stride_xh + HALF, mask=mask, other=0.0).to(tl.float32)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        tl.store(Y_ptr + yo + h * stride_yh, round_to(y1, DT).to(DT), mask=mask)
-        tl.store(Y_ptr + yo + h * stride_yh + HALF, round_to(y2, DT).to(DT), mask=mask)
+        y1, y2 = _rotate(x1, x2, cos, sin, DT)
+        tl.store(Y_ptr + yo + h * stride_yh, y1.to(DT), mask=mask)
+        tl.store(Y_ptr + yo + h * stride_yh + HALF, y2.to(DT), mask=mask)
 
 
 # 16 tokens a program: with HALF = 64 a (16, 64) tile per half and head, and the cos/sin
@@ -113,8 +124,7 @@ def _norm_rope_head(X, stride_xt, W, toks, tmask, fr, cos, sin, D, eps, HALF: tl
         XT: tl.constexpr = X.dtype.element_ty
         x1 = norm_rows(x1, r, tl.load(W + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
         x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
-    # 2. the rotation, as `_rope_kernel`
-    return round_to(x1 * cos - x2 * sin, YT), round_to(x2 * cos + x1 * sin, YT)
+    return _rotate(x1, x2, cos, sin, YT)
 
 
 @triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
@@ -129,12 +139,7 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, KC, VC, SLOT, T,
     fr = tl.arange(0, BLOCK_F)
     tmask = toks < T
     fmask = tmask[:, None] & (fr[None, :] < HALF)
-    # angles and cos/sin once for all heads of these tokens, as `_rope_kernel`
-    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
-    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
-    ang = pos[:, None] * inv[None, :]  # (BLOCK_T, BLOCK_F)
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
+    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)  # once for all heads of these tokens
     YT: tl.constexpr = QO.dtype.element_ty
     if CACHE:
         slot = tl.load(SLOT + toks, mask=tmask, other=-1).to(tl.int64)
