@@ -77,7 +77,7 @@ def _qk_inputs(g, T, Hq, Hkv, Dh, dtype):
 @pytest.mark.parametrize("backend,numerics", _CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("norm", [True, False])
-def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm):
+def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm, monkeypatch):
     g = torch.Generator().manual_seed(1)
     T, Hq, Hkv, Dh = 21, 4, 2, 32
     q, k, v, w, pos = _qk_inputs(g, T, Hq, Hkv, Dh, dtype)
@@ -99,6 +99,14 @@ def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm):
         for n in (1, 7, 16):  # batch invariance
             a, b = qk_norm_rope(q[:n], k[:n], pos[:n], inv, *ws)
             assert torch.equal(a, qo[:n]) and torch.equal(b, ko[:n])
+        if backend == "triton":  # every head of a token block in one program (the training-size grid)
+            from rlfuse.kernels.triton import rope as R
+            monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)
+            a, b = qk_norm_rope(q, k, pos, inv, *ws)
+            assert torch.equal(a, qo) and torch.equal(b, ko)
+            caches[0].fill_(7.0), caches[1].fill_(7.0)
+            qk_norm_rope(q, k, pos, inv, *ws, v=v, kv_cache=caches[:2], slot_mapping=slots)
+            assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
     # where autograd records, the op is the unfused ops (and their backward)
     leaves = [t.clone().requires_grad_() for t in (q, k)]
     dq, dk = _rand(g, T, Hq, Dh, dtype=dtype), _rand(g, T, Hkv, Dh, dtype=dtype)
