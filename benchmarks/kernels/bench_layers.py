@@ -143,11 +143,8 @@ def fused_rows(reps: int, small: bool, graph: bool) -> list[dict]:
                 r = dict(op=name, T=T, pass_="fwd+bwd" if backward else "fwd", GB=nbytes[backward] / 1e9)
                 for impl, fn in (("fused", fused), ("unfused", unfused)):
                     with use_backend("triton"):
-                        if small:
-                            s = wall_seconds(lambda: timed_step(fn, inputs, diff, backward)(), reps)
-                        else:
-                            s = bench(graphed(timed_step(fn, inputs, diff, backward)) if graph
-                                      else timed_step(fn, inputs, diff, backward), reps)
+                        step = timed_step(fn, inputs, diff, backward)
+                        s = wall_seconds(step, reps) if small else bench(graphed(step) if graph else step, reps)
                     r[f"{impl}_us"] = s * 1e6
                 r["speedup"] = r["unfused_us"] / r["fused_us"]
                 rows.append(r)
