@@ -16,6 +16,7 @@ from engine_helpers import tiny_model
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.transformer import Packed
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -129,12 +130,28 @@ def _unfused_forward(model, ids, pos, attn):
     return m.norm(h)
 
 
-@pytest.mark.parametrize("backend,numerics", [("triton", "exact"), ("torch", "fast")])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_model_with_fused_kernels_is_the_unfused_model(backend, numerics, dtype):
+def _qwen2_model(dtype):
+    """No qk-norm, q/k/v biases: the fused op runs RoPE (and the KV store) only."""
+    cfg = ModelConfig(model_type="qwen2", vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_bias=True,
+                      tie_word_embeddings=False, max_position_embeddings=512)
+    m = CausalLM(cfg)
+    m.init_weights(std=0.2, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.2, generator=torch.Generator().manual_seed(1))
+    return m.to(device=DEV, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("backend,numerics,dtype,family", [
+    ("triton", "exact", torch.float32, "qwen3"), ("triton", "exact", torch.bfloat16, "qwen3"),
+    ("torch", "fast", torch.float32, "qwen3"), ("torch", "fast", torch.bfloat16, "qwen3"),
+    ("triton", "fast", torch.bfloat16, "qwen2")])
+def test_model_with_fused_kernels_is_the_unfused_model(backend, numerics, dtype, family):
     """Values and every parameter gradient bitwise; the no-grad forward (fused q/k path)
     gives the recorded forward's bits."""
-    model = tiny_model(dtype=dtype, device=DEV, std=0.2)
+    model = tiny_model(dtype=dtype, device=DEV, std=0.2) if family == "qwen3" else _qwen2_model(dtype)
     g = torch.Generator().manual_seed(2)
     lens = [5, 11]
     ids = torch.randint(0, 128, (sum(lens),), generator=g).to(DEV)
