@@ -41,6 +41,7 @@ from rlfuse.kernels.logprob import token_logprobs
 
 # (category, pattern on the kernel name); first match wins, order matters
 CATEGORIES = [
+    ("qk-norm+rope+kv", r"qk_norm_rope"),  # the fused q/k norms, RoPE and KV store
     ("attention", r"paged|attn|flash|_combine_kernel|store_kv"),
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),

@@ -28,9 +28,9 @@ from torch.utils.checkpoint import checkpoint
 from rlfuse.kernels.attention import varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
 from rlfuse.kernels.linear import linear
-from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
-from rlfuse.kernels.rmsnorm import rmsnorm
-from rlfuse.kernels.rope import rope, rope_inv_freq
+from rlfuse.kernels.paged_attention import paged_attention
+from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from rlfuse.kernels.rope import qk_norm_rope, rope_inv_freq
 from rlfuse.kernels.swiglu import swiglu
 from rlfuse.model.config import ModelConfig
 
@@ -98,8 +98,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        return rmsnorm(x, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """rmsnorm(x); with `residual` h: (h + x, rmsnorm(h + x)), the add in the norm's kernel."""
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return add_rmsnorm(residual, x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -124,15 +127,16 @@ class Attention(nn.Module):
         q = self.q_proj(x_TD).view(T, self.n_q, self.dh)
         k = self.k_proj(x_TD).view(T, self.n_kv, self.dh)
         v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        # q/k norms (Qwen3), RoPE and the paged path's KV store: one kernel outside autograd
+        norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if isinstance(attn, PagedKV):
             k_cache, v_cache = attn.kv_caches[self.layer_idx]
-            store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+            q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
+                                slot_mapping=attn.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                 attn.block_tables, attn.max_seqlen_q)
         else:
+            q, k = qk_norm_rope(q, k, positions, inv_freq, *norm)
             o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen)
         return self.o_proj(o.reshape(T, self.n_q * self.dh))
 
@@ -156,9 +160,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, attn, inv_freq):
-        h = h + self.self_attn(self.input_layernorm(h), positions, attn, inv_freq)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, attn, inv_freq, delta=None):
+        """h: the residual stream, delta: the previous layer's output not yet added to it
+        (None before the first layer). -> (h, delta) with the stream after this layer =
+        h + delta: each residual add runs in the kernel of the norm that follows it."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm(delta, h)
+        h, x = self.post_attention_layernorm(self.self_attn(x, positions, attn, inv_freq), h)
+        return h, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -195,7 +206,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, attn: Packed | PagedKV):
         """input_ids (T,), positions (T,) -> hidden (T, D)."""
-        h = self.model.embed_tokens(input_ids)
+        h, delta = self.model.embed_tokens(input_ids), None
         inv_freq = self.inv_freq(h.device)
         backend, numerics = current_backend(), current_numerics()
         for layer in self.model.layers:
@@ -204,11 +215,11 @@ class CausalLM(nn.Module):
                 # where the kernel context variables are back at their defaults: pin the
                 # forward's backend and numerics so the recompute saves the same tensors
                 # (else CheckpointError, or gradients of a different forward).
-                h = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
-                               use_reentrant=False)
+                h, delta = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
+                                      delta, use_reentrant=False)
             else:
-                h = layer(h, positions, attn, inv_freq)
-        return self.model.norm(h)
+                h, delta = layer(h, positions, attn, inv_freq, delta)
+        return self.model.norm(h) if delta is None else self.model.norm(delta, h)[1]
 
     def forward_padded(self, input_ids, attention_mask=None):
         """input_ids (B, S) with a 0/1 mask (left or right padding) -> hidden (B, S, D);
