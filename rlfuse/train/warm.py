@@ -9,7 +9,8 @@ the first step's update: seconds of compiling while the GPU idles.
   1. dry run, main thread: one forward and backward of what a training micro-batch runs --
      one decoder layer (every layer runs the same kernels), the final norm, and the
      trainer's own head (log-probs and loss) -- on a dummy packed batch, with the model's
-     dimensions, dtypes, numerics and kernel backend. Triton's `jit_cache_hook` sees each
+     dimensions, dtypes, numerics and kernel backend (the layer runs twice: as the first
+     layer, and as a later one whose norm takes the previous residual add). Triton's `jit_cache_hook` sees each
      kernel that would compile, records its specialization (Triton's own JSON) and skips
      it: nothing compiles and those kernels do not launch, so the run's outputs are
      garbage and are dropped. Gradients come from `torch.autograd.grad` (no `.grad`
@@ -37,7 +38,13 @@ from collections.abc import Callable
 
 import torch
 
-from rlfuse.kernels.backend import new_compiles, triton_compiles, use_numerics
+from rlfuse.kernels.backend import (
+    compile_from_spec,
+    new_compiles,
+    record_compiles,
+    triton_compiles,
+    use_numerics,
+)
 from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -47,38 +54,6 @@ log = logging.getLogger(__name__)
 # has a training micro-batch's size (the plan of a large M; a short last micro-batch of a
 # real step may still compile the other plan, logged by `compile_left`)
 _DUMMY = {"fast": ((256, 16), (240, 16)), "exact": ((2048, 16), (2048, 16))}
-
-
-def _compile_one(module: str, name: str, spec: str) -> str:
-    """Worker: compile the kernel `module.name` for the specialization Triton serialized
-    (`JITFunction.preload`'s decoding, for the target in the JSON: no GPU needed)."""
-    import importlib
-    import json
-
-    import triton
-    import triton.language as tl
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import make_backend
-    from triton.runtime.jit import convert_to_tuple_if_list
-
-    fn = getattr(importlib.import_module(module), name)
-    d = json.loads(spec)
-    target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d["target"].items()})
-    backend = make_backend(target)
-
-    def constant(v):
-        if tl.dtype.is_dtype(v):
-            return tl.dtype(v)
-        if isinstance(v, dict) and "constexpr" in v:
-            return tl.constexpr(convert_to_tuple_if_list(v["constexpr"]))
-        return convert_to_tuple_if_list(v)
-
-    constexprs = {tuple(k): constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
-    attrs = dict(zip(map(tuple, d["attrs_keys"]), d["attrs_vals"]))
-    signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
-    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
-    triton.compile(fn.ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    return name
 
 
 class KernelWarmup:
@@ -104,29 +79,14 @@ class KernelWarmup:
             ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA
             self.pool = concurrent.futures.ProcessPoolExecutor(min(len(requests), os.cpu_count() or 1, 8),
                                                                mp_context=ctx)
-            self.futures = [self.pool.submit(_compile_one, *r) for r in requests]
+            self.futures = [self.pool.submit(compile_from_spec, *r) for r in requests]
 
     def dry_run(self) -> list[tuple[str, str, str]]:
         """The dummy forward and backward with every would-be compile recorded and skipped:
         [(module, kernel name, Triton's specialization JSON)]."""
-        from triton import knobs  # CUDA only (triton is installed wherever CUDA runs rlfuse)
-
-        requests, seen = [], set()
-
-        def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):  # noqa: A002 -- Triton's names
-            if compile["specialization_data"] not in seen:
-                seen.add(compile["specialization_data"])
-                requests.append((fn.module, fn.name, compile["specialization_data"]))
-            return True  # skip: a worker compiles it; this launch does not happen
-
-        before = knobs.runtime.jit_cache_hook
-        knobs.runtime.jit_cache_hook = record
-        try:
-            with use_numerics(self.numerics):
-                self._forward_backward()
+        with record_compiles() as requests, use_numerics(self.numerics):
+            self._forward_backward()
             torch.cuda.synchronize(self.device)
-        finally:
-            knobs.runtime.jit_cache_hook = before
         return requests
 
     def _forward_backward(self) -> None:
@@ -137,9 +97,11 @@ class KernelWarmup:
         batch = PackedBatch.build(seqs, self.device)
         dtype = m.lm_head_weight.dtype
         h = torch.randn(batch.num_tokens, m.config.hidden_size, device=self.device, dtype=dtype, requires_grad=True)
-        layer = m.model.layers[0]
-        out = layer(h, batch.positions, batch.attn, m.inv_freq(self.device))
-        loss = self.head(m.model.norm(out), batch)
+        layer, inv_freq = m.model.layers[0], m.inv_freq(self.device)
+        # twice: the first layer's norm and every later one's (the residual add fused into it)
+        h1, delta = layer(h, batch.positions, batch.attn, inv_freq)
+        h1, delta = layer(h1, batch.positions, batch.attn, inv_freq, delta)
+        loss = self.head(m.model.norm(delta, h1)[1], batch)
         wrt = [h] + [p for p in list(layer.parameters()) + list(m.model.norm.parameters()) + [m.lm_head_weight]
                      if p.requires_grad]
         torch.autograd.grad(loss, wrt, allow_unused=True)
