@@ -31,7 +31,7 @@ from rlfuse.kernels.linear import linear
 from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
 from rlfuse.kernels.rmsnorm import rmsnorm
 from rlfuse.kernels.rope import rope, rope_inv_freq
-from rlfuse.kernels.swiglu import swiglu
+from rlfuse.kernels.swiglu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
 
 
@@ -118,12 +118,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_fused = None  # q/k/v as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x_TD, positions, attn, inv_freq):
         T = x_TD.shape[0]
-        q = self.q_proj(x_TD).view(T, self.n_q, self.dh)
-        k = self.k_proj(x_TD).view(T, self.n_kv, self.dh)
-        v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
+        if self.qkv_fused is not None and self.qkv_fused.live(self):
+            q, k, v = self.qkv_fused(x_TD).split(self.qkv_fused.sizes, -1)  # views of (T, (Hq + 2 Hkv) Dh)
+        else:
+            q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        q, k, v = q.view(T, self.n_q, self.dh), k.view(T, self.n_kv, self.dh), v.view(T, self.n_kv, self.dh)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
@@ -143,8 +146,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_fused = None  # gate/up as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x):
+        if self.gate_up_fused is not None and self.gate_up_fused.live(self):
+            return self.down_proj(swiglu_packed(self.gate_up_fused(x)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
