@@ -208,3 +208,47 @@ def test_swiglu_packed_equals_swiglu_bitwise(backend, numerics):
     assert torch.equal(d_packed, torch.cat([dg, du], -1))
     with pytest.raises(ValueError, match="halves"):
         swiglu_packed(gu[:, :7])
+
+
+@pytest.mark.gpu
+def test_gpu_split_last_plan_and_fused_projections_are_bitwise():
+    """On the GPU (compiled kernels, real concurrency): the one-launch split plan equals
+    the fused plan at decode shapes, repeated (a missed arrival or a stale partial would
+    show as a mismatch), eager and replayed from a CUDA graph; the fused q/k/v and gate/up
+    GEMMs equal the separate ones (auto plans on both sides); swiglu_packed equals swiglu."""
+    from rlfuse.kernels.triton.linear import linear_exact_triton
+    dev, bf16 = "cuda", torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dev, bf16)
+
+    for M in (1, 37, 64, 256):
+        for N, K in ((1024, 2048), (1024, 3072), (2048, 1024), (4096, 1024)):
+            x, w = rand(M, K), rand(N, K, scale=K ** -0.5)
+            ref = linear_exact_triton(x, w, plan="fused")
+            for _ in range(20):
+                assert torch.equal(linear_exact_triton(x, w, plan="split_last"), ref), (M, N, K)
+            assert torch.equal(linear_exact_triton(x, w, plan="split"), ref), (M, N, K)
+            assert torch.equal(linear_exact_triton(x, w), ref), (M, N, K)
+    # a CUDA graph replays the one-launch split (its counters must be back at zero each time)
+    x_s, w = rand(64, 2048), rand(1024, 2048, scale=2048 ** -0.5)
+    linear_exact_triton(x_s, w)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y_s = linear_exact_triton(x_s, w)
+    for _ in range(10):
+        x_s.copy_(rand(64, 2048))
+        graph.replay()
+        assert torch.equal(y_s, linear_exact_triton(x_s, w, plan="fused"))
+    # fused projections at the Qwen3-0.6B shapes
+    D, I = 1024, 3072
+    parts = [rand(2048, D, scale=D ** -0.5), rand(1024, D, scale=D ** -0.5), rand(1024, D, scale=D ** -0.5)]
+    gate_up = [rand(I, D, scale=D ** -0.5), rand(I, D, scale=D ** -0.5)]
+    for M in (1, 64, 256, 1000):
+        x = rand(M, D)
+        with use_numerics("exact"):
+            for ws in (parts, gate_up):
+                assert torch.equal(linear(x, torch.cat(ws)), torch.cat([linear(x, w) for w in ws], -1)), M
+        gu = rand(M, 2 * I, scale=3.0)
+        assert torch.equal(swiglu_packed(gu), swiglu(gu[:, :I].contiguous(), gu[:, I:].contiguous()))

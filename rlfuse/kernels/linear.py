@@ -13,12 +13,18 @@ on K alone, never on M or on the row's place in the batch:
     K is cut into S = cdiv(K, CHUNK_K) chunks; chunk s is accumulated in fp32 from zero,
     BLOCK_K columns at a time (tl.dot), and the chunks are summed left to right:
         y = ((c_0 + c_1) + c_2) + ... ;  y += bias (fp32);  y -> x.dtype
-Two launch plans compute exactly that sum, so either may be chosen from M:
+Three launch plans compute exactly that sum, so any may be chosen from M:
   * fused: one program per (BLOCK_M x BLOCK_N) tile walks all S chunks itself;
   * split: one program per (tile, chunk) writes c_s (fp32) to a workspace and a second
-    kernel adds the S partials in order. Small M (decode) uses it to fill the GPU,
-    since without it a tile grid of cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) is only a few
-    dozen programs.
+    kernel adds the S partials in order (the LoRA expand's epilogue runs in that second
+    kernel);
+  * split_last: the same programs in one launch: each counts itself in at its tile (an
+    atomic counter) after writing c_s, and the tile's last to arrive adds c_0 + c_1 + ...
+    from the workspace in chunk order, whichever chunk it computed itself; it resets
+    the counter, so the counters stay zero between launches (one buffer per stream).
+Small M (decode) splits, to fill the GPU: without it a tile grid of cdiv(M, BLOCK_M) x
+cdiv(N, BLOCK_N) is only a few dozen programs; the linear picks split_last (a launch and
+a workspace pass fewer than split).
 The canonical order is fixed by BLOCK_K and CHUNK_K alone: a tile's height and width
 change which rows and columns a program owns, not the sequence of fp32 accumulations an
 element sees (the matrix instruction chains its k-steps on the accumulator). So the 16-bit
