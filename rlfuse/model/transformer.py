@@ -123,7 +123,10 @@ class Attention(nn.Module):
     def forward(self, x_TD, positions, attn, inv_freq):
         T = x_TD.shape[0]
         if self.qkv_fused is not None and self.qkv_fused.live(self):
-            q, k, v = self.qkv_fused(x_TD).split(self.qkv_fused.sizes, -1)  # views of (T, (Hq + 2 Hkv) Dh)
+            qkv = self.qkv_fused(x_TD)  # (T, (Hq + 2 Hkv) Dh)
+            q, k, v = qkv.split(self.qkv_fused.sizes, -1)
+            if qkv.requires_grad:  # what backward saves of a view would keep all of qkv alive
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         else:
             q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
         q, k, v = q.view(T, self.n_q, self.dh), k.view(T, self.n_kv, self.dh), v.view(T, self.n_kv, self.dh)
