@@ -7,7 +7,9 @@ Qwen3-0.6B-shaped random model (28 layers, D 1024, V 151936, tied), bf16:
      --gen-tokens new tokens, EOS ignored), CUDA graphs, best of 2 after a warm-up;
   3. train: the trainer's packed forward + token_logprobs + backward, 16k tokens;
   4. linear: the exact (batch-invariant) linear vs F.linear (cuBLAS) at decode and
-     training row counts, for the model's projection shapes (CUDA events, median).
+     training row counts, for the model's projection shapes and the fused q/k/v and
+     gate/up ones (CUDA events, median); at decode row counts also each launch plan
+     (fused, split, split_last) timed from CUDA-graph replays.
 Writes $OUT/bench_exact.json (or ./bench_exact.json) and prints a table.
 Run: python benchmarks/bench_exact.py [--quick]
 """
@@ -123,7 +125,8 @@ def bench_train(model, tokens=16384, seq=1024):
 
 def bench_linear():
     shapes = {"qkv-ish q_proj": (2048, 1024), "k_proj": (1024, 1024), "o_proj": (1024, 2048),
-              "gate/up": (3072, 1024), "down": (1024, 3072)}
+              "gate/up": (3072, 1024), "down": (1024, 3072),
+              "qkv fused": (4096, 1024), "gate_up fused": (6144, 1024)}  # rlfuse.model.fuse
     rows = []
     for name, (N, K) in shapes.items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
@@ -134,10 +137,15 @@ def bench_linear():
             err_f = (F.linear(x, w).double() - ref).abs().max().item()
             te = _events(lambda: linear_exact_triton(x, w))
             tf = _events(lambda: F.linear(x, w))
+            # decode: each launch plan from graph replays (as the engine runs them; no host launch cost)
+            plans = {} if M > 256 else {
+                plan: round(_graph_ms(lambda plan=plan: linear_exact_triton(x, w, plan=plan)), 4)
+                for plan in ("fused", "split", "split_last")}
             rows.append(dict(shape=name, M=M, N=N, K=K, exact_ms=round(te, 4), cublas_ms=round(tf, 4),
-                             ratio=round(te / tf, 2), err_exact=err_e, err_cublas=err_f))
+                             ratio=round(te / tf, 2), err_exact=err_e, err_cublas=err_f, plans_graph_ms=plans))
             print(f"linear {name:15s} M={M:6d} exact {te * 1e3:8.1f} us  cuBLAS {tf * 1e3:8.1f} us  "
-                  f"x{te / tf:5.2f}  err {err_e:.2g} vs {err_f:.2g}", flush=True)
+                  f"x{te / tf:5.2f}  err {err_e:.2g} vs {err_f:.2g}"
+                  + "".join(f"  {p} {v * 1e3:.1f}" for p, v in plans.items()), flush=True)
     return rows
 
 

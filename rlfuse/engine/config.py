@@ -77,7 +77,8 @@ class EngineConfig:
     """Run q/k/v and gate/up of each layer as one GEMM each (the engine fuses the model in
     place when built: the parameters become views of one buffer per group, names and
     checkpoints unchanged; the trainer's forward runs fused too). Exact numerics keep their
-    bits; LoRA-adapted and FSDP-sharded projections stay separate (rlfuse.model.fuse)."""
+    bits; LoRA-adapted and FSDP-sharded projections stay separate (rlfuse.model.fuse).
+    False leaves the model as it is: one fused earlier (by another engine) stays fused."""
 
     def __post_init__(self):
         o = "EngineConfig"
