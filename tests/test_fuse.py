@@ -252,3 +252,14 @@ def test_gpu_split_last_plan_and_fused_projections_are_bitwise():
                 assert torch.equal(linear(x, torch.cat(ws)), torch.cat([linear(x, w) for w in ws], -1)), M
         gu = rand(M, 2 * I, scale=3.0)
         assert torch.equal(swiglu_packed(gu), swiglu(gu[:, :I].contiguous(), gu[:, I:].contiguous()))
+
+
+def test_reference_model_of_a_fused_policy_is_fused():
+    from rlfuse.train.grpo import reference_model
+    sep, fused = _pair()
+    assert not reference_model(sep).model.layers[0].self_attn.qkv_fused
+    ref = reference_model(fused)
+    ids, pos, attn = _inputs()
+    with torch.no_grad():
+        assert torch.equal(ref(ids, pos, attn), fused(ids, pos, attn))
+    assert ref.model.layers[0].mlp.gate_up_fused.live(ref.model.layers[0].mlp)

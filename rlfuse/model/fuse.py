@@ -109,6 +109,12 @@ def _skip_reason(model: nn.Module) -> str | None:
     return None
 
 
+def is_fused(model: nn.Module) -> bool:
+    """Whether any projection group of `model` runs fused now."""
+    return any(getattr(m, attr) is not None and getattr(m, attr).live(m)
+               for m in model.modules() for kind, attr, _ in GROUPS if isinstance(m, kind))
+
+
 def fuse_projections(model: CausalLM) -> int:
     """Fuse q/k/v and gate/up of every decoder layer of `model` in place (module docstring).
     Returns the number of groups fused by this call; logs what was fused or skipped, and why."""

@@ -39,6 +39,7 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.model.fuse import fuse_projections, is_fused
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
@@ -80,6 +81,8 @@ def reference_model(model):
         ref = type(model)(model.config).to(model.lm_head_weight.dtype)
     ref = ref.to_empty(device=model.lm_head_weight.device)
     ref.load_state_dict(model.state_dict())
+    if is_fused(model):  # the policy's GEMMs, so KL is 0 before the first update in fast numerics too
+        fuse_projections(ref)
     return ref.requires_grad_(False).eval()
 
 
