@@ -11,9 +11,12 @@ graphs and look-ahead as in a real run). Two measurements, per numerics:
    of kernel intervals, and host gap = wall - busy (the GPU idle between kernels: Python,
    scheduling, launches, the one read-back per step).
 2. Projections. Each linear of a layer (q, k, v, o, gate, up, down) and the LM head is timed
-   alone at M = B rows through the model's own `Linear` (the numerics' kernel), CUDA events,
-   median of 50 after warm-up, against its weight-read bound (weight bytes / copy bandwidth).
-   x 28 layers gives the GEMM time per step per projection. The LM head is read twice per
+   alone at M = B rows through the model's own `Linear` (the numerics' kernel), against its
+   weight-read bound (weight bytes / copy bandwidth): a projection is called once per layer
+   on that layer's weights (read from HBM, as in a step), from a CUDA-graph replay as the
+   decode graphs run it (an eager Triton launch would add tens of us of host time); the
+   two heads eagerly; CUDA events, median. The sum over layers is the GEMM time per step
+   per projection. The LM head is read twice per
    step: the fp32 logits the sampler draws from, then the sampled tokens' log-probs.
 
     OUT=out python benchmarks/profile_decode.py                # B 256, P 512, fast and exact
@@ -42,7 +45,7 @@ from rlfuse.kernels.logprob import token_logprobs
 
 # (category, pattern on the kernel name); first match wins, order matters
 CATEGORIES = [
-    ("attention", r"paged|attn|flash|_combine_kernel|store_kv"),
+    ("attention", r"paged|attn|flash|^_combine_kernel|store_kv"),  # not _linear_combine_kernel (a GEMM's)
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),
     ("swiglu", r"swiglu|silu"),
@@ -134,17 +137,23 @@ def profile_steps(llm: LLM, n: int, dev) -> dict:
                 top_kernels_s_per_step=[(k[:120], v / n, category(k)) for k, v in by_name.most_common(30)])
 
 
+def _groups(model) -> dict[str, list]:
+    """Projection name -> that projection (or fused group) of every layer, in layer order."""
+    out: dict[str, list] = {}
+    for layer in model.model.layers:
+        for n in PROJ:
+            out.setdefault(n, []).append(getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n))
+        for name, owner, attr in (("qkv", layer.self_attn, "qkv_fused"), ("gate_up", layer.mlp, "gate_up_fused")):
+            group = getattr(owner, attr)
+            if group is not None and group.live(owner):
+                out.setdefault(name, []).append(group)
+    return out
+
+
 def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]:
-    layer = model.model.layers[0]
-    mods = {n: getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n) for n in PROJ}
-    for name, owner, attr in (("qkv", layer.self_attn, "qkv_fused"), ("gate_up", layer.mlp, "gate_up_fused")):
-        group = getattr(owner, attr)
-        if group is not None and group.live(owner):
-            mods[name] = group
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = model.lm_head_weight.dtype
-    L = model.config.num_hidden_layers
     W = model.lm_head_weight
     ids = torch.randint(0, W.shape[0], (B,), device=dev, generator=g)
     # the engine's two LM-head reads per step: fp32 logits for sampling, then the sampled
@@ -152,16 +161,24 @@ def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]
     heads = {"lm_head": lambda x: (torch.mm(x, W.t(), out_dtype=torch.float32) if dev.type == "cuda"
                                    else torch.mm(x, W.t()).float()),
              "logprob": lambda x: token_logprobs(x, W, ids, 1.0)}
-    for name, mod in list(mods.items()) + list(heads.items()):
+    for name, mods in list(_groups(model).items()) + [(k, [v]) for k, v in heads.items()]:
         per_layer = name not in heads
-        w = mod.weight if per_layer else W
+        w = mods[0].weight if per_layer else W
         x = torch.randn(B, w.shape[1], device=dev, dtype=dtype, generator=g)
+
+        def f(mods=mods, x=x):
+            for m in mods:  # every layer's own weights: read from HBM as in a step, not from L2
+                m(x)
         with torch.no_grad(), use_numerics(numerics):
-            f = lambda: mod(x)  # noqa: E731
-            for _ in range(5):
+            for _ in range(3):
                 f()
+            if dev.type == "cuda" and per_layer:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    f()
+                f = graph.replay
             ts = []
-            for _ in range(50 if dev.type == "cuda" else 2):
+            for _ in range(20 if dev.type == "cuda" else 2):
                 if dev.type == "cuda":
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
@@ -173,9 +190,9 @@ def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]
                     t0 = time.perf_counter()
                     f()
                     ts.append(time.perf_counter() - t0)
-        t = statistics.median(ts)
+        per_step = statistics.median(ts)
+        t = per_step / len(mods)
         wbytes = w.numel() * w.element_size()
-        per_step = t * (L if per_layer else 1)
         rows.append(dict(proj=name, out=w.shape[0], inp=w.shape[1], us=t * 1e6, bound_us=wbytes / bw * 1e6,
                          pct_bound=100 * (wbytes / bw) / t, ms_per_step=per_step * 1e3))
     return rows
