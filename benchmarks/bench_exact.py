@@ -159,8 +159,9 @@ _CANDIDATES = {  # exact-linear tiles for --sweep-linear (public `tiles=` argume
     "128x64x64 c512 w4 s4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=4),
     "64x128x64 c1024 w4 s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=1024, num_warps=4, num_stages=4),
 }
-# one decoder layer's projections of the 0.6B shape: (N, K, count)
-_LAYER = [(2048, 1024, 1), (1024, 1024, 2), (1024, 2048, 1), (3072, 1024, 2), (1024, 3072, 1)]
+# one decoder layer's projections of the 0.6B shape: (N, K, count), separate and fused (rlfuse.model.fuse)
+_LAYERS = {"separate": [(2048, 1024, 1), (1024, 1024, 2), (1024, 2048, 1), (3072, 1024, 2), (1024, 3072, 1)],
+           "fused": [(4096, 1024, 1), (1024, 2048, 1), (6144, 1024, 1), (1024, 3072, 1)]}
 
 
 def _graph_ms(fn, reps=10):
@@ -175,22 +176,26 @@ def _graph_ms(fn, reps=10):
 
 
 def sweep_linear():
-    """Per-layer projection time (ms, graph replay) for each candidate vs cuBLAS, M = 64, 256, 16384."""
+    """Per-layer projection time (ms, graph replay) for each candidate vs cuBLAS, M = 64, 256, 16384,
+    for the layer's separate projections and for the fused q/k/v and gate/up ones."""
     rows = []
-    for M in (64, 256, 16384):
-        ws = {(N, K): torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for N, K, _ in _LAYER}
-        xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K, _ in _LAYER}
-        cub = sum(c * _graph_ms(lambda: F.linear(xs[K], ws[(N, K)])) for N, K, c in _LAYER)
-        rows.append(dict(M=M, tiles="cuBLAS", layer_ms=round(cub, 4), over_cublas=1.0))
-        print(f"sweep M={M:6d} {'cuBLAS':24s} {cub * 1e3:8.1f} us/layer", flush=True)
-        for name, t in _CANDIDATES.items():
-            try:
-                ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t)) for N, K, c in _LAYER)
-            except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
-                print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            rows.append(dict(M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))
-            print(f"sweep M={M:6d} {name:24s} {ms * 1e3:8.1f} us/layer  x{ms / cub:5.2f} cuBLAS", flush=True)
+    for layout, layer in _LAYERS.items():
+        for M in (64, 256, 16384):
+            ws = {(N, K): torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for N, K, _ in layer}
+            xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K, _ in layer}
+            cub = sum(c * _graph_ms(lambda: F.linear(xs[K], ws[(N, K)])) for N, K, c in layer)
+            rows.append(dict(layout=layout, M=M, tiles="cuBLAS", layer_ms=round(cub, 4), over_cublas=1.0))
+            print(f"sweep {layout:8s} M={M:6d} {'cuBLAS':24s} {cub * 1e3:8.1f} us/layer", flush=True)
+            for name, t in {"default (_tiles)": None, **_CANDIDATES}.items():
+                try:
+                    ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t))
+                             for N, K, c in layer)
+                except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
+                    print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append(dict(layout=layout, M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))
+                print(f"sweep {layout:8s} M={M:6d} {name:24s} {ms * 1e3:8.1f} us/layer  x{ms / cub:5.2f} cuBLAS",
+                      flush=True)
     return rows
 
 
