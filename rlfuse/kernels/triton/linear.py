@@ -109,9 +109,8 @@ def _linear_split_last_kernel(X, W, B, Y, WS, ARRIVALS, M, N, K, S, sxm, swn, sy
     k_lo = s * CHUNK_K
     c = _chunk(X, W, rows, cols, k_lo, tl.minimum(k_lo + CHUNK_K, K), sxm, swn, M, N,
                BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-    offs = rows[:, None] * N + cols[None, :]
     ok = (rows < M)[:, None] & (cols < N)[None, :]
-    tl.store(WS + s * M * N + offs, c, mask=ok)
+    tl.store(WS + (s * M + rows[:, None]) * N + cols[None, :], c, mask=ok)  # int64: rows are
     tl.debug_barrier()  # every thread's part of c_s is written before the program counts itself in
     # acq_rel at GPU scope: this program's partial is visible to whoever arrives last, and
     # the last one sees every earlier program's partial
@@ -119,7 +118,8 @@ def _linear_split_last_kernel(X, W, B, Y, WS, ARRIVALS, M, N, K, S, sxm, swn, sy
     if arrived == S - 1:
         y = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
         for t in range(0, S):  # the chunks in order, as the fused kernel adds them
-            y += tl.load(WS + t * M * N + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            y += tl.load(WS + (t * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0,
+                         cache_modifier=".cg")  # from L2: other programs wrote these
         if HAS_BIAS:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
         _store_tile(Y, y, rows, cols, sym, M, N)
