@@ -136,6 +136,9 @@ EXACT_CHUNK_K = 512
 DECODE_ROWS = 256  # 16-bit: M up to this runs the narrow tile family
 
 
+AUTO_SPLIT = "split_last"  # the linear's automatic split plan ("split": partials, then a combine kernel)
+
+
 def _tiles(dtype: torch.dtype, M: int) -> dict:
     """BLOCK_M x BLOCK_N x BLOCK_K, the K chunk, warps and stages. 16-bit: a tile family by
     M, both with the canonical BLOCK_K and CHUNK_K (the families: benchmarks/bench_exact.py
@@ -232,7 +235,7 @@ def linear_exact_triton(x, weight, bias=None, *, plan: str | None = None, tiles:
     M = x2.shape[0]
     if M == 0:
         return y.view(*x.shape[:-1], N)
-    lp = launch_plan("linear", x, M, N, K, plan, tiles, split="split_last")
+    lp = launch_plan("linear", x, M, N, K, plan, tiles, split=AUTO_SPLIT)
     b = bias if bias is not None else y  # unused pointer when HAS_BIAS is False
     if lp.plan == "fused":
         _linear_fused_kernel[(lp.n_tiles,)](x2, w, b, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0), lp.ck,
