@@ -10,6 +10,7 @@ tokens/s, peak memory, rollout-vs-trainer log-prob mismatch.
 
     OUT=out python benchmarks/bench_grpo_step.py            # step benchmark
     OUT=out python benchmarks/bench_grpo_step.py --demo     # + `rlfuse demo --size gpu`
+    OUT=out python benchmarks/bench_grpo_step.py --numerics both --fuse both   # fused projections off / on
     python benchmarks/bench_grpo_step.py --small            # CPU smoke test (tiny model)
 Writes $OUT/bench_grpo_step.json and $OUT/bench_grpo_step.md (a table for docs/benchmarks.md).
 """
@@ -36,7 +37,7 @@ SMALL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_att
              num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512, tie_word_embeddings=True)
 
 
-def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = False) -> list[dict]:
+def step_bench(out: Path, small: bool, numerics: str = "fast", fuse: bool = True, warm: bool = False) -> list[dict]:
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.rollout.rewards import RewardSet
     from rlfuse.rollout.sampler import EngineSampler
@@ -51,7 +52,7 @@ def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = Fals
     cfg = load_config({
         "model": {"random_init": SMALL if small else QWEN3_06B, "dtype": "bfloat16" if dev.type == "cuda" else "float32",
                   "gradient_checkpointing": True},
-        "engine": ({"gpu_memory_fraction": 0.85} if dev.type == "cuda" else {"max_num_seqs": 16}) | {"numerics": numerics},
+        "engine": ({"gpu_memory_fraction": 0.85} if dev.type == "cuda" else {"max_num_seqs": 16}) | {"numerics": numerics, "fuse_projections": fuse},
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
         "optim": {"lr": 1e-6, "schedule": "constant"},
         "grpo": {"steps": 3, "prompts_per_step": P, "group_size": G, "max_new_tokens": new, "temperature": 1.0,
@@ -74,7 +75,7 @@ def step_bench(out: Path, small: bool, numerics: str = "fast", warm: bool = Fals
         t0 = time.perf_counter()
         m = tr.step(step)
         wall = time.perf_counter() - t0
-        row = {"numerics": numerics, "step": step, "warmup": step == 0, "wall_s": wall, "params_M": n_params / 1e6,
+        row = {"numerics": numerics, "fused": fuse, "step": step, "warmup": step == 0, "wall_s": wall, "params_M": n_params / 1e6,
                **{k: float(v) for k, v in m.items() if k.startswith(("time/", "tokens_per_s/", "memory/", "mismatch/",
                                                                         "completion_len/", "loss", "grad_norm",
                                                                         "compile/"))}}
@@ -103,9 +104,11 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
+    ap.add_argument("--fuse", choices=("on", "off", "both"), default="on",
+                    help="engine.fuse_projections (q/k/v and gate/up as one GEMM each); both: off then on")
     ap.add_argument("--warm-kernels", action="store_true",
-                    help="grpo.warm_kernels true: compile the update's kernels on a side thread during the first "
-                         "rollout (an A/B of the first step's time: run each in a fresh process on a cold "
+                    help="grpo.warm_kernels true: compile the update's kernels in worker processes during the "
+                         "first rollout (an A/B of the first step's time: run each in a fresh process on a cold "
                          "TRITON_CACHE_DIR)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
@@ -115,7 +118,8 @@ def main() -> int:
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small,
               "steps": [r for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
-                        for r in step_bench(out, args.small, n, warm=args.warm_kernels)]}
+                        for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
+                        for r in step_bench(out, args.small, n, f, warm=args.warm_kernels)]}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
         try:
@@ -127,11 +131,12 @@ def main() -> int:
         (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))
     shape = "tiny (smoke)" if args.small else "Qwen3-0.6B-shaped random, bf16, 8 prompts x 8, 128-token prompts, <=1024 new"
     lines = [f"### GRPO step: {shape}", f"GPU {gpu}, torch {torch.__version__}, commit {commit}, "
-             f"command `python benchmarks/bench_grpo_step.py{' --demo' if args.demo else ''}`", "",
-             "| numerics | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
-             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"command `python benchmarks/bench_grpo_step.py{' --demo' if args.demo else ''} --numerics {args.numerics} "
+             f"--fuse {args.fuse}`", "",
+             "| numerics | fused | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
+             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["steps"]:
-        lines.append(f"| {r['numerics']} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | {r['time/generate']:.2f} | "
+        lines.append(f"| {r['numerics']} | {'yes' if r['fused'] else 'no'} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | {r['time/generate']:.2f} | "
                      f"{r['time/score']:.2f} | {r['time/train']:.2f} | {r['time/step']:.2f} | "
                      f"{r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | {r['memory/peak_mb']:.0f} | "
                      f"{r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} |")

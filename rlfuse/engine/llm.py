@@ -41,6 +41,7 @@ from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sample_key_base
 from rlfuse.engine.stats import EngineStats
+from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
 from rlfuse.model.transformer import CausalLM
 
@@ -67,6 +68,8 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mcfg = model.config
+        if cfg.fuse_projections:
+            fuse_projections(model)  # moves the parameters' storage: before any graph records a pointer
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,

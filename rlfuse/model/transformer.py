@@ -31,7 +31,7 @@ from rlfuse.kernels.linear import linear
 from rlfuse.kernels.paged_attention import paged_attention
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from rlfuse.kernels.rope import qk_norm_rope, rope_inv_freq
-from rlfuse.kernels.swiglu import swiglu
+from rlfuse.kernels.swiglu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
 
 
@@ -121,12 +121,18 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_fused = None  # q/k/v as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x_TD, positions, attn, inv_freq):
         T = x_TD.shape[0]
-        q = self.q_proj(x_TD).view(T, self.n_q, self.dh)
-        k = self.k_proj(x_TD).view(T, self.n_kv, self.dh)
-        v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
+        if self.qkv_fused is not None and self.qkv_fused.live(self):
+            qkv = self.qkv_fused(x_TD)  # (T, (Hq + 2 Hkv) Dh)
+            q, k, v = qkv.split(self.qkv_fused.sizes, -1)
+            if qkv.requires_grad:  # what backward saves of a view would keep all of qkv alive
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        else:
+            q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        q, k, v = q.view(T, self.n_q, self.dh), k.view(T, self.n_kv, self.dh), v.view(T, self.n_kv, self.dh)
         # q/k norms (Qwen3), RoPE and the paged path's KV store: one kernel outside autograd
         norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if isinstance(attn, PagedKV):
@@ -147,8 +153,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_fused = None  # gate/up as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x):
+        if self.gate_up_fused is not None and self.gate_up_fused.live(self):
+            return self.down_proj(swiglu_packed(self.gate_up_fused(x)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 

@@ -43,6 +43,7 @@ from typing import Protocol
 import torch
 
 from rlfuse.data import Prompt
+from rlfuse.model.fuse import fuse_projections, is_fused
 from rlfuse.model.lora import BaseModelView, has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
@@ -74,6 +75,8 @@ def reference_model(model):
         ref = type(model)(model.config).to(model.lm_head_weight.dtype)
     ref = ref.to_empty(device=model.lm_head_weight.device)
     ref.load_state_dict(model.state_dict())
+    if is_fused(model):  # the policy's GEMMs, so KL is 0 before the first update in fast numerics too
+        fuse_projections(ref)
     return ref.requires_grad_(False).eval()
 
 
