@@ -88,6 +88,8 @@ def run(model, seqs, budget: int, numerics: str, dev, reps: int) -> dict:
     w = torch.randn(n_targets, generator=torch.Generator().manual_seed(1)).to(dev) / n_targets
     out: dict = {"numerics": numerics}
     lps, grads = {}, {}
+    for p in model.parameters():  # allocated before the first peak, as in a run after its first step
+        p.grad = torch.zeros_like(p)
     for name, bs in layouts.items():
         def logprobs(bs=bs):
             with torch.no_grad(), use_numerics(numerics):
@@ -103,7 +105,7 @@ def run(model, seqs, budget: int, numerics: str, dev, reps: int) -> dict:
                 (lp * w[start:start + lp.numel()]).sum().backward()
                 start += lp.numel()
 
-        model.zero_grad(set_to_none=False)  # grads allocated: the peaks below are the activations'
+        model.zero_grad(set_to_none=False)  # the peaks below are the activations' (grads held already)
         row = {"micro_batches": len(bs), "tokens": sum(b.num_tokens for b in bs),
                "train_peak_mb": _peak_mb(train, dev)}  # the first call also compiles (not timed)
         grads[name] = [p.grad.detach().clone() for p in model.parameters()]
