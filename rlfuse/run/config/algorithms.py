@@ -89,7 +89,8 @@ class GRPOConfig:
     it once. Exact numerics: log-probs bitwise the unshared ones; gradients equal to fp32
     rounding (docs/numerics.md, "Shared prompts"). Off by default until timed on a GPU."""
     share_prefix_min_tokens: int = 16
-    """share_prefix: the shortest prompt shared, in tokens (shorter ones pack unshared)."""
+    """share_prefix: the shortest prompt shared, in tokens (shorter ones pack unshared; a
+    few-token prompt saves little forward; 16 is not tuned)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage, DAPO); the batch is not
     refilled by extra sampling, so a step may train on fewer groups (logged: groups/kept)."""
