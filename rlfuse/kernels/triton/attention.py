@@ -42,10 +42,12 @@ def _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt,
     if SHARED:
         cols = start_n + offs_n
         rows = tl.where(cols < P, prow0 + cols, row0 + cols - P)
-        return (K + rows[:, None] * skt + kv_off_k + offs_d[None, :],
-                V + rows[:, None] * svt + kv_off_v + offs_d[None, :])
+        kp = K + rows[:, None] * skt + kv_off_k + offs_d[None, :]
+        vp = V + rows[:, None] * svt + kv_off_v + offs_d[None, :]
     else:
-        return k_ptrs + start_n * skt, v_ptrs + start_n * svt
+        kp = k_ptrs + start_n * skt
+        vp = v_ptrs + start_n * svt
+    return kp, vp
 
 
 @triton.jit
