@@ -109,7 +109,7 @@ def run(model, seqs, budget: int, numerics: str, dev, reps: int) -> dict:
         row = {"micro_batches": len(bs), "tokens": sum(b.num_tokens for b in bs),
                "train_peak_mb": _peak_mb(train, dev)}  # the first call also compiles (not timed)
         grads[name] = [p.grad.detach().clone() for p in model.parameters()]
-        row["logprob_peak_mb"] = _peak_mb(lambda: lps.__setitem__(name, logprobs()), dev)
+        row["logprob_peak_mb"] = _peak_mb(lambda name=name, logprobs=logprobs: lps.__setitem__(name, logprobs()), dev)
         row["train_ms"] = round(_timed(train, dev, reps), 1)
         row["logprob_ms"] = round(_timed(logprobs, dev, reps), 1)
         out[name] = row

@@ -12,8 +12,8 @@ Tensors: input_ids (T,), positions (T,), Packed(cu_seqlens, max_seqlen), rows (N
 targets (N,), seq_ids (N,) -- N = total target tokens.
 
 Shared prompts (`share_min=n > 0`, GRPO's `grpo.share_prefix`): consecutive sequences
-whose contexts are the same token ids, at least n of them, (a GRPO group: one prompt, G completions) pack as
-[context, completion_1, ..., completion_G], the context once. Completion g's positions
+whose contexts are the same n or more token ids (a GRPO group: one prompt, G completions)
+pack as [context, completion_1, ..., completion_G], the context once. Completion g's positions
 continue from n_ctx and its attention reads the context's keys first
 (`rlfuse.kernels.attention.SharedPrefix`); its first target is predicted from the
 context's last row, the others from its own rows. The targets, seq_ids and their order are
@@ -29,7 +29,6 @@ import torch
 
 from rlfuse.model import Packed
 from rlfuse.model.transformer import pack_by_tokens  # noqa: F401 (the trainers' import path)
-
 
 
 def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:
