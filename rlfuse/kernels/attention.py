@@ -20,7 +20,7 @@ cu_seqlens[b] + j - P -- exactly what row P + i of the unshared sequence [prefix
 sees. readers_end[b] (the backward's index, built by `SharedPrefix.from_groups`): the
 rows cu_seqlens[b+1]:readers_end[b] are the segments reading b as their prefix, all
 following b contiguously (readers_end[b] = cu_seqlens[b+1] when none does). No nesting:
-a prefix segment has no prefix itself.
+a prefix segment has no prefix itself. `max_seqlen` counts a segment's own rows only.
 
 Triton path (FlashAttention-2 scheme, Dh a power of two in [16, 256], bf16/fp16/fp32):
   forward   grid (query block, Hq, B); row block M keeps running max m, sum l, acc:
@@ -54,7 +54,7 @@ fp32 inputs use IEEE fp32 dots (no TF32) so they can be checked tightly.
 
 The reference loops over sequences with `scaled_dot_product_attention`; it reads
 `cu_seqlens` on the host (allowed for a reference, never in a fast path).
-Tests: `python -m pytest -q tests/test_kernel_attention.py`.
+Tests: `python -m pytest -q tests/test_kernel_attention.py tests/test_prefix_sharing.py`.
 """
 
 from __future__ import annotations
