@@ -7,8 +7,9 @@ what we save loads in `transformers` unchanged.
 The forward works on packed tokens: input_ids (T,), positions (T,) and an attention
 descriptor, and returns final hidden states (T, D) -- never logits, so log-probs come
 from `rlfuse.kernels.logprob` without a (T, V) tensor. Two descriptors:
-  * `Packed(cu_seqlens, max_seqlen)`: causal attention within each packed sequence
-    (training, evaluation, the naive reference generator);
+  * `Packed(cu_seqlens, max_seqlen, prefix)`: causal attention within each packed sequence
+    (training, evaluation, the naive reference generator); with `prefix`, a group's
+    sequences read one shared prompt packed once (`rlfuse.kernels.attention.SharedPrefix`);
   * `PagedKV(...)`: the engine's paged KV cache (prefill chunks and decode).
 `forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
 path and scatters back, so padded and packed inputs give the same per-sequence results.
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.kernels.attention import varlen_attention
+from rlfuse.kernels.attention import SharedPrefix, varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
 from rlfuse.kernels.linear import linear
 from rlfuse.kernels.paged_attention import paged_attention
@@ -50,29 +51,39 @@ class Linear(nn.Linear):
 
 @dataclasses.dataclass(slots=True)
 class Packed:
-    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]."""
+    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]; with
+    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix)."""
     cu_seqlens: torch.Tensor  # (B+1,) int32
     max_seqlen: int
+    prefix: SharedPrefix | None = None
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device=None) -> "Packed":
+    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None) -> "Packed":
+        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none)."""
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return cls(cu.to(device), max(lengths) if lengths else 0)
+        prefix = None
+        if prefix_of is not None and any(p is not None for p in prefix_of):
+            prefix = SharedPrefix.from_groups(lengths, prefix_of, device)
+        return cls(cu.to(device), max(lengths) if lengths else 0, prefix)
 
 
-def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+def pack_by_tokens(lengths: list[int], budget: int, shared: list[int] | None = None) -> list[list[int]]:
     """Sequence indices grouped into micro-batches of at most `budget` tokens, greedily in
     order (deterministic, so accumulated sums add up in a fixed order); a sequence longer
-    than the budget goes alone."""
+    than the budget goes alone. `shared[i]`: tokens of sequence i packed once with sequence
+    i - 1 when both share a micro-batch (a shared prompt), so it costs lengths[i] - shared[i]."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     batches: list[list[int]] = []
     cur: list[int] = []
     used = 0
     for i, n in enumerate(lengths):
+        if shared is not None and cur and cur[-1] == i - 1:
+            n -= shared[i]
         if cur and used + n > budget:
             batches.append(cur)
             cur, used = [], 0
+            n = lengths[i]
         cur.append(i)
         used += n
     if cur:
@@ -143,7 +154,7 @@ class Attention(nn.Module):
                                 attn.block_tables, attn.max_seqlen_q)
         else:
             q, k = qk_norm_rope(q, k, positions, inv_freq, *norm)
-            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen)
+            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
         return self.o_proj(o.reshape(T, self.n_q * self.dh))
 
 

@@ -50,6 +50,7 @@ from rlfuse.run import (
     lr_at,
     pack_by_tokens,
     peak_memory_mb,
+    shared_contexts,
 )
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
@@ -123,6 +124,8 @@ class GRPOTrainer(StreamAndGuardState):
             raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
                              f"got {type(sampler).__name__}")
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
+        # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
+        self.share_min = self.g.share_prefix_min_tokens if self.g.share_prefix else 0
         self.last_samples: list[dict] = []
         # the update's kernels compile on a side thread during the first rollout (train/warm.py)
         self._warm = KernelWarmup(model, self._warm_head, numerics=self.numerics,
@@ -211,13 +214,21 @@ class GRPOTrainer(StreamAndGuardState):
     def _transcript(self, s: Sample) -> str:
         return self.sampler.renderer.tok.decode(s.token_ids, skip_special_tokens=False)
 
-    def _micro_batches(self, seq_idx: list[int], lengths: list[int]) -> list[tuple[list[int], bool]]:
+    def _sequences(self, prompts: list[Prompt], samples: list[Sample], seq_idx: list[int]) -> list[tuple]:
+        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
+        ctx = [self._prompt_ids(prompts, samples[j]) for j in seq_idx]
+        return [(c + samples[j].token_ids, len(c)) for c, j in zip(ctx, seq_idx)]
+
+    def _micro_batches(self, seq_idx: list[int], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
         """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
-        data-parallel, this rank's sequences, padded with zero-weight micro-batches."""
+        data-parallel, this rank's sequences, padded with zero-weight micro-batches.
+        A shared prompt (grpo.share_prefix) counts once against the token budget."""
+        lengths = [len(ids) for ids, _ in seqs]
+        shared = shared_contexts(seqs, self.share_min)
         if self.dist is None:
-            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens)]
+            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
         owned = [i for i, j in enumerate(seq_idx) if self._owner(j) == self.dist.rank]
-        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned)
+        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned, shared)
 
     def _advantages(self, prompts: list[Prompt], samples: list[Sample], r: torch.Tensor) -> list[torch.Tensor]:
         """Per-token advantages of every sample (CPU fp32) by `grpo.advantage`; REINFORCE++
@@ -321,13 +332,12 @@ class GRPOTrainer(StreamAndGuardState):
         n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
         total_seqs = len(seq_idx)
         total_tokens = sum(n * w for n, w in zip(n_loss, live))
-        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
+        seqs = self._sequences(prompts, samples, seq_idx)
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in self._micro_batches(seq_idx, lengths):
+        for mb, pad in self._micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
-                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], dev)
+            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
             mask_N = torch.cat([self._loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
@@ -391,11 +401,10 @@ class GRPOTrainer(StreamAndGuardState):
         exact-mode check, or REINFORCE++'s reference."""
         model = self.model if model is None else model
         out = {}
-        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
-        for mb, pad in self._micro_batches(seq_idx, lengths):
+        seqs = self._sequences(prompts, samples, seq_idx)
+        for mb, pad in self._micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
-                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], self.device)
+            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
             with use_numerics(self.numerics):
                 h = model(batch.input_ids, batch.positions, batch.attn)
                 lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)

@@ -82,6 +82,15 @@ class GRPOConfig:
     """Optimizer steps per pass over the rollout batch (groups split evenly)."""
     micro_batch_tokens: int = 8192
     """Token budget of one packed training micro-batch."""
+    share_prefix: bool = False
+    """Pack each group's prompt once in training, its completions attending to it (positions
+    continuing from the prompt), instead of G copies of prompt + completion: the prompt's
+    forward and backward run once per group and micro-batch, and micro_batch_tokens counts
+    it once. Exact numerics: log-probs bitwise the unshared ones; gradients equal to fp32
+    rounding (docs/numerics.md, "Shared prompts"). Off by default until timed on a GPU."""
+    share_prefix_min_tokens: int = 16
+    """share_prefix: the shortest prompt shared, in tokens (shorter ones pack unshared; a
+    few-token prompt saves little forward; 16 is not tuned)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage, DAPO); the batch is not
     refilled by extra sampling, so a step may train on fewer groups (logged: groups/kept)."""
