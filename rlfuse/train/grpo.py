@@ -62,6 +62,7 @@ from rlfuse.run.distributed import (
     rollout_on_ranks,
 )
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
+from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.off_policy import off_policy_corrections
 from rlfuse.train.session import Session, open_session
@@ -137,6 +138,7 @@ class GRPOTrainer(StreamAndGuardState):
             raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
                              f"got {type(sampler).__name__}")
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
+        self.streamer = StreamStep(self) if g.overlap == "stream" else None
         self.last_samples: list[dict] = []
 
     def samples(self) -> list[dict]:
@@ -147,14 +149,18 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         timer = PhaseTimer(self.device)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
-        if self.dist is None:
+        trained = None
+        if self.streamer is not None:  # grpo.overlap stream: each group trained as it finishes
+            samples, total, per, errors, adv, trained = self.streamer.run(prompts, step, timer)
+        elif self.dist is None:
             samples, total, per, errors = self._rollout(prompts, step, timer)
         else:
             samples, total, per, errors, self._owner = rollout_on_ranks(
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
-            adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
+            if trained is None:
+                adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
         m: dict = {}
@@ -176,7 +182,7 @@ class GRPOTrainer(StreamAndGuardState):
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
-            m.update(self._train(prompts, samples, adv, kept_groups, step))
+            m.update(trained if trained is not None else self._train(prompts, samples, adv, kept_groups, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()
         t = timer.times
         n_gen = sum(lens)
@@ -257,17 +263,7 @@ class GRPOTrainer(StreamAndGuardState):
         extra: dict = {}
         if self.recompute_old or check:
             old = self._trainer_logprobs(prompts, samples, seqs)
-            mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
-            full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
-                                    torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
-                                              or [torch.zeros(0, device=self.device)]))
-            if self.dist is not None:
-                full = reduce_mismatch(self.dist, full)
-            extra = {f"mismatch/full_{k}": v for k, v in full.items()}
-            if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
-                log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
-                          "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+            extra = self._full_mismatch(samples, seqs, old, check, step)
             if not self.recompute_old:
                 old = None  # a check only: the old policy stays the rollout's
         # mini-batches: kept groups split evenly, in order
@@ -284,13 +280,32 @@ class GRPOTrainer(StreamAndGuardState):
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(v)
+        return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
+
+    def _full_mismatch(self, samples, seqs: list[int], old: dict, check: bool, step: int) -> dict:
+        """mismatch/full_* of the trainer's log-probs `old` against the rollout's (an error
+        logged if exact numerics disagree on a checked step)."""
+        mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
+        full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
+                                torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
+                                torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
+                                          or [torch.zeros(0, device=self.device)]))
+        if self.dist is not None:
+            full = reduce_mismatch(self.dist, full)
+        if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
+            log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
+                      "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+        return {f"mismatch/full_{k}": v for k, v in full.items()}
+
+    def _train_metrics(self, acc: dict[str, list], capture, extra: dict, n_trained: int) -> dict:
+        """The step's training metrics: optimizer-step means of `acc`, the mismatch of the
+        first optimizer step's captured (log-probs, old, mask), `extra`."""
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
         if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
             out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
         empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
-        mm = logprob_mismatch(torch.cat(first_logp or empty), torch.cat(first_old or empty),
-                              torch.cat(first_mask or empty))
+        mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
         if self.dist is not None:
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
@@ -300,8 +315,13 @@ class GRPOTrainer(StreamAndGuardState):
 
     def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, old=None,
                         capture=None) -> dict:
-        o = self.cfg.optim
         sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture, old=old)
+        return self.apply_update(sums, n_tok, opt_step)
+
+    def apply_update(self, sums: dict, n_tok: int, opt_step: int) -> dict:
+        """Clip the accumulated gradients and take optimizer step `opt_step` (skipped by the
+        non-finite guard); the step's statistics."""
+        o = self.cfg.optim
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
@@ -310,12 +330,15 @@ class GRPOTrainer(StreamAndGuardState):
         self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
-    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None):
+    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None, *,
+                             micro_batches=None, totals: tuple[int, float] | None = None):
         """Backward of the policy loss over sequences `seq_idx` (indices into samples),
         micro-batched by token budget; grads accumulate in the params' .grad. `old` (sample
         index -> trainer log-probs) replaces the rollout's as the old policy and turns on the
         configured off-policy corrections. Returns (stats summed into full-batch averages,
-        tokens processed)."""
+        tokens processed). grpo.overlap stream passes one group's `micro_batches`
+        ((positions into seq_idx, pad) pairs) and the normalizers `totals` (sequences,
+        loss tokens) of the whole step, which `seq_idx` alone does not know."""
         g = self.g
         dev = self.device
         self.model.train()
@@ -323,12 +346,13 @@ class GRPOTrainer(StreamAndGuardState):
         # one (multi-turn: observation tokens are context)
         live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
         n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
-        total_seqs = len(seq_idx)
-        total_tokens = sum(n * w for n, w in zip(n_loss, live))
-        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
+        total_seqs, total_tokens = totals or (len(seq_idx), sum(n * w for n, w in zip(n_loss, live)))
+        if micro_batches is None:
+            lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
+            micro_batches = self._micro_batches(seq_idx, lengths)
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in self._micro_batches(seq_idx, lengths):
+        for mb, pad in micro_batches:
             js = [seq_idx[i] for i in mb]
             batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
                                         len(self._prompt_ids(prompts, samples[j]))) for j in js], dev)
