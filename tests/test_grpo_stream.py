@@ -21,7 +21,10 @@ STEPS = 3
 
 
 def _lengths(i: int, k: int) -> int:
-    """Mostly short, one in eight long: the group holding a long one finishes last."""
+    """Mostly short, one in eight long: the group holding a long one finishes last. Prompt 1
+    of each step: all 2 (equal rewards: a zero-variance group for dynamic sampling)."""
+    if i == 1:
+        return 2
     r = random.Random(1000 * i + k)
     return 8 if r.random() < 0.125 else r.randint(1, 3)
 
@@ -38,11 +41,12 @@ def _run(tmp_path, overlap: str, *overrides: str):
     return {n: p.detach().clone() for n, p in ses.model.named_parameters()}, ms
 
 
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo"])
-def test_stream_equals_sync_bitwise(tmp_path, loss_type):
+@pytest.mark.parametrize("loss_type, dtype", [("grpo", "float32"), ("dr_grpo", "float32"), ("grpo", "bfloat16")])
+def test_stream_equals_sync_bitwise(tmp_path, loss_type, dtype):
     """One sequence per micro-batch (sync's packing then cuts at group boundaries too): the
-    same additions in the same order, whatever order the groups finish in."""
-    over = (f"grpo.loss_type={loss_type}", "grpo.micro_batch_tokens=1")
+    same additions in the same order, whatever order the groups finish in (bf16: through
+    the optimizer's fp32 gradient buffers)."""
+    over = (f"grpo.loss_type={loss_type}", "grpo.micro_batch_tokens=1", f"model.dtype={dtype}")
     sync, ms_sync = _run(tmp_path, "sync", *over)
     stream, ms = _run(tmp_path, "stream", *over)
     assert max(float(m["stream/grad_slots_max"]) for m in ms) > 0, "no group finished out of order"
@@ -59,12 +63,18 @@ def test_stream_equals_sync_bitwise(tmp_path, loss_type):
                                                                                        "grpo.mask_truncated=true"))])
 def test_stream_equals_sync_to_rounding(tmp_path, loss_type, extra):
     """Micro-batches of several sequences (sync's span groups), or a normalizer known only at
-    the end (token-level means, dynamic sampling): equal up to fp32 rounding."""
+    the end (token-level means, dynamic sampling): equal up to fp32 rounding of the
+    gradients, which AdamW's 1 / sqrt(v) amplifies where a gradient element is near 0
+    (seen: 1.5e-5 of a tensor's largest entry after 3 steps at lr 1e-2)."""
     over = (f"grpo.loss_type={loss_type}", "grpo.micro_batch_tokens=40", *extra)
-    sync, _ = _run(tmp_path, "sync", *over)
-    stream, _ = _run(tmp_path, "stream", *over)
+    sync, ms_sync = _run(tmp_path, "sync", *over)
+    stream, ms = _run(tmp_path, "stream", *over)
+    assert [float(m["groups/kept"]) for m in ms] == [float(m["groups/kept"]) for m in ms_sync]
+    if extra:
+        assert min(float(m["groups/kept"]) for m in ms) < 4, "no group dropped: the rescale is untested"
     for n in sync:
-        torch.testing.assert_close(stream[n], sync[n], rtol=1e-5, atol=1e-6, msg=n)
+        scale = float(sync[n].abs().max())
+        torch.testing.assert_close(stream[n], sync[n], rtol=0, atol=1e-4 * scale, msg=n)
 
 
 def test_ordered_gradients_sum_in_group_order_whatever_the_finishing_order():
