@@ -117,3 +117,17 @@ def test_stream_refuses_settings_that_need_the_whole_batch(tmp_path, setting):
         tiny_cfg(tmp_path, "grpo.overlap=stream", setting)
     with pytest.raises(ValueError, match=r"grpo\.overlap must be one of"):
         tiny_cfg(tmp_path, "grpo.overlap=async")
+
+
+@pytest.mark.gpu
+def test_stream_equals_sync_bitwise_on_cuda_side_stream(tmp_path):
+    """On CUDA the groups train on a worker thread's side stream while the engine decodes:
+    in exact numerics the parameters still equal sync mode's bit for bit."""
+    over = ("model.device=cuda", "model.dtype=bfloat16", "model.kernel_backend=auto", "engine.numerics=exact",
+            "grpo.micro_batch_tokens=1")
+    sync, _ = _run(tmp_path, "sync", *over)
+    stream, ms = _run(tmp_path, "stream", *over)
+    assert max(float(m["stream/grad_slots_max"]) for m in ms) > 0
+    assert all(m["memory/kv_pool_mb"] > 0 and m["memory/train_headroom_mb"] > 0 for m in ms)
+    for n in sync:
+        assert torch.equal(sync[n], stream[n]), n

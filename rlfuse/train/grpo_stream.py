@@ -45,7 +45,8 @@ Memory: the KV pool stays allocated while groups train (sync mode frees it first
 activations and gradient slots share what the pool leaves (engine.gpu_memory_fraction or
 engine.num_kv_blocks set the split); logged as memory/kv_pool_mb, memory/train_headroom_mb
 (free device memory beside the pool when the step starts) and memory/grad_slots_peak_mb.
-stream/overlap_frac = training time spent before the engine finished / all training time.
+stream/overlap_frac = training time spent before the engine finished / all training time
+(stream/train_s: that training time, from each group's start to its side stream's end).
 Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
 """
 
@@ -262,6 +263,7 @@ class StreamStep:
                 cap = tuple([x for i in kept for x in capture[i][c]] for c in range(3))  # sequence order, as sync's
                 out = self._update(step, sums, n_tok[0], seqs, sum(loss_tokens), cap, check, old, samples)
         out.update({"stream/overlap_frac": overlap_fraction(runner.spans, gen_start, gen_end),
+                    "stream/train_s": sum(b - a for a, b in runner.spans),
                     "stream/grad_slots_max": float(grads.peak_held),
                     "memory/grad_slots_peak_mb": grads.peak_bytes / 2**20,
                     "memory/kv_pool_mb": kv_bytes / 2**20})
