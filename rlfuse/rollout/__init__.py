@@ -12,8 +12,7 @@ from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampl
 from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
 from rlfuse.rollout.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
 
-__all__ = ["PYTHON_REWARD", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler", "MultiTurnSampler",
-           "RewardSet",
-           "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
+__all__ = ["PYTHON_REWARD", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
+           "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
            "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "evaluate", "format_tool_call", "load_tools",
            "multi_turn_setting", "run_episodes", "score_samples"]

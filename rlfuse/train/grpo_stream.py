@@ -124,6 +124,9 @@ class _Interleaved:
     def finish(self) -> None:
         pass
 
+    def close(self) -> None:
+        pass
+
 
 class _SideStream:
     """Runs jobs in submission order on a worker thread, on a side CUDA stream, while the
@@ -158,11 +161,16 @@ class _SideStream:
         self.jobs.put(job)
 
     def finish(self) -> None:
-        self.jobs.put(None)
-        self.thread.join()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        self.close()
         if self.error is not None:
             raise self.error
+
+    def close(self) -> None:
+        """Stop the worker after the jobs queued so far; the main stream then waits for it."""
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end: float) -> float:
@@ -224,31 +232,35 @@ class StreamStep:
                 return run
             grads.run_group(i, [backward(mb) for mb in pack_by_tokens(lengths, g.micro_batch_tokens)])
 
-        with timer("generate"):
-            tr.sampler.wake()
-            kv_bytes = tr.sampler.kv_pool_bytes()
-            gen_start = time.perf_counter()
-            for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
-                                              top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                              seed=g.seed + step):
-                seqs = list(range(i * G, (i + 1) * G))
-                samples[i * G:(i + 1) * G] = group
-                t_i, per_i = score_samples(prompts, group, tr.rewards, G)
-                total[i * G:(i + 1) * G] = t_i
-                for k, v in per_i.items():
-                    per.setdefault(k, [None] * (P * G))[i * G:(i + 1) * G] = v
-                r_i = torch.tensor(t_i, dtype=torch.float32)
-                adv[i * G:(i + 1) * G] = token_advantages(g.advantage, r_i, [len(s.token_ids) for s in group], G,
-                                                          adv_scale=g.adv_scale, eps=g.adv_eps)
-                if g.dynamic_sampling and bool(zero_variance_groups(r_i, G)[0]):  # host: CPU rewards
-                    runner.submit(lambda i=i: grads.skip(i))
-                    continue
-                kept.append(i)
-                loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
-                                     for s in group)
-                runner.submit(lambda i=i, seqs=seqs: train_group(i, seqs))
-            gen_end = time.perf_counter()
-            tr.sampler.sleep()
+        try:
+            with timer("generate"):
+                tr.sampler.wake()
+                kv_bytes = tr.sampler.kv_pool_bytes()
+                gen_start = time.perf_counter()
+                for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
+                                                  top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                                  seed=g.seed + step):
+                    seqs = list(range(i * G, (i + 1) * G))
+                    samples[i * G:(i + 1) * G] = group
+                    t_i, per_i = score_samples(prompts, group, tr.rewards, G)
+                    total[i * G:(i + 1) * G] = t_i
+                    for k, v in per_i.items():
+                        per.setdefault(k, [None] * (P * G))[i * G:(i + 1) * G] = v
+                    r_i = torch.tensor(t_i, dtype=torch.float32)
+                    adv[i * G:(i + 1) * G] = token_advantages(g.advantage, r_i, [len(s.token_ids) for s in group], G,
+                                                              adv_scale=g.adv_scale, eps=g.adv_eps)
+                    if g.dynamic_sampling and bool(zero_variance_groups(r_i, G)[0]):  # host: CPU rewards
+                        runner.submit(lambda i=i: grads.skip(i))
+                        continue
+                    kept.append(i)
+                    loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
+                                         for s in group)
+                    runner.submit(lambda i=i, seqs=seqs: train_group(i, seqs))
+                gen_end = time.perf_counter()
+                tr.sampler.sleep()
+        except BaseException:  # the worker must not outlive a failed rollout
+            runner.close()
+            raise
         with timer("train"):
             runner.finish()
             if not kept:

@@ -240,12 +240,13 @@ def check_stream(g: GRPOConfig, *, multi_turn: bool) -> None:
     if g.overlap != "stream":
         return
     why = {"grpo.mu": (g.mu != 1, f"{g.mu}: a second pass needs the first pass's update"),
-           "grpo.mini_batches": (g.mini_batches != 1, f"{g.mini_batches}: an optimizer step before the last "
-                                 "group would change the weights the engine is still sampling from"),
-           "grpo.advantage": (g.advantage not in ("group", "rloo"), f"{g.advantage!r}: it normalizes over "
-                              "the whole batch's tokens; use group or rloo"),
-           "grpo.adv_scale": (g.advantage == "group" and g.adv_scale == "batch", "'batch': the batch std "
-                              "needs every group's rewards; use group or none"),
+           "grpo.mini_batches": (g.mini_batches != 1, (f"{g.mini_batches}: an optimizer step before the last "
+                                                       "group would change the weights the engine samples from")),
+           "grpo.advantage": (g.advantage not in ("group", "rloo"), (f"{g.advantage!r}: it normalizes over "
+                                                                     "the whole batch's tokens; use group or rloo")),
+           "grpo.adv_scale": (g.advantage == "group" and g.adv_scale == "batch", ("'batch': the batch std "
+                                                                                  "needs every group's rewards; "
+                                                                                  "use group or none")),
            "rollout.tools / rollout.env": (multi_turn, "multi-turn episodes are not streamed by group")}
     bad = [f"{k} is {msg}" for k, (hit, msg) in why.items() if hit]
     if bad:
