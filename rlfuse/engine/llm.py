@@ -426,8 +426,10 @@ class LLM:
         self.asleep = False
         log.info("engine awake: KV pool of %.2f GiB allocated", self.kv.nbytes / 1024**3)
 
-    def capture_graphs(self) -> None:
-        """Capture all decode CUDA graphs now (benchmarks: keeps capture out of timings)."""
+    def capture_graphs(self, up_to: int | None = None) -> None:
+        """Capture the decode CUDA graphs now (all, or those batches of at most `up_to`
+        sequences use): keeps capture out of benchmark timings, and out of the time another
+        thread launches work (a capture forbids that thread some CUDA calls)."""
         if self.asleep:
             raise RuntimeError("LLM.capture_graphs: the engine is asleep; call wake() first")
-        self.runner.capture_graphs()
+        self.runner.capture_graphs(up_to)

@@ -71,13 +71,17 @@ class EngineSampler:
             samples += group
         return samples
 
-    def groups(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed):
+    def groups(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed, capture=False):
         """`generate`, yielding (prompt index, its n Samples) as soon as all n completions of
         a prompt have finished (in finishing order), between engine steps: what the caller
-        does with a group runs while the rest decode (grpo.overlap stream)."""
+        does with a group runs while the rest decode (grpo.overlap stream). `capture`: take
+        the decode CUDA graphs first, not on first use, when the caller's work may run on
+        another thread by then."""
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 seed=seed % 2**32)
         self.llm.wake()  # no-op when awake; the KV pool must exist to generate
+        if capture:
+            self.llm.capture_graphs(up_to=len(prompt_ids) * n)
         requests = [(i, p) for i, ids in enumerate(prompt_ids) for p in self.request_params(i, params)]
         if any(sum(p.n for j, p in requests if j == i) != n for i in range(len(prompt_ids))):
             raise RuntimeError(f"request_params: a prompt's requests do not add up to n={n} samples")

@@ -37,7 +37,9 @@ Equal to sync mode, and how:
 
 Concurrency: on CPU the training work runs between engine steps (interleaved, not
 concurrent). On CUDA a worker thread runs it on a side stream while the main thread keeps
-stepping the engine, so training kernels overlap the decode graph's replays. Safe because
+stepping the engine, so training kernels overlap the decode graph's replays. The decode
+graphs are captured before the first group trains (a capture in progress forbids other
+threads' allocations and syncs; on first use they would be captured mid-rollout). Safe because
 nothing the decode reads is written before the optimizer step (gradients go to .grad and
 the fp32 buffers); the side stream first waits for the main one (memory freed by the last
 step may be reused), and the main one waits for the side stream before the optimizer step.
@@ -239,7 +241,7 @@ class StreamStep:
                 gen_start = time.perf_counter()
                 for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
                                                   top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                                  seed=g.seed + step):
+                                                  seed=g.seed + step, capture=cuda):
                     seqs = list(range(i * G, (i + 1) * G))
                     samples[i * G:(i + 1) * G] = group
                     t_i, per_i = score_samples(prompts, group, tr.rewards, G)
