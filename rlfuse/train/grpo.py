@@ -17,7 +17,7 @@ One step:
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term (with LoRA:
   the model itself with its adapters off, no copy).
 The optimizer writes into the same parameter tensors, so the next generate uses them.
-`GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`grpo.overlap: stream` does 2-3 group by group during 1 (rlfuse.train.grpo_stream).
 Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
 then every rank holds the global samples and scores (rlfuse.run.distributed.data_parallel), so
 advantages, kept groups and mini-batches are the one-process ones; each rank trains on
@@ -90,8 +90,8 @@ def _mean(xs):
 
 
 class GRPOTrainer(StreamAndGuardState):
-    """The GRPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
-    `sampler`, scored by `rewards`, trained into `model` by `optimizer`."""
+    """The GRPO step and its state (a `rlfuse.train.loop.Trainer`, which `run_loop` runs):
+    rollouts of `stream`'s prompts from `sampler`, scored by `rewards`, trained into `model`."""
 
     stage = "grpo"
 
