@@ -55,6 +55,7 @@ Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/b
 from __future__ import annotations
 
 import contextvars
+import logging
 import queue
 import threading
 import time
@@ -66,6 +67,8 @@ from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import score_samples
 from rlfuse.run import pack_by_tokens
 from rlfuse.train.advantages import token_advantages, zero_variance_groups
+
+log = logging.getLogger(__name__)
 
 
 class OrderedGradients:
@@ -187,6 +190,7 @@ class StreamStep:
 
     def __init__(self, trainer):
         self.tr = trainer
+        self.logged = False  # the memory split, once
         why = {"data-parallel runs (torchrun)": trainer.dist is not None,
                f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
                    not hasattr(trainer.sampler, "groups"),
@@ -216,7 +220,6 @@ class StreamStep:
         old: dict = {}
         capture = [([], [], []) for _ in range(P)]
         cuda = tr.device.type == "cuda"
-        headroom = torch.cuda.mem_get_info(tr.device)[0] if cuda else 0
         runner = _SideStream(tr.device) if cuda else _Interleaved()
 
         def train_group(i: int, seqs: list[int]) -> None:
@@ -237,7 +240,7 @@ class StreamStep:
         try:
             with timer("generate"):
                 tr.sampler.wake()
-                kv_bytes = tr.sampler.kv_pool_bytes()
+                kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
                 gen_start = time.perf_counter()
                 for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
                                                   top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
@@ -281,9 +284,26 @@ class StreamStep:
                     "stream/grad_slots_max": float(grads.peak_held),
                     "memory/grad_slots_peak_mb": grads.peak_bytes / 2**20,
                     "memory/kv_pool_mb": kv_bytes / 2**20})
-        if cuda:
+        if headroom is not None:
             out["memory/train_headroom_mb"] = headroom / 2**20
         return samples, total, per, dict(tr.rewards.error_counts), adv, out
+
+    def _headroom(self, step: int, num_groups: int) -> int | None:
+        """CUDA: the memory training has beside the KV pool (free on the device plus cached
+        by torch, unused); logged once with the worst case of the gradient slots."""
+        tr = self.tr
+        if tr.device.type != "cuda":
+            return None
+        free = torch.cuda.mem_get_info(tr.device)[0] + torch.cuda.memory_reserved(tr.device) \
+            - torch.cuda.memory_allocated(tr.device)
+        if not self.logged:
+            self.logged = True
+            slot = sum(p.numel() * 4 for p in tr.optimizer.params)  # an fp32 gradient per held micro-batch
+            log.info("grpo.overlap stream: KV pool %.2f GiB; beside it %.2f GiB for training activations and "
+                     "gradient slots (%.2f GiB each, at most %d held if all but the last group finish early); "
+                     "engine.gpu_memory_fraction / engine.num_kv_blocks move the split",
+                     tr.sampler.kv_pool_bytes() / 2**30, free / 2**30, slot / 2**30, num_groups - 1)
+        return free
 
     def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, capture,
                 check: bool, old: dict, samples) -> dict:
