@@ -87,8 +87,8 @@ def run(out: Path, small: bool, numerics: str, steps: int) -> list[dict]:
     gen = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(0, SHAPE["vocab_size"] if not small else 500, (plen,), generator=gen).tolist(),
                       "", {}, f"p{i}") for i in range(P)]
+    opt = make_optimizer(model, c_sync)  # before the engine: its KV plan counts the optimizer's memory
     sampler = LengthsSampler(build_engine(model, tok, c_sync.engine), tok, heavy_tail(new, typical, 16, seed=1))
-    opt = make_optimizer(model, c_sync)
     rewards = RewardSet(c_sync.rewards)
     trainers = {mode: GRPOTrainer(c, model, sampler, rewards, PromptStream(prompts, seed=0, shuffle=False), opt)
                 for mode, c in (("sync", c_sync), ("stream", c_stream))}

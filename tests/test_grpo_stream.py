@@ -29,8 +29,8 @@ def _lengths(i: int, k: int) -> int:
     return 8 if r.random() < 0.125 else r.randint(1, 3)
 
 
-def _run(tmp_path, overlap: str, *overrides: str):
-    cfg = tiny_cfg(tmp_path / overlap, f"grpo.overlap={overlap}", "grpo.max_new_tokens=8", *overrides)
+def _run(tmp_path, overlap: str, *overrides: str, **sections):
+    cfg = tiny_cfg(tmp_path / overlap, f"grpo.overlap={overlap}", "grpo.max_new_tokens=8", *overrides, **sections)
     ses = open_session(cfg)
     ses._sampler = LengthsSampler(ses.sampler.llm, ses.tokenizer, _lengths)
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
@@ -123,10 +123,13 @@ def test_stream_refuses_settings_that_need_the_whole_batch(tmp_path, setting):
 def test_stream_equals_sync_bitwise_on_cuda_side_stream(tmp_path):
     """On CUDA the groups train on a worker thread's side stream while the engine decodes:
     in exact numerics the parameters still equal sync mode's bit for bit."""
+    from test_grpo_gpu import MODEL
+
     over = ("model.device=cuda", "model.dtype=bfloat16", "model.kernel_backend=auto", "engine.numerics=exact",
             "grpo.micro_batch_tokens=1")
-    sync, _ = _run(tmp_path, "sync", *over)
-    stream, ms = _run(tmp_path, "stream", *over)
+    sections = {"model": {"random_init": MODEL}, "engine": {"gpu_memory_fraction": 0.5, "max_num_seqs": 64}}
+    sync, _ = _run(tmp_path, "sync", *over, **sections)
+    stream, ms = _run(tmp_path, "stream", *over, **sections)
     assert max(float(m["stream/grad_slots_max"]) for m in ms) > 0
     assert all(m["memory/kv_pool_mb"] > 0 and m["memory/train_headroom_mb"] > 0 for m in ms)
     for n in sync:
