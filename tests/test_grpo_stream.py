@@ -129,6 +129,8 @@ def test_stream_equals_sync_bitwise_on_cuda_side_stream(tmp_path):
             "grpo.micro_batch_tokens=1")
     sections = {"model": {"random_init": MODEL}, "engine": {"gpu_memory_fraction": 0.5, "max_num_seqs": 64}}
     sync, _ = _run(tmp_path, "sync", *over, **sections)
+    again, _ = _run(tmp_path / "again", "sync", *over, **sections)
+    assert all(torch.equal(sync[n], again[n]) for n in sync), "sync mode itself is not deterministic here"
     stream, ms = _run(tmp_path, "stream", *over, **sections)
     assert max(float(m["stream/grad_slots_max"]) for m in ms) > 0
     assert all(m["memory/kv_pool_mb"] > 0 and m["memory/train_headroom_mb"] > 0 for m in ms)
