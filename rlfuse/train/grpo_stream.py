@@ -37,7 +37,10 @@ Equal to sync mode, and how:
 
 Concurrency: on CPU the training work runs between engine steps (interleaved, not
 concurrent). On CUDA a worker thread runs it on a side stream while the main thread keeps
-stepping the engine, so training kernels overlap the decode graph's replays. The decode
+stepping the engine, so training kernels overlap the decode graph's replays; the engine
+steps on a stream of the highest priority, so decode blocks are scheduled ahead of the
+training kernels' pending ones (bench_stream.py measures what each side still costs the
+other). The decode
 graphs are captured before the first group trains (a capture in progress forbids other
 threads' allocations and syncs; on first use they would be captured mid-rollout). Safe because
 nothing the decode reads is written before the optimizer step (gradients go to .grad and
@@ -54,6 +57,7 @@ Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/b
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import queue
@@ -132,6 +136,12 @@ class _Interleaved:
     def close(self) -> None:
         pass
 
+    def decoding(self):
+        return contextlib.nullcontext()
+
+    def decoded(self) -> None:
+        pass
+
 
 class _SideStream:
     """Runs jobs in submission order on a worker thread, on a side CUDA stream, while the
@@ -141,7 +151,12 @@ class _SideStream:
     def __init__(self, device: torch.device):
         self.device = device
         self.stream = torch.cuda.Stream(device)
-        self.stream.wait_stream(torch.cuda.current_stream(device))  # memory the last step freed
+        # the engine decodes on a stream of the highest priority: the decode kernels' blocks
+        # are scheduled before the training kernels' pending ones, not queued behind them
+        self.decode = torch.cuda.Stream(device, priority=-100)
+        main = torch.cuda.current_stream(device)
+        self.stream.wait_stream(main)  # memory the last step freed may be reused on either
+        self.decode.wait_stream(main)
         self.jobs: queue.Queue = queue.Queue()
         self.spans: list[tuple[float, float]] = []
         self.error: BaseException | None = None
@@ -165,6 +180,14 @@ class _SideStream:
     def submit(self, job) -> None:
         self.jobs.put(job)
 
+    def decoding(self):
+        """The context the engine steps in: its high-priority stream."""
+        return torch.cuda.stream(self.decode)
+
+    def decoded(self) -> None:
+        """After the last engine step: the main stream waits for the decode stream."""
+        torch.cuda.current_stream(self.device).wait_stream(self.decode)
+
     def finish(self) -> None:
         self.close()
         if self.error is not None:
@@ -175,7 +198,9 @@ class _SideStream:
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join()
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.decode)
+        main.wait_stream(self.stream)
 
 
 def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end: float) -> float:
@@ -237,30 +262,36 @@ class StreamStep:
                 return run
             grads.run_group(i, [backward(mb) for mb in pack_by_tokens(lengths, g.micro_batch_tokens)])
 
+        def take_group(i: int, group: list) -> None:
+            """Score a finished group and queue its training (between engine steps)."""
+            seqs = list(range(i * G, (i + 1) * G))
+            samples[i * G:(i + 1) * G] = group
+            t_i, per_i = score_samples(prompts, group, tr.rewards, G)
+            total[i * G:(i + 1) * G] = t_i
+            for k, v in per_i.items():
+                per.setdefault(k, [None] * (P * G))[i * G:(i + 1) * G] = v
+            r_i = torch.tensor(t_i, dtype=torch.float32)
+            adv[i * G:(i + 1) * G] = token_advantages(g.advantage, r_i, [len(s.token_ids) for s in group], G,
+                                                      adv_scale=g.adv_scale, eps=g.adv_eps)
+            if g.dynamic_sampling and bool(zero_variance_groups(r_i, G)[0]):  # host: CPU rewards
+                runner.submit(lambda: grads.skip(i))
+                return
+            kept.append(i)
+            loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
+                                 for s in group)
+            runner.submit(lambda: train_group(i, seqs))
+
         try:
             with timer("generate"):
                 tr.sampler.wake()
                 kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
                 gen_start = time.perf_counter()
-                for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
-                                                  top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                                  seed=g.seed + step, capture=cuda):
-                    seqs = list(range(i * G, (i + 1) * G))
-                    samples[i * G:(i + 1) * G] = group
-                    t_i, per_i = score_samples(prompts, group, tr.rewards, G)
-                    total[i * G:(i + 1) * G] = t_i
-                    for k, v in per_i.items():
-                        per.setdefault(k, [None] * (P * G))[i * G:(i + 1) * G] = v
-                    r_i = torch.tensor(t_i, dtype=torch.float32)
-                    adv[i * G:(i + 1) * G] = token_advantages(g.advantage, r_i, [len(s.token_ids) for s in group], G,
-                                                              adv_scale=g.adv_scale, eps=g.adv_eps)
-                    if g.dynamic_sampling and bool(zero_variance_groups(r_i, G)[0]):  # host: CPU rewards
-                        runner.submit(lambda i=i: grads.skip(i))
-                        continue
-                    kept.append(i)
-                    loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
-                                         for s in group)
-                    runner.submit(lambda i=i, seqs=seqs: train_group(i, seqs))
+                with runner.decoding():
+                    for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
+                                                      top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                                      seed=g.seed + step, capture=cuda):
+                        take_group(i, group)
+                runner.decoded()
                 gen_end = time.perf_counter()
                 tr.sampler.sleep()
         except BaseException:  # the worker must not outlive a failed rollout
