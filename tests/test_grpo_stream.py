@@ -13,7 +13,7 @@ from train_setup import one_thread, tiny_cfg
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.rollout import LengthsSampler
 from rlfuse.train.grpo import GRPOTrainer
-from rlfuse.train.grpo_stream import OrderedGradients, overlap_fraction
+from rlfuse.train.grpo_stream import OrderedGradients, _Worker, overlap_fraction
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 
@@ -29,13 +29,15 @@ def _lengths(i: int, k: int) -> int:
     return 8 if r.random() < 0.125 else r.randint(1, 3)
 
 
-def _run(tmp_path, overlap: str, *overrides: str, **sections):
+def _run(tmp_path, overlap: str, *overrides: str, threaded: bool | None = None, **sections):
     cfg = tiny_cfg(tmp_path / overlap, f"grpo.overlap={overlap}", "grpo.max_new_tokens=8", *overrides, **sections)
     ses = open_session(cfg)
     ses._sampler = LengthsSampler(ses.sampler.llm, ses.tokenizer, _lengths)
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
     tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                      make_optimizer(ses.model, cfg))
+    if threaded is not None:
+        tr.streamer.threaded = threaded
     with one_thread():
         ms = [tr.step(s) for s in range(STEPS)]
     return {n: p.detach().clone() for n, p in ses.model.named_parameters()}, ms
@@ -57,6 +59,17 @@ def test_stream_equals_sync_bitwise(tmp_path, loss_type, dtype):
         assert float(a["loss"]) == float(b["loss"]) and float(a["reward/mean"]) == float(b["reward/mean"])
         # token-weighted statistics are summed unnormalized and divided once at the end
         assert float(a["entropy"]) == pytest.approx(float(b["entropy"]), rel=1e-6)
+
+
+def test_stream_on_a_worker_thread_equals_sync_bitwise(tmp_path):
+    """The CUDA design on CPU: groups train on a worker thread while the main thread steps
+    the engine (really concurrent on the shared weights); still sync's parameters."""
+    over = ("grpo.micro_batch_tokens=1", "grpo.kl_coef=0.05")  # and a reference model in the worker
+    sync, _ = _run(tmp_path, "sync", *over)
+    stream, ms = _run(tmp_path, "stream", *over, threaded=True)
+    assert max(float(m["stream/grad_slots_max"]) for m in ms) > 0
+    for n in sync:
+        assert torch.equal(sync[n], stream[n]), n
 
 
 @pytest.mark.parametrize("loss_type, extra", [("grpo", ()), ("cispo", ()), ("dapo", ("grpo.dynamic_sampling=true",
@@ -107,6 +120,17 @@ def test_ordered_gradients_sum_in_group_order_whatever_the_finishing_order():
         acc.run_group(i, [backward(x) for x in xs[i]])
     assert torch.equal(w.grad, want) and acc.held == 0 and acc.peak_held > 0
     assert overlap_fraction([(0.0, 1.0), (1.0, 3.0)], 0.0, 2.0) == pytest.approx(2 / 3)
+
+
+def test_worker_runs_jobs_in_order_and_raises_the_first_error_on_the_main_thread():
+    w = _Worker(torch.device("cpu"))
+    seen = []
+    w.submit(lambda: seen.append(1))
+    w.submit(lambda: (_ for _ in ()).throw(ValueError("boom")))
+    w.submit(lambda: seen.append(3))  # skipped after the error
+    with pytest.raises(ValueError, match="boom"):
+        w.finish()
+    assert seen == [1] and not w.thread.is_alive() and len(w.spans) == 2
 
 
 @pytest.mark.parametrize("setting", ["grpo.mu=2", "grpo.mini_batches=2", "grpo.adv_scale=batch",

@@ -143,20 +143,22 @@ class _Interleaved:
         pass
 
 
-class _SideStream:
-    """Runs jobs in submission order on a worker thread, on a side CUDA stream, while the
-    main thread steps the engine. The thread inherits the caller's context (kernel backend
-    and numerics settings); its first error is raised by `finish`."""
+class _Worker:
+    """Runs jobs in submission order on a worker thread while the main thread steps the
+    engine; on CUDA on a side stream, the engine on a high-priority one. The thread
+    inherits the caller's context (kernel backend and numerics settings); its first error
+    is raised by `finish`. (CPU: tests of the threaded path, `StreamStep.threaded`.)"""
 
     def __init__(self, device: torch.device):
-        self.device = device
-        self.stream = torch.cuda.Stream(device)
-        # the engine decodes on a stream of the highest priority: the decode kernels' blocks
-        # are scheduled before the training kernels' pending ones, not queued behind them
-        self.decode = torch.cuda.Stream(device, priority=-100)
-        main = torch.cuda.current_stream(device)
-        self.stream.wait_stream(main)  # memory the last step freed may be reused on either
-        self.decode.wait_stream(main)
+        self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            # the engine decodes on a stream of the highest priority: the decode kernels'
+            # blocks are scheduled before the training kernels' pending ones, not behind them
+            self.decode = torch.cuda.Stream(device, priority=-100)
+            main = torch.cuda.current_stream(device)
+            self.stream.wait_stream(main)  # memory the last step freed may be reused on either
+            self.decode.wait_stream(main)
         self.jobs: queue.Queue = queue.Queue()
         self.spans: list[tuple[float, float]] = []
         self.error: BaseException | None = None
@@ -165,14 +167,16 @@ class _SideStream:
         self.thread.start()
 
     def _loop(self) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
+        with (torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()), \
+                (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
             while (job := self.jobs.get()) is not None:
                 if self.error is not None:
                     continue
                 t0 = time.perf_counter()
                 try:
                     job()
-                    self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
+                    if self.cuda:
+                        self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
                 except BaseException as e:  # re-raised on the main thread by finish()
                     self.error = e
                 self.spans.append((t0, time.perf_counter()))
@@ -182,11 +186,12 @@ class _SideStream:
 
     def decoding(self):
         """The context the engine steps in: its high-priority stream."""
-        return torch.cuda.stream(self.decode)
+        return torch.cuda.stream(self.decode) if self.cuda else contextlib.nullcontext()
 
     def decoded(self) -> None:
         """After the last engine step: the main stream waits for the decode stream."""
-        torch.cuda.current_stream(self.device).wait_stream(self.decode)
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode)
 
     def finish(self) -> None:
         self.close()
@@ -198,9 +203,10 @@ class _SideStream:
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join()
-        main = torch.cuda.current_stream(self.device)
-        main.wait_stream(self.decode)
-        main.wait_stream(self.stream)
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.decode)
+            main.wait_stream(self.stream)
 
 
 def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end: float) -> float:
@@ -216,6 +222,8 @@ class StreamStep:
     def __init__(self, trainer):
         self.tr = trainer
         self.logged = False  # the memory split, once
+        self.threaded: bool | None = None
+        """Train on a worker thread (None: on CUDA; True on CPU tests the threaded path)."""
         why = {"data-parallel runs (torchrun)": trainer.dist is not None,
                f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
                    not hasattr(trainer.sampler, "groups"),
@@ -245,7 +253,7 @@ class StreamStep:
         old: dict = {}
         capture = [([], [], []) for _ in range(P)]
         cuda = tr.device.type == "cuda"
-        runner = _SideStream(tr.device) if cuda else _Interleaved()
+        runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
 
         def train_group(i: int, seqs: list[int]) -> None:
             if tr.recompute_old or check:
