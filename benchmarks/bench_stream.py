@@ -14,7 +14,8 @@ time), the training work's own time, peak memory, the KV pool and the memory bes
 How much each side slows the other: stream's generate time against sync's (decode slowed
 by the training kernels) and stream's training time against sync's.
 
-    OUT=out python benchmarks/bench_stream.py              # GPU, fast and exact (~2.5 min on an H100)
+    OUT=out python benchmarks/bench_stream.py              # GPU, fast and exact (~2 min on an H100)
+    OUT=out python benchmarks/bench_stream.py --inline     # + stream mode without the thread / side stream
     python benchmarks/bench_stream.py --small              # CPU smoke test (tiny model, seconds)
 Writes $OUT/bench_stream.json and $OUT/bench_stream.md.
 """
@@ -56,7 +57,7 @@ def heavy_tail(max_len: int, typical: int, long_every: int, seed: int = 0):
     return length
 
 
-def run(out: Path, small: bool, numerics: str, steps: int) -> list[dict]:
+def run(out: Path, small: bool, numerics: str, steps: int, inline: bool = False) -> list[dict]:
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.rollout import LengthsSampler, RewardSet
     from rlfuse.run.build import build_engine, build_model, char_tokenizer
@@ -90,9 +91,12 @@ def run(out: Path, small: bool, numerics: str, steps: int) -> list[dict]:
     opt = make_optimizer(model, c_sync)  # before the engine: its KV plan counts the optimizer's memory
     sampler = LengthsSampler(build_engine(model, tok, c_sync.engine), tok, heavy_tail(new, typical, 16, seed=1))
     rewards = RewardSet(c_sync.rewards)
-    trainers = {mode: GRPOTrainer(c, model, sampler, rewards, PromptStream(prompts, seed=0, shuffle=False), opt)
-                for mode, c in (("sync", c_sync), ("stream", c_stream))}
-    order = ["sync"] + ["sync", "stream"] * steps  # the first: warm-up
+    modes = ("sync", "stream") + (("inline",) if inline else ())
+    trainers = {mode: GRPOTrainer(c_sync if mode == "sync" else c_stream, model, sampler, rewards,
+                                  PromptStream(prompts, seed=0, shuffle=False), opt) for mode in modes}
+    if inline:  # stream mode with the training between engine steps on the engine's own stream
+        trainers["inline"].streamer.threaded = False
+    order = ["sync"] + list(modes) * steps  # the first: warm-up
     rows = []
     for step, mode in enumerate(order):
         if dev.type == "cuda":
@@ -112,10 +116,10 @@ def summary(rows: list[dict]) -> list[dict]:
     out = []
     for n in dict.fromkeys(r["numerics"] for r in rows):
         mean = {mode: {k: sum(r[k] for r in rs) / len(rs) for k in rs[0] if isinstance(rs[0][k], float)}
-                for mode in ("sync", "stream")
+                for mode in ("sync", "stream", "inline")
                 if (rs := [r for r in rows if r["numerics"] == n and r["mode"] == mode and not r["warmup"]])}
         s, t = mean["sync"], mean["stream"]
-        out.append({"numerics": n, "sync": s, "stream": t, "speedup": s["time/step"] / t["time/step"],
+        out.append({"numerics": n, **mean, "speedup": s["time/step"] / t["time/step"],
                     "decode_slowdown": t["time/generate"] / s["time/generate"],
                     "train_slowdown": t["stream/train_s"] / max(s["time/train"], 1e-9)})
     return out
@@ -126,6 +130,8 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model on CPU (smoke test)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="both")
     ap.add_argument("--steps", type=int, default=1, help="timed steps per mode (after one warm-up)")
+    ap.add_argument("--inline", action="store_true", help="also stream mode with the training between engine "
+                    "steps on one stream (no worker thread): what interleaving alone gives")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -133,7 +139,7 @@ def main() -> int:
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     rows = [r for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
-            for r in run(out, args.small, n, args.steps)]
+            for r in run(out, args.small, n, args.steps, args.inline)]
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small, "steps": rows,
               "summary": summary(rows)}
     (out / "bench_stream.json").write_text(json.dumps(result, indent=2))
@@ -144,13 +150,13 @@ def main() -> int:
              "| numerics | mode | step s | generate s | train after rollout s | training work s | overlap | "
              "peak MiB | KV pool MiB | grad slots MiB | speed-up |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in result["summary"]:
-        for mode in ("sync", "stream"):
+        for mode in (m for m in ("sync", "stream", "inline") if m in s):
             r = s[mode]
             lines.append(f"| {s['numerics']} | {mode} | {r['time/step']:.2f} | {r['time/generate']:.2f} | "
                          f"{r['time/train']:.2f} | {r.get('stream/train_s', r['time/train']):.2f} | "
                          f"{r.get('stream/overlap_frac', 0.0):.2f} | {r['memory/peak_mb']:.0f} | "
                          f"{r.get('memory/kv_pool_mb', float('nan')):.0f} | {r.get('memory/grad_slots_peak_mb', 0.0):.0f} | "
-                         f"{s['speedup'] if mode == 'stream' else 1.0:.2f}x |")
+                         f"{s['sync']['time/step'] / r['time/step']:.2f}x |")
     lines += [""] + [f"{s['numerics']}: decode {s['decode_slowdown']:.2f}x sync's generate time under the training "
                      f"kernels; training work {s['train_slowdown']:.2f}x sync's train time" for s in result["summary"]]
     md = "\n".join(lines) + "\n"
