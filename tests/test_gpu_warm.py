@@ -14,7 +14,7 @@ from rlfuse.kernels.backend import use_numerics
 from rlfuse.train.grpo import GRPOTrainer
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
-from rlfuse.train.warm import KernelWarmup
+from rlfuse.train.warm import KernelWarmup, policy_head
 
 pytestmark = pytest.mark.gpu
 
@@ -42,6 +42,6 @@ def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numeric
     n = _cache_entries(cache)
     # the same forward and backward for real: every kernel comes from the cache
     with use_numerics(numerics):
-        KernelWarmup(ses.model, tr._warm_head, numerics=numerics, enabled=False)._forward_backward()
+        KernelWarmup(ses.model, lambda h, b: policy_head(tr, h, b), numerics=numerics, enabled=False)._forward_backward()
     torch.cuda.synchronize()
     assert _cache_entries(cache) == n, "the update compiled kernels the workers did not"

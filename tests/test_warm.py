@@ -14,7 +14,7 @@ from rlfuse.kernels.backend import use_numerics
 from rlfuse.model.lora import has_lora
 from rlfuse.train.grpo import GRPOTrainer
 from rlfuse.train.loop import make_optimizer
-from rlfuse.train.warm import KernelWarmup
+from rlfuse.train.warm import KernelWarmup, policy_head
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -34,7 +34,7 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         heads = []
 
         def head(h, batch):
-            loss = trainer._warm_head(h, batch)
+            loss = policy_head(trainer, h, batch)
             heads.append(loss.detach())
             return loss
 

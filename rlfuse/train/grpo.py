@@ -17,7 +17,7 @@ One step:
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term (with LoRA:
   the model itself with its adapters off, no copy).
 The optimizer writes into the same parameter tensors, so the next generate uses them.
-`GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`grpo.overlap: stream` does 2-3 group by group during 1 (rlfuse.train.grpo_stream).
 Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
 then every rank holds the global samples and scores (rlfuse.run.distributed.data_parallel), so
 advantages, kept groups and mini-batches are the one-process ones; each rank trains on
@@ -62,9 +62,10 @@ from rlfuse.run.distributed import (
     rollout_on_ranks,
 )
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
+from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
-from rlfuse.train.off_policy import off_policy_corrections
-from rlfuse.train.warm import KernelWarmup, compile_left
+from rlfuse.train.off_policy import off_policy_corrections, recompute_old_logprobs
+from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
@@ -76,8 +77,8 @@ def _mean(xs):
 
 
 class GRPOTrainer(StreamAndGuardState):
-    """The GRPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
-    `sampler`, scored by `rewards`, trained into `model` by `optimizer`."""
+    """The GRPO step and its state (a `rlfuse.train.loop.Trainer`, which `run_loop` runs):
+    rollouts of `stream`'s prompts from `sampler`, scored by `rewards`, trained into `model`."""
 
     stage = "grpo"
 
@@ -108,15 +109,7 @@ class GRPOTrainer(StreamAndGuardState):
         # exact numerics they equal this trainer's first-iteration log-probs bitwise
         self.numerics = cfg.engine.numerics
         g = self.g
-        corrections = g.tis_cap is not None or g.mis_bounds is not None or g.icepop_bounds is not None
-        # exact numerics: the trainer's old log-probs ARE the rollout's, so no recompute forward
-        self.recompute_old = self.numerics == "fast" and (g.old_logprobs == "recompute" or corrections)
-        if self.numerics == "exact" and (g.old_logprobs == "recompute" or corrections):
-            log.info("numerics exact: old log-probs = the rollout's (bitwise the trainer's); no recompute "
-                     "forward, and the off-policy corrections are identities")
-        log.info("numerics %s (engine.numerics): %s", self.numerics,
-                 "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
-                 else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
+        self.recompute_old = recompute_old_logprobs(g, self.numerics)
         # multi-turn episodes (rollout.tools / rollout.env): samples carry a loss mask over the
         # model's tokens and their own prompt ids; observation tokens are context only
         self.multi_turn = cfg.rollout.multi_turn
@@ -126,9 +119,10 @@ class GRPOTrainer(StreamAndGuardState):
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
         # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
         self.share_min = self.g.share_prefix_min_tokens if self.g.share_prefix else 0
+        self.streamer = StreamStep(self) if g.overlap == "stream" else None
         self.last_samples: list[dict] = []
-        # the update's kernels compile on a side thread during the first rollout (train/warm.py)
-        self._warm = KernelWarmup(model, self._warm_head, numerics=self.numerics,
+        # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
+        self._warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
                                   enabled=g.warm_kernels and dist is None)
 
     def samples(self) -> list[dict]:
@@ -139,14 +133,18 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         timer = PhaseTimer(self.device)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
-        if self.dist is None:
+        trained = None
+        if self.streamer is not None:  # grpo.overlap stream: each group trained as it finishes
+            samples, total, per, errors, adv, trained = self.streamer.run(prompts, step, timer)
+        elif self.dist is None:
             samples, total, per, errors = self._rollout(prompts, step, timer)
         else:
             samples, total, per, errors, self._owner = rollout_on_ranks(
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
-            adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
+            if trained is None:
+                adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
         m: dict = {}
@@ -168,7 +166,7 @@ class GRPOTrainer(StreamAndGuardState):
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
-            m.update(self._train(prompts, samples, adv, kept_groups, step))
+            m.update(trained if trained is not None else self._train(prompts, samples, adv, kept_groups, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()
         t = timer.times
         n_gen = sum(lens)
@@ -261,17 +259,7 @@ class GRPOTrainer(StreamAndGuardState):
         extra: dict = {}
         if self.recompute_old or check:
             old = self._trainer_logprobs(prompts, samples, seqs)
-            mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
-            full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
-                                    torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
-                                              or [torch.zeros(0, device=self.device)]))
-            if self.dist is not None:
-                full = reduce_mismatch(self.dist, full)
-            extra = {f"mismatch/full_{k}": v for k, v in full.items()}
-            if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
-                log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
-                          "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+            extra = self._full_mismatch(samples, seqs, old, check, step)
             if not self.recompute_old:
                 old = None  # a check only: the old policy stays the rollout's
         # mini-batches: kept groups split evenly, in order
@@ -288,13 +276,32 @@ class GRPOTrainer(StreamAndGuardState):
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(v)
+        return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
+
+    def _full_mismatch(self, samples, seqs: list[int], old: dict, check: bool, step: int) -> dict:
+        """mismatch/full_* of the trainer's log-probs `old` against the rollout's (an error
+        logged if exact numerics disagree on a checked step)."""
+        mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
+        full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
+                                torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
+                                torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
+                                          or [torch.zeros(0, device=self.device)]))
+        if self.dist is not None:
+            full = reduce_mismatch(self.dist, full)
+        if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
+            log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
+                      "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+        return {f"mismatch/full_{k}": v for k, v in full.items()}
+
+    def _train_metrics(self, acc: dict[str, list], capture, extra: dict, n_trained: int) -> dict:
+        """The step's training metrics: optimizer-step means of `acc`, the mismatch of the
+        first optimizer step's captured (log-probs, old, mask), `extra`."""
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
         if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
             out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
         empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
-        mm = logprob_mismatch(torch.cat(first_logp or empty), torch.cat(first_old or empty),
-                              torch.cat(first_mask or empty))
+        mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
         if self.dist is not None:
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
@@ -307,8 +314,13 @@ class GRPOTrainer(StreamAndGuardState):
 
     def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, old=None,
                         capture=None) -> dict:
-        o = self.cfg.optim
         sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture, old=old)
+        return self.apply_update(sums, n_tok, opt_step)
+
+    def apply_update(self, sums: dict, n_tok: int, opt_step: int) -> dict:
+        """Clip the accumulated gradients and take optimizer step `opt_step` (skipped by the
+        non-finite guard); the step's statistics."""
+        o = self.cfg.optim
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
@@ -317,12 +329,15 @@ class GRPOTrainer(StreamAndGuardState):
         self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
-    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None):
+    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None, *,
+                             micro_batches=None, totals: tuple[int, float] | None = None):
         """Backward of the policy loss over sequences `seq_idx` (indices into samples),
         micro-batched by token budget; grads accumulate in the params' .grad. `old` (sample
         index -> trainer log-probs) replaces the rollout's as the old policy and turns on the
         configured off-policy corrections. Returns (stats summed into full-batch averages,
-        tokens processed)."""
+        tokens processed). grpo.overlap stream passes one group's `micro_batches`
+        ((positions into seq_idx, pad) pairs) and the normalizers `totals` (sequences,
+        loss tokens) of the whole step, which `seq_idx` alone does not know."""
         g = self.g
         dev = self.device
         self.model.train()
@@ -330,12 +345,11 @@ class GRPOTrainer(StreamAndGuardState):
         # one (multi-turn: observation tokens are context)
         live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
         n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
-        total_seqs = len(seq_idx)
-        total_tokens = sum(n * w for n, w in zip(n_loss, live))
+        total_seqs, total_tokens = totals or (len(seq_idx), sum(n * w for n, w in zip(n_loss, live)))
         seqs = self._sequences(prompts, samples, seq_idx)
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in self._micro_batches(seq_idx, seqs):
+        for mb, pad in micro_batches if micro_batches is not None else self._micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
             batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
@@ -381,18 +395,6 @@ class GRPOTrainer(StreamAndGuardState):
                            kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
                            kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
                            max_tokens=self.max_loss_tokens)
-
-    def _warm_head(self, h_TD, batch: PackedBatch):
-        """The update's part after the final norm on a dummy batch (train/warm.py): the
-        fused log-prob (with entropy when logged) and the policy loss with this run's
-        settings, so the warm-up compiles the variants the update launches."""
-        out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
-                             return_entropy=self.g.log_entropy)
-        logp_N, ent_N = out if self.g.log_entropy else (out, None)
-        ones = torch.ones_like(logp_N)
-        loss, _ = self._policy_loss(logp_N, logp_N.detach(), ones, ones, batch,
-                                    logp_N.detach() if self.kl_in_loss else None)
-        return loss if ent_N is None else loss + 0.0 * ent_N.sum()
 
     @torch.no_grad()
     def _trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:

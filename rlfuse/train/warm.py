@@ -45,6 +45,7 @@ from rlfuse.kernels.backend import (
     triton_compiles,
     use_numerics,
 )
+from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,20 @@ class KernelWarmup:
                  f"; {len(failed)} failed, first: {failed[0]}" if failed else "")
         return {"compile/warmup_kernels": float(len(self.futures) - len(failed)),
                 "compile/warmup_failed": float(len(failed)), "compile/waited_s": waited}
+
+
+def policy_head(trainer, h_TD, batch: PackedBatch):
+    """A GRPO trainer's update after the final norm, on the dummy batch: the fused log-prob
+    (with entropy when logged) and the policy loss with the run's settings, so the warm-up
+    compiles the variants the update launches."""
+    g = trainer.g
+    out = token_logprobs(h_TD[batch.rows], trainer.model.lm_head_weight, batch.targets, trainer.logprob_t,
+                         return_entropy=g.log_entropy)
+    logp_N, ent_N = out if g.log_entropy else (out, None)
+    ones = torch.ones_like(logp_N)
+    loss, _ = trainer._policy_loss(logp_N, logp_N.detach(), ones, ones, batch,
+                                   logp_N.detach() if trainer.kl_in_loss else None)
+    return loss if ent_N is None else loss + 0.0 * ent_N.sum()
 
 
 def compile_left(before: dict[str, int]) -> dict:

@@ -41,6 +41,7 @@ from rlfuse.run.config.algorithms import (
     PPOConfig,
     SFTConfig,
     _check_ppo,
+    check_stream,
 )
 from rlfuse.run.config.sections import (
     _DC,
@@ -134,6 +135,7 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        check_stream(g, multi_turn=self.rollout.multi_turn)
         _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
         bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
         if bad:
