@@ -123,7 +123,7 @@ class GRPOTrainer(StreamAndGuardState):
         self.last_samples: list[dict] = []
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
         self._warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
-                                  enabled=g.warm_kernels and dist is None)
+                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -276,6 +276,8 @@ class GRPOTrainer(StreamAndGuardState):
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(v)
+        if first_cuda:
+            extra = {**extra, **warm, **compile_left(compiled_before)}
         return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
 
     def _full_mismatch(self, samples, seqs: list[int], old: dict, check: bool, step: int) -> dict:
@@ -306,9 +308,6 @@ class GRPOTrainer(StreamAndGuardState):
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
-        if first_cuda:
-            out.update(warm)
-            out.update(compile_left(compiled_before))
         out["_train_tokens"] = float(n_trained)
         return out
 
