@@ -89,15 +89,15 @@ def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, dict[str, str]]:
 
 
 def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
-    """The folder's settings, with the asked dropout; a field set away from its default in
-    `asked` must equal the folder's."""
+    """The folder's settings, with the asked dropout and export_merged; a field set away
+    from its default in `asked` must equal the folder's."""
     for f in ("rank", "alpha", "targets", "rslora"):
         a, d, got = getattr(asked, f), getattr(_DEFAULTS, f), getattr(found, f)
         if a != d and a != got:
             raise ValueError(f"lora.{f} = {a!r} but the adapter at {where} has {got!r}: set lora.{f} to {got!r} "
                              f"or leave it out")
     return LoRAConfig(rank=found.rank, alpha=found.alpha, targets=found.targets, rslora=found.rslora,
-                      dropout=asked.dropout, path=str(where))
+                      dropout=asked.dropout, path=str(where), export_merged=asked.export_merged)
 
 
 @torch.no_grad()
