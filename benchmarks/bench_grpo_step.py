@@ -267,7 +267,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps, the first a warm-up (default 3; 2 in --table)")
     ap.add_argument("--table", action="store_true", help="every shape, full FT and LoRA 16, one process each")
     ap.add_argument("--budget-s", type=float, default=480, help="--table: time for all cases together")
-    ap.add_argument("--case-s", type=float, default=150, help="--table: time cap of one case")
+    ap.add_argument("--case-s", type=float, default=200, help="--table: time cap of one case (the first compiles)")
     ap.add_argument("--case-json", help=argparse.SUPPRESS)  # --table's child writes its case here
     ap.add_argument("--demo", action="store_true", help="also run `rlfuse demo --size gpu`")
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
