@@ -95,7 +95,7 @@ def allocated(device: torch.device) -> int:
 
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
-             steps: int = 3) -> dict:
+             steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True) -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -112,7 +112,8 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     sh = SMALL if small else QWEN3_SHAPES[shape]
     P, G, new, plen = (8, 8, 1024, 128) if not small else (2, 4, 16, 16)
     case = {"shape": "tiny" if small else shape, "mode": f"LoRA r{lora}" if lora else "full FT", "numerics": numerics,
-            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"}
+            "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "micro_batch_tokens": micro_batch_tokens, "gradient_checkpointing": checkpointing}
     with torch.device("meta"):
         n_params = sum(p.numel() for p in CausalLM(ModelConfig(**sh)).parameters())
     case["params_B"] = n_params / 1e9
@@ -125,21 +126,21 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     (out / "reward_even.py").write_text(REWARD)
     block = EngineConfig().block_size
     cfg = load_config({
-        "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": True,
+        "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": checkpointing,
                   **({"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else {})},
         "engine": {"numerics": numerics, "max_num_seqs": P * G, "max_model_len": plen + new,
                    "num_kv_blocks": P * G * math.ceil((plen + new) / block)},
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
         "optim": {"lr": 1e-6, "schedule": "constant"},
         "grpo": {"steps": steps, "prompts_per_step": P, "group_size": G, "max_new_tokens": new, "temperature": 1.0,
-                 "loss_type": "dapo", "micro_batch_tokens": 16384 if not small else 256},
+                 "loss_type": "dapo", "micro_batch_tokens": micro_batch_tokens if not small else 256},
         "logging": {"run_dir": str(out / "grpo_step"), "tensorboard": False, "progress": False},
     })
     tok = char_tokenizer("abc")  # only for decoding text; prompts are token ids
     mem = {}
     m0 = allocated(dev)
     model = random_model(sh, dev, dtype, seed=0)
-    model.gradient_checkpointing = True
+    model.gradient_checkpointing = checkpointing
     mem["weights"] = allocated(dev) - m0
     case["weights_counted"] = sum(p.numel() * p.element_size() for p in model.parameters())  # vs the measured
     apply_lora(model, cfg.model, seed=0)
@@ -215,7 +216,9 @@ def run_table(out: Path, args, header: str) -> int:
         path = out / f"case_{shape}_{rank}.json"
         path.unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--shape", shape, "--lora", str(rank), "--steps", str(args.steps),
-               "--numerics", args.numerics, "--case-json", str(path)] + (["--small"] if args.small else [])
+               "--numerics", args.numerics, "--micro-batch-tokens", str(args.micro_batch_tokens),
+               "--case-json", str(path)] + (["--small"] if args.small else []) \
+            + (["--no-checkpointing"] if args.no_checkpointing else [])
         print(f"== {shape} {base['mode']}: {' '.join(cmd[1:])} (cap {left:.0f} s)", flush=True)
         try:
             proc = subprocess.run(cmd, timeout=left, capture_output=True, text=True)
@@ -268,6 +271,9 @@ def main() -> int:
     ap.add_argument("--table", action="store_true", help="every shape, full FT and LoRA 16, one process each")
     ap.add_argument("--budget-s", type=float, default=480, help="--table: time for all cases together")
     ap.add_argument("--case-s", type=float, default=200, help="--table: time cap of one case (the first compiles)")
+    ap.add_argument("--micro-batch-tokens", type=int, default=16384, help="grpo.micro_batch_tokens")
+    ap.add_argument("--no-checkpointing", action="store_true",
+                    help="no gradient checkpointing (saves the recompute; needs memory for a micro-batch's activations)")
     ap.add_argument("--case-json", help=argparse.SUPPRESS)  # --table's child writes its case here
     ap.add_argument("--demo", action="store_true", help="also run `rlfuse demo --size gpu`")
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
@@ -284,7 +290,8 @@ def main() -> int:
     header = f"{workload}; {gpu}, torch {torch.__version__}, commit {commit}"
     if args.case_json:
         res = run_case(out, small=args.small, numerics=args.numerics, shape=args.shape, lora=args.lora,
-                       steps=args.steps)
+                       steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
+                       checkpointing=not args.no_checkpointing)
         Path(args.case_json).write_text(json.dumps(res, indent=1))
         return 0
     if args.table:
@@ -292,7 +299,8 @@ def main() -> int:
             raise SystemExit("--table runs one numerics; give --numerics fast or exact")
         header += f", command `python benchmarks/bench_grpo_step.py --table{' --small' if args.small else ''}`"
         return run_table(out, args, header)
-    cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora, steps=args.steps)
+    cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora, steps=args.steps,
+                      micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing)
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))]
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small, "cases": cases}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
@@ -306,7 +314,10 @@ def main() -> int:
         (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))
     mode = f"LoRA rank {args.lora} on all linear layers" if args.lora else "full fine-tune"
     flags = "".join(f" {f}" for f, on in ((f"--shape {args.shape}", args.shape != "0.6b"),
-                                           (f"--lora {args.lora}", args.lora), ("--demo", args.demo)) if on)
+                                           (f"--lora {args.lora}", args.lora), ("--demo", args.demo),
+                                           (f"--micro-batch-tokens {args.micro_batch_tokens}",
+                                            args.micro_batch_tokens != 16384),
+                                           ("--no-checkpointing", args.no_checkpointing)) if on)
     lines = [f"### GRPO step: Qwen3-{args.shape.upper()}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
              "| numerics | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
