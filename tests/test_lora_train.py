@@ -161,6 +161,9 @@ def test_export_merged_writes_an_hf_folder_with_the_adapters_logits(tmp_path):
                                                               final).eval(), seqs)
     assert rel_err(got, with_peft) < 1e-5 and rel_err(got, ours) < 1e-5  # fp32: as tests/test_lora.py
     assert rel_err(ours, base) > 1e-3  # the trained adapter changes the logits
+    from rlfuse.api.models import resolve_model_folder
+    with pytest.raises(ValueError, match=r"is a LoRA adapter .*--adapter .*final, or the merged model .*final_merged"):
+        resolve_model_folder(tmp_path / "run")  # e.g. `rlfuse generate RUN`: both ways out are named
     # without the key, no merged folder
     plain = tiny_cfg(tmp_path / "plain", LORA, "sft.steps=1")
     run_sft(plain, session=tiny_session(plain, True))
