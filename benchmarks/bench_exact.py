@@ -27,19 +27,18 @@ import torch.nn.functional as F
 
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.engine.benchmark import QWEN3_06B
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.triton.linear import linear_exact_triton
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.transformer import Packed
 
-QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, qk_norm=True,
-                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0)
+SHAPE = QWEN3_06B | dict(max_position_embeddings=4096)
 
 
 def _model():
-    m = CausalLM(ModelConfig(**QWEN3_06B))
+    m = CausalLM(ModelConfig(**SHAPE))
     m.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
     return m.to(device="cuda", dtype=torch.bfloat16)
 
