@@ -7,7 +7,9 @@ Qwen3-0.6B-shaped random model (28 layers, D 1024, V 151936, tied), bf16:
      --gen-tokens new tokens, EOS ignored), CUDA graphs, best of 2 after a warm-up;
   3. train: the trainer's packed forward + token_logprobs + backward, 16k tokens;
   4. linear: the exact (batch-invariant) linear vs F.linear (cuBLAS) at decode and
-     training row counts, for the model's projection shapes (CUDA events, median).
+     training row counts, for the model's projection shapes and the fused q/k/v and
+     gate/up ones (CUDA events, median); at decode row counts also each launch plan
+     (fused, split, split_last) timed from CUDA-graph replays.
 Writes $OUT/bench_exact.json (or ./bench_exact.json) and prints a table.
 Run: python benchmarks/bench_exact.py [--quick]
 """
@@ -25,19 +27,18 @@ import torch.nn.functional as F
 
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
+from rlfuse.engine.benchmark import QWEN3_06B
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.triton.linear import linear_exact_triton
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.transformer import Packed
 
-QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, qk_norm=True,
-                 tie_word_embeddings=True, max_position_embeddings=4096, rope_theta=1000000.0)
+SHAPE = QWEN3_06B | dict(max_position_embeddings=4096)
 
 
 def _model():
-    m = CausalLM(ModelConfig(**QWEN3_06B))
+    m = CausalLM(ModelConfig(**SHAPE))
     m.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
     return m.to(device="cuda", dtype=torch.bfloat16)
 
@@ -123,7 +124,8 @@ def bench_train(model, tokens=16384, seq=1024):
 
 def bench_linear():
     shapes = {"qkv-ish q_proj": (2048, 1024), "k_proj": (1024, 1024), "o_proj": (1024, 2048),
-              "gate/up": (3072, 1024), "down": (1024, 3072)}
+              "gate/up": (3072, 1024), "down": (1024, 3072),
+              "qkv fused": (4096, 1024), "gate_up fused": (6144, 1024)}  # rlfuse.model.fuse
     rows = []
     for name, (N, K) in shapes.items():
         w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5
@@ -134,10 +136,15 @@ def bench_linear():
             err_f = (F.linear(x, w).double() - ref).abs().max().item()
             te = _events(lambda: linear_exact_triton(x, w))
             tf = _events(lambda: F.linear(x, w))
+            # decode: each launch plan from graph replays (as the engine runs them; no host launch cost)
+            plans = {} if M > 256 else {
+                plan: round(_graph_ms(lambda plan=plan: linear_exact_triton(x, w, plan=plan)), 4)
+                for plan in ("fused", "split", "split_last")}
             rows.append(dict(shape=name, M=M, N=N, K=K, exact_ms=round(te, 4), cublas_ms=round(tf, 4),
-                             ratio=round(te / tf, 2), err_exact=err_e, err_cublas=err_f))
+                             ratio=round(te / tf, 2), err_exact=err_e, err_cublas=err_f, plans_graph_ms=plans))
             print(f"linear {name:15s} M={M:6d} exact {te * 1e3:8.1f} us  cuBLAS {tf * 1e3:8.1f} us  "
-                  f"x{te / tf:5.2f}  err {err_e:.2g} vs {err_f:.2g}", flush=True)
+                  f"x{te / tf:5.2f}  err {err_e:.2g} vs {err_f:.2g}"
+                  + "".join(f"  {p} {v * 1e3:.1f}" for p, v in plans.items()), flush=True)
     return rows
 
 
@@ -151,8 +158,9 @@ _CANDIDATES = {  # exact-linear tiles for --sweep-linear (public `tiles=` argume
     "128x64x64 c512 w4 s4": dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=64, CHUNK_K=512, num_warps=4, num_stages=4),
     "64x128x64 c1024 w4 s4": dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, CHUNK_K=1024, num_warps=4, num_stages=4),
 }
-# one decoder layer's projections of the 0.6B shape: (N, K, count)
-_LAYER = [(2048, 1024, 1), (1024, 1024, 2), (1024, 2048, 1), (3072, 1024, 2), (1024, 3072, 1)]
+# one decoder layer's projections of the 0.6B shape: (N, K, count), separate and fused (rlfuse.model.fuse)
+_LAYERS = {"separate": [(2048, 1024, 1), (1024, 1024, 2), (1024, 2048, 1), (3072, 1024, 2), (1024, 3072, 1)],
+           "fused": [(4096, 1024, 1), (1024, 2048, 1), (6144, 1024, 1), (1024, 3072, 1)]}
 
 
 def _graph_ms(fn, reps=10):
@@ -167,22 +175,26 @@ def _graph_ms(fn, reps=10):
 
 
 def sweep_linear():
-    """Per-layer projection time (ms, graph replay) for each candidate vs cuBLAS, M = 64, 256, 16384."""
+    """Per-layer projection time (ms, graph replay) for each candidate vs cuBLAS, M = 64, 256, 16384,
+    for the layer's separate projections and for the fused q/k/v and gate/up ones."""
     rows = []
-    for M in (64, 256, 16384):
-        ws = {(N, K): torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for N, K, _ in _LAYER}
-        xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K, _ in _LAYER}
-        cub = sum(c * _graph_ms(lambda: F.linear(xs[K], ws[(N, K)])) for N, K, c in _LAYER)
-        rows.append(dict(M=M, tiles="cuBLAS", layer_ms=round(cub, 4), over_cublas=1.0))
-        print(f"sweep M={M:6d} {'cuBLAS':24s} {cub * 1e3:8.1f} us/layer", flush=True)
-        for name, t in _CANDIDATES.items():
-            try:
-                ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t)) for N, K, c in _LAYER)
-            except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
-                print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                continue
-            rows.append(dict(M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))
-            print(f"sweep M={M:6d} {name:24s} {ms * 1e3:8.1f} us/layer  x{ms / cub:5.2f} cuBLAS", flush=True)
+    for layout, layer in _LAYERS.items():
+        for M in (64, 256, 16384):
+            ws = {(N, K): torch.randn(N, K, device="cuda", dtype=torch.bfloat16) / K**0.5 for N, K, _ in layer}
+            xs = {K: torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _, K, _ in layer}
+            cub = sum(c * _graph_ms(lambda: F.linear(xs[K], ws[(N, K)])) for N, K, c in layer)
+            rows.append(dict(layout=layout, M=M, tiles="cuBLAS", layer_ms=round(cub, 4), over_cublas=1.0))
+            print(f"sweep {layout:8s} M={M:6d} {'cuBLAS':24s} {cub * 1e3:8.1f} us/layer", flush=True)
+            for name, t in {"default (_tiles)": None, **_CANDIDATES}.items():
+                try:
+                    ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t))
+                             for N, K, c in layer)
+                except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
+                    print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                    continue
+                rows.append(dict(layout=layout, M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))
+                print(f"sweep {layout:8s} M={M:6d} {name:24s} {ms * 1e3:8.1f} us/layer  x{ms / cub:5.2f} cuBLAS",
+                      flush=True)
     return rows
 
 

@@ -11,26 +11,15 @@ import argparse
 
 import torch
 
+from rlfuse.engine.benchmark import QWEN3_SHAPES
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.lora import LoRAConfig, attach_lora, lora_memory
 
-# the public config.json values of Qwen/Qwen3-{0.6B,1.7B,4B,8B}
-SHAPES = {
-    "Qwen3-0.6B": dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                       tie_word_embeddings=True),
-    "Qwen3-1.7B": dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                       tie_word_embeddings=True),
-    "Qwen3-4B": dict(hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                     tie_word_embeddings=True),
-    "Qwen3-8B": dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                     tie_word_embeddings=False),
-}
 GIB = 2**30
 
 
 def row(name: str, shape: dict, rank: int) -> str:
-    cfg = ModelConfig(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128, qk_norm=True,
-                      max_position_embeddings=40960, **shape)
+    cfg = ModelConfig(**shape)
     with torch.device("meta"):
         model = CausalLM(cfg).to(torch.bfloat16)
     weights = sum(p.numel() for p in model.parameters()) * 2
@@ -51,8 +40,8 @@ def main() -> None:
     print(f"| shape | parameters | LoRA rank {args.rank} (all linear) | full FT: weights + training state "
           f"(estimate) | LoRA: weights + training state (estimate) | bf16 weights alone |")
     print("|---|---|---|---|---|---|")
-    for name, shape in SHAPES.items():
-        print(row(name, shape, args.rank))
+    for name, shape in QWEN3_SHAPES.items():
+        print(row(f"Qwen3-{name.upper()}", shape, args.rank))
 
 
 if __name__ == "__main__":

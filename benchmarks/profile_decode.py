@@ -11,12 +11,16 @@ graphs and look-ahead as in a real run). Two measurements, per numerics:
    of kernel intervals, and host gap = wall - busy (the GPU idle between kernels: Python,
    scheduling, launches, the one read-back per step).
 2. Projections. Each linear of a layer (q, k, v, o, gate, up, down) and the LM head is timed
-   alone at M = B rows through the model's own `Linear` (the numerics' kernel), CUDA events,
-   median of 50 after warm-up, against its weight-read bound (weight bytes / copy bandwidth).
-   x 28 layers gives the GEMM time per step per projection. The LM head is read twice per
+   alone at M = B rows through the model's own `Linear` (the numerics' kernel), against its
+   weight-read bound (weight bytes / copy bandwidth): a projection is called once per layer
+   on that layer's weights (read from HBM, as in a step), from a CUDA-graph replay as the
+   decode graphs run it (an eager Triton launch would add tens of us of host time); the
+   two heads eagerly; CUDA events, median. The sum over layers is the GEMM time per step
+   per projection. The LM head is read twice per
    step: the fp32 logits the sampler draws from, then the sampled tokens' log-probs.
 
     OUT=out python benchmarks/profile_decode.py                # B 256, P 512, fast and exact
+    OUT=out python benchmarks/profile_decode.py --fuse off on  # unfused vs fused projections
     python benchmarks/profile_decode.py --small                # CPU smoke test (no profile)
 Writes $OUT/profile_decode.json and $OUT/profile_decode.md.
 """
@@ -41,7 +45,8 @@ from rlfuse.kernels.logprob import token_logprobs
 
 # (category, pattern on the kernel name); first match wins, order matters
 CATEGORIES = [
-    ("attention", r"paged|attn|flash|_combine_kernel|store_kv"),
+    ("qk-norm+rope+kv", r"qk_norm_rope"),  # the fused q/k norms, RoPE and KV store
+    ("attention", r"paged|attn|flash|^_combine_kernel|store_kv"),  # not _linear_combine_kernel (a GEMM's)
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),
     ("swiglu", r"swiglu|silu"),
@@ -51,6 +56,7 @@ CATEGORIES = [
     ("copy/index", r"copy|index|gather|scatter|fill|cat|elementwise|vectorized|reduce"),
 ]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+FUSED = ("qkv", "gate_up")
 HEADS = ("lm_head", "logprob")
 
 
@@ -67,9 +73,9 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int) -> LLM:
+def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int, fuse: bool = True) -> LLM:
     ecfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=16384, max_model_len=P + max_new + 64,
-                        gpu_memory_fraction=0.85, seed=seed, numerics=numerics)
+                        gpu_memory_fraction=0.85, seed=seed, numerics=numerics, fuse_projections=fuse)
     llm = LLM(model, None, ecfg)
     llm.capture_graphs()
     g = torch.Generator().manual_seed(seed)
@@ -132,13 +138,23 @@ def profile_steps(llm: LLM, n: int, dev) -> dict:
                 top_kernels_s_per_step=[(k[:120], v / n, category(k)) for k, v in by_name.most_common(30)])
 
 
+def _groups(model) -> dict[str, list]:
+    """Projection name -> that projection (or fused group) of every layer, in layer order."""
+    out: dict[str, list] = {}
+    for layer in model.model.layers:
+        for n in PROJ:
+            out.setdefault(n, []).append(getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n))
+        for name, owner, attr in (("qkv", layer.self_attn, "qkv_fused"), ("gate_up", layer.mlp, "gate_up_fused")):
+            group = getattr(owner, attr)
+            if group is not None and group.live(owner):
+                out.setdefault(name, []).append(group)
+    return out
+
+
 def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]:
-    layer = model.model.layers[0]
-    mods = {n: getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n) for n in PROJ}
     rows = []
     g = torch.Generator(device=dev).manual_seed(0)
     dtype = model.lm_head_weight.dtype
-    L = model.config.num_hidden_layers
     W = model.lm_head_weight
     ids = torch.randint(0, W.shape[0], (B,), device=dev, generator=g)
     # the engine's two LM-head reads per step: fp32 logits for sampling, then the sampled
@@ -146,15 +162,24 @@ def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]
     heads = {"lm_head": lambda x: (torch.mm(x, W.t(), out_dtype=torch.float32) if dev.type == "cuda"
                                    else torch.mm(x, W.t()).float()),
              "logprob": lambda x: token_logprobs(x, W, ids, 1.0)}
-    for name, mod in list(mods.items()) + list(heads.items()):
-        w = mod.weight if isinstance(mod, torch.nn.Module) else W
+    for name, mods in list(_groups(model).items()) + [(k, [v]) for k, v in heads.items()]:
+        per_layer = name not in heads
+        w = mods[0].weight if per_layer else W
         x = torch.randn(B, w.shape[1], device=dev, dtype=dtype, generator=g)
+
+        def f(mods=mods, x=x):
+            for m in mods:  # every layer's own weights: read from HBM as in a step, not from L2
+                m(x)
         with torch.no_grad(), use_numerics(numerics):
-            f = (lambda: mod(x)) if isinstance(mod, torch.nn.Module) else (lambda: mod(x))
-            for _ in range(5):
+            for _ in range(3):
                 f()
+            if dev.type == "cuda" and per_layer:
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    f()
+                f = graph.replay
             ts = []
-            for _ in range(50 if dev.type == "cuda" else 2):
+            for _ in range(20 if dev.type == "cuda" else 2):
                 if dev.type == "cuda":
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
@@ -166,9 +191,9 @@ def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]
                     t0 = time.perf_counter()
                     f()
                     ts.append(time.perf_counter() - t0)
-        t = statistics.median(ts)
+        per_step = statistics.median(ts)
+        t = per_step / len(mods)
         wbytes = w.numel() * w.element_size()
-        per_step = t * (L if isinstance(mod, torch.nn.Module) else 1)
         rows.append(dict(proj=name, out=w.shape[0], inp=w.shape[1], us=t * 1e6, bound_us=wbytes / bw * 1e6,
                          pct_bound=100 * (wbytes / bw) / t, ms_per_step=per_step * 1e3))
     return rows
@@ -181,6 +206,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"])
+    ap.add_argument("--fuse", nargs="+", choices=["off", "on"], default=["on"],
+                    help="fused q/k/v and gate/up GEMMs (EngineConfig.fuse_projections); 'off on' runs both")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     B, P, N = (8, 16, 3) if args.small else (args.batch, args.prompt, args.steps)
@@ -190,18 +217,21 @@ def main() -> None:
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                commit=os.environ.get("RLFUSE_COMMIT", "unknown"), batch=B, prompt=P, steps=N,
                copy_bandwidth_GBps=bw / 1e9, weight_bytes=wbytes, runs={})
-    for num in args.numerics:
-        llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0)
+    # fusing re-points the model's parameters for good: the unfused runs go first
+    runs = [(fuse, num) for fuse in sorted(set(args.fuse), key=["off", "on"].index) for num in args.numerics]
+    for fuse, num in runs:
+        key = num if len(set(args.fuse)) == 1 else f"{num} {'fused' if fuse == 'on' else 'unfused'}"
+        llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0, fuse=fuse == "on")
         step_s = time_steps(llm, N, dev)
         r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
         if dev.type == "cuda":
             r.update(profile_steps(llm, N, dev))
             r["host_gap_s_per_step"] = max(0.0, step_s - r["gpu_busy_s_per_step"])
         r["projections"] = time_projections(model, B, dev, num, bw)
-        res["runs"][num] = r
+        res["runs"][key] = r
         llm.sleep()
         del llm
-        print(f"[{num}] step {step_s * 1e3:.2f} ms (weight-read bound {wbytes / bw * 1e3:.2f} ms)", flush=True)
+        print(f"[{key}] step {step_s * 1e3:.2f} ms (weight-read bound {wbytes / bw * 1e3:.2f} ms)", flush=True)
         for k, v in r.get("by_category_s_per_step", {}).items():
             print(f"  {k:12s} {v * 1e3:8.3f} ms/step", flush=True)
         if "host_gap_s_per_step" in r:
@@ -236,9 +266,13 @@ def table(res: dict) -> str:
         row(f"kernels: {c}", lambda r, c=c: f"{r.get('by_category_s_per_step', {}).get(c, 0) * 1e3:.3f}")
     row("GPU busy (union)", lambda r: f"{r.get('gpu_busy_s_per_step', 0) * 1e3:.3f}")
     row("host gap (wall - busy)", lambda r: f"{r.get('host_gap_s_per_step', 0) * 1e3:.3f}")
-    for i, p in enumerate(PROJ + HEADS):
-        row(f"{p} alone x layers (% of its bound)",
-            lambda r, i=i: f"{r['projections'][i]['ms_per_step']:.3f} ({r['projections'][i]['pct_bound']:.0f}%)")
+    row("kernels per step", lambda r: f"{r.get('kernels_per_step', 0):.0f}")
+
+    def proj(r, p):
+        hit = [q for q in r["projections"] if q["proj"] == p]
+        return f"{hit[0]['ms_per_step']:.3f} ({hit[0]['pct_bound']:.0f}%)" if hit else "-"
+    for p in PROJ + FUSED + HEADS:
+        row(f"{p} alone x layers (% of its bound)", lambda r, p=p: proj(r, p))
     return "\n".join(lines) + "\n"
 
 

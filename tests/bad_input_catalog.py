@@ -41,6 +41,7 @@ CATEGORIES = {
     "non-finite": "Non-finite numbers in training",
     "cli": "Command line",
     "run-folders": "Run folders: start, resume, overwrite",
+    "lora": "LoRA adapters",
 }
 
 PROPERTY = "bad_input"  # the key of the (fed, text) entries in item.user_properties

@@ -1611,6 +1611,168 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
     expect_reported(caplog, "not finite; optimizer step skipped", "a GRPO policy loss of NaN in one step", count=1)
 
 
+# ------------------------------------------------------------------ LoRA adapters
+LORA_CONFIG_CASES = [
+    ("model.lora.rank=0", r"model\.lora: lora\.rank must be a positive integer, got 0"),
+    ("model.lora.rank=2.5", r"model\.lora\.rank: expected an integer, got 2\.5"),
+    ("model.lora.alpha=0", r"model\.lora: lora\.alpha must be a positive number, got 0\.0"),
+    ("model.lora.alpha=.nan", r"model\.lora: lora\.alpha must be a positive number, got nan"),
+    ("model.lora.dropout=1.0", r"model\.lora: lora\.dropout must be a number in \[0, 1\), got 1\.0"),
+    ("model.lora.targets=[q_proj, lm_head]", r"lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
+                                             r"\['q_proj', .*'down_proj'\] or 'all-linear'"),
+    ("model.lora.targets=[]", r"lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
+    ("model.lora.targets=qkv", r"lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
+    ("model.lora.targets=[q_proj, q_proj]", r"lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),
+    ("model.lora.export_merged=maybe", r"model\.lora\.export_merged: expected true or false, got 'maybe'"),
+    ("model.lora.path=3", r"model\.lora\.path: expected a string, got 3"),
+    ("model.lora=8", r"model\.lora: expected a mapping, got int 8"),
+]
+
+
+@pytest.mark.bad_input("lora")
+@pytest.mark.parametrize("override,msg", LORA_CONFIG_CASES, ids=[c[0].removeprefix("model.lora.")
+                                                                 for c in LORA_CONFIG_CASES])
+def test_lora_config_value(override, msg):
+    from rlfuse.run.config.run_config import load_config
+
+    expect_error(lambda: load_config(None, [override]), msg, f"--set {override}")
+
+
+def _lora_model(layers: int = 1, hidden: int = 16):
+    cfg = ModelConfig(model_type="qwen3", qk_norm=True, vocab_size=16, hidden_size=hidden, intermediate_size=32,
+                      num_hidden_layers=layers, num_attention_heads=1, num_key_value_heads=1, head_dim=16,
+                      max_position_embeddings=32)
+    return CausalLM(cfg)
+
+
+def _adapter(tmp, name="a", rank=2, layers=1, hidden=16, targets="all-linear") -> Path:
+    from rlfuse.model.lora import LoRAConfig, attach_lora
+    from rlfuse.model.lora_peft import save_peft_adapter
+
+    model = _lora_model(layers, hidden)
+    attach_lora(model, LoRAConfig(rank=rank, targets=targets))
+    return save_peft_adapter(model, tmp / name)
+
+
+def _edit_json(path: Path, **change):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+
+
+def _rename_tensor(folder: Path, old: str, new: str):
+    from safetensors.torch import load_file, save_file
+
+    f = folder / "adapter_model.safetensors"
+    t = load_file(f)
+    t[new] = t.pop(old)
+    save_file(t, f)
+
+
+_Q = "base_model.model.model.layers.0.self_attn.q_proj"
+LORA_FOLDER_CASES = [
+    # (id, what is fed, damage(tmp) -> the adapter folder, expected error)
+    ("folder-missing", "model.lora.path: no/such/adapter", lambda t: t / "no" / "such" / "adapter",
+     r"model\.lora\.path .*no/such/adapter: no such folder \(a PEFT LoRA adapter folder holds adapter_config\.json "
+     r"and adapter_model\.safetensors\)"),
+    ("path-a-file", "model.lora.path: a file", lambda t: (t / "f.txt", (t / "f.txt").write_text("x"))[0],
+     r"model\.lora\.path .*f\.txt: is a file \(a PEFT LoRA adapter folder holds"),
+    ("no-weights", "an adapter folder without adapter_model.safetensors",
+     lambda t: (a := _adapter(t), (a / "adapter_model.safetensors").unlink())[0],
+     r"model\.lora\.path .*a: no adapter_model\.safetensors \(a PEFT LoRA adapter folder holds"),
+    ("config-not-json", "adapter_config.json: {r: 2",
+     lambda t: (a := _adapter(t), (a / "adapter_config.json").write_text("{r: 2"))[0],
+     r"adapter_config\.json: not valid JSON \(Expecting property name enclosed in double quotes"),
+    ("not-lora", "adapter_config.json with peft_type PROMPT_TUNING",
+     lambda t: (a := _adapter(t), _edit_json(a / "adapter_config.json", peft_type="PROMPT_TUNING"))[0],
+     r"adapter_config\.json: peft_type must be 'LORA', got 'PROMPT_TUNING'"),
+    ("dora", "adapter_config.json with use_dora: true",
+     lambda t: (a := _adapter(t), _edit_json(a / "adapter_config.json", use_dora=True))[0],
+     r"adapter_config\.json: use_dora = True is not supported \(only plain LoRA: use_dora = False\)"),
+    ("rank-zero", "adapter_config.json with r: 0",
+     lambda t: (a := _adapter(t), _edit_json(a / "adapter_config.json", r=0))[0],
+     r"adapter_config\.json: r \(lora\.rank\) must be a positive integer, got 0"),
+    ("alpha-a-string", "adapter_config.json with lora_alpha: \"16\"",
+     lambda t: (a := _adapter(t), _edit_json(a / "adapter_config.json", lora_alpha="16"))[0],
+     r"adapter_config\.json: lora_alpha \(lora\.alpha\) must be a positive number, got '16'"),
+    ("rank-differs-from-tensors", "adapter_config.json says r: 4, the tensors have rank 2",
+     lambda t: (a := _adapter(t), _edit_json(a / "adapter_config.json", r=4))[0],
+     r"adapter_model\.safetensors: base_model\.model\.model\.layers\.0\.mlp\.down_proj\.lora_A\.weight has shape "
+     r"\(2, 32\), the model's adapter expects \(4, 32\) \(rank 2 in the file, 4 in adapter_config\.json\)"),
+    ("another-hidden-size", "an adapter trained on a hidden size of 32, the model's is 16",
+     lambda t: _adapter(t, hidden=32),
+     r"adapter_model\.safetensors: .*down_proj\.lora_B\.weight has shape \(32, 2\), the model's adapter expects "
+     r"\(16, 2\) \(an adapter for another model shape\?\)"),
+    ("more-layers", "an adapter for a 2-layer model on a 1-layer model", lambda t: _adapter(t, layers=2),
+     r"adapter_model\.safetensors: adapts modules the model does not have or does not adapt, e\.g\. "
+     r"\['model\.layers\.1\.mlp\.down_proj', .*\] \(an adapter for another model\?\)"),
+    ("lm-head", "an adapter tensor on lm_head",
+     lambda t: (a := _adapter(t), _rename_tensor(a, f"{_Q}.lora_A.weight",
+                                                  "base_model.model.lm_head.lora_A.weight"))[0],
+     r"adapter_model\.safetensors: adapters on \['lm_head'\]; rlfuse adapts only \['q_proj', .*\]"),
+    ("unexpected-tensor", "an adapter tensor named ...q_proj.weight",
+     lambda t: (a := _adapter(t), _rename_tensor(a, f"{_Q}.lora_A.weight", f"{_Q}.weight"))[0],
+     r"adapter_model\.safetensors: unexpected tensor 'base_model\.model\.model\.layers\.0\.self_attn\.q_proj\.weight' "
+     r"\(expected base_model\.model\.<module>\.lora_A\.weight and \.lora_B\.weight\)"),
+    ("weights-damaged", "adapter_model.safetensors cut to its first 20 bytes",
+     lambda t: (a := _adapter(t), _truncate(a / "adapter_model.safetensors", keep=20))[0],
+     r"adapter_model\.safetensors: not a readable safetensors file \(damaged or truncated\?\)"),
+]
+
+
+@pytest.mark.bad_input("lora")
+@pytest.mark.parametrize("fed,damage,msg", [c[1:] for c in LORA_FOLDER_CASES], ids=[c[0] for c in LORA_FOLDER_CASES])
+def test_bad_lora_adapter_folder(tmp_path, fed, damage, msg):
+    from rlfuse.model.lora import LoRAConfig
+    from rlfuse.run.build import apply_lora
+    from rlfuse.run.config.sections import ModelSpec
+
+    folder = damage(tmp_path)
+    spec = ModelSpec(random_init={}, lora=LoRAConfig(path=str(folder)))
+    expect_error(lambda: apply_lora(_lora_model(), spec), msg, fed)
+
+
+@pytest.mark.bad_input("lora")
+def test_lora_rank_set_beside_an_adapter_path_must_agree(tmp_path):
+    from rlfuse.model.lora import LoRAConfig
+    from rlfuse.run.build import apply_lora
+    from rlfuse.run.config.sections import ModelSpec
+
+    folder = _adapter(tmp_path, rank=2)
+    spec = ModelSpec(random_init={}, lora=LoRAConfig(path=str(folder), rank=4))
+    expect_error(lambda: apply_lora(_lora_model(), spec),
+                 r"lora\.rank = 4 but the adapter at .*a has 2: set lora\.rank to 2 or leave it out",
+                 "model.lora: {rank: 4, path: <an adapter of rank 2>}")
+
+
+@pytest.mark.bad_input("lora")
+def test_resumed_adapter_of_a_per_layer_subset(tmp_path):
+    """A checkpoint's adapter/ must cover every module the run adapts (resume loads into
+    adapters attached already)."""
+    from rlfuse.model.lora import LoRAConfig, attach_lora
+    from rlfuse.model.lora_peft import load_peft_weights
+
+    folder = _adapter(tmp_path, layers=1)
+    model = _lora_model(layers=2)
+    attach_lora(model, LoRAConfig(rank=2))
+    expect_error(lambda: load_peft_weights(model, folder),
+                 r"adapter_model\.safetensors: no adapter for 7 of the model's 14 adapted modules, e\.g\. "
+                 r"\['model\.layers\.1\.mlp\.down_proj', .*\]; per-layer subsets are not supported",
+                 "a 1-layer adapter/ loaded into a 2-layer model's adapters (resume)")
+
+
+@pytest.mark.bad_input("lora")
+def test_cli_generate_with_a_missing_adapter(tmp_path, capsys):
+    from rlfuse.model.weights import save_model
+    from rlfuse.run.build import char_tokenizer as char_tok
+
+    model = _lora_model()
+    save_model(model, tmp_path / "base", tokenizer_dir=char_tok("abc").save(tmp_path / "tok"))
+    argv = ["generate", str(tmp_path / "base"), "--adapter", str(tmp_path / "nope"), "--prompt", "ab",
+            "--device", "cpu"]
+    rc, _, err = _cli(argv, capsys)
+    cli_error_line(rc, err, r"adapter .*nope: no such folder \(a PEFT LoRA adapter folder holds",
+                   "rlfuse generate BASE --adapter <missing folder>")
+
+
 # ------------------------------------------------------------------ the catalog of this corpus
 def test_the_catalog_lists_every_case(request):
     """docs/bad-inputs.md lists exactly this file's corpus cases, each under its category (the

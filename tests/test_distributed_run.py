@@ -47,7 +47,10 @@ from rlfuse.train.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-GRPO = ("grpo.kl_coef=0.05", "grpo.mu=2", "grpo.mini_batches=2", "checkpoint.every=2", "checkpoint.save_final=true")
+# engine.fuse_projections off: sharded ranks never fuse (FSDP owns the parameters), so a fused
+# one-process run would also differ by the fused GEMMs' rounding, not only the sum orders below
+GRPO = ("grpo.kl_coef=0.05", "grpo.mu=2", "grpo.mini_batches=2", "checkpoint.every=2", "checkpoint.save_final=true",
+        "engine.fuse_projections=false")
 SFT = ("sft.micro_batch_tokens=24",)
 # 2 ranks vs one process, fp32: the rollouts are the same samples; the gradient is summed
 # in another order (each rank packs its own micro-batches, then the reduce-scatter adds the

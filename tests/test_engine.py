@@ -365,8 +365,7 @@ def test_runner_passes_16_byte_aligned_tensors_to_kernels(model, monkeypatch):
             return fn(*a, **k)
         return w
 
-    for mod, name in ((mr, "sample"), (mr, "token_logprobs"), (tr, "paged_attention"), (tr, "store_kvcache"),
-                      (tr, "rope")):
+    for mod, name in ((mr, "sample"), (mr, "token_logprobs"), (tr, "paged_attention"), (tr, "qk_norm_rope")):
         monkeypatch.setattr(mod, name, checked(name, getattr(mod, name)))
     llm = _llm(model, max_num_seqs=7, max_num_batched_tokens=23)
     prompts = random_prompts([1, 2, 3, 5, 7, 17, 30, 9, 4])

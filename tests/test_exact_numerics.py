@@ -69,8 +69,10 @@ def test_exact_linear_triton_plans_agree_and_are_batch_invariant(dtype, bias):
     b = torch.randn(N, generator=_g(6)).to(DEV, dtype) if bias else None
     fused = linear_exact_triton(x, w, b, plan="fused")
     assert torch.equal(linear_exact_triton(x, w, b, plan="split"), fused)
+    assert torch.equal(linear_exact_triton(x, w, b, plan="split_last"), fused)
     for k in (1, 5, 33):
         assert torch.equal(linear_exact_triton(x[:k], w, b, plan="split"), fused[:k])
+        assert torch.equal(linear_exact_triton(x[:k], w, b, plan="split_last"), fused[:k])
         assert torch.equal(linear_exact_triton(x[k:], w, b, plan="fused"), fused[k:])
     gold = F.linear(x.double(), w.double(), None if b is None else b.double())
     err = (fused.double() - gold).abs().max().item()
@@ -93,6 +95,7 @@ def test_exact_linear_tile_families_agree_bitwise(dtype):
     a = linear_exact_triton(x, w, tiles=wide, plan="fused")
     assert torch.equal(linear_exact_triton(x, w, tiles=narrow, plan="fused"), a)
     assert torch.equal(linear_exact_triton(x, w, tiles=narrow, plan="split"), a)
+    assert torch.equal(linear_exact_triton(x, w, tiles=narrow, plan="split_last"), a)
     if dtype == torch.bfloat16:  # the automatic choice on both sides of the threshold
         for k in (1, 64, DECODE_ROWS, DECODE_ROWS + 1):
             assert torch.equal(linear_exact_triton(x[:k], w), a[:k])

@@ -19,7 +19,8 @@ from rlfuse.run import checkpoint as ck
 from rlfuse.run.config import replace
 from rlfuse.run.config.docs import render
 from rlfuse.train.dpo import run_dpo
-from rlfuse.train.grpo import reference_model, run_grpo
+from rlfuse.train.grpo import run_grpo
+from rlfuse.train.loop import reference_model
 from rlfuse.train.ppo import run_ppo
 from rlfuse.train.sft import run_sft
 
@@ -130,3 +131,42 @@ def test_eval_cli_takes_a_lora_checkpoint(tmp_path, capsys):
         assert rc == 0, capsys.readouterr().err
         res = json.loads((tmp_path / "ev" / "eval.json").read_text())
         assert res["adapter"].startswith(str(ckpt)) and res["num_problems"] == 4
+
+
+def test_export_merged_writes_an_hf_folder_with_the_adapters_logits(tmp_path):
+    """model.lora.export_merged: beside the PEFT folder final/, final_merged/ is an HF folder
+    that plain transformers loads with the logits of base + adapter (PEFT's and ours)."""
+    import peft
+    import transformers
+    from test_model import _hf_logits, _ours_logits, _seqs
+    from tiny_hf import rel_err
+
+    from rlfuse.kernels import use_backend
+    from rlfuse.model.weights import save_model
+
+    cfg = tiny_cfg(tmp_path / "run", LORA, "model.lora.export_merged=true")
+    model = run_sft(cfg, session=tiny_session(cfg, True))["model"]
+    final, merged = tmp_path / "run" / "final", tmp_path / "run" / "final_merged"
+    assert (final / "adapter_config.json").is_file() and (merged / "config.json").is_file()
+    assert not (merged / "adapter_config.json").exists()
+    save_model(model, tmp_path / "base")  # the frozen base alone (adapters are no part of an HF checkpoint)
+    seqs = _seqs(model.config.vocab_size, seed=3)
+    with torch.no_grad(), use_backend("torch"):
+        ours = _ours_logits(model, seqs)
+        with adapters_off(model):
+            base = _ours_logits(model, seqs)
+    load = transformers.AutoModelForCausalLM.from_pretrained
+    with torch.no_grad():
+        got = _hf_logits(load(merged, dtype=torch.float32).eval(), seqs)
+        with_peft = _hf_logits(peft.PeftModel.from_pretrained(load(tmp_path / "base", dtype=torch.float32),
+                                                              final).eval(), seqs)
+    assert rel_err(got, with_peft) < 1e-5 and rel_err(got, ours) < 1e-5  # fp32: as tests/test_lora.py
+    assert rel_err(ours, base) > 1e-3  # the trained adapter changes the logits
+    from rlfuse.api.models import resolve_model_folder
+    with pytest.raises(ValueError, match=r"is a LoRA adapter .*--adapter .*final, or the merged model .*final_merged"):
+        resolve_model_folder(tmp_path / "run")  # e.g. `rlfuse generate RUN`: both ways out are named
+    # without the key, no merged folder
+    plain = tiny_cfg(tmp_path / "plain", LORA, "sft.steps=1")
+    run_sft(plain, session=tiny_session(plain, True))
+    assert (tmp_path / "plain" / "final" / "adapter_config.json").is_file()
+    assert not (tmp_path / "plain" / "final_merged").exists()

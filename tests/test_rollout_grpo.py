@@ -20,8 +20,8 @@ from rlfuse.kernels.policy_loss import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS
-from rlfuse.train.grpo import GRPOTrainer, reference_model, run_grpo
-from rlfuse.train.loop import make_optimizer
+from rlfuse.train.grpo import GRPOTrainer, run_grpo
+from rlfuse.train.loop import make_optimizer, reference_model
 
 
 class _Stub:

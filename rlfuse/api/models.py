@@ -16,7 +16,8 @@ import torch
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.transformer import CausalLM
-from rlfuse.run import check_model_folder, check_vocab, list_checkpoints, load_model_folder, pick_device
+from rlfuse.run import (check_model_folder, check_vocab, list_checkpoints, load_model_folder, merged_folder,
+                        pick_device)
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +29,10 @@ def resolve_model_folder(path: str | Path, what: str = "MODEL") -> Path:
     p = Path(path)
     for q in (p, p / "final", p / "adapter"):
         if (q / "adapter_config.json").exists() and not (p / "config.json").exists():
+            merged = merged_folder(q)
             raise ValueError(f"{what}: {q} is a LoRA adapter (a PEFT folder), not a model: give the base model "
-                             f"folder and the adapter with --adapter {q}")
+                             f"folder and the adapter with --adapter {q}"
+                             + (f", or the merged model {merged}" if (merged / "config.json").exists() else ""))
     if (p / "config.json").exists():
         return p
     if (p / "model" / "config.json").exists():  # a checkpoint

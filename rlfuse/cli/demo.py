@@ -15,7 +15,7 @@ import torch
 
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
-from rlfuse.recipes.agent_demo import AGENT_SIZES, run_agent_demo
+from rlfuse.recipes.agent_demo import run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, remove_path
 
@@ -32,7 +32,7 @@ def add_arguments(p):
                         "replaced, and said so")
     p.add_argument("--agent", action="store_true",
                    help="multi-turn with a tool: SFT on calculator transcripts, then GRPO on episodes that call "
-                        "it (3-digit multiplication), vs a no-tool baseline (sizes ci, cpu)")
+                        "it (3-digit multiplication), vs a no-tool baseline")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -55,9 +55,7 @@ def replace_previous_demo(root: Path) -> None:
 
 
 def run(args) -> int:
-    if args.agent and args.size == "gpu":
-        return fail(ValueError(f"demo --agent: --size must be one of {AGENT_SIZES}, got 'gpu'"))
-    size = args.size or ("gpu" if torch.cuda.is_available() and not args.agent else "cpu")
+    size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
     args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")

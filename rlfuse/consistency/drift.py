@@ -23,8 +23,9 @@ from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
-_OPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.q_norm",
-        "self_attn.k_norm", "self_attn.attention", "self_attn.o_proj", "post_attention_layernorm",
+# q_norm / k_norm are not modules the forward calls: their weights go to the fused
+# qk_norm_rope kernel, whose result shows in self_attn.attention
+_OPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.attention", "self_attn.o_proj", "post_attention_layernorm",
         "mlp.gate_proj", "mlp.up_proj", "mlp.swiglu", "mlp.down_proj", "output")
 
 
@@ -53,6 +54,10 @@ def _capture(model: CausalLM, row: int) -> tuple[dict, list]:
     def save(key, pre=False):
         def hook(_mod, args, out=None):
             t = args[0] if pre else out
+            if isinstance(t, tuple):
+                # a layer's (h, delta): the stream is h + delta (the bits the next norm's
+                # fused add computes); a norm's (h + x, y): its output y
+                t = t[0] + t[1] if key[1] == "output" else t[1]
             got[key] = t[row].detach().float().clone()
         return hook
 
@@ -67,9 +72,7 @@ def _capture(model: CausalLM, row: int) -> tuple[dict, list]:
                 hooks.append(layer.mlp.down_proj.register_forward_pre_hook(save((i, op), pre=True)))
             else:
                 parent, name = op.split(".") if "." in op else ("", op)
-                mod = getattr(layer.get_submodule(parent), name)
-                if mod is not None:  # q_norm / k_norm exist only with qk-norm
-                    hooks.append(mod.register_forward_hook(save((i, op))))
+                hooks.append(getattr(layer.get_submodule(parent), name).register_forward_hook(save((i, op))))
     hooks.append(model.model.norm.register_forward_hook(save((len(model.model.layers), "norm"))))
     return got, hooks
 

@@ -45,9 +45,22 @@ from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
-QWEN3_06B = dict(model_type="qwen3", vocab_size=151936, hidden_size=1024, intermediate_size=3072,
-                 num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                 qk_norm=True, tie_word_embeddings=True, rope_theta=1e6, max_position_embeddings=40960)
+
+def _qwen3(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> dict:
+    return dict(model_type="qwen3", vocab_size=151936, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=8, head_dim=128,
+                qk_norm=True, tie_word_embeddings=tied, rope_theta=1e6, max_position_embeddings=40960)
+
+
+# the published config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B}: the shapes every benchmark uses
+# (with random weights); one definition, benchmarks override max_position_embeddings if needed
+QWEN3_SHAPES = {
+    "0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
+    "1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
+    "4b": _qwen3(2560, 9728, 36, 32, tied=True),
+    "8b": _qwen3(4096, 12288, 36, 32, tied=False),
+}
+QWEN3_06B = QWEN3_SHAPES["0.6b"]
 TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
             tie_word_embeddings=True, max_position_embeddings=512)
@@ -141,14 +154,19 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def random_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: int = 0) -> CausalLM:
+    """A CausalLM of `shape` (ModelConfig fields) with random weights made directly on
+    `device` in `dtype` (built on the meta device, then allocated): an 8B model never
+    passes through fp32 on the CPU."""
+    with torch.device("meta"):
+        model = CausalLM(ModelConfig(**shape))
+    model = model.to(dtype).to_empty(device=device)
+    model.init_weights(std=0.02, generator=torch.Generator(device).manual_seed(seed))
+    return model.eval()
+
+
 def build_model(small: bool, device: torch.device, seed: int) -> CausalLM:
-    cfg = ModelConfig(**(TINY if small else QWEN3_06B))
-    dtype = torch.float32 if small else torch.bfloat16
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = CausalLM(cfg)
-    model.init_weights(std=0.02)
-    return model.to(dtype).eval()
+    return random_model(TINY if small else QWEN3_06B, device, torch.float32 if small else torch.bfloat16, seed)
 
 
 def _hf_model(model: CausalLM):

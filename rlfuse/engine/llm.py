@@ -41,6 +41,7 @@ from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sample_key_base
 from rlfuse.engine.stats import EngineStats
+from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
 from rlfuse.model.transformer import CausalLM
 
@@ -67,6 +68,8 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mcfg = model.config
+        if cfg.fuse_projections:
+            fuse_projections(model)  # moves the parameters' storage: before any graph records a pointer
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
@@ -354,13 +357,28 @@ class LLM:
         len(prompts) * n Completions, prompt-major (sample k of prompt i at i * n + k when
         n is shared). All requests are validated before any runs: an invalid one raises
         ValueError naming it (request "i" is prompt i) and nothing is queued."""
+        prompts, plist = self._prompt_list(prompts, params)
+        done = {(i, c.index): c for i, c in self.stream(prompts, plist)}
+        return [done[(i, k)] for i, p in enumerate(plist) for k in range(p.n)]
+
+    @staticmethod
+    def _prompt_list(prompts, params):
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if self.has_unfinished():
-            raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
         plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(plist) != len(prompts):
             raise ValueError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
+        return prompts, plist
+
+    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+        """`generate`, yielding (prompt index, Completion) as each sample finishes, between
+        engine steps: the caller's work between two yields runs while the engine is paused
+        (on CUDA, its own kernels on another stream overlap the queued decode step). The
+        same requests and steps as `generate`, so the same completions. Validation happens
+        at the first `next()`, before anything is queued."""
+        prompts, plist = self._prompt_list(prompts, params)
+        if self.has_unfinished():
+            raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
         errors, checked = [], []
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             try:
@@ -370,20 +388,20 @@ class LLM:
         if errors:
             raise ValueError("; ".join(errors))
         t0, out0 = time.perf_counter(), self.stats.output_tokens
-        rids = []
+        index = {}
         for i, (ids, p) in enumerate(zip(checked, plist)):
             rid = f"gen-{self._next_id}-{i}"
             self._enqueue(rid, ids, p)
-            rids.append(rid)
+            index[rid] = i
         self._next_id += 1
-        done: dict[tuple[str, int], Completion] = {}
+        n_done = 0
         while self.has_unfinished():
             for c in self.step():
-                done[(c.request_id, c.index)] = c
+                n_done += 1
+                yield index[c.request_id], c
         n_out, dt = self.stats.output_tokens - out0, time.perf_counter() - t0
-        log.info("generate: %d completions, %d tokens in %.2f s (%.0f tok/s)", len(done), n_out, dt,
+        log.info("generate: %d completions, %d tokens in %.2f s (%.0f tok/s)", n_done, n_out, dt,
                  n_out / max(dt, 1e-9))
-        return [done[(rid, k)] for rid, p in zip(rids, plist) for k in range(p.n)]
 
     # ------------------------------------------------------------------ sleep / wake
     def sleep(self) -> None:
@@ -411,8 +429,10 @@ class LLM:
         self.asleep = False
         log.info("engine awake: KV pool of %.2f GiB allocated", self.kv.nbytes / 1024**3)
 
-    def capture_graphs(self) -> None:
-        """Capture all decode CUDA graphs now (benchmarks: keeps capture out of timings)."""
+    def capture_graphs(self, up_to: int | None = None) -> None:
+        """Capture the decode CUDA graphs now (all, or those batches of at most `up_to`
+        sequences use): keeps capture out of benchmark timings, and out of the time another
+        thread launches work (a capture forbids that thread some CUDA calls)."""
         if self.asleep:
             raise RuntimeError("LLM.capture_graphs: the engine is asleep; call wake() first")
-        self.runner.capture_graphs()
+        self.runner.capture_graphs(up_to)

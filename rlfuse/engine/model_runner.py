@@ -349,12 +349,14 @@ class ModelRunner:
 
     @torch.no_grad()
     @_in_numerics
-    def capture_graphs(self) -> None:
+    def capture_graphs(self, up_to: int | None = None) -> None:
         """Capture every bucket now (largest first, so one memory pool fits all), over
-        padding inputs; normally buckets are captured on first use."""
+        padding inputs; normally buckets are captured on first use. `up_to`: only the
+        buckets a decode batch of at most that many sequences can use."""
         if not self.use_graphs:
             return
-        todo = [s for s in sorted(self.graph_sizes, reverse=True) if s not in self.graphs]
+        top = next((s for s in self.graph_sizes if s >= up_to), self.max_graph_bs) if up_to else self.max_graph_bs
+        todo = [s for s in sorted(self.graph_sizes, reverse=True) if s not in self.graphs and s <= top]
         if not todo:
             return
         t0 = time.perf_counter()

@@ -105,6 +105,17 @@ def triton_compiles() -> dict[str, int]:
     return triton_ops("common").compiled_variants()
 
 
+def record_compiles():
+    """Context manager (CUDA): kernel launches that would compile are recorded and skipped;
+    yields [(module, kernel, specialization JSON)] for `compile_from_spec` (train/warm.py)."""
+    return triton_ops("common").record_compiles()
+
+
+def compile_from_spec(module: str, name: str, spec: str) -> str:
+    """Compile one recorded kernel specialization into Triton's cache (worker processes)."""
+    return triton_ops("common").compile_from_spec(module, name, spec)
+
+
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     """Kernels compiled between two `triton_compiles()` snapshots: {name: new count}."""
     return {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}

@@ -13,12 +13,18 @@ on K alone, never on M or on the row's place in the batch:
     K is cut into S = cdiv(K, CHUNK_K) chunks; chunk s is accumulated in fp32 from zero,
     BLOCK_K columns at a time (tl.dot), and the chunks are summed left to right:
         y = ((c_0 + c_1) + c_2) + ... ;  y += bias (fp32);  y -> x.dtype
-Two launch plans compute exactly that sum, so either may be chosen from M:
+Three launch plans compute exactly that sum, so any may be chosen from M:
   * fused: one program per (BLOCK_M x BLOCK_N) tile walks all S chunks itself;
   * split: one program per (tile, chunk) writes c_s (fp32) to a workspace and a second
-    kernel adds the S partials in order. Small M (decode) uses it to fill the GPU,
-    since without it a tile grid of cdiv(M, BLOCK_M) x cdiv(N, BLOCK_N) is only a few
-    dozen programs.
+    kernel adds the S partials in order (the LoRA expand's epilogue runs in that second
+    kernel);
+  * split_last: the same programs in one launch: each counts itself in at its tile (an
+    atomic counter) after writing c_s, and the tile's last to arrive adds c_0 + c_1 + ...
+    from the workspace in chunk order, whichever chunk it computed itself; it resets
+    the counter, so the counters stay zero between launches (one buffer per stream).
+Small M (decode) splits, to fill the GPU: without it a tile grid of cdiv(M, BLOCK_M) x
+cdiv(N, BLOCK_N) is only a few dozen programs; the linear picks split_last (a launch and
+a workspace pass fewer than split).
 The canonical order is fixed by BLOCK_K and CHUNK_K alone: a tile's height and width
 change which rows and columns a program owns, not the sequence of fp32 accumulations an
 element sees (the matrix instruction chains its k-steps on the accumulator). So the 16-bit
@@ -81,3 +87,44 @@ def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Public op: F.linear in fast numerics; the batch-invariant forward in exact numerics."""
     return linear_exact(x, weight, bias) if is_exact() else F.linear(x, weight, bias)
+
+
+class _FusedLinear(torch.autograd.Function):
+    """One GEMM over `weight`, the row-concatenation of `parts` (which are views of it):
+    the gradient of each part is its rows of dW (and of db)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, n_parts, *parts):
+        ctx.save_for_backward(x, *parts)  # the parts, not the buffer: their version counters guard in-place edits
+        ctx.weight, ctx.has_bias, ctx.n_parts = weight, bias is not None, n_parts
+        ctx.sizes = [p.shape[0] for p in parts[:n_parts]]
+        return linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x = ctx.saved_tensors[0]
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        needs = ctx.needs_input_grad
+        dx = (dy2 @ ctx.weight).view(x.shape) if needs[0] else None
+        dws = [None] * ctx.n_parts
+        if any(needs[4:4 + ctx.n_parts]):
+            dws = list((dy2.t() @ x.reshape(-1, x.shape[-1])).split(ctx.sizes))
+        dbs = []
+        if ctx.has_bias:
+            dbs = list(dy2.sum(0).split(ctx.sizes)) if any(needs[4 + ctx.n_parts:]) else [None] * ctx.n_parts
+        return dx, None, None, None, *dws, *dbs
+
+
+def linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                 weights: tuple[torch.Tensor, ...], biases: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """`linear(x, weight, bias)` where weight (N, K) is the row-concatenation of `weights`
+    (N_i, K) and bias of `biases`, held as views of one buffer (`rlfuse.model.fuse`): the
+    forward is one GEMM; gradients go to the parts (their rows of dW = dy^T x, of db =
+    sum dy), dx = dy W. In exact numerics the forward's bits equal the separate
+    `linear(x, weights[i], biases[i])` outputs side by side (an element's K order does not
+    depend on N); the gradients equal theirs up to the GEMMs' rounding (one dx GEMM over
+    N instead of a sum of per-part ones)."""
+    parts = tuple(weights) + (tuple(biases) if bias is not None else ())
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parts)):
+        return _FusedLinear.apply(x, weight, bias, len(weights), *parts)
+    return linear(x, weight, bias)

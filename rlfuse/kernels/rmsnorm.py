@@ -6,6 +6,14 @@ convention, so our outputs match `transformers` bit for bit in fp32). The output
 is torch's promotion of (w.dtype, x.dtype), the product rounded once.
 Batch-invariant: each row is reduced on its own, in a fixed order.
 
+Fused residual add (vLLM's fused_add_rms_norm): `add_rmsnorm(h, x, w, eps)` returns
+(s, rmsnorm(s, w, eps)) with s = h + x, one rounding to h.dtype, in one kernel; the
+decoder carries the residual stream and each layer's pending output so that both adds
+of a layer land in the norm after them. Bitwise equal to `h + x` then `rmsnorm` in both
+numerics (the add is the same single rounding of the same operands, the norm the same
+kernel with the same tile). Backward: ds = rmsnorm's dx + the gradient reaching s from
+its other use (one add in s.dtype, as autograd accumulates them), dh = dx = ds.
+
 Triton path, rows flattened to (N, D), r = rsqrt(mean(x^2) + eps) per row:
   forward   tiles of ROWS x BLOCK_D (ROWS depends on D only, never on N, so a row's
             reduction tree is the same in any batch); stores r (N,) fp32 for backward.
@@ -16,7 +24,7 @@ Triton path, rows flattened to (N, D), r = rsqrt(mean(x^2) + eps) per row:
             partial sum (P, D) fp32; a second kernel sums the P partials in order and
             casts. P depends on N and the GPU only, so dw is deterministic run to run (no
             atomics).
-Tests: `python -m pytest -q tests/test_kernel_layers.py -k rmsnorm`.
+Tests: `python -m pytest -q tests/test_kernel_layers.py tests/test_kernel_fused.py -k rmsnorm`.
 """
 
 from __future__ import annotations
@@ -45,3 +53,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if resolve_backend("rmsnorm", x) == "triton":
         return triton_ops("rmsnorm").rmsnorm(x, weight, eps)  # batch-invariant in both numerics
     return (rmsnorm_exact_ref if is_exact() else rmsnorm_ref)(x, weight, eps)
+
+
+def add_rmsnorm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float):
+    """(s, y): s = h + x (the residual stream), y = rmsnorm(s), both in one kernel on the
+    Triton backend; h and x (..., D) of one dtype. The reference is the two ops."""
+    if h.shape != x.shape or h.dtype != x.dtype:
+        raise ValueError(f"add_rmsnorm: h {tuple(h.shape)} {h.dtype} and x {tuple(x.shape)} {x.dtype} "
+                         "must have one shape and dtype")
+    if resolve_backend("rmsnorm", h) == "triton":
+        return triton_ops("rmsnorm").add_rmsnorm(h, x, weight, eps)
+    s = h + x
+    return s, rmsnorm(s, weight, eps)

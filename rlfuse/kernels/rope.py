@@ -14,7 +14,19 @@ the same kernel rotating by -a:
     dx1 = dy1 cos a + dy2 sin a,   dx2 = dy2 cos a - dy1 sin a
 Output and gradient are new contiguous (T, H, Dh) tensors in x.dtype; x may be any
 (T, H, Dh) view with unit stride on the last dim (e.g. q_proj(x).view(T, H, Dh)).
-Tests: `python -m pytest -q tests/test_kernel_layers.py -k rope`.
+
+Fused with the per-head norms and the KV store (the decode path's small kernels):
+`qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v=, kv_cache=,
+slot_mapping=)` is, as the reference `qk_norm_rope_ref` spells out,
+    q, k = rmsnorm(q, q_weight, eps), rmsnorm(k, k_weight, eps)   (weights given: Qwen3)
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    store_kvcache(k, v, *kv_cache, slot_mapping)                   (kv_cache given)
+in one Triton launch, bitwise equal to that sequence in both numerics: each head row is
+normalized with the RMSNorm kernel's own row reduction, tile and rounding steps
+(`rlfuse.kernels.triton.rmsnorm`), then rotated with the RoPE arithmetic above. With
+kv_cache it returns (q, None): k lives only in the cache. Forward only: where autograd
+records, the op runs the unfused sequence (the same bits) and their backward kernels.
+Tests: `python -m pytest -q tests/test_kernel_layers.py tests/test_kernel_fused.py -k rope`.
 """
 
 from __future__ import annotations
@@ -25,6 +37,8 @@ import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 from rlfuse.kernels.invariant import pointwise
+from rlfuse.kernels.paged_attention import store_kvcache
+from rlfuse.kernels.rmsnorm import rmsnorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -68,3 +82,33 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     if resolve_backend("rope", x) == "triton":  # elementwise: batch-invariant in both numerics
         return triton_ops("rope").rope(x, positions, inv_freq)
     return rope_ref(x, positions, inv_freq, exact=is_exact())
+
+
+def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
+                     v=None, kv_cache=None, slot_mapping=None):
+    """The spec of `qk_norm_rope`: the unfused public ops in sequence (on the torch
+    backend, the references of the current numerics)."""
+    if q_weight is not None:
+        q, k = rmsnorm(q, q_weight, eps), rmsnorm(k, k_weight, eps)
+    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    if kv_cache is None:
+        return q, k
+    store_kvcache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+    return q, None
+
+
+def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
+                 v=None, kv_cache=None, slot_mapping=None):
+    """q (T, Hq, Dh), k (T, Hkv, Dh) -> (q, k) normalized (if weights) and rotated; with
+    kv_cache = (k_cache, v_cache), v (T, Hkv, Dh) and slot_mapping (T,): k and v stored,
+    -> (q, None). One launch on the Triton backend outside autograd."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("qk_norm_rope: give both q_weight and k_weight, or neither")
+    if (kv_cache is None) != (v is None) or (kv_cache is None) != (slot_mapping is None):
+        raise ValueError("qk_norm_rope: kv_cache, v and slot_mapping go together")
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, q_weight, k_weight))
+    if resolve_backend("rope", q) == "triton" and not grad:
+        return triton_ops("rope").qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps,
+                                                      v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+    return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
+                            slot_mapping=slot_mapping)

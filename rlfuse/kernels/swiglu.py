@@ -14,7 +14,11 @@ the backward writes dgate and dup in one pass (reads dy, g, u once). Whole block
 without a mask (EVEN) and the remainder in a second launch: numel is not specialized (one
 compile for every size), so a mask `offs < N` has unknown alignment and Triton would load
 element by element (about 12% slower on an H100, docs/perf-log.md).
-Tests: `python -m pytest -q tests/test_kernel_layers.py -k swiglu`.
+`swiglu_packed(gate_up)` is the same op on the two halves of one tensor's last dim
+(gate = gate_up[..., :I], up = gate_up[..., I:]: the fused gate/up GEMM's output,
+`rlfuse.model.fuse`), with the same bits per element; its Triton path reads the halves in
+place (a 2-D grid of rows x column blocks) and writes d(gate_up) in one tensor.
+Tests: `python -m pytest -q tests/test_kernel_layers.py -k swiglu`, tests/test_fuse.py.
 """
 
 from __future__ import annotations
@@ -38,4 +42,14 @@ def swiglu_exact_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if resolve_backend("swiglu", gate) == "triton":  # elementwise: batch-invariant in both numerics
         return triton_ops("swiglu").swiglu(gate, up)
+    return (swiglu_exact_ref if is_exact() else swiglu_ref)(gate, up)
+
+
+def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
+    """swiglu(gate_up[..., :I], gate_up[..., I:]) with I = gate_up.shape[-1] // 2."""
+    if gate_up.shape[-1] % 2:
+        raise ValueError(f"swiglu_packed: the last dim must hold gate and up halves, got {tuple(gate_up.shape)}")
+    if resolve_backend("swiglu", gate_up) == "triton":
+        return triton_ops("swiglu").swiglu_packed(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
     return (swiglu_exact_ref if is_exact() else swiglu_ref)(gate, up)

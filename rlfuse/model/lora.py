@@ -72,6 +72,11 @@ class LoRAConfig:
     path: str | None = None
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start
     from; its rank, alpha, targets and rslora are used, and a value set here must agree."""
+    export_merged: bool = False
+    """Also write an HF folder with the adapter merged into the weights (W + s B A rounded
+    to the weights' dtype) beside the PEFT adapter: RUN_DIR/final_merged, for tools that
+    cannot apply an adapter. Rounding in bf16 loses part of a small update; rlfuse itself
+    trains and generates with the unmerged adapter."""
 
     def __post_init__(self):
         if not isinstance(self.rank, int) or isinstance(self.rank, bool) or self.rank < 1:
@@ -81,6 +86,8 @@ class LoRAConfig:
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.export_merged, bool):
+            raise ValueError(f"lora.export_merged must be true or false, got {self.export_merged!r}")
         targets = self.targets
         if isinstance(targets, str):
             if targets != ALL_LINEAR:

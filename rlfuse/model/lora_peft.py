@@ -25,7 +25,7 @@ import logging
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
 from rlfuse.model.transformer import CausalLM
@@ -41,21 +41,25 @@ _DEFAULTS = LoRAConfig()
 _UNSUPPORTED = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False),
                 ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
                 ("layers_to_transform", None), ("target_parameters", None), ("trainable_token_indices", None))
+_PEFT_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}  # LoRAConfig field -> PEFT key
 
 
 def _tensor_key(module: str, which: str) -> str:
     return f"{_PREFIX}{module}.{which}.weight"
 
 
-def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, dict[str, str]]:
+def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRAConfig, dict[str, str]]:
     """The folder's LoRA settings as a LoRAConfig (path = folder) and the tensor names of
-    its adapter_model.safetensors -> module name (e.g. 'model.layers.0.self_attn.q_proj')."""
+    its adapter_model.safetensors -> module name (e.g. 'model.layers.0.self_attn.q_proj').
+    `what` names the folder's origin in errors (e.g. 'model.lora.path')."""
     folder = Path(folder)
     cfg_path, w_path = folder / CONFIG_FILE, folder / WEIGHTS_FILE
+    holds = f"a PEFT LoRA adapter folder holds {CONFIG_FILE} and {WEIGHTS_FILE}"
+    if not folder.is_dir():
+        raise ValueError(f"{what} {folder}: {'is a file' if folder.exists() else 'no such folder'} ({holds})")
     for p in (cfg_path, w_path):
         if not p.is_file():
-            raise ValueError(f"lora.path {str(folder)!r}: no {p.name} (a PEFT LoRA adapter folder holds "
-                             f"{CONFIG_FILE} and {WEIGHTS_FILE})")
+            raise ValueError(f"{what} {folder}: no {p.name} ({holds})")
     try:
         d = json.loads(cfg_path.read_text())
     except json.JSONDecodeError as e:
@@ -66,8 +70,11 @@ def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, dict[str, str]]:
         v = d.get(key, ok)
         if v != ok and not (ok is None and v in ([], {})) and not (ok == {} and v is None):
             raise ValueError(f"{cfg_path}: {key} = {v!r} is not supported (only plain LoRA: {key} = {ok!r})")
-    with safe_open(w_path, framework="pt") as f:
-        keys = list(f.keys())
+    try:
+        with safe_open(w_path, framework="pt") as f:
+            keys = list(f.keys())
+    except SafetensorError:
+        raise ValueError(f"{w_path}: not a readable safetensors file (damaged or truncated?)") from None
     modules: dict[str, str] = {}
     for k in keys:
         mod, _, tail = k[len(_PREFIX):].rpartition(".lora_")
@@ -84,29 +91,34 @@ def read_peft_config(folder: str | Path) -> tuple[LoRAConfig, dict[str, str]]:
                          rslora=bool(d.get("use_rslora", False)),
                          targets=ALL_LINEAR if leaves == set(TARGETS) else tuple(sorted(leaves)), path=str(folder))
     except ValueError as e:
-        raise ValueError(f"{cfg_path}: {e}") from None
+        msg = str(e)
+        for ours, theirs in _PEFT_NAMES.items():  # name the key the user finds in this file
+            msg = msg.replace(f"lora.{ours} ", f"{theirs} (lora.{ours}) ", 1)
+        raise ValueError(f"{cfg_path}: {msg}") from None
     return cfg, modules
 
 
 def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
-    """The folder's settings, with the asked dropout; a field set away from its default in
-    `asked` must equal the folder's."""
+    """The folder's settings, with the asked dropout and export_merged; a field set away
+    from its default in `asked` must equal the folder's."""
     for f in ("rank", "alpha", "targets", "rslora"):
         a, d, got = getattr(asked, f), getattr(_DEFAULTS, f), getattr(found, f)
         if a != d and a != got:
             raise ValueError(f"lora.{f} = {a!r} but the adapter at {where} has {got!r}: set lora.{f} to {got!r} "
                              f"or leave it out")
     return LoRAConfig(rank=found.rank, alpha=found.alpha, targets=found.targets, rslora=found.rslora,
-                      dropout=asked.dropout, path=str(where))
+                      dropout=asked.dropout, path=str(where), export_merged=asked.export_merged)
 
 
 @torch.no_grad()
-def load_peft_adapter(model: CausalLM, folder: str | Path, cfg: LoRAConfig | None = None) -> LoRAConfig:
+def load_peft_adapter(model: CausalLM, folder: str | Path, cfg: LoRAConfig | None = None, *,
+                      what: str = "adapter") -> LoRAConfig:
     """Attach adapters shaped as the folder's and load its A and B (cast to the model's
     dtype). `cfg` (e.g. the run's `model.lora`) gives the dropout and must agree with the
-    folder on what it sets. Returns the config in effect."""
+    folder on what it sets; `what` names the folder's origin in errors. Returns the config
+    in effect."""
     folder = Path(folder)
-    found, modules = read_peft_config(folder)
+    found, modules = read_peft_config(folder, what)
     eff = _agree(cfg, found, folder) if cfg is not None else found
     attach_lora(model, eff)
     load_peft_weights(model, folder, modules)
@@ -124,17 +136,25 @@ def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, st
         modules = read_peft_config(folder)[1]
     mods = dict(lora_modules(model))
     wanted = set(modules.values())
-    if set(mods) != wanted:
-        differ = sorted(set(mods) ^ wanted)[:3]
-        raise ValueError(f"{folder / WEIGHTS_FILE}: adapts {len(wanted)} modules, the model has adapters on "
-                         f"{len(mods)} (e.g. {differ} differ); per-layer subsets are not supported")
-    with safe_open(folder / WEIGHTS_FILE, framework="pt") as f:
+    w_path = folder / WEIGHTS_FILE
+    if wanted - set(mods):
+        raise ValueError(f"{w_path}: adapts modules the model does not have or does not adapt, e.g. "
+                         f"{sorted(wanted - set(mods))[:3]} (an adapter for another model?)")
+    if set(mods) - wanted:
+        raise ValueError(f"{w_path}: no adapter for {len(set(mods) - wanted)} of the model's {len(mods)} adapted "
+                         f"modules, e.g. {sorted(set(mods) - wanted)[:3]}; per-layer subsets are not supported")
+    with safe_open(w_path, framework="pt") as f:
         for key, mod in modules.items():
             t = f.get_tensor(key)
             p = getattr(mods[mod], "lora_A" if key.endswith("lora_A.weight") else "lora_B")
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{folder / WEIGHTS_FILE}: {key} has shape {tuple(t.shape)}, the model's adapter "
-                                 f"expects {tuple(p.shape)} (another rank?)")
+                r_at = 0 if key.endswith("lora_A.weight") else 1  # A is (r, in), B is (out, r)
+                why = (f"rank {t.shape[r_at]} in the file, {p.shape[r_at]} in {CONFIG_FILE}"
+                       if t.ndim == 2 and t.shape[r_at] != p.shape[r_at] else "an adapter for another model shape?")
+                raise ValueError(f"{w_path}: {key} has shape {tuple(t.shape)}, the model's adapter expects "
+                                 f"{tuple(p.shape)} ({why})")
+            if not t.is_floating_point():
+                raise ValueError(f"{w_path}: {key} is {t.dtype}; expected floating-point adapter weights")
             p.copy_(t)
 
 

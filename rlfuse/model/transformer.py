@@ -7,8 +7,9 @@ what we save loads in `transformers` unchanged.
 The forward works on packed tokens: input_ids (T,), positions (T,) and an attention
 descriptor, and returns final hidden states (T, D) -- never logits, so log-probs come
 from `rlfuse.kernels.logprob` without a (T, V) tensor. Two descriptors:
-  * `Packed(cu_seqlens, max_seqlen)`: causal attention within each packed sequence
-    (training, evaluation, the naive reference generator);
+  * `Packed(cu_seqlens, max_seqlen, prefix)`: causal attention within each packed sequence
+    (training, evaluation, the naive reference generator); with `prefix`, a group's
+    sequences read one shared prompt packed once (`rlfuse.kernels.attention.SharedPrefix`);
   * `PagedKV(...)`: the engine's paged KV cache (prefill chunks and decode).
 `forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
 path and scatters back, so padded and packed inputs give the same per-sequence results.
@@ -25,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.kernels.attention import varlen_attention
+from rlfuse.kernels.attention import SharedPrefix, varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
 from rlfuse.kernels.linear import linear
-from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
-from rlfuse.kernels.rmsnorm import rmsnorm
-from rlfuse.kernels.rope import rope, rope_inv_freq
-from rlfuse.kernels.swiglu import swiglu
+from rlfuse.kernels.paged_attention import paged_attention
+from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
+from rlfuse.kernels.rope import qk_norm_rope, rope_inv_freq
+from rlfuse.kernels.swiglu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
 
 
@@ -50,29 +51,39 @@ class Linear(nn.Linear):
 
 @dataclasses.dataclass(slots=True)
 class Packed:
-    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]."""
+    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]; with
+    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix)."""
     cu_seqlens: torch.Tensor  # (B+1,) int32
     max_seqlen: int
+    prefix: SharedPrefix | None = None
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device=None) -> "Packed":
+    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None) -> "Packed":
+        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none)."""
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return cls(cu.to(device), max(lengths) if lengths else 0)
+        prefix = None
+        if prefix_of is not None and any(p is not None for p in prefix_of):
+            prefix = SharedPrefix.from_groups(lengths, prefix_of, device)
+        return cls(cu.to(device), max(lengths) if lengths else 0, prefix)
 
 
-def pack_by_tokens(lengths: list[int], budget: int) -> list[list[int]]:
+def pack_by_tokens(lengths: list[int], budget: int, shared: list[int] | None = None) -> list[list[int]]:
     """Sequence indices grouped into micro-batches of at most `budget` tokens, greedily in
     order (deterministic, so accumulated sums add up in a fixed order); a sequence longer
-    than the budget goes alone."""
+    than the budget goes alone. `shared[i]`: tokens of sequence i packed once with sequence
+    i - 1 when both share a micro-batch (a shared prompt), so it costs lengths[i] - shared[i]."""
     if budget < 1:
         raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
     batches: list[list[int]] = []
     cur: list[int] = []
     used = 0
     for i, n in enumerate(lengths):
+        if shared is not None and cur and cur[-1] == i - 1:
+            n -= shared[i]
         if cur and used + n > budget:
             batches.append(cur)
             cur, used = [], 0
+            n = lengths[i]
         cur.append(i)
         used += n
     if cur:
@@ -98,8 +109,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x):
-        return rmsnorm(x, self.weight, self.eps)
+    def forward(self, x, residual=None):
+        """rmsnorm(x); with `residual` h: (h + x, rmsnorm(h + x)), the add in the norm's kernel."""
+        if residual is None:
+            return rmsnorm(x, self.weight, self.eps)
+        return add_rmsnorm(residual, x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -118,22 +132,29 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_fused = None  # q/k/v as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x_TD, positions, attn, inv_freq):
         T = x_TD.shape[0]
-        q = self.q_proj(x_TD).view(T, self.n_q, self.dh)
-        k = self.k_proj(x_TD).view(T, self.n_kv, self.dh)
-        v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+        if self.qkv_fused is not None and self.qkv_fused.live(self):
+            qkv = self.qkv_fused(x_TD)  # (T, (Hq + 2 Hkv) Dh)
+            q, k, v = qkv.split(self.qkv_fused.sizes, -1)
+            if qkv.requires_grad:  # what backward saves of a view would keep all of qkv alive
+                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        else:
+            q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
+        q, k, v = q.view(T, self.n_q, self.dh), k.view(T, self.n_kv, self.dh), v.view(T, self.n_kv, self.dh)
+        # q/k norms (Qwen3), RoPE and the paged path's KV store: one kernel outside autograd
+        norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if isinstance(attn, PagedKV):
             k_cache, v_cache = attn.kv_caches[self.layer_idx]
-            store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+            q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
+                                slot_mapping=attn.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                 attn.block_tables, attn.max_seqlen_q)
         else:
-            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen)
+            q, k = qk_norm_rope(q, k, positions, inv_freq, *norm)
+            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
         return self.o_proj(o.reshape(T, self.n_q * self.dh))
 
 
@@ -143,8 +164,11 @@ class MLP(nn.Module):
         self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_fused = None  # gate/up as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x):
+        if self.gate_up_fused is not None and self.gate_up_fused.live(self):
+            return self.down_proj(swiglu_packed(self.gate_up_fused(x)))
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -156,9 +180,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, attn, inv_freq):
-        h = h + self.self_attn(self.input_layernorm(h), positions, attn, inv_freq)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h, positions, attn, inv_freq, delta=None):
+        """h: the residual stream, delta: the previous layer's output not yet added to it
+        (None before the first layer). -> (h, delta) with the stream after this layer =
+        h + delta: each residual add runs in the kernel of the norm that follows it."""
+        if delta is None:
+            x = self.input_layernorm(h)
+        else:
+            h, x = self.input_layernorm(delta, h)
+        h, x = self.post_attention_layernorm(self.self_attn(x, positions, attn, inv_freq), h)
+        return h, self.mlp(x)
 
 
 class DecoderModel(nn.Module):
@@ -195,7 +226,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids, positions, attn: Packed | PagedKV):
         """input_ids (T,), positions (T,) -> hidden (T, D)."""
-        h = self.model.embed_tokens(input_ids)
+        h, delta = self.model.embed_tokens(input_ids), None
         inv_freq = self.inv_freq(h.device)
         backend, numerics = current_backend(), current_numerics()
         for layer in self.model.layers:
@@ -204,11 +235,11 @@ class CausalLM(nn.Module):
                 # where the kernel context variables are back at their defaults: pin the
                 # forward's backend and numerics so the recompute saves the same tensors
                 # (else CheckpointError, or gradients of a different forward).
-                h = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
-                               use_reentrant=False)
+                h, delta = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
+                                      delta, use_reentrant=False)
             else:
-                h = layer(h, positions, attn, inv_freq)
-        return self.model.norm(h)
+                h, delta = layer(h, positions, attn, inv_freq, delta)
+        return self.model.norm(h) if delta is None else self.model.norm(delta, h)[1]
 
     def forward_padded(self, input_ids, attention_mask=None):
         """input_ids (B, S) with a 0/1 mask (left or right padding) -> hidden (B, S, D);

@@ -203,6 +203,8 @@ def _write_weights(named: list[tuple[str, torch.Tensor]], folder: Path, max_shar
         if dtype is not None:
             t = t.to(dtype)
         t = t.contiguous().cpu()
+        if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+            t = t.clone()  # a view into a larger buffer (fused projections): safetensors refuses shared storage
         nbytes = t.numel() * t.element_size()
         if shards[-1] and size + nbytes > max_shard_bytes:
             shards.append({})

@@ -11,7 +11,8 @@ exact answer of the last turn.
   2. GRPO on multi-turn episodes (observation tokens masked) raises held-out accuracy.
   3. The no-tool baseline: the same model size and tokenizer, SFT on the direct answers
      for as many optimizer steps as steps 1 and 2 together, then greedy (it never calls the tool).
-Sizes: ci (the learning test, ~1 min per seed on 2 cores), cpu (the default).
+Sizes: ci (the learning test, ~1 min per seed on 2 cores), cpu (the default without CUDA),
+gpu (the cpu schedule on the GPU; the default with CUDA).
 Run: rlfuse demo --agent   Test: python -m pytest -q tests/test_agent_learning.py
 """
 
@@ -26,7 +27,8 @@ from rlfuse.run.config import RunConfig, load_config, replace
 from rlfuse.train import SFTTrainer, make_optimizer, open_session, run_grpo
 
 # max SFT steps, GRPO steps, prompts per step, group size, held-out problems
-_SCHEDULE = {"ci": (200, 16, 16, 8, 200), "cpu": (300, 40, 16, 8, 500)}
+# (gpu: the cpu schedule on a CUDA device, the same tiny fp32 model: numbers comparable)
+_SCHEDULE = {"ci": (200, 16, 16, 8, 200), "cpu": (300, 40, 16, 8, 500), "gpu": (300, 40, 16, 8, 500)}
 AGENT_SIZES = tuple(_SCHEDULE)
 SFT_TARGET = 0.3
 """The warm-up stops once greedy accuracy with tools on 100 training problems reaches this."""
@@ -41,7 +43,7 @@ def agent_config(size: str = "cpu", run_dir: str = "runs/agent_demo", seed: int 
         "model": {"random_init": dict(hidden_size=128, intermediate_size=384, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=4, head_dim=16,
                                       max_position_embeddings=64, rope_theta=10000.0),
-                  "tokenizer": "char", "dtype": "float32", "device": "cpu"},
+                  "tokenizer": "char", "dtype": "float32", "device": "auto" if size == "gpu" else "cpu"},
         "data": {"train": "builtin:arithmetic", "task": {"digits": 3, "ops": "*"}, "train_size": 4000,
                  "eval_size": n_eval, "max_prompt_len": 16, "seed": seed},
         "rewards": [{"name": "arithmetic"}],

@@ -68,25 +68,69 @@ class EngineSampler:
         self.llm, self.tokenizer = llm, tokenizer
 
     def generate(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed) -> list[Sample]:
+        samples: list[Sample] = []
+        for _, group in sorted(self.groups(prompt_ids, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
+                                           max_tokens=max_tokens, seed=seed), key=lambda x: x[0]):
+            samples += group
+        return samples
+
+    def groups(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed, capture=False):
+        """`generate`, yielding (prompt index, its n Samples) as soon as all n completions of
+        a prompt have finished (in finishing order), between engine steps: what the caller
+        does with a group runs while the rest decode (grpo.overlap stream). `capture`: take
+        the decode CUDA graphs first, not on first use, when the caller's work may run on
+        another thread by then."""
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 seed=seed % 2**32)
         self.llm.wake()  # no-op when awake; the KV pool must exist to generate
-        outs = self.llm.generate(prompt_ids, params)
-        if len(outs) != len(prompt_ids) * n:
-            raise RuntimeError(f"engine returned {len(outs)} completions for {len(prompt_ids)} prompts x n={n}")
-        samples = []
-        for j, c in enumerate(outs):
+        if capture:
+            self.llm.capture_graphs(up_to=len(prompt_ids) * n)
+        requests = [(i, p) for i, ids in enumerate(prompt_ids) for p in self.request_params(i, params)]
+        if any(sum(p.n for j, p in requests if j == i) != n for i in range(len(prompt_ids))):
+            raise RuntimeError(f"request_params: a prompt's requests do not add up to n={n} samples")
+        pending = {i: [] for i in range(len(prompt_ids))}
+        for r, c in self.llm.stream([prompt_ids[i] for i, _ in requests], [p for _, p in requests]):
+            i = requests[r][0]
             text = c.text if c.text is not None else self.tokenizer.decode(c.output_token_ids,
                                                                           skip_special_tokens=True)
-            samples.append(Sample(j // n, list(c.output_token_ids), c.logprobs.float(), c.finish_reason == "length",
-                                  text))
-        return samples
+            pending[i].append((r, c.index, Sample(i, list(c.output_token_ids), c.logprobs.float(),
+                                                  c.finish_reason == "length", text)))
+            if len(pending[i]) == n:
+                yield i, [s for _, _, s in sorted(pending.pop(i), key=lambda x: x[:2])]
+        if pending:
+            raise RuntimeError(f"engine finished with {len(pending)} of {len(prompt_ids)} prompts short of n={n} "
+                               "completions")
+
+    def request_params(self, prompt_index: int, params: SamplingParams) -> list[SamplingParams]:
+        """The engine requests of one prompt's group (their `n` add up to params.n; samples
+        keep request order): one request of n samples. A benchmark overrides it to give each
+        completion its own length (benchmarks/bench_stream.py)."""
+        return [params]
+
+    def kv_pool_bytes(self) -> int:
+        """The engine's KV pool (allocated while awake): the memory stream mode trains beside."""
+        return self.llm.kv.nbytes
 
     def sleep(self) -> None:
         self.llm.sleep()
 
     def wake(self) -> None:
         self.llm.wake()
+
+
+class LengthsSampler(EngineSampler):
+    """An `EngineSampler` whose completions stop at lengths chosen in advance: completion k
+    of prompt i after min(length(i, k), max_tokens) tokens, EOS ignored (random weights
+    rarely sample it). For benchmarks and tests of grpo.overlap stream, which need groups
+    that finish at different times. Each completion is its own request, seeded seed + k."""
+
+    def __init__(self, llm, tokenizer, length):
+        super().__init__(llm, tokenizer)
+        self.length = length
+
+    def request_params(self, prompt_index: int, params: SamplingParams) -> list[SamplingParams]:
+        return [dataclasses.replace(params, n=1, max_tokens=max(1, min(self.length(prompt_index, k), params.max_tokens)),
+                                    seed=(params.seed + k) % 2**32, ignore_eos=True) for k in range(params.n)]
 
 
 class MultiTurnSampler:

@@ -169,7 +169,7 @@ def apply_lora(model: CausalLM, spec: ModelSpec, seed: int = 0) -> None:
     if spec.lora is None or has_lora(model):
         return
     if spec.lora.path:
-        load_peft_adapter(model, spec.lora.path, spec.lora)
+        load_peft_adapter(model, spec.lora.path, spec.lora, what="model.lora.path")
     else:
         attach_lora(model, spec.lora, seed=seed)
     mem = lora_memory(model)

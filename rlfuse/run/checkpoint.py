@@ -54,8 +54,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfuse.model.lora import has_lora
-from rlfuse.model.lora_peft import save_peft_adapter
+from rlfuse.model.lora import has_lora, lora_config
+from rlfuse.model.lora_peft import save_merged, save_peft_adapter
 from rlfuse.model.weights import save_model
 from rlfuse.run.distributed.context import DistContext, gather_results, on_main
 from rlfuse.run.distributed.dcp import save_hf_export, save_sharded
@@ -233,15 +233,23 @@ def _save_sharded_checkpoint(dist: DistContext, run_dir, step: int, model, optim
 def save_final(run_dir: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
                dtype: torch.dtype | None = None) -> Path:
     """RUN_DIR/final: the trained weights (+ tokenizer) as an HF folder, for the next stage
-    (`export_model`)."""
+    (`export_model`); with LoRA and `model.lora.export_merged`, RUN_DIR/final_merged too."""
     return export_model(Path(run_dir) / "final", model, tokenizer, dist=dist, dtype=dtype)
+
+
+def merged_folder(folder: str | Path) -> Path:
+    """Where `export_model(folder, ...)` writes the merged HF folder of a LoRA model."""
+    folder = Path(folder)
+    return folder.with_name(folder.name + "_merged")
 
 
 def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext | None = None,
                  dtype: torch.dtype | None = None) -> Path:
     """The weights (+ tokenizer) as an HF folder (written atomically by save_model; never
-    with non-finite weights); with LoRA adapters, the PEFT adapter folder instead. With `dist`: the full weights gathered on rank 0 and written
-    there in `dtype` (the run's)."""
+    with non-finite weights); with LoRA adapters, the PEFT adapter folder instead, and, when
+    the adapters' LoRAConfig.export_merged is set, the merged HF folder at
+    `merged_folder(folder)` as well. With `dist`: the full weights gathered on rank 0 and
+    written there in `dtype` (the run's)."""
     final = Path(folder)
     check_finite(model, str(final), dist)
     if dist is not None:
@@ -255,6 +263,9 @@ def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None else None
             if has_lora(model):
                 save_peft_adapter(model, final, tokenizer_dir=tok_dir)
+                if lora_config(model).export_merged:
+                    save_merged(model, merged_folder(final), tokenizer_dir=tok_dir)
+                    log.info("LoRA merged into the weights (HF folder) -> %s", merged_folder(final))
             else:
                 save_model(model, final, tokenizer_dir=tok_dir)
     except (OSError, RuntimeError) as e:

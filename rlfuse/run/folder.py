@@ -42,8 +42,8 @@ log = logging.getLogger(__name__)
 
 RUN_MARK = "run.json"
 LOCK = "run.lock"
-RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tb", "checkpoints", "final", "report", "eval.json", "config.yaml",
-             RUN_MARK)
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "tb", "checkpoints", "final", "final_merged", "report", "eval.json",
+             "config.yaml", RUN_MARK)
 """What a run writes into its folder (and --overwrite removes)."""
 
 BREAKING = ("model.path", "model.random_init", "model.tokenizer", "model.dtype", "data.", "seed",

@@ -148,6 +148,37 @@ class MasterAdamW:
             p.grad = None
             self.grad32[i] = None
 
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """The accumulated gradients (one per param, None where none), leaving none behind, so
+        the next backward starts a fresh sum (grpo.overlap stream keeps micro-batches apart)."""
+        out = [self.grad32[i] if self.grad32[i] is not None else p.grad for i, p in enumerate(self.params)]
+        self.zero_grad()
+        return out
+
+    def put_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Make `grads` (from take_grads) the accumulated gradients again, as they were."""
+        for i, g in enumerate(grads):
+            self._set_grad(i, g)
+
+    def _set_grad(self, i: int, g: torch.Tensor | None) -> None:
+        if self.params[i].dtype == torch.float32:
+            self.params[i].grad = g
+        else:
+            self.grad32[i] = g
+
+    @torch.no_grad()
+    def add_grads(self, grads: list[torch.Tensor | None]) -> None:
+        """Add one backward's gradients (from take_grads) to the accumulated ones exactly as
+        that backward would have: the first sets the sum, later ones add in fp32."""
+        for i, (p, g) in enumerate(zip(self.params, grads)):
+            cur = p.grad if p.dtype == torch.float32 else self.grad32[i]
+            if g is None:
+                continue
+            if cur is None:
+                self._set_grad(i, g)
+            else:
+                cur.add_(g)
+
     @torch.no_grad()
     def sync_master_from_params(self) -> None:
         """Re-read master weights from the params (after loading weights into them)."""

@@ -17,7 +17,7 @@ One step:
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term (with LoRA:
   the model itself with its adapters off, no copy).
 The optimizer writes into the same parameter tensors, so the next generate uses them.
-`GRPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`grpo.overlap: stream` does 2-3 group by group during 1 (rlfuse.train.grpo_stream).
 Data-parallel (`dist`): each rank generates and scores its block of the step's prompts,
 then every rank holds the global samples and scores (rlfuse.run.distributed.data_parallel), so
 advantages, kept groups and mini-batches are the one-process ones; each rank trains on
@@ -36,10 +36,9 @@ import torch
 from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.backend import triton_compiles, use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
-from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import (
@@ -51,6 +50,7 @@ from rlfuse.run import (
     lr_at,
     pack_by_tokens,
     peak_memory_mb,
+    shared_contexts,
 )
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
@@ -62,25 +62,13 @@ from rlfuse.run.distributed import (
     rollout_on_ranks,
 )
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
-from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
-from rlfuse.train.off_policy import off_policy_corrections
+from rlfuse.train.grpo_stream import StreamStep
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
+from rlfuse.train.off_policy import off_policy_corrections, recompute_old_logprobs
+from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
-
-
-def reference_model(model):
-    """The frozen reference of KL terms and DPO. With LoRA adapters: the model itself with
-    its adapters off (`BaseModelView`: no copy, bit for bit the base model). Else a separate,
-    grad-free copy of `model`'s weights (not deepcopy: that would also copy whatever the
-    parameters' hooks reference, e.g. the optimizer)."""
-    if has_lora(model):
-        return BaseModelView(model)
-    with torch.device("meta"):
-        ref = type(model)(model.config).to(model.lm_head_weight.dtype)
-    ref = ref.to_empty(device=model.lm_head_weight.device)
-    ref.load_state_dict(model.state_dict())
-    return ref.requires_grad_(False).eval()
 
 
 def _mean(xs):
@@ -89,8 +77,8 @@ def _mean(xs):
 
 
 class GRPOTrainer(StreamAndGuardState):
-    """The GRPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
-    `sampler`, scored by `rewards`, trained into `model` by `optimizer`."""
+    """The GRPO step and its state (a `rlfuse.train.loop.Trainer`, which `run_loop` runs):
+    rollouts of `stream`'s prompts from `sampler`, scored by `rewards`, trained into `model`."""
 
     stage = "grpo"
 
@@ -121,15 +109,7 @@ class GRPOTrainer(StreamAndGuardState):
         # exact numerics they equal this trainer's first-iteration log-probs bitwise
         self.numerics = cfg.engine.numerics
         g = self.g
-        corrections = g.tis_cap is not None or g.mis_bounds is not None or g.icepop_bounds is not None
-        # exact numerics: the trainer's old log-probs ARE the rollout's, so no recompute forward
-        self.recompute_old = self.numerics == "fast" and (g.old_logprobs == "recompute" or corrections)
-        if self.numerics == "exact" and (g.old_logprobs == "recompute" or corrections):
-            log.info("numerics exact: old log-probs = the rollout's (bitwise the trainer's); no recompute "
-                     "forward, and the off-policy corrections are identities")
-        log.info("numerics %s (engine.numerics): %s", self.numerics,
-                 "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if self.numerics == "exact"
-                 else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
+        self.recompute_old = recompute_old_logprobs(g, self.numerics)
         # multi-turn episodes (rollout.tools / rollout.env): samples carry a loss mask over the
         # model's tokens and their own prompt ids; observation tokens are context only
         self.multi_turn = cfg.rollout.multi_turn
@@ -137,7 +117,13 @@ class GRPOTrainer(StreamAndGuardState):
             raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
                              f"got {type(sampler).__name__}")
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
+        # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
+        self.share_min = self.g.share_prefix_min_tokens if self.g.share_prefix else 0
+        self.streamer = StreamStep(self) if g.overlap == "stream" else None
         self.last_samples: list[dict] = []
+        # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
+        self._warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
+                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -147,14 +133,18 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         timer = PhaseTimer(self.device)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
-        if self.dist is None:
+        trained = None
+        if self.streamer is not None:  # grpo.overlap stream: each group trained as it finishes
+            samples, total, per, errors, adv, trained = self.streamer.run(prompts, step, timer)
+        elif self.dist is None:
             samples, total, per, errors = self._rollout(prompts, step, timer)
         else:
             samples, total, per, errors, self._owner = rollout_on_ranks(
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
-            adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
+            if trained is None:
+                adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
         m: dict = {}
@@ -176,7 +166,7 @@ class GRPOTrainer(StreamAndGuardState):
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
-            m.update(self._train(prompts, samples, adv, kept_groups, step))
+            m.update(trained if trained is not None else self._train(prompts, samples, adv, kept_groups, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()
         t = timer.times
         n_gen = sum(lens)
@@ -222,13 +212,21 @@ class GRPOTrainer(StreamAndGuardState):
     def _transcript(self, s: Sample) -> str:
         return self.sampler.renderer.tok.decode(s.token_ids, skip_special_tokens=False)
 
-    def _micro_batches(self, seq_idx: list[int], lengths: list[int]) -> list[tuple[list[int], bool]]:
+    def _sequences(self, prompts: list[Prompt], samples: list[Sample], seq_idx: list[int]) -> list[tuple]:
+        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
+        ctx = [self._prompt_ids(prompts, samples[j]) for j in seq_idx]
+        return [(c + samples[j].token_ids, len(c)) for c, j in zip(ctx, seq_idx)]
+
+    def _micro_batches(self, seq_idx: list[int], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
         """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
-        data-parallel, this rank's sequences, padded with zero-weight micro-batches."""
+        data-parallel, this rank's sequences, padded with zero-weight micro-batches.
+        A shared prompt (grpo.share_prefix) counts once against the token budget."""
+        lengths = [len(ids) for ids, _ in seqs]
+        shared = shared_contexts(seqs, self.share_min)
         if self.dist is None:
-            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens)]
+            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
         owned = [i for i, j in enumerate(seq_idx) if self._owner(j) == self.dist.rank]
-        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned)
+        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned, shared)
 
     def _advantages(self, prompts: list[Prompt], samples: list[Sample], r: torch.Tensor) -> list[torch.Tensor]:
         """Per-token advantages of every sample (CPU fp32) by `grpo.advantage`; REINFORCE++
@@ -252,22 +250,16 @@ class GRPOTrainer(StreamAndGuardState):
             log.info("step %d: every group has zero reward variance; no update", step)
             return {"_train_tokens": 0.0, "skipped_update": 1.0}
         seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
+        first_cuda = self._warm is not None and self.device.type == "cuda"  # the first update compiles
+        warm = self._warm.wait() if self._warm is not None else {}
+        compiled_before = triton_compiles() if first_cuda else None
+        self._warm = None
         check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         old: dict[int, torch.Tensor] | None = None
         extra: dict = {}
         if self.recompute_old or check:
             old = self._trainer_logprobs(prompts, samples, seqs)
-            mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
-            full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                    torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
-                                    torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
-                                              or [torch.zeros(0, device=self.device)]))
-            if self.dist is not None:
-                full = reduce_mismatch(self.dist, full)
-            extra = {f"mismatch/full_{k}": v for k, v in full.items()}
-            if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
-                log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
-                          "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+            extra = self._full_mismatch(samples, seqs, old, check, step)
             if not self.recompute_old:
                 old = None  # a check only: the old policy stays the rollout's
         # mini-batches: kept groups split evenly, in order
@@ -284,13 +276,34 @@ class GRPOTrainer(StreamAndGuardState):
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(v)
+        if first_cuda:
+            extra = {**extra, **warm, **compile_left(compiled_before)}
+        return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
+
+    def _full_mismatch(self, samples, seqs: list[int], old: dict, check: bool, step: int) -> dict:
+        """mismatch/full_* of the trainer's log-probs `old` against the rollout's (an error
+        logged if exact numerics disagree on a checked step)."""
+        mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
+        full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
+                                torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
+                                torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
+                                          or [torch.zeros(0, device=self.device)]))
+        if self.dist is not None:
+            full = reduce_mismatch(self.dist, full)
+        if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
+            log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
+                      "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
+        return {f"mismatch/full_{k}": v for k, v in full.items()}
+
+    def _train_metrics(self, acc: dict[str, list], capture, extra: dict, n_trained: int) -> dict:
+        """The step's training metrics: optimizer-step means of `acc`, the mismatch of the
+        first optimizer step's captured (log-probs, old, mask), `extra`."""
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
         if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
             out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
         empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
-        mm = logprob_mismatch(torch.cat(first_logp or empty), torch.cat(first_old or empty),
-                              torch.cat(first_mask or empty))
+        mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
         if self.dist is not None:
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
@@ -300,8 +313,13 @@ class GRPOTrainer(StreamAndGuardState):
 
     def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, old=None,
                         capture=None) -> dict:
-        o = self.cfg.optim
         sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture, old=old)
+        return self.apply_update(sums, n_tok, opt_step)
+
+    def apply_update(self, sums: dict, n_tok: int, opt_step: int) -> dict:
+        """Clip the accumulated gradients and take optimizer step `opt_step` (skipped by the
+        non-finite guard); the step's statistics."""
+        o = self.cfg.optim
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
@@ -310,12 +328,15 @@ class GRPOTrainer(StreamAndGuardState):
         self.optimizer.zero_grad()
         return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
 
-    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None):
+    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None, *,
+                             micro_batches=None, totals: tuple[int, float] | None = None):
         """Backward of the policy loss over sequences `seq_idx` (indices into samples),
         micro-batched by token budget; grads accumulate in the params' .grad. `old` (sample
         index -> trainer log-probs) replaces the rollout's as the old policy and turns on the
         configured off-policy corrections. Returns (stats summed into full-batch averages,
-        tokens processed)."""
+        tokens processed). grpo.overlap stream passes one group's `micro_batches`
+        ((positions into seq_idx, pad) pairs) and the normalizers `totals` (sequences,
+        loss tokens) of the whole step, which `seq_idx` alone does not know."""
         g = self.g
         dev = self.device
         self.model.train()
@@ -323,15 +344,13 @@ class GRPOTrainer(StreamAndGuardState):
         # one (multi-turn: observation tokens are context)
         live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
         n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
-        total_seqs = len(seq_idx)
-        total_tokens = sum(n * w for n, w in zip(n_loss, live))
-        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
+        total_seqs, total_tokens = totals or (len(seq_idx), sum(n * w for n, w in zip(n_loss, live)))
+        seqs = self._sequences(prompts, samples, seq_idx)
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in self._micro_batches(seq_idx, lengths):
+        for mb, pad in micro_batches if micro_batches is not None else self._micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
-                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], dev)
+            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
             mask_N = torch.cat([self._loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
@@ -350,12 +369,7 @@ class GRPOTrainer(StreamAndGuardState):
                                      return_entropy=want_ent)
                 ref_N = self._ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
-            loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
-                                   loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
-                                   dual_clip=g.dual_clip, ref_logp=ref_N,
-                                   kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
-                                   kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
-                                   max_tokens=self.max_loss_tokens)
+            loss, st = self._policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             (loss * w).backward()
@@ -372,6 +386,15 @@ class GRPOTrainer(StreamAndGuardState):
             n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
 
+    def _policy_loss(self, logp_N, old_N, adv_N, mask_N, batch: PackedBatch, ref_N):
+        g = self.g
+        return policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
+                           loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
+                           dual_clip=g.dual_clip, ref_logp=ref_N,
+                           kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
+                           kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
+                           max_tokens=self.max_loss_tokens)
+
     @torch.no_grad()
     def _trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:
         """The trainer's log-probs of sequences `seq_idx` under the current weights, or those of
@@ -379,11 +402,10 @@ class GRPOTrainer(StreamAndGuardState):
         exact-mode check, or REINFORCE++'s reference."""
         model = self.model if model is None else model
         out = {}
-        lengths = [len(self._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
-        for mb, pad in self._micro_batches(seq_idx, lengths):
+        seqs = self._sequences(prompts, samples, seq_idx)
+        for mb, pad in self._micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([(self._prompt_ids(prompts, samples[j]) + samples[j].token_ids,
-                                        len(self._prompt_ids(prompts, samples[j]))) for j in js], self.device)
+            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
             with use_numerics(self.numerics):
                 h = model(batch.input_ids, batch.positions, batch.attn)
                 lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)

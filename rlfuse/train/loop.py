@@ -44,7 +44,8 @@ from typing import Protocol
 import torch
 
 from rlfuse.data import Prompt
-from rlfuse.model.lora import has_lora, lora_memory
+from rlfuse.model.fuse import fuse_projections, is_fused
+from rlfuse.model.lora import BaseModelView, has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
 from rlfuse.run import (DATA_STAGE, Interrupted, MasterAdamW, RunLog, WeightNormWatch, load_checkpoint, open_trackers,
@@ -62,6 +63,22 @@ from rlfuse.run.distributed import (
 from rlfuse.train.session import Session
 
 log = logging.getLogger(__name__)
+
+
+def reference_model(model):
+    """The frozen reference of KL terms and DPO. With LoRA adapters: the model itself with
+    its adapters off (`BaseModelView`: no copy, bit for bit the base model). Else a separate,
+    grad-free copy of `model`'s weights (not deepcopy: that would also copy whatever the
+    parameters' hooks reference, e.g. the optimizer)."""
+    if has_lora(model):
+        return BaseModelView(model)
+    with torch.device("meta"):
+        ref = type(model)(model.config).to(model.lm_head_weight.dtype)
+    ref = ref.to_empty(device=model.lm_head_weight.device)
+    ref.load_state_dict(model.state_dict())
+    if is_fused(model):  # the policy's GEMMs, so KL is 0 before the first update in fast numerics too
+        fuse_projections(ref)
+    return ref.requires_grad_(False).eval()
 
 
 def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> MasterAdamW:

@@ -17,8 +17,11 @@ Test: python -m pytest -q tests/test_grpo_algorithms.py -k off_policy
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+log = logging.getLogger(__name__)
 
 def off_policy_corrections(log_ratio_N: torch.Tensor, adv_N: torch.Tensor, mask_N: torch.Tensor,
                            seq_ids_N: torch.Tensor, num_seqs: int, *, tis_cap: float | None = None,
@@ -48,3 +51,18 @@ def off_policy_corrections(log_ratio_N: torch.Tensor, adv_N: torch.Tensor, mask_
         stats["offpolicy/icepop_masked_frac"] = (~tok_ok & live).sum() / n
         keep &= tok_ok
     return adv_N, mask_N * keep.to(mask_N.dtype), stats
+
+
+def recompute_old_logprobs(g, numerics: str) -> bool:
+    """Whether a GRPO step recomputes the old policy's log-probs with a trainer forward
+    (`g`: the GRPOConfig): in fast numerics when asked (grpo.old_logprobs recompute) or
+    when an off-policy correction needs the trainer's view; never in exact numerics, where
+    the rollout's log-probs ARE the trainer's, bitwise. Logs the choice."""
+    corrections = g.tis_cap is not None or g.mis_bounds is not None or g.icepop_bounds is not None
+    if numerics == "exact" and (g.old_logprobs == "recompute" or corrections):
+        log.info("numerics exact: old log-probs = the rollout's (bitwise the trainer's); no recompute "
+                 "forward, and the off-policy corrections are identities")
+    log.info("numerics %s (engine.numerics): %s", numerics,
+             "rollout log-probs equal the trainer's bitwise; mismatch/* must read 0" if numerics == "exact"
+             else "rollout log-probs drift from the trainer's (~1e-2 in bf16); mismatch/* logs it every step")
+    return numerics == "fast" and (g.old_logprobs == "recompute" or corrections)

@@ -64,8 +64,8 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import GRPOTrainer, reference_model
-from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, run_loop
+from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, reference_model, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,
     adaptive_kl_coef,

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention import KV_BLOCK
+from rlfuse.kernels.attention import KV_BLOCK, SharedPrefix
 from rlfuse.kernels.triton.common import dot, dot_precision
 
 LOG2E = 1.4426950408889634  # kernels spell log2(e) and ln(2) as literals (jit globals)
@@ -34,8 +34,26 @@ def attend_tile(acc, l_i, m_i, q, k, v, cols, row_pos, hi, qk_scale, MASK: tl.co
 
 
 @triton.jit
+def _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt, svt, kv_off_k, kv_off_v,
+             SHARED: tl.constexpr):
+    """Pointers to the key tile at logical keys start_n + offs_n: unshared, rows row0 + key;
+    with a shared prefix of P keys at rows prow0.., logical key j < P at prow0 + j and the
+    segment's own key j at row0 + j - P (the module docstring of rlfuse.kernels.attention)."""
+    if SHARED:
+        cols = start_n + offs_n
+        rows = tl.where(cols < P, prow0 + cols, row0 + cols - P)
+        kp = K + rows[:, None] * skt + kv_off_k + offs_d[None, :]
+        vp = V + rows[:, None] * svt + kv_off_v + offs_d[None, :]
+    else:
+        kp = k_ptrs + start_n * skt
+        vp = v_ptrs + start_n * svt
+    return kp, vp
+
+
+@triton.jit
 def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_scale,
               MASK: tl.constexpr, PREC: tl.constexpr):
+    """One key tile; offs_m and L in logical positions (a shared prefix counted)."""
     cols = start_n + offs_n
     if MASK:
         k = tl.load(k_ptrs, mask=cols[:, None] < L, other=0.0)
@@ -47,9 +65,10 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_s
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
+def _fwd_kernel(Q, K, V, O, LSE, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
                 n_rep, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
+                BLOCK_N: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
+                SHARED: tl.constexpr):
     pid_m, hq, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -58,6 +77,12 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_t
         return
     hk = hq // n_rep
     row0 = start.to(tl.int64)
+    if SHARED:  # logical positions: the prefix's P keys come first
+        P = tl.load(PLEN + b)
+        prow0 = tl.load(PSTART + b).to(tl.int64)
+    else:
+        P = 0
+        prow0 = row0
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -68,15 +93,18 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, sqt, sqh, skt, skh, svt, svh, sot, soh, n_t
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    pos_m = P + offs_m
     # keys < full_end are visible to every row: no mask needed (exact numerics masks every
     # tile, as paged_attention does, whose tiles split differently between masked and not)
-    full_end = 0 if ALL_MASKED else (start_m // BLOCK_N) * BLOCK_N
+    full_end = 0 if ALL_MASKED else ((P + start_m) // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs + start_n * skt, v_ptrs + start_n * svt,
-                                  start_n, offs_m, offs_n, L, qk_scale, False, PREC)
-    for start_n in range(full_end, tl.minimum(start_m + BLOCK_M, L), BLOCK_N):
-        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, k_ptrs + start_n * skt, v_ptrs + start_n * svt,
-                                  start_n, offs_m, offs_n, L, qk_scale, True, PREC)
+        kp, vp = _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt, svt,
+                          hk * skh, hk * svh, SHARED)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, kp, vp, start_n, pos_m, offs_n, P + L, qk_scale, False, PREC)
+    for start_n in range(full_end, tl.minimum(P + start_m + BLOCK_M, P + L), BLOCK_N):
+        kp, vp = _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt, svt,
+                          hk * skh, hk * svh, SHARED)
+        acc, l_i, m_i = _fwd_step(acc, l_i, m_i, q, kp, vp, start_n, pos_m, offs_n, P + L, qk_scale, True, PREC)
     o = acc / l_i[:, None]
     row_ok = offs_m < L
     tl.store(O + (row0 + offs_m[:, None]) * sot + hq * soh + offs_d[None, :],
@@ -117,10 +145,10 @@ def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqt, sqh, skt, skh, svt, svh,
+def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, sqt, sqh, skt, skh, svt, svh,
                      sdt, sdh, sdkt, sdkh, sdvt, sdvh, n_tok, n_rep, qk_scale, sm_scale,
                      HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREC: tl.constexpr):
+                     PREC: tl.constexpr, SHARED: tl.constexpr):
     pid_n, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -150,6 +178,11 @@ def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, sqt, sqh, skt, skh, sv
         for start_m in range(diag_hi, L, BLOCK_M):
             dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
                                     offs_m, offs_n, L, sqt, sdt, qk_scale, False, PREC)
+        if SHARED:  # the readers of this segment as a prefix: rows L..R_end (local), every key visible
+            r_end = tl.load(READERS_END + b) - start
+            for start_m in range(L, r_end, BLOCK_M):
+                dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
+                                        offs_m, offs_n, r_end, sqt, sdt, qk_scale, False, PREC)
     tl.store(DK + (row0 + offs_n[:, None]) * sdkt + hk * sdkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + (row0 + offs_n[:, None]) * sdvt + hk * sdvh + offs_d[None, :],
@@ -176,9 +209,9 @@ def _bwd_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n,
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqt, sqh, skt, skh, svt, svh, sdt, sdh,
+def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sdt, sdh,
                    sdqt, sdqh, n_tok, n_rep, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, SHARED: tl.constexpr):
     pid_m, hq, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -197,14 +230,23 @@ def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, sqt, sqh, skt, skh, svt, svh
     delta = tl.load(DELTA + hq * n_tok + row0 + offs_m, mask=ok, other=0.0)
     k_ptrs = K + (row0 + offs_n[:, None]) * skt + hk * skh + offs_d[None, :]
     v_ptrs = V + (row0 + offs_n[:, None]) * svt + hk * svh + offs_d[None, :]
+    if SHARED:  # logical positions, as in the forward
+        P = tl.load(PLEN + b)
+        prow0 = tl.load(PSTART + b).to(tl.int64)
+    else:
+        P = 0
+        prow0 = row0
+    pos_m = P + offs_m
     dq = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end = (start_m // BLOCK_N) * BLOCK_N
+    full_end = ((P + start_m) // BLOCK_N) * BLOCK_N
     for start_n in range(0, full_end, BLOCK_N):
-        dq = _bwd_dq_step(dq, q, do, lse, delta, k_ptrs + start_n * skt, v_ptrs + start_n * svt,
-                          start_n, offs_m, offs_n, L, qk_scale, False, PREC)
-    for start_n in range(full_end, tl.minimum(start_m + BLOCK_M, L), BLOCK_N):
-        dq = _bwd_dq_step(dq, q, do, lse, delta, k_ptrs + start_n * skt, v_ptrs + start_n * svt,
-                          start_n, offs_m, offs_n, L, qk_scale, True, PREC)
+        kp, vp = _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt, svt,
+                          hk * skh, hk * svh, SHARED)
+        dq = _bwd_dq_step(dq, q, do, lse, delta, kp, vp, start_n, pos_m, offs_n, P + L, qk_scale, False, PREC)
+    for start_n in range(full_end, tl.minimum(P + start_m + BLOCK_M, P + L), BLOCK_N):
+        kp, vp = _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt, svt,
+                          hk * skh, hk * svh, SHARED)
+        dq = _bwd_dq_step(dq, q, do, lse, delta, kp, vp, start_n, pos_m, offs_n, P + L, qk_scale, True, PREC)
     tl.store(DQ + (row0 + offs_m[:, None]) * sdqt + hq * sdqh + offs_d[None, :],
              (dq * sm_scale).to(DQ.dtype.element_ty), mask=ok[:, None])
 
@@ -238,10 +280,11 @@ def exact_config(itemsize: int) -> dict:
 
 
 def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: dict | None = None,
-               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, exact: bool = False):
+               out: torch.Tensor | None = None, lse: torch.Tensor | None = None, exact: bool = False,
+               prefix: SharedPrefix | None = None):
     """Launch the forward: returns o (T, Hq, Dh) and lse (Hq, T) fp32, written into
     `out` / `lse` when given. `config` overrides the tile settings (tests, tuning sweeps);
-    `exact` runs the exact-numerics tile (`exact_config`)."""
+    `exact` runs the exact-numerics tile (`exact_config`); `prefix` a shared prefix."""
     q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
     T, Hq, D = q.shape
     o = torch.empty((T, Hq, D), dtype=q.dtype, device=q.device) if out is None else out
@@ -255,15 +298,16 @@ def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: di
     bm = cfg.pop("BLOCK_M")
     bn = cfg.pop("BLOCK_N", KV_BLOCK)
     grid = (triton.cdiv(max_seqlen, bm), Hq, B)
-    _fwd_kernel[grid](q, k, v, o, lse, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                      v.stride(0), v.stride(1), o.stride(0), o.stride(1), T, Hq // k.shape[1],
+    pstart, plen = (prefix.start, prefix.length) if prefix is not None else (cu_seqlens, cu_seqlens)
+    _fwd_kernel[grid](q, k, v, o, lse, cu_seqlens, pstart, plen, q.stride(0), q.stride(1), k.stride(0),
+                      k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), T, Hq // k.shape[1],
                       scale * LOG2E, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, PREC=dot_precision(q),
-                      ALL_MASKED=exact, **cfg)
+                      ALL_MASKED=exact, SHARED=prefix is not None, **cfg)
     return o, lse
 
 
 def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *,
-               config: dict | None = None, grads: tuple | None = None):
+               config: dict | None = None, grads: tuple | None = None, prefix: SharedPrefix | None = None):
     """Launch the backward: returns dq, dk, dv (dk, dv summed over each GQA group), written
     into `grads` = (dq, dk, dv) when given. `config` = {"dkdv": {...}, "dq": {...}}."""
     do = _lastdim_contig(do)
@@ -284,17 +328,19 @@ def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *
     delta = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
     _bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](o, do, delta, o.stride(0), o.stride(1), do.stride(0),
                                                 do.stride(1), T, HEAD_DIM=D, BLOCK=64)
-    common = dict(HEAD_DIM=D, PREC=dot_precision(q))
+    common = dict(HEAD_DIM=D, PREC=dot_precision(q), SHARED=prefix is not None)
+    # the prefix tensors where the kernels read them, else any int32 pointer (never read)
+    pstart, plen, readers_end = prefix if prefix is not None else (cu_seqlens,) * 3
     c = dict(cfgs["dkdv"])
     bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
     _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn), Hkv, B)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, readers_end, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), T, Hq // Hkv, scale * LOG2E, scale, BLOCK_M=bm, BLOCK_N=bn, **common, **c)
     c = dict(cfgs["dq"])
     bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
     _bwd_dq_kernel[(triton.cdiv(max_seqlen, bm), Hq, B)](
-        q, k, v, do, lse, delta, dq, cu_seqlens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, do, lse, delta, dq, cu_seqlens, pstart, plen, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, Hq // Hkv,
         scale * LOG2E, scale, BLOCK_M=bm, BLOCK_N=bn, **common, **c)
     return dq, dk, dv
@@ -302,21 +348,22 @@ def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *
 
 class _VarlenAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, exact):
+    def forward(ctx, q, k, v, cu_seqlens, max_seqlen, scale, exact, prefix):
         q, k, v = _lastdim_contig(q), _lastdim_contig(k), _lastdim_contig(v)
-        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale, exact=exact)
+        o, lse = varlen_fwd(q, k, v, cu_seqlens, max_seqlen, scale, exact=exact, prefix=prefix)
         ctx.save_for_backward(q, k, v, o, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        ctx.max_seqlen, ctx.scale, ctx.prefix = max_seqlen, scale, prefix
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, do, _dlse):
         q, k, v, o, lse, cu_seqlens = ctx.saved_tensors
-        dq, dk, dv = varlen_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.scale)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = varlen_bwd(do, q, k, v, o, lse, cu_seqlens, ctx.max_seqlen, ctx.scale, prefix=ctx.prefix)
+        return dq, dk, dv, None, None, None, None, None
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, exact: bool):
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float, exact: bool,
+                     prefix: SharedPrefix | None = None):
     """The op on the Triton backend: (o, lse), differentiable in q, k, v."""
-    return _VarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale, exact)
+    return _VarlenAttention.apply(q, k, v, cu_seqlens, max_seqlen, scale, exact, prefix)

@@ -1,11 +1,17 @@
 """Small Triton helpers shared by several kernels (one op per file keeps its own math)."""
 
+import contextlib
+import importlib
+import json
 import sys
 
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.jit import JITFunction
+from triton import knobs
+from triton.backends.compiler import GPUTarget
+from triton.compiler import make_backend
+from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
 
 
 @triton.jit
@@ -72,3 +78,50 @@ def swizzle(pid, R, C, GROUP_R: tl.constexpr):
     first = (pid // per_group) * GROUP_R
     size = tl.minimum(R - first, GROUP_R)
     return first + (pid % per_group) % size, (pid % per_group) // size
+
+
+@contextlib.contextmanager
+def record_compiles():
+    """Inside: every kernel launch that would compile is recorded and skipped (nothing
+    compiles, the kernel does not run; launches of kernels compiled before run). Yields
+    the list it fills with (module, kernel name, Triton's specialization JSON), one per
+    distinct specialization, for `compile_from_spec`."""
+    requests, seen = [], set()
+
+    def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
+        spec = compile["specialization_data"]
+        if spec not in seen:
+            seen.add(spec)
+            requests.append((fn.module, fn.name, spec))
+        return True  # skip
+
+    before = knobs.runtime.jit_cache_hook
+    knobs.runtime.jit_cache_hook = record
+    try:
+        yield requests
+    finally:
+        knobs.runtime.jit_cache_hook = before
+
+
+def compile_from_spec(module: str, name: str, spec: str) -> str:
+    """Compile kernel `module.name` for a specialization `record_compiles` recorded, into
+    Triton's on-disk cache, for the target named in it: no GPU needed (worker processes).
+    The decoding follows `JITFunction.preload`, which needs a device."""
+    fn = getattr(importlib.import_module(module), name)
+    d = json.loads(spec)
+    target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d["target"].items()})
+    backend = make_backend(target)
+
+    def constant(v):
+        if tl.dtype.is_dtype(v):
+            return tl.dtype(v)
+        if isinstance(v, dict) and "constexpr" in v:
+            return tl.constexpr(convert_to_tuple_if_list(v["constexpr"]))
+        return convert_to_tuple_if_list(v)
+
+    constexprs = {tuple(k): constant(v) for k, v in zip(d["constant_keys"], d["constant_vals"])}
+    attrs = dict(zip(map(tuple, d["attrs_keys"]), d["attrs_vals"]))
+    signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
+    options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
+    triton.compile(fn.ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    return name

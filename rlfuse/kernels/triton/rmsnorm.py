@@ -11,21 +11,42 @@ from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.triton.common import round_to
 
 
+@triton.jit
+def mean_square(x, D):
+    """x (ROWS, BLOCK_D) fp32 -> mean of squares per row (ROWS,): the one row reduction every
+    RMSNorm kernel runs (the fused ones too), so a row's bits depend on the tile shape and
+    warps (`_tile`) only."""
+    return tl.math.div_rn(tl.sum(x * x, axis=1), D.to(tl.float32))
+
+
+@triton.jit
+def norm_rows(x, r, w, XT: tl.constexpr, YT: tl.constexpr):
+    """x (ROWS, BLOCK_D) fp32, r (ROWS,), w (BLOCK_D,) fp32 -> y (fp32 holding YT values):
+    the row rounded to XT (the input dtype), then times w, one rounding to YT."""
+    return round_to(round_to(x * r[:, None], XT) * w[None, :], YT)
+
+
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
-def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, N, D, stride_x, stride_y, eps,
-                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STORE_R: tl.constexpr):
+def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, H_ptr, S_ptr, N, D, stride_x, stride_y, stride_h, stride_s,
+                        eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STORE_R: tl.constexpr,
+                        ADD: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < N
     mask = rmask[:, None] & (cols[None, :] < D)
     x = tl.load(X_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    XT: tl.constexpr = X_ptr.dtype.element_ty
+    if ADD:
+        # 0. the residual add: s = h + x rounded once to x.dtype (h's too), stored
+        h = tl.load(H_ptr + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = round_to(h + x, XT)
+        tl.store(S_ptr + rows[:, None] * stride_s + cols[None, :], x.to(XT), mask=mask)
     # 1. fp32 mean of squares, one row per tile row (fixed tree for a given BLOCK_D)
-    r = tl.math.rsqrt(tl.math.div_rn(tl.sum(x * x, axis=1), D.to(tl.float32)) + eps)  # (ROWS,)
+    r = tl.math.rsqrt(mean_square(x, D) + eps)  # (ROWS,)
     # 2. normalized row rounded to x.dtype, 3. times w, one rounding to y.dtype
-    n = round_to(x * r[:, None], X_ptr.dtype.element_ty)
     w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     YT: tl.constexpr = Y_ptr.dtype.element_ty
-    y = round_to(n * w[None, :], YT)
+    y = norm_rows(x, r, w, XT, YT)
     tl.store(Y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(YT), mask=mask)
     if STORE_R:
         tl.store(R_ptr + rows, r, mask=rmask)
@@ -102,8 +123,10 @@ def _flat(t: torch.Tensor, D: int) -> torch.Tensor:
     return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
-def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_r: bool = True):
-    """-> (y like x with dtype promote(w, x), r (N,) fp32 or None)."""
+def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_r: bool = True,
+                       residual: torch.Tensor | None = None):
+    """-> (y like x with dtype promote(w, x), r (N,) fp32 or None, s or None). With
+    `residual` h (like x, same dtype): the norm is of s = h + x, returned as s."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rmsnorm: weight shape {tuple(weight.shape)} != ({D},)")
@@ -111,12 +134,16 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
     N = x2.shape[0]
     y = torch.empty((N, D), dtype=torch.result_type(weight, x), device=x.device)
     r = torch.empty((N,), dtype=torch.float32, device=x.device) if store_r else y
+    add = residual is not None
+    h2 = _flat(residual, D) if add else x2
+    s = torch.empty((N, D), dtype=x.dtype, device=x.device) if add else y
     block_d, rows, warps = _tile(D)
     if N:
         _rmsnorm_fwd_kernel[(triton.cdiv(N, rows),)](
-            x2, weight.contiguous(), y, r, N, D, x2.stride(0), y.stride(0), float(eps),
-            ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, num_warps=warps)
-    return y.view(*x.shape[:-1], D), (r if store_r else None)
+            x2, weight.contiguous(), y, r, h2, s, N, D, x2.stride(0), y.stride(0), h2.stride(0), s.stride(0),
+            float(eps), ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, ADD=add, num_warps=warps)
+    return (y.view(*x.shape[:-1], D), (r if store_r else None),
+            (s.view(*x.shape[:-1], D) if add else None))
 
 
 def _num_partials(N: int, rows: int, device: torch.device) -> int:
@@ -150,7 +177,7 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps):
-        y, r = rmsnorm_fwd_triton(x, weight, eps)
+        y, r, _ = rmsnorm_fwd_triton(x, weight, eps)
         ctx.save_for_backward(x, weight, r)
         return y
 
@@ -166,3 +193,31 @@ def rmsnorm(x, weight, eps):
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps)
     return rmsnorm_fwd_triton(x, weight, eps, store_r=False)[0]
+
+
+class _AddRMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, x, weight, eps):
+        ctx.set_materialize_grads(False)
+        y, r, s = rmsnorm_fwd_triton(x, weight, eps, residual=h)
+        ctx.save_for_backward(s, weight, r)
+        return s, y
+
+    @staticmethod
+    def backward(ctx, ds, dy):
+        s, weight, r = ctx.saved_tensors
+        dw = None
+        if dy is not None:
+            dn, dw = rmsnorm_bwd_triton(dy, s, weight, r)
+            # autograd's sum of s's two gradients: one add in s.dtype (commutative, so bitwise
+            # the unfused graph's whichever order it accumulates them in)
+            ds = dn if ds is None else ds + dn
+        return ds, ds, dw, None
+
+
+def add_rmsnorm(h, x, weight, eps):
+    """(h + x, rmsnorm(h + x)) in one forward kernel (autograd where a gradient is needed)."""
+    if torch.is_grad_enabled() and (h.requires_grad or x.requires_grad or weight.requires_grad):
+        return _AddRMSNorm.apply(h, x, weight, eps)
+    y, _, s = rmsnorm_fwd_triton(x, weight, eps, store_r=False, residual=h)
+    return s, y

@@ -1,5 +1,6 @@
-"""Rotary position embedding, the Triton kernel (forward and backward are one kernel;
-the math and the layout are in `rlfuse.kernels.rope`'s docstring)."""
+"""Rotary position embedding, the Triton kernels: RoPE (forward and backward are one
+kernel) and the fused per-head norms + RoPE + KV store (the math, the layout and the
+bitwise contract are in `rlfuse.kernels.rope`'s docstring)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,25 @@ import torch
 import triton
 import triton.language as tl
 
+from rlfuse.kernels.paged_attention import _check_cache
 from rlfuse.kernels.triton.common import round_to
+from rlfuse.kernels.triton.rmsnorm import _tile, mean_square, norm_rows
+
+
+@triton.jit
+def _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF: tl.constexpr):
+    """cos, sin (BLOCK_T, BLOCK_F) of the fp32 angles, exactly as the reference:
+    float(pos) * inv_freq."""
+    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
+    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
+    ang = pos[:, None] * inv[None, :]
+    return tl.cos(ang), tl.sin(ang)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
+    """The halves rotated in fp32, each rounded once to DT (returned as fp32)."""
+    return round_to(x1 * cos - x2 * sin, DT), round_to(x2 * cos + x1 * sin, DT)
 
 
 @triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
@@ -18,12 +37,8 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, st
     fr = tl.arange(0, BLOCK_F)
     tmask = toks < T
     mask = tmask[:, None] & (fr[None, :] < HALF)
-    # 1. angles in fp32, exactly as the reference: float(pos) * inv_freq
-    pos = tl.load(P_ptr + toks, mask=tmask, other=0).to(tl.float32)
-    inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
-    ang = pos[:, None] * inv[None, :]  # (BLOCK_T, BLOCK_F)
-    cos = tl.cos(ang)
-    sin = tl.sin(ang)
+    # 1. angles in fp32, their cos and sin
+    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)
     if BACKWARD:
         sin = -sin
     DT: tl.constexpr = Y_ptr.dtype.element_ty
@@ -34,10 +49,9 @@ def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, T, H, HPP, stride_xt, stride_xh, st
     for h in range(h0, tl.minimum(h0 + HPP, H)):
         x1 = tl.load(X_ptr + xo + h * stride_xh, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(X_ptr + xo + h * stride_xh + HALF, mask=mask, other=0.0).to(tl.float32)
-        y1 = x1 * cos - x2 * sin
-        y2 = x2 * cos + x1 * sin
-        tl.store(Y_ptr + yo + h * stride_yh, round_to(y1, DT).to(DT), mask=mask)
-        tl.store(Y_ptr + yo + h * stride_yh + HALF, round_to(y2, DT).to(DT), mask=mask)
+        y1, y2 = _rotate(x1, x2, cos, sin, DT)
+        tl.store(Y_ptr + yo + h * stride_yh, y1.to(DT), mask=mask)
+        tl.store(Y_ptr + yo + h * stride_yh + HALF, y2.to(DT), mask=mask)
 
 
 # 16 tokens a program: with HALF = 64 a (16, 64) tile per half and head, and the cos/sin
@@ -91,3 +105,132 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> to
     if torch.is_grad_enabled() and x.requires_grad:
         return _Rope.apply(x, positions, inv_freq)
     return rope_triton(x, positions, inv_freq)
+
+
+@triton.jit
+def _norm_rope_head(X, stride_xt, W, toks, tmask, fr, cos, sin, D, eps, HALF: tl.constexpr,
+                    BLOCK_D: tl.constexpr, NORM: tl.constexpr, YT: tl.constexpr):
+    """One head of BLOCK_T tokens -> its rotated halves (fp32 holding YT values)."""
+    xo = X + toks[:, None] * stride_xt
+    fmask = tmask[:, None] & (fr[None, :] < HALF)
+    x1 = tl.load(xo + fr[None, :], mask=fmask, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + HALF + fr[None, :], mask=fmask, other=0.0).to(tl.float32)
+    if NORM:
+        # 1. the RMSNorm kernel's steps on the whole row (same tile: same reduction order),
+        # then applied to each half (elementwise: the halves get the row's bits)
+        cols = tl.arange(0, BLOCK_D)
+        x = tl.load(xo + cols[None, :], mask=tmask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(mean_square(x, D) + eps)
+        XT: tl.constexpr = X.dtype.element_ty
+        x1 = norm_rows(x1, r, tl.load(W + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
+        x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
+    return _rotate(x1, x2, cos, sin, YT)
+
+
+@triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
+def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, KC, VC, SLOT, T, HQ, HKV, HPP,
+                         sqt, sqh, skt, skh, svt, svh, sot, soh, skot, skoh,
+                         skcb, skct, skch, svcb, svct, svch, D, eps,
+                         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
+                         BLOCK_D: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr,
+                         PAGE: tl.constexpr):
+    # heads [0, HQ) are q's, [HQ, HQ + HKV) k's, then (CACHE) HKV of v's, copied to the cache
+    toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
+    fr = tl.arange(0, BLOCK_F)
+    tmask = toks < T
+    fmask = tmask[:, None] & (fr[None, :] < HALF)
+    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)  # once for all heads of these tokens
+    YT: tl.constexpr = QO.dtype.element_ty
+    if CACHE:
+        slot = tl.load(SLOT + toks, mask=tmask, other=-1).to(tl.int64)
+        cmask = fmask & (slot >= 0)[:, None]
+        crow = (slot // PAGE)[:, None] * skcb + (slot % PAGE)[:, None] * skct + fr[None, :]
+        vrow = (slot // PAGE)[:, None] * svcb + (slot % PAGE)[:, None] * svct + fr[None, :]
+        NH = HQ + 2 * HKV
+    else:
+        NH = HQ + HKV
+    h0 = tl.program_id(1) * HPP
+    for h in range(h0, tl.minimum(h0 + HPP, NH)):
+        if h < HQ:
+            y1, y2 = _norm_rope_head(Q + h * sqh, sqt, WQ, toks, tmask, fr, cos, sin, D, eps,
+                                     HALF, BLOCK_D, NORM, YT)
+            o = QO + h * soh + toks[:, None] * sot + fr[None, :]
+            tl.store(o, y1.to(YT), mask=fmask)
+            tl.store(o + HALF, y2.to(YT), mask=fmask)
+        elif h < HQ + HKV:
+            hk = h - HQ
+            y1, y2 = _norm_rope_head(K + hk * skh, skt, WK, toks, tmask, fr, cos, sin, D, eps,
+                                     HALF, BLOCK_D, NORM, YT)
+            if CACHE:  # as store_kvcache: k (in YT) cast to the cache's dtype, slot -1 skipped
+                KCT: tl.constexpr = KC.dtype.element_ty
+                c = KC + hk * skch + crow
+                tl.store(c, y1.to(YT).to(KCT), mask=cmask)
+                tl.store(c + HALF, y2.to(YT).to(KCT), mask=cmask)
+            else:
+                o = KO + hk * skoh + toks[:, None] * skot + fr[None, :]
+                tl.store(o, y1.to(YT), mask=fmask)
+                tl.store(o + HALF, y2.to(YT), mask=fmask)
+        else:
+            if CACHE:  # h < NH: a v head
+                hv = h - HQ - HKV
+                vo = V + hv * svh + toks[:, None] * svt + fr[None, :]
+                c = VC + hv * svch + vrow
+                VCT: tl.constexpr = VC.dtype.element_ty
+                tl.store(c, tl.load(vo, mask=cmask).to(VCT), mask=cmask)
+                tl.store(c + HALF, tl.load(vo + HALF, mask=cmask).to(VCT), mask=cmask)
+
+
+def _heads(x: torch.Tensor, T: int, Dh: int, who: str) -> torch.Tensor:
+    if x.dim() != 3 or x.shape[0] != T or x.shape[2] != Dh:
+        raise ValueError(f"qk_norm_rope: {who} must be ({T}, heads, {Dh}), got {tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
+                        v=None, kv_cache=None, slot_mapping=None):
+    if q.dim() != 3 or q.shape[-1] % 2 or inv_freq.numel() * 2 != q.shape[-1]:
+        raise ValueError(f"qk_norm_rope: q must be (T, H, Dh) with Dh = 2 * len(inv_freq), got "
+                         f"{tuple(q.shape)} and inv_freq {tuple(inv_freq.shape)}")
+    T, Hq, Dh = q.shape
+    q, k = _heads(q, T, Dh, "q"), _heads(k, T, Dh, "k")
+    if positions.shape != (T,):
+        raise ValueError(f"qk_norm_rope: positions must be ({T},), got {tuple(positions.shape)}")
+    if k.dtype != q.dtype:
+        raise ValueError(f"qk_norm_rope: q and k must share a dtype, got {q.dtype} and {k.dtype}")
+    norm = q_weight is not None
+    if norm and (q_weight.shape != (Dh,) or k_weight.shape != (Dh,) or q_weight.dtype != k_weight.dtype):
+        raise ValueError(f"qk_norm_rope: q_weight {tuple(q_weight.shape)} {q_weight.dtype} and k_weight "
+                         f"{tuple(k_weight.shape)} {k_weight.dtype} must both be ({Dh},) of one dtype")
+    yt = torch.result_type(q_weight, q) if norm else q.dtype  # rmsnorm's output dtype, rope keeps it
+    Hkv = k.shape[1]
+    qo = torch.empty((T, Hq, Dh), dtype=yt, device=q.device)
+    cache = kv_cache is not None
+    if cache:
+        k_cache, v_cache = kv_cache
+        _check_cache(k_cache, v_cache, "qk_norm_rope")
+        v = _heads(v, T, Dh, "v")
+        if v.shape[1] != Hkv or k_cache.shape[2:] != (Hkv, Dh) or slot_mapping.shape != (T,):
+            raise ValueError(f"qk_norm_rope: k {tuple(k.shape)}, v {tuple(v.shape)}, cache "
+                             f"{tuple(k_cache.shape)} and slot_mapping {tuple(slot_mapping.shape)} disagree")
+        ko = None
+        kc_args = (*k_cache.stride()[:3], *v_cache.stride()[:3])
+        page = k_cache.shape[1]
+    else:
+        k_cache = v_cache = slot_mapping = v = q  # unused
+        ko = torch.empty((T, Hkv, Dh), dtype=yt, device=q.device)
+        kc_args, page = (0,) * 6, 1
+    if T:
+        half = Dh // 2
+        block_d, rows, warps = _tile(Dh) if norm else (triton.next_power_of_2(Dh), _BLOCK_T, 4)
+        nh = Hq + Hkv * (2 if cache else 1)
+        nt = triton.cdiv(T, rows)
+        hpp = triton.cdiv(nh, min(nh, triton.cdiv(_MIN_PROGRAMS, nt)))
+        kout = qo if ko is None else ko
+        _qk_norm_rope_kernel[(nt, triton.cdiv(nh, hpp))](
+            q, k, v, qo, kout, q_weight if norm else q, k_weight if norm else q, positions.contiguous(),
+            inv_freq.float().contiguous(), k_cache, v_cache, slot_mapping, T, Hq, Hkv, hpp,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            qo.stride(0), qo.stride(1), kout.stride(0), kout.stride(1), *kc_args, Dh, float(eps),
+            HALF=half, BLOCK_T=rows, BLOCK_F=triton.next_power_of_2(half), BLOCK_D=block_d, NORM=norm,
+            CACHE=cache, PAGE=page, num_warps=warps)
+    return qo, ko

@@ -82,6 +82,15 @@ class GRPOConfig:
     """Optimizer steps per pass over the rollout batch (groups split evenly)."""
     micro_batch_tokens: int = 8192
     """Token budget of one packed training micro-batch."""
+    share_prefix: bool = False
+    """Pack each group's prompt once in training, its completions attending to it (positions
+    continuing from the prompt), instead of G copies of prompt + completion: the prompt's
+    forward and backward run once per group and micro-batch, and micro_batch_tokens counts
+    it once. Exact numerics: log-probs bitwise the unshared ones; gradients equal to fp32
+    rounding (docs/numerics.md, "Shared prompts"). Off by default until timed on a GPU."""
+    share_prefix_min_tokens: int = 16
+    """share_prefix: the shortest prompt shared, in tokens (shorter ones pack unshared; a
+    few-token prompt saves little forward; 16 is not tuned)."""
     dynamic_sampling: bool = False
     """Drop groups whose rewards are all equal (zero advantage, DAPO); the batch is not
     refilled by extra sampling, so a step may train on fewer groups (logged: groups/kept)."""
@@ -89,6 +98,9 @@ class GRPOConfig:
     """Give completions cut at max_new_tokens zero loss weight (DAPO overlong filtering)."""
     log_entropy: bool = True
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
+    warm_kernels: bool = False
+    """CUDA, one process: compile the update's Triton kernels in worker processes while the
+    first rollout decodes (rlfuse/train/warm.py; logged under compile/)."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
@@ -112,6 +124,12 @@ class GRPOConfig:
     """Exact numerics: every this many steps, recompute the trainer's log-probs of the whole
     rollout batch (no grad) and log their mismatch against the engine's (must be 0; a
     nonzero value is logged as an error). 0 = only the free check on the first mini-batch."""
+    overlap: str = "sync"
+    """sync (generate the whole batch, then train on it) | stream (each group's rewards,
+    advantages and forward+backward run as soon as its G completions finish, while the
+    engine decodes the rest; on CUDA on a side stream; one optimizer step after the last
+    group, so training stays exactly on-policy). Same parameters as sync (docs/algorithms.md,
+    "Streaming GRPO"); needs mu 1, mini_batches 1, a per-group advantage, single-turn, one process."""
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "conservative")
@@ -221,6 +239,30 @@ def _check_ppo(p: PPOConfig) -> None:
     if p.kl_target is not None and not (p.kl_target > 0 and p.kl_coef > 0):
         raise ValueError(f"ppo.kl_target must be > 0 and needs ppo.kl_coef > 0 (its starting value), "
                          f"got kl_target {p.kl_target}, kl_coef {p.kl_coef}")
+
+
+OVERLAP_MODES = ("sync", "stream")
+"""Values of `grpo.overlap` (rlfuse.train.grpo_stream)."""
+
+
+def check_stream(g: GRPOConfig, *, multi_turn: bool) -> None:
+    """grpo.overlap stream trains each group before the batch is complete: settings that
+    need the whole batch first (or update the weights mid-rollout) are refused by name."""
+    _check_choice("grpo.overlap", g.overlap, OVERLAP_MODES)
+    if g.overlap != "stream":
+        return
+    why = {"grpo.mu": (g.mu != 1, f"{g.mu}: a second pass needs the first pass's update"),
+           "grpo.mini_batches": (g.mini_batches != 1, (f"{g.mini_batches}: an optimizer step before the last "
+                                                       "group would change the weights the engine samples from")),
+           "grpo.advantage": (g.advantage not in ("group", "rloo"), (f"{g.advantage!r}: it normalizes over "
+                                                                     "the whole batch's tokens; use group or rloo")),
+           "grpo.adv_scale": (g.advantage == "group" and g.adv_scale == "batch", ("'batch': the batch std "
+                                                                                  "needs every group's rewards; "
+                                                                                  "use group or none")),
+           "rollout.tools / rollout.env": (multi_turn, "multi-turn episodes are not streamed by group")}
+    bad = [f"{k} is {msg}" for k, (hit, msg) in why.items() if hit]
+    if bad:
+        raise ValueError("grpo.overlap stream: " + "; ".join(bad) + " (or use grpo.overlap sync)")
 
 
 ADV_SCALES = ("group", "batch", "none")

@@ -41,6 +41,7 @@ from rlfuse.run.config.algorithms import (
     PPOConfig,
     SFTConfig,
     _check_ppo,
+    check_stream,
 )
 from rlfuse.run.config.sections import (
     _DC,
@@ -135,6 +136,7 @@ class RunConfig:
         if g.prompts_per_step % g.mini_batches:
             raise ValueError(f"grpo.prompts_per_step ({g.prompts_per_step}) must be a multiple of "
                              f"grpo.mini_batches ({g.mini_batches})")
+        check_stream(g, multi_turn=self.rollout.multi_turn)
         _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
         bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
         if bad:
@@ -169,8 +171,8 @@ RANGES: dict[str, str] = {
     "grpo.steps": "> 0", "grpo.prompts_per_step": "> 0", "grpo.max_new_tokens": "> 0",
     "grpo.temperature": ">= 0", "grpo.top_p": "(0, 1]", "grpo.top_k": ">= 0", "grpo.clip_low": "[0, 1)",
     "grpo.clip_high": ">= 0", "grpo.kl_coef": ">= 0", "grpo.adv_eps": "> 0", "grpo.mu": "> 0",
-    "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.sample_every": ">= 0",
-    "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
+    "grpo.mini_batches": "> 0", "grpo.micro_batch_tokens": "> 0", "grpo.share_prefix_min_tokens": ">= 1",
+    "grpo.sample_every": ">= 0", "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
     "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
     "rewards[].weight": "any", "reward_timeout_s": ">= 0",
     "logging.log_every": ">= 1", "logging.num_samples": ">= 0",

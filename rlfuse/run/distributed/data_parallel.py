@@ -91,14 +91,16 @@ def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, grou
     return samples, totals, per, errors, (lambda j: j // per_rank)
 
 
-def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int,
-                        owned: list[int]) -> list[tuple[list[int], bool]]:
+def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int, owned: list[int],
+                        shared: list[int] | None = None) -> list[tuple[list[int], bool]]:
     """This rank's micro-batches: the indices `owned` (into `lengths`, a step's global
     list) packed by `budget` tokens, as (indices, pad=False); then (shortest sequence,
     pad=True) entries up to the largest count over ranks. A padding micro-batch is a
     real forward/backward with zero loss weight: every rank must run as many passes as
-    the others, since each one all-gathers weights and reduce-scatters gradients."""
-    mbs = [([owned[k] for k in mb], False) for mb in pack_by_tokens([lengths[i] for i in owned], budget)]
+    the others, since each one all-gathers weights and reduce-scatters gradients.
+    `shared[i]`: tokens sequence i shares with sequence i - 1 (`pack_by_tokens`)."""
+    mine = None if shared is None else [shared[i] if k and owned[k - 1] == i - 1 else 0 for k, i in enumerate(owned)]
+    mbs = [([owned[k] for k in mb], False) for mb in pack_by_tokens([lengths[i] for i in owned], budget, mine)]
     n = max_across_ranks(ctx, len(mbs))
     shortest = min(range(len(lengths)), key=lengths.__getitem__)
     return mbs + [([shortest], True)] * (n - len(mbs))

@@ -1,0 +1,151 @@
+"""Fused projections: q/k/v of each attention layer as one GEMM, gate/up of each MLP as one.
+
+    fuse_projections(model)   # in place; `LLM(model, ...)` calls it (EngineConfig.fuse_projections)
+
+A decode step is a few dozen rows against every weight matrix, so each projection's GEMM
+is a weight read plus a launch and a tile grid of its own. q, k and v read the same input
+(the attention's normed hidden state), as do gate and up (the MLP's): one GEMM each, with
+N = (Hq + 2 Hkv) Dh and N = 2 I, reads the input once, launches once and fills more SMs.
+
+Storage. Per group one contiguous buffer (rows of q, then k, then v; gate, then up; the
+biases likewise), and each projection's Parameter re-pointed at its rows (`p.data =
+buffer[rows]`). The Parameter objects stay, so do their names (`q_proj.weight`: the
+state dict and HF checkpoints are unchanged), the optimizer's references and its
+in-place updates, which the fused GEMM then reads with no copy. Saving copies each view
+out (safetensors refuses tensors that share storage; `rlfuse.model.weights`).
+
+Rules.
+  * Fusing moves the parameters' storage once: do it before anything records their
+    pointers (CUDA graphs; the engine fuses in its constructor, before any capture).
+    Fusing a fused model again changes nothing.
+  * Not fused: an FSDP-wrapped model (FSDP owns the parameter storage; the engine runs on
+    its gathered weights), a group that is not all plain `Linear` (LoRA adapters add a
+    term per projection: adapted layers keep their separate GEMMs), parameters on the
+    meta device or of mixed device or dtype. Each skip is logged with its reason.
+  * A group checks at every forward that its modules are still the layer's and each
+    weight still lies at its rows (host-side pointer compares, no sync). After anything
+    that moves or replaces them (`.to()`, `float()`, `attach_lora`, sharding) the layer
+    runs its separate projections again, with a warning: slower, never wrong.
+
+Numerics. Exact: an element's K order depends on K alone (`rlfuse.kernels.linear`), so
+each slice of the fused output equals the separate projection bitwise and rollout
+log-probs still equal the trainer's (which runs the same fused forward). Fast: cuBLAS
+picks its algorithm from N too, so the bits may move within bf16 rounding.
+Gradients (`rlfuse.kernels.linear.linear_fused`): each part gets its rows of dW and db;
+dx is one GEMM over the fused N, equal to the separate sum up to rounding.
+Test: python -m pytest -q tests/test_fuse.py
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
+
+from rlfuse.kernels.linear import linear_fused
+from rlfuse.model.transformer import Attention, CausalLM, Linear, MLP
+
+log = logging.getLogger(__name__)
+
+# (module type, attribute that holds the group, projections in buffer order)
+GROUPS = ((Attention, "qkv_fused", ("q_proj", "k_proj", "v_proj")),
+          (MLP, "gate_up_fused", ("gate_proj", "up_proj")))
+
+
+class FusedLinear:
+    """Projections of one input as one GEMM over a buffer their parameters are views of.
+    `sizes`: each projection's output features, in order (split the output with them)."""
+
+    def __init__(self, owner: nn.Module, names: tuple[str, ...]):
+        self.names = names
+        self.mods = tuple(getattr(owner, n) for n in names)
+        self.sizes = [m.out_features for m in self.mods]
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.detach() for m in self.mods])  # (sum N_i, K)
+            has_bias = self.mods[0].bias is not None
+            self.bias = torch.cat([m.bias.detach() for m in self.mods]) if has_bias else None
+            for m, w in zip(self.mods, self.weight.split(self.sizes)):
+                m.weight.data = w
+            if has_bias:
+                for m, b in zip(self.mods, self.bias.split(self.sizes)):
+                    m.bias.data = b
+        # where each tensor must stay: the buffer never moves, so neither may the parts
+        self._ptrs = [t.data_ptr() for t in self._tensors()]
+        self.stale = False
+
+    def _tensors(self):
+        return [t for m in self.mods for t in (m.weight, m.bias) if t is not None]
+
+    def live(self, owner: nn.Module) -> bool:
+        """The owner's projections are still these modules and their tensors still lie in
+        the buffer (else the group goes stale for good, with a warning)."""
+        if self.stale:
+            return False
+        ok = all(getattr(owner, n) is m for n, m in zip(self.names, self.mods)) and all(
+            t.data_ptr() == p for t, p in zip(self._tensors(), self._ptrs))
+        if not ok:
+            self.stale = True
+            log.warning("fused %s of %s no longer covers its parameters (moved, replaced or wrapped after "
+                        "fusing): running them as separate GEMMs", "/".join(self.names), type(owner).__name__)
+        return ok
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., sum N_i): the projections' outputs side by side."""
+        return linear_fused(x, self.weight, self.bias, tuple(m.weight for m in self.mods),
+                            None if self.bias is None else tuple(m.bias for m in self.mods))
+
+
+def _skip_reason(model: nn.Module) -> str | None:
+    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+        return "the model is FSDP-sharded (FSDP owns the parameter storage)"
+    params = list(model.parameters())
+    if any(isinstance(p, DTensor) for p in params):
+        return "the parameters are DTensors"
+    if any(p.device.type == "meta" for p in params):
+        return "the parameters are on the meta device"
+    return None
+
+
+def is_fused(model: nn.Module) -> bool:
+    """Whether any projection group of `model` runs fused now."""
+    return any(getattr(m, attr) is not None and getattr(m, attr).live(m)
+               for m in model.modules() for kind, attr, _ in GROUPS if isinstance(m, kind))
+
+
+def fuse_projections(model: CausalLM) -> int:
+    """Fuse q/k/v and gate/up of every decoder layer of `model` in place (module docstring).
+    Returns the number of groups fused by this call; logs what was fused or skipped, and why."""
+    reason = _skip_reason(model)
+    if reason is not None:
+        log.info("projections not fused: %s", reason)
+        return 0
+    fused, already, adapted = 0, 0, []
+    for layer_name, module in model.named_modules():
+        for kind, attr, names in GROUPS:
+            if not isinstance(module, kind):
+                continue
+            group = getattr(module, attr)
+            if group is not None and group.live(module):
+                already += 1
+                continue
+            mods = [getattr(module, n) for n in names]
+            if any(type(m) is not Linear for m in mods):
+                adapted.append(f"{layer_name}.{'/'.join(names)}")
+                continue
+            ps = [p for m in mods for p in m.parameters()]
+            if len({(p.device, p.dtype) for p in ps}) != 1 or len({m.in_features for m in mods}) != 1 \
+                    or len({m.bias is None for m in mods}) != 1:
+                adapted.append(f"{layer_name}.{'/'.join(names)} (mixed device, dtype, input size or bias)")
+                continue
+            setattr(module, attr, FusedLinear(module, names))
+            fused += 1
+    if adapted:
+        log.info("projections not fused in %d groups (not plain Linear, e.g. LoRA-adapted; each keeps its "
+                 "own GEMM): %s%s", len(adapted), ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")
+    if fused:
+        log.info("fused projections: %d groups (q/k/v and gate/up, one GEMM each)%s", fused,
+                 f"; {already} already fused" if already else "")
+    return fused

@@ -1,0 +1,370 @@
+"""Streaming GRPO (`grpo.overlap: stream`): each group is scored, given its advantages and
+trained (forward + backward, gradients accumulated) as soon as its G completions finish,
+while the engine decodes the rest of the batch; one optimizer step follows the last group.
+The weights do not change until then, so every completion is sampled from the policy the
+step updates: training stays exactly on-policy.
+
+Equal to sync mode, and how:
+  - Same rollouts: `EngineSampler.groups` runs the requests and engine steps `generate`
+    runs (`LLM.stream` is `LLM.generate`'s loop), from the same, untouched weights.
+  - Same advantages: the estimators allowed here (group with adv_scale group | none, rloo)
+    use their group's rewards only; those needing the whole batch (adv_scale batch,
+    reinforce_pp*) are refused by `check_stream`, as are mu > 1, mini_batches > 1,
+    multi-turn episodes and data-parallel runs.
+  - Same micro-batches: packed within each group (`pack_by_tokens` over its G sequences),
+    each weighted by its share of the step's normalizer (`accumulation_weight`). For
+    grpo / gspo / dr_grpo that is the sequence count P*G, known before the rollout.
+  - Same sum: sync adds the micro-batch gradients into one fp32 sum in sequence order.
+    `OrderedGradients` does the same additions in the same order whatever order the groups
+    finish in: a group whose predecessors are all summed adds straight into the sum; a
+    group that finished early sets the sum aside (`MasterAdamW.take_grads`), computes each
+    micro-batch's gradient alone, keeps it as a slot, and puts the sum back; slots are
+    added in their place once the groups before them are in (`add_grads` does what the
+    backward would have done).
+  So the parameters equal sync mode's bit for bit (CPU; exact numerics on CUDA) whenever
+  sync's micro-batches are the same: sync packs the whole batch greedily, so its
+  micro-batches must cut at group boundaries (always true when micro_batch_tokens is below
+  any two sequences' length). Otherwise a sync micro-batch spans two groups and the weight
+  gradients' token reductions associate differently: same math, fp32 rounding apart.
+  Normalizers known only at the end, and the one rescale that then follows:
+    dapo / cispo (token-level mean over the step's T loss tokens): micro-batches are
+      weighted by their token count (unnormalized sums) and the gradients and statistics
+      divided by max(T, 1) after the last group;
+    dynamic_sampling (kept sequences N unknown): weighted by 1 / (P*G), rescaled by
+      P*G / N at the end when a group was dropped (no rescale, still bitwise, when none was).
+  Both equal sync's loss exactly in real arithmetic; in floating point the backward runs at
+  another scale, so parameters agree to fp32 rounding, which AdamW's 1 / sqrt(v) amplifies
+  where a gradient element is near 0 (tests: within 1e-4 of each tensor's largest entry
+  after 3 steps at lr 1e-2). Statistics summed token-weighted (entropy, clip fractions)
+  are divided by T at the end too: equal to sync's to rounding.
+
+Concurrency: on CPU the training work runs between engine steps (interleaved, not
+concurrent). On CUDA a worker thread (`_Worker`) runs it on a side stream while the main
+thread keeps stepping the engine, so training kernels overlap the decode graph's replays;
+the engine steps on a stream of the highest priority, so decode blocks are scheduled
+ahead of the training kernels' pending ones (bench_stream.py measures what each side
+still costs the other). The decode graphs are captured before the first group trains (a
+capture in progress forbids other threads' allocations and syncs). Safe because nothing
+the decode reads is written before the optimizer step (gradients go to .grad and the fp32
+buffers) and the two never share memory: the KV pool and the graphs' pool are the
+engine's, activations come from the side stream's own cache. Both streams first wait for
+the main one (memory the last step freed may be reused), and the main one waits for both
+before the optimizer step.
+Memory: the KV pool stays allocated while groups train (sync mode frees it first), so
+activations and gradient slots (an fp32 copy of the gradients per micro-batch held) share
+what the pool leaves; engine.gpu_memory_fraction or engine.num_kv_blocks set the split,
+logged once at the first step and as memory/kv_pool_mb, memory/train_headroom_mb (free
+beside the awake pool) and memory/grad_slots_peak_mb.
+stream/overlap_frac = training time spent before the engine finished / all training time
+(stream/train_s: that time, each job from its start to its side stream's end).
+Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from rlfuse.kernels.policy_loss import TOKEN_MEAN_TYPES
+from rlfuse.model.lora import BaseModelView
+from rlfuse.rollout import score_samples
+from rlfuse.run import pack_by_tokens
+from rlfuse.train.advantages import token_advantages, zero_variance_groups
+
+log = logging.getLogger(__name__)
+
+
+class OrderedGradients:
+    """Sums per-micro-batch gradients into the optimizer's accumulators in (group,
+    micro-batch) order, whatever order the groups are trained in (module docstring)."""
+
+    def __init__(self, optimizer, num_groups: int):
+        self.opt = optimizer
+        self.done: list[list | None] = [None] * num_groups  # per group, once trained: its held slots
+        self.next = 0  # every group before it is in the sum
+        self.held_bytes = self.peak_bytes = self.held = self.peak_held = 0
+
+    def run_group(self, i: int, micro_batches: list) -> None:
+        """Run group i's micro-batch backwards (callables, in order) into the sum or slots."""
+        if i == self.next:
+            for backward in micro_batches:
+                backward()
+            self.done[i] = []
+        else:
+            aside = self.opt.take_grads()
+            slots = []
+            for backward in micro_batches:
+                backward()
+                slots.append(self.opt.take_grads())
+                self.held += 1
+                self.held_bytes += sum(g.nbytes for g in slots[-1] if g is not None)
+            self.opt.put_grads(aside)
+            self.done[i] = slots
+            self.peak_held, self.peak_bytes = max(self.peak_held, self.held), max(self.peak_bytes, self.held_bytes)
+        self._fold()
+
+    def skip(self, i: int) -> None:
+        """Group i trains nothing (dropped by dynamic sampling)."""
+        self.done[i] = []
+        self._fold()
+
+    def _fold(self) -> None:
+        while self.next < len(self.done) and self.done[self.next] is not None:
+            for slot in self.done[self.next]:
+                self.opt.add_grads(slot)
+                self.held -= 1
+                self.held_bytes -= sum(g.nbytes for g in slot if g is not None)
+            self.done[self.next] = []
+            self.next += 1
+
+
+class _Interleaved:
+    """Runs each job at once, between engine steps (CPU)."""
+
+    def __init__(self):
+        self.spans: list[tuple[float, float]] = []
+
+    def submit(self, job) -> None:
+        t0 = time.perf_counter()
+        job()
+        self.spans.append((t0, time.perf_counter()))
+
+    def finish(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def decoding(self):
+        return contextlib.nullcontext()
+
+    def decoded(self) -> None:
+        pass
+
+
+class _Worker:
+    """Runs jobs in submission order on a worker thread while the main thread steps the
+    engine; on CUDA on a side stream, the engine on a high-priority one. The thread
+    inherits the caller's context (kernel backend and numerics settings); its first error
+    is raised by `finish`. (CPU: tests of the threaded path, `StreamStep.threaded`.)"""
+
+    def __init__(self, device: torch.device):
+        self.device, self.cuda = device, device.type == "cuda"
+        if self.cuda:
+            self.stream = torch.cuda.Stream(device)
+            # the engine decodes on a stream of the highest priority: the decode kernels'
+            # blocks are scheduled before the training kernels' pending ones, not behind them
+            self.decode = torch.cuda.Stream(device, priority=-100)
+            main = torch.cuda.current_stream(device)
+            self.stream.wait_stream(main)  # memory the last step freed may be reused on either
+            self.decode.wait_stream(main)
+        self.jobs: queue.Queue = queue.Queue()
+        self.spans: list[tuple[float, float]] = []
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,), daemon=True,
+                                       name="rlfuse-stream-train")
+        self.thread.start()
+
+    def _loop(self) -> None:
+        with (torch.cuda.device(self.device) if self.cuda else contextlib.nullcontext()), \
+                (torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()):
+            while (job := self.jobs.get()) is not None:
+                if self.error is not None:
+                    continue
+                t0 = time.perf_counter()
+                try:
+                    job()
+                    if self.cuda:
+                        self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
+                except BaseException as e:  # re-raised on the main thread by finish()
+                    self.error = e
+                self.spans.append((t0, time.perf_counter()))
+
+    def submit(self, job) -> None:
+        self.jobs.put(job)
+
+    def decoding(self):
+        """The context the engine steps in: its high-priority stream."""
+        return torch.cuda.stream(self.decode) if self.cuda else contextlib.nullcontext()
+
+    def decoded(self) -> None:
+        """After the last engine step: the main stream waits for the decode stream."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.decode)
+
+    def finish(self) -> None:
+        self.close()
+        if self.error is not None:
+            raise self.error
+
+    def close(self) -> None:
+        """Stop the worker after the jobs queued so far; the main stream then waits for it."""
+        if self.thread.is_alive():
+            self.jobs.put(None)
+            self.thread.join()
+        if self.cuda:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_stream(self.decode)
+            main.wait_stream(self.stream)
+
+
+def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end: float) -> float:
+    """Share of the spans' total time that lies inside [gen_start, gen_end]."""
+    total = sum(b - a for a, b in spans)
+    inside = sum(max(0.0, min(b, gen_end) - max(a, gen_start)) for a, b in spans)
+    return inside / total if total > 0 else 0.0
+
+
+class StreamStep:
+    """The rollout + update of one GRPO step in stream mode, for `GRPOTrainer.step`."""
+
+    def __init__(self, trainer):
+        self.tr = trainer
+        self.logged = False  # the memory split, once
+        self.threaded: bool | None = None
+        """Train on a worker thread (None: on CUDA; True on CPU tests the threaded path)."""
+        why = {"data-parallel runs (torchrun)": trainer.dist is not None,
+               f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
+                   not hasattr(trainer.sampler, "groups"),
+               "LoRA with grpo.kl_coef > 0 (its reference switches the adapters the engine decodes with)":
+                   isinstance(trainer.ref_model, BaseModelView)}
+        bad = [k for k, hit in why.items() if hit]
+        if bad:
+            raise ValueError(f"grpo.overlap stream does not support {'; '.join(bad)}: use grpo.overlap sync")
+
+    def run(self, prompts, step: int, timer):
+        """-> (samples, total rewards, per-function rewards, reward error counts, per-token
+        advantages, training metrics), as the sync path has them after its `_train`."""
+        tr, g = self.tr, self.tr.g
+        P, G = len(prompts), g.group_size
+        samples: list = [None] * (P * G)
+        total: list = [None] * (P * G)
+        per: dict[str, list] = {}
+        adv: list = [None] * (P * G)
+        # provisional normalizers (module docstring): all P*G sequences; tokens unnormalized
+        totals = (P * G, 1.0)
+        check = tr.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
+        grads = OrderedGradients(tr.optimizer, P)
+        mb_sums: list[list[dict]] = [[] for _ in range(P)]  # per group, per micro-batch: summed in order at the end
+        n_tok = [0]
+        kept: list[int] = []
+        loss_tokens = [0.0] * P
+        old: dict = {}
+        capture = [([], [], []) for _ in range(P)]
+        cuda = tr.device.type == "cuda"
+        runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
+
+        def train_group(i: int, seqs: list[int]) -> None:
+            if tr.recompute_old or check:
+                old.update(tr._trainer_logprobs(prompts, samples, seqs))
+            lengths = [len(tr._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
+
+            def backward(mb):
+                def run():
+                    s, n = tr.accumulate_gradients(prompts, samples, adv, seqs, capture[i],
+                                                   old=old if tr.recompute_old else None,
+                                                   micro_batches=[(mb, False)], totals=totals)
+                    mb_sums[i].append(s)
+                    n_tok[0] += n
+                return run
+            grads.run_group(i, [backward(mb) for mb in pack_by_tokens(lengths, g.micro_batch_tokens)])
+
+        def take_group(i: int, group: list) -> None:
+            """Score a finished group and queue its training (between engine steps)."""
+            seqs = list(range(i * G, (i + 1) * G))
+            samples[i * G:(i + 1) * G] = group
+            t_i, per_i = score_samples(prompts, group, tr.rewards, G)
+            total[i * G:(i + 1) * G] = t_i
+            for k, v in per_i.items():
+                per.setdefault(k, [None] * (P * G))[i * G:(i + 1) * G] = v
+            r_i = torch.tensor(t_i, dtype=torch.float32)
+            adv[i * G:(i + 1) * G] = token_advantages(g.advantage, r_i, [len(s.token_ids) for s in group], G,
+                                                      adv_scale=g.adv_scale, eps=g.adv_eps)
+            if g.dynamic_sampling and bool(zero_variance_groups(r_i, G)[0]):  # host: CPU rewards
+                runner.submit(lambda: grads.skip(i))
+                return
+            kept.append(i)
+            loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
+                                 for s in group)
+            runner.submit(lambda: train_group(i, seqs))
+
+        try:
+            with timer("generate"):
+                tr.sampler.wake()
+                kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
+                gen_start = time.perf_counter()
+                with runner.decoding():
+                    for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
+                                                      top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
+                                                      seed=g.seed + step, capture=cuda):
+                        take_group(i, group)
+                runner.decoded()
+                gen_end = time.perf_counter()
+                tr.sampler.sleep()
+        except BaseException:  # the worker must not outlive a failed rollout
+            runner.close()
+            raise
+        with timer("train"):
+            runner.finish()
+            if not kept:
+                out = {"_train_tokens": 0.0, "skipped_update": 1.0}
+            else:
+                kept.sort()  # finishing order -> group order
+                seqs = [j for i in kept for j in range(i * G, (i + 1) * G)]
+                sums: dict = {}
+                for s in (s for i in kept for s in mb_sums[i]):  # sync's order: statistics equal too
+                    for k, v in s.items():
+                        sums[k] = sums.get(k, 0.0) + v
+                cap = tuple([x for i in kept for x in capture[i][c]] for c in range(3))  # sequence order, as sync's
+                out = self._update(step, sums, n_tok[0], seqs, sum(loss_tokens), cap, check, old, samples)
+        out.update({"stream/overlap_frac": overlap_fraction(runner.spans, gen_start, gen_end),
+                    "stream/train_s": sum(b - a for a, b in runner.spans),
+                    "stream/grad_slots_max": float(grads.peak_held),
+                    "memory/grad_slots_peak_mb": grads.peak_bytes / 2**20,
+                    "memory/kv_pool_mb": kv_bytes / 2**20})
+        if headroom is not None:
+            out["memory/train_headroom_mb"] = headroom / 2**20
+        return samples, total, per, dict(tr.rewards.error_counts), adv, out
+
+    def _headroom(self, step: int, num_groups: int) -> int | None:
+        """CUDA: the memory training has beside the KV pool (free on the device plus cached
+        by torch, unused); logged once with the worst case of the gradient slots."""
+        tr = self.tr
+        if tr.device.type != "cuda":
+            return None
+        free = torch.cuda.mem_get_info(tr.device)[0] + torch.cuda.memory_reserved(tr.device) \
+            - torch.cuda.memory_allocated(tr.device)
+        if not self.logged:
+            self.logged = True
+            slot = sum(p.numel() * 4 for p in tr.optimizer.params)  # an fp32 gradient per held micro-batch
+            log.info("grpo.overlap stream: KV pool %.2f GiB; beside it %.2f GiB for training activations and "
+                     "gradient slots (%.2f GiB each, at most %d held if all but the last group finish early); "
+                     "engine.gpu_memory_fraction / engine.num_kv_blocks move the split",
+                     tr.sampler.kv_pool_bytes() / 2**30, free / 2**30, slot / 2**30, num_groups - 1)
+        return free
+
+    def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, capture,
+                check: bool, old: dict, samples) -> dict:
+        """Rescale what was summed under the provisional normalizers (module docstring), then
+        the step's one optimizer step; its metrics as `GRPOTrainer._train` gives them."""
+        tr, g = self.tr, self.tr.g
+        provisional = len(samples)
+        stat_scale = 1.0 / max(loss_tokens, 1.0)  # statistics: token-weighted sums, unnormalized
+        if g.loss_type in TOKEN_MEAN_TYPES:
+            grad_scale = stat_scale
+        else:  # no multiply when every group was kept: the gradient stays bitwise sync's
+            grad_scale = provisional / len(seqs) if len(seqs) != provisional else None
+        if grad_scale is not None:
+            for grad in tr.optimizer.grads():
+                grad.mul_(grad_scale)
+        sums = {k: v * (grad_scale or 1.0) if k == "loss" else v * stat_scale for k, v in sums.items()}
+        extra = tr._full_mismatch(samples, seqs, old, check, step) if (tr.recompute_old or check) else {}
+        stats = tr.apply_update(sums, n_tok, step)  # mu = mini_batches = 1: optimizer step `step`
+        n_trained = stats.pop("_tokens")
+        return tr._train_metrics({k: [v] for k, v in stats.items()}, capture, extra, n_trained)
