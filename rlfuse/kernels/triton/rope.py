@@ -139,7 +139,12 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, KC, VC, SLOT, T,
     fr = tl.arange(0, BLOCK_F)
     tmask = toks < T
     fmask = tmask[:, None] & (fr[None, :] < HALF)
-    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)  # once for all heads of these tokens
+    h0 = tl.program_id(1) * HPP
+    if h0 < HQ + HKV:  # once for this program's q/k heads; a program of v heads only copies
+        cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)
+    else:
+        cos = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
+        sin = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
     YT: tl.constexpr = QO.dtype.element_ty
     if CACHE:
         slot = tl.load(SLOT + toks, mask=tmask, other=-1).to(tl.int64)
@@ -149,7 +154,6 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, KC, VC, SLOT, T,
         NH = HQ + 2 * HKV
     else:
         NH = HQ + HKV
-    h0 = tl.program_id(1) * HPP
     for h in range(h0, tl.minimum(h0 + HPP, NH)):
         if h < HQ:
             y1, y2 = _norm_rope_head(Q + h * sqh, sqt, WQ, toks, tmask, fr, cos, sin, D, eps,
@@ -224,7 +228,8 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
         block_d, rows, warps = _tile(Dh) if norm else (triton.next_power_of_2(Dh), _BLOCK_T, 4)
         nh = Hq + Hkv * (2 if cache else 1)
         nt = triton.cdiv(T, rows)
-        hpp = triton.cdiv(nh, min(nh, triton.cdiv(_MIN_PROGRAMS, nt)))
+        # half rope's program count: each program's cos/sin (libdevice) then serves 2+ heads
+        hpp = triton.cdiv(nh, min(nh, triton.cdiv(max(1, _MIN_PROGRAMS // 2), nt)))
         kout = qo if ko is None else ko
         _qk_norm_rope_kernel[(nt, triton.cdiv(nh, hpp))](
             q, k, v, qo, kout, q_weight if norm else q, k_weight if norm else q, positions.contiguous(),
