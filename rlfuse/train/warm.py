@@ -69,6 +69,7 @@ class KernelWarmup:
         self.futures: list = []
         self.t0 = time.perf_counter()
         self.error: str | None = None
+        self.failures: list[str] = []
         if not (enabled and self.device.type == "cuda"):
             return
         try:
@@ -123,6 +124,7 @@ class KernelWarmup:
                 failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
         self.pool.shutdown()
         self.pool = None
+        self.failures = failed
         waited = time.perf_counter() - t0
         total = time.perf_counter() - self.t0
         log.info("kernel warm-up: %d kernel variants compiled in worker processes (%.1f s since the trainer "
