@@ -107,13 +107,13 @@ def triton_compiles() -> dict[str, int]:
 
 def record_compiles():
     """Context manager (CUDA): kernel launches that would compile are recorded and skipped;
-    yields [(module, kernel, specialization JSON)] for `compile_from_spec` (train/warm.py)."""
+    yields [(module, kernel, specialization JSON, target)] for `compile_from_spec` (train/warm.py)."""
     return triton_ops("common").record_compiles()
 
 
-def compile_from_spec(module: str, name: str, spec: str) -> str:
+def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     """Compile one recorded kernel specialization into Triton's cache (worker processes)."""
-    return triton_ops("common").compile_from_spec(module, name, spec)
+    return triton_ops("common").compile_from_spec(module, name, spec, target)
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -83,9 +83,9 @@ class KernelWarmup:
                                                                mp_context=ctx)
             self.futures = [self.pool.submit(compile_from_spec, *r) for r in requests]
 
-    def dry_run(self) -> list[tuple[str, str, str]]:
+    def dry_run(self) -> list[tuple]:
         """The dummy forward and backward with every would-be compile recorded and skipped:
-        [(module, kernel name, Triton's specialization JSON)]."""
+        [(module, kernel name, Triton's specialization JSON, target)]."""
         with record_compiles() as requests, use_numerics(self.numerics):
             self._forward_backward()
             torch.cuda.synchronize(self.device)

@@ -1,6 +1,7 @@
 """Small Triton helpers shared by several kernels (one op per file keeps its own math)."""
 
 import contextlib
+import dataclasses
 import importlib
 import json
 import sys
@@ -84,15 +85,17 @@ def swizzle(pid, R, C, GROUP_R: tl.constexpr):
 def record_compiles():
     """Inside: every kernel launch that would compile is recorded and skipped (nothing
     compiles, the kernel does not run; launches of kernels compiled before run). Yields
-    the list it fills with (module, kernel name, Triton's specialization JSON), one per
-    distinct specialization, for `compile_from_spec`."""
+    the list it fills with (module, kernel name, Triton's specialization JSON, target), one
+    per distinct specialization, for `compile_from_spec`."""
     requests, seen = [], set()
+    # the target travels beside the JSON: Triton 3.6 leaves it out (3.9 writes it in)
+    target = dataclasses.asdict(triton.runtime.driver.active.get_current_target())
 
     def record(*, key, repr, fn, compile, is_manual_warmup, already_compiled):
         spec = compile["specialization_data"]
         if spec not in seen:
             seen.add(spec)
-            requests.append((fn.module, fn.name, spec))
+            requests.append((fn.module, fn.name, spec, target))
         return True  # skip
 
     before = knobs.runtime.jit_cache_hook
@@ -103,13 +106,13 @@ def record_compiles():
         knobs.runtime.jit_cache_hook = before
 
 
-def compile_from_spec(module: str, name: str, spec: str) -> str:
+def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     """Compile kernel `module.name` for a specialization `record_compiles` recorded, into
     Triton's on-disk cache, for the target named in it: no GPU needed (worker processes).
     The decoding follows `JITFunction.preload`, which needs a device."""
     fn = getattr(importlib.import_module(module), name)
     d = json.loads(spec)
-    target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d["target"].items()})
+    target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d.get("target", target).items()})
     backend = make_backend(target)
 
     def constant(v):
