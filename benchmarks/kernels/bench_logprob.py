@@ -205,6 +205,11 @@ def main():
                for r in dec]
     (out / "bench_logprob.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    for r in rows:  # the target: G = 8, D = 1024, V = 151936
+        if (r["D"], r["V"], r["G"]) == (1024, 151936, 8) and isinstance(r["ours"], dict):
+            peers = ", ".join(f"{k} {cell(r[k])}" for k in names if k not in ("ours", "torch"))
+            print(f"target G=8 D=1024: ours {cell(r['ours'])} ms (peak extra GiB), target peak <= 0.5 GiB and "
+                  f"faster than liger and cce; peers: {peers or 'not installed'}")
 
 
 if __name__ == "__main__":
