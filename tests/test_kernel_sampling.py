@@ -273,6 +273,9 @@ def test_rejects_too_many_chunks():
     params = _params(2, _SETTINGS, seed=0)
     with pytest.raises(ValueError, match="chunks"):
         sample_triton(torch.zeros(2, 1000), *params, chunk=8)
+    for chunk in (96, 32768):  # a chunk is one power-of-two tile, at most 16384 elements
+        with pytest.raises(ValueError, match="power of two"):
+            sample_triton(torch.zeros(2, 1000), *params, chunk=chunk)
 
 
 def test_same_seed_offset_reproduces_across_batches():

@@ -12,9 +12,11 @@ bound = B V bytes / (copy GB/s), copy GB/s = (read + write bytes) / time of a 1 
 Columns also give ids == the reference's, and how many rows took each path of the kernel
 (`sampling.PATHS`: plain/greedy, slot lists, some chunks streamed, whole row).
 Target (issue 26): <= 0.1 ms at batch 256 for top-k, top-p and both, typical and flat.
+--sweep: also the graph time of the filtered settings (fp32, batch 256) for other values of
+the `chunk` and `chunk_slots` knobs of `sample_triton` (one compile each, ~1 more minute).
 
 Run on the GPU box (~1 minute):  OUT=./out python benchmarks/kernels/bench_sampling.py
-CPU smoke run (Triton interpreter, V = 4096, batch 4, no timing):
+CPU smoke run (Triton interpreter, V = 32768 in 4 chunks, batch 4, no timing):
     TRITON_INTERPRET=1 python benchmarks/kernels/bench_sampling.py --small
 Writes $OUT/bench_sampling.json and $OUT/bench_sampling.md (a table for docs/benchmarks.md).
 """
@@ -70,17 +72,38 @@ def one_case(logits, prm, reps, timed: bool) -> dict:
     return r
 
 
+SWEEP = [dict(chunk=4096), dict(chunk=16384), dict(chunk_slots=256), dict(chunk_slots=1024)]
+
+
+def sweep(reps: int):
+    """Graph-replay ms of the filtered settings at batch 256, fp32, for each knob setting in
+    SWEEP against the defaults (to set the module's `_CHUNK` and `_CHUNK_SLOTS`)."""
+    print("\nknob sweep (graph ms, fp32, B=256; ids == ref checked):")
+    for a, dist in DISTS:
+        logits = zipf_logits(256, V, a, torch.float32, "cuda")
+        for knobs in [{}] + SWEEP:
+            cells = []
+            for name, (k, p) in list(SETTINGS.items())[1:]:
+                prm = params(256, k, p, "cuda")
+                ok = torch.equal(sample_triton(logits, *prm, **knobs)[0], sample_ref(logits, *prm)[0])
+                ms = bench(graphed(lambda: sample_triton(logits, *prm, **knobs)), reps) * 1e3  # noqa: B023
+                cells.append(f"{name} {ms:.3f}{'' if ok else ' (ids != ref)'}")
+            print(f"  {dist:8s} {str(knobs or 'defaults'):22s} " + "  ".join(cells), flush=True)
+        del logits
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[256])
     ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     ap.add_argument("--reps", type=int, default=30)
-    ap.add_argument("--small", action="store_true", help="CPU smoke run: V=4096, batch 4, no timing")
+    ap.add_argument("--small", action="store_true", help="CPU smoke run: V=32768, batch 4, no timing")
+    ap.add_argument("--sweep", action="store_true", help="also time other chunk / chunk_slots knobs")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     small = args.small
-    dev, vocab = ("cpu", 4096) if small else ("cuda", V)
+    dev, vocab = ("cpu", 32768) if small else ("cuda", V)
     batches = [4] if small else args.batches
     gpu = "cpu (interpreter)" if small else torch.cuda.get_device_name()
     bw = None if small else copy_bandwidth()
@@ -120,6 +143,8 @@ def main():
            f"{', '.join(f'{k}: {v}' for k, v in r['paths'].items())} |" for r in rows]
     (out / "bench_sampling.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
+    if args.sweep:
+        sweep(args.reps)
     for dist in ("typical", "flat"):
         filt = [r for r in rows if r["B"] == 256 and r["dist"] == dist and r["setting"] != "none"]
         if filt:

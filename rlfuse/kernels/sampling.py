@@ -24,19 +24,19 @@ reference's fp32 cumsum can still drop tail tokens whose mass-before rounds up t
 ~1e-7-probability event). A row is cut into S = ceil(V / CHUNK) chunks, a function of V
 only, so no reduction order depends on the batch. Two kernels, in order:
 
-  1. Chunk statistics (`_chunk_stats_kernel`, grid (B, S)). One streaming pass: per-lane
-     running max m and z = sum exp(s - m) with one exp per element
-     (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax of s + g (PLAIN;
-     g from the reference's hash) or of s (GREEDY). FILTERED rows work on the raw logits
-     x instead, so that no element is divided by T (the divisions dominate this pass
+  1. Chunk statistics (`_chunk_stats_kernel`, grid (B, S)). PLAIN and GREEDY rows: one
+     streaming pass, per-lane running max m and z = sum exp(s - m) with one exp per
+     element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax of s + g
+     (PLAIN; g from the reference's hash) or of s (GREEDY). FILTERED rows load the whole
+     chunk as one tile (read once, then everything from registers) and work on the raw
+     logits x, so that no element is divided by T (the divisions dominate this pass
      otherwise): max x, then max s = rnd(max x / T) exactly (x -> rnd(x / T) is
      monotone), and z = sum 2^((x - max x) log2(e) / T), equal to the s-space sum up to
      rounding (the reference's own sum rounds differently anyway). They also build a
      histogram of floor(x kw), kw = rnd(BINS_PER_NAT / T), relative to the chunk's top
      bin. The grid is absolute (the same products x kw in every kernel), so chunk
      histograms merge by an integer shift. A bin is about 1 / BINS_PER_NAT nats of s wide.
-     Then each chunk lists its top elements (index and x, from L2: the logits are read
-     from memory once) in SLOTS slots: {x kw >= c_loc}, c_loc the lowest bin edge with at
+     Then each chunk lists its top elements (index and x) in SLOTS slots: {x kw >= c_loc}, c_loc the lowest bin edge with at
      most SLOTS elements at or above it, raised to the chunk's own top-k edge when top-k is
      on (the row's top-k lies inside the union of the chunks' top-k). It records c_loc
      (inf when its top bin alone overflows) and the largest x below it.
@@ -50,13 +50,14 @@ only, so no reduction order depends on the batch. Two kernels, in order:
      top-k mass Z_k must then be computable from the candidates). The candidates are
      {x kw >= c} = the bins <= jc, so each chunk's count is read off its own histogram,
      exactly.
-  3. Candidate list (`_gather_candidates`). Chunk by chunk, in index order, the indices
-     with x kw >= c (and their s, the only divisions) go to a (B, max_candidates) scratch
-     (nothing when the histogram's total exceeds it): from the chunk's slot list when
-     c_loc <= c (the list holds every x kw >= c_loc), else streamed from its logits (a
-     second read of that chunk only). With the exact count, mass sum exp(s - m), and the
-     largest x left out. A count that differs from the histogram's (only NaN logits)
-     marks the row's list unusable.
+  3. Candidate list (`_gather_candidates`). The indices with x kw >= c (and their s, the
+     only divisions) go to a (B, max_candidates) scratch (nothing when the histogram's
+     total exceeds it): from the slot lists of the chunks with c_loc <= c (a list holds
+     every x kw >= c_loc), read as one concatenated sequence, then streamed from the
+     logits of any other chunk with candidates (a second read of that chunk only). The
+     order is fixed by the data; the draw breaks ties by index. With the exact count,
+     mass sum exp(s - m), and the largest x left out. A count that differs from the
+     histogram's (only NaN logits) marks the row's list unusable.
   4. Threshold and draw. Merges the chunk statistics (m, Z, id: max value, smallest
      index among equals). For FILTERED rows:
      a. s_out = rnd(largest x left out / T): the candidates hold every s > s_out. Their

@@ -18,14 +18,14 @@ from rlfuse.kernels.triton.sampling_threshold import (_all_pairs_threshold_draw,
 _BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER_NAT / T))
 _HIST_BINS = 64         # histogram bins a chunk: ~31.5 nats below its max, then one rest bin
 _BISECT_PROBES = 8      # thresholds probed per bisection sweep
-_CHUNK = 16384          # elements per chunk program (V = 151936: 10 chunks a row)
+_CHUNK = 8192           # elements per chunk program (V = 151936: 19 chunks a row); a filtered row's
+                        # chunk is one tile (32 fp32 a thread at 8 warps): read once, no re-reads
+_MAX_CHUNK = 16384      # the largest chunk one tile holds
 _SCAN_BLOCK = 2048      # elements per step in the streaming loops
-_HIST_BLOCK = 8192      # elements per step in the chunk histogram loop
 _BISECT_BLOCK = 1024    # candidates per step in the bisection
 _VALUE_SPLIT_SWEEPS = 2  # first bisection sweeps that split values, not keys (see _bisect)
-_CHUNK_SLOTS = 1024     # candidates a chunk lists in its first pass (its top by bins, or its top-k bins)
-_LIST_BLOCK = 1024      # elements per step when the draw kernel gathers a row's candidate list (one
-                        # step a slot list)
+_CHUNK_SLOTS = 512      # candidates a chunk lists in its first pass (its top by bins, or its top-k bins)
+_LIST_BLOCK = 2048      # entries per step when the draw kernel gathers a row's candidate list
 _DRAW_WARPS = 8         # warps a threshold-and-draw program
 _MAX_CANDIDATES = 16384  # candidates kept in scratch per row; more: the whole-row path
 _ALL_PAIRS_MAX = 128    # up to this many candidates: all-pairs threshold instead of bisection
@@ -100,28 +100,10 @@ def _scan_chunk_scaled(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
-def _scan_chunk_raw(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
-    """Filtered rows: -> (max x, sum 2^((x - max x) kl)) over one chunk of raw logits x,
-    kl = log2(e) / T: the sum of exp(s - max s) up to rounding, with no division per
-    element (max s = max x / T exactly: x -> rnd(x / T) is monotone)."""
-    m = tl.full((BLOCK,), float("-inf"), tl.float32)
-    z = tl.zeros((BLOCK,), tl.float32)
-    for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
-        idx = off + tl.arange(0, BLOCK)
-        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-        big = tl.maximum(m, x)
-        e = tl.exp2((tl.minimum(m, x) - tl.where(big == float("-inf"), 0.0, big)) * kl)
-        z = tl.where(x > m, z * e + 1.0, z + e)
-        m = big
-    mc = tl.max(m, axis=0)
-    return mc, tl.sum(z * tl.exp2((m - tl.where(mc == float("-inf"), 0.0, mc)) * kl), axis=0)
-
-
-@triton.jit
 def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
                         MAX_part, SUM_part, BEST_part, ARG_part, HIST_part,
                         SLOT_IDX, SLOT_X, SLOT_CUT, SLOT_N, SLOT_XOUT, V, S,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST_BLOCK: tl.constexpr,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
                         N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr, SLOTS: tl.constexpr):
     """Stage 1 for chunk c of row b: its max, sum and best score; filtered rows also its
     histogram and its slot list (module notes)."""
@@ -132,8 +114,16 @@ def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, 
     row = L_ptr + b.to(tl.int64) * stride_l
     lo = c * CHUNK
     po = b * S + c
-    if mode == _FILTERED:  # max and sum in raw-logit units; BEST_part holds the max x
-        xc, zc = _scan_chunk_raw(row, lo, V, tl.math.div_rn(1.4426950408889634, t), CHUNK, BLOCK)
+    if mode == _FILTERED:  # the whole chunk in one tile: one read of the logits, no re-reads
+        idx = lo + tl.arange(0, CHUNK)
+        inb = idx < V
+        x = tl.load(row + idx, mask=inb, other=float("-inf")).to(tl.float32)
+        # max and sum in raw-logit units, no division per element: max s = rnd(max x / T)
+        # exactly (x -> rnd(x / T) is monotone); sum 2^((x - max x) log2(e) / T) is the sum of
+        # exp(s - max s) up to rounding. BEST_part holds the max x.
+        xc = tl.max(x, axis=0)
+        kl = tl.math.div_rn(1.4426950408889634, t)
+        zc = tl.sum(tl.exp2((x - tl.where(xc == float("-inf"), 0.0, xc)) * kl), axis=0)
         tl.store(MAX_part + po, tl.math.div_rn(xc, t))
         tl.store(SUM_part + po, zc)
         tl.store(BEST_part + po, xc)
@@ -141,15 +131,12 @@ def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, 
         # chunk histogram of floor(x kw), kw = BINS_PER_NAT / T, on its absolute grid (module notes)
         kw = tl.math.div_rn(BINS_PER_NAT, t)
         a_top = tl.floor(xc * kw)
-        hist = tl.zeros((N_BINS,), tl.int32)
-        for off in range(lo, tl.minimum(lo + CHUNK, V), HIST_BLOCK):
-            idx = off + tl.arange(0, HIST_BLOCK)
-            d = a_top - tl.floor(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * kw)
-            hist += tl.histogram(tl.where(d < N_BINS - 1, d, N_BINS - 1).to(tl.int32), N_BINS)
+        d = a_top - tl.floor(x * kw)
+        hist = tl.histogram(tl.where(d < N_BINS - 1, d, N_BINS - 1).to(tl.int32), N_BINS)
         tl.store(HIST_part + po.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), hist)
         # the slot list: {x kw >= c_loc}, c_loc the lowest bin edge with at most SLOTS elements
         # at or above it, raised to the chunk's top-k edge when top-k is on (the row's kept set
-        # is inside the union of the chunks' top-k). Re-read from L2, not HBM.
+        # is inside the union of the chunks' top-k)
         cum = tl.cumsum(hist, axis=0)
         jj = tl.arange(0, N_BINS)
         inner = jj < N_BINS - 1
@@ -157,29 +144,21 @@ def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, 
         j_k = tl.min(tl.where(inner & (cum >= k), jj, N_BINS), axis=0)
         j_sel = tl.where(use_k, tl.minimum(j_cap, j_k), j_cap)
         c_loc = tl.where(j_sel >= 0, a_top - j_sel, float("inf"))
+        # <=> floor(x kw) >= c_loc: the bins <= j_sel; never -inf (masked tokens: a fully masked
+        # chunk lists nothing, and every cutoff but c = -inf excludes them anyway)
+        keep = inb & (x * kw >= c_loc) & (x > float("-inf"))
+        ki = keep.to(tl.int32)
+        n = tl.sum(ki, axis=0)
+        pos = tl.cumsum(ki, axis=0) - 1
+        st = keep & (pos < SLOTS)
         slot_base = po.to(tl.int64) * SLOTS
-        n = tl.full((), 0, tl.int32)
-        x_below = tl.full((HIST_BLOCK,), float("-inf"), tl.float32)  # largest x left out, per lane
-        for off in range(lo, tl.minimum(lo + CHUNK, V), HIST_BLOCK):
-            idx = off + tl.arange(0, HIST_BLOCK)
-            x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-            # <=> floor(x kw) >= c_loc: the bins <= j_sel; never -inf (masked tokens: a fully masked
-            # chunk lists nothing, and every cutoff but c = -inf excludes them anyway)
-            keep = (idx < V) & (x * kw >= c_loc) & (x > float("-inf"))
-            x_below = tl.maximum(x_below, tl.where(keep, float("-inf"), x))
-            ki = keep.to(tl.int32)
-            nk = tl.sum(ki, axis=0)
-            if nk > 0:
-                pos = n + tl.cumsum(ki, axis=0) - 1
-                st = keep & (pos < SLOTS)
-                tl.store(SLOT_IDX + slot_base + pos, idx, mask=st)
-                tl.store(SLOT_X + slot_base + pos, x, mask=st)
-                n += nk
+        tl.store(SLOT_IDX + slot_base + pos, idx, mask=st)
+        tl.store(SLOT_X + slot_base + pos, x, mask=st)
         # over SLOTS (a bin holding more than SLOTS elements at the top): the draw kernel streams
         # this chunk instead
         tl.store(SLOT_CUT + po, tl.where(n <= SLOTS, c_loc, float("inf")))
         tl.store(SLOT_N + po, n)
-        tl.store(SLOT_XOUT + po, tl.max(x_below, axis=0))
+        tl.store(SLOT_XOUT + po, tl.max(tl.where(keep, float("-inf"), x), axis=0))
     else:
         if mode == _PLAIN:
             mc, zc, vc, ic = _scan_chunk_scaled(row, lo, V, t, key, CHUNK, BLOCK, True)
@@ -345,6 +324,9 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
         if p.shape != (B,) or p.device != logits.device:
             raise ValueError(f"sample: {name} must have shape ({B},) on {logits.device}, got "
                              f"{tuple(p.shape)} on {p.device}")
+    if chunk > _MAX_CHUNK or chunk & (chunk - 1):
+        raise ValueError(f"sample_triton: chunk must be a power of two <= {_MAX_CHUNK}, got {chunk}")
+    chunk = min(chunk, triton.next_power_of_2(V))  # a function of V only: batch invariance
     S = triton.cdiv(V, chunk)
     if S > _MAX_CHUNKS:
         raise ValueError(f"sample_triton: chunk={chunk} splits V={V} into {S} chunks, at most {_MAX_CHUNKS}")
@@ -390,7 +372,7 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     slots = (w["slot_idx"], w["slot_x"], w["slot_cut"], w["slot_n"], w["slot_x_out"])
     _chunk_stats_kernel[(B, S)](
         logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],
-        w["hist"], *slots, V, S, CHUNK=chunk, BLOCK=block, HIST_BLOCK=min(_HIST_BLOCK, chunk, block_v),
+        w["hist"], *slots, V, S, CHUNK=chunk, BLOCK=block,
         N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, SLOTS=chunk_slots, num_warps=8)
     _threshold_draw_kernel[(B,)](
         logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],

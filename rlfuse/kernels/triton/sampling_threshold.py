@@ -107,7 +107,7 @@ def _bisect_threshold_draw(row, cand_row, cand_s_row, n, t, c, m, z, key, k, use
         v = tl.where(valid & (s >= c) & (s >= thr), s + _gumbel(key, idx), float("-inf"))
         bv = tl.max(v, axis=0)
         bi = tl.min(tl.where(v == bv, idx, 2147483647), axis=0)
-        upd = bv > best_v  # strict: the earlier block (smaller index) wins ties
+        upd = (bv > best_v) | ((bv == best_v) & (bi < best_i))  # ties: the smaller index (any list order)
         best_i = tl.where(upd, bi, best_i)
         best_v = tl.where(upd, bv, best_v)
     return best_i, thr
@@ -154,61 +154,70 @@ def _all_pairs_threshold_draw(cand_row, cand_s_row, n, c, m, z, key, k, use_k, t
 def _gather_candidates(row, b, S, V, t, kw, c, m, cnt, xp, SLOT_IDX, SLOT_X, SLOT_CUT, SLOT_N, SLOT_XOUT,
                        cand_row, cand_s_row, CHUNK: tl.constexpr, SLOTS: tl.constexpr, S_BLOCK: tl.constexpr,
                        MAX_CAND: tl.constexpr, BLOCK: tl.constexpr):
-    """Stage 3: the row's candidates {x kw >= c} in index order into cand_row / cand_s_row
-    (their s, the only divisions) -> (count, mass sum exp(s - m), largest x left out, whether
-    every chunk's count equals its histogram's `cnt`). A chunk whose slot cutoff is <= c reads
-    its slot list (which holds every x kw >= its cutoff); any other chunk streams its logits
-    (their number is the fifth result); a chunk without candidates (cnt 0) is skipped (its
-    largest x left out is its max, xp)."""
+    """Stage 3: the row's candidates {x kw >= c} into cand_row / cand_s_row (their s, the only
+    divisions) -> (count, mass sum exp(s - m), largest x left out, whether the count equals
+    the histogram's, chunks streamed). A chunk with candidates (cnt > 0) whose slot cutoff is
+    <= c is served by its slot list (which holds every x kw >= its cutoff): all served lists
+    are read as one concatenated sequence, BLOCK entries a step whatever the chunk; any other
+    chunk with candidates streams its logits (appended after). A chunk without candidates
+    contributes its max (xp) to the largest x left out. The order is fixed by the data, so
+    the list is deterministic; the draw breaks ties by index, not by list position."""
     cs = tl.arange(0, S_BLOCK)
+    cm = cs < S
+    has = cm & (cnt > 0)
+    served = has & (c >= tl.load(SLOT_CUT + b * S + cs, mask=cm, other=float("inf")))
+    ln = tl.where(served, tl.load(SLOT_N + b * S + cs, mask=cm, other=0), 0)
+    ends = tl.cumsum(ln, axis=0)  # served list i is entries [ends_i - ln_i, ends_i) of the sequence
+    total = tl.sum(ln, axis=0)
+    x_left = tl.maximum(tl.max(tl.where(cm & ~has, xp, float("-inf")), axis=0),
+                        tl.max(tl.where(served, tl.load(SLOT_XOUT + b * S + cs, mask=cm, other=float("-inf")),
+                                        float("-inf")), axis=0))
     n = tl.full((), 0, tl.int32)
-    streamed = tl.full((), 0, tl.int32)
-    good = tl.full((), 1, tl.int32)
     mass = tl.zeros((BLOCK,), tl.float32)
     x_out = tl.full((BLOCK,), float("-inf"), tl.float32)
-    for ci in range(0, S):
-        n0 = n
-        own = tl.sum(tl.where(cs == ci, cnt, 0), axis=0)
-        c_i = tl.load(SLOT_CUT + b * S + ci)
-        if own == 0:
-            x_out = tl.maximum(x_out, tl.max(tl.where(cs == ci, xp, float("-inf")), axis=0))
-        elif c >= c_i:
-            k_i = tl.load(SLOT_N + b * S + ci)
-            x_out = tl.maximum(x_out, tl.load(SLOT_XOUT + b * S + ci))
-            base = (b * S + ci).to(tl.int64) * SLOTS
-            for j0 in range(0, k_i, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                valid = j < k_i
-                x = tl.load(SLOT_X + base + j, mask=valid, other=float("-inf"))
-                idx = tl.load(SLOT_IDX + base + j, mask=valid, other=0)
-                keep = valid & (x * kw >= c)
-                x_out = tl.maximum(x_out, tl.where(valid & ~keep, x, float("-inf")))
-                ki = keep.to(tl.int32)
-                s = tl.math.div_rn(x, t)
-                pos = n + tl.cumsum(ki, axis=0) - 1
-                st = keep & (pos < MAX_CAND)
-                tl.store(cand_row + pos, idx, mask=st)
-                tl.store(cand_s_row + pos, s, mask=st)
-                mass += tl.where(keep, tl.exp(s - m), 0.0)
-                n += tl.sum(ki, axis=0)
-        else:
-            streamed += 1
-            lo = ci * CHUNK
-            for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
-                idx = off + tl.arange(0, BLOCK)
-                x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
-                keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: the histogram's bins <= jc
-                x_out = tl.maximum(x_out, tl.where(keep, float("-inf"), x))
-                ki = keep.to(tl.int32)
-                nk = tl.sum(ki, axis=0)
-                if nk > 0:  # most blocks hold no candidate: skip the scan and the divisions
-                    s = tl.math.div_rn(x, t)
-                    pos = n + tl.cumsum(ki, axis=0) - 1
-                    st = keep & (pos < MAX_CAND)
-                    tl.store(cand_row + pos, idx, mask=st)
-                    tl.store(cand_s_row + pos, s, mask=st)
-                    mass += tl.where(keep, tl.exp(s - m), 0.0)
-                    n += nk
-        # a count that differs from the histogram's (NaN logits) marks the list unusable
-        good = good & (n - n0 == own).to(tl.int32)
-    return n, tl.sum(mass, axis=0), tl.max(x_out, axis=0), good != 0, streamed
+    for p0 in range(0, total, BLOCK):
+        p = p0 + tl.arange(0, BLOCK)
+        valid = p < total
+        ch = tl.zeros((BLOCK,), tl.int32)     # the chunk of entry p: how many lists end at or before p
+        start = tl.zeros((BLOCK,), tl.int32)  # where that chunk's list starts: the last such end
+        for i in range(0, S):
+            e_i = tl.sum(tl.where(cs == i, ends, 0), axis=0)
+            passed = e_i <= p
+            ch += passed.to(tl.int32)
+            start = tl.where(passed, e_i, start)
+        src = (b * S + tl.minimum(ch, S - 1)).to(tl.int64) * SLOTS + (p - start)
+        x = tl.load(SLOT_X + src, mask=valid, other=float("-inf"))
+        idx = tl.load(SLOT_IDX + src, mask=valid, other=0)
+        keep = valid & (x * kw >= c)
+        x_out = tl.maximum(x_out, tl.where(valid & ~keep, x, float("-inf")))
+        ki = keep.to(tl.int32)
+        s = tl.math.div_rn(x, t)
+        pos = n + tl.cumsum(ki, axis=0) - 1
+        st = keep & (pos < MAX_CAND)
+        tl.store(cand_row + pos, idx, mask=st)
+        tl.store(cand_s_row + pos, s, mask=st)
+        mass += tl.where(keep, tl.exp(s - m), 0.0)
+        n += tl.sum(ki, axis=0)
+    streamed = tl.sum((has & ~served).to(tl.int32), axis=0)
+    if streamed > 0:
+        for ci in range(0, S):
+            if tl.sum(tl.where(cs == ci, (has & ~served).to(tl.int32), 0), axis=0) > 0:
+                lo = ci * CHUNK
+                for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+                    idx = off + tl.arange(0, BLOCK)
+                    x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+                    keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: the histogram's bins <= jc
+                    x_out = tl.maximum(x_out, tl.where(keep, float("-inf"), x))
+                    ki = keep.to(tl.int32)
+                    nk = tl.sum(ki, axis=0)
+                    if nk > 0:  # most blocks hold no candidate: skip the scan and the divisions
+                        s = tl.math.div_rn(x, t)
+                        pos = n + tl.cumsum(ki, axis=0) - 1
+                        st = keep & (pos < MAX_CAND)
+                        tl.store(cand_row + pos, idx, mask=st)
+                        tl.store(cand_s_row + pos, s, mask=st)
+                        mass += tl.where(keep, tl.exp(s - m), 0.0)
+                        n += nk
+    # a count that differs from the histogram's (NaN logits) marks the list unusable
+    good = n == tl.sum(cnt, axis=0)
+    return n, tl.sum(mass, axis=0), tl.maximum(tl.max(x_out, axis=0), x_left), good, streamed
