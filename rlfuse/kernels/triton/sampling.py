@@ -19,7 +19,9 @@ _BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER
 _HIST_BINS = 64         # histogram bins a chunk: ~31.5 nats below its max, then one rest bin
 _BISECT_PROBES = 8      # thresholds probed per bisection sweep
 _CHUNK = 8192           # elements per chunk program (V = 151936: 19 chunks a row); a filtered row's
-                        # chunk is one tile (32 fp32 a thread at 8 warps): read once, no re-reads
+                        # chunk is one tile (32 fp32 a thread at 8 warps): read once, no re-reads.
+                        # _CHUNK, _CHUNK_SLOTS and _LIST_BLOCK are not yet measured on a GPU:
+                        # `bench_sampling.py --sweep` times the alternatives
 _MAX_CHUNK = 16384      # the largest chunk one tile holds
 _SCAN_BLOCK = 2048      # elements per step in the streaming loops
 _BISECT_BLOCK = 1024    # candidates per step in the bisection
