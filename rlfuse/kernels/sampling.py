@@ -75,7 +75,10 @@ only, so no reduction order depends on the batch. Two kernels, in order:
             all-pairs tiles (`_all_pairs_threshold_draw`);
           - more: a bisection on the order-preserving integer key of fp32 values, several
             probes a sweep, over the candidates' stored s (`_bisect_threshold_draw`; kth
-            first when top-k and top-p are both on, for Z_k);
+            first when top-k and top-p are both on, for Z_k). The final search shrinks the
+            list to the bracket as it narrows (`_shrinking_bisect_draw`: what lies above
+            it is counted once and drawn from as it leaves), so later sweeps read few
+            candidates;
           - over `max_candidates` candidates, an unconfirmed rule, an unusable list or
             thr <= s_out: the same bisection streams the whole row in s (exact, slow:
             one program a row);
