@@ -89,7 +89,6 @@ def sweep(reps: int):
                 ms = bench(graphed(lambda: sample_triton(logits, *prm, **knobs)), reps) * 1e3  # noqa: B023
                 cells.append(f"{name} {ms:.3f}{'' if ok else ' (ids != ref)'}")
             print(f"  {dist:8s} {str(knobs or 'defaults'):22s} " + "  ".join(cells), flush=True)
-        del logits
 
 
 def main():
