@@ -95,7 +95,8 @@ def test_strided_inputs_bitwise():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def _grad_case(dtype, N, D, V, temp, use_logp=True, use_ent=True, chunk_rows=None, strided=False, seed=11):
+def _grad_case(dtype, N, D, V, temp, use_logp=True, use_ent=True, chunk_rows=None, slice_v=None, strided=False,
+               seed=11):
     h, w, y = _inputs(N, D, V, dtype, seed=seed)
     if strided:
         h = h.t().contiguous().t()
@@ -110,14 +111,15 @@ def _grad_case(dtype, N, D, V, temp, use_logp=True, use_ent=True, chunk_rows=Non
         loss.backward()
         return hh.grad, ww.grad
 
-    if chunk_rows is None:
+    if chunk_rows is None and slice_v is None:
         with use_backend("triton"):
             dh, dw = run(lambda a, b: token_logprobs(a, b, y, T, True), h, w)
-    else:  # drive the backward directly to force several row chunks (dW accumulates in fp32)
+    else:  # drive the backward directly to force several row chunks / vocab slices
         inv_t = _inv_temperature(T, N, h.device)
         _, ent, lse = token_logprobs_fwd_triton(h, w, y, inv_t, True)
         dh, dw = token_logprobs_bwd_triton(g_lp if use_logp else None, g_ent if use_ent else None, h, w, y,
-                                           inv_t, lse, ent, chunk_rows=chunk_rows)
+                                           inv_t, lse, ent, chunk_rows=chunk_rows,
+                                           slice_v=slice_v)
     gh, gw = run(lambda a, b: token_logprobs_ref(a, b, y, T, True), h.double(), w.double())
     assert dh.dtype == h.dtype and dw.dtype == w.dtype
     for ours, gold in ((dh, gh), (dw, gw)):
@@ -140,6 +142,13 @@ def test_grads_row_chunks_strided(dtype):
     _grad_case(dtype, 45, 40, 301, "tensor", chunk_rows=16, strided=True)  # 3 chunks, last partial
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grads_vocab_slices_and_row_chunks(dtype):
+    # 3 slices of 128 columns (last partial) x 3 row chunks (last partial): dW in fp32 per slice,
+    # dH in fp32 across slices
+    _grad_case(dtype, 45, 40, 301, "tensor", chunk_rows=16, slice_v=128)
+
+
 def test_poisoned_buffers():
     N, D, V = 23, 40, 301
     h, w, y = _inputs(N, D, V, torch.float32, seed=13)
@@ -155,8 +164,8 @@ def test_poisoned_buffers():
         return torch.full(shape, float("nan"), dtype=dtype, device=device)
 
     g = torch.randn(N)
-    dh, dw = token_logprobs_bwd_triton(g, g, h, w, y, inv_t, lse, ent, chunk_rows=16, alloc=nan_alloc)
-    clean = token_logprobs_bwd_triton(g, g, h, w, y, inv_t, lse, ent, chunk_rows=16)
+    dh, dw = token_logprobs_bwd_triton(g, g, h, w, y, inv_t, lse, ent, chunk_rows=16, slice_v=128, alloc=nan_alloc)
+    clean = token_logprobs_bwd_triton(g, g, h, w, y, inv_t, lse, ent, chunk_rows=16, slice_v=128)
     assert torch.equal(dh, clean[0]) and torch.equal(dw, clean[1])
 
 

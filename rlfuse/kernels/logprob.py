@@ -31,16 +31,17 @@ interpreter the operands go to fp32 first, see `_dot`):
            V, D and dtype only, never on N; FOLD, chosen from N and the SM count, changes
            the grid, not the numbers). Extra memory: 4 floats x (N, P). No host sync:
            CUDA-graph capturable (the engine's per-step call, no autograd).
-  backward with the saved lse and entropy, rows in chunks of C (C x V x dtype <=
-           `_DZ_CHUNK_BYTES`, independent of N): `_dz_kernel` recomputes the logits tile
-           by tile and writes
+  backward with the saved lse and entropy, over vocab slices of Vc columns (outer) and
+           row chunks of C (inner), C x Vc x dtype <= `_DZ_SCRATCH_BYTES` (shapes only):
+           `_dz_kernel` recomputes the logits tile by tile and writes
                dz_iv = [g_i (1[v = y_i] - p_iv) + ge_i p_iv (lse_i - ent_i - z_iv)] / T_i
            (ge: entropy grad; d ent / d z_v = p_v (E_p z - z_v), E_p z = lse - ent) to a
-           (C, V) scratch in the input dtype; then dH[chunk] = dz @ W and dW += dz^T @ H[chunk]
-           (cuBLAS, fp32 output and in-place fp32 (V, D) accumulation, `_accumulate_dw`).
-           No atomics: backward is deterministic run to run.
-           Extra memory: the dz scratch and the fp32 dW (V x D x 4 bytes) when weight
-           needs a gradient. dz in bf16 costs ~2^-9 relative per element in dH / dW.
+           (C, Vc) scratch in the input dtype; then dW[slice] += dz^T @ H[chunk] into an
+           fp32 (Vc, D) buffer, rounded once into dW when the slice is done, and
+           dH[chunk] += dz @ W[slice] into an fp32 (N, D) buffer (cuBLAS, fp32 output
+           accumulating in place, `_mm_fp32`). No atomics: deterministic run to run.
+           Extra memory beyond dH and dW: dz (64 MiB), fp32 (Vc, D) and fp32 (N, D); no
+           fp32 copy of the head. dz in bf16 costs ~2^-9 relative per element in dH / dW.
 Tests: `python -m pytest -q tests/test_kernel_logprob.py`; GPU: `python -m pytest -m gpu tests`.
 """
 

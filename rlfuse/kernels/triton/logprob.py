@@ -36,7 +36,9 @@ _T16 = Tiles(block_n=128, block_v=256, num_warps=8)
 _FWD_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_d=32, num_warps=8)}
 # Backward dz tiles per dtype (same sweep).
 _DZ_TILES = {torch.bfloat16: _T16, torch.float16: _T16, torch.float32: Tiles(block_n=64, block_d=32, num_warps=8)}
-_DZ_CHUNK_BYTES = 1 << 30  # dz scratch: ~1 GiB bounds both memory and the dW fp32 re-reads (N / C passes)
+_DZ_SCRATCH_BYTES = 64 << 20  # dz scratch (rows x vocab slice, input dtype): bounds the backward's extra memory
+_MIN_SLICE_V = 8192  # vocab columns a backward slice at least: large N chunks rows instead, so the fp32
+                     # dH accumulator is re-read V / 8192 times at most (~2% of backward at N = 131072)
 
 
 @triton.jit
@@ -222,16 +224,18 @@ def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=Fal
     return logp, ent, lse
 
 
-@triton.jit(do_not_specialize=['row0', 'n_rows'])  # row counts vary per step: one compile
-def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t_scalar,
+@triton.jit(do_not_specialize=['row0', 'n_rows', 'col0', 'n_cols'])  # shapes vary per step: one compile
+def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, col0, n_cols, V, D, inv_t_scalar,
                s_hn, s_hd, s_wv, s_wd, s_dz,
                PER_ROW_T: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
                EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
-    r, c = swizzle(tl.program_id(0), tl.cdiv(n_rows, BLOCK_N), tl.cdiv(V, BLOCK_V), GROUP_R)
+    """dz of rows [row0, row0 + n_rows) x vocab columns [col0, col0 + n_cols) into DZ (n_rows, n_cols)."""
+    r, c = swizzle(tl.program_id(0), tl.cdiv(n_rows, BLOCK_N), tl.cdiv(n_cols, BLOCK_V), GROUP_R)
     lrows = r * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the chunk
     rows_c = row0 + tl.minimum(lrows, n_rows - 1).to(tl.int64)
-    cols = c * BLOCK_V + tl.arange(0, BLOCK_V)
+    lcols = c * BLOCK_V + tl.arange(0, BLOCK_V)  # columns of the slice
+    cols = col0 + lcols
     acc = _logits_tile(H, W, rows_c, tl.minimum(cols, V - 1).to(tl.int64), D, s_hn, s_hd, s_wv, s_wd,
                        BLOCK_N, BLOCK_V, BLOCK_D, EVEN_D, DOT_PREC)
     if PER_ROW_T:
@@ -251,62 +255,93 @@ def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, V, D, inv_t
         c0 = lse - tl.load(ENT + rows_c)  # E_p[z]
         dz += ge[:, None] * p * (c0[:, None] - z)
     dz = dz * inv_t[:, None]
-    mask = (lrows < n_rows)[:, None] & (cols < V)[None, :]
-    tl.store(DZ + lrows.to(tl.int64)[:, None] * s_dz + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
+    mask = (lrows < n_rows)[:, None] & (lcols < n_cols)[None, :]
+    tl.store(DZ + lrows.to(tl.int64)[:, None] * s_dz + lcols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
 
 
-def _accumulate_dw(dw, dz, h, first: bool):
-    """dw (V, D) fp32 (+)= dz^T @ h (dz (C, V), h (C, D) in the input dtype). On CUDA with
-    16-bit inputs: one cuBLAS GEMM with fp32 output accumulating in place (addmm out_dtype;
-    several times faster than a Triton tile kernel for this shape, docs/perf-log.md); fp32 inputs: an IEEE fp32 GEMM (torch keeps TF32 off for
-    matmuls unless the user turns it on); CPU (the interpreter tests): the same product in fp32."""
-    a = dz.t()
-    if dw.device.type == "cuda" and dz.dtype != torch.float32:
+def _mm_fp32(out, a, b, first: bool):
+    """out (fp32) = a @ b (first) or += a @ b, a and b in the input dtype. On CUDA with 16-bit
+    inputs: one cuBLAS GEMM with fp32 output accumulating in place (addmm out_dtype; several
+    times faster than a Triton tile kernel for dW, docs/perf-log.md); fp32 inputs: an IEEE fp32
+    GEMM (torch keeps TF32 off for matmuls unless the user turns it on); CPU (the interpreter
+    tests): the same product in fp32."""
+    if out.device.type == "cuda" and a.dtype != torch.float32:
         if first:
-            torch.mm(a, h, out_dtype=torch.float32, out=dw)
+            torch.mm(a, b, out_dtype=torch.float32, out=out)
         else:
-            torch.addmm(dw, a, h, out_dtype=torch.float32, out=dw)
+            torch.addmm(out, a, b, out_dtype=torch.float32, out=out)
         return
-    a, h = a.float(), h.float()
+    a, b = a.float(), b.float()
     if first:
-        torch.mm(a, h, out=dw)
+        torch.mm(a, b, out=out)
     else:
-        dw.addmm_(a, h)
+        out.addmm_(a, b)
+
+
+def _bwd_plan(N, V, esize, tz, chunk_rows, slice_v):
+    """(rows a chunk C, vocab columns a slice Vc): dz (C, Vc) fits `_DZ_SCRATCH_BYTES`; the
+    widest slice that takes every row at once, at least `_MIN_SLICE_V` columns (then rows are
+    chunked). Multiples of the dz tile. Shapes only: no numbers depend on the data."""
+    if slice_v is None:
+        slice_v = _DZ_SCRATCH_BYTES // (max(N, 1) * esize) // tz.block_v * tz.block_v
+        slice_v = max(slice_v, _MIN_SLICE_V)
+    slice_v = min(slice_v, V)
+    if chunk_rows is None:
+        chunk_rows = max(tz.block_n, _DZ_SCRATCH_BYTES // (slice_v * esize) // tz.block_n * tz.block_n)
+    return min(chunk_rows, max(N, 1)), slice_v
 
 
 def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse, ent, *,
-                              need_dh=True, need_dw=True, chunk_rows=None, tiles=None, alloc=torch.empty):
+                              need_dh=True, need_dw=True, chunk_rows=None, slice_v=None, tiles=None,
+                              alloc=torch.empty):
     """-> (dH like hidden or None, dW like weight or None). g_logp / g_ent (N,) or None.
-    `alloc` makes every buffer (tests pass a NaN-filling one)."""
+    `chunk_rows` / `slice_v` force the row chunk and vocab slice (tests reach several of each
+    at small shapes); `alloc` makes every buffer (tests pass a NaN-filling one).
+
+    Vocab slices outer, row chunks inner: dW[slice] is complete after its slice (fp32
+    accumulation over the row chunks in a (Vc, D) buffer, rounded once into dW), so no
+    fp32 (V, D) copy of the head exists; dH accumulates over the slices in an fp32 (N, D)
+    buffer (16-bit inputs; fp32 inputs accumulate in dH itself). Extra memory beyond dH
+    and dW: dz (C, Vc) + fp32 (Vc, D) + fp32 (N, D)."""
     hidden, weight = _unit_stride(hidden), _unit_stride(weight)
     N, D = hidden.shape
     V = weight.shape[0]
     dev, dt = hidden.device, hidden.dtype
+    f32 = torch.float32
     tz = tiles or _DZ_TILES[dt]
-    C = chunk_rows or max(tz.block_n, _DZ_CHUNK_BYTES // (V * hidden.element_size()) // tz.block_n * tz.block_n)
-    C = min(C, max(N, 1))
+    C, Vc = _bwd_plan(N, V, hidden.element_size(), tz, chunk_rows, slice_v)
     dh = alloc((N, D), dtype=dt, device=dev) if need_dh else None
-    dw = alloc((V, D), dtype=torch.float32, device=dev) if need_dw else None
+    dw = alloc((V, D), dtype=dt, device=dev) if need_dw else None
     if N == 0:
-        return (dh, dw.zero_().to(weight.dtype) if need_dw else None)
-    dz = alloc((C, V), dtype=dt, device=dev)
+        return (dh.zero_() if need_dh else None, dw.zero_() if need_dw else None)
+    dh32 = (dh if dt == f32 else alloc((N, D), dtype=f32, device=dev)) if need_dh else None
+    dw32 = (None if dt == f32 else alloc((Vc, D), dtype=f32, device=dev)) if need_dw else None
+    dz_buf = alloc((C * Vc,), dtype=dt, device=dev)
     t_ptr, t_val = _t_args(inv_t)
     prec = dot_precision(hidden)
     glp = g_logp.float().contiguous() if g_logp is not None else None
     gent = g_ent.float().contiguous() if g_ent is not None else None
-    for r0 in range(0, N, C):  # host loop over shapes only
-        n = min(C, N - r0)
-        _dz_kernel[(triton.cdiv(n, tz.block_n) * triton.cdiv(V, tz.block_v),)](
-            hidden, weight, targets, t_ptr, lse, ent, glp, gent, dz, r0, n, V, D, t_val,
-            hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
-            PER_ROW_T=t_ptr is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,
-            BLOCK_N=tz.block_n, BLOCK_V=tz.block_v, BLOCK_D=tz.block_d, EVEN_D=D % tz.block_d == 0,
-            GROUP_R=8, DOT_PREC=prec, num_warps=tz.num_warps, num_stages=tz.num_stages)
-        if need_dh:
-            torch.mm(dz[:n], weight, out=dh[r0:r0 + n])
-        if need_dw:
-            _accumulate_dw(dw, dz[:n], hidden[r0:r0 + n], first=r0 == 0)
-    return dh, (dw.to(weight.dtype) if need_dw else None)
+    for v0 in range(0, V, Vc):  # host loops over shapes only
+        nv = min(Vc, V - v0)
+        dw_acc = dw[v0:v0 + nv] if dw32 is None and need_dw else (dw32[:nv] if need_dw else None)
+        for r0 in range(0, N, C):
+            n = min(C, N - r0)
+            dz = dz_buf[:n * nv].view(n, nv)
+            _dz_kernel[(triton.cdiv(n, tz.block_n) * triton.cdiv(nv, tz.block_v),)](
+                hidden, weight, targets, t_ptr, lse, ent, glp, gent, dz, r0, n, v0, nv, V, D, t_val,
+                hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
+                PER_ROW_T=t_ptr is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,
+                BLOCK_N=tz.block_n, BLOCK_V=tz.block_v, BLOCK_D=tz.block_d, EVEN_D=D % tz.block_d == 0,
+                GROUP_R=8, DOT_PREC=prec, num_warps=tz.num_warps, num_stages=tz.num_stages)
+            if need_dh:
+                _mm_fp32(dh32[r0:r0 + n], dz, weight[v0:v0 + nv], first=v0 == 0)
+            if need_dw:
+                _mm_fp32(dw_acc, dz.t(), hidden[r0:r0 + n], first=r0 == 0)
+        if dw32 is not None:
+            dw[v0:v0 + nv].copy_(dw_acc)
+    if need_dh and dh32 is not dh:
+        dh.copy_(dh32)
+    return dh, dw
 
 
 class _TokenLogprobs(torch.autograd.Function):
