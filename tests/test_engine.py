@@ -87,33 +87,6 @@ def test_logprobs_equal_teacher_forced(model, prompts):
             torch.testing.assert_close(o.logprobs, r, rtol=0, atol=LP_ATOL)
 
 
-def test_fast_logprobs_come_from_the_sampler(model, prompts, monkeypatch):
-    """Fast numerics report the sampler's log softmax(logits / T)[id] (no token_logprobs call:
-    one LM-head read a step), fp32-close to the trainer's function; exact numerics and steps
-    with min_tokens-masked stop tokens call token_logprobs (bitwise / the unmasked policy)."""
-    import rlfuse.engine.model_runner as mr
-
-    calls = []
-    real = mr.token_logprobs
-    monkeypatch.setattr(mr, "token_logprobs", lambda *a, **k: calls.append(1) or real(*a, **k))
-    ps = [SamplingParams(temperature=t, top_k=20, top_p=0.9, max_tokens=12, seed=i)
-          for i, t in enumerate((0.0, 0.7, 1.0, 1.3, 0.7, 0.0))]
-    for numerics in ("fast", "exact"):
-        llm = _llm(model, numerics=numerics)
-        calls.clear()
-        outs = llm.generate(prompts, ps)
-        assert bool(calls) == (numerics == "exact")
-        for o, p, prompt in zip(outs, ps, prompts):
-            (r,) = teacher_forced_logprobs(model, [prompt], [o.output_token_ids], p.temperature or 1.0)
-            torch.testing.assert_close(o.logprobs, r, rtol=0, atol=LP_ATOL)
-    calls.clear()
-    masked = [SamplingParams(temperature=1.0, max_tokens=4, min_tokens=2, stop_token_ids=(3,), seed=1)]
-    (o,) = _llm(model).generate(prompts[:1], masked)
-    assert calls
-    (r,) = teacher_forced_logprobs(model, prompts[:1], [o.output_token_ids], 1.0)
-    torch.testing.assert_close(o.logprobs, r, rtol=0, atol=LP_ATOL)
-
-
 def test_mixed_temperatures_in_one_batch(model, prompts):
     llm = _llm(model)
     ps = [SamplingParams(temperature=t, max_tokens=6, seed=1) for t in (0.0, 0.5, 1.0, 1.5, 0.5, 0.0)]

@@ -46,7 +46,7 @@ def test_rollout_and_training_logprobs_agree(tmp_path):
     cfg = tiny_cfg(tmp_path)
     ses = tiny_session(cfg)
     m = _trainer(cfg, ses).step(0)
-    # same weights; fast numerics: the sampler's log-softmax vs token_logprobs, different forward layout: fp32 drift only
+    # same weights, same function (token_logprobs), different forward layout: fp32 drift only
     assert float(m["mismatch/max_abs"]) < 1e-5
     assert abs(float(m["mismatch/kl_k3"])) < 1e-9
     assert float(m["ratio_mean"]) == pytest.approx(1.0, abs=1e-5)

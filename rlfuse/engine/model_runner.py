@@ -18,10 +18,8 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      On CPU with enforce_eager=False the same static buffers run without capture.
   3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
-     log-prob: in exact numerics (and for rows whose stop tokens are masked by min_tokens)
-     from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the trainer's
-     function, per distinct temperature (T = 1 for greedy rows); in fast numerics the
-     sampler's own log softmax(logits / T)[id] (fp32-close to it; no second LM-head read).
+     log-prob from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the
+     trainer's function, per distinct temperature (T = 1 for greedy rows).
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
      that, so the engine can enqueue the next decode step first (`launch(feed=...)`,
@@ -258,14 +256,8 @@ class ModelRunner:
         if masks:
             idx = self._upload(masks, torch.int64)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
-        ids, sampled_lps = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
-        if self.cfg.numerics == "fast" and not masks:
-            # the sampler's log softmax(logits / T)[id] (T = 1 when greedy, as temperature_lp):
-            # the logits it drew from, so the LM head is read once a step. Exact numerics use the
-            # trainer's function (bitwise); masked rows need the unmasked policy's log-prob.
-            lps = sampled_lps
-        else:
-            lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
+        ids, _ = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
+        lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
         out = torch.stack((ids.double(), lps.double()))
         if self.device.type == "cuda":
             host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)

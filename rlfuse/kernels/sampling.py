@@ -22,26 +22,20 @@ reference). Each row has a mode: GREEDY (T <= 0), PLAIN (no filter on) or FILTER
 (0 < top_k < V, top_p < 1 or min_p > 0). top_p >= 1 disables top-p exactly (the
 reference's fp32 cumsum can still drop tail tokens whose mass-before rounds up to 1: a
 ~1e-7-probability event). A row is cut into S = ceil(V / CHUNK) chunks, a function of V
-only, so no reduction order depends on the batch. Two kernels, in order:
+only, so no reduction order depends on the batch. Four kernels, in order:
 
-  1. Chunk statistics (`_chunk_stats_kernel`, grid (B, S)). PLAIN and GREEDY rows: one
-     streaming pass, per-lane running max m and z = sum exp(s - m) with one exp per
-     element (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax of s + g
-     (PLAIN; g from the reference's hash) or of s (GREEDY). FILTERED rows load the whole
-     chunk as one tile (read once, then everything from registers) and work on the raw
-     logits x, so that no element is divided by T (the divisions dominate this pass
+  1. Chunk statistics (`_chunk_stats_kernel`, grid (B, S)). One streaming pass: per-lane
+     running max m and z = sum exp(s - m) with one exp per element
+     (z <- s > m ? z e^(m-s) + 1 : z + e^(s-m)), and the running argmax of s + g (PLAIN;
+     g from the reference's hash) or of s (GREEDY). FILTERED rows work on the raw logits
+     x instead, so that no element is divided by T (the divisions dominate this pass
      otherwise): max x, then max s = rnd(max x / T) exactly (x -> rnd(x / T) is
      monotone), and z = sum 2^((x - max x) log2(e) / T), equal to the s-space sum up to
      rounding (the reference's own sum rounds differently anyway). They also build a
      histogram of floor(x kw), kw = rnd(BINS_PER_NAT / T), relative to the chunk's top
      bin. The grid is absolute (the same products x kw in every kernel), so chunk
      histograms merge by an integer shift. A bin is about 1 / BINS_PER_NAT nats of s wide.
-     Then each chunk lists its top elements (index and x) in SLOTS slots: {x kw >= c_loc}, c_loc the lowest bin edge with at
-     most SLOTS elements at or above it, raised to the chunk's own top-k edge when top-k is
-     on (the row's top-k lies inside the union of the chunks' top-k). It records c_loc
-     (inf when its top bin alone overflows) and the largest x below it.
-  The threshold-and-draw kernel (`_threshold_draw_kernel`, grid (B,)) then runs stages 2-4:
-  2. Cutoff (FILTERED rows). Merges m, Z and the chunk
+  2. Cutoff (`_cutoff_kernel`, grid (B,), FILTERED rows). Merges m, Z and the chunk
      histograms (bin j: x kw in [A - j, A - j + 1), A = floor(max x kw)) into a cutoff
      c = A - jc or -inf on that grid: top-k: the highest edge with count(x kw >= c) >= k
      (exact counts); top-p alone: where a lower bound of the mass at or above the edge
@@ -49,19 +43,18 @@ only, so no reduction order depends on the batch. Two kernels, in order:
      m + log(min_p). With top-k and top-p both on only the top-k rule may raise c (the
      top-k mass Z_k must then be computable from the candidates). The candidates are
      {x kw >= c} = the bins <= jc, so each chunk's count is read off its own histogram,
-     exactly.
-  3. Candidate list (`_gather_candidates`). The indices with x kw >= c (and their s, the
-     only divisions) go to a (B, max_candidates) scratch (nothing when the histogram's
-     total exceeds it): from the slot lists of the chunks with c_loc <= c (a list holds
-     every x kw >= c_loc), read as one concatenated sequence, then streamed from the
-     logits of any other chunk with candidates (a second read of that chunk only). The
-     order is fixed by the data; the draw breaks ties by index. With the exact count,
-     mass sum exp(s - m), and the largest x left out. A count that differs from the
-     histogram's (only NaN logits) marks the row's list unusable.
-  4. Threshold and draw. Merges the chunk statistics (m, Z, id: max value, smallest
-     index among equals). For FILTERED rows:
+     exactly: their exclusive prefix sum says where each chunk's candidates start in the
+     row's list (no atomics, no second counting pass).
+  3. Compaction (`_compact_kernel`, grid (B, S), FILTERED rows). Each chunk writes its
+     indices with x kw >= c (and their s, the only divisions) in index order at its
+     offset into a (B, max_candidates) scratch (nothing when the row's total exceeds
+     it), with its exact count, mass sum exp(s - m), and the largest x left out. A count
+     that differs from the histogram's (only NaN logits) marks the row's list unusable.
+  4. Threshold and draw (`_threshold_draw_kernel`, grid (B,)). Merges the chunk
+     statistics (m, Z, id: max value, smallest index among equals). For FILTERED rows:
      a. s_out = rnd(largest x left out / T): the candidates hold every s > s_out. Their
-        exact count and mass must satisfy the rule that set c;
+        exact counts and mass (summed over chunks in order) must satisfy the rule that
+        set c;
      b. thr = max tau with P(tau), where
             P(tau) = [#(s >= tau) >= k] or [sum_{s >= tau} e^(s-m) >= top_p Z_k] or [tau <= floor]
         (each clause only when its filter is on). P is monotone and P(tau) <=>
@@ -75,10 +68,7 @@ only, so no reduction order depends on the batch. Two kernels, in order:
             all-pairs tiles (`_all_pairs_threshold_draw`);
           - more: a bisection on the order-preserving integer key of fp32 values, several
             probes a sweep, over the candidates' stored s (`_bisect_threshold_draw`; kth
-            first when top-k and top-p are both on, for Z_k). The final search shrinks the
-            list to the bracket as it narrows (`_shrinking_bisect_draw`: what lies above
-            it is counted once and drawn from as it leaves), so later sweeps read few
-            candidates;
+            first when top-k and top-p are both on, for Z_k);
           - over `max_candidates` candidates, an unconfirmed rule, an unusable list or
             thr <= s_out: the same bisection streams the whole row in s (exact, slow:
             one program a row);

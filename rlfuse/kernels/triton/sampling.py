@@ -1,7 +1,7 @@
 """Sampling (temperature, top-k, top-p, min-p, Gumbel-max draw with per-row keys), the
-Triton kernels: chunk statistics with the slot lists, then the cutoff, the candidate list,
-the threshold and the draw in one program a row (the contract, the stages and the rounding
-rules are in `rlfuse.kernels.sampling`'s docstring)."""
+Triton kernels: chunk statistics, the cutoff, candidate compaction and the threshold and
+draw (the contract, the stages and the rounding rules are in `rlfuse.kernels.sampling`'s
+docstring)."""
 
 from __future__ import annotations
 
@@ -11,23 +11,19 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.triton.sampling_threshold import (_all_pairs_threshold_draw, _bisect_threshold_draw,
-                                                      _gather_candidates, _gumbel)
+from rlfuse.kernels.triton.sampling_threshold import _all_pairs_threshold_draw, _bisect_threshold_draw, _gumbel
 
 # Tuning constants (H100, bench_sampling.py; the sweeps that chose them: docs/perf-log.md).
 _BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER_NAT / T))
 _HIST_BINS = 64         # histogram bins a chunk: ~31.5 nats below its max, then one rest bin
 _BISECT_PROBES = 8      # thresholds probed per bisection sweep
-_CHUNK = 8192           # elements per chunk program (V = 151936: 19 chunks a row); a filtered row's
-                        # chunk is one tile (32 fp32 a thread at 8 warps): read once, no re-reads.
-                        # _CHUNK, _CHUNK_SLOTS and _LIST_BLOCK are not yet measured on a GPU:
-                        # `bench_sampling.py --sweep` times the alternatives
-_MAX_CHUNK = 16384      # the largest chunk one tile holds
+_CHUNK = 16384          # elements per chunk program (V = 151936: 10 chunks a row)
 _SCAN_BLOCK = 2048      # elements per step in the streaming loops
+_HIST_BLOCK = 8192      # elements per step in the chunk histogram loop
 _BISECT_BLOCK = 1024    # candidates per step in the bisection
 _VALUE_SPLIT_SWEEPS = 2  # first bisection sweeps that split values, not keys (see _bisect)
-_CHUNK_SLOTS = 512      # candidates a chunk lists in its first pass (its top by bins, or its top-k bins)
-_LIST_BLOCK = 2048      # entries per step when the draw kernel gathers a row's candidate list
+_COMPACT_BLOCK = {4: 256, 2: 128}  # compaction step by logit bytes: small CTAs, many per SM
+_COMPACT_WARPS = 1      # warps a compaction program
 _DRAW_WARPS = 8         # warps a threshold-and-draw program
 _MAX_CANDIDATES = 16384  # candidates kept in scratch per row; more: the whole-row path
 _ALL_PAIRS_MAX = 128    # up to this many candidates: all-pairs threshold instead of bisection
@@ -102,13 +98,29 @@ def _scan_chunk_scaled(row, lo, V, t, key, CHUNK: tl.constexpr, BLOCK: tl.conste
 
 
 @triton.jit
+def _scan_chunk_raw(row, lo, V, kl, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+    """Filtered rows: -> (max x, sum 2^((x - max x) kl)) over one chunk of raw logits x,
+    kl = log2(e) / T: the sum of exp(s - max s) up to rounding, with no division per
+    element (max s = max x / T exactly: x -> rnd(x / T) is monotone)."""
+    m = tl.full((BLOCK,), float("-inf"), tl.float32)
+    z = tl.zeros((BLOCK,), tl.float32)
+    for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+        idx = off + tl.arange(0, BLOCK)
+        x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+        big = tl.maximum(m, x)
+        e = tl.exp2((tl.minimum(m, x) - tl.where(big == float("-inf"), 0.0, big)) * kl)
+        z = tl.where(x > m, z * e + 1.0, z + e)
+        m = big
+    mc = tl.max(m, axis=0)
+    return mc, tl.sum(z * tl.exp2((m - tl.where(mc == float("-inf"), 0.0, mc)) * kl), axis=0)
+
+
+@triton.jit
 def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                        MAX_part, SUM_part, BEST_part, ARG_part, HIST_part,
-                        SLOT_IDX, SLOT_X, SLOT_CUT, SLOT_N, SLOT_XOUT, V, S,
-                        CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-                        N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr, SLOTS: tl.constexpr):
-    """Stage 1 for chunk c of row b: its max, sum and best score; filtered rows also its
-    histogram and its slot list (module notes)."""
+                        MAX_part, SUM_part, BEST_part, ARG_part, HIST_part, V, S,
+                        CHUNK: tl.constexpr, BLOCK: tl.constexpr, HIST_BLOCK: tl.constexpr,
+                        N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr):
+    """Stage 1 for chunk c of row b: its max, sum and best score (module notes)."""
     b = tl.program_id(0)
     c = tl.program_id(1)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
@@ -116,16 +128,8 @@ def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, 
     row = L_ptr + b.to(tl.int64) * stride_l
     lo = c * CHUNK
     po = b * S + c
-    if mode == _FILTERED:  # the whole chunk in one tile: one read of the logits, no re-reads
-        idx = lo + tl.arange(0, CHUNK)
-        inb = idx < V
-        x = tl.load(row + idx, mask=inb, other=float("-inf")).to(tl.float32)
-        # max and sum in raw-logit units, no division per element: max s = rnd(max x / T)
-        # exactly (x -> rnd(x / T) is monotone); sum 2^((x - max x) log2(e) / T) is the sum of
-        # exp(s - max s) up to rounding. BEST_part holds the max x.
-        xc = tl.max(x, axis=0)
-        kl = tl.math.div_rn(1.4426950408889634, t)
-        zc = tl.sum(tl.exp2((x - tl.where(xc == float("-inf"), 0.0, xc)) * kl), axis=0)
+    if mode == _FILTERED:  # max and sum in raw-logit units; BEST_part holds the max x
+        xc, zc = _scan_chunk_raw(row, lo, V, tl.math.div_rn(1.4426950408889634, t), CHUNK, BLOCK)
         tl.store(MAX_part + po, tl.math.div_rn(xc, t))
         tl.store(SUM_part + po, zc)
         tl.store(BEST_part + po, xc)
@@ -133,34 +137,12 @@ def _chunk_stats_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, 
         # chunk histogram of floor(x kw), kw = BINS_PER_NAT / T, on its absolute grid (module notes)
         kw = tl.math.div_rn(BINS_PER_NAT, t)
         a_top = tl.floor(xc * kw)
-        d = a_top - tl.floor(x * kw)
-        hist = tl.histogram(tl.where(d < N_BINS - 1, d, N_BINS - 1).to(tl.int32), N_BINS)
+        hist = tl.zeros((N_BINS,), tl.int32)
+        for off in range(lo, tl.minimum(lo + CHUNK, V), HIST_BLOCK):
+            idx = off + tl.arange(0, HIST_BLOCK)
+            d = a_top - tl.floor(tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32) * kw)
+            hist += tl.histogram(tl.where(d < N_BINS - 1, d, N_BINS - 1).to(tl.int32), N_BINS)
         tl.store(HIST_part + po.to(tl.int64) * N_BINS + tl.arange(0, N_BINS), hist)
-        # the slot list: {x kw >= c_loc}, c_loc the lowest bin edge with at most SLOTS elements
-        # at or above it, raised to the chunk's top-k edge when top-k is on (the row's kept set
-        # is inside the union of the chunks' top-k)
-        cum = tl.cumsum(hist, axis=0)
-        jj = tl.arange(0, N_BINS)
-        inner = jj < N_BINS - 1
-        j_cap = tl.max(tl.where(inner & (cum <= SLOTS), jj, -1), axis=0)
-        j_k = tl.min(tl.where(inner & (cum >= k), jj, N_BINS), axis=0)
-        j_sel = tl.where(use_k, tl.minimum(j_cap, j_k), j_cap)
-        c_loc = tl.where(j_sel >= 0, a_top - j_sel, float("inf"))
-        # <=> floor(x kw) >= c_loc: the bins <= j_sel; never -inf (masked tokens: a fully masked
-        # chunk lists nothing, and every cutoff but c = -inf excludes them anyway)
-        keep = inb & (x * kw >= c_loc) & (x > float("-inf"))
-        ki = keep.to(tl.int32)
-        n = tl.sum(ki, axis=0)
-        pos = tl.cumsum(ki, axis=0) - 1
-        st = keep & (pos < SLOTS)
-        slot_base = po.to(tl.int64) * SLOTS
-        tl.store(SLOT_IDX + slot_base + pos, idx, mask=st)
-        tl.store(SLOT_X + slot_base + pos, x, mask=st)
-        # over SLOTS (a bin holding more than SLOTS elements at the top): the draw kernel streams
-        # this chunk instead
-        tl.store(SLOT_CUT + po, tl.where(n <= SLOTS, c_loc, float("inf")))
-        tl.store(SLOT_N + po, n)
-        tl.store(SLOT_XOUT + po, tl.max(tl.where(keep, float("-inf"), x), axis=0))
     else:
         if mode == _PLAIN:
             mc, zc, vc, ic = _scan_chunk_scaled(row, lo, V, t, key, CHUNK, BLOCK, True)
@@ -236,17 +218,82 @@ def _histogram_cutoff(b, S, V, m, z, xp, kw, HIST_part, k, use_k, top_p, use_p, 
 
 
 @triton.jit
+def _cutoff_kernel(T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr, MAX_part, SUM_part, BEST_part, HIST_part,
+                   CUT_ptr, OFS_ptr, V, S, CHUNK: tl.constexpr, S_BLOCK: tl.constexpr,
+                   N_BINS: tl.constexpr, BINS_PER_NAT: tl.constexpr):
+    """Stage 2 (cutoff) for a filtered row b: CUT[b] = (c, m); OFS[b, :S + 1] = where each chunk's
+    candidates start in the row's list (exclusive prefix of the counts; OFS[b, S] = n)."""
+    b = tl.program_id(0)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    if mode == _FILTERED:
+        m, z, mp = _merge_chunk_stats(b, S, MAX_part, SUM_part, S_BLOCK)
+        cs = tl.arange(0, S_BLOCK)
+        xp = tl.load(BEST_part + b * S + cs, mask=cs < S, other=float("-inf"))  # chunk max x
+        kw = tl.math.div_rn(BINS_PER_NAT, t)
+        c, floor, either, cnt = _histogram_cutoff(b, S, V, m, z, xp, kw, HIST_part, k, use_k, top_p, use_p,
+                                                  min_p, use_f, CHUNK, S_BLOCK, N_BINS, BINS_PER_NAT)
+        tl.store(CUT_ptr + 2 * b, c)
+        tl.store(CUT_ptr + 2 * b + 1, m)
+        tl.store(OFS_ptr + b * (S + 1) + cs, tl.cumsum(cnt, axis=0) - cnt, mask=cs < S)
+        tl.store(OFS_ptr + b * (S + 1) + S, tl.sum(cnt, axis=0))
+
+
+@triton.jit
+def _compact_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
+                    CUT_ptr, OFS_ptr, COUNT_part, MASS_part, XOUT_part, CAND_ptr, CAND_S_ptr, V, S,
+                    CHUNK: tl.constexpr, MAX_CAND: tl.constexpr, BLOCK: tl.constexpr,
+                    BINS_PER_NAT: tl.constexpr):
+    """Stage 3 (compaction) for chunk ci of a filtered row b (other rows: nothing to do)."""
+    b = tl.program_id(0)
+    ci = tl.program_id(1)
+    mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
+        b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
+    if mode == _FILTERED:
+        c = tl.load(CUT_ptr + 2 * b)
+        m = tl.load(CUT_ptr + 2 * b + 1)
+        kw = tl.math.div_rn(BINS_PER_NAT, t)  # bitwise the chunk-stats kernel's: the same products x kw
+        start = tl.load(OFS_ptr + b * (S + 1) + ci)
+        own = tl.load(OFS_ptr + b * (S + 1) + ci + 1) - start
+        # over MAX_CAND candidates the draw kernel streams the row: no list needed (a limit,
+        # not `scalar & vector`: the interpreter cannot broadcast a scalar bool)
+        limit = tl.where(tl.load(OFS_ptr + b * (S + 1) + S) <= MAX_CAND, MAX_CAND, 0)
+        row = L_ptr + b.to(tl.int64) * stride_l
+        cand_row = CAND_ptr + b.to(tl.int64) * MAX_CAND
+        cand_s_row = CAND_S_ptr + b.to(tl.int64) * MAX_CAND
+        lo = ci * CHUNK
+        n = tl.full((), 0, tl.int32)
+        mass = tl.zeros((BLOCK,), tl.float32)
+        x_out = tl.full((BLOCK,), float("-inf"), tl.float32)  # largest x left out, per lane
+        for off in range(lo, tl.minimum(lo + CHUNK, V), BLOCK):
+            idx = off + tl.arange(0, BLOCK)
+            x = tl.load(row + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            keep = (idx < V) & (x * kw >= c)  # <=> floor(x kw) >= c: the histogram's bins <= jc
+            x_out = tl.maximum(x_out, tl.where(keep, float("-inf"), x))
+            ki = keep.to(tl.int32)
+            nk = tl.sum(ki, axis=0)
+            if nk > 0:  # most blocks hold no candidate: skip the scan and the divisions
+                s = tl.math.div_rn(x, t)
+                pos = start + n + tl.cumsum(ki, axis=0) - 1
+                st = keep & (pos < limit)  # also guards a wrong count, which the draw kernel rejects
+                tl.store(cand_row + pos, idx, mask=st)
+                tl.store(cand_s_row + pos, s, mask=st)
+                mass += tl.where(keep, tl.exp(s - m), 0.0)
+                n += nk
+        # a count that differs from the histogram's (NaN logits) marks the list unusable
+        tl.store(COUNT_part + b * S + ci, tl.where(n == own, n, -1))
+        tl.store(MASS_part + b * S + ci, tl.sum(mass, axis=0))
+        tl.store(XOUT_part + b * S + ci, tl.max(x_out, axis=0))
+
+
+@triton.jit
 def _threshold_draw_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr,
-                           MAX_part, SUM_part, BEST_part, ARG_part, HIST_part,
-                           SLOT_IDX, SLOT_X, SLOT_CUT, SLOT_N, SLOT_XOUT,
-                           CAND_ptr, CAND_S_ptr, IDS_ptr, LP_ptr, THR_ptr, PATH_ptr, V, S,
-                           CHUNK: tl.constexpr, S_BLOCK: tl.constexpr, N_BINS: tl.constexpr,
-                           BINS_PER_NAT: tl.constexpr, SLOTS: tl.constexpr, LIST_BLOCK: tl.constexpr,
-                           MAX_CAND: tl.constexpr, PAIRS_MAX: tl.constexpr,
+                           MAX_part, SUM_part, BEST_part, ARG_part, CUT_ptr, COUNT_part, MASS_part, XOUT_part,
+                           CAND_ptr, CAND_S_ptr, IDS_ptr, LP_ptr, THR_ptr, V, S,
+                           S_BLOCK: tl.constexpr, MAX_CAND: tl.constexpr, PAIRS_MAX: tl.constexpr,
                            PAIRS_STEP: tl.constexpr, CAND_BLOCK: tl.constexpr, N_PROBES: tl.constexpr,
                            VALUE_SWEEPS: tl.constexpr):
-    """Stages 2-4 for row b: the cutoff, the candidate list, the id, its log-prob, the
-    threshold and the path taken (module notes)."""
+    """Stage 4 for row b: the id, its log-prob and the threshold (module notes)."""
     b = tl.program_id(0)
     mode, t, k, top_p, min_p, use_k, use_p, use_f, key = _row_params(
         b, V, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_ptr, OFF_ptr)
@@ -259,32 +306,22 @@ def _threshold_draw_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_pt
     idx = tl.min(tl.where(vp == tl.max(vp, axis=0), tl.load(ARG_part + b * S + cs, mask=cm, other=V), V),
                  axis=0)
     thr = tl.where(mode == _GREEDY, m, float("-inf"))  # greedy: the max; plain: everything
-    path = tl.full((), 0, tl.int32)
     if mode == _FILTERED:
-        # 2. the cutoff c on the x kw grid (-inf: every element is a candidate) from the merged histogram
-        kw = tl.math.div_rn(BINS_PER_NAT, t)  # bitwise the chunk-stats kernel's: the same products x kw
-        xp = tl.load(BEST_part + b * S + cs, mask=cm, other=float("-inf"))  # chunk max x
-        c, floor, either, cnt = _histogram_cutoff(b, S, V, m, z, xp, kw, HIST_part, k, use_k, top_p, use_p,
-                                                  min_p, use_f, CHUNK, S_BLOCK, N_BINS, BINS_PER_NAT)
-        # 3. the candidate list (nothing when the histogram says it exceeds MAX_CAND); 4a. exact
-        # counts/mass; s_out = the largest s left out (x -> rnd(x / T) is monotone, so one
-        # division): the candidates hold every s > s_out
+        c = tl.load(CUT_ptr + 2 * b)  # on the x kw grid; -inf: every element is a candidate
+        floor = m + tl.log(tl.where(use_f, min_p, 1.0))  # as in _histogram_cutoff (same m)
+        either = ~(use_k & use_p)
+        # 4a. exact counts/mass of the candidates; s_out = the largest s left out (x -> rnd(x / T)
+        # is monotone, so one division): the candidates hold every s > s_out
+        n_s = tl.load(COUNT_part + b * S + cs, mask=cm, other=0)
+        n = tl.sum(n_s, axis=0)
+        mass_c = tl.sum(tl.load(MASS_part + b * S + cs, mask=cm, other=0.0), axis=0)
+        x_out = tl.max(tl.load(XOUT_part + b * S + cs, mask=cm, other=float("-inf")), axis=0)
+        s_out = tl.math.div_rn(x_out, t)
+        ok = (tl.min(n_s, axis=0) >= 0) & ((c == float("-inf")) | (use_k & (n >= k)) |
+              (either & ((use_f & (s_out < floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
+        listed = ok & (n <= MAX_CAND)
         cand_row = CAND_ptr + b.to(tl.int64) * MAX_CAND
         cand_s_row = CAND_S_ptr + b.to(tl.int64) * MAX_CAND
-        n = tl.sum(cnt, axis=0)
-        mass_c = tl.zeros((), tl.float32)
-        x_out = tl.full((), float("inf"), tl.float32)
-        counted = n <= MAX_CAND
-        streamed = tl.full((), 0, tl.int32)
-        if counted:
-            n, mass_c, x_out, counted, streamed = _gather_candidates(
-                row, b, S, V, t, kw, c, m, cnt, xp, SLOT_IDX, SLOT_X, SLOT_CUT, SLOT_N, SLOT_XOUT, cand_row,
-                cand_s_row, CHUNK, SLOTS, S_BLOCK, MAX_CAND, LIST_BLOCK)
-            tl.debug_barrier()  # the list's stores are read back below by other threads of the program
-        s_out = tl.math.div_rn(x_out, t)
-        ok = counted & ((c == float("-inf")) | (use_k & (n >= k)) |
-                        (either & ((use_f & (s_out < floor)) | (use_p & (mass_c >= top_p * z * 1.00001)))))
-        listed = ok & (n <= MAX_CAND)
         # 4b-4c. threshold and Gumbel-max over the candidates; they decide it iff it ends above
         # s_out (then nothing left out is kept), else over the whole row (exact, slow)
         if ok & (n <= PAIRS_MAX):  # (PAIRS_MAX <= MAX_CAND)
@@ -294,9 +331,7 @@ def _threshold_draw_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_pt
             idx, thr = _bisect_threshold_draw(row, cand_row, cand_s_row, n, t, s_out, m, z, key, k, use_k,
                                               top_p, use_p, floor, use_f, False, CAND_BLOCK, N_PROBES,
                                               VALUE_SWEEPS)
-        path = tl.where(streamed == 0, 1, 2)
         if (~listed) | (thr <= s_out):
-            path = 3
             whole_row = tl.full((), float("-inf"), tl.float32)  # cutoff -inf: every s of the row
             idx, thr = _bisect_threshold_draw(row, cand_row, cand_s_row, V, t, whole_row, m, z, key, k, use_k,
                                               top_p, use_p, floor, use_f, True, CAND_BLOCK, N_PROBES,
@@ -305,19 +340,15 @@ def _threshold_draw_kernel(L_ptr, stride_l, T_ptr, K_ptr, P_ptr, MP_ptr, SEED_pt
     tl.store(IDS_ptr + b, idx.to(tl.int64))
     tl.store(LP_ptr + b, (s_id - m) - tl.log(z))  # as log_softmax: no rounding at m's scale
     tl.store(THR_ptr + b, thr)  # kept set {s >= thr}: for tests and the GPU check
-    tl.store(PATH_ptr + b, path)
 
 
 def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
                   chunk: int = _CHUNK, max_candidates: int = _MAX_CANDIDATES,
-                  all_pairs_max: int = _ALL_PAIRS_MAX, chunk_slots: int = _CHUNK_SLOTS,
-                  return_threshold: bool = False, return_path: bool = False):
-    """Same contract as `sample_ref`. `chunk`, `max_candidates`, `all_pairs_max` and
-    `chunk_slots` (powers of two) are tuning knobs; tests shrink them to reach the multi-chunk,
-    bisection, streamed-chunk and over-capacity paths at small V. `return_threshold=True` also
-    returns thr (B,) fp32: a filtered row keeps exactly {v : logit_v / T >= thr} (a plain row: -inf; a greedy row: its max).
-    `return_path=True` also (last) returns the path each row took, (B,) int32 indices into
-    `PATHS` (tests and the benchmark check that the fast paths are the ones taken)."""
+                  all_pairs_max: int = _ALL_PAIRS_MAX, return_threshold: bool = False):
+    """Same contract as `sample_ref`. `chunk`, `max_candidates` and `all_pairs_max` (powers
+    of two) are tuning knobs; tests shrink them to reach the multi-chunk, bisection and over-capacity paths
+    at small V. `return_threshold=True` also returns thr (B,) fp32: a filtered row keeps
+    exactly {v : logit_v / T >= thr} (a plain row: -inf; a greedy row: its max)."""
     if logits.dim() != 2:
         raise ValueError(f"sample: logits must be (B, V), got {tuple(logits.shape)}")
     B, V = logits.shape
@@ -326,9 +357,6 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
         if p.shape != (B,) or p.device != logits.device:
             raise ValueError(f"sample: {name} must have shape ({B},) on {logits.device}, got "
                              f"{tuple(p.shape)} on {p.device}")
-    if chunk > _MAX_CHUNK or chunk & (chunk - 1):
-        raise ValueError(f"sample_triton: chunk must be a power of two <= {_MAX_CHUNK}, got {chunk}")
-    chunk = min(chunk, triton.next_power_of_2(V))  # a function of V only: batch invariance
     S = triton.cdiv(V, chunk)
     if S > _MAX_CHUNKS:
         raise ValueError(f"sample_triton: chunk={chunk} splits V={V} into {S} chunks, at most {_MAX_CHUNKS}")
@@ -341,22 +369,21 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     block_c = min(_BISECT_BLOCK, block_v)
     # scratch: one allocation carved into 16-byte aligned views (eager calls pay ~5 us per
     # torch.empty; Triton specializes on 16-byte alignment). Per row: chunk statistics
-    # and slot lists (stage 1), the row's candidate list (stage 3).
+    # (stage 1), cutoff and candidate offsets (stage 2), candidate lists (stage 3).
     f32, i32 = torch.float32, torch.int32
     scratch = {  # name: (shape, dtype)
         "chunk_max": ((B, S), f32),       # max s of each chunk
         "chunk_sum": ((B, S), f32),       # sum exp(s - chunk max)
         "chunk_best": ((B, S), f32),      # best score (s + g or s), or max x on filtered rows
+        "chunk_mass": ((B, S), f32),      # candidates' sum exp(s - m)
+        "chunk_x_out": ((B, S), f32),     # largest x left out of the candidates
         "chunk_arg": ((B, S), i32),       # index of the best score
+        "chunk_count": ((B, S), i32),     # candidates a chunk (-1: unusable list)
+        "cutoff": ((B, 2), f32),          # (c, m)
+        "offsets": ((B, S + 1), i32),     # where each chunk's candidates start; [S] = total
         "hist": ((B, S, _HIST_BINS), i32),
-        "slot_idx": ((B, S, chunk_slots), i32),  # a chunk's top elements: indices
-        "slot_x": ((B, S, chunk_slots), f32),    # and raw logits (fp32)
-        "slot_cut": ((B, S), f32),        # the slot list holds every x kw >= this (inf: unusable)
-        "slot_n": ((B, S), i32),          # its length
-        "slot_x_out": ((B, S), f32),      # the chunk's largest x below the slot cutoff
         "cand": ((B, max_candidates), i32),    # candidate indices
         "cand_s": ((B, max_candidates), f32),  # their s
-        "path": ((B,), i32),              # the path each row took (see `PATHS`)
     }
     sizes = [math.prod(shape) for shape, _ in scratch.values()]
     starts = [0]
@@ -368,28 +395,26 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     ids = torch.empty((B,), dtype=torch.int64, device=dev)
     logprobs, thr = torch.empty((2, B), dtype=torch.float32, device=dev)
     if B == 0:
-        return _results(ids, logprobs, thr, w["path"], return_threshold, return_path)
+        return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
     params = [p.contiguous() for p in (temperature, top_k, top_p, min_p, seeds, offsets)]
     s_block = triton.next_power_of_2(S)
-    slots = (w["slot_idx"], w["slot_x"], w["slot_cut"], w["slot_n"], w["slot_x_out"])
     _chunk_stats_kernel[(B, S)](
         logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],
-        w["hist"], *slots, V, S, CHUNK=chunk, BLOCK=block,
-        N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, SLOTS=chunk_slots, num_warps=8)
+        w["hist"], V, S, CHUNK=chunk, BLOCK=block, HIST_BLOCK=min(_HIST_BLOCK, chunk, block_v),
+        N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, num_warps=8)
+    _cutoff_kernel[(B,)](
+        *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["hist"], w["cutoff"], w["offsets"], V, S,
+        CHUNK=chunk, S_BLOCK=s_block, N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, num_warps=4)
+    compact_block = min(_COMPACT_BLOCK.get(logits.element_size(), 256), chunk, block_v)
+    _compact_kernel[(B, S)](
+        logits, logits.stride(0), *params, w["cutoff"], w["offsets"], w["chunk_count"], w["chunk_mass"],
+        w["chunk_x_out"], w["cand"], w["cand_s"], V, S, CHUNK=chunk, MAX_CAND=max_candidates,
+        BLOCK=compact_block, BINS_PER_NAT=_BINS_PER_NAT, num_warps=_COMPACT_WARPS)
     _threshold_draw_kernel[(B,)](
         logits, logits.stride(0), *params, w["chunk_max"], w["chunk_sum"], w["chunk_best"], w["chunk_arg"],
-        w["hist"], *slots, w["cand"], w["cand_s"], ids, logprobs, thr, w["path"], V, S,
-        CHUNK=chunk, S_BLOCK=s_block, N_BINS=_HIST_BINS, BINS_PER_NAT=_BINS_PER_NAT, SLOTS=chunk_slots,
-        LIST_BLOCK=min(_LIST_BLOCK, chunk, block_v), MAX_CAND=max_candidates,
+        w["cutoff"], w["chunk_count"], w["chunk_mass"], w["chunk_x_out"], w["cand"], w["cand_s"],
+        ids, logprobs, thr, V, S, S_BLOCK=s_block, MAX_CAND=max_candidates,
         PAIRS_MAX=min(all_pairs_max, block_v, max_candidates), PAIRS_STEP=_ALL_PAIRS_STEP,
         CAND_BLOCK=block_c, N_PROBES=_BISECT_PROBES, VALUE_SWEEPS=_VALUE_SPLIT_SWEEPS,
         num_warps=_DRAW_WARPS)
-    return _results(ids, logprobs, thr, w["path"], return_threshold, return_path)
-
-
-PATHS = ("greedy or plain", "candidate list from the slot lists", "candidate list, some chunks streamed",
-         "whole row")
-
-
-def _results(ids, logprobs, thr, path, return_threshold, return_path):
-    return (ids, logprobs) + ((thr,) if return_threshold else ()) + ((path,) if return_path else ())
+    return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
