@@ -12,11 +12,10 @@ The backward is torch's (dx = dy W, dW = dy^T x, db = sum dy, dz = s dy B, dB = 
 Fast numerics, few rows (decode), no gradient: `lora_delta_` adds the whole adapter branch
 to the base output in place, in one kernel instead of a shrink GEMM and an expand `addmm`:
     y += s * round(x_a A^T) B^T
-Each program owns BLOCK_M rows and every G-th column tile of y (G: enough programs to fill
-the GPU); it computes its rows' shrink z over the whole K (once per program: r <= 64 and few
-rows make the recompute across the G programs cheap next to a launch), rounds z to the
-activations' dtype (as F.linear's z is), then per column tile one dot over the rank, adds
-the tile of y in fp32 and rounds once (addmm's epilogue).
+Each program owns a (BLOCK_M, BLOCK_N) tile of y; it computes its rows' shrink z over the
+whole K (recomputed by each column tile: r <= 64 and few rows make that cheap next to a
+launch), rounds z to the activations' dtype (as F.linear's z is), then one dot over the
+rank, adds the tile of y in fp32 and rounds once (addmm's epilogue).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.linear import linear_exact
 from rlfuse.kernels.triton.common import dot, dot_precision, round_to
 from rlfuse.kernels.triton.linear import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
@@ -129,10 +127,11 @@ def lora_linear_exact_triton(x, weight, bias, lora_a, lora_b, scale: float, x_a=
 def _lora_delta_kernel(X, A, BW, Y, M, N, K, R, sxm, sam, sbn, sym, scale, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     rs = tl.arange(0, BLOCK_R)
     ks = tl.arange(0, BLOCK_K)
     rin, row_ok = rs < R, rows < M
-    # 1. the shrink for this program's rows: z = x_a A^T over all of K
+    # 1. the shrink for this tile's rows: z = x_a A^T over all of K
     z = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + ks
@@ -142,26 +141,20 @@ def _lora_delta_kernel(X, A, BW, Y, M, N, K, R, sxm, sam, sbn, sym, scale, BLOCK
     # 2. rounded to the activations' dtype, as the two-GEMM path's z
     XT = X.dtype.element_ty
     z = round_to(z, XT).to(XT)
-    # 3-4. this program's column tiles (every G-th): the expand over the rank (one padded
-    # k-block), y + s d in fp32, one rounding, in place
-    for t in range(tl.program_id(1), tl.cdiv(N, BLOCK_N), tl.num_programs(1)):
-        cols = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=(cols < N)[:, None] & rin[None, :], other=0.0)
-        d = dot(z, tl.trans(b), None, PREC)
-        ok = row_ok[:, None] & (cols < N)[None, :]
-        y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        _store_tile(Y, y + scale * d, rows, cols, sym, M, N)
+    # 3. the expand over the rank, one padded k-block
+    b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=(cols < N)[:, None] & rin[None, :], other=0.0)
+    d = dot(z, tl.trans(b), None, PREC)
+    # 4. y + s d in fp32, one rounding, in place
+    ok = row_ok[:, None] & (cols < N)[None, :]
+    y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    _store_tile(Y, y + scale * d, rows, cols, sym, M, N)
 
 
 DELTA_MAX_ROWS = 256
 """`lora_delta_` serves at most this many rows (decode batches); above, the shrink GEMM +
-addmm (cuBLAS) is used, whose cost per row is lower than recomputing z per program."""
+addmm (cuBLAS) is used, whose cost per row is lower than recomputing z per column tile."""
 DELTA_MAX_RANK = 64
 """`lora_delta_` serves ranks up to this (z lives in registers: BLOCK_M x BLOCK_R fp32)."""
-DELTA_PROGRAMS_PER_SM = 2
-"""Grid size target of `lora_delta_`: each row block's columns are split over just enough
-programs to fill the GPU, since each program recomputes its rows' shrink (a guess, not
-tuned: no GPU measurement yet)."""
 
 
 def lora_delta_(y, x_a, lora_a, lora_b, scale: float):
@@ -175,10 +168,8 @@ def lora_delta_(y, x_a, lora_a, lora_b, scale: float):
     a = lora_a if lora_a.stride(-1) == 1 else lora_a.contiguous()
     bw = lora_b if lora_b.stride(-1) == 1 else lora_b.contiguous()
     BLOCK_M, BLOCK_N = 16, 64
-    row_blocks = triton.cdiv(M, BLOCK_M)
-    groups = max(1, min(triton.cdiv(N, BLOCK_N), triton.cdiv(DELTA_PROGRAMS_PER_SM * num_sms(y.device), row_blocks)))
-    _lora_delta_kernel[(row_blocks, groups)](x2, a, bw, y, M, N, K, R, x2.stride(0), a.stride(0), bw.stride(0),
-                                             y.stride(0), float(scale), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-                                             BLOCK_K=128, BLOCK_R=max(16, triton.next_power_of_2(R)),
-                                             PREC=dot_precision(x2), num_warps=4)
+    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
+    _lora_delta_kernel[grid](x2, a, bw, y, M, N, K, R, x2.stride(0), a.stride(0), bw.stride(0), y.stride(0),
+                             float(scale), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=128,
+                             BLOCK_R=max(16, triton.next_power_of_2(R)), PREC=dot_precision(x2), num_warps=4)
     return y
