@@ -79,56 +79,6 @@ def test_exact_lora_linear_is_batch_invariant(backend, dtype, bias):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("M,K,N,r", [(1, 48, 40, 4), (5, 200, 72, 16), (37, 48, 40, 3), (17, 130, 24, 64)])
-def test_fast_lora_delta_kernel(dtype, M, K, N, r):
-    """Fast numerics, decode-sized, no gradient: the one-kernel adapter branch
-    (`lora_delta_`, Triton under the interpreter) adds s round(x A^T) B^T to the base output
-    with one rounding (against fp64 on the same rounded z), and `lora_linear` takes it with
-    the triton backend, within the tolerance of the two-GEMM path it replaces."""
-    from unittest import mock
-
-    from rlfuse.kernels.backend import triton_ops
-    ops = triton_ops("lora")
-    x, w, b, a, bb = _op_inputs(dtype, M=M, K=K, N=N, r=r, seed=M + r)
-    base = torch.nn.functional.linear(x, w, b)
-    y = ops.lora_delta_(base.clone(), x, a, bb, 1.7)
-    z = (x.double() @ a.double().T).to(dtype)
-    want = base.double() + 1.7 * z.double() @ bb.double().T
-    # the final rounding (half an ulp of dtype) plus a few fp32 roundings of the sums
-    mag = base.double().abs() + 1.7 * z.double().abs() @ bb.double().abs().T
-    tol = torch.finfo(dtype).eps / 2 * want.abs() + 8 * 2.0 ** -24 * mag
-    assert ((y.double() - want).abs() <= tol).all()
-    with torch.no_grad(), use_numerics("fast"), mock.patch.object(ops, "lora_delta_", wraps=ops.lora_delta_) as k:
-        with use_backend("torch"):
-            two_gemm = lora_linear(x, w, b, a, bb, 1.7)
-        with use_backend("triton"):
-            one_kernel = lora_linear(x.view(1, M, K), w, b, a, bb, 1.7).view(M, N)
-        assert k.call_count == 1
-    gold = _gold(x, w, b, a, bb, 1.7)
-    assert rel_err(one_kernel, gold) < GOLD_TOL[dtype] and rel_err(two_gemm, gold) < GOLD_TOL[dtype]
-
-
-def test_fast_lora_delta_kernel_only_serves_no_grad_decode_sizes():
-    """With gradients to compute, or more rows than DELTA_MAX_ROWS, the two-GEMM path runs
-    (and its gradients are torch's)."""
-    from unittest import mock
-
-    from rlfuse.kernels.backend import triton_ops
-    ops = triton_ops("lora")
-    x, w, b, a, bb = _op_inputs(torch.float32, M=ops.DELTA_MAX_ROWS + 1, K=16, N=16, r=2)
-    a.requires_grad_(True)
-    with use_numerics("fast"), use_backend("triton"), \
-            mock.patch.object(ops, "lora_delta_", wraps=ops.lora_delta_) as k:
-        lora_linear(x[:3], w, b, a, bb, 1.0).sum().backward()
-        assert a.grad is not None and k.call_count == 0
-        with torch.no_grad():
-            lora_linear(x, w, b, a, bb, 1.0)
-            assert k.call_count == 0
-            lora_linear(x[:3], w, b, a, bb, 1.0)
-            assert k.call_count == 1
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_lora_plans_and_tile_families_agree_bitwise(dtype):
     """The fused base + expand GEMM: fused and split plans, narrow and wide tiles (16-bit),
     the same bits; K spans several chunks with a ragged tail, the rank is not a power of 2."""
@@ -472,29 +422,6 @@ def test_one_engine_sees_in_place_adapter_updates():
 @pytest.mark.gpu
 def test_cuda_graphs_see_in_place_adapter_updates_gpu():
     _one_engine_sees_in_place_updates("cuda", torch.bfloat16, "triton")
-
-
-@pytest.mark.gpu
-def test_fast_decode_graphs_see_in_place_adapter_updates_gpu():
-    """Fast numerics (decode through `lora_delta_`): after an in-place update of B the
-    graph engine's greedy tokens are a fresh eager engine's on the same weights."""
-    model = tiny_model(dtype=torch.bfloat16, device="cuda")
-    attach_lora(model, LoRAConfig(rank=8))
-    _randomize_adapters(model)
-    prompts = random_prompts(PROMPT_LENS)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    with use_backend("triton"):
-        llm = LLM(model, config=EngineConfig(max_num_seqs=16, numerics="fast", seed=0))
-        before = [o.output_token_ids for o in llm.generate(prompts, params)]
-        with torch.no_grad():
-            for n, p in lora_parameters(model):
-                if n.endswith("lora_B"):
-                    p.neg_()
-        after = [o.output_token_ids for o in llm.generate(prompts, params)]
-        assert llm.stats.graph_steps > 0 and after != before
-        llm.sleep()
-        eager = LLM(model, config=EngineConfig(max_num_seqs=16, numerics="fast", seed=0, enforce_eager=True))
-        assert [o.output_token_ids for o in eager.generate(prompts, params)] == after
 
 
 def test_critic_from_a_lora_policy_copies_the_base_trunk():

@@ -13,10 +13,7 @@ The steps:
     4. y    = base + s d
 Numerics "fast": F.linear for 1 and 2 (cuBLAS on GPU), then 3 and 4 as one
 `torch.addmm(base, z, B^T, alpha=s)` (one GEMM whose epilogue adds base: no separate
-multiply and add kernels). With the triton backend, no gradient and at most
-`DELTA_MAX_ROWS` rows (decode), steps 2-4 are one kernel instead
-(`rlfuse.kernels.triton.lora.lora_delta_`, the same roundings: z to x.dtype, y once):
-decode is launch-bound, and two small GEMMs per projection cost more than the math.
+multiply and add kernels).
 Numerics "exact": every output element is reduced in an order that does not depend on
 the number of rows, so row m of y depends on row m of x and the weights only
 (`torch.equal(lora_linear(x)[:k], lora_linear(x[:k]))`) and the engine's decode and
@@ -61,16 +58,6 @@ def _check(x, weight, lora_a, lora_b):
                          f"{lora_a.dtype}, {lora_b.dtype}")
 
 
-def _delta_kernel_serves(rows: int, rank: int, *tensors) -> bool:
-    """Fast numerics: does `lora_delta_` take steps 2-4 (see the module docstring)?"""
-    if resolve_backend("lora", tensors[0]) != "triton":
-        return False
-    ops = triton_ops("lora")
-    if rows > ops.DELTA_MAX_ROWS or rank > ops.DELTA_MAX_RANK:
-        return False
-    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
-
-
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float, x_a: torch.Tensor | None = None) -> torch.Tensor:
     """Public op: the current numerics and backend pick the path (module docstring)."""
@@ -84,8 +71,5 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         return base + linear_exact(linear_exact(x_a, lora_a), lora_b) * scale
     N, r = weight.shape[0], lora_a.shape[0]
     base = F.linear(x, weight, bias).reshape(-1, N)
-    if _delta_kernel_serves(base.shape[0], r, x, weight, bias, lora_a, lora_b, x_a):
-        ops = triton_ops("lora")
-        return ops.lora_delta_(base, x_a.reshape(-1, x_a.shape[-1]), lora_a, lora_b, scale).view(*x.shape[:-1], N)
     z = F.linear(x_a, lora_a).reshape(-1, r)
     return torch.addmm(base, z, lora_b.t(), alpha=scale).view(*x.shape[:-1], N)

@@ -8,14 +8,6 @@ so an element's value does not depend on the tile's height or width (the propert
 exact linear's tile families rely on), and the fused and split plans give the same bits.
 Launch plans and tile families are the exact linear's (`rlfuse.kernels.triton.linear`).
 The backward is torch's (dx = dy W, dW = dy^T x, db = sum dy, dz = s dy B, dB = s dy^T z).
-
-Fast numerics, few rows (decode), no gradient: `lora_delta_` adds the whole adapter branch
-to the base output in place, in one kernel instead of a shrink GEMM and an expand `addmm`:
-    y += s * round(x_a A^T) B^T
-Each program owns a (BLOCK_M, BLOCK_N) tile of y; it computes its rows' shrink z over the
-whole K (recomputed by each column tile: r <= 64 and few rows make that cheap next to a
-launch), rounds z to the activations' dtype (as F.linear's z is), then one dot over the
-rank, adds the tile of y in fp32 and rounds once (addmm's epilogue).
 """
 
 from __future__ import annotations
@@ -25,7 +17,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.linear import linear_exact
-from rlfuse.kernels.triton.common import dot, dot_precision, round_to
+from rlfuse.kernels.triton.common import dot
 from rlfuse.kernels.triton.linear import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
                                          split_partials)
 
@@ -121,55 +113,3 @@ def lora_linear_exact_triton(x, weight, bias, lora_a, lora_b, scale: float, x_a=
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, z, lora_b)):
         return _ExactLoRAExpand.apply(x, weight, bias, z, lora_b, scale)
     return lora_expand_triton(x, weight, bias, z, lora_b, scale)
-
-
-@triton.jit(do_not_specialize=['M'])  # row counts vary per decode step: one compile
-def _lora_delta_kernel(X, A, BW, Y, M, N, K, R, sxm, sam, sbn, sym, scale, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rs = tl.arange(0, BLOCK_R)
-    ks = tl.arange(0, BLOCK_K)
-    rin, row_ok = rs < R, rows < M
-    # 1. the shrink for this tile's rows: z = x_a A^T over all of K
-    z = tl.zeros((BLOCK_M, BLOCK_R), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        kk = k0 + ks
-        x = tl.load(X + rows[:, None] * sxm + kk[None, :], mask=row_ok[:, None] & (kk < K)[None, :], other=0.0)
-        a = tl.load(A + rs[:, None] * sam + kk[None, :], mask=rin[:, None] & (kk < K)[None, :], other=0.0)
-        z = dot(x, tl.trans(a), z, PREC)
-    # 2. rounded to the activations' dtype, as the two-GEMM path's z
-    XT = X.dtype.element_ty
-    z = round_to(z, XT).to(XT)
-    # 3. the expand over the rank, one padded k-block
-    b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=(cols < N)[:, None] & rin[None, :], other=0.0)
-    d = dot(z, tl.trans(b), None, PREC)
-    # 4. y + s d in fp32, one rounding, in place
-    ok = row_ok[:, None] & (cols < N)[None, :]
-    y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    _store_tile(Y, y + scale * d, rows, cols, sym, M, N)
-
-
-DELTA_MAX_ROWS = 256
-"""`lora_delta_` serves at most this many rows (decode batches); above, the shrink GEMM +
-addmm (cuBLAS) is used, whose cost per row is lower than recomputing z per column tile."""
-DELTA_MAX_RANK = 64
-"""`lora_delta_` serves ranks up to this (z lives in registers: BLOCK_M x BLOCK_R fp32)."""
-
-
-def lora_delta_(y, x_a, lora_a, lora_b, scale: float):
-    """y += s * round(x_a A^T) B^T in place (fast numerics, no autograd): y (M, N) the base
-    output (unit stride along N), x_a (M, K), A (r, K), B (N, r), one dtype. Returns y."""
-    M, N = y.shape
-    K, R = x_a.shape[-1], lora_a.shape[0]
-    if M == 0:
-        return y
-    x2 = x_a if x_a.stride(-1) == 1 else x_a.contiguous()
-    a = lora_a if lora_a.stride(-1) == 1 else lora_a.contiguous()
-    bw = lora_b if lora_b.stride(-1) == 1 else lora_b.contiguous()
-    BLOCK_M, BLOCK_N = 16, 64
-    grid = (triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))
-    _lora_delta_kernel[grid](x2, a, bw, y, M, N, K, R, x2.stride(0), a.stride(0), bw.stride(0), y.stride(0),
-                             float(scale), BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=128,
-                             BLOCK_R=max(16, triton.next_power_of_2(R)), PREC=dot_precision(x2), num_warps=4)
-    return y
