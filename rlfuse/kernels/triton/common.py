@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.compiler import make_backend
+from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
 
 
@@ -126,5 +126,5 @@ def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     attrs = dict(zip(map(tuple, d["attrs_keys"]), d["attrs_vals"]))
     signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
-    triton.compile(fn.ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
+    triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     return name
