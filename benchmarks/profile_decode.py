@@ -32,10 +32,14 @@ import collections
 import json
 import os
 import re
-import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).parent / "kernels"))
+from _timing import graphed, median_seconds  # noqa: E402 -- benchmarks/kernels/_timing.py
 
 from rlfuse.engine.benchmark import build_model, copy_bandwidth
 from rlfuse.engine.config import EngineConfig, SamplingParams
@@ -171,27 +175,13 @@ def time_projections(model, B: int, dev, numerics: str, bw: float) -> list[dict]
             for m in mods:  # every layer's own weights: read from HBM as in a step, not from L2
                 m(x)
         with torch.no_grad(), use_numerics(numerics):
-            for _ in range(3):
+            if dev.type == "cuda":
+                per_step = median_seconds(graphed(f) if per_layer else f, 20)
+            else:  # the CPU smoke run: two calls, wall clock
                 f()
-            if dev.type == "cuda" and per_layer:
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    f()
-                f = graph.replay
-            ts = []
-            for _ in range(20 if dev.type == "cuda" else 2):
-                if dev.type == "cuda":
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    f()
-                    b.record()
-                    b.synchronize()
-                    ts.append(a.elapsed_time(b) / 1e3)
-                else:
-                    t0 = time.perf_counter()
-                    f()
-                    ts.append(time.perf_counter() - t0)
-        per_step = statistics.median(ts)
+                t0 = time.perf_counter()
+                f()
+                per_step = time.perf_counter() - t0
         t = per_step / len(mods)
         wbytes = w.numel() * w.element_size()
         rows.append(dict(proj=name, out=w.shape[0], inp=w.shape[1], us=t * 1e6, bound_us=wbytes / bw * 1e6,
