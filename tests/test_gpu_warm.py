@@ -40,7 +40,11 @@ def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numeric
     tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
     assert tr._warm.error is None, tr._warm.error
     m = tr._warm.wait()
-    assert m["compile/warmup_kernels"] > 0 and m["compile/warmup_failed"] == 0, (m, tr._warm.failures[:3])
+    # Triton's in-memory kernel cache outlives a test: the fast case (first in this process)
+    # finds the update's kernels uncompiled; the exact case may find only some, or none
+    assert m.get("compile/warmup_failed", 0.0) == 0, (m, tr._warm.failures[:3])
+    if numerics == "fast":
+        assert m["compile/warmup_kernels"] > 0, m
     n = _cache_entries(cache)
     # the same forward and backward for real: every kernel comes from the cache
     with use_numerics(numerics):
