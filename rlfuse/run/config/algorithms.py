@@ -100,7 +100,9 @@ class GRPOConfig:
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
     warm_kernels: bool = False
     """CUDA, one process: compile the update's Triton kernels in worker processes while the
-    first rollout decodes (rlfuse/train/warm.py; logged under compile/)."""
+    first rollout decodes (rlfuse/train/warm.py; logged under compile/). Saves seconds on a
+    cold Triton cache; the workers are spawned, so a script that starts a run needs an
+    `if __name__ == "__main__":` guard."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
