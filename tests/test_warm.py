@@ -29,7 +29,7 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         model = ses.model
         assert has_lora(model) == lora
         trainer = GRPOTrainer(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
-        assert trainer._warm.pool is None  # CPU: no compiler to warm, no workers
+        assert trainer._warm.workers == []  # CPU: no compiler to warm, no workers
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         heads = []
 
@@ -45,3 +45,22 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         assert len(heads) == 1 and torch.isfinite(heads[0])
         assert all(p.grad is None for p in model.parameters())
         assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
+def test_compile_worker_reports_each_request():
+    """The worker protocol (the GPU test runs real specializations): one JSON line back per
+    request, a bad one reported by its error, the next one still served."""
+    pytest.importorskip("triton")
+    import json
+    import subprocess
+
+    from rlfuse.kernels.backend import compile_worker_command
+    target = {"backend": "cuda", "arch": 90, "warp_size": 32}
+    bad = ["rlfuse.kernels.triton.rmsnorm", "_rmsnorm_fwd_kernel", "{}", target]
+    missing = ["rlfuse.kernels.triton.rmsnorm", "no_such_kernel", "{}", target]
+    out = subprocess.run(compile_worker_command(), input="".join(json.dumps(r) + "\n" for r in (bad, missing)),
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(x) for x in out.stdout.splitlines() if x.startswith('{"kernel"')]
+    assert [r["kernel"] for r in rows] == ["_rmsnorm_fwd_kernel", "no_such_kernel"]
+    assert rows[0]["error"].startswith("KeyError") and rows[1]["error"].startswith("AttributeError")

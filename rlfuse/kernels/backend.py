@@ -22,6 +22,7 @@ import importlib
 import importlib.util
 import logging
 import os
+import sys
 from types import ModuleType
 
 import torch
@@ -114,6 +115,12 @@ def record_compiles():
 def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     """Compile one recorded kernel specialization into Triton's cache (worker processes)."""
     return triton_ops("common").compile_from_spec(module, name, spec, target)
+
+
+def compile_worker_command() -> list[str]:
+    """argv of a compile worker process (`rlfuse.kernels.triton.common.compile_worker`): a
+    fresh interpreter that imports only the kernels, never the caller's main script."""
+    return [sys.executable, "-c", "from rlfuse.kernels.triton.common import compile_worker; compile_worker()"]
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -15,9 +15,9 @@ the first step's update: seconds of compiling while the GPU idles.
      it: nothing compiles and those kernels do not launch, so the run's outputs are
      garbage and are dropped. Gradients come from `torch.autograd.grad` (no `.grad`
      written; the weights are only read).
-  2. a pool of worker processes compiles the recorded kernels into the Triton cache on
-     disk (no GPU needed: Triton compiles for a target), in parallel with each other and
-     with the first rollout.
+  2. worker processes (fresh interpreters that import only the kernels) compile the
+     recorded kernels into the Triton cache on disk (no GPU needed: Triton compiles for a
+     target), in parallel with each other and with the first rollout.
   3. the trainer calls `wait()` before its first update, whose launches then load the
      compiled kernels from the cache. Whatever still compiles there is logged by
      `compile_left`.
@@ -29,10 +29,11 @@ weights with collectives that must stay in step across ranks).
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
-import multiprocessing
+import json
 import os
+import subprocess
+import threading
 import time
 from collections.abc import Callable
 
@@ -65,8 +66,7 @@ class KernelWarmup:
         self.model, self.head, self.numerics = model, head, numerics
         self.lengths = _DUMMY[numerics]  # the dummy batch: (length, context tokens) per sequence
         self.device = model.lm_head_weight.device
-        self.pool: concurrent.futures.ProcessPoolExecutor | None = None
-        self.futures: list = []
+        self.workers: list[tuple[subprocess.Popen, int]] = []  # (process, requests sent to it)
         self.t0 = time.perf_counter()
         self.error: str | None = None
         self.failures: list[str] = []
@@ -77,11 +77,17 @@ class KernelWarmup:
         except Exception as e:  # noqa: BLE001 -- a warm-up must never stop a run: it logs and steps aside
             self.error = f"dry run: {type(e).__name__}: {e}"
             return
-        if requests:
-            ctx = multiprocessing.get_context("spawn")  # no fork of a process holding CUDA
-            self.pool = concurrent.futures.ProcessPoolExecutor(min(len(requests), os.cpu_count() or 1, 8),
-                                                               mp_context=ctx)
-            self.futures = [self.pool.submit(compile_from_spec, *r) for r in requests]
+        n = min(len(requests), os.cpu_count() or 1, 8)
+        for i in range(n):
+            # a fresh interpreter per worker (not multiprocessing's spawn, which re-imports the
+            # caller's main script); requests go in on stdin from a thread, so a full pipe
+            # never holds up this process while the worker imports
+            p = subprocess.Popen(compile_worker_command(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                 stderr=subprocess.DEVNULL, text=True)
+            mine = requests[i::n]
+            threading.Thread(target=_send, args=(p, "".join(json.dumps(list(r)) + "\n" for r in mine)),
+                             daemon=True).start()
+            self.workers.append((p, len(mine)))
 
     def dry_run(self) -> list[tuple]:
         """The dummy forward and backward with every would-be compile recorded and skipped:
@@ -113,25 +119,34 @@ class KernelWarmup:
         if self.error is not None:
             log.warning("kernel warm-up skipped (%s); the first update compiles its kernels itself", self.error)
             self.error = None
-        if self.pool is None:
+        if not self.workers:
             return {}
         t0 = time.perf_counter()
-        failed = []
-        for f in self.futures:
-            try:
-                f.result()
-            except Exception as e:  # noqa: BLE001 -- that kernel then compiles in the update
-                failed.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        self.pool.shutdown()
-        self.pool = None
+        failed, done = [], 0
+        for p, n in self.workers:
+            lines = [json.loads(x) for x in p.stdout.read().splitlines() if x.startswith('{"kernel"')]
+            rc = p.wait()
+            done += sum(r["error"] is None for r in lines)
+            failed += [r["error"] for r in lines if r["error"] is not None]
+            if len(lines) < n:  # that kernel then compiles in the update
+                failed += [f"worker exited with code {rc} after {len(lines)} of {n} kernels"] * (n - len(lines))
+        self.workers = []
         self.failures = failed
         waited = time.perf_counter() - t0
         total = time.perf_counter() - self.t0
         log.info("kernel warm-up: %d kernel variants compiled in worker processes (%.1f s since the trainer "
-                 "started; the update waited %.1f s)%s", len(self.futures) - len(failed), total, waited,
+                 "started; the update waited %.1f s)%s", done, total, waited,
                  f"; {len(failed)} failed, first: {failed[0]}" if failed else "")
-        return {"compile/warmup_kernels": float(len(self.futures) - len(failed)),
+        return {"compile/warmup_kernels": float(done),
                 "compile/warmup_failed": float(len(failed)), "compile/waited_s": waited}
+
+
+def _send(p: subprocess.Popen, text: str) -> None:
+    try:
+        p.stdin.write(text)
+        p.stdin.close()
+    except OSError:  # the worker died: wait() counts its kernels as failed
+        pass
 
 
 def policy_head(trainer, h_TD, batch: PackedBatch):

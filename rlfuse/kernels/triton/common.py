@@ -128,3 +128,17 @@ def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
     triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
     return name
+
+
+def compile_worker() -> None:
+    """A compile worker's loop (`backend.compile_worker_command()`): one JSON request
+    [module, kernel, specialization JSON, target] per stdin line, one JSON line out per
+    request, {"kernel": name, "error": null or "Type: message"}."""
+    for line in sys.stdin:
+        module, name, spec, target = json.loads(line)
+        try:
+            compile_from_spec(module, name, spec, target)
+            err = None
+        except Exception as e:  # noqa: BLE001 -- reported to the parent, whose update then compiles it
+            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        print(json.dumps({"kernel": name, "error": err}), flush=True)
