@@ -40,7 +40,7 @@ from collections.abc import Callable
 import torch
 
 from rlfuse.kernels.backend import (
-    compile_from_spec,
+    compile_worker_command,
     new_compiles,
     record_compiles,
     triton_compiles,
