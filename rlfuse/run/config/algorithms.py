@@ -100,9 +100,9 @@ class GRPOConfig:
     """Log the policy's mean token entropy, over the tokens of each step's first optimizer step (no gradient)."""
     warm_kernels: bool = False
     """CUDA, one process: compile the update's Triton kernels in worker processes while the
-    first rollout decodes (rlfuse/train/warm.py; logged under compile/). Saves seconds on a
-    cold Triton cache; the workers are spawned, so a script that starts a run needs an
-    `if __name__ == "__main__":` guard."""
+    first rollout decodes (rlfuse/train/warm.py; logged under compile/). On a cold Triton
+    cache it took ~5 s off the first update and added ~3 s to the first rollout (H100,
+    docs/benchmarks.md), hence off by default."""
     sample_every: int = 10
     """Write sample completions every this many steps (0 = never)."""
     eval_every: int = 0
