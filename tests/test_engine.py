@@ -49,7 +49,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
     dict(enable_prefix_caching=True, enforce_eager=False),      # static decode buffers, bucket padding
     dict(max_num_batched_tokens=16),                            # chunked prefill, mixed steps
     dict(num_kv_blocks=7, max_num_seqs=6),                      # tiny pool: preemption by recompute
-], ids=["cache-eager", "nocache-eager", "cache-static", "chunked", "preempt"])
+    dict(fuse_projections=True, max_num_batched_tokens=16),     # fused q/k/v, gate/up (the CUDA default)
+], ids=["cache-eager", "nocache-eager", "cache-static", "chunked", "preempt", "fused"])
 def test_greedy_equals_naive(model, prompts, oracle, kw):
     llm = _llm(model, **kw)
     llm.kv.pool.fill_(float("nan"))              # poisoned: no slot may be read before it is written

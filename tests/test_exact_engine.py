@@ -11,6 +11,7 @@ and the Triton kernels under the interpreter (fp32, smaller). GPU (marked): bf16
 Run: python -m pytest -q tests/test_exact_engine.py
 """
 
+import dataclasses
 import json
 
 import pytest
@@ -22,6 +23,7 @@ from rlfuse.cli import main
 from rlfuse.consistency.check import Setting, default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift
 from rlfuse.kernels import use_backend
+from rlfuse.model.fuse import is_fused
 
 PROMPT_LENS = [14, 30, 33, 7, 40, 3, 18, 9]  # the first two cross a block boundary while decoding
 CHUNK = 16  # prefill budget a step: prompts of 18..40 tokens are chunked
@@ -66,6 +68,19 @@ def test_exact_holds_with_activation_checkpointing():
     prompts = random_prompts(PROMPT_LENS)
     with use_backend("torch"):
         r = run_setting(model, prompts, _sweep(8, 8)[-1], numerics="exact", max_tokens=8, temperature=1.0)
+    assert r.bitwise_frac == 1.0, (r.row(), r.first_diff)
+
+
+def test_exact_holds_with_fused_projections():
+    """q/k/v and gate/up fused (the CUDA default; a CPU engine fuses when asked): the
+    engine's and the trainer's forwards both run the fused GEMMs, and keep the bits."""
+    model = tiny_model()
+    prompts = random_prompts(PROMPT_LENS)
+    s = _sweep(8, 8)[-1]
+    s = dataclasses.replace(s, engine={**s.engine, "fuse_projections": True})
+    with use_backend("torch"):
+        r = run_setting(model, prompts, s, numerics="exact", max_tokens=8, temperature=1.0)
+    assert is_fused(model)
     assert r.bitwise_frac == 1.0, (r.row(), r.first_diff)
 
 

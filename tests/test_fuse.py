@@ -4,9 +4,10 @@ Exact numerics: the fused forward equals the separate projections bitwise (torch
 and the Triton kernels under the CPU interpreter); fast: close. Training gradients reach
 each HF-named parameter; in-place updates of a part are seen by the fused GEMM; save/load
 keeps HF names; anything that moves the parameters after fusing falls back to separate
-GEMMs; LoRA-adapted groups stay separate. Engine-level equalities (greedy == naive
-generate, exact log-probs == teacher-forced) run with fusion on by default in
-tests/test_engine.py, tests/test_exact_engine.py and tests/test_lora.py.
+GEMMs; LoRA-adapted groups stay separate. Engine-level equalities with fusion on (a CPU
+engine fuses only when asked; CUDA engines by default): greedy == naive generate
+(tests/test_engine.py, the "fused" case), exact rollout == trainer log-probs
+(tests/test_exact_engine.py), the `gpu` tests here and in tests/test_exact_engine.py.
 Run: python -m pytest -q tests/test_fuse.py
 """
 
@@ -255,7 +256,7 @@ def test_gpu_split_last_plan_and_fused_projections_are_bitwise():
 
 
 def test_reference_model_of_a_fused_policy_is_fused():
-    from rlfuse.train.grpo import reference_model
+    from rlfuse.train.loop import reference_model
     sep, fused = _pair()
     assert not reference_model(sep).model.layers[0].self_attn.qkv_fused
     ref = reference_model(fused)

@@ -73,12 +73,14 @@ class EngineConfig:
     """"fast": cuBLAS GEMMs and split-KV decode, rollout log-probs within ~1e-2 of the
     trainer's. "exact": batch-invariant kernels, so every rollout log-prob equals the
     trainer's bitwise (`rlfuse check` proves it; docs/numerics.md lists the cost)."""
-    fuse_projections: bool = True
+    fuse_projections: bool | None = None
     """Run q/k/v and gate/up of each layer as one GEMM each (the engine fuses the model in
     place when built: the parameters become views of one buffer per group, names and
     checkpoints unchanged; the trainer's forward runs fused too). Exact numerics keep their
     bits; LoRA-adapted and FSDP-sharded projections stay separate (rlfuse.model.fuse).
-    False leaves the model as it is: one fused earlier (by another engine) stays fused."""
+    None (default): on CUDA, where it speeds decode up; not on a CPU, where it would only move
+    fast-mode rounding. True / False: always / never (False leaves the model as it is: one
+    fused earlier by another engine stays fused)."""
 
     def __post_init__(self):
         o = "EngineConfig"
@@ -101,8 +103,9 @@ class EngineConfig:
             for s in sizes:
                 _positive_int(o, "cuda_graph_batch_sizes[]", s)
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
-        if not isinstance(self.fuse_projections, bool):
-            raise ValueError(f"{o}.fuse_projections must be true or false, got {self.fuse_projections!r}")
+        if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
+            raise ValueError(f"{o}.fuse_projections must be true, false or null (auto: on CUDA), "
+                             f"got {self.fuse_projections!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{o}.seed must be an int >= 0, got {self.seed!r}")
 

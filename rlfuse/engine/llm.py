@@ -68,7 +68,8 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mcfg = model.config
-        if cfg.fuse_projections:
+        fuse = cfg.fuse_projections
+        if fuse or (fuse is None and model.lm_head_weight.device.type == "cuda"):
             fuse_projections(model)  # moves the parameters' storage: before any graph records a pointer
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:
