@@ -108,13 +108,9 @@ def triton_compiles() -> dict[str, int]:
 
 def record_compiles():
     """Context manager (CUDA): kernel launches that would compile are recorded and skipped;
-    yields [(module, kernel, specialization JSON, target)] for `compile_from_spec` (train/warm.py)."""
+    yields [(module, kernel, specialization JSON, target)], the requests a compile worker
+    (`compile_worker_command`) takes (train/warm.py)."""
     return triton_ops("common").record_compiles()
-
-
-def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
-    """Compile one recorded kernel specialization into Triton's cache (worker processes)."""
-    return triton_ops("common").compile_from_spec(module, name, spec, target)
 
 
 def compile_worker_command() -> list[str]:

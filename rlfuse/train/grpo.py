@@ -65,8 +65,8 @@ from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_varianc
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.off_policy import off_policy_corrections, recompute_old_logprobs
-from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
 from rlfuse.train.session import Session, open_session
+from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
 
 log = logging.getLogger(__name__)
 
@@ -250,10 +250,9 @@ class GRPOTrainer(StreamAndGuardState):
             log.info("step %d: every group has zero reward variance; no update", step)
             return {"_train_tokens": 0.0, "skipped_update": 1.0}
         seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
-        first_cuda = self._warm is not None and self.device.type == "cuda"  # the first update compiles
-        warm = self._warm.wait() if self._warm is not None else {}
-        compiled_before = triton_compiles() if first_cuda else None
-        self._warm = None
+        warmup, self._warm = self._warm, None  # the first update: the warm-up's result, what it compiles
+        warm = warmup.wait() if warmup is not None else {}
+        compiled_before = triton_compiles() if warmup is not None and self.device.type == "cuda" else None
         check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         old: dict[int, torch.Tensor] | None = None
         extra: dict = {}
@@ -276,7 +275,7 @@ class GRPOTrainer(StreamAndGuardState):
                 n_trained += stats.pop("_tokens")
                 for key, v in stats.items():
                     acc.setdefault(key, []).append(v)
-        if first_cuda:
+        if compiled_before is not None:
             extra = {**extra, **warm, **compile_left(compiled_before)}
         return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
 

@@ -10,10 +10,10 @@ the first step's update: seconds of compiling while the GPU idles.
      one decoder layer (every layer runs the same kernels), the final norm, and the
      trainer's own head (log-probs and loss) -- on a dummy packed batch, with the model's
      dimensions, dtypes, numerics and kernel backend (the layer runs twice: as the first
-     layer, and as a later one whose norm takes the previous residual add). Triton's `jit_cache_hook` sees each
-     kernel that would compile, records its specialization (Triton's own JSON) and skips
-     it: nothing compiles and those kernels do not launch, so the run's outputs are
-     garbage and are dropped. Gradients come from `torch.autograd.grad` (no `.grad`
+     layer, and as a later one whose norm takes the previous residual add). Triton's
+     `jit_cache_hook` sees each kernel that would compile, records its specialization
+     (Triton's own JSON) and skips it: nothing compiles and those kernels do not launch,
+     so the run's outputs are garbage and are dropped. Gradients come from `torch.autograd.grad` (no `.grad`
      written; the weights are only read).
   2. worker processes (fresh interpreters that import only the kernels) compile the
      recorded kernels into the Triton cache on disk (no GPU needed: Triton compiles for a
@@ -23,14 +23,16 @@ the first step's update: seconds of compiling while the GPU idles.
      `compile_left`.
 A compiler thread in this process instead would contend with the decode loop for the GIL
 (Triton's front end is Python): measured ~2.5x slower than compiling inline (perf-log).
-Only CUDA runs this; off under torch.distributed (a layer's forward gathers sharded
-weights with collectives that must stay in step across ranks).
+Opt-in: on an H100 it took ~5 s off a cold first update and added ~3 s to the first
+rollout while the workers started (docs/benchmarks.md). Only CUDA runs this; off under
+torch.distributed (a layer's forward gathers sharded weights with collectives that must
+stay in step across ranks).
 """
 
 from __future__ import annotations
 
-import logging
 import json
+import logging
 import os
 import subprocess
 import threading

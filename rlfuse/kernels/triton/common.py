@@ -106,10 +106,10 @@ def record_compiles():
         knobs.runtime.jit_cache_hook = before
 
 
-def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
+def compile_from_spec(module: str, name: str, spec: str, target: dict) -> None:
     """Compile kernel `module.name` for a specialization `record_compiles` recorded, into
-    Triton's on-disk cache, for the target named in it: no GPU needed (worker processes).
-    The decoding follows `JITFunction.preload`, which needs a device."""
+    Triton's on-disk cache, for `target` (or the one the JSON names): no GPU needed (the
+    compile workers). The decoding follows `JITFunction.preload`, which needs a device."""
     fn = getattr(importlib.import_module(module), name)
     d = json.loads(spec)
     target = GPUTarget(**{k: convert_to_tuple_if_list(v) for k, v in d.get("target", target).items()})
@@ -127,7 +127,6 @@ def compile_from_spec(module: str, name: str, spec: str, target: dict) -> str:
     signature = {k: convert_to_tuple_if_list(v) for k, v in d["signature"].items()}
     options = backend.parse_options({k: tuple(v) if isinstance(v, list) else v for k, v in d["options"].items()})
     triton.compile(ASTSource(fn, signature, constexprs, attrs), target=target, options=options.__dict__)
-    return name
 
 
 def compile_worker() -> None:
