@@ -23,6 +23,15 @@ from rlfuse.kernels.attention import supports_head_dim
 
 log = logging.getLogger(__name__)
 
+
+def read_json(path: Path) -> Any:
+    """The JSON in the UTF-8 file `path` (config.json, tokenizer and adapter configs); a
+    ValueError naming the file if it is not JSON."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+
 ARCHITECTURES = {
     # model_type -> (HF architecture class name, qkv bias default, qk-norm)
     "llama": ("LlamaForCausalLM", False, False),
@@ -103,10 +112,7 @@ class ModelConfig:
             where = str(path)
             if not path.exists():
                 raise ValueError(f"{where}: no such file (expected a config.json, or an HF model folder holding one)")
-            try:
-                src = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{where}: not valid JSON ({e})") from None
+            src = read_json(path)
         return _from_hf_dict(src, where)
 
     def to_hf(self) -> dict[str, Any]:

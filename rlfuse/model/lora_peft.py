@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rlfuse.model.config import read_json
 from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
 from rlfuse.model.transformer import CausalLM
 from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
@@ -60,10 +61,7 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
     for p in (cfg_path, w_path):
         if not p.is_file():
             raise ValueError(f"{what} {folder}: no {p.name} ({holds})")
-    try:
-        d = json.loads(cfg_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from None
+    d = read_json(cfg_path)
     if not isinstance(d, dict) or d.get("peft_type") != "LORA":
         raise ValueError(f"{cfg_path}: peft_type must be 'LORA', got {d.get('peft_type') if isinstance(d, dict) else d!r}")
     for key, ok in _UNSUPPORTED:

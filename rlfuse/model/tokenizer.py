@@ -49,6 +49,8 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, processors
 from tokenizers import Tokenizer as Backend
 
+from rlfuse.model.config import read_json
+
 log = logging.getLogger(__name__)
 
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -253,10 +255,7 @@ class Tokenizer:
 
 # -------------------------------------------------------------------- helpers
 def _read_json(path: Path) -> dict:
-    try:
-        d = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    d = read_json(path)
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a JSON object at the top level, got {type(d).__name__}")
     return d
