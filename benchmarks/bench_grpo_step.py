@@ -96,7 +96,7 @@ def allocated(device: torch.device) -> int:
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
              steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
-             warm: bool = False) -> dict:
+             warm: bool = False, share: bool = True) -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -115,7 +115,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     case = {"shape": "tiny" if small else shape, "mode": f"LoRA r{lora}" if lora else "full FT", "numerics": numerics,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "micro_batch_tokens": micro_batch_tokens, "gradient_checkpointing": checkpointing, "fused": fuse,
-            "warm_kernels": warm}
+            "warm_kernels": warm, "share_prefix_decode": share}
     with torch.device("meta"):
         n_params = sum(p.numel() for p in CausalLM(ModelConfig(**sh)).parameters())
     case["params_B"] = n_params / 1e9
@@ -130,7 +130,8 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     cfg = load_config({
         "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": checkpointing,
                   **({"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else {})},
-        "engine": {"numerics": numerics, "fuse_projections": fuse, "max_num_seqs": P * G, "max_model_len": plen + new,
+        "engine": {"numerics": numerics, "fuse_projections": fuse, "share_prefix_decode": share,
+                   "max_num_seqs": P * G, "max_model_len": plen + new,
                    "num_kv_blocks": P * G * math.ceil((plen + new) / block)},
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
         "optim": {"lr": 1e-6, "schedule": "constant"},
@@ -283,6 +284,8 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
     ap.add_argument("--fuse", choices=("on", "off", "both"), default="on",
                     help="engine.fuse_projections (q/k/v and gate/up as one GEMM each); both: off then on")
+    ap.add_argument("--share-prefix-decode", choices=("on", "off", "both"), default="on",
+                    help="engine.share_prefix_decode (a group's prompt K/V read once per decode step); both: off then on")
     ap.add_argument("--warm-kernels", action="store_true",
                     help="grpo.warm_kernels true: compile the update's kernels in worker processes during the "
                          "first rollout (an A/B of the first step: run each in a fresh process on a cold "
@@ -311,9 +314,10 @@ def main() -> int:
         return run_table(out, args, header)
     cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
-                      warm=args.warm_kernels)
+                      warm=args.warm_kernels, share=sh)
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
-             for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))]
+             for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
+             for sh in ((False, True) if args.share_prefix_decode == "both" else (args.share_prefix_decode == "on",))]
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small, "cases": cases}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
@@ -331,18 +335,22 @@ def main() -> int:
                                             args.micro_batch_tokens != 16384),
                                            ("--no-checkpointing", args.no_checkpointing),
                                            (f"--fuse {args.fuse}", args.fuse != "on"),
+                                           (f"--share-prefix-decode {args.share_prefix_decode}",
+                                            args.share_prefix_decode != "on"),
                                            ("--warm-kernels", args.warm_kernels)) if on)
     lines = [f"### GRPO step: Qwen3-{args.shape.upper()}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
-             "| numerics | fused | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
-             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| numerics | fused | shared prefix | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
+             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if "skipped" in c:
-            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | skipped: {c['skipped']} |" + " |" * 9)
+            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
+                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | skipped: {c['skipped']} |" + " |" * 9)
             continue
         for r in c["steps"]:
             peak = max(r["generate_peak"], r["train_peak"]) / 2**20
-            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
+            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
+                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
                          f"{r['time/generate']:.2f} | {r['time/score']:.2f} | {r['time/train']:.2f} | "
                          f"{r['time/step']:.2f} | {r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | "
                          f"{peak:.0f} | {r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} |")

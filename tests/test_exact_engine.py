@@ -35,7 +35,9 @@ def _sweep(max_batch, tokens):
     return default_sweep(max_batch, small_pool_blocks=2 * -(-need // 16), chunk_tokens=CHUNK)
 
 
-def _check_exercised(setting: Setting, stats: dict):
+def _check_exercised(setting: Setting, stats: dict, triton: bool = False):
+    if setting.min_prompt_len and triton:  # the Triton path's shared-prefix decode ran
+        assert stats["shared_prefix_steps"] > 0, setting.name
     if "preemption" in setting.name or setting.name == "combined":
         assert stats["preemptions"] > 0, setting.name
     if setting.n > 1 and setting.engine.get("enable_prefix_caching", True):
@@ -90,10 +92,10 @@ def test_exact_sweep_triton_is_bitwise():
     prompts = random_prompts(PROMPT_LENS)
     sweep = {s.name: s for s in _sweep(8, 6)}
     with use_backend("triton"):
-        for name in ("batch 1", "combined"):
+        for name in ("batch 1", "combined", "n=4 long shared prompts"):
             r = run_setting(model, prompts, sweep[name], numerics="exact", max_tokens=6, temperature=0.8)
             assert r.bitwise_frac == 1.0, (name, r.row(), r.first_diff)
-            _check_exercised(sweep[name], r.engine_stats)
+            _check_exercised(sweep[name], r.engine_stats, triton=True)
 
 
 def test_fast_numerics_shows_drift_and_the_probe_names_its_first_op():
@@ -120,7 +122,7 @@ def test_check_cli_tiny(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 9 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
+    assert len(report["settings"]) == 10 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
     assert report["settings"][-1]["engine_stats"]["preemptions"] > 0
     for row in report["settings"]:
         assert set(row) >= {"name", "tokens", "bitwise_frac", "max_abs", "mean_abs", "kl_k3"}
@@ -146,3 +148,5 @@ def test_exact_sweep_gpu_bf16():
     for s in default_sweep(64, small_pool_blocks=64 * -(-need // 16) // 4, chunk_tokens=128):
         r = run_setting(model, prompts, s, numerics="exact", max_tokens=64, temperature=1.0)
         assert r.bitwise_frac == 1.0, (s.name, r.row(), r.first_diff)
+        if s.min_prompt_len:
+            assert r.engine_stats["shared_prefix_steps"] > 0, s.name

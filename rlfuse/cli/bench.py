@@ -36,6 +36,8 @@ def add_arguments(p) -> None:
     p.add_argument("--gpu-memory-fraction", type=float, default=0.9)
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--numerics", choices=NUMERICS, default="fast", help="engine numerics (docs/numerics.md)")
+    p.add_argument("--no-share-prefix-decode", action="store_true",
+                   help="decode reads every sequence's prompt K/V itself (EngineConfig.share_prefix_decode off)")
     p.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
     p.add_argument("--append-docs", default=None, metavar="MD", help="append the markdown section to this file")
 
@@ -55,7 +57,7 @@ def run(args) -> int:
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
-                      numerics=args.numerics)
+                      numerics=args.numerics, share_prefix_decode=not args.no_share_prefix_decode)
     try:
         result = run_bench(cfg)
     except ValueError as e:

@@ -123,7 +123,7 @@ def run(args) -> int:
     print(f"rlfuse check: {model.config.architecture}{lora} on {device} ({model.lm_head_weight.dtype}), numerics "
           f"{args.numerics}, {len(settings)} settings, up to {max_batch} sequences x {max_tokens} tokens")
     print(f"{'setting':34s} {'tokens':>7s} {'bitwise':>8s} {'max|d|':>10s} {'mean|d|':>10s} {'kl_k3':>10s}  "
-          "engine: preemptions / cached prompt tokens / look-ahead steps")
+          "engine: preemptions / cached prompt tokens / look-ahead steps / shared-prefix decode steps")
     results, t0 = [], time.perf_counter()
     with use_backend(args.backend):
         for s in settings:
@@ -132,7 +132,8 @@ def run(args) -> int:
             results.append(r)
             st = r.engine_stats
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
-                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / {st['look_ahead_steps']}",
+                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / {st['look_ahead_steps']} / "
+                  f"{st['shared_prefix_steps']}",
                   flush=True)
         # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
         # fit the model's vocabulary); a model folder uses its own chat template

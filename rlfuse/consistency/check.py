@@ -42,6 +42,9 @@ class Setting:
     """EngineConfig overrides (numerics and seed are set by the check)."""
     micro_batch_tokens: int = 1 << 30
     """Token budget of one teacher-forced forward: sequences are packed up to it."""
+    min_prompt_len: int = 0
+    """Prompts shorter than this are repeated up to it (long prompts, whose shared blocks
+    cover whole attention tiles: shared-prefix decode)."""
 
     @property
     def batch(self) -> int:
@@ -69,6 +72,9 @@ class SettingResult:
                 "engine_stats": self.engine_stats}
 
 
+LONG_PROMPT = 140  # > two 64-key attention tiles of shared blocks
+
+
 def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) -> list[Setting]:
     """The settings `rlfuse check` runs. `small_pool_blocks` KV blocks force preemption;
     `chunk_tokens` is a per-step token budget that splits prompts into prefill chunks."""
@@ -84,6 +90,7 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
         Setting(name="eager, no look-ahead", num_prompts=groups, n=n,
                 engine=dict(enforce_eager=True, look_ahead=False)),
         Setting(name="micro-batches of 1 sequence", num_prompts=groups, n=n, micro_batch_tokens=1),
+        Setting(name=f"n={n} long shared prompts", num_prompts=groups, n=n, min_prompt_len=LONG_PROMPT),
         Setting(name="combined", num_prompts=groups, n=n, micro_batch_tokens=96,
                 engine=dict(**pool, **chunk, enable_prefix_caching=True, look_ahead=True)),
     ]
@@ -115,7 +122,9 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
                           "seed": seed})
     llm = LLM(model, config=cfg)
     params = SamplingParams(n=setting.n, temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
-    outs = llm.generate([list(p) for p in prompts[:setting.num_prompts]], params)
+    chosen = [list(p) * -(-setting.min_prompt_len // max(len(p), 1)) if len(p) < setting.min_prompt_len else list(p)
+              for p in prompts[:setting.num_prompts]]
+    outs = llm.generate(chosen, params)
     stats = dataclasses.asdict(llm.stats)
     llm.sleep()
     del llm

@@ -85,6 +85,8 @@ class BenchConfig:
     seed: int = 0
     numerics: str = "fast"
     """EngineConfig.numerics: exact runs the batch-invariant kernels (docs/numerics.md)."""
+    share_prefix_decode: bool = True
+    """EngineConfig.share_prefix_decode (the grpo case's groups read their prompt once)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -223,7 +225,8 @@ def run(cfg: BenchConfig) -> dict:
     kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_model_len=(128 if cfg.small else 2048), gpu_memory_fraction=cfg.gpu_memory_fraction,
-                        enforce_eager=cfg.enforce_eager, seed=cfg.seed, numerics=cfg.numerics)
+                        enforce_eager=cfg.enforce_eager, seed=cfg.seed, numerics=cfg.numerics,
+                        share_prefix_decode=cfg.share_prefix_decode)
     t0 = time.perf_counter()
     llm = LLM(model, None, ecfg)
     llm.capture_graphs()
@@ -297,7 +300,8 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|"]
     for r in result["cases"]:
         st = r["stats"]
-        notes = f"{st['steps']} steps ({st['graph_steps']} graph, {st['look_ahead_steps']} look-ahead), " \
+        notes = f"{st['steps']} steps ({st['graph_steps']} graph, {st['look_ahead_steps']} look-ahead, " \
+                f"{st.get('shared_prefix_steps', 0)} shared-prefix), " \
                 f"{st['preemptions']} preemptions, Triton compiles in the timed run: " \
                 f"{sum(r['triton_compiles_in_timed_run'].values())}"
         if "engine_tok_s_second_run" in r:

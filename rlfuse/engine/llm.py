@@ -59,6 +59,7 @@ class _Launched:
     batch: Batch
     pending: Pending
     graph: bool
+    shared: bool = False
     void: list[bool] | None = None
     """Per sequence: stopped in the step before this look-ahead one (sample discarded)."""
 
@@ -238,9 +239,9 @@ class LLM:
         return out + [self._completion(seq) for seq in finished]
 
     def _launch(self, batch: Batch, feed: torch.Tensor | None = None) -> _Launched:
-        g0 = self.runner.graph_steps
+        g0, s0 = self.runner.graph_steps, self.runner.shared_steps
         pending = self.runner.launch(batch.seqs, batch.num_new, feed)
-        return _Launched(batch, pending, self.runner.graph_steps > g0)
+        return _Launched(batch, pending, self.runner.graph_steps > g0, self.runner.shared_steps > s0)
 
     def _look_ahead(self, cur: _Launched) -> _Launched | None:
         """Launch the decode step after `cur` before reading `cur`: the same sequences
@@ -280,6 +281,7 @@ class LLM:
         st.steps += 1
         st.decode_steps += batch.is_decode
         st.graph_steps += cur.graph
+        st.shared_prefix_steps += cur.shared
         st.tokens_computed += batch.num_tokens
         bs, mark = self.config.block_size, self.block_manager.mark_computed
         for seq, n, dead in zip(batch.seqs, batch.num_new, void):

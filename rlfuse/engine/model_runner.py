@@ -39,15 +39,17 @@ import torch
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
-from rlfuse.kernels.backend import num_sms, use_numerics
+from rlfuse.kernels.backend import num_sms, resolve_backend, use_numerics
 from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.paged_attention import SharedPrefixDecode, plan_shared_prefix, shared_prefix_members
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)
 # the static int64 buffer of the decode path: one field of `_field_stride(nb)` elements each
-_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS = range(8)
-_STATIC_FIELDS = 8
+# (the _SH_* fields: the step's SharedPrefixDecode plan)
+_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS, _SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM = range(12)
+_STATIC_FIELDS = 12
 
 
 def _in_numerics(method):
@@ -92,7 +94,7 @@ class ModelRunner:
         self.use_graphs = self.static and self.device.type == "cuda"
         self.graph_sizes = cfg.graph_batch_sizes() if self.static else ()
         self.max_graph_bs = max(self.graph_sizes) if self.graph_sizes else 0
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, shared-prefix plan)
         self.graph_pool = None
         if self.static:
             n = self.max_graph_bs
@@ -100,8 +102,17 @@ class ModelRunner:
             self.s_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
             self.s_out = torch.zeros((n, self.mcfg.hidden_size), dtype=self.dtype, device=self.device)
         self.kv: KVCache | None = None
+        # sequences per shared-prefix chunk (0: decode reads every prefix per sequence);
+        # the plan is rebuilt only when the running set changes (_share_plan)
+        self.share_members = 0
+        if (self.static and cfg.share_prefix_decode and cfg.enable_prefix_caching
+                and resolve_backend("paged_attention", W) == "triton"):
+            self.share_members = shared_prefix_members(self.mcfg.num_attention_heads, self.mcfg.num_key_value_heads,
+                                                       cfg.numerics == "exact", W.element_size())
+        self._share_key, self._share_arrays = None, None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.graph_steps = 0
+        self.shared_steps = 0
 
     # ------------------------------------------------------------------ memory
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
@@ -237,10 +248,12 @@ class ModelRunner:
             host[_ROWS, :B] = rows
             host[_SEQ_LENS, :B] = host[_POS, :B] + 1
             host[_TOP_K, :S], host[_SEEDS, :S], host[_OFFSETS, :S] = top_k, seeds, offsets
+            shared = self._share_plan(seqs, host, nb)
+            self.shared_steps += shared
             self.s_i64[:_STATIC_FIELDS * fs].copy_(self._upload(host.reshape(-1), torch.int64))
             if ahead:
                 self.s_i64[:B].copy_(feed)  # the input ids: the running step's samples, on the device
-            self._replay(nb)
+            self._replay(nb, shared)
             h = self.s_out[:B] if S == B else self.s_out[self._upload(sampled, torch.int64)]
             k_t, seed_t, off_t = (self.s_i64[f * fs:f * fs + S] for f in (_TOP_K, _SEEDS, _OFFSETS))
         else:
@@ -316,35 +329,57 @@ class ModelRunner:
         return h, (d["top_k"], d["seeds"], d["offsets"])
 
     # ------------------------------------------------------------------ decode graphs
-    def _decode_body(self, nb: int) -> None:
+    def _share_plan(self, seqs: list[Sequence], host: np.ndarray, nb: int) -> bool:
+        """Fill the static buffer's _SH_* fields with the step's shared-prefix plan (running
+        sequences whose prompts' full blocks are the same cache blocks); False if nothing is
+        shared (the plain graph runs). Cached while the running set and its first blocks (a
+        preempted sequence gets new ones) stay the same."""
+        if not self.share_members or len(seqs) < 2:
+            return False
+        key = tuple((s.seq_id, s.block_table[0]) for s in seqs)
+        if key != self._share_key:
+            self._share_key, bs = key, self.block_size
+            self._share_arrays = plan_shared_prefix([s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs,
+                                                    self.share_members, nb // 2)
+        share_len, perm, first, count, n = self._share_arrays
+        B = len(seqs)
+        host[_SH_LEN, :B], host[_SH_PERM, :B], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = share_len, perm, \
+            first, count
+        return n > 0
+
+    def _decode_body(self, nb: int, shared: bool) -> None:
         st = self.s_i64
         fs = _field_stride(nb)
         ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
         seq_lens = seq_lens.to(torch.int32)
-        attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens, self.bt.index_select(0, rows), 1)
+        plan = SharedPrefixDecode(*(st[f * fs:f * fs + (nb // 2 if f in (_SH_FIRST, _SH_NUM) else nb)]
+                                    for f in (_SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM)), self.share_members) if shared else None
+        attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens, self.bt.index_select(0, rows), 1,
+                       plan)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))
 
-    def _replay(self, nb: int) -> None:
+    def _replay(self, nb: int, shared: bool = False) -> None:
         if not self.use_graphs:
-            self._decode_body(nb)
+            self._decode_body(nb, shared)
             return
-        g = self.graphs.get(nb)
+        g = self.graphs.get((nb, shared))
         if g is None:
-            g = self._capture(nb)
+            g = self._capture(nb, shared)
         g.replay()
         self.graph_steps += 1
 
-    def _capture(self, nb: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, shared: bool = False) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
-        self._decode_body(nb)  # warm-up: compiles kernels; rewrites the same K/V the replay writes
+        self._decode_body(nb, shared)  # warm-up: compiles kernels; rewrites the same K/V the replay writes
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.graph_pool):
-            self._decode_body(nb)
+            self._decode_body(nb, shared)
         if self.graph_pool is None:
             self.graph_pool = g.pool()
-        self.graphs[nb] = g
-        log.debug("captured the decode CUDA graph for batch size %d in %.0f ms", nb, 1e3 * (time.perf_counter() - t0))
+        self.graphs[(nb, shared)] = g
+        log.debug("captured the decode CUDA graph for batch size %d%s in %.0f ms", nb,
+                  " (shared prefixes)" if shared else "", 1e3 * (time.perf_counter() - t0))
         return g
 
     @torch.no_grad()
@@ -356,16 +391,18 @@ class ModelRunner:
         if not self.use_graphs:
             return
         top = next((s for s in self.graph_sizes if s >= up_to), self.max_graph_bs) if up_to else self.max_graph_bs
-        todo = [s for s in sorted(self.graph_sizes, reverse=True) if s not in self.graphs and s <= top]
+        variants = (False, True) if self.share_members else (False,)  # + the shared-prefix plan's graphs
+        todo = [(s, v) for s in sorted(self.graph_sizes, reverse=True) for v in variants
+                if (s, v) not in self.graphs and s <= top and (s > 1 or not v)]
         if not todo:
             return
         t0 = time.perf_counter()
         nb = self.max_graph_bs
-        for size in todo:
+        for size, shared in todo:
             host = np.zeros((_STATIC_FIELDS, _field_stride(size)), dtype=np.int64)
-            host[_SLOTS], host[_ROWS] = -1, self.num_rows
+            host[_SLOTS], host[_ROWS] = -1, self.num_rows  # padding; the plan: no chunk
             self.s_i64[:host.size].copy_(torch.from_numpy(host.reshape(-1)))
-            self._capture(size)
+            self._capture(size, shared)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
                  f"{min(self.graph_sizes)}..{nb}", time.perf_counter() - t0)
 

@@ -19,6 +19,8 @@ class EngineStats:
     tokens_computed: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    shared_prefix_steps: int = 0
+    """Decode steps that read a shared prompt prefix once per group (share_prefix_decode)."""
     look_ahead_steps: int = 0
     """Decode steps launched before the previous step's results were read (look-ahead)."""
     discarded_tokens: int = 0

@@ -35,16 +35,92 @@ a sequence's output does not depend on its batch neighbours (tested).
 The grid depends only on Python ints (B, Hkv, max_seqlen_q, block_tables.shape[1]):
 no host syncs, CUDA-graph capturable. Rows outside every sequence are left unwritten
 (unsplit) or zero (split).
+Shared prefixes (decode, Triton path): sequences whose first keys live in the same cache
+blocks (a GRPO group's prompt, through the prefix cache) can read that K/V once for the
+group: `SharedPrefixDecode` lists chunks of up to `shared_prefix_members(...)` such
+sequences and the length they share (whole KV_BLOCKs). One program per (chunk x split,
+kv head) attends all members' query rows to the prefix; `_paged_kernel` then walks each
+sequence's keys from share_len on. Fast numerics: the prefix's partials join the split
+slots and the combine merges them (rounding differs from the unshared pass, as any split
+does). Exact numerics: the prefix program hands its online-softmax state (acc, m, l in
+fp32) to the suffix program, which continues the same walk: the same tiles in the same
+order, each row's arithmetic independent of its tile neighbours, so the output is
+bitwise the unshared one (tested). The reference ignores the plan (same math).
 Tests: `python -m pytest -q tests/test_kernel_paged_attention.py`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlfuse.kernels.attention import attend_exact_ref, supports_head_dim
+from rlfuse.kernels.attention import KV_BLOCK, attend_exact_ref, supports_head_dim
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefixDecode:
+    """A decode step's shared prefixes (device tensors, int32 or int64; the module
+    docstring). Sequence b's keys [0, share_len[b]) are read by its chunk's program
+    (share_len 0: b is in no chunk). Chunk c's members are perm[first[c]:first[c] +
+    count[c]], all with the same share_len and the same blocks for those keys; count 0 =
+    unused chunk (static shapes for CUDA graphs). `max_members` caps count (sets the tile)."""
+    share_len: torch.Tensor  # (B,)
+    perm: torch.Tensor       # (B,)
+    first: torch.Tensor      # (max_chunks,)
+    count: torch.Tensor      # (max_chunks,)
+    max_members: int
+
+    @property
+    def max_chunks(self) -> int:
+        return self.first.shape[0]
+
+
+def shared_prefix_rows(group: int, exact: bool, itemsize: int) -> int:
+    """Query rows of a shared-prefix program: exact numerics keep the exact tile's height
+    (the bits depend on it); fast: 32 (16 sequences of a 2-head GQA group)."""
+    if exact:
+        return triton_ops("attention").exact_config(itemsize)["BLOCK_M"]
+    return max(32, group)
+
+
+def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: int) -> int:
+    """Sequences per shared-prefix chunk for this model and numerics."""
+    group = 1 << (n_heads // n_kv_heads - 1).bit_length()
+    return shared_prefix_rows(group, exact, itemsize) // group
+
+
+def plan_shared_prefix(keys: list[tuple[int, ...] | None], page: int, max_members: int, max_chunks: int):
+    """Host side of `SharedPrefixDecode`: keys[b] = the block ids sequence b may share (its
+    prompt's full blocks) or None. Sequences with equal keys of >= one KV_BLOCK of keys
+    form chunks of 2..max_members; returns numpy int64 (share_len (B,), perm (B,), first
+    (max_chunks,), count (max_chunks,)) and the chunk count (chunks past max_chunks are
+    left unshared)."""
+    B = len(keys)
+    share_len = np.zeros(B, np.int64)
+    perm = np.zeros(B, np.int64)
+    first = np.zeros(max_chunks, np.int64)
+    count = np.zeros(max_chunks, np.int64)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for b, key in enumerate(keys):
+        if key:
+            n = len(key) * page // KV_BLOCK * KV_BLOCK // page  # blocks of whole KV_BLOCKs
+            if n:
+                groups.setdefault(tuple(key[:n]), []).append(b)
+    c = o = 0
+    for key, members in groups.items():
+        for j in range(0, len(members) - 1, max_members):
+            part = members[j:j + max_members]
+            if len(part) < 2 or c == max_chunks:
+                continue
+            first[c], count[c] = o, len(part)
+            perm[o:o + len(part)] = part
+            share_len[part] = len(key) * page
+            c, o = c + 1, o + len(part)
+    return share_len, perm, first, count, c
 
 
 def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
@@ -124,10 +200,11 @@ def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                    max_seqlen_q: int, scale: float | None = None):
+                    max_seqlen_q: int, scale: float | None = None, shared: SharedPrefixDecode | None = None):
     exact = is_exact()
     if resolve_backend("paged_attention", q) == "triton":
         return triton_ops("paged_attention").paged_attention_triton(
-            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, exact=exact)
+            q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, exact=exact,
+            shared=shared)
     ref = paged_attention_exact_ref if exact else paged_attention_ref
     return ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale)

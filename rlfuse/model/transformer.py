@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rlfuse.kernels.attention import SharedPrefix, varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
 from rlfuse.kernels.linear import linear
-from rlfuse.kernels.paged_attention import paged_attention
+from rlfuse.kernels.paged_attention import SharedPrefixDecode, paged_attention
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from rlfuse.kernels.rope import qk_norm_rope, rope_inv_freq
 from rlfuse.kernels.swiglu import swiglu, swiglu_packed
@@ -101,6 +101,7 @@ class PagedKV:
     seq_lens: torch.Tensor      # (B,) int32, cached tokens after this step
     block_tables: torch.Tensor  # (B, max_blocks) int32
     max_seqlen_q: int
+    shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
 
 
 class RMSNorm(nn.Module):
@@ -151,7 +152,7 @@ class Attention(nn.Module):
             q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
                                 slot_mapping=attn.slot_mapping)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                attn.block_tables, attn.max_seqlen_q)
+                                attn.block_tables, attn.max_seqlen_q, shared=attn.shared)
         else:
             q, k = qk_norm_rope(q, k, positions, inv_freq, *norm)
             o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)

@@ -11,7 +11,7 @@ import triton.language as tl
 
 from rlfuse.kernels.attention import KV_BLOCK
 from rlfuse.kernels.backend import num_sms
-from rlfuse.kernels.paged_attention import _check_cache
+from rlfuse.kernels.paged_attention import SharedPrefixDecode, _check_cache, shared_prefix_rows
 from rlfuse.kernels.triton.attention import LOG2E, attend_tile, exact_config
 from rlfuse.kernels.triton.common import dot_precision
 
@@ -59,11 +59,12 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
 # (sbt: the eager path's block tables are (B, w) copies, w = the step's longest context in blocks)
-def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb, skt, skh,
+def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, sqt, sqh, skb, skt, skh,
                   svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
                   PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                   GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
+                  SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
+                  CASCADE: tl.constexpr):
     pid, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qb = pid // n_split
     sp = pid % n_split
@@ -72,7 +73,10 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
     if qb * BLOCK_Q >= q_len:
         return
     kv_len = tl.load(SEQ_LENS + b)
-    lo = sp * split_tokens
+    share = 0
+    if CASCADE:  # keys [0, share) were attended by _shared_prefix_kernel
+        share = tl.load(SH_LEN + b).to(tl.int32)
+    lo = share + sp * split_tokens
     kv_end = kv_len - q_len + tl.minimum(q_len, (qb + 1) * BLOCK_Q)  # last key of the block + 1
     hi = tl.minimum(lo + split_tokens, kv_end)
     if SPLIT:
@@ -92,6 +96,12 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    if CASCADE and not SPLIT:
+        if share > 0:  # exact numerics: continue the prefix's online softmax where it stopped
+            st = t * n_hq + hq
+            acc = tl.load(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            m_i = tl.load(LSE_WS + st, mask=row_ok, other=float("-inf"))
+            l_i = tl.load(L_WS + st, mask=row_ok, other=0.0)
     # keys below the block's first query position (rounded down to KV blocks) need no mask
     first = kv_len - q_len + qb * BLOCK_Q + 1
     full_end = tl.maximum(lo, tl.minimum(hi, (tl.maximum(first, 0) // BLOCK_N) * BLOCK_N))
@@ -112,6 +122,59 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
     else:
         tl.store(O + t[:, None] * sot + hq[:, None] * soh + offs_d[None, :], o.to(O.dtype.element_ty),
                  mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'slot0'])
+def _shared_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, SH_PERM, SH_FIRST, SH_NUM,
+                          sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, n_tok, n_hq, n_rep, slot0, n_split,
+                          split_tokens, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PREC: tl.constexpr, RAW: tl.constexpr):
+    """Decode rows of up to BLOCK_M // GROUP sequences that share their first SH_LEN keys
+    (the same cache blocks): each K/V tile of that prefix is read once for all of them.
+    RAW (exact numerics, unsplit): the online-softmax state (acc, m, l) goes to the
+    workspace and `_paged_kernel` continues from it, the same arithmetic as one pass.
+    Else: a normalized partial and its lse in split slot slot0 + sp, for the combine."""
+    pid, hk = tl.program_id(0), tl.program_id(1)
+    c = pid // n_split
+    sp = pid % n_split
+    cnt = tl.load(SH_NUM + c).to(tl.int32)
+    if cnt == 0:
+        return
+    first = tl.load(SH_FIRST + c)
+    r = tl.arange(0, BLOCK_M)
+    mem = r // GROUP
+    g = r % GROUP
+    row_ok = (mem < cnt) & (g < n_rep)
+    b = tl.load(SH_PERM + first + mem, mask=mem < cnt, other=0).to(tl.int64)
+    lead = tl.load(SH_PERM + first).to(tl.int64)
+    share = tl.load(SH_LEN + lead).to(tl.int32)
+    lo = sp * split_tokens
+    hi = tl.minimum(lo + split_tokens, share)
+    if lo >= hi:
+        return
+    hq = hk * n_rep + g
+    t = tl.load(CU_Q + b, mask=mem < cnt, other=0).to(tl.int64)  # decode: one query token each
+    pos = tl.load(SEQ_LENS + b, mask=mem < cnt, other=1) - 1
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + t[:, None] * sqt + hq[:, None] * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    offs_n = tl.arange(0, BLOCK_N)
+    bt_row = BT + lead * sbt  # the members' tables agree on the prefix blocks
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for start_n in range(lo, hi, BLOCK_N):  # whole KV blocks: share is a multiple of BLOCK_N
+        acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
+                                    pos, skb, skt, svb, svt, qk_scale, PAGE, RAW, PREC)
+    if RAW:
+        st = t * n_hq + hq
+        tl.store(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+        tl.store(LSE_WS + st, m_i, mask=row_ok)
+        tl.store(L_WS + st, l_i, mask=row_ok)
+    else:
+        ws = ((slot0 + sp) * n_tok + t) * n_hq + hq
+        tl.store(O_WS + ws[:, None] * HEAD_DIM + offs_d[None, :], acc / l_i[:, None], mask=row_ok[:, None])
+        tl.store(LSE_WS + ws, m_i + tl.log2(l_i), mask=row_ok)
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split'])  # row counts vary per step: one compile
@@ -159,11 +222,13 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping):
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q: int,
                            scale: float | None = None, *, num_splits: int | None = None,
-                           config: dict | None = None, out: torch.Tensor | None = None, exact: bool = False):
+                           config: dict | None = None, out: torch.Tensor | None = None, exact: bool = False,
+                           shared: SharedPrefixDecode | None = None):
     """Launcher. `num_splits` forces the KV split count (None: heuristic, 1: no split);
     `config` overrides BLOCK_M (rows per program, prefill), num_warps, num_stages;
     `out` (T, Hq, Dh) receives the result when given (static buffers, tests); `exact`
-    runs `varlen_attention`'s exact tile for prefill and decode alike, unsplit."""
+    runs `varlen_attention`'s exact tile for prefill and decode alike, unsplit; `shared`
+    (decode only) reads each shared prefix once per chunk of sequences."""
     _check_cache(k_cache, v_cache, "paged_attention")
     T, Hq, dh = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
@@ -205,28 +270,59 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     n_qblk = triton.cdiv(max_seqlen_q, block_q)
     max_ctx = block_tables.shape[1] * page
     n_kvblk = triton.cdiv(max_ctx, KV_BLOCK)
+    if shared is not None and max_seqlen_q != 1:
+        raise ValueError("paged_attention: a shared-prefix plan is for decode steps (one query per sequence)")
+    target = 2 * num_sms(q.device)
     if num_splits is None:
-        progs, target = B * Hkv * n_qblk, 2 * num_sms(q.device)
+        progs = B * Hkv * n_qblk
         # enough programs for ~2 waves on the GPU, each split >= _MIN_SPLIT_BLOCKS KV blocks
         num_splits = 1 if progs >= target else min(triton.cdiv(target, progs), n_kvblk // _MIN_SPLIT_BLOCKS,
                                                    _MAX_SPLITS)
     num_splits = max(1, min(num_splits, n_kvblk))
     split_tokens = triton.cdiv(n_kvblk, num_splits) * KV_BLOCK
     num_splits = triton.cdiv(max_ctx, split_tokens)
-    split = num_splits > 1
+    sh_splits = 0
+    if shared is not None:
+        if exact:
+            sh_splits, sh_tokens = 1, n_kvblk * KV_BLOCK
+        else:  # the prefix in its own split slots after the suffix's, merged by the combine
+            progs = shared.max_chunks * Hkv
+            sh_splits = 1 if progs >= target else triton.cdiv(target, progs)
+            sh_splits = max(1, min(sh_splits, n_kvblk, _MAX_SPLITS - num_splits))
+            sh_tokens = triton.cdiv(n_kvblk, sh_splits) * KV_BLOCK
+            sh_splits = triton.cdiv(max_ctx, sh_tokens)
+    split = num_splits > 1 or (shared is not None and not exact)
+    slots = num_splits + (0 if exact else sh_splits)
+    l_ws = o
     if split:
-        o_ws = torch.empty((num_splits, T, Hq, dh), dtype=torch.float32, device=q.device)
-        lse_ws = torch.full((num_splits, T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+        o_ws = torch.empty((slots, T, Hq, dh), dtype=torch.float32, device=q.device)
+        lse_ws = torch.full((slots, T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
+    elif shared is not None:  # exact: the prefix's online-softmax state, picked up per row
+        o_ws = torch.empty((T, Hq, dh), dtype=torch.float32, device=q.device)
+        lse_ws = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
+        l_ws = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
     else:
         o_ws = lse_ws = o  # unused
+    sh_len = seq_lens if shared is None else shared.share_len
+    if shared is not None:
+        sh_rows = shared_prefix_rows(group, exact, q.element_size())
+        if shared.max_members * group > sh_rows:
+            raise ValueError(f"paged_attention: {shared.max_members} sequences a shared-prefix chunk do not fit "
+                             f"its {sh_rows} rows (shared_prefix_members gives the cap)")
+        _shared_prefix_kernel[(shared.max_chunks * sh_splits, Hkv)](
+            q, k_cache, v_cache, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, shared.share_len,
+            shared.perm, shared.first, shared.count, q.stride(0), q.stride(1), *k_cache.stride()[:3],
+            *v_cache.stride()[:3], block_tables.stride(0), T, Hq, n_rep, num_splits, sh_splits, sh_tokens,
+            scale * LOG2E, PAGE=page, HEAD_DIM=dh, GROUP=group, BLOCK_M=sh_rows, BLOCK_N=KV_BLOCK,
+            PREC=dot_precision(q), RAW=exact, **cfg)
     _paged_kernel[(n_qblk * num_splits, Hkv, B)](
-        q, k_cache, v_cache, o, o_ws, lse_ws, cu_seqlens_q, seq_lens, block_tables, q.stride(0), q.stride(1),
-        *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1), block_tables.stride(0),
-        T, Hq, n_rep, num_splits, split_tokens, scale * LOG2E, PAGE=page, HEAD_DIM=dh, BLOCK_Q=block_q,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q),
-        ALL_MASKED=exact, **cfg)
+        q, k_cache, v_cache, o, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, sh_len, q.stride(0),
+        q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
+        block_tables.stride(0), T, Hq, n_rep, num_splits, split_tokens, scale * LOG2E, PAGE=page, HEAD_DIM=dh,
+        BLOCK_Q=block_q, GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q),
+        ALL_MASKED=exact, CASCADE=shared is not None, **cfg)
     if split:
         # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
-        _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, num_splits, HEAD_DIM=dh,
+        _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, slots, HEAD_DIM=dh,
                                  BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
     return o
