@@ -1,8 +1,8 @@
 """Shared-prefix decode attention (`SharedPrefixDecode`): sequences whose prompts sit in the
 same cache blocks read that K/V once per chunk.
 
-Fast numerics: equal to the unshared decode within the split tolerance (the prefix joins
-the split slots). Exact numerics: bitwise the unshared decode (the prefix program hands
+Fast numerics: equal to the unshared decode within the split tolerance (state handoff to
+an unsplit suffix, or split slots of its own). Exact numerics: bitwise the unshared decode (the prefix program hands
 its online-softmax state to the suffix program). The plan builder groups by physical
 blocks only. Triton under the CPU interpreter; the `gpu` case at Qwen3-0.6B's decode shape.
 Run: python -m pytest -q tests/test_kernel_shared_prefix.py

@@ -40,12 +40,14 @@ blocks (a GRPO group's prompt, through the prefix cache) can read that K/V once 
 group: `SharedPrefixDecode` lists chunks of up to `shared_prefix_members(...)` such
 sequences and the length they share (whole KV_BLOCKs). One program per (chunk x split,
 kv head) attends all members' query rows to the prefix; `_paged_kernel` then walks each
-sequence's keys from share_len on. Fast numerics: the prefix's partials join the split
-slots and the combine merges them (rounding differs from the unshared pass, as any split
-does). Exact numerics: the prefix program hands its online-softmax state (acc, m, l in
-fp32) to the suffix program, which continues the same walk: the same tiles in the same
-order, each row's arithmetic independent of its tile neighbours, so the output is
-bitwise the unshared one (tested). The reference ignores the plan (same math).
+sequence's keys from share_len on. When the suffix runs unsplit (always in exact
+numerics; in fast numerics when the batch fills the GPU without splits) the prefix
+program hands its online-softmax state (acc, m, l in fp32) to the suffix program, which
+continues the walk; in exact numerics that is the same tiles in the same order, each
+row's arithmetic independent of its tile neighbours, so the output is bitwise the
+unshared one (tested). A split suffix (small fast batches): the prefix takes split slots
+of its own and the combine merges them (rounding differs from the unshared pass, as any
+split does). The reference ignores the plan (same math).
 Tests: `python -m pytest -q tests/test_kernel_paged_attention.py`.
 """
 

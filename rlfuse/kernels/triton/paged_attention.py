@@ -97,7 +97,7 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CASCADE and not SPLIT:
-        if share > 0:  # exact numerics: continue the prefix's online softmax where it stopped
+        if share > 0:  # continue the prefix's online softmax where _shared_prefix_kernel stopped
             st = t * n_hq + hq
             acc = tl.load(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             m_i = tl.load(LSE_WS + st, mask=row_ok, other=float("-inf"))
@@ -129,12 +129,13 @@ def _shared_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
                           sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, n_tok, n_hq, n_rep, slot0, n_split,
                           split_tokens, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                           GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PREC: tl.constexpr, RAW: tl.constexpr):
+                          PREC: tl.constexpr, HANDOFF: tl.constexpr, MASKED: tl.constexpr):
     """Decode rows of up to BLOCK_M // GROUP sequences that share their first SH_LEN keys
     (the same cache blocks): each K/V tile of that prefix is read once for all of them.
-    RAW (exact numerics, unsplit): the online-softmax state (acc, m, l) goes to the
-    workspace and `_paged_kernel` continues from it, the same arithmetic as one pass.
-    Else: a normalized partial and its lse in split slot slot0 + sp, for the combine."""
+    HANDOFF (unsplit): the online-softmax state (acc, m, l) goes to the workspace and
+    `_paged_kernel` continues from it (in exact numerics, MASKED: the same arithmetic as
+    one pass). Else: a normalized partial and its lse in split slot slot0 + sp, for the
+    combine."""
     pid, hk = tl.program_id(0), tl.program_id(1)
     c = pid // n_split
     sp = pid % n_split
@@ -165,8 +166,8 @@ def _shared_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):  # whole KV blocks: share is a multiple of BLOCK_N
         acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
-                                    pos, skb, skt, svb, svt, qk_scale, PAGE, RAW, PREC)
-    if RAW:
+                                    pos, skb, skt, svb, svt, qk_scale, PAGE, MASKED, PREC)
+    if HANDOFF:
         st = t * n_hq + hq
         tl.store(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
         tl.store(LSE_WS + st, m_i, mask=row_ok)
@@ -281,23 +282,23 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     num_splits = max(1, min(num_splits, n_kvblk))
     split_tokens = triton.cdiv(n_kvblk, num_splits) * KV_BLOCK
     num_splits = triton.cdiv(max_ctx, split_tokens)
-    sh_splits = 0
-    if shared is not None:
-        if exact:
-            sh_splits, sh_tokens = 1, n_kvblk * KV_BLOCK
-        else:  # the prefix in its own split slots after the suffix's, merged by the combine
-            progs = shared.max_chunks * Hkv
-            sh_splits = 1 if progs >= target else triton.cdiv(target, progs)
-            sh_splits = max(1, min(sh_splits, n_kvblk, _MAX_SPLITS - num_splits))
-            sh_tokens = triton.cdiv(n_kvblk, sh_splits) * KV_BLOCK
-            sh_splits = triton.cdiv(max_ctx, sh_tokens)
-    split = num_splits > 1 or (shared is not None and not exact)
-    slots = num_splits + (0 if exact else sh_splits)
+    # a shared prefix hands its online-softmax state to an unsplit suffix (always in exact
+    # numerics); with a split suffix it takes split slots of its own, merged by the combine
+    handoff = shared is not None and num_splits == 1
+    sh_splits, sh_tokens = 1, n_kvblk * KV_BLOCK
+    if shared is not None and not handoff:
+        progs = shared.max_chunks * Hkv
+        sh_splits = 1 if progs >= target else triton.cdiv(target, progs)
+        sh_splits = max(1, min(sh_splits, n_kvblk, _MAX_SPLITS - num_splits))
+        sh_tokens = triton.cdiv(n_kvblk, sh_splits) * KV_BLOCK
+        sh_splits = triton.cdiv(max_ctx, sh_tokens)
+    split = num_splits > 1
+    slots = num_splits + (0 if shared is None or handoff else sh_splits)
     l_ws = o
     if split:
         o_ws = torch.empty((slots, T, Hq, dh), dtype=torch.float32, device=q.device)
         lse_ws = torch.full((slots, T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
-    elif shared is not None:  # exact: the prefix's online-softmax state, picked up per row
+    elif handoff:  # the prefix's online-softmax state, picked up per row
         o_ws = torch.empty((T, Hq, dh), dtype=torch.float32, device=q.device)
         lse_ws = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
         l_ws = torch.empty((T, Hq), dtype=torch.float32, device=q.device)
@@ -314,7 +315,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
             shared.perm, shared.first, shared.count, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], block_tables.stride(0), T, Hq, n_rep, num_splits, sh_splits, sh_tokens,
             scale * LOG2E, PAGE=page, HEAD_DIM=dh, GROUP=group, BLOCK_M=sh_rows, BLOCK_N=KV_BLOCK,
-            PREC=dot_precision(q), RAW=exact, **cfg)
+            PREC=dot_precision(q), HANDOFF=handoff, MASKED=exact, **cfg)
     _paged_kernel[(n_qblk * num_splits, Hkv, B)](
         q, k_cache, v_cache, o, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, sh_len, q.stride(0),
         q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
