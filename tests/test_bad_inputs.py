@@ -1613,16 +1613,16 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
 
 # ------------------------------------------------------------------ LoRA adapters
 LORA_CONFIG_CASES = [
-    ("model.lora.rank=0", r"model\.lora: lora\.rank must be a positive integer, got 0"),
+    ("model.lora.rank=0", r": model\.lora\.rank must be a positive integer, got 0"),
     ("model.lora.rank=2.5", r"model\.lora\.rank: expected an integer, got 2\.5"),
-    ("model.lora.alpha=0", r"model\.lora: lora\.alpha must be a positive number, got 0\.0"),
-    ("model.lora.alpha=.nan", r"model\.lora: lora\.alpha must be a positive number, got nan"),
-    ("model.lora.dropout=1.0", r"model\.lora: lora\.dropout must be a number in \[0, 1\), got 1\.0"),
-    ("model.lora.targets=[q_proj, lm_head]", r"lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
+    ("model.lora.alpha=0", r": model\.lora\.alpha must be a positive number, got 0\.0"),
+    ("model.lora.alpha=.nan", r": model\.lora\.alpha must be a positive number, got nan"),
+    ("model.lora.dropout=1.0", r": model\.lora\.dropout must be a number in \[0, 1\), got 1\.0"),
+    ("model.lora.targets=[q_proj, lm_head]", r": model\.lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
                                              r"\['q_proj', .*'down_proj'\] or 'all-linear'"),
-    ("model.lora.targets=[]", r"lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
-    ("model.lora.targets=qkv", r"lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
-    ("model.lora.targets=[q_proj, q_proj]", r"lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),
+    ("model.lora.targets=[]", r": model\.lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
+    ("model.lora.targets=qkv", r": model\.lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
+    ("model.lora.targets=[q_proj, q_proj]", r": model\.lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),
     ("model.lora.export_merged=maybe", r"model\.lora\.export_merged: expected true or false, got 'maybe'"),
     ("model.lora.path=3", r"model\.lora\.path: expected a string, got 3"),
     ("model.lora=8", r"model\.lora: expected a mapping, got int 8"),
