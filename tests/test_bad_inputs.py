@@ -560,6 +560,25 @@ def test_random_init_config_checked_too(tok, field, value):
                  rf"model\.random_init: config field '{field}' must be a positive", f"model.random_init: {init}")
 
 
+@pytest.mark.bad_input("model-config")
+@pytest.mark.parametrize("change,msg", [
+    ({"qk_norm": False}, r"'qk_norm' is False, but Qwen3ForCausalLM always has qk_norm = True"),
+    ({"model_type": "qwen2", "attention_bias": False},
+     r"'attention_bias' is False, but Qwen2ForCausalLM always has attention_bias = True"),
+], ids=["qwen3-without-qk-norm", "qwen2-without-qkv-bias"])
+def test_random_init_outside_its_architecture(tok, change, msg):
+    """A random model that its HF class cannot build (transformers has no switch for Qwen3's
+    q/k norms or Qwen2's q/k/v biases) is refused: its saved folder would not load back."""
+    from rlfuse.run.build import build_model
+    from rlfuse.run.config.sections import ModelSpec
+
+    init = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, **change)
+    spec = ModelSpec(random_init=init, device="cpu", kernel_backend="torch")
+    expect_error(lambda: build_model(spec, tok, torch.device("cpu")), rf"model\.random_init: config field {msg}",
+                 f"model.random_init: {init}")
+
+
 # ------------------------------------------------------------------ kernels
 @pytest.mark.bad_input("kernels-devices")
 @pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("auto", "cuda")])
