@@ -1311,6 +1311,38 @@ def test_cli_run_dir_inside_a_file(tmp_path, capsys):
               r"expected a folder", " (afile is a file)")
 
 
+_FOLDER = r"expected a folder \(an existing one, or a path that does not exist yet\)"
+OUTPUT_FOLDER_CASES = [  # every command that writes into a folder it is given (rlfuse.run.make_folder)
+    ("demo", lambda t, f: ["demo", "--size", "ci", "--run-dir", f], rf"--run-dir: .*afile is a file; {_FOLDER}"),
+    ("demo-inside-a-file", lambda t, f: ["demo", "--size", "ci", "--run-dir", f"{f}/demo"],
+     rf"--run-dir: .*afile/demo cannot be created: .*afile is a file; {_FOLDER}"),
+    ("check", lambda t, f: ["check", "--tiny", "--out", f], rf"--out: .*afile is a file; {_FOLDER}"),
+    ("bench", lambda t, f: ["bench", "generate", "--small", "--out", f], rf"--out: .*afile is a file; {_FOLDER}"),
+    ("eval", lambda t, f: ["eval", str(_tiny_recipe(t)), "--run-dir", f],
+     rf"logging\.run_dir: .*afile is a file; {_FOLDER}"),
+]
+
+
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("argv,msg", [c[1:] for c in OUTPUT_FOLDER_CASES], ids=[c[0] for c in OUTPUT_FOLDER_CASES])
+def test_cli_output_folder_is_a_file(tmp_path, capsys, argv, msg):
+    (tmp_path / "afile").write_text("x")
+    threads = torch.get_num_threads()  # the demo sets this process's torch threads before its folder
+    try:
+        _cli_case(tmp_path, capsys, argv(tmp_path, str(tmp_path / "afile")), msg, " (afile is a file)")
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.bad_input("cli")
+def test_report_folder_is_a_file(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "stage": "sft", "loss": 1.0}\n')
+    (tmp_path / "report").write_text("x")
+    _cli_case(tmp_path, capsys, ["report", str(tmp_path)],
+              r"rlfuse report: .*report is a file; expected a folder for the plots", " (RUN_DIR/report is a file)")
+
+
 # ------------------------------------------------------------------ run folders: start, resume, overwrite
 @pytest.fixture
 def sft_run(tmp_path, capsys):
