@@ -59,11 +59,11 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
 # (sbt: the eager path's block tables are (B, w) copies, w = the step's longest context in blocks)
-def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb, skt, skh,
-                  svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
-                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
+def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb, skt, skh,
+                       svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
+                       PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr):
     pid, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qb = pid // n_split
     sp = pid % n_split
@@ -115,8 +115,8 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, CU_Q, SEQ_LENS, BT, sqt, sqh, skb,
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split'])  # row counts vary per step: one compile
-def _combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
-                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _paged_attn_combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
+                               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     ws = (s * n_tok + t) * n_hq + h
@@ -219,7 +219,7 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         lse_ws = torch.full((num_splits, T, Hq), float("-inf"), dtype=torch.float32, device=q.device)
     else:
         o_ws = lse_ws = o  # unused
-    _paged_kernel[(n_qblk * num_splits, Hkv, B)](
+    _paged_attn_kernel[(n_qblk * num_splits, Hkv, B)](
         q, k_cache, v_cache, o, o_ws, lse_ws, cu_seqlens_q, seq_lens, block_tables, q.stride(0), q.stride(1),
         *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1), block_tables.stride(0),
         T, Hq, n_rep, num_splits, split_tokens, scale * LOG2E, PAGE=page, HEAD_DIM=dh, BLOCK_Q=block_q,
@@ -227,6 +227,6 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         ALL_MASKED=exact, **cfg)
     if split:
         # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
-        _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, num_splits, HEAD_DIM=dh,
-                                 BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
+        _paged_attn_combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, num_splits,
+                                            HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
     return o
