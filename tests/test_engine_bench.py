@@ -64,3 +64,17 @@ def test_profile_decode_puts_each_kernel_in_its_ops_category():
              if category(n) != ("qk-norm+rope+kv" if n == "_qk_norm_rope_kernel" else KERNEL_CATEGORIES[m])}
     assert not wrong, wrong
 
+
+def _functions(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_benchmarks_import_the_engine_benchmarks_helpers():
+    """One definition: a benchmark script imports rlfuse.engine.benchmark's public helpers
+    (copy_bandwidth, build_model, ...) instead of defining its own of the same name (the
+    entry points every script has, run and table, aside)."""
+    ours = {n for n in _functions(REPO / "rlfuse" / "engine" / "benchmark.py") if not n.startswith("_")}
+    ours -= {"run", "table", "main"}
+    assert "copy_bandwidth" in ours
+    again = {str(p.relative_to(REPO)): sorted(_functions(p) & ours) for p in (REPO / "benchmarks").rglob("*.py")}
+    assert not {p: names for p, names in again.items() if names}
