@@ -47,10 +47,12 @@ from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 
-# (category, pattern on the kernel name); first match wins, order matters
+# (category, pattern on the kernel name); first match wins, order matters. Our Triton kernels
+# are named after their op (`_logprob_fwd_kernel`, `_attn_fwd_kernel`, `_paged_attn_combine_kernel`:
+# tests/test_engine_bench.py checks each lands in its op's category).
 CATEGORIES = [
     ("qk-norm+rope+kv", r"qk_norm_rope"),  # the fused q/k norms, RoPE and KV store
-    ("attention", r"paged|attn|flash|^_combine_kernel|store_kv"),  # not _linear_combine_kernel (a GEMM's)
+    ("attention", r"paged|attn|flash|store_kv"),
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),
     ("swiglu", r"swiglu|silu"),

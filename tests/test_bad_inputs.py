@@ -560,6 +560,25 @@ def test_random_init_config_checked_too(tok, field, value):
                  rf"model\.random_init: config field '{field}' must be a positive", f"model.random_init: {init}")
 
 
+@pytest.mark.bad_input("model-config")
+@pytest.mark.parametrize("change,msg", [
+    ({"qk_norm": False}, r"'qk_norm' is False, but Qwen3ForCausalLM always has qk_norm = True"),
+    ({"model_type": "qwen2", "attention_bias": False},
+     r"'attention_bias' is False, but Qwen2ForCausalLM always has attention_bias = True"),
+], ids=["qwen3-without-qk-norm", "qwen2-without-qkv-bias"])
+def test_random_init_outside_its_architecture(tok, change, msg):
+    """A random model that its HF class cannot build (transformers has no switch for Qwen3's
+    q/k norms or Qwen2's q/k/v biases) is refused: its saved folder would not load back."""
+    from rlfuse.run.build import build_model
+    from rlfuse.run.config.sections import ModelSpec
+
+    init = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=16, **change)
+    spec = ModelSpec(random_init=init, device="cpu", kernel_backend="torch")
+    expect_error(lambda: build_model(spec, tok, torch.device("cpu")), rf"model\.random_init: config field {msg}",
+                 f"model.random_init: {init}")
+
+
 # ------------------------------------------------------------------ kernels
 @pytest.mark.bad_input("kernels-devices")
 @pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("auto", "cuda")])
@@ -1292,6 +1311,38 @@ def test_cli_run_dir_inside_a_file(tmp_path, capsys):
               r"expected a folder", " (afile is a file)")
 
 
+_FOLDER = r"expected a folder \(an existing one, or a path that does not exist yet\)"
+OUTPUT_FOLDER_CASES = [  # every command that writes into a folder it is given (rlfuse.run.make_folder)
+    ("demo", lambda t, f: ["demo", "--size", "ci", "--run-dir", f], rf"--run-dir: .*afile is a file; {_FOLDER}"),
+    ("demo-inside-a-file", lambda t, f: ["demo", "--size", "ci", "--run-dir", f"{f}/demo"],
+     rf"--run-dir: .*afile/demo cannot be created: .*afile is a file; {_FOLDER}"),
+    ("check", lambda t, f: ["check", "--tiny", "--out", f], rf"--out: .*afile is a file; {_FOLDER}"),
+    ("bench", lambda t, f: ["bench", "generate", "--small", "--out", f], rf"--out: .*afile is a file; {_FOLDER}"),
+    ("eval", lambda t, f: ["eval", str(_tiny_recipe(t)), "--run-dir", f],
+     rf"logging\.run_dir: .*afile is a file; {_FOLDER}"),
+]
+
+
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("argv,msg", [c[1:] for c in OUTPUT_FOLDER_CASES], ids=[c[0] for c in OUTPUT_FOLDER_CASES])
+def test_cli_output_folder_is_a_file(tmp_path, capsys, argv, msg):
+    (tmp_path / "afile").write_text("x")
+    threads = torch.get_num_threads()  # the demo sets this process's torch threads before its folder
+    try:
+        _cli_case(tmp_path, capsys, argv(tmp_path, str(tmp_path / "afile")), msg, " (afile is a file)")
+    finally:
+        torch.set_num_threads(threads)
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+@pytest.mark.bad_input("cli")
+def test_report_folder_is_a_file(tmp_path, capsys):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "stage": "sft", "loss": 1.0}\n')
+    (tmp_path / "report").write_text("x")
+    _cli_case(tmp_path, capsys, ["report", str(tmp_path)],
+              r"rlfuse report: .*report is a file; expected a folder for the plots", " (RUN_DIR/report is a file)")
+
+
 # ------------------------------------------------------------------ run folders: start, resume, overwrite
 @pytest.fixture
 def sft_run(tmp_path, capsys):
@@ -1613,16 +1664,16 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
 
 # ------------------------------------------------------------------ LoRA adapters
 LORA_CONFIG_CASES = [
-    ("model.lora.rank=0", r"model\.lora: lora\.rank must be a positive integer, got 0"),
+    ("model.lora.rank=0", r": model\.lora\.rank must be a positive integer, got 0"),
     ("model.lora.rank=2.5", r"model\.lora\.rank: expected an integer, got 2\.5"),
-    ("model.lora.alpha=0", r"model\.lora: lora\.alpha must be a positive number, got 0\.0"),
-    ("model.lora.alpha=.nan", r"model\.lora: lora\.alpha must be a positive number, got nan"),
-    ("model.lora.dropout=1.0", r"model\.lora: lora\.dropout must be a number in \[0, 1\), got 1\.0"),
-    ("model.lora.targets=[q_proj, lm_head]", r"lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
+    ("model.lora.alpha=0", r": model\.lora\.alpha must be a positive number, got 0\.0"),
+    ("model.lora.alpha=.nan", r": model\.lora\.alpha must be a positive number, got nan"),
+    ("model.lora.dropout=1.0", r": model\.lora\.dropout must be a number in \[0, 1\), got 1\.0"),
+    ("model.lora.targets=[q_proj, lm_head]", r": model\.lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
                                              r"\['q_proj', .*'down_proj'\] or 'all-linear'"),
-    ("model.lora.targets=[]", r"lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
-    ("model.lora.targets=qkv", r"lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
-    ("model.lora.targets=[q_proj, q_proj]", r"lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),
+    ("model.lora.targets=[]", r": model\.lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
+    ("model.lora.targets=qkv", r": model\.lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
+    ("model.lora.targets=[q_proj, q_proj]", r": model\.lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),
     ("model.lora.export_merged=maybe", r"model\.lora\.export_merged: expected true or false, got 'maybe'"),
     ("model.lora.path=3", r"model\.lora\.path: expected a string, got 3"),
     ("model.lora=8", r"model\.lora: expected a mapping, got int 8"),

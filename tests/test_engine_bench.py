@@ -1,12 +1,18 @@
 """`rlfuse bench generate --small`: the benchmark runs end to end on CPU (tiny model,
 small cases), writes its JSON and markdown, completes every sequence, and the GRPO case
-prefills each shared prompt once."""
+prefills each shared prompt once. benchmarks/profile_decode.py puts every Triton kernel in
+its op's category."""
 
+import ast
+import importlib.util
 import json
+from pathlib import Path
 
 from rlfuse.cli import main
 from rlfuse.engine.benchmark import bound_bytes, make_cases
 from engine_helpers import one_thread  # noqa: F401 (fixture)
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_bench_generate_small_runs(tmp_path):
@@ -25,3 +31,50 @@ def test_bound_counts_weights_per_step_and_kv_per_context_token():
     W, kv = 1000, 10
     # 15 decode steps; per sequence sum_{j=1..15} (16 + j) = 15 * 16 + 120 = 360 tokens read
     assert bound_bytes(case, W, kv) == 15 * W + 8 * 360 * kv
+
+
+def _profile_decode():
+    spec = importlib.util.spec_from_file_location("profile_decode", REPO / "benchmarks" / "profile_decode.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# the category of benchmarks/profile_decode.py that each kernel module's kernels belong in
+KERNEL_CATEGORIES = {"attention": "attention", "paged_attention": "attention", "logprob": "log-prob",
+                     "linear": "gemm", "lora": "gemm", "rmsnorm": "norm", "rope": "rope", "swiglu": "swiglu",
+                     "sampling": "sampling"}
+
+
+def test_profile_decode_puts_each_kernel_in_its_ops_category():
+    """Kernels are told apart by name in a profile: every Triton kernel has a name of its own,
+    and profile_decode's categories put it with its op (policy_loss: training only, never
+    in a decode profile). The fused log-prob's kernels are not 'other'."""
+    category = _profile_decode().category
+    kernels = []  # (module, name) of every @triton.jit function
+    for path in sorted((REPO / "rlfuse" / "kernels" / "triton").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
+                kernels.append((path.stem, node.name))
+    names = [n for _, n in kernels]
+    assert len(set(names)) == len(names), sorted(n for n in names if names.count(n) > 1)
+    launched = [(m, n) for m, n in kernels if n.endswith("_kernel") and m != "policy_loss"]
+    assert ("logprob", "_logprob_fwd_kernel") in launched and len(launched) > 20
+    wrong = {n: category(n) for m, n in launched
+             if category(n) != ("qk-norm+rope+kv" if n == "_qk_norm_rope_kernel" else KERNEL_CATEGORIES[m])}
+    assert not wrong, wrong
+
+
+def _functions(path: Path) -> set[str]:
+    return {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)}
+
+
+def test_benchmarks_import_the_engine_benchmarks_helpers():
+    """One definition: a benchmark script imports rlfuse.engine.benchmark's public helpers
+    (copy_bandwidth, build_model, ...) instead of defining its own of the same name (the
+    entry points every script has, run and table, aside)."""
+    ours = {n for n in _functions(REPO / "rlfuse" / "engine" / "benchmark.py") if not n.startswith("_")}
+    ours -= {"run", "table", "main"}
+    assert "copy_bandwidth" in ours
+    again = {str(p.relative_to(REPO)): sorted(_functions(p) & ours) for p in (REPO / "benchmarks").rglob("*.py")}
+    assert not {p: names for p, names in again.items() if names}

@@ -112,7 +112,7 @@ def test_config_section(tmp_path):
     assert tiny_cfg(tmp_path, "model.lora={}").model.lora == LoRAConfig()
     assert tiny_cfg(tmp_path).model.lora is None
     assert replace(cfg, **{"model.lora": None}).model.lora is None
-    with pytest.raises(ValueError, match=r"model.lora: lora.rank must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match=r"model\.lora\.rank must be a positive integer, got 0"):
         tiny_cfg(tmp_path, "model.lora.rank=0")
     with pytest.raises(ValueError, match=r"unknown key 'ranks' in model.lora; valid keys: rank, alpha"):
         tiny_cfg(tmp_path, "model.lora.ranks=8")

@@ -154,6 +154,33 @@ def test_config_bad_json_names_the_file(tmp_path):
         load_model(tmp_path)
 
 
+_SMALL = dict(vocab_size=32, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+              num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_config_without_norm_or_bias_flags_round_trips(family, tmp_path):
+    """qk_norm and attention_bias left out follow the architecture, so what is saved loads back
+    (in our loader and in transformers) as the same model."""
+    model = CausalLM(ModelConfig(model_type=family, **_SMALL))
+    model.init_weights(generator=torch.Generator().manual_seed(0))
+    save_model(model, tmp_path / "m")
+    back = load_model(tmp_path / "m")
+    assert back.config == dataclasses.replace(model.config, torch_dtype="float32")
+    _assert_same_params(model, back)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "m")
+    assert sorted(n for n, _ in hf.named_parameters()) == sorted(n for n, _ in model.named_parameters())
+
+
+@pytest.mark.parametrize("family,field,value", [("qwen3", "qk_norm", False), ("llama", "qk_norm", True),
+                                                ("qwen2", "qk_norm", True), ("qwen2", "attention_bias", False),
+                                                ("qwen3", "mlp_bias", True)])
+def test_config_outside_the_architecture_is_refused(family, field, value):
+    with pytest.raises(ValueError, match=rf"config field '{field}' is {value}, but \w+ForCausalLM always has "
+                                         rf"{field} = {not value} \(transformers has no switch"):
+        ModelConfig(model_type=family, **_SMALL, **{field: value})
+
+
 def test_config_to_hf_round_trip():
     for family in FAMILIES:
         cfg = ModelConfig.from_hf(hf_config(family).to_dict())

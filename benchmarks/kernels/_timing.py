@@ -44,10 +44,3 @@ def graphed(fn, warmup: int = 3):
     with torch.cuda.graph(g):
         fn()
     return g.replay
-
-
-def copy_bandwidth() -> float:
-    """Device copy GB/s: (read + write bytes) / median time of a 1 GiB copy."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    return 2 * x.numel() / median_seconds(lambda: y.copy_(x), 20) / 1e9

@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from _timing import copy_bandwidth, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.attention import varlen_attention
 from rlfuse.kernels.triton.attention import varlen_bwd, varlen_fwd
@@ -215,7 +216,7 @@ def main():
     import triton
     meta["triton"] = triton.__version__
     meta["matmul_tflops"] = matmul_ceiling()
-    meta["copy_GBs"] = copy_bandwidth()
+    meta["copy_GBs"] = copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e9
     print(f"{meta['gpu']}: matmul 8192^3 bf16 {meta['matmul_tflops']:.0f} TFLOP/s, copy {meta['copy_GBs']:.0f} GB/s",
           flush=True)
 

@@ -37,7 +37,8 @@ from pathlib import Path
 
 import torch
 
-from _timing import copy_bandwidth, graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_inv_freq, rope_ref
@@ -195,7 +196,7 @@ def main():
     reps = 10 if args.quick else args.reps
     torch._dynamo.config.cache_size_limit = 64
     gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e9
     print(f"{gpu}: device copy {bw:.0f} GB/s", flush=True)
     rows = []
     for T in ([] if args.fused else [16384] if args.quick else [4096, 16384, 65536]):

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from _timing import copy_bandwidth, graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels.sampling import sample_ref
 from rlfuse.kernels.triton.sampling import sample_triton
 
@@ -59,7 +60,7 @@ def main():
     reps = 10 if args.quick else args.reps
     batches = [256] if args.quick else [32, 64, 128, 256]
     gpu = torch.cuda.get_device_name()
-    bw = copy_bandwidth()
+    bw = copy_bandwidth(torch.device("cuda"), 1 << 30) / 1e9
     print(f"{gpu}: device copy {bw:.0f} GB/s", flush=True)
     rows = []
     for a, dist in ((1.5, "typical"), (1.2, "flat")):

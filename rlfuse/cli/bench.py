@@ -16,9 +16,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlfuse.cli.common import fail
 from rlfuse.engine.benchmark import BenchConfig, table
 from rlfuse.engine.benchmark import run as run_bench
 from rlfuse.kernels.backend import NUMERICS
+from rlfuse.run import make_folder
 
 HELP = "benchmarks (generate)"
 
@@ -59,14 +61,12 @@ def run(args) -> int:
                       gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
                       numerics=args.numerics, share_prefix_decode=not args.no_share_prefix_decode)
     try:
+        out = make_folder(args.out or os.environ.get("OUT") or "out", "--out")  # before minutes of benchmarking
         result = run_bench(cfg)
     except ValueError as e:
-        print(f"rlfuse bench generate: {e}", file=sys.stderr)
-        return 2
+        return fail(e)
     result["commit"] = _commit()
     result["command"] = " ".join([Path(sys.argv[0]).name, *sys.argv[1:]])
-    out = Path(args.out or os.environ.get("OUT") or "out")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "bench_generate.json").write_text(json.dumps(result, indent=2))
     tab = table(result)
     md = (f"\n## Generation throughput: engine vs transformers vs bandwidth bound\n\n"

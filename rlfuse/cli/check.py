@@ -36,6 +36,7 @@ from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.rollout import TemplateError, char_chat_tokenizer, multi_turn_setting
+from rlfuse.run import make_folder
 
 log = logging.getLogger("rlfuse.cli")
 HELP = "prove rollout log-probs equal training log-probs (exact numerics) or measure the drift (fast)"
@@ -107,13 +108,12 @@ def run(args) -> int:
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)
     max_tokens = args.max_tokens or (128 if cuda else 24)
-    out = Path(args.out)
     try:
+        out = make_folder(args.out, "--out")
         model, tok = _model(args, device)
         prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
     except (ValueError, OSError) as e:
         return fail(e)
-    out.mkdir(parents=True, exist_ok=True)
     block = 16
     need = max(len(p) for p in prompts) + max_tokens
     # a pool that holds two of the longest sequences at full length: preemption is forced

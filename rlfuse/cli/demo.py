@@ -17,7 +17,7 @@ from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
-from rlfuse.run import RunLock, clear_run, remove_path
+from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
 log = logging.getLogger("rlfuse.cli")
@@ -67,8 +67,7 @@ def run(args) -> int:
             setup_threads(threads)
         elif threads is not None:
             torch.set_num_threads(threads)
-        root = Path(args.run_dir)
-        root.mkdir(parents=True, exist_ok=True)
+        root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
             run = run_agent_demo if args.agent else run_demo

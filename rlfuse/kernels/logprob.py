@@ -24,7 +24,7 @@ interpreter the operands go to fp32 first, see `_dot`):
            for small N, to fill the GPU; FOLD = group for large N), streams their
            BLOCK_V-column tiles of W (D loop of tl.dot) with an online (max, sum exp, sum
            exp*z) per split, target logit by compare-and-sum, folds each split into the
-           program state with `_merge` and writes (N, P) partials; `_fold_kernel` folds
+           program state with `_merge` and writes (N, P) partials; `_logprob_fold_kernel` folds
            them group by group (fold = 1 only) and then the groups, left to right.
            merge(identity, x) == x exactly, so both FOLDs give bitwise the same rows:
            batch-invariant (a row never meets another row's numbers; tiles depend on
@@ -33,7 +33,7 @@ interpreter the operands go to fp32 first, see `_dot`):
            CUDA-graph capturable (the engine's per-step call, no autograd).
   backward with the saved lse and entropy, over vocab slices of Vc columns (outer) and
            row chunks of C (inner), C x Vc x dtype <= `_DZ_SCRATCH_BYTES` (shapes only):
-           `_dz_kernel` recomputes the logits tile by tile and writes
+           `_logprob_dz_kernel` recomputes the logits tile by tile and writes
                dz_iv = [g_i (1[v = y_i] - p_iv) + ge_i p_iv (lse_i - ent_i - z_iv)] / T_i
            (ge: entropy grad; d ent / d z_v = p_v (E_p z - z_v), E_p z = lse - ent) to a
            (C, Vc) scratch in the input dtype; then dW[slice] += dz^T @ H[chunk] into an

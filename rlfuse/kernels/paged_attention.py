@@ -39,7 +39,7 @@ Shared prefixes (decode, Triton path): sequences whose first keys live in the sa
 blocks (a GRPO group's prompt, through the prefix cache) can read that K/V once for the
 group: `SharedPrefixDecode` lists chunks of up to `shared_prefix_members(...)` such
 sequences and the length they share (whole KV_BLOCKs). One program per (chunk x split,
-kv head) attends all members' query rows to the prefix; `_paged_kernel` then walks each
+kv head) attends all members' query rows to the prefix; `_paged_attn_kernel` then walks each
 sequence's keys from share_len on. When the suffix runs unsplit (always in exact
 numerics; in fast numerics when the batch fills the GPU without splits) the prefix
 program hands its online-softmax state (acc, m, l in fp32) to the suffix program, which

@@ -37,7 +37,7 @@ it to its share of the full batch's normalizer, so accumulated gradients equal t
 the loss on the whole batch.
 
 Triton path: the weights w_t (and gspo's s_i) come from torch segment ops (index_add, no
-host sync); `_pl_kernel` computes l_t, d l_t / d logp_t * w_t (saved: backward is one
+host sync); `_policy_loss_kernel` computes l_t, d l_t / d logp_t * w_t (saved: backward is one
 multiply) and per-block partial sums of the loss and the stats, one row per program in the
 columns `PART_*` below; torch adds the (P, PART_COLS) partials (fixed order: deterministic). Computes in fp64 for fp64 logp, else fp32.
 `grpo_loss_from_hidden` composes `token_logprobs` (fused linear log-prob, autograd)

@@ -38,6 +38,15 @@ ARCHITECTURES = {
     "qwen2": ("Qwen2ForCausalLM", True, False),
     "qwen3": ("Qwen3ForCausalLM", False, True),
 }
+# What each HF class builds whatever its config.json says (transformers has no switch for it):
+# Qwen3 always has the per-head q/k norms, Llama and Qwen2 never; Qwen2 always has q/k/v
+# biases; Qwen2 and Qwen3 never an MLP bias. Another value would save a folder that neither
+# our loader nor transformers reads back, so ModelConfig refuses it.
+_FIXED = {
+    "llama": {"qk_norm": False},
+    "qwen2": {"qk_norm": False, "attention_bias": True, "mlp_bias": False},
+    "qwen3": {"qk_norm": True, "mlp_bias": False},
+}
 _ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()}
 
 
@@ -58,11 +67,14 @@ class ModelConfig:
     """HF rope parameters without the theta (e.g. {"rope_type": "llama3", "factor": 8, ...})."""
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    """Bias on q/k/v projections (always on for Qwen2)."""
+    attention_bias: bool | None = None
+    """Bias on q/k/v projections (and o_proj for Llama and Qwen3). None: the architecture's
+    (always on for Qwen2, off for the others)."""
     mlp_bias: bool = False
-    qk_norm: bool = False
-    """Per-head RMSNorm on q and k before RoPE (Qwen3)."""
+    """Bias on the MLP projections (Llama only)."""
+    qk_norm: bool | None = None
+    """Per-head RMSNorm on q and k before RoPE. None: the architecture's (Qwen3 always has
+    it, Llama and Qwen2 never)."""
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
@@ -72,6 +84,17 @@ class ModelConfig:
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
             raise ValueError(f"model_type {self.model_type!r} is not supported (expected one of {sorted(ARCHITECTURES)})")
+        _, bias_default, qk_norm = ARCHITECTURES[self.model_type]
+        for f, default in (("attention_bias", bias_default), ("qk_norm", qk_norm)):
+            if getattr(self, f) is None:
+                object.__setattr__(self, f, default)
+        for f, fixed in _FIXED[self.model_type].items():
+            v = getattr(self, f)
+            if not isinstance(v, bool):
+                raise ValueError(f"config field {f!r} must be true or false, got {v!r}")
+            if v != fixed:
+                raise ValueError(f"config field {f!r} is {v}, but {self.architecture} always has {f} = {fixed} "
+                                 f"(transformers has no switch for it: such a model would not load back)")
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
@@ -225,7 +248,6 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
             _number(scaling, k, where, label=f"rope_parameters.{k}")
     if "max_position_embeddings" not in d:
         log.warning("%s: no 'max_position_embeddings'; assuming a context of 4096 tokens", where)
-    _, bias_default, qk_norm = ARCHITECTURES[model_type]
     dtype = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
     kw = dict(
         model_type=model_type,
@@ -241,9 +263,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         rope_scaling=None if rope_type == "default" else scaling,
         max_position_embeddings=_number(d, "max_position_embeddings", where, 4096, integer=True),
         tie_word_embeddings=_flag(d, "tie_word_embeddings", where, False),
-        attention_bias=True if model_type == "qwen2" else _flag(d, "attention_bias", where, False),
-        mlp_bias=_flag(d, "mlp_bias", where, False),
-        qk_norm=qk_norm,
+        attention_bias=None if model_type == "qwen2" else _flag(d, "attention_bias", where, False),
+        mlp_bias=_flag(d, "mlp_bias", where, False) if model_type == "llama" else False,  # as HF reads it
         hidden_act=d.get("hidden_act", "silu"),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),

@@ -7,7 +7,7 @@ from rlfuse.run.batching import PackedBatch, pack_by_tokens, shared_contexts
 from rlfuse.run.build import (apply_lora, build_engine, build_model, build_tokenizer, char_tokenizer,
                               check_model_folder, check_vocab, pick_device, seed_everything)
 from rlfuse.run.checkpoint import export_model, list_checkpoints, merged_folder, save_checkpoint, save_final
-from rlfuse.run.folder import RunLock, clear_run, prepare_run_folder, remove_path
+from rlfuse.run.folder import RunLock, clear_run, make_folder, prepare_run_folder, remove_path
 from rlfuse.run.interrupt import Interrupted, stop_agreed, stop_on_signals
 from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, PhaseTimer, RunLog, data_lines, peak_memory_mb, read_jsonl
 from rlfuse.run.optim import MasterAdamW, NonFiniteGuard, WeightNormWatch, clip_grad_norm_, lr_at
@@ -19,6 +19,7 @@ __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFinit
            "RunLock", "RunLog", "WeightNormWatch", "apply_lora", "build_engine", "build_model", "build_tokenizer",
            "char_tokenizer", "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines",
            "export_model", "list_checkpoints", "load_checkpoint", "load_function", "load_model_folder", "lr_at",
-           "merged_folder", "model_folder", "open_trackers", "pack_by_tokens", "peak_memory_mb", "pick_device", "prepare_run_folder", "shared_contexts",
+           "make_folder", "merged_folder", "model_folder", "open_trackers", "pack_by_tokens", "peak_memory_mb",
+           "pick_device", "prepare_run_folder", "shared_contexts",
            "read_jsonl", "remove_path", "resolve_resume", "save_checkpoint", "save_final", "seed_everything",
            "stop_agreed", "stop_on_signals"]

@@ -134,7 +134,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         bad = [k for k in spec.random_init if k not in fields]
         if bad:
             raise ValueError(f"model.random_init.{bad[0]}: unknown ModelConfig field; valid: {sorted(fields)}")
-        kw = {"model_type": "qwen3", "qk_norm": True, "tie_word_embeddings": True, **spec.random_init}
+        kw = {"model_type": "qwen3", "tie_word_embeddings": True, **spec.random_init}
         vocab = -(-tokenizer.vocab_size // 8) * 8
         if "vocab_size" not in kw:
             log.info("random model: vocab_size %d (tokenizer's %d rounded up to a multiple of 8)",

@@ -210,6 +210,21 @@ def _show(v) -> str:
     return "(absent)" if v is None else json.dumps(v) if isinstance(v, (dict, list)) else repr(v)
 
 
+def make_folder(path: str | Path, what: str,
+                expected: str = "a folder (an existing one, or a path that does not exist yet)") -> Path:
+    """Folder `path`, created with its parents if absent. A ValueError naming `what` (the
+    option or field that gave the path) and `expected` when the path, or a folder it would be
+    created in, is a file: every command that writes into a folder it is given checks here."""
+    path = Path(path)
+    blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+    if blocker == path:
+        raise ValueError(f"{what}: {path} is a file; expected {expected}")
+    if blocker is not None:
+        raise ValueError(f"{what}: {path} cannot be created: {blocker} is a file; expected {expected}")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
 def prepare_run_folder(cfg: RunConfig, kind: str, *, resume: bool = False, overwrite: bool = False,
                        force: bool = False) -> RunLock:
     """Take the folder's lock, then decide start / resume / overwrite for cfg.logging.run_dir
@@ -221,14 +236,8 @@ def prepare_run_folder(cfg: RunConfig, kind: str, *, resume: bool = False, overw
         raise ValueError("--resume and --overwrite contradict each other: continue the run in "
                          f"{run_dir} or replace it, not both")
     resume = resume or cfg.checkpoint.resume != "never"
-    blocker = next((p for p in (run_dir, *run_dir.parents) if p.exists() and not p.is_dir()), None)
-    if blocker == run_dir:
-        raise ValueError(f"logging.run_dir: {run_dir} is a file; expected a folder (new or a run's)")
-    if blocker is not None:
-        raise ValueError(f"logging.run_dir: {run_dir} cannot be created: {blocker} is a file; expected a folder "
-                         f"(new or a run's)")
     existed = run_dir.is_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(run_dir, "logging.run_dir", "a folder (new or a run's)")
     lock = RunLock(run_dir).acquire()
     try:
         evidence = run_evidence(run_dir)

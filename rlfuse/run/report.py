@@ -25,6 +25,7 @@ from pathlib import Path
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
 from matplotlib.ticker import MaxNLocator
 
+from rlfuse.run.folder import make_folder
 from rlfuse.run.metrics import DATA_REASONS, DATA_STAGE, NOT_TRAINING, data_lines, read_jsonl
 
 SCALE_RATIO = 10.0
@@ -326,8 +327,7 @@ def render(run_dir: str | Path) -> Path:
     if not runs:
         raise ValueError(f"{run_dir}: no metrics.jsonl here or in its subfolders (is this a run folder?)")
     loaded = sorted(((run, read_jsonl(run / "metrics.jsonl")) for run in runs), key=_order)
-    out = run_dir / "report"
-    out.mkdir(exist_ok=True)
+    out = make_folder(run_dir / "report", "rlfuse report", "a folder for the plots")
     for old in out.glob("*.png"):  # plots of an earlier rendering (groups may have changed)
         old.unlink()
     names = [run.relative_to(run_dir).as_posix() if run != run_dir else "." for run, _ in loaded]

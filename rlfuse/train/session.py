@@ -22,7 +22,8 @@ import torch
 
 from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, pick_device, seed_everything
+from rlfuse.run import (apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device,
+                        seed_everything)
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -80,8 +81,7 @@ class Session:
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
                  write_config: bool = True, dist: DistContext | None = None,
                  reward_functions: dict | None = None) -> Session:
-    run_dir = Path(cfg.logging.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_folder(cfg.logging.run_dir, "logging.run_dir")
     if write_config and (dist is None or dist.is_main):
         save_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.seed)

@@ -65,10 +65,10 @@ def _fwd_step(acc, l_i, m_i, q, k_ptrs, v_ptrs, start_n, offs_m, offs_n, L, qk_s
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _fwd_kernel(Q, K, V, O, LSE, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
-                n_rep, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
-                SHARED: tl.constexpr):
+def _attn_fwd_kernel(Q, K, V, O, LSE, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sot, soh, n_tok,
+                     n_rep, qk_scale, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
+                     SHARED: tl.constexpr):
     pid_m, hq, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -113,8 +113,8 @@ def _fwd_kernel(Q, K, V, O, LSE, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh,
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _bwd_delta_kernel(O, DO, DELTA, sot, soh, sdt, sdh, n_tok,
-                      HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
+def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, sdt, sdh, n_tok,
+                           HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     h = tl.program_id(1)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -145,10 +145,10 @@ def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, sqt, sqh, skt, skh, svt, svh,
-                     sdt, sdh, sdkt, sdkh, sdvt, sdvh, n_tok, n_rep, qk_scale, sm_scale,
-                     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     PREC: tl.constexpr, SHARED: tl.constexpr):
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, sqt, sqh, skt, skh, svt, svh,
+                          sdt, sdh, sdkt, sdkh, sdvt, sdvh, n_tok, n_rep, qk_scale, sm_scale,
+                          HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          PREC: tl.constexpr, SHARED: tl.constexpr):
     pid_n, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -209,9 +209,9 @@ def _bwd_dq_step(dq, q, do, lse, delta, k_ptrs, v_ptrs, start_n, offs_m, offs_n,
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sdt, sdh,
-                   sdqt, sdqh, n_tok, n_rep, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, SHARED: tl.constexpr):
+def _attn_bwd_dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, CU, PSTART, PLEN, sqt, sqh, skt, skh, svt, svh, sdt, sdh,
+                        sdqt, sdqh, n_tok, n_rep, qk_scale, sm_scale, HEAD_DIM: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PREC: tl.constexpr, SHARED: tl.constexpr):
     pid_m, hq, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     start = tl.load(CU + b)
     L = tl.load(CU + b + 1) - start
@@ -299,10 +299,10 @@ def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: di
     bn = cfg.pop("BLOCK_N", KV_BLOCK)
     grid = (triton.cdiv(max_seqlen, bm), Hq, B)
     pstart, plen = (prefix.start, prefix.length) if prefix is not None else (cu_seqlens, cu_seqlens)
-    _fwd_kernel[grid](q, k, v, o, lse, cu_seqlens, pstart, plen, q.stride(0), q.stride(1), k.stride(0),
-                      k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), T, Hq // k.shape[1],
-                      scale * LOG2E, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, PREC=dot_precision(q),
-                      ALL_MASKED=exact, SHARED=prefix is not None, **cfg)
+    _attn_fwd_kernel[grid](q, k, v, o, lse, cu_seqlens, pstart, plen, q.stride(0), q.stride(1), k.stride(0),
+                           k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1), T, Hq // k.shape[1],
+                           scale * LOG2E, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, PREC=dot_precision(q),
+                           ALL_MASKED=exact, SHARED=prefix is not None, **cfg)
     return o, lse
 
 
@@ -326,20 +326,20 @@ def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *
     for name, over in (config or {}).items():
         cfgs[name] = {**cfgs[name], **over}
     delta = torch.empty((Hq, T), dtype=torch.float32, device=q.device)
-    _bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](o, do, delta, o.stride(0), o.stride(1), do.stride(0),
-                                                do.stride(1), T, HEAD_DIM=D, BLOCK=64)
+    _attn_bwd_delta_kernel[(triton.cdiv(T, 64), Hq)](o, do, delta, o.stride(0), o.stride(1), do.stride(0),
+                                                     do.stride(1), T, HEAD_DIM=D, BLOCK=64)
     common = dict(HEAD_DIM=D, PREC=dot_precision(q), SHARED=prefix is not None)
     # the prefix tensors where the kernels read them, else any int32 pointer (never read)
     pstart, plen, readers_end = prefix if prefix is not None else (cu_seqlens,) * 3
     c = dict(cfgs["dkdv"])
     bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-    _bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn), Hkv, B)](
+    _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn), Hkv, B)](
         q, k, v, do, lse, delta, dk, dv, cu_seqlens, readers_end, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), T, Hq // Hkv, scale * LOG2E, scale, BLOCK_M=bm, BLOCK_N=bn, **common, **c)
     c = dict(cfgs["dq"])
     bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
-    _bwd_dq_kernel[(triton.cdiv(max_seqlen, bm), Hq, B)](
+    _attn_bwd_dq_kernel[(triton.cdiv(max_seqlen, bm), Hq, B)](
         q, k, v, do, lse, delta, dq, cu_seqlens, pstart, plen, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1), T, Hq // Hkv,
         scale * LOG2E, scale, BLOCK_M=bm, BLOCK_N=bn, **common, **c)

@@ -19,7 +19,7 @@ class Tiles:
     """Tile shape of the forward (and the logits recompute of backward). split_v is a
     multiple of block_v, group a power of two. split_v 256: a V=151936 decode step
     (fold=1) has 594 programs, ~2.25 per slot on 132 SMs x 2 CTAs; group 64 keeps the
-    unrolled fold of `_fold_kernel` small (64 slots). The per-dtype choices below were
+    unrolled fold of `_logprob_fold_kernel` small (64 slots). The per-dtype choices below were
     measured (see there); they must stay independent of N (batch invariance)."""
     block_n: int = 64
     block_v: int = 128
@@ -64,7 +64,7 @@ def _logits_tile(H, W, rows, cols, D, s_hn, s_hd, s_wv, s_wd,
 @triton.jit
 def _merge(M, S, T, E, m, s, t, e):
     """Fold split state (m, s, t, e) into (M, S, T, E); (-inf, 0, 0, 0) is the identity.
-    Explicit fma: this runs in the forward kernel (fold=group) and in `_fold_kernel`
+    Explicit fma: this runs in the forward kernel (fold=group) and in `_logprob_fold_kernel`
     (fold=1), and must round the same in both, whatever the compiler would contract."""
     Mn = tl.maximum(M, m)
     Ms = tl.where(Mn == float("-inf"), 0.0, Mn)  # identity + identity: no nan
@@ -74,10 +74,10 @@ def _merge(M, S, T, E, m, s, t, e):
 
 
 @triton.jit(do_not_specialize=['N', 'P', 'NP'])  # row counts vary per step: one compile
-def _fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s_wv, s_wd,
-                PER_ROW_T: tl.constexpr, ENTROPY: tl.constexpr, FOLD: tl.constexpr, SPLIT_V: tl.constexpr,
-                BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-                EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
+def _logprob_fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s_wv, s_wd,
+                        PER_ROW_T: tl.constexpr, ENTROPY: tl.constexpr, FOLD: tl.constexpr, SPLIT_V: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                        EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
     r, p = swizzle(tl.program_id(0), tl.cdiv(N, BLOCK_N), P, GROUP_R)
     rows = r * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_c = tl.minimum(rows, N - 1).to(tl.int64)  # clamped: unmasked loads, results discarded
@@ -120,8 +120,8 @@ def _fwd_kernel(H, W, Y, INVT, PART, N, V, D, P, NP, inv_t_scalar, s_hn, s_hd, s
 
 
 @triton.jit(do_not_specialize=['N', 'P', 'NPI', 'NPO'])  # row counts vary per step: one compile
-def _fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
-                 C: tl.constexpr, ENTROPY: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr):
+def _logprob_fold_kernel(PIN, POUT, LOGP, ENT, LSE, N, P, NPI, NPO,
+                         C: tl.constexpr, ENTROPY: tl.constexpr, FINAL: tl.constexpr, BLOCK: tl.constexpr):
     """Folds partials PIN (3|4, N, P) left to right, C slots per program: program (r, g)
     takes slots [g C, g C + C) (past P: identity) of BLOCK rows, an unrolled fold with
     one load per slot and statistic (the loads do not depend on the fold, so they issue
@@ -206,7 +206,7 @@ def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=Fal
     P = triton.cdiv(splits, fold)
     part = torch.empty((4 if return_entropy else 3, N, P), dtype=torch.float32, device=dev)
     t_ptr, t_val = _t_args(inv_t)
-    _fwd_kernel[(R * P,)](
+    _logprob_fwd_kernel[(R * P,)](
         hidden, weight, targets, t_ptr, part, N, V, D, P, N * P, t_val,
         hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1),
         PER_ROW_T=t_ptr is not None, ENTROPY=return_entropy, FOLD=fold, SPLIT_V=tl_.split_v,
@@ -216,20 +216,21 @@ def token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy=Fal
     nstat = part.shape[0]
     if fold == 1:  # splits -> groups, the same left fold the forward kernel does in registers
         gpart = torch.empty((nstat, N, groups), dtype=torch.float32, device=dev)
-        _fold_kernel[(triton.cdiv(N, 16), groups)](part, gpart, None, None, None, N, P, N * P, N * groups,
-                                                   C=tl_.group, ENTROPY=return_entropy, FINAL=False, BLOCK=16)
+        _logprob_fold_kernel[(triton.cdiv(N, 16), groups)](part, gpart, None, None, None, N, P, N * P, N * groups,
+                                                           C=tl_.group, ENTROPY=return_entropy, FINAL=False, BLOCK=16)
         part, P = gpart, groups
-    _fold_kernel[(triton.cdiv(N, 32), 1)](part, None, logp, ent if return_entropy else logp, lse, N, P, N * P, 0,
-                                          C=triton.next_power_of_2(P), ENTROPY=return_entropy, FINAL=True, BLOCK=32)
+    _logprob_fold_kernel[(triton.cdiv(N, 32), 1)](part, None, logp, ent if return_entropy else logp, lse, N, P,
+                                                  N * P, 0, C=triton.next_power_of_2(P), ENTROPY=return_entropy,
+                                                  FINAL=True, BLOCK=32)
     return logp, ent, lse
 
 
 @triton.jit(do_not_specialize=['row0', 'n_rows', 'col0', 'n_cols'])  # shapes vary per step: one compile
-def _dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, col0, n_cols, V, D, inv_t_scalar,
-               s_hn, s_hd, s_wv, s_wd, s_dz,
-               PER_ROW_T: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
-               EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
+def _logprob_dz_kernel(H, W, Y, INVT, LSE, ENT, GLP, GENT, DZ, row0, n_rows, col0, n_cols, V, D, inv_t_scalar,
+                       s_hn, s_hd, s_wv, s_wd, s_dz,
+                       PER_ROW_T: tl.constexpr, HAS_GLP: tl.constexpr, HAS_GENT: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_D: tl.constexpr,
+                       EVEN_D: tl.constexpr, GROUP_R: tl.constexpr, DOT_PREC: tl.constexpr):
     """dz of rows [row0, row0 + n_rows) x vocab columns [col0, col0 + n_cols) into DZ (n_rows, n_cols)."""
     r, c = swizzle(tl.program_id(0), tl.cdiv(n_rows, BLOCK_N), tl.cdiv(n_cols, BLOCK_V), GROUP_R)
     lrows = r * BLOCK_N + tl.arange(0, BLOCK_N)  # rows of the chunk
@@ -327,7 +328,7 @@ def token_logprobs_bwd_triton(g_logp, g_ent, hidden, weight, targets, inv_t, lse
         for r0 in range(0, N, C):
             n = min(C, N - r0)
             dz = dz_buf[:n * nv].view(n, nv)
-            _dz_kernel[(triton.cdiv(n, tz.block_n) * triton.cdiv(nv, tz.block_v),)](
+            _logprob_dz_kernel[(triton.cdiv(n, tz.block_n) * triton.cdiv(nv, tz.block_v),)](
                 hidden, weight, targets, t_ptr, lse, ent, glp, gent, dz, r0, n, v0, nv, V, D, t_val,
                 hidden.stride(0), hidden.stride(1), weight.stride(0), weight.stride(1), dz.stride(0),
                 PER_ROW_T=t_ptr is not None, HAS_GLP=glp is not None, HAS_GENT=gent is not None,

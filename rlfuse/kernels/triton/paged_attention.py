@@ -59,12 +59,12 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
 # (sbt: the eager path's block tables are (B, w) copies, w = the step's longest context in blocks)
-def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, sqt, sqh, skb, skt, skh,
-                  svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
-                  PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
-                  GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
-                  CASCADE: tl.constexpr):
+def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, sqt, sqh, skb, skt, skh,
+                       svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
+                       PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
+                       CASCADE: tl.constexpr):
     pid, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qb = pid // n_split
     sp = pid % n_split
@@ -74,7 +74,7 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, 
         return
     kv_len = tl.load(SEQ_LENS + b)
     share = 0
-    if CASCADE:  # keys [0, share) were attended by _shared_prefix_kernel
+    if CASCADE:  # keys [0, share) were attended by _paged_attn_prefix_kernel
         share = tl.load(SH_LEN + b).to(tl.int32)
     lo = share + sp * split_tokens
     kv_end = kv_len - q_len + tl.minimum(q_len, (qb + 1) * BLOCK_Q)  # last key of the block + 1
@@ -97,7 +97,7 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, 
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     if CASCADE and not SPLIT:
-        if share > 0:  # continue the prefix's online softmax where _shared_prefix_kernel stopped
+        if share > 0:  # continue the prefix's online softmax where _paged_attn_prefix_kernel stopped
             st = t * n_hq + hq
             acc = tl.load(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], mask=row_ok[:, None], other=0.0)
             m_i = tl.load(LSE_WS + st, mask=row_ok, other=float("-inf"))
@@ -125,15 +125,15 @@ def _paged_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, 
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'slot0'])
-def _shared_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, SH_PERM, SH_FIRST, SH_NUM,
-                          sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, n_tok, n_hq, n_rep, slot0, n_split,
-                          split_tokens, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PREC: tl.constexpr, HANDOFF: tl.constexpr, MASKED: tl.constexpr):
+def _paged_attn_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, SH_PERM, SH_FIRST,
+                              SH_NUM, sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, n_tok, n_hq, n_rep, slot0,
+                              n_split, split_tokens, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              PREC: tl.constexpr, HANDOFF: tl.constexpr, MASKED: tl.constexpr):
     """Decode rows of up to BLOCK_M // GROUP sequences that share their first SH_LEN keys
     (the same cache blocks): each K/V tile of that prefix is read once for all of them.
     HANDOFF (unsplit): the online-softmax state (acc, m, l) goes to the workspace and
-    `_paged_kernel` continues from it (in exact numerics, MASKED: the same arithmetic as
+    `_paged_attn_kernel` continues from it (in exact numerics, MASKED: the same arithmetic as
     one pass). Else: a normalized partial and its lse in split slot slot0 + sp, for the
     combine."""
     pid, hk = tl.program_id(0), tl.program_id(1)
@@ -179,8 +179,8 @@ def _shared_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split'])  # row counts vary per step: one compile
-def _combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
-                    HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
+def _paged_attn_combine_kernel(O, O_WS, LSE_WS, sot, soh, n_tok, n_hq, n_split,
+                               HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr):
     t, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
     s = tl.arange(0, BLOCK_S)
     ws = (s * n_tok + t) * n_hq + h
@@ -310,13 +310,13 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         if shared.max_members * group > sh_rows:
             raise ValueError(f"paged_attention: {shared.max_members} sequences a shared-prefix chunk do not fit "
                              f"its {sh_rows} rows (shared_prefix_members gives the cap)")
-        _shared_prefix_kernel[(shared.max_chunks * sh_splits, Hkv)](
+        _paged_attn_prefix_kernel[(shared.max_chunks * sh_splits, Hkv)](
             q, k_cache, v_cache, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, shared.share_len,
             shared.perm, shared.first, shared.count, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], block_tables.stride(0), T, Hq, n_rep, num_splits, sh_splits, sh_tokens,
             scale * LOG2E, PAGE=page, HEAD_DIM=dh, GROUP=group, BLOCK_M=sh_rows, BLOCK_N=KV_BLOCK,
             PREC=dot_precision(q), HANDOFF=handoff, MASKED=exact, **cfg)
-    _paged_kernel[(n_qblk * num_splits, Hkv, B)](
+    _paged_attn_kernel[(n_qblk * num_splits, Hkv, B)](
         q, k_cache, v_cache, o, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, sh_len, q.stride(0),
         q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
         block_tables.stride(0), T, Hq, n_rep, num_splits, split_tokens, scale * LOG2E, PAGE=page, HEAD_DIM=dh,
@@ -324,6 +324,6 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
         ALL_MASKED=exact, CASCADE=shared is not None, **cfg)
     if split:
         # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
-        _combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, slots, HEAD_DIM=dh,
-                                 BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
+        _paged_attn_combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, slots,
+                                            HEAD_DIM=dh, BLOCK_S=triton.next_power_of_2(_MAX_SPLITS), num_warps=2)
     return o

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from rlfuse.kernels.policy_loss import KL_TYPES, TOKEN_MEAN_TYPES, _seg_sum, _validate, ratio_bounds
 
-# The partial sums `_pl_kernel` writes, one row per program, in this column order: masked
+# The partial sums `_policy_loss_kernel` writes, one row per program, in this column order: masked
 # sums of w l, of clipped tokens (clip, low, high), of r, of kl and of the mask (the
 # token count); "pad" rounds the row up to 8. The kernel addresses columns by the PART_*
 # constants, the host reads them by name.
@@ -21,9 +21,9 @@ PART_COLS = tl.constexpr(len(_PART_NAMES))
 
 
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
-def _pl_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
-               GSPO: tl.constexpr, CISPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr,
-               KL_RATIO: tl.constexpr, BLOCK: tl.constexpr):
+def _policy_loss_kernel(LOGP, OLD, LOGR, ADV, MASK, WGT, REF, COEF, PART, N, lo, hi, dual_c, kl_coef,
+                        GSPO: tl.constexpr, CISPO: tl.constexpr, DUAL: tl.constexpr, KL: tl.constexpr,
+                        KL_RATIO: tl.constexpr, BLOCK: tl.constexpr):
     """KL: 0 none, 1/2/3 = k1/k2/k3; KL_RATIO: the KL term is r kl. lo, hi: the ratio bounds
     (`ratio_bounds`). PART (P, PART_COLS): this program's sums, columns PART_*.
     Scalars arrive as fp32 (Triton's float arguments), as torch rounds them for fp32 tensors;
@@ -140,12 +140,12 @@ def policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs: int,
         P = max(1, triton.cdiv(N, blk))
         part = torch.zeros((P, len(_PART_NAMES)), dtype=ct, device=logp.device)
         if N:
-            _pl_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
-                             ref_logp.contiguous() if has_kl else None, coef, part, N,
-                             lo, hi, float(dual_clip or 0.0), float(kl_coef),
-                             GSPO=loss_type == "gspo", CISPO=loss_type == "cispo", DUAL=dual_clip is not None,
-                             KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0, KL_RATIO=has_kl and kl_ratio,
-                             BLOCK=blk)
+            _policy_loss_kernel[(P,)](lp, old, logr, advantages.contiguous(), m, w.contiguous(),
+                                      ref_logp.contiguous() if has_kl else None, coef, part, N,
+                                      lo, hi, float(dual_clip or 0.0), float(kl_coef),
+                                      GSPO=loss_type == "gspo", CISPO=loss_type == "cispo",
+                                      DUAL=dual_clip is not None, KL=KL_TYPES.index(kl_type) + 1 if has_kl else 0,
+                                      KL_RATIO=has_kl and kl_ratio, BLOCK=blk)
         sums = dict(zip(_PART_NAMES, part.sum(0).unbind()))
         tot = sums["count"].clamp_min(1.0)
         stats = {"clip_frac": sums["clip"] / tot, "clip_frac_low": sums["clip_low"] / tot,

@@ -92,7 +92,7 @@ _DW_WARPS = 8    # warps a program
 
 
 @triton.jit(do_not_specialize=['P'])  # P follows N: one compile
-def _dw_sum_kernel(DWP_ptr, DW_ptr, P, D, BLOCK_D: tl.constexpr, COLS: tl.constexpr, BLOCK_P: tl.constexpr):
+def _rmsnorm_dw_sum_kernel(DWP_ptr, DW_ptr, P, D, BLOCK_D: tl.constexpr, COLS: tl.constexpr, BLOCK_P: tl.constexpr):
     cols = tl.program_id(0) * COLS + tl.arange(0, COLS)
     acc = tl.zeros((COLS,), dtype=tl.float32)
     for p0 in range(0, P, BLOCK_P):
@@ -167,8 +167,8 @@ def rmsnorm_bwd_triton(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
                                   dy2.stride(0), x2.stride(0), dx.stride(0),
                                   ROWS=rows, BLOCK_D=block_d, num_warps=warps)
         dw = torch.empty((D,), dtype=weight.dtype, device=x.device)
-        _dw_sum_kernel[(triton.cdiv(D, _DW_COLS),)](dw_part, dw, P, D, BLOCK_D=block_d, COLS=_DW_COLS,
-                                                   BLOCK_P=_DW_ROWS, num_warps=_DW_WARPS)
+        _rmsnorm_dw_sum_kernel[(triton.cdiv(D, _DW_COLS),)](dw_part, dw, P, D, BLOCK_D=block_d, COLS=_DW_COLS,
+                                                           BLOCK_P=_DW_ROWS, num_warps=_DW_WARPS)
     else:
         dw = torch.zeros((D,), dtype=weight.dtype, device=x.device)
     return dx.view(x.shape), dw
