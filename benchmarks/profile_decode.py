@@ -21,6 +21,7 @@ graphs and look-ahead as in a real run). Two measurements, per numerics:
 
     OUT=out python benchmarks/profile_decode.py                # B 256, P 512, fast and exact
     OUT=out python benchmarks/profile_decode.py --fuse off on  # unfused vs fused projections
+    OUT=out python benchmarks/profile_decode.py --group 8 --prompt 256 --share off on  # GRPO groups
     python benchmarks/profile_decode.py --small                # CPU smoke test (no profile)
 Writes $OUT/profile_decode.json and $OUT/profile_decode.md.
 """
@@ -79,14 +80,16 @@ def _sync(dev):
         torch.cuda.synchronize(dev)
 
 
-def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int, fuse: bool = True) -> LLM:
+def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int, fuse: bool = True,
+                  group: int = 1, share: bool = True) -> LLM:
     ecfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=16384, max_model_len=P + max_new + 64,
-                        gpu_memory_fraction=0.85, seed=seed, numerics=numerics, fuse_projections=fuse)
+                        gpu_memory_fraction=0.85, seed=seed, numerics=numerics, fuse_projections=fuse,
+                        share_prefix_decode=share)
     llm = LLM(model, None, ecfg)
     llm.capture_graphs()
     g = torch.Generator().manual_seed(seed)
-    params = SamplingParams(max_tokens=max_new, temperature=0.6, ignore_eos=True)
-    for i in range(B):
+    params = SamplingParams(n=group, max_tokens=max_new, temperature=0.6, ignore_eos=True)
+    for i in range(B // group):  # `group` sequences per prompt (its blocks shared through the prefix cache)
         llm.add_request(torch.randint(0, min(10000, model.config.vocab_size), (P,), generator=g).tolist(), params, request_id=f"r{i}")
     # prefill everything, then a few decode steps so the look-ahead pipeline is full
     while llm.stats.prompt_tokens_computed + llm.stats.prompt_tokens_cached < B * P:
@@ -198,6 +201,10 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"])
+    ap.add_argument("--group", type=int, default=1, help="sequences per prompt (a GRPO group: the prompt's "
+                    "cached blocks shared); B must be a multiple")
+    ap.add_argument("--share", nargs="+", choices=["off", "on"], default=["on"],
+                    help="EngineConfig.share_prefix_decode (matters with --group > 1); 'off on' runs both")
     ap.add_argument("--fuse", nargs="+", choices=["off", "on"], default=["on"],
                     help="fused q/k/v and gate/up GEMMs (EngineConfig.fuse_projections); 'off on' runs both")
     args = ap.parse_args()
@@ -207,13 +214,16 @@ def main() -> None:
     model = build_model(args.small, dev, 0)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
-               commit=os.environ.get("RLFUSE_COMMIT", "unknown"), batch=B, prompt=P, steps=N,
+               commit=os.environ.get("RLFUSE_COMMIT", "unknown"), batch=B, prompt=P, steps=N, group=args.group,
                copy_bandwidth_GBps=bw / 1e9, weight_bytes=wbytes, runs={})
     # fusing re-points the model's parameters for good: the unfused runs go first
-    runs = [(fuse, num) for fuse in sorted(set(args.fuse), key=["off", "on"].index) for num in args.numerics]
-    for fuse, num in runs:
-        key = num if len(set(args.fuse)) == 1 else f"{num} {'fused' if fuse == 'on' else 'unfused'}"
-        llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0, fuse=fuse == "on")
+    runs = [(fuse, num, sh) for fuse in sorted(set(args.fuse), key=["off", "on"].index) for num in args.numerics
+            for sh in sorted(set(args.share), key=["off", "on"].index)]
+    for fuse, num, sh in runs:
+        key = num + ("" if len(set(args.fuse)) == 1 else f" {'fused' if fuse == 'on' else 'unfused'}") \
+            + ("" if len(set(args.share)) == 1 else f" {'shared' if sh == 'on' else 'unshared'}")
+        llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0, fuse=fuse == "on",
+                            group=args.group if not args.small else 2, share=sh == "on")
         step_s = time_steps(llm, N, dev)
         r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
         if dev.type == "cuda":
@@ -246,8 +256,8 @@ def main() -> None:
 def table(res: dict) -> str:
     nums = list(res["runs"])
     cats = sorted({c for r in res["runs"].values() for c in r.get("by_category_s_per_step", {})})
-    lines = [f"Decode step breakdown, {res['device']}, B={res['batch']}, prompt {res['prompt']}, "
-             f"{res['steps']} steady steps, commit {res['commit']} (ms per step)", "",
+    lines = [f"Decode step breakdown, {res['device']}, B={res['batch']}, prompt {res['prompt']} "
+             f"(x{res.get('group', 1)} sequences each), {res['steps']} steady steps, commit {res['commit']} (ms per step)", "",
              "| item | " + " | ".join(nums) + " |", "|---|" + "---|" * len(nums)]
 
     def row(label, f):
