@@ -64,6 +64,23 @@ def test_plan_groups_by_physical_blocks():
     assert n == 1  # (1,2,3,4) x 4 sequences; (7,8,9) is < 64 keys
     assert count.tolist() == [4, 0, 0, 0] and sorted(perm[:4].tolist()) == [0, 1, 2, 6]
     assert share_len.tolist() == [64, 64, 64, 0, 0, 0, 64]
+    # the blocks in common, whatever each key's own last blocks (a prompt whose last block
+    # is not shared); fewer than 64 keys in common: nothing
+    keys = [tuple(range(9)), tuple(range(8)) + (50,), tuple(range(10)), (0, 1, 2, 60, 4), (0, 1, 2, 61)]
+    assert plan_shared_prefix(keys[:3], 16, 8, 2)[0].tolist() == [128, 128, 128]
+    assert plan_shared_prefix(keys[3:], 16, 8, 2)[4] == 0
+    # 3 prompts of 12 blocks x 3 completions, all starting with the same 4-block system
+    # prompt: a group per prompt (192 keys), not one group sharing the system prompt (64)
+    sys_ = (900, 901, 902, 903)
+    keys = [sys_ + tuple(range(100 * p, 100 * p + 8)) for p in (1, 2, 3) for _ in range(3)][::-1]
+    share_len, perm, first, count, n = plan_shared_prefix(keys, 16, 8, 8)
+    assert n == 3 and share_len.tolist() == [192] * 9
+    assert sorted(sorted(perm[f:f + k].tolist()) for f, k in zip(first[:n], count[:n])) == [[0, 1, 2], [3, 4, 5],
+                                                                                          [6, 7, 8]]
+    # distinct prompts behind one system prompt: one group sharing it
+    keys = [sys_ + (100 * p,) for p in range(5)]
+    share_len, _, _, count, n = plan_shared_prefix(keys, 16, 8, 8)
+    assert n == 1 and count[0] == 5 and share_len.tolist() == [64] * 5
     # chunks of at most max_members; a lone leftover stays unshared; max_chunks caps
     share_len, perm, first, count, n = plan_shared_prefix([(1, 2, 3, 4)] * 5, 16, 2, 8)
     assert n == 2 and count[:3].tolist() == [2, 2, 0] and share_len.tolist() == [64, 64, 64, 64, 0]

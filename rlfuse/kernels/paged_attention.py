@@ -95,32 +95,51 @@ def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: 
     return shared_prefix_rows(group, exact, itemsize) // group
 
 
-def plan_shared_prefix(keys: list[tuple[int, ...] | None], page: int, max_members: int, max_chunks: int):
+def _common_blocks(a, b) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+def plan_shared_prefix(keys: list, page: int, max_members: int, max_chunks: int):
     """Host side of `SharedPrefixDecode`: keys[b] = the block ids sequence b may share (its
-    prompt's full blocks) or None. Sequences with equal keys of >= one KV_BLOCK of keys
-    form chunks of 2..max_members; returns numpy int64 (share_len (B,), perm (B,), first
-    (max_chunks,), count (max_chunks,)) and the chunk count (chunks past max_chunks are
-    left unshared)."""
+    prompt's full blocks) or None. Sorted by key, neighbours share their common leading
+    blocks; a run is cut where that common part is at most half a neighbouring pair's (so
+    the completions of one prompt form a group even when every prompt starts with the same
+    system prompt, and prompts that share only a system prompt form one). A group shares
+    the blocks all its members have in common, in whole KV_BLOCKs (>= one), in chunks of
+    2..max_members. Returns numpy int64 (share_len (B,), perm (B,), first (max_chunks,),
+    count (max_chunks,)) and the chunk count (chunks past max_chunks stay unshared)."""
     B = len(keys)
     share_len = np.zeros(B, np.int64)
     perm = np.zeros(B, np.int64)
     first = np.zeros(max_chunks, np.int64)
     count = np.zeros(max_chunks, np.int64)
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for b, key in enumerate(keys):
-        if key:
-            n = len(key) * page // KV_BLOCK * KV_BLOCK // page  # blocks of whole KV_BLOCKs
-            if n:
-                groups.setdefault(tuple(key[:n]), []).append(b)
+    order = sorted((b for b in range(B) if keys[b] is not None and len(keys[b]) * page >= KV_BLOCK),
+                   key=lambda b: tuple(keys[b]))
+    common = [_common_blocks(keys[a], keys[b]) * page // KV_BLOCK for a, b in zip(order, order[1:])]  # tiles
+    # cut between neighbours that share nothing, or at most half what a neighbouring pair shares
+    cut = [c == 0 or 2 * c <= max(common[i - 1] if i else 0, common[i + 1] if i + 1 < len(common) else 0)
+           for i, c in enumerate(common)]
+    groups, run, tiles = [], order[:1], None  # (members, tiles all of them share)
+    for i, b in enumerate(order[1:]):
+        if cut[i]:
+            if len(run) > 1:
+                groups.append((run, tiles))
+            run, tiles = [b], None
+        else:
+            run.append(b)
+            tiles = common[i] if tiles is None else min(tiles, common[i])
+    if len(run) > 1:
+        groups.append((run, tiles))
     c = o = 0
-    for key, members in groups.items():
+    for members, tiles in groups:
         for j in range(0, len(members) - 1, max_members):
             part = members[j:j + max_members]
             if len(part) < 2 or c == max_chunks:
                 continue
             first[c], count[c] = o, len(part)
             perm[o:o + len(part)] = part
-            share_len[part] = len(key) * page
+            share_len[part] = tiles * KV_BLOCK
             c, o = c + 1, o + len(part)
     return share_len, perm, first, count, c
 
