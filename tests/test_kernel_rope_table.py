@@ -27,17 +27,20 @@ def _inputs(g, T, Hq, Hkv, Dh, dtype, max_pos):
 
 
 def _check_qk(q, k, v, w, pos, inv, g, page=16):
-    """qk_norm_rope with the table == without, with and without norms and the KV store."""
+    """qk_norm_rope with the table == without, with and without norms and the KV store;
+    -> the outputs (q, k, the caches)."""
     T, Hkv, Dh = k.shape
     cs = rope_cos_sin(pos, inv)
     assert cs is not None and cs.shape == (T, Dh) and cs.dtype == torch.float32
     pages = -(-(T + 8) // page) + 1
     slots = torch.randperm(pages * page, generator=g)[:T].to(DEV)
     slots[:: 5] = -1  # graph-batch padding rows
+    outs = []
     for ws in ((*w, 1e-6), ()):
         a = qk_norm_rope(q, k, pos, inv, *ws)
         b = qk_norm_rope(q, k, pos, inv, *ws, cos_sin=cs)
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        outs += a
         if Dh & (Dh - 1):  # the paged cache takes power-of-two head dims only
             continue
         caches = [torch.full((pages, page, Hkv, Dh), 7.0, dtype=q.dtype, device=DEV) for _ in range(4)]
@@ -45,6 +48,8 @@ def _check_qk(q, k, v, w, pos, inv, g, page=16):
         qb, _ = qk_norm_rope(q, k, pos, inv, *ws, v=v, kv_cache=caches[2:], slot_mapping=slots, cos_sin=cs)
         assert torch.equal(qa, qb) and torch.equal(qa, a[0])
         assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+        outs += caches[:2]
+    return outs
 
 
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
@@ -57,10 +62,11 @@ def test_table_is_the_in_kernel_cos_sin(numerics, dtype, T, Dh, monkeypatch):
     dy = torch.randn(T, 4, Dh, generator=g).to(DEV, dtype)
     with use_backend("triton"), use_numerics(numerics):
         with torch.no_grad():
-            _check_qk(q, k, v, w, pos, inv, g)
+            spread = _check_qk(q, k, v, w, pos, inv, torch.Generator().manual_seed(1))
             from rlfuse.kernels.triton import rope as R
             monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)  # every head of a token block in one program
-            _check_qk(q, k, v, w, pos, inv, g)
+            whole = _check_qk(q, k, v, w, pos, inv, torch.Generator().manual_seed(1))
+            assert all(torch.equal(a, b) for a, b in zip(spread, whole, strict=True))
         cs = rope_cos_sin(pos, inv)
         outs = []
         for table in (None, cs):  # the plain op under autograd: forward and backward

@@ -9,7 +9,8 @@ Batch-invariant: each token uses only its own position.
 
 Triton path: one program per block of BLOCK_T tokens and group of heads computes the
 fp32 angles pos * inv_freq in-kernel (the same product as the reference: int position
--> fp32, times fp32 inv_freq) and their cos/sin once, then loops over its heads. The backward is
+-> fp32, times fp32 inv_freq) and their cos/sin once (or loads them from the step's
+table, below), then loops over its heads. The backward is
 the same kernel rotating by -a:
     dx1 = dy1 cos a + dy2 sin a,   dx2 = dy2 cos a - dy1 sin a
 Output and gradient are new contiguous (T, H, Dh) tensors in x.dtype; x may be any

@@ -284,8 +284,10 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
         block_d, rows, warps = _tile(Dh) if norm else (triton.next_power_of_2(Dh), _BLOCK_T, 4)
         nh = Hq + Hkv * (2 if cache else 1)
         nt = triton.cdiv(T, rows)
-        # half rope's program count: each program's cos/sin (libdevice) then serves 2+ heads
-        hpp = triton.cdiv(nh, min(nh, triton.cdiv(max(1, _MIN_PROGRAMS // 2), nt)))
+        # without the table, half rope's program count: each program's cos/sin (libdevice)
+        # then serves 2+ heads; with it cos/sin are a load, so a decode step's heads spread
+        # over twice the programs, each with half the serial work (the bits ignore HPP)
+        hpp = triton.cdiv(nh, min(nh, triton.cdiv(max(1, _MIN_PROGRAMS // (1 if table else 2)), nt)))
         kout = qo if ko is None else ko
         _qk_norm_rope_kernel[(nt, triton.cdiv(nh, hpp))](
             q, k, v, qo, kout, q_weight if norm else q, k_weight if norm else q, positions.contiguous(),
