@@ -19,8 +19,13 @@ decode batches T in {64, 256} and a prefill chunk of 4096:
     qk-norm+rope+kv  the same with the KV store vs  the four, then store_kvcache
 q (T, 16, 128), k and v (T, 8, 128), the cache in pages of 16.
 
+The step's RoPE table: qk-norm+rope+kv over a step's 28 layers (one call per layer on the
+same inputs, positions 512..1535), cos/sin computed in every kernel against the table
+computed once (`rope_cos_sin`) and loaded by each; the outputs are checked bitwise equal.
+
 Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile] [--no-graph]
                      OUT=./out python benchmarks/kernels/bench_layers.py --fused   (the fused table only)
+                     OUT=./out python benchmarks/kernels/bench_layers.py --rope-table   (the table A/B only)
 CPU smoke test (Triton's interpreter, tiny T, wall-clock; no numbers to keep):
                      python benchmarks/kernels/bench_layers.py --small
 Writes $OUT/bench_layers.json and $OUT/bench_layers.md (tables for docs/benchmarks.md).
@@ -29,6 +34,7 @@ Writes $OUT/bench_layers.json and $OUT/bench_layers.md (tables for docs/benchmar
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -40,7 +46,7 @@ import torch
 from _timing import copy_bandwidth, graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_inv_freq, rope_ref
+from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq, rope_ref
 from rlfuse.kernels.swiglu import swiglu, swiglu_ref
 
 DT = torch.bfloat16
@@ -153,6 +159,48 @@ def fused_rows(reps: int, small: bool, graph: bool) -> list[dict]:
     return rows
 
 
+LAYERS = 28  # Qwen3-0.6B
+
+
+def rope_table_step(T: int, dev: str, layers: int):
+    """-> step(table, cache index) running the layers' kernels on fixed inputs, and the two caches."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(T, h, 128, generator=g).to(dev, DT) for h in (16, 8, 8))
+    wq, wk = torch.randn(2, 128, generator=g).to(dev, DT)
+    pos, inv = torch.randint(512, 1536, (T,), generator=g).to(dev), rope_inv_freq(128, 1e6).to(dev)
+    caches = [(torch.zeros(-(-T // 16), 16, 8, 128, device=dev, dtype=DT),
+               torch.zeros(-(-T // 16), 16, 8, 128, device=dev, dtype=DT)) for _ in range(2)]
+    slots = torch.randperm(T, generator=g).to(dev)
+
+    def step(table: bool, c: int):
+        cs = rope_cos_sin(pos, inv) if table else None
+        for _ in range(layers):
+            qo, _ = qk_norm_rope(q, k, pos, inv, wq, wk, 1e-6, v=v, kv_cache=caches[c], slot_mapping=slots,
+                                 cos_sin=cs)
+        return qo
+    return step, caches
+
+
+def rope_table_rows(reps: int, small: bool) -> list[dict]:
+    """A step's qk-norm+rope+kv kernels, cos/sin in each vs the step's table (bits checked)."""
+    rows, dev, layers = [], "cpu" if small else "cuda", 2 if small else LAYERS
+    for T in ([16] if small else [64, 256, 4096]):
+        step, caches = rope_table_step(T, dev, layers)
+        r = dict(T=T, layers=layers)
+        with use_backend("triton"), torch.no_grad():
+            r["bitwise"] = bool(torch.equal(step(False, 0), step(True, 1))
+                                and all(torch.equal(a, b) for a, b in zip(*caches, strict=True)))
+            for name, table in (("no_table", False), ("table", True)):
+                fn = functools.partial(step, table, int(table))
+                s = wall_seconds(fn, 1) if small else bench(graphed(fn), reps)
+                r[f"{name}_us"] = s * 1e6
+        r["speedup"] = r["no_table_us"] / r["table_us"]
+        rows.append(r)
+        print(f"T={T:<5d} qk-norm+rope+kv x{layers}: no table {r['no_table_us']:8.1f} us  table "
+              f"{r['table_us']:8.1f} us  x{r['speedup']:.2f}  bitwise {r['bitwise']}", flush=True)
+    return rows
+
+
 def timed_step(fn, inputs, diff, backward: bool):
     """One call of fn: under no_grad, or forward + autograd.grad of its output(s)."""
     if not backward:
@@ -184,11 +232,13 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-graph", action="store_true", help="time eager calls (host launch time included)")
     ap.add_argument("--fused", action="store_true", help="only the fused-vs-unfused table")
-    ap.add_argument("--small", action="store_true", help="CPU smoke test of the fused table (Triton's interpreter)")
+    ap.add_argument("--rope-table", action="store_true", help="only the step's-RoPE-table table")
+    ap.add_argument("--small", action="store_true", help="CPU smoke test of the fused tables (Triton's interpreter)")
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (the first op)
         fused_rows(2, small=True, graph=False)
+        rope_table_rows(1, small=True)
         return
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -198,7 +248,7 @@ def main():
     bw = copy_bandwidth()
     print(f"{gpu}: device copy {bw:.0f} GB/s", flush=True)
     rows = []
-    for T in ([] if args.fused else [16384] if args.quick else [4096, 16384, 65536]):
+    for T in ([] if args.fused or args.rope_table else [16384] if args.quick else [4096, 16384, 65536]):
         for name, (op, ref, make, fwd_bytes, fb_bytes) in cases(T).items():
             inputs, diff = make()
             impls = {"triton": triton_op(op), "eager": ref}
@@ -216,14 +266,15 @@ def main():
                     f"{i} {r[f'{i}_us']:8.1f} us {r[f'{i}_GBps']:6.0f} GB/s" for i in impls), flush=True)
             del inputs, diff
             torch.cuda.empty_cache()
-    fused = fused_rows(reps, small=False, graph=not args.no_graph)
+    fused = [] if args.rope_table else fused_rows(reps, small=False, graph=not args.no_graph)
+    table = rope_table_rows(reps, small=False)
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/kernels/bench_layers.py" + (" --quick" if args.quick else "") + \
         (" --no-compile" if args.no_compile else "") + (" --no-graph" if args.no_graph else "") + \
-        (" --fused" if args.fused else "")
+        (" --fused" if args.fused else "") + (" --rope-table" if args.rope_table else "")
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, dtype="bf16", command=cmd)
-    (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows, fused=fused), indent=1))
+    (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows, fused=fused, rope_table=table), indent=1))
     impls = ["triton", "eager"] + ([] if args.no_compile else ["compile"])
     md = [f"### RMSNorm / RoPE / SwiGLU, Qwen3-0.6B shapes, bf16 ({gpu}, torch {torch.__version__}, commit {commit})",
           "", f"`{cmd}`; device copy {bw:.0f} GB/s; GB/s = minimum bytes moved / time.", "",
@@ -231,10 +282,15 @@ def main():
           "|---|---|---|" + "---|" * len(impls)]
     md += [f"| {r['op']} | {r['T']} | {r['pass_']} | " + " | ".join(
         f"{r[f'{i}_us']:.1f} ({r[f'{i}_GBps']:.0f})" for i in impls) + " |" for r in rows]
-    md += ["", f"### Fused vs unfused decode-path kernels, Triton, bf16 ({gpu}, commit {commit})", "",
-           "| op | T | pass | fused us | unfused us | speedup | fused GB/s |", "|---|---|---|---|---|---|---|"]
+    md += [] if not fused else [
+        "", f"### Fused vs unfused decode-path kernels, Triton, bf16 ({gpu}, commit {commit})", "",
+        "| op | T | pass | fused us | unfused us | speedup | fused GB/s |", "|---|---|---|---|---|---|---|"]
     md += [f"| {r['op']} | {r['T']} | {r['pass_']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | "
            f"{r['speedup']:.2f} | {r['GB'] * 1e6 / r['fused_us']:.0f} |" for r in fused]
+    md += ["", f"### qk-norm+rope+kv over {LAYERS} layers: cos/sin in each kernel vs the step's table ({gpu}, "
+           f"commit {commit})", "", "| T | no table us | table us | speedup | bitwise |", "|---|---|---|---|---|"]
+    md += [f"| {r['T']} | {r['no_table_us']:.1f} | {r['table_us']:.1f} | {r['speedup']:.2f} | {r['bitwise']} |"
+           for r in table]
     (out / "bench_layers.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
