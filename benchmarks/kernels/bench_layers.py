@@ -17,15 +17,13 @@ decode batches T in {64, 256} and a prefill chunk of 4096:
     add+rmsnorm      add_rmsnorm(h, x, w)       vs  s = h + x; rmsnorm(s, w)
     qk-norm+rope     qk_norm_rope(q, k, ...)    vs  rmsnorm(q), rmsnorm(k), rope(q), rope(k)
     qk-norm+rope+kv  the same with the KV store vs  the four, then store_kvcache
-q (T, 16, 128), k and v (T, 8, 128), the cache in pages of 16.
-
-The step's RoPE table: qk-norm+rope+kv over a step's 28 layers (one call per layer on the
-same inputs, positions 512..1535), cos/sin computed in every kernel against the table
-computed once (`rope_cos_sin`) and loaded by each; the outputs are checked bitwise equal.
+q (T, 16, 128), k and v (T, 8, 128), the cache in pages of 16. One more row compares the
+step's RoPE table: a step's 28 layers of qk-norm+rope+kv (same inputs each layer) with cos/sin
+from the table `rope_cos_sin` computes once (the "fused" column) against each kernel
+computing its own (the "unfused" column); tests/test_kernel_rope_table.py checks their bits.
 
 Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile] [--no-graph]
                      OUT=./out python benchmarks/kernels/bench_layers.py --fused   (the fused table only)
-                     OUT=./out python benchmarks/kernels/bench_layers.py --rope-table   (the table A/B only)
 CPU smoke test (Triton's interpreter, tiny T, wall-clock; no numbers to keep):
                      python benchmarks/kernels/bench_layers.py --small
 Writes $OUT/bench_layers.json and $OUT/bench_layers.md (tables for docs/benchmarks.md).
@@ -34,7 +32,6 @@ Writes $OUT/bench_layers.json and $OUT/bench_layers.md (tables for docs/benchmar
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import subprocess
@@ -118,6 +115,12 @@ def fused_cases(T: int, dev: str):
     qk = (q, k, pos, inv, wq, wk, 1e-6)
     kv = dict(v=v, kv_cache=cache, slot_mapping=slots)
     n_qk = T * 24 * 128
+
+    n = 28 if dev == "cuda" else 2  # a Qwen3-0.6B step's layers (2 in the CPU smoke test)
+
+    def layers(table: bool):  # the step's calls, with or without the step's table
+        cs = rope_cos_sin(pos, inv) if table else None
+        return [qk_norm_rope(*qk, **kv, cos_sin=cs) for _ in range(n)][-1]
     return {
         # fwd: h, x -> s, y; bwd: ds, dy, s -> dh (= dx)
         "add+rmsnorm": (lambda *a: add_rmsnorm(*a, 1e-6), unfused_add, (h, x, w), (h, x, w),
@@ -126,6 +129,8 @@ def fused_cases(T: int, dev: str):
         # reads q, k, v; writes q and the cache's k, v
         "qk-norm+rope+kv": (lambda: qk_norm_rope(*qk, **kv), lambda: qk_norm_rope_ref(*qk, **kv), (), None,
                             (2 * (n_qk + T * 8 * 128) * e,)),
+        f"x{n}, table vs not": (lambda: layers(True), lambda: layers(False), (), None,
+                                (n * 2 * (n_qk + T * 8 * 128) * e,)),
     }
 
 
@@ -156,48 +161,6 @@ def fused_rows(reps: int, small: bool, graph: bool) -> list[dict]:
                 rows.append(r)
                 print(f"T={T:<5d} {name:16s} {r['pass_']:8s} fused {r['fused_us']:8.1f} us  unfused "
                       f"{r['unfused_us']:8.1f} us  x{r['speedup']:.2f}", flush=True)
-    return rows
-
-
-LAYERS = 28  # Qwen3-0.6B
-
-
-def rope_table_step(T: int, dev: str, layers: int):
-    """-> step(table, cache index) running the layers' kernels on fixed inputs, and the two caches."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(T, h, 128, generator=g).to(dev, DT) for h in (16, 8, 8))
-    wq, wk = torch.randn(2, 128, generator=g).to(dev, DT)
-    pos, inv = torch.randint(512, 1536, (T,), generator=g).to(dev), rope_inv_freq(128, 1e6).to(dev)
-    caches = [(torch.zeros(-(-T // 16), 16, 8, 128, device=dev, dtype=DT),
-               torch.zeros(-(-T // 16), 16, 8, 128, device=dev, dtype=DT)) for _ in range(2)]
-    slots = torch.randperm(T, generator=g).to(dev)
-
-    def step(table: bool, c: int):
-        cs = rope_cos_sin(pos, inv) if table else None
-        for _ in range(layers):
-            qo, _ = qk_norm_rope(q, k, pos, inv, wq, wk, 1e-6, v=v, kv_cache=caches[c], slot_mapping=slots,
-                                 cos_sin=cs)
-        return qo
-    return step, caches
-
-
-def rope_table_rows(reps: int, small: bool) -> list[dict]:
-    """A step's qk-norm+rope+kv kernels, cos/sin in each vs the step's table (bits checked)."""
-    rows, dev, layers = [], "cpu" if small else "cuda", 2 if small else LAYERS
-    for T in ([16] if small else [64, 256, 4096]):
-        step, caches = rope_table_step(T, dev, layers)
-        r = dict(T=T, layers=layers)
-        with use_backend("triton"), torch.no_grad():
-            r["bitwise"] = bool(torch.equal(step(False, 0), step(True, 1))
-                                and all(torch.equal(a, b) for a, b in zip(*caches, strict=True)))
-            for name, table in (("no_table", False), ("table", True)):
-                fn = functools.partial(step, table, int(table))
-                s = wall_seconds(fn, 1) if small else bench(graphed(fn), reps)
-                r[f"{name}_us"] = s * 1e6
-        r["speedup"] = r["no_table_us"] / r["table_us"]
-        rows.append(r)
-        print(f"T={T:<5d} qk-norm+rope+kv x{layers}: no table {r['no_table_us']:8.1f} us  table "
-              f"{r['table_us']:8.1f} us  x{r['speedup']:.2f}  bitwise {r['bitwise']}", flush=True)
     return rows
 
 
@@ -232,13 +195,11 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--no-graph", action="store_true", help="time eager calls (host launch time included)")
     ap.add_argument("--fused", action="store_true", help="only the fused-vs-unfused table")
-    ap.add_argument("--rope-table", action="store_true", help="only the step's-RoPE-table table")
-    ap.add_argument("--small", action="store_true", help="CPU smoke test of the fused tables (Triton's interpreter)")
+    ap.add_argument("--small", action="store_true", help="CPU smoke test of the fused table (Triton's interpreter)")
     args = ap.parse_args()
     if args.small:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # read when triton first loads (the first op)
         fused_rows(2, small=True, graph=False)
-        rope_table_rows(1, small=True)
         return
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
@@ -248,7 +209,7 @@ def main():
     bw = copy_bandwidth()
     print(f"{gpu}: device copy {bw:.0f} GB/s", flush=True)
     rows = []
-    for T in ([] if args.fused or args.rope_table else [16384] if args.quick else [4096, 16384, 65536]):
+    for T in ([] if args.fused else [16384] if args.quick else [4096, 16384, 65536]):
         for name, (op, ref, make, fwd_bytes, fb_bytes) in cases(T).items():
             inputs, diff = make()
             impls = {"triton": triton_op(op), "eager": ref}
@@ -266,15 +227,14 @@ def main():
                     f"{i} {r[f'{i}_us']:8.1f} us {r[f'{i}_GBps']:6.0f} GB/s" for i in impls), flush=True)
             del inputs, diff
             torch.cuda.empty_cache()
-    fused = [] if args.rope_table else fused_rows(reps, small=False, graph=not args.no_graph)
-    table = rope_table_rows(reps, small=False)
+    fused = fused_rows(reps, small=False, graph=not args.no_graph)
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     cmd = "python benchmarks/kernels/bench_layers.py" + (" --quick" if args.quick else "") + \
         (" --no-compile" if args.no_compile else "") + (" --no-graph" if args.no_graph else "") + \
-        (" --fused" if args.fused else "") + (" --rope-table" if args.rope_table else "")
+        (" --fused" if args.fused else "")
     meta = dict(gpu=gpu, torch=torch.__version__, commit=commit, copy_GBps=bw, dtype="bf16", command=cmd)
-    (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows, fused=fused, rope_table=table), indent=1))
+    (out / "bench_layers.json").write_text(json.dumps(dict(meta=meta, rows=rows, fused=fused), indent=1))
     impls = ["triton", "eager"] + ([] if args.no_compile else ["compile"])
     md = [f"### RMSNorm / RoPE / SwiGLU, Qwen3-0.6B shapes, bf16 ({gpu}, torch {torch.__version__}, commit {commit})",
           "", f"`{cmd}`; device copy {bw:.0f} GB/s; GB/s = minimum bytes moved / time.", "",
@@ -282,15 +242,10 @@ def main():
           "|---|---|---|" + "---|" * len(impls)]
     md += [f"| {r['op']} | {r['T']} | {r['pass_']} | " + " | ".join(
         f"{r[f'{i}_us']:.1f} ({r[f'{i}_GBps']:.0f})" for i in impls) + " |" for r in rows]
-    md += [] if not fused else [
-        "", f"### Fused vs unfused decode-path kernels, Triton, bf16 ({gpu}, commit {commit})", "",
-        "| op | T | pass | fused us | unfused us | speedup | fused GB/s |", "|---|---|---|---|---|---|---|"]
+    md += ["", f"### Fused vs unfused decode-path kernels, Triton, bf16 ({gpu}, commit {commit})", "",
+           "| op | T | pass | fused us | unfused us | speedup | fused GB/s |", "|---|---|---|---|---|---|---|"]
     md += [f"| {r['op']} | {r['T']} | {r['pass_']} | {r['fused_us']:.1f} | {r['unfused_us']:.1f} | "
            f"{r['speedup']:.2f} | {r['GB'] * 1e6 / r['fused_us']:.0f} |" for r in fused]
-    md += ["", f"### qk-norm+rope+kv over {LAYERS} layers: cos/sin in each kernel vs the step's table ({gpu}, "
-           f"commit {commit})", "", "| T | no table us | table us | speedup | bitwise |", "|---|---|---|---|---|"]
-    md += [f"| {r['T']} | {r['no_table_us']:.1f} | {r['table_us']:.1f} | {r['speedup']:.2f} | {r['bitwise']} |"
-           for r in table]
     (out / "bench_layers.md").write_text("\n".join(md) + "\n")
     print("\n".join(md))
 
