@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.rope import qk_norm_rope, rope, rope_cos_sin, rope_inv_freq
+from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -27,8 +27,9 @@ def _inputs(g, T, Hq, Hkv, Dh, dtype, max_pos):
 
 
 def _check_qk(q, k, v, w, pos, inv, g, page=16):
-    """qk_norm_rope with the table == without, with and without norms and the KV store;
-    -> the outputs (q, k, the caches)."""
+    """qk_norm_rope with the table == without == the unfused ops (rmsnorm, rope, which
+    compute cos/sin themselves), with and without norms and the KV store; -> the outputs
+    (q, k, the caches)."""
     T, Hkv, Dh = k.shape
     cs = rope_cos_sin(pos, inv)
     assert cs is not None and cs.shape == (T, Dh) and cs.dtype == torch.float32
@@ -39,7 +40,8 @@ def _check_qk(q, k, v, w, pos, inv, g, page=16):
     for ws in ((*w, 1e-6), ()):
         a = qk_norm_rope(q, k, pos, inv, *ws)
         b = qk_norm_rope(q, k, pos, inv, *ws, cos_sin=cs)
-        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        ref = qk_norm_rope_ref(q, k, pos, inv, *ws)
+        assert all(torch.equal(x, y) and torch.equal(x, z) for x, y, z in zip(a, b, ref, strict=True))
         outs += a
         if Dh & (Dh - 1):  # the paged cache takes power-of-two head dims only
             continue

@@ -163,80 +163,77 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _norm_rope_head(X, stride_xt, W, toks, tmask, fr, cos, sin, D, eps, HALF: tl.constexpr,
-                    BLOCK_D: tl.constexpr, NORM: tl.constexpr, YT: tl.constexpr):
-    """One head of BLOCK_T tokens -> its rotated halves (fp32 holding YT values)."""
+def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: tl.constexpr,
+                    NORM: tl.constexpr, YT: tl.constexpr):
+    """One head of BLOCK_T tokens as whole rows (BLOCK_T, BLOCK_D) -> the rotated rows (fp32
+    holding YT values). Column c works on angle c mod HALF (cos, sin hold it there): x1 and
+    x2 are that angle's halves, rotated with `_rotate`'s own expressions (the same products,
+    so the same contractions and bits as on half tiles), and c keeps y1 or y2 by its half.
+    Whole-row tiles keep every step in the row tile's layout: half tiles cost the compiler
+    a layout conversion (shared memory and a barrier) per half, in and out."""
     xo = X + toks[:, None] * stride_xt
-    fmask = tmask[:, None] & (fr[None, :] < HALF)
-    x1 = tl.load(xo + fr[None, :], mask=fmask, other=0.0).to(tl.float32)
-    x2 = tl.load(xo + HALF + fr[None, :], mask=fmask, other=0.0).to(tl.float32)
+    m = tmask[:, None] & (cols[None, :] < D)
+    fr = cols % HALF
+    x1 = tl.load(xo + fr[None, :], mask=m, other=0.0).to(tl.float32)
+    x2 = tl.load(xo + HALF + fr[None, :], mask=m, other=0.0).to(tl.float32)
     if NORM:
         # 1. the RMSNorm kernel's steps on the whole row (same tile: same reduction order),
         # then applied to each half (elementwise: the halves get the row's bits)
-        cols = tl.arange(0, BLOCK_D)
-        x = tl.load(xo + cols[None, :], mask=tmask[:, None] & (cols[None, :] < D), other=0.0).to(tl.float32)
+        x = tl.load(xo + cols[None, :], mask=m, other=0.0).to(tl.float32)
         r = tl.math.rsqrt(mean_square(x, D) + eps)
         XT: tl.constexpr = X.dtype.element_ty
-        x1 = norm_rows(x1, r, tl.load(W + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
-        x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=fr < HALF, other=0.0).to(tl.float32), XT, YT)
-    return _rotate(x1, x2, cos, sin, YT)
+        x1 = norm_rows(x1, r, tl.load(W + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
+        x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
+    # 2. the rotation, y1 kept in the first half of the row, y2 in the second
+    y1, y2 = _rotate(x1, x2, cos, sin, YT)
+    return tl.where((cols < HALF)[None, :], y1, y2)
 
 
 @triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
 def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, SLOT, T, HQ, HKV, HPP,
                          sqt, sqh, skt, skh, svt, svh, sot, soh, skot, skoh,
                          skcb, skct, skch, svcb, svct, svch, D, eps,
-                         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NORM: tl.constexpr, CACHE: tl.constexpr,
-                         PAGE: tl.constexpr, TABLE: tl.constexpr):
+                         HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+                         NORM: tl.constexpr, CACHE: tl.constexpr, PAGE: tl.constexpr,
+                         TABLE: tl.constexpr):
     # heads [0, HQ) are q's, [HQ, HQ + HKV) k's, then (CACHE) HKV of v's, copied to the cache
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
-    fr = tl.arange(0, BLOCK_F)
+    cols = tl.arange(0, BLOCK_D)
     tmask = toks < T
-    fmask = tmask[:, None] & (fr[None, :] < HALF)
+    m = tmask[:, None] & (cols[None, :] < D)
     h0 = tl.program_id(1) * HPP
     if h0 < HQ + HKV:  # once for this program's q/k heads; a program of v heads only copies
-        cos, sin = _angles(P_ptr, F_ptr, CS_ptr, toks, tmask, fr, HALF, TABLE)
+        cos, sin = _angles(P_ptr, F_ptr, CS_ptr, toks, tmask, cols % HALF, HALF, TABLE)
     else:
-        cos = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
-        sin = tl.zeros((BLOCK_T, BLOCK_F), tl.float32)
+        cos = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
+        sin = tl.zeros((BLOCK_T, BLOCK_D), tl.float32)
     YT: tl.constexpr = QO.dtype.element_ty
     if CACHE:
         slot = tl.load(SLOT + toks, mask=tmask, other=-1).to(tl.int64)
-        cmask = fmask & (slot >= 0)[:, None]
-        crow = (slot // PAGE)[:, None] * skcb + (slot % PAGE)[:, None] * skct + fr[None, :]
-        vrow = (slot // PAGE)[:, None] * svcb + (slot % PAGE)[:, None] * svct + fr[None, :]
+        cmask = m & (slot >= 0)[:, None]
+        crow = (slot // PAGE)[:, None] * skcb + (slot % PAGE)[:, None] * skct + cols[None, :]
+        vrow = (slot // PAGE)[:, None] * svcb + (slot % PAGE)[:, None] * svct + cols[None, :]
         NH = HQ + 2 * HKV
     else:
         NH = HQ + HKV
     for h in range(h0, tl.minimum(h0 + HPP, NH)):
         if h < HQ:
-            y1, y2 = _norm_rope_head(Q + h * sqh, sqt, WQ, toks, tmask, fr, cos, sin, D, eps,
-                                     HALF, BLOCK_D, NORM, YT)
-            o = QO + h * soh + toks[:, None] * sot + fr[None, :]
-            tl.store(o, y1.to(YT), mask=fmask)
-            tl.store(o + HALF, y2.to(YT), mask=fmask)
+            y = _norm_rope_rows(Q + h * sqh, sqt, WQ, toks, tmask, cols, cos, sin, D, eps, HALF, NORM, YT)
+            tl.store(QO + h * soh + toks[:, None] * sot + cols[None, :], y.to(YT), mask=m)
         elif h < HQ + HKV:
             hk = h - HQ
-            y1, y2 = _norm_rope_head(K + hk * skh, skt, WK, toks, tmask, fr, cos, sin, D, eps,
-                                     HALF, BLOCK_D, NORM, YT)
+            y = _norm_rope_rows(K + hk * skh, skt, WK, toks, tmask, cols, cos, sin, D, eps, HALF, NORM, YT)
             if CACHE:  # as store_kvcache: k (in YT) cast to the cache's dtype, slot -1 skipped
                 KCT: tl.constexpr = KC.dtype.element_ty
-                c = KC + hk * skch + crow
-                tl.store(c, y1.to(YT).to(KCT), mask=cmask)
-                tl.store(c + HALF, y2.to(YT).to(KCT), mask=cmask)
+                tl.store(KC + hk * skch + crow, y.to(YT).to(KCT), mask=cmask)
             else:
-                o = KO + hk * skoh + toks[:, None] * skot + fr[None, :]
-                tl.store(o, y1.to(YT), mask=fmask)
-                tl.store(o + HALF, y2.to(YT), mask=fmask)
+                tl.store(KO + hk * skoh + toks[:, None] * skot + cols[None, :], y.to(YT), mask=m)
         else:
             if CACHE:  # h < NH: a v head
                 hv = h - HQ - HKV
-                vo = V + hv * svh + toks[:, None] * svt + fr[None, :]
-                c = VC + hv * svch + vrow
                 VCT: tl.constexpr = VC.dtype.element_ty
-                tl.store(c, tl.load(vo, mask=cmask).to(VCT), mask=cmask)
-                tl.store(c + HALF, tl.load(vo + HALF, mask=cmask).to(VCT), mask=cmask)
+                v = tl.load(V + hv * svh + toks[:, None] * svt + cols[None, :], mask=cmask)
+                tl.store(VC + hv * svch + vrow, v.to(VCT), mask=cmask)
 
 
 def _heads(x: torch.Tensor, T: int, Dh: int, who: str) -> torch.Tensor:
@@ -294,6 +291,6 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
             inv_freq.float().contiguous(), cs, k_cache, v_cache, slot_mapping, T, Hq, Hkv, hpp,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             qo.stride(0), qo.stride(1), kout.stride(0), kout.stride(1), *kc_args, Dh, float(eps),
-            HALF=half, BLOCK_T=rows, BLOCK_F=triton.next_power_of_2(half), BLOCK_D=block_d, NORM=norm,
-            CACHE=cache, PAGE=page, TABLE=table, num_warps=warps)
+            HALF=half, BLOCK_T=rows, BLOCK_D=block_d, NORM=norm, CACHE=cache, PAGE=page, TABLE=table,
+            num_warps=warps)
     return qo, ko
