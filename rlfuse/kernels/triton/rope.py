@@ -25,9 +25,9 @@ def _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF: tl.constexpr):
 
 @triton.jit
 def _angles(P_ptr, F_ptr, CS_ptr, toks, tmask, fr, HALF: tl.constexpr, TABLE: tl.constexpr):
-    """cos, sin (BLOCK_T, BLOCK_F): with TABLE, loaded from the step's table (`cos_sin_table`:
-    the bits of `_cos_sin`, computed once per forward instead of in every program of every
-    layer); else computed here. Masked lanes are never stored."""
+    """cos, sin (BLOCK_T, len(fr)) of angles fr (< HALF): with TABLE, loaded from the step's
+    table (`cos_sin_table`: the bits of `_cos_sin`, computed once per forward instead of in
+    every program of every layer); else computed here. Masked lanes are never stored."""
     if TABLE:
         m = tmask[:, None] & (fr[None, :] < HALF)
         row = CS_ptr + toks[:, None] * (2 * HALF) + fr[None, :]
