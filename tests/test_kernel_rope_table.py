@@ -1,7 +1,8 @@
 """The step's RoPE table (`rope_cos_sin`) changes no bit: RoPE (forward and backward) and the
 fused q/k norms + RoPE (+ KV store) that load cos/sin from it equal the same kernels
-computing cos/sin themselves, in both numerics, fp32 and bf16, odd shapes (T not a multiple
-of the token block, Dh/2 not a power of two), large positions, strided inputs.
+computing cos/sin themselves and the unfused ops (rmsnorm, then the RoPE kernel on half
+tiles), in both numerics, fp32 and bf16, odd shapes (T not a multiple of the token block,
+Dh/2 not a power of two), large positions, strided inputs, either program grid.
 CPU: Triton's interpreter at small shapes; GPU (marked): the Qwen3-0.6B decode step.
 
     python -m pytest -q tests/test_kernel_rope_table.py
@@ -99,7 +100,8 @@ def test_table_only_on_triton_and_checked():
 def test_cuda_table_bitwise_at_qwen3_decode():
     """Compiled kernels, the Qwen3-0.6B decode step (B = 256, 16 q / 8 kv heads, Dh 128, bf16,
     positions of a long rollout) and a training-sized pack (T = 4096, RoPE forward and
-    backward): the table changes no bit."""
+    backward): the table changes no bit, and the fused kernel's whole-row tiles give the
+    unfused ops' bits (the compiler's contractions and reduction layout, unseen on CPU)."""
     g = torch.Generator().manual_seed(1)
     inv = rope_inv_freq(128, 1e6).to(DEV)
     with use_backend("triton"):
