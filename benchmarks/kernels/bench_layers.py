@@ -17,7 +17,10 @@ decode batches T in {64, 256} and a prefill chunk of 4096:
     add+rmsnorm      add_rmsnorm(h, x, w)       vs  s = h + x; rmsnorm(s, w)
     qk-norm+rope     qk_norm_rope(q, k, ...)    vs  rmsnorm(q), rmsnorm(k), rope(q), rope(k)
     qk-norm+rope+kv  the same with the KV store vs  the four, then store_kvcache
-q (T, 16, 128), k and v (T, 8, 128), the cache in pages of 16.
+q (T, 16, 128), k and v (T, 8, 128), the cache in pages of 16. One more row compares the
+step's RoPE table: a step's 28 layers of qk-norm+rope+kv (same inputs each layer) with cos/sin
+from the table `rope_cos_sin` computes once (the "fused" column) against each kernel
+computing its own (the "unfused" column); tests/test_kernel_rope_table.py checks their bits.
 
 Run on the GPU box:  OUT=./out python benchmarks/kernels/bench_layers.py [--quick] [--no-compile] [--no-graph]
                      OUT=./out python benchmarks/kernels/bench_layers.py --fused   (the fused table only)
@@ -41,7 +44,7 @@ from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (th
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_inv_freq, rope_ref
+from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq, rope_ref
 from rlfuse.kernels.swiglu import swiglu, swiglu_ref
 
 DT = torch.bfloat16
@@ -113,6 +116,12 @@ def fused_cases(T: int, dev: str):
     qk = (q, k, pos, inv, wq, wk, 1e-6)
     kv = dict(v=v, kv_cache=cache, slot_mapping=slots)
     n_qk = T * 24 * 128
+
+    n = 28 if dev == "cuda" else 2  # a Qwen3-0.6B step's layers (2 in the CPU smoke test)
+
+    def layers(table: bool):  # the step's calls, with or without the step's table
+        cs = rope_cos_sin(pos, inv) if table else None
+        return [qk_norm_rope(*qk, **kv, cos_sin=cs) for _ in range(n)][-1]
     return {
         # fwd: h, x -> s, y; bwd: ds, dy, s -> dh (= dx)
         "add+rmsnorm": (lambda *a: add_rmsnorm(*a, 1e-6), unfused_add, (h, x, w), (h, x, w),
@@ -121,6 +130,8 @@ def fused_cases(T: int, dev: str):
         # reads q, k, v; writes q and the cache's k, v
         "qk-norm+rope+kv": (lambda: qk_norm_rope(*qk, **kv), lambda: qk_norm_rope_ref(*qk, **kv), (), None,
                             (2 * (n_qk + T * 8 * 128) * e,)),
+        f"x{n}, table vs not": (lambda: layers(True), lambda: layers(False), (), None,
+                                (n * 2 * (n_qk + T * 8 * 128) * e,)),
     }
 
 

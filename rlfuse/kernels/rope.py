@@ -9,11 +9,20 @@ Batch-invariant: each token uses only its own position.
 
 Triton path: one program per block of BLOCK_T tokens and group of heads computes the
 fp32 angles pos * inv_freq in-kernel (the same product as the reference: int position
--> fp32, times fp32 inv_freq) and their cos/sin once, then loops over its heads. The backward is
+-> fp32, times fp32 inv_freq) and their cos/sin once (or loads them from the step's
+table, below), then loops over its heads. The backward is
 the same kernel rotating by -a:
     dx1 = dy1 cos a + dy2 sin a,   dx2 = dy2 cos a - dy1 sin a
 Output and gradient are new contiguous (T, H, Dh) tensors in x.dtype; x may be any
 (T, H, Dh) view with unit stride on the last dim (e.g. q_proj(x).view(T, H, Dh)).
+
+The step's table: every layer of a forward rotates by the same angles, so the model computes
+`cos_sin = rope_cos_sin(positions, inv_freq)` once, a (T, Dh) fp32 [cos a | sin a] made
+by the kernels' own cos/sin code, and passes it to every layer's `rope` / `qk_norm_rope`
+(`cos_sin=`), whose Triton kernels then load cos/sin instead of computing them: the same
+bits, with libdevice sin/cos run once per token per forward instead of once per token,
+layer and program. On the reference backend `rope_cos_sin` gives None and the references
+compute their own (a table is never needed for the result, only for speed).
 
 Fused with the per-head norms and the KV store (the decode path's small kernels):
 `qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v=, kv_cache=,
@@ -78,19 +87,29 @@ def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor | None:
+    """positions (T,) -> the step's cos/sin table (T, Dh) fp32 for the Triton kernels, or
+    None where rope runs the reference (see the module docstring)."""
+    if resolve_backend("rope", positions) == "triton":
+        return triton_ops("rope").cos_sin_table(positions, inv_freq)
+    return None
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
+         cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+    """cos_sin: `rope_cos_sin(positions, inv_freq)` (optional, same result)."""
     if resolve_backend("rope", x) == "triton":  # elementwise: batch-invariant in both numerics
-        return triton_ops("rope").rope(x, positions, inv_freq)
+        return triton_ops("rope").rope(x, positions, inv_freq, cos_sin)
     return rope_ref(x, positions, inv_freq, exact=is_exact())
 
 
 def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
-                     v=None, kv_cache=None, slot_mapping=None):
+                     v=None, kv_cache=None, slot_mapping=None, cos_sin=None):
     """The spec of `qk_norm_rope`: the unfused public ops in sequence (on the torch
     backend, the references of the current numerics)."""
     if q_weight is not None:
         q, k = rmsnorm(q, q_weight, eps), rmsnorm(k, k_weight, eps)
-    q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
+    q, k = rope(q, positions, inv_freq, cos_sin), rope(k, positions, inv_freq, cos_sin)
     if kv_cache is None:
         return q, k
     store_kvcache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
@@ -98,10 +117,11 @@ def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, ep
 
 
 def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
-                 v=None, kv_cache=None, slot_mapping=None):
+                 v=None, kv_cache=None, slot_mapping=None, cos_sin=None):
     """q (T, Hq, Dh), k (T, Hkv, Dh) -> (q, k) normalized (if weights) and rotated; with
     kv_cache = (k_cache, v_cache), v (T, Hkv, Dh) and slot_mapping (T,): k and v stored,
-    -> (q, None). One launch on the Triton backend outside autograd."""
+    -> (q, None). One launch on the Triton backend outside autograd. cos_sin: the step's
+    table (`rope_cos_sin`; optional, same result)."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: give both q_weight and k_weight, or neither")
     if (kv_cache is None) != (v is None) or (kv_cache is None) != (slot_mapping is None):
@@ -109,6 +129,7 @@ def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, q_weight, k_weight))
     if resolve_backend("rope", q) == "triton" and not grad:
         return triton_ops("rope").qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps,
-                                                      v=v, kv_cache=kv_cache, slot_mapping=slot_mapping)
+                                                      v=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
+                                                      cos_sin=cos_sin)
     return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
-                            slot_mapping=slot_mapping)
+                            slot_mapping=slot_mapping, cos_sin=cos_sin)

@@ -31,7 +31,7 @@ from rlfuse.kernels.backend import current_backend, current_numerics, use_backen
 from rlfuse.kernels.linear import linear
 from rlfuse.kernels.paged_attention import SharedPrefixDecode, paged_attention
 from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from rlfuse.kernels.rope import qk_norm_rope, rope_inv_freq
+from rlfuse.kernels.rope import qk_norm_rope, rope_cos_sin, rope_inv_freq
 from rlfuse.kernels.swiglu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
 
@@ -135,7 +135,8 @@ class Attention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_fused = None  # q/k/v as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
-    def forward(self, x_TD, positions, attn, inv_freq):
+    def forward(self, x_TD, positions, attn, inv_freq, cos_sin=None):
+        """cos_sin: the forward's RoPE table (`rope_cos_sin`) or None (computed in the kernel)."""
         T = x_TD.shape[0]
         if self.qkv_fused is not None and self.qkv_fused.live(self):
             qkv = self.qkv_fused(x_TD)  # (T, (Hq + 2 Hkv) Dh)
@@ -150,11 +151,11 @@ class Attention(nn.Module):
         if isinstance(attn, PagedKV):
             k_cache, v_cache = attn.kv_caches[self.layer_idx]
             q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
-                                slot_mapping=attn.slot_mapping)
+                                slot_mapping=attn.slot_mapping, cos_sin=cos_sin)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
                                 attn.block_tables, attn.max_seqlen_q, shared=attn.shared)
         else:
-            q, k = qk_norm_rope(q, k, positions, inv_freq, *norm)
+            q, k = qk_norm_rope(q, k, positions, inv_freq, *norm, cos_sin=cos_sin)
             o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
         return self.o_proj(o.reshape(T, self.n_q * self.dh))
 
@@ -181,15 +182,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h, positions, attn, inv_freq, delta=None):
+    def forward(self, h, positions, attn, inv_freq, delta=None, cos_sin=None):
         """h: the residual stream, delta: the previous layer's output not yet added to it
         (None before the first layer). -> (h, delta) with the stream after this layer =
-        h + delta: each residual add runs in the kernel of the norm that follows it."""
+        h + delta: each residual add runs in the kernel of the norm that follows it.
+        cos_sin: the forward's RoPE table (`rope_cos_sin`), or None."""
         if delta is None:
             x = self.input_layernorm(h)
         else:
             h, x = self.input_layernorm(delta, h)
-        h, x = self.post_attention_layernorm(self.self_attn(x, positions, attn, inv_freq), h)
+        h, x = self.post_attention_layernorm(self.self_attn(x, positions, attn, inv_freq, cos_sin), h)
         return h, self.mlp(x)
 
 
@@ -229,6 +231,8 @@ class CausalLM(nn.Module):
         """input_ids (T,), positions (T,) -> hidden (T, D)."""
         h, delta = self.model.embed_tokens(input_ids), None
         inv_freq = self.inv_freq(h.device)
+        # every layer rotates by the same angles: their cos/sin once per forward (Triton only)
+        cos_sin = rope_cos_sin(positions, inv_freq)
         backend, numerics = current_backend(), current_numerics()
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
@@ -237,9 +241,9 @@ class CausalLM(nn.Module):
                 # forward's backend and numerics so the recompute saves the same tensors
                 # (else CheckpointError, or gradients of a different forward).
                 h, delta = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
-                                      delta, use_reentrant=False)
+                                      delta, cos_sin, use_reentrant=False)
             else:
-                h, delta = layer(h, positions, attn, inv_freq, delta)
+                h, delta = layer(h, positions, attn, inv_freq, delta, cos_sin)
         return self.model.norm(h) if delta is None else self.model.norm(delta, h)[1]
 
     def forward_padded(self, input_ids, attention_mask=None):

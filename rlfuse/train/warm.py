@@ -49,6 +49,7 @@ from rlfuse.kernels.backend import (
     use_numerics,
 )
 from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.rope import rope_cos_sin
 from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -108,9 +109,10 @@ class KernelWarmup:
         dtype = m.lm_head_weight.dtype
         h = torch.randn(batch.num_tokens, m.config.hidden_size, device=self.device, dtype=dtype, requires_grad=True)
         layer, inv_freq = m.model.layers[0], m.inv_freq(self.device)
+        cos_sin = rope_cos_sin(batch.positions, inv_freq)  # as CausalLM.forward: the table kernels
         # twice: the first layer's norm and every later one's (the residual add fused into it)
-        h1, delta = layer(h, batch.positions, batch.attn, inv_freq)
-        h1, delta = layer(h1, batch.positions, batch.attn, inv_freq, delta)
+        h1, delta = layer(h, batch.positions, batch.attn, inv_freq, None, cos_sin)
+        h1, delta = layer(h1, batch.positions, batch.attn, inv_freq, delta, cos_sin)
         loss = self.head(m.model.norm(delta, h1)[1], batch)
         wrt = [h] + [p for p in list(layer.parameters()) + list(m.model.norm.parameters()) + [m.lm_head_weight]
                      if p.requires_grad]
