@@ -147,3 +147,16 @@ def test_cuda_qwen3_decode_shape(exact):
         err_plain = (plain.double() - gold).abs().max().item()
         err = (shared.double() - gold).abs().max().item()
         assert err <= 2 * err_plain + 4 * 2.0**-8 * gold.abs().max().item(), (err, err_plain)
+
+
+def test_sharing_pays_when_it_fills_the_gpu_or_outgrows_l2(monkeypatch):
+    import types
+
+    import rlfuse.kernels.paged_attention as pa
+    monkeypatch.setattr(pa, "num_sms", lambda d: 132)  # an H100's
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=50 << 20))
+    cuda, kv = torch.device("cuda"), 2 * 8 * 128 * 2  # Qwen3-0.6B: one layer's K/V of a key
+    assert not pa.shared_prefix_pays(8, 8 * 128, 8, kv, cuda)  # the GRPO step bench: 8 prompts of 128
+    assert pa.shared_prefix_pays(32, 32 * 192, 8, kv, cuda)  # 32 prompts x 8: 256 programs
+    assert pa.shared_prefix_pays(8, 8 * 2048, 8, kv, cuda)  # 8 prompts of 2048: 64 MiB > L2
+    assert pa.shared_prefix_pays(1, 64, 8, kv, torch.device("cpu")) and not pa.shared_prefix_pays(0, 0, 8, kv, cuda)

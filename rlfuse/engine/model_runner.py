@@ -14,8 +14,10 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      largest bucket replay the CUDA graph of the smallest bucket >= B over static
      buffers (rows past B are padding: slot -1, seq_len 0, so they write nothing and
      attend to nothing); graphs are captured on first use of a bucket (or all at once by
-     `capture_graphs`). Everything else (prefill chunks, mixed batches) runs eagerly.
-     On CPU with enforce_eager=False the same static buffers run without capture.
+     `capture_graphs`), a second one per bucket with a shared-prefix plan (sequences
+     whose prompts share cache blocks read them once: `_share_plan`). Everything else
+     (prefill chunks, mixed batches) runs eagerly. On CPU with enforce_eager=False the
+     same static buffers run without capture.
   3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
      log-prob from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the
@@ -41,7 +43,8 @@ from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels.backend import num_sms, resolve_backend, use_numerics
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.paged_attention import SharedPrefixDecode, plan_shared_prefix, shared_prefix_members
+from rlfuse.kernels.paged_attention import (SharedPrefixDecode, plan_shared_prefix, shared_prefix_members,
+                                            shared_prefix_pays)
 from rlfuse.kernels.sampling import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
@@ -102,8 +105,7 @@ class ModelRunner:
             self.s_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
             self.s_out = torch.zeros((n, self.mcfg.hidden_size), dtype=self.dtype, device=self.device)
         self.kv: KVCache | None = None
-        # sequences per shared-prefix chunk (0: decode reads every prefix per sequence);
-        # the plan is rebuilt only when the running set changes (_share_plan)
+        # sequences per shared-prefix chunk (0: no sharing); plan: _share_plan
         self.share_members = 0
         if (self.static and cfg.share_prefix_decode and cfg.enable_prefix_caching
                 and resolve_backend("paged_attention", W) == "triton"):
@@ -330,32 +332,31 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode graphs
     def _share_plan(self, seqs: list[Sequence], host: np.ndarray, nb: int) -> bool:
-        """Fill the static buffer's _SH_* fields with the step's shared-prefix plan (running
-        sequences whose prompts' full blocks are the same cache blocks); False if nothing is
-        shared (the plain graph runs). Cached while the running set and its first blocks (a
-        preempted sequence gets new ones) stay the same."""
+        """Fill the static buffer's _SH_* fields with the step's shared-prefix plan; False if
+        nothing is shared or sharing does not pay (the plain graph runs). Cached while the
+        running set and its first blocks (a preempted sequence gets new ones) stay the same."""
         if not self.share_members or len(seqs) < 2:
             return False
         key = tuple((s.seq_id, s.block_table[0]) for s in seqs)
         if key != self._share_key:
-            self._share_key, bs = key, self.block_size
-            self._share_arrays = plan_shared_prefix([s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs,
-                                                    self.share_members, nb // 2)
+            self._share_key, bs, m = key, self.block_size, self.mcfg
+            *arr, n = plan_shared_prefix([s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs,
+                                         self.share_members, nb // 2)  # share_len, perm, first, count, chunks
+            pays = shared_prefix_pays(n, int(arr[0][arr[1][arr[2][:n]]].sum()), m.num_key_value_heads,
+                                      2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
+            self._share_arrays = *arr, n if pays else 0
         share_len, perm, first, count, n = self._share_arrays
-        B = len(seqs)
-        host[_SH_LEN, :B], host[_SH_PERM, :B], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = share_len, perm, \
-            first, count
+        host[_SH_LEN, :len(seqs)], host[_SH_PERM, :len(seqs)], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = \
+            share_len, perm, first, count
         return n > 0
 
     def _decode_body(self, nb: int, shared: bool) -> None:
-        st = self.s_i64
-        fs = _field_stride(nb)
+        st, fs = self.s_i64, _field_stride(nb)
         ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
-        seq_lens = seq_lens.to(torch.int32)
         plan = SharedPrefixDecode(*(st[f * fs:f * fs + (nb // 2 if f in (_SH_FIRST, _SH_NUM) else nb)]
                                     for f in (_SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM)), self.share_members) if shared else None
-        attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens, self.bt.index_select(0, rows), 1,
-                       plan)
+        attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens.to(torch.int32),
+                       self.bt.index_select(0, rows), 1, plan)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))
 
     def _replay(self, nb: int, shared: bool = False) -> None:

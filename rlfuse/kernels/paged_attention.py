@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.kernels.attention import KV_BLOCK, attend_exact_ref, supports_head_dim
-from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
+from rlfuse.kernels.backend import is_exact, num_sms, resolve_backend, triton_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +93,20 @@ def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: 
     """Sequences per shared-prefix chunk for this model and numerics."""
     group = 1 << (n_heads // n_kv_heads - 1).bit_length()
     return shared_prefix_rows(group, exact, itemsize) // group
+
+
+def shared_prefix_pays(chunks: int, shared_tokens: int, n_kv_heads: int, kv_token_bytes: int,
+                       device: torch.device) -> bool:
+    """Whether a plan of `chunks` chunks sharing `shared_tokens` keys in all (one layer's K/V
+    of a key: `kv_token_bytes`) is worth its prefix programs, which run before the suffix
+    programs: when they fill the GPU (chunks x kv heads >= SMs), or when the prefixes' K/V
+    outgrow the L2 cache, which otherwise already serves most repeated reads of a short
+    prefix (H100, docs/perf-log.md: 8 prompts of 128 keys x 8 completions decoded 7%
+    slower shared; 32 prompts of 250 x 8, 9% faster)."""
+    if device.type != "cuda":
+        return chunks > 0
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return chunks * n_kv_heads >= num_sms(device) or shared_tokens * kv_token_bytes >= l2
 
 
 def _common_blocks(a, b) -> int:
