@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlfuse.engine.benchmark import QWEN3_SHAPES, random_model  # noqa: E402
+from rlfuse.kernels.backend import new_compiles, triton_compiles  # noqa: E402
 
 REWARD = "def even(prompts, completions, completion_ids, **kw):\n" \
          "    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]\n"
@@ -166,11 +167,13 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     tr = GRPOTrainer(cfg, model, sampler, RewardSet(cfg.rewards), PromptStream(prompts, seed=0), opt)
     rows = []
     for step in range(steps):
+        c0 = triton_compiles()
         t0 = time.perf_counter()
         m = tr.step(step)
         wall = time.perf_counter() - t0
+        compiled = new_compiles(c0, triton_compiles())  # Triton compiles this step paid for
         train_peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
-        row = {"step": step, "warmup": step == 0, "wall_s": wall,
+        row = {"step": step, "warmup": step == 0, "wall_s": wall, "triton_compiles": compiled,
                "generate_peak": sampler.generate_peak, "before_generate": sampler.before_generate,
                "after_sleep": sampler.after_sleep, "train_peak": train_peak,
                "train_extra": train_peak - sampler.after_sleep,
@@ -341,11 +344,11 @@ def main() -> int:
     lines = [f"### GRPO step: Qwen3-{args.shape.upper()}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
              "| numerics | fused | shared prefix | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
-             "mean new tokens | max abs dlogp |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "mean new tokens | max abs dlogp | Triton compiles |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if "skipped" in c:
             lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
-                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | skipped: {c['skipped']} |" + " |" * 9)
+                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | skipped: {c['skipped']} |" + " |" * 10)
             continue
         for r in c["steps"]:
             peak = max(r["generate_peak"], r["train_peak"]) / 2**20
@@ -353,7 +356,8 @@ def main() -> int:
                          f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
                          f"{r['time/generate']:.2f} | {r['time/score']:.2f} | {r['time/train']:.2f} | "
                          f"{r['time/step']:.2f} | {r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | "
-                         f"{peak:.0f} | {r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} |")
+                         f"{peak:.0f} | {r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} | "
+                         f"{sum(r.get('triton_compiles', {}).values())} |")
     lines += ["", "Memory by component (last case):", "", *table_md(cases[-1:])]
     if args.demo:
         d = result["demo"]
