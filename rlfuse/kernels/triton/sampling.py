@@ -393,7 +393,10 @@ def sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets, *,
     w = {name: ws[a:a + n].view(shape).view(dt)
          for (name, (shape, dt)), a, n in zip(scratch.items(), starts, sizes)}
     ids = torch.empty((B,), dtype=torch.int64, device=dev)
-    logprobs, thr = torch.empty((2, B), dtype=torch.float32, device=dev)
+    # rows padded to 4 floats: thr starts 16-byte aligned whatever B (a row count that is not a
+    # multiple of 4, e.g. after a sequence stopped, would compile a second draw kernel mid-run)
+    out = torch.empty((2, -(-B // 4) * 4), dtype=torch.float32, device=dev)
+    logprobs, thr = out[0, :B], out[1, :B]
     if B == 0:
         return (ids, logprobs, thr) if return_threshold else (ids, logprobs)
     params = [p.contiguous() for p in (temperature, top_k, top_p, min_p, seeds, offsets)]
