@@ -53,6 +53,7 @@ SMALL = dict(model_type="qwen3", qk_norm=True, hidden_size=64, intermediate_size
              tie_word_embeddings=True)
 GIB = 2**30
 FULL_FT_BYTES = 2 + 12 + 4  # a parameter in a full fine-tune: bf16 weight, fp32 master + 2 moments, fp32 gradient
+SHARE_LABEL = {None: "auto", True: "yes", False: "no"}  # engine.share_prefix_decode in the tables
 TABLE = [("4b", 16), ("8b", 16), ("0.6b", 16), ("1.7b", 16), ("0.6b", 0), ("1.7b", 0), ("4b", 0), ("8b", 0)]
 
 
@@ -97,7 +98,7 @@ def allocated(device: torch.device) -> int:
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
              steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
-             warm: bool = False, share: bool = True) -> dict:
+             warm: bool = False, share: bool | None = None) -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -287,8 +288,9 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny model, CPU-sized (smoke test)")
     ap.add_argument("--fuse", choices=("on", "off", "both"), default="on",
                     help="engine.fuse_projections (q/k/v and gate/up as one GEMM each); both: off then on")
-    ap.add_argument("--share-prefix-decode", choices=("on", "off", "both"), default="on",
-                    help="engine.share_prefix_decode (a group's prompt K/V read once per decode step); both: off then on")
+    ap.add_argument("--share-prefix-decode", choices=("auto", "on", "off", "both"), default="auto",
+                    help="engine.share_prefix_decode (a group's prompt K/V read once per decode step): auto = null "
+                         "(where it pays), on = true, off = false; both: off then on")
     ap.add_argument("--warm-kernels", action="store_true",
                     help="grpo.warm_kernels true: compile the update's kernels in worker processes during the "
                          "first rollout (an A/B of the first step: run each in a fresh process on a cold "
@@ -320,7 +322,8 @@ def main() -> int:
                       warm=args.warm_kernels, share=sh)
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
              for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
-             for sh in ((False, True) if args.share_prefix_decode == "both" else (args.share_prefix_decode == "on",))]
+             for sh in ((False, True) if args.share_prefix_decode == "both"
+                        else ({"auto": None, "on": True, "off": False}[args.share_prefix_decode],))]
     result = {"gpu": gpu, "torch": torch.__version__, "commit": commit, "small": args.small, "cases": cases}
     (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))  # kept if the demo fails
     if args.demo:
@@ -339,7 +342,7 @@ def main() -> int:
                                            ("--no-checkpointing", args.no_checkpointing),
                                            (f"--fuse {args.fuse}", args.fuse != "on"),
                                            (f"--share-prefix-decode {args.share_prefix_decode}",
-                                            args.share_prefix_decode != "on"),
+                                            args.share_prefix_decode != "auto"),
                                            ("--warm-kernels", args.warm_kernels)) if on)
     lines = [f"### GRPO step: Qwen3-{args.shape.upper()}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
@@ -348,12 +351,12 @@ def main() -> int:
     for c in cases:
         if "skipped" in c:
             lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
-                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | skipped: {c['skipped']} |" + " |" * 10)
+                         f"{SHARE_LABEL[c.get('share_prefix_decode')]} | skipped: {c['skipped']} |" + " |" * 10)
             continue
         for r in c["steps"]:
             peak = max(r["generate_peak"], r["train_peak"]) / 2**20
             lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
-                         f"{'yes' if c.get('share_prefix_decode', True) else 'no'} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
+                         f"{SHARE_LABEL[c.get('share_prefix_decode')]} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
                          f"{r['time/generate']:.2f} | {r['time/score']:.2f} | {r['time/train']:.2f} | "
                          f"{r['time/step']:.2f} | {r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | "
                          f"{peak:.0f} | {r['completion_len/mean']:.0f} | {r['mismatch/max_abs']:.2e} | "

@@ -203,8 +203,9 @@ def main() -> None:
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"])
     ap.add_argument("--group", type=int, default=1, help="sequences per prompt (a GRPO group: the prompt's "
                     "cached blocks shared); B must be a multiple")
-    ap.add_argument("--share", nargs="+", choices=["off", "on"], default=["on"],
-                    help="EngineConfig.share_prefix_decode (matters with --group > 1); 'off on' runs both")
+    ap.add_argument("--share", nargs="+", choices=["off", "auto", "on"], default=["auto"],
+                    help="EngineConfig.share_prefix_decode: false, null (where it pays), true (matters with "
+                         "--group > 1); 'off on' runs both")
     ap.add_argument("--fuse", nargs="+", choices=["off", "on"], default=["on"],
                     help="fused q/k/v and gate/up GEMMs (EngineConfig.fuse_projections); 'off on' runs both")
     args = ap.parse_args()
@@ -218,12 +219,12 @@ def main() -> None:
                copy_bandwidth_GBps=bw / 1e9, weight_bytes=wbytes, runs={})
     # fusing re-points the model's parameters for good: the unfused runs go first
     runs = [(fuse, num, sh) for fuse in sorted(set(args.fuse), key=["off", "on"].index) for num in args.numerics
-            for sh in sorted(set(args.share), key=["off", "on"].index)]
+            for sh in sorted(set(args.share), key=["off", "auto", "on"].index)]
     for fuse, num, sh in runs:
         key = num + ("" if len(set(args.fuse)) == 1 else f" {'fused' if fuse == 'on' else 'unfused'}") \
-            + ("" if len(set(args.share)) == 1 else f" {'shared' if sh == 'on' else 'unshared'}")
+            + ("" if len(set(args.share)) == 1 else f" share {sh}")
         llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0, fuse=fuse == "on",
-                            group=args.group if not args.small else 2, share=sh == "on")
+                            group=args.group if not args.small else 2, share={"off": False, "auto": None, "on": True}[sh])
         step_s = time_steps(llm, N, dev)
         r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
         if dev.type == "cuda":

@@ -59,7 +59,7 @@ def run(args) -> int:
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
-                      numerics=args.numerics, share_prefix_decode=not args.no_share_prefix_decode)
+                      numerics=args.numerics, share_prefix_decode=False if args.no_share_prefix_decode else None)
     try:
         out = make_folder(args.out or os.environ.get("OUT") or "out", "--out")  # before minutes of benchmarking
         result = run_bench(cfg)

@@ -90,7 +90,8 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
         Setting(name="eager, no look-ahead", num_prompts=groups, n=n,
                 engine=dict(enforce_eager=True, look_ahead=False)),
         Setting(name="micro-batches of 1 sequence", num_prompts=groups, n=n, micro_batch_tokens=1),
-        Setting(name=f"n={n} long shared prompts", num_prompts=groups, n=n, min_prompt_len=LONG_PROMPT),
+        Setting(name=f"n={n} long shared prompts", num_prompts=groups, n=n, min_prompt_len=LONG_PROMPT,
+                engine=dict(share_prefix_decode=True)),  # the shared-prefix decode, even where it does not pay
         Setting(name="combined", num_prompts=groups, n=n, micro_batch_tokens=96,
                 engine=dict(**pool, **chunk, enable_prefix_caching=True, look_ahead=True)),
     ]

@@ -85,7 +85,7 @@ class BenchConfig:
     seed: int = 0
     numerics: str = "fast"
     """EngineConfig.numerics: exact runs the batch-invariant kernels (docs/numerics.md)."""
-    share_prefix_decode: bool = True
+    share_prefix_decode: bool | None = None
     """EngineConfig.share_prefix_decode (the grpo case's groups read their prompt once)."""
 
 

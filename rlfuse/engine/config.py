@@ -54,11 +54,13 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     """Share full prompt blocks between sequences with the same prefix (GRPO groups,
     system prompts) by hash of the block's tokens chained with its prefix."""
-    share_prefix_decode: bool = True
+    share_prefix_decode: bool | None = None
     """Decode steps on CUDA graphs read a prompt's cached K/V once for every running
     sequence that shares those blocks (a GRPO group's completions), not once per sequence
     (rlfuse.kernels.paged_attention, "Shared prefixes"). Exact numerics keep their bits;
-    fast numerics round as a split decode does. Needs prefix caching to share anything."""
+    fast numerics round as a split decode does. None (default): where it pays
+    (`shared_prefix_pays`: enough groups to fill the GPU, or prompts whose K/V outgrow the
+    L2 cache); True: whenever prompts share blocks; False: never. Needs prefix caching."""
     enforce_eager: bool = False
     """No CUDA graphs. On CPU, False runs decode through the same static, bucket-padded
     buffers the graphs use (without capture) so CPU tests cover that bookkeeping."""
@@ -111,8 +113,9 @@ class EngineConfig:
         if self.fuse_projections is not None and not isinstance(self.fuse_projections, bool):
             raise ValueError(f"{o}.fuse_projections must be true, false or null (auto: on CUDA), "
                              f"got {self.fuse_projections!r}")
-        if not isinstance(self.share_prefix_decode, bool):
-            raise ValueError(f"{o}.share_prefix_decode must be true or false, got {self.share_prefix_decode!r}")
+        if self.share_prefix_decode is not None and not isinstance(self.share_prefix_decode, bool):
+            raise ValueError(f"{o}.share_prefix_decode must be true, false or null (where it pays), "
+                             f"got {self.share_prefix_decode!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{o}.seed must be an int >= 0, got {self.seed!r}")
 

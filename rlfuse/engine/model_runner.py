@@ -107,7 +107,7 @@ class ModelRunner:
         self.kv: KVCache | None = None
         # sequences per shared-prefix chunk (0: no sharing); plan: _share_plan
         self.share_members = 0
-        if (self.static and cfg.share_prefix_decode and cfg.enable_prefix_caching
+        if (self.static and cfg.share_prefix_decode is not False and cfg.enable_prefix_caching
                 and resolve_backend("paged_attention", W) == "triton"):
             self.share_members = shared_prefix_members(self.mcfg.num_attention_heads, self.mcfg.num_key_value_heads,
                                                        cfg.numerics == "exact", W.element_size())
@@ -332,9 +332,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ decode graphs
     def _share_plan(self, seqs: list[Sequence], host: np.ndarray, nb: int) -> bool:
-        """Fill the static buffer's _SH_* fields with the step's shared-prefix plan; False if
-        nothing is shared or sharing does not pay (the plain graph runs). Cached while the
-        running set and its first blocks (a preempted sequence gets new ones) stay the same."""
+        """Fill the _SH_* fields with the step's shared-prefix plan; False: nothing to share or
+        it does not pay. Cached while the running set and its first blocks stay the same."""
         if not self.share_members or len(seqs) < 2:
             return False
         key = tuple((s.seq_id, s.block_table[0]) for s in seqs)
@@ -342,8 +341,9 @@ class ModelRunner:
             self._share_key, bs, m = key, self.block_size, self.mcfg
             *arr, n = plan_shared_prefix([s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs,
                                          self.share_members, nb // 2)  # share_len, perm, first, count, chunks
-            pays = shared_prefix_pays(n, int(arr[0][arr[1][arr[2][:n]]].sum()), m.num_key_value_heads,
-                                      2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
+            pays = self.cfg.share_prefix_decode or shared_prefix_pays(
+                n, int(arr[0][arr[1][arr[2][:n]]].sum()), m.num_key_value_heads,
+                2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
             self._share_arrays = *arr, n if pays else 0
         share_len, perm, first, count, n = self._share_arrays
         host[_SH_LEN, :len(seqs)], host[_SH_PERM, :len(seqs)], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = \
