@@ -30,6 +30,7 @@ Writes $OUT/bench_grpo_step.json and .md (one case) or $OUT/bench_grpo_table.jso
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from rlfuse.engine.benchmark import QWEN3_SHAPES, random_model  # noqa: E402
-from rlfuse.kernels.backend import new_compiles, triton_compiles  # noqa: E402
+from rlfuse.kernels.backend import new_compiles, record_compiles, triton_compiles  # noqa: E402
 
 REWARD = "def even(prompts, completions, completion_ids, **kw):\n" \
          "    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]\n"
@@ -98,7 +99,7 @@ def allocated(device: torch.device) -> int:
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
              steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
-             warm: bool = False, share: bool | None = None) -> dict:
+             warm: bool = False, share: bool | None = None, log_compiles: bool = False) -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -167,11 +168,14 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
                       f"p{i}") for i in range(P * steps)]
     tr = GRPOTrainer(cfg, model, sampler, RewardSet(cfg.rewards), PromptStream(prompts, seed=0), opt)
     rows = []
+    specs = []  # --log-compiles: (step, kernel, Triton's specialization JSON) of each compile
     for step in range(steps):
         c0 = triton_compiles()
         t0 = time.perf_counter()
-        m = tr.step(step)
+        with record_compiles(skip=False) if log_compiles and dev.type == "cuda" else contextlib.nullcontext([]) as reqs:
+            m = tr.step(step)
         wall = time.perf_counter() - t0
+        specs += [(step, f"{mod}.{name}", spec) for mod, name, spec, _ in reqs]
         compiled = new_compiles(c0, triton_compiles())  # Triton compiles this step paid for
         train_peak = torch.cuda.max_memory_allocated() if dev.type == "cuda" else 0
         row = {"step": step, "warmup": step == 0, "wall_s": wall, "triton_compiles": compiled,
@@ -187,7 +191,39 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     del tr, sampler, llm, opt, model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
+    if log_compiles:
+        (out / f"compiles_{numerics}.json").write_text(json.dumps(specs, indent=1))
+        for line in variant_diffs(specs):
+            print(line, flush=True)
     return case | {"memory": mem, "steps": rows}
+
+
+def _flat(x, path=""):
+    if isinstance(x, dict):
+        for k, v in x.items():
+            yield from _flat(v, f"{path}.{k}")
+    elif isinstance(x, list):
+        for i, v in enumerate(x):
+            yield from _flat(v, f"{path}[{i}]")
+    else:
+        yield path, x
+
+
+def variant_diffs(specs: list) -> list[str]:
+    """For each kernel compiled more than once: the specialization fields that differ
+    between its variants (what made Triton compile it again), with the step of each."""
+    by_kernel: dict[str, list] = {}
+    for step, name, spec in specs:
+        by_kernel.setdefault(name, []).append((step, dict(_flat(json.loads(spec)))))
+    lines = []
+    for name, vs in sorted(by_kernel.items()):
+        if len(vs) < 2:
+            continue
+        keys = sorted({k for _, f in vs for k in f})
+        diff = [k for k in keys if len({repr(f.get(k)) for _, f in vs}) > 1]
+        lines.append(f"{name}: {len(vs)} variants (steps {[st for st, _ in vs]})")
+        lines += [f"    {k}: {[f.get(k) for _, f in vs]}" for k in diff[:12]]
+    return lines
 
 
 def gib(x: float) -> str:
@@ -291,6 +327,9 @@ def main() -> int:
     ap.add_argument("--share-prefix-decode", choices=("auto", "on", "off", "both"), default="auto",
                     help="engine.share_prefix_decode (a group's prompt K/V read once per decode step): auto = null "
                          "(where it pays), on = true, off = false; both: off then on")
+    ap.add_argument("--log-compiles", action="store_true",
+                    help="write $OUT/compiles_<numerics>.json: each Triton compile of each step with its "
+                         "specialization (which argument values made a new variant)")
     ap.add_argument("--warm-kernels", action="store_true",
                     help="grpo.warm_kernels true: compile the update's kernels in worker processes during the "
                          "first rollout (an A/B of the first step: run each in a fresh process on a cold "
@@ -319,7 +358,7 @@ def main() -> int:
         return run_table(out, args, header)
     cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
-                      warm=args.warm_kernels, share=sh)
+                      warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles)
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
              for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
              for sh in ((False, True) if args.share_prefix_decode == "both"

@@ -106,11 +106,11 @@ def triton_compiles() -> dict[str, int]:
     return triton_ops("common").compiled_variants()
 
 
-def record_compiles():
-    """Context manager (CUDA): kernel launches that would compile are recorded and skipped;
-    yields [(module, kernel, specialization JSON, target)], the requests a compile worker
-    (`compile_worker_command`) takes (train/warm.py)."""
-    return triton_ops("common").record_compiles()
+def record_compiles(skip: bool = True):
+    """Context manager (CUDA): kernel launches that would compile are recorded and skipped
+    (`skip=False`: recorded only); yields [(module, kernel, specialization JSON, target)],
+    the requests a compile worker (`compile_worker_command`) takes (train/warm.py)."""
+    return triton_ops("common").record_compiles(skip)
 
 
 def compile_worker_command() -> list[str]:

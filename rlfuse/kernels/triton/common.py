@@ -82,11 +82,12 @@ def swizzle(pid, R, C, GROUP_R: tl.constexpr):
 
 
 @contextlib.contextmanager
-def record_compiles():
+def record_compiles(skip: bool = True):
     """Inside: every kernel launch that would compile is recorded and skipped (nothing
     compiles, the kernel does not run; launches of kernels compiled before run). Yields
     the list it fills with (module, kernel name, Triton's specialization JSON, target), one
-    per distinct specialization, for `compile_from_spec`."""
+    per distinct specialization, for `compile_from_spec`. `skip=False`: only record (the
+    kernels compile and run as usual: a diagnostic of which variants a workload compiles)."""
     requests, seen = [], set()
     # the target travels beside the JSON: Triton 3.6 leaves it out (3.9 writes it in)
     target = dataclasses.asdict(triton.runtime.driver.active.get_current_target())
@@ -96,7 +97,7 @@ def record_compiles():
         if spec not in seen:
             seen.add(spec)
             requests.append((fn.module, fn.name, spec, target))
-        return True  # skip
+        return skip
 
     before = knobs.runtime.jit_cache_hook
     knobs.runtime.jit_cache_hook = record
