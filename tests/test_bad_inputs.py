@@ -971,15 +971,15 @@ RANGE_CASES = [
     ("model.dtype=float8", r"model\.dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'float8'"),
     ("grpo.loss_type=ppo", r"grpo\.loss_type must be one of \['grpo', 'dapo', .*\], got 'ppo'"),
     # engine parameters (EngineConfig checks its own fields; the section is named)
-    ("engine.block_size=12", r"engine: EngineConfig\.block_size must be a power of two, got 12"),
-    ("engine.max_num_seqs=0", r"engine: EngineConfig\.max_num_seqs must be a positive integer, got 0"),
-    ("engine.max_num_batched_tokens=-1", r"EngineConfig\.max_num_batched_tokens must be a positive integer"),
-    ("engine.max_model_len=0", r"EngineConfig\.max_model_len must be a positive integer, got 0"),
-    ("engine.num_kv_blocks=0", r"EngineConfig\.num_kv_blocks must be a positive integer, got 0"),
-    ("engine.gpu_memory_fraction=1.5", r"EngineConfig\.gpu_memory_fraction must be in \(0, 1\], got 1\.5"),
-    ("engine.cpu_kv_cache_gib=0", r"EngineConfig\.cpu_kv_cache_gib must be > 0, got 0"),
-    ("engine.numerics=bitwise", r"EngineConfig\.numerics must be one of \('fast', 'exact'\), got 'bitwise'"),
-    ("engine.cuda_graph_batch_sizes=[0]", r"EngineConfig\.cuda_graph_batch_sizes\[\] must be a positive integer"),
+    ("engine.block_size=12", r"engine\.block_size must be a power of two, got 12"),
+    ("engine.max_num_seqs=0", r"engine\.max_num_seqs must be a positive integer, got 0"),
+    ("engine.max_num_batched_tokens=-1", r"engine\.max_num_batched_tokens must be a positive integer"),
+    ("engine.max_model_len=0", r"engine\.max_model_len must be a positive integer, got 0"),
+    ("engine.num_kv_blocks=0", r"engine\.num_kv_blocks must be a positive integer, got 0"),
+    ("engine.gpu_memory_fraction=1.5", r"engine\.gpu_memory_fraction must be in \(0, 1\], got 1\.5"),
+    ("engine.cpu_kv_cache_gib=0", r"engine\.cpu_kv_cache_gib must be > 0, got 0"),
+    ("engine.numerics=bitwise", r"engine\.numerics must be one of \('fast', 'exact'\), got 'bitwise'"),
+    ("engine.cuda_graph_batch_sizes=[0]", r"engine\.cuda_graph_batch_sizes\[\] must be a positive integer"),
     ("model.kernel_backend=cuda", r"model\.kernel_backend must be one of \['auto', 'torch', 'triton'\], got 'cuda'"),
 ]
 
@@ -1069,7 +1069,7 @@ CLI_CONFIG_CASES = [
     ({}, ["sft.steps=1.5"], r"--set sft\.steps=1\.5: sft\.steps: expected an integer, got 1\.5"),
     ({}, ["logging.log_every=0"], r"logging\.log_every must be an integer >= 1, got 0"),
     ({"optim": {"betas": [0.9, 1.0]}}, [], r"recipe\.yaml: optim\.betas\[1\] must be in \[0, 1\), got 1\.0"),
-    ({}, ["engine.block_size=24"], r"engine: EngineConfig\.block_size must be a power of two, got 24"),
+    ({}, ["engine.block_size=24"], r"engine\.block_size must be a power of two, got 24"),
     ({}, ["engine.max_model_len=8"], r"data\.max_prompt_len \(8\) does not fit in the model context \(8 tokens: "
                                      r"engine\.max_model_len.*expected at most 7"),
     ({}, ["data.max_prompt_len=40"], r"data\.max_prompt_len \(40\) does not fit in the model context \(32 tokens"),

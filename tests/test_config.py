@@ -100,6 +100,6 @@ def test_engine_section_is_a_typed_engine_config(tmp_path):
     with pytest.raises(ValueError, match=r"engine.max_seqs: unknown key; valid keys of engine: block_size"):
         load_config(p)
     # the engine's own checks name the section
-    with pytest.raises(ValueError, match=r"engine: EngineConfig.block_size must be a power of two"):
+    with pytest.raises(ValueError, match=r"engine.block_size must be a power of two"):
         load_config(None, ["engine.block_size=24"])
     assert any(ln.startswith("engine.max_num_seqs (int, default 256): Most sequences") for ln in describe(RunConfig))

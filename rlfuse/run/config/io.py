@@ -76,19 +76,20 @@ def from_dict(cls, data: Any, where: str = ""):
     except TypeError as e:  # a required field is missing
         raise ValueError(f"{where or 'config'}: {e}") from None
     except ValueError as e:  # the dataclass's own checks (__post_init__)
-        raise ValueError(_at(where, str(e))) from None
+        raise ValueError(_at(where, str(e), cls.__name__)) from None
 
 
-def _at(where: str, msg: str) -> str:
+def _at(where: str, msg: str, owner: str = "") -> str:
     """A section's own check placed at `where`. A check that names its field by the section's
-    key (LoRAConfig: "lora.rank must be ...", also right when built in Python) gets the full
-    dotted path instead of that key ("model.lora.rank must be ..."), not the path and then the
-    key again; any other message is prefixed with the path."""
+    key or by its class (LoRAConfig: "lora.rank must be ...", EngineConfig: "EngineConfig.
+    block_size must be ...", both right when built in Python) gets the full dotted path
+    instead ("model.lora.rank must be ...", "engine.block_size must be ..."), not the path
+    and then the name again; any other message is prefixed with the path."""
     if not where:
         return msg
-    key = where.rpartition(".")[2]
-    if msg.startswith(key + "."):
-        return where + msg[len(key):]
+    for name in (where.rpartition(".")[2], owner):
+        if name and msg.startswith(name + "."):
+            return where + msg[len(name):]
     return f"{where}: {msg}"
 
 
