@@ -108,6 +108,26 @@ def time_steps(llm: LLM, n: int, dev) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def host_profile(llm: LLM, n: int, dev, top: int = 25) -> list:
+    """The engine's Python over n steps under cProfile (it slows them: compare functions, not
+    the wall): [(function, calls, own s per step, cumulative s per step)], most own time first."""
+    import cProfile
+    import pstats
+    pr = cProfile.Profile()
+    _sync(dev)
+    pr.enable()
+    for _ in range(n):
+        llm.step()
+    _sync(dev)
+    pr.disable()
+    st = pstats.Stats(pr)
+    rows = sorted(((f"{Path(f).name}:{ln}({fn})", cc, tt / n, ct / n) for (f, ln, fn), (cc, _, tt, ct, _) in
+                   st.stats.items()), key=lambda r: -r[2])[:top]
+    for name, calls, tt, ct in rows:
+        print(f"    host {tt * 1e6:8.1f} us own {ct * 1e6:9.1f} us cum  {calls:7d}  {name}", flush=True)
+    return rows
+
+
 def profile_steps(llm: LLM, n: int, dev) -> dict:
     from torch.profiler import ProfilerActivity, profile
     _sync(dev)
@@ -201,6 +221,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"])
+    ap.add_argument("--host", action="store_true", help="also the engine's Python per step under cProfile")
     ap.add_argument("--group", type=int, default=1, help="sequences per prompt (a GRPO group: the prompt's "
                     "cached blocks shared); B must be a multiple")
     ap.add_argument("--share", nargs="+", choices=["off", "auto", "on"], default=["auto"],
@@ -227,6 +248,8 @@ def main() -> None:
                             group=args.group if not args.small else 2, share={"off": False, "auto": None, "on": True}[sh])
         step_s = time_steps(llm, N, dev)
         r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
+        if args.host:
+            r["host_top"] = host_profile(llm, N, dev)
         if dev.type == "cuda":
             r.update(profile_steps(llm, N, dev))
             r["host_gap_s_per_step"] = max(0.0, step_s - r["gpu_busy_s_per_step"])
