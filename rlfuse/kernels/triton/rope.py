@@ -55,7 +55,7 @@ def _rotate(x1, x2, cos, sin, DT: tl.constexpr):
     return round_to(x1 * cos - x2 * sin, DT), round_to(x2 * cos + x1 * sin, DT)
 
 
-@triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
+@triton.jit(do_not_specialize=['T', 'H', 'HPP'])  # vary per step (H: q vs k heads): one compile
 def _rope_kernel(X_ptr, Y_ptr, P_ptr, F_ptr, CS_ptr, T, H, HPP, stride_xt, stride_xh, stride_yt, stride_yh,
                  HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_F: tl.constexpr,
                  BACKWARD: tl.constexpr, TABLE: tl.constexpr):
