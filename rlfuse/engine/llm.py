@@ -262,10 +262,10 @@ class LLM:
         if not keep or (sch.waiting and len(keep) < len(b.seqs)):  # a slot frees: admit in a plain step
             return None
         seqs = [b.seqs[j] for j in keep]
-        grow = [s for s in seqs if bm.blocks_needed(s, s.num_computed + 2)]  # one in block_size per step
-        if sum(bm.blocks_needed(s, s.num_computed + 2) for s in grow) > bm.num_free:
+        grow = [(s, n) for s in seqs if (n := bm.blocks_needed(s, s.num_computed + 2))]  # ~1 in block_size
+        if sum(n for _, n in grow) > bm.num_free:
             return None
-        for s in grow:
+        for s, _ in grow:
             bm.append_blocks(s, s.num_computed + 2)
         ids = cur.pending.ids
         feed = ids if len(keep) == len(b.seqs) else ids[r._upload(keep, torch.int64)]

@@ -338,13 +338,13 @@ class ModelRunner:
             return False
         key = tuple((s.seq_id, s.block_table[0]) for s in seqs)
         if key != self._share_key:
-            self._share_key, bs, m = key, self.block_size, self.mcfg
-            *arr, n = plan_shared_prefix([s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs,
-                                         self.share_members, nb // 2)  # share_len, perm, first, count, chunks
-            pays = self.cfg.share_prefix_decode or shared_prefix_pays(
-                n, int(arr[0][arr[1][arr[2][:n]]].sum()), m.num_key_value_heads,
+            bs, m = self.block_size, self.mcfg
+            share_len, perm, first, count, n = plan_shared_prefix(
+                [s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs, self.share_members, nb // 2)
+            pays = self.cfg.share_prefix_decode or shared_prefix_pays(  # the chunk leaders' shared keys
+                n, int(share_len[perm[first[:n]]].sum()), m.num_key_value_heads,
                 2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
-            self._share_arrays = *arr, n if pays else 0
+            self._share_key, self._share_arrays = key, (share_len, perm, first, count, n if pays else 0)
         share_len, perm, first, count, n = self._share_arrays
         host[_SH_LEN, :len(seqs)], host[_SH_PERM, :len(seqs)], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = \
             share_len, perm, first, count
