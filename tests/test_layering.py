@@ -78,17 +78,32 @@ def test_imports_point_down(path, modname):
 TRITON_PKG = "rlfuse.kernels.triton"
 
 
+def _is_triton_module(modname: str) -> bool:
+    """Triton code lives in `rlfuse/kernels/triton/` or in an op family's `triton_*.py`
+    (`rlfuse/kernels/<family>/triton_<op>.py`)."""
+    parts = modname.split(".")
+    return (modname.startswith(TRITON_PKG + ".")
+            or (parts[:2] == ["rlfuse", "kernels"] and len(parts) >= 4 and parts[-1].startswith("triton_")))
+
+
 @pytest.mark.parametrize("path,modname", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_triton_only_inside_kernels_triton(path, modname):
-    if modname.startswith(TRITON_PKG + "."):
+    if _is_triton_module(modname):
         return
     for lineno, target in _imports(path, modname):
         where = f"{path.relative_to(ROOT.parent)}:{lineno} imports {target}"
         assert target.split(".")[0] != "triton", (f"{where}: triton is optional; Triton code goes in "
-                                                  f"rlfuse/kernels/triton/")
-        assert not (target == TRITON_PKG or target.startswith(TRITON_PKG + ".")), (
+                                                  f"rlfuse/kernels/triton/ or a family's triton_*.py")
+        assert not (target == TRITON_PKG or target.startswith(TRITON_PKG + ".") or _is_triton_module(target)), (
             f"{where}: reach the Triton half of an op through kernels.backend.triton_ops (imported only "
             f"when the backend resolves to triton)")
+
+
+def test_family_triton_modules_are_recognised():
+    assert _is_triton_module("rlfuse.kernels.gated_delta.triton_chunk")
+    assert _is_triton_module("rlfuse.kernels.triton.rmsnorm")
+    assert not _is_triton_module("rlfuse.kernels.gated_delta.chunk")
+    assert not _is_triton_module("rlfuse.model.triton_x")
 
 
 def test_triton_rule_catches_a_direct_import(tmp_path):

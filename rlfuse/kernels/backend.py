@@ -91,10 +91,11 @@ def triton_interpreting() -> bool:
 
 @functools.cache
 def triton_ops(op: str) -> ModuleType:
-    """`rlfuse.kernels.triton.<op>`, the Triton half of op `op`, imported on first use:
-    triton is an optional dependency (CPU-only installs run the references), so only a
-    backend that resolves to "triton" ever imports it."""
-    return importlib.import_module(f"rlfuse.kernels.triton.{op}")
+    """The Triton half of op `op`, imported on first use: triton is an optional dependency
+    (CPU-only installs run the references), so only a backend that resolves to "triton"
+    ever imports it. `op` is "<family>.triton_<name>" for an op family's folder
+    (`rlfuse.kernels.<family>.triton_<name>`), or a bare name under `rlfuse.kernels.triton`."""
+    return importlib.import_module(f"rlfuse.kernels.{op}" if "." in op else f"rlfuse.kernels.triton.{op}")
 
 
 def triton_compiles() -> dict[str, int]:
