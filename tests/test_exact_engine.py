@@ -57,7 +57,8 @@ def test_exact_sweep_torch_backend_is_bitwise(dtype):
     with use_backend("torch"):
         for s in _sweep(8, 16):
             r = run_setting(model, prompts, s, numerics="exact", max_tokens=16, temperature=1.0)
-            assert r.tokens == s.batch * 16
+            k = s.num_prompts
+            assert r.tokens == (s.n * sum(max(1, 16 * (i + 1) // k) for i in range(k)) if s.ragged else s.batch * 16)
             assert r.bitwise_frac == 1.0 and r.max_abs == 0.0, (s.name, r.row(), r.first_diff)
             _check_exercised(s, r.engine_stats)
 
@@ -122,7 +123,7 @@ def test_check_cli_tiny(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 10 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
+    assert len(report["settings"]) == 11 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
     assert report["settings"][-1]["engine_stats"]["preemptions"] > 0
     for row in report["settings"]:
         assert set(row) >= {"name", "tokens", "bitwise_frac", "max_abs", "mean_abs", "kl_k3"}

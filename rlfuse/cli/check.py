@@ -127,13 +127,15 @@ def run(args) -> int:
     results, t0 = [], time.perf_counter()
     with use_backend(args.backend):
         for s in settings:
+            t1 = time.perf_counter()
             r = run_setting(model, prompts, s, numerics=args.numerics, max_tokens=max_tokens,
                             temperature=args.temperature, seed=args.seed)
             results.append(r)
             st = r.engine_stats
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
                   f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / {st['look_ahead_steps']} / "
-                  f"{st['shared_prefix_steps']}",
+                  f"{st['shared_prefix_steps']}  ({time.perf_counter() - t1:.1f} s: " +
+                  ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()) + ")",
                   flush=True)
         # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
         # fit the model's vocabulary); a model folder uses its own chat template

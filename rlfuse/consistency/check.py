@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import logging
+import time
 
 import torch
 
@@ -42,6 +43,9 @@ class Setting:
     """EngineConfig overrides (numerics and seed are set by the check)."""
     micro_batch_tokens: int = 1 << 30
     """Token budget of one teacher-forced forward: sequences are packed up to it."""
+    ragged: bool = False
+    """Prompt i asks for max_tokens * (i + 1) // num_prompts tokens: sequences finish one
+    after another, so the decode batch shrinks through every CUDA-graph bucket mid-run."""
     min_prompt_len: int = 0
     """Prompts shorter than this are repeated up to it (long prompts, whose shared blocks
     cover whole attention tiles: shared-prefix decode)."""
@@ -61,6 +65,8 @@ class SettingResult:
     kl_k3: float
     first_diff: tuple[int, int] | None = None
     """(completion index, output position) of the first differing token, if any."""
+    seconds: dict = dataclasses.field(default_factory=dict)
+    """Wall time of the setting's phases: engine start, generate, teacher-forced trainer."""
     engine_stats: dict = dataclasses.field(default_factory=dict)
     """The engine's counters for the generate (preemptions, cached prompt tokens, ...): what
     the setting actually exercised."""
@@ -69,7 +75,7 @@ class SettingResult:
     def row(self) -> dict:
         return {"name": self.name, "tokens": self.tokens, "bitwise_frac": self.bitwise_frac,
                 "max_abs": self.max_abs, "mean_abs": self.mean_abs, "kl_k3": self.kl_k3,
-                "engine_stats": self.engine_stats}
+                "seconds": self.seconds, "engine_stats": self.engine_stats}
 
 
 LONG_PROMPT = 140  # > two 64-key attention tiles of shared blocks
@@ -85,6 +91,7 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
         Setting(name="batch 1", num_prompts=1),
         Setting(name=f"batch {groups * n}, n={n} shared prompts", num_prompts=groups, n=n),
         Setting(name="prefix cache off", num_prompts=groups, n=n, engine=dict(enable_prefix_caching=False)),
+        Setting(name="ragged lengths (buckets crossed)", num_prompts=groups, n=n, ragged=True),
         Setting(name="chunked prefill", num_prompts=groups, n=n, engine=chunk),
         Setting(name="forced preemption", num_prompts=groups, n=n, engine=pool),
         Setting(name="eager, no look-ahead", num_prompts=groups, n=n,
@@ -121,11 +128,17 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
     """Generate with the engine under `setting`, teacher-force, compare."""
     cfg = EngineConfig(**{"max_num_seqs": max(setting.batch, 1), **setting.engine, "numerics": numerics,
                           "seed": seed})
+    t0 = time.perf_counter()
     llm = LLM(model, config=cfg)
-    params = SamplingParams(n=setting.n, temperature=temperature, max_tokens=max_tokens, seed=seed, ignore_eos=True)
+    t1 = time.perf_counter()
+    k = setting.num_prompts
+    params = [SamplingParams(n=setting.n, temperature=temperature, seed=seed, ignore_eos=True,
+                             max_tokens=max(1, max_tokens * (i + 1) // k) if setting.ragged else max_tokens)
+              for i in range(k)]
     chosen = [list(p) * -(-setting.min_prompt_len // max(len(p), 1)) if len(p) < setting.min_prompt_len else list(p)
               for p in prompts[:setting.num_prompts]]
     outs = llm.generate(chosen, params)
+    t2 = time.perf_counter()
     stats = dataclasses.asdict(llm.stats)
     llm.sleep()
     del llm
@@ -134,6 +147,7 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
     lp_temp = temperature if temperature > 0 else 1.0  # greedy reports T = 1 log-probs
     with use_numerics(numerics):
         train = trainer_logprobs(model, seqs, lp_temp, micro_batch_tokens=setting.micro_batch_tokens)
+    seconds = {"engine": round(t1 - t0, 2), "generate": round(t2 - t1, 2), "trainer": round(time.perf_counter() - t2, 2)}
     roll = [torch.as_tensor(o.logprobs, dtype=torch.float32) for o in outs]
     t, r = torch.cat(train), torch.cat(roll)
     mm = {k: float(v) for k, v in logprob_mismatch(t, r).items()}
@@ -146,4 +160,4 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
     n = t.numel()
     return SettingResult(name=setting.name, tokens=n, bitwise_frac=float((t == r).sum()) / max(n, 1),
                          max_abs=mm["max_abs"], mean_abs=mm["mean_abs"], kl_k3=mm["kl_k3"], first_diff=first,
-                         engine_stats=stats, sequences=seqs)
+                         seconds=seconds, engine_stats=stats, sequences=seqs)

@@ -63,6 +63,14 @@ def plan_num_blocks(mcfg: ModelConfig, cfg: EngineConfig, max_model_len: int, dt
     used = total - free
     kv_bytes = int(total * cfg.gpu_memory_fraction) - used - (peak - current)
     n = kv_bytes // per_block
+    # never more than the running sequences can fill at full length, and as much again for
+    # the prefix cache: a small model on a large GPU would otherwise get millions of blocks,
+    # and the block manager's bookkeeping per block (seconds and GiBs of host memory at start)
+    most = 2 * cfg.max_num_seqs * per_seq
+    if n > most:
+        log.info("KV cache: %d blocks fit; %d kept (2 x max_num_seqs %d x %d blocks of a max_model_len sequence)",
+                 n, most, cfg.max_num_seqs, per_seq)
+        n = most
     log.info("KV cache budget on %s: total %.2f GiB x fraction %.2f - used %.2f GiB (torch allocated %.2f GiB) "
              "- warm-up activation peak %.2f GiB = %.2f GiB -> %d blocks of %d tokens (%d tokens, %.1f max-length "
              "sequences), %.1f KiB per token", torch.cuda.get_device_name(device), total / _GIB,

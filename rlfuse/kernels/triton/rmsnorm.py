@@ -11,12 +11,34 @@ from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.triton.common import round_to
 
 
+# Every kernel that computes a row's mean of squares, or rotates by RoPE angles, is compiled
+# with FMA contraction off: whether the compiler fuses a product into the next add depends on
+# the code around it, so two kernels with the same expressions could round differently.
+NO_FMA = dict(enable_fp_fusion=False)
+
+
+@triton.jit
+def _halve(s):
+    """(R, N) -> (R, N / 2): s[:, j] + s[:, j + N / 2], one add per element (its order is moot)."""
+    R: tl.constexpr = s.shape[0]
+    N: tl.constexpr = s.shape[1]
+    return tl.sum(tl.reshape(s, (R, 2, N // 2)), axis=1)
+
+
 @triton.jit
 def mean_square(x, D):
     """x (ROWS, BLOCK_D) fp32 -> mean of squares per row (ROWS,): the one row reduction every
-    RMSNorm kernel runs (the fused ones too), so a row's bits depend on the tile shape and
-    warps (`_tile`) only."""
-    return tl.math.div_rn(tl.sum(x * x, axis=1), D.to(tl.float32))
+    RMSNorm kernel runs (the fused ones too). The sum is the fixed pairwise tree of
+    `rlfuse.kernels.invariant.pairwise_sum` (x[j] + x[j + n/2], halving), spelled out with
+    reshapes: `tl.sum` over a whole row reduces in the order of the register layout, which
+    the compiler picks per kernel, and kernels with different surroundings (the fused q/k
+    norm + RoPE + KV store against the plain norm) rounded some rows differently at head
+    dims <= 64 in bf16. BLOCK_D <= 2**14."""
+    s = x * x
+    for _ in tl.static_range(14):  # unrolled; each level halves the columns until one is left
+        if s.shape[1] > 1:
+            s = _halve(s)
+    return tl.math.div_rn(tl.sum(s, axis=1), D.to(tl.float32))
 
 
 @triton.jit
@@ -141,7 +163,7 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
     if N:
         _rmsnorm_fwd_kernel[(triton.cdiv(N, rows),)](
             x2, weight.contiguous(), y, r, h2, s, N, D, x2.stride(0), y.stride(0), h2.stride(0), s.stride(0),
-            float(eps), ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, ADD=add, num_warps=warps)
+            float(eps), ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, ADD=add, num_warps=warps, **NO_FMA)
     return (y.view(*x.shape[:-1], D), (r if store_r else None),
             (s.view(*x.shape[:-1], D) if add else None))
 

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from rlfuse.kernels.paged_attention import _check_cache
 from rlfuse.kernels.triton.common import round_to
-from rlfuse.kernels.triton.rmsnorm import _tile, mean_square, norm_rows
+from rlfuse.kernels.triton.rmsnorm import NO_FMA, _tile, mean_square, norm_rows
 
 
 @triton.jit
@@ -102,7 +102,7 @@ def cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tens
     if T and half:
         _rope_cos_sin_kernel[(triton.cdiv(T, _BLOCK_T),)](
             positions.contiguous(), inv_freq.float().contiguous(), cs, T, HALF=half, BLOCK_T=_BLOCK_T,
-            BLOCK_F=triton.next_power_of_2(half), num_warps=4)
+            BLOCK_F=triton.next_power_of_2(half), num_warps=4, **NO_FMA)
     return cs
 
 
@@ -138,7 +138,7 @@ def rope_triton(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor
             x, y, positions.contiguous(), inv_freq.float().contiguous(), cs, T, H, hpp,
             x.stride(0), x.stride(1), y.stride(0), y.stride(1),
             HALF=half, BLOCK_T=_BLOCK_T, BLOCK_F=triton.next_power_of_2(half),
-            BACKWARD=backward, TABLE=table, num_warps=4)
+            BACKWARD=backward, TABLE=table, num_warps=4, **NO_FMA)
     return y
 
 
@@ -292,5 +292,5 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             qo.stride(0), qo.stride(1), kout.stride(0), kout.stride(1), *kc_args, Dh, float(eps),
             HALF=half, BLOCK_T=rows, BLOCK_D=block_d, NORM=norm, CACHE=cache, PAGE=page, TABLE=table,
-            num_warps=warps)
+            num_warps=warps, **NO_FMA)
     return qo, ko
