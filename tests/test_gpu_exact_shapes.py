@@ -39,8 +39,8 @@ def _g(seed):
     return torch.Generator(device=DEV).manual_seed(seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("head_dim,dtype", [(d, torch.bfloat16) for d in HEAD_DIMS] +
+                         [(16, torch.float32), (128, torch.float32)], ids=str)
 def test_fused_decode_qk_norm_rope_equals_the_trainers_path(head_dim, dtype):
     """The engine's one-launch q/k norm + RoPE + KV store gives the trainer's rmsnorm and
     RoPE kernels (the autograd path) bitwise, for 4096 tokens' rows (the bug of issue 32:
@@ -87,36 +87,40 @@ def _paged(lens, k, v, page=16):
     return kc, vc, tables.to(DEV)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", HEAD_DIMS)
-def test_paged_attention_equals_varlen_over_groups_and_batches(head_dim, dtype):
+# every group size at the smallest and the usual head dim, the other head dims at group 2:
+# each (head_dim, group, dtype) is a compile of both kernels
+ATTN_CASES = ([(16, g, torch.bfloat16) for g in GROUPS] + [(128, g, torch.bfloat16) for g in GROUPS]
+              + [(d, 2, torch.bfloat16) for d in (32, 64, 256)] + [(64, 4, torch.float32)])
+
+
+@pytest.mark.parametrize("head_dim,group,dtype", ATTN_CASES, ids=str)
+def test_paged_attention_equals_varlen_over_groups_and_batches(head_dim, group, dtype):
     """Decode (one query a sequence) and whole-prompt prefill through the paged cache give
-    the packed varlen forward's rows bitwise, for every GQA group and batch size."""
-    for group in GROUPS:
-        for B in (1, 7, 64, 256):
-            g = torch.Generator().manual_seed(head_dim * 1000 + group * 10 + B)
-            lens = torch.randint(1, 300, (B,), generator=g).tolist()
-            T, hkv = sum(lens), 2
-            q = torch.randn(T, hkv * group, head_dim, generator=g).to(device=DEV, dtype=dtype)
-            k = torch.randn(T, hkv, head_dim, generator=g).to(device=DEV, dtype=dtype)
-            v = torch.randn(T, hkv, head_dim, generator=g).to(device=DEV, dtype=dtype)
-            kc, vc, tables = _paged(lens, k, v)
-            cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
-            seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
-            last = (cu[1:] - 1).long()
-            with use_backend("triton"), use_numerics("exact"):
-                packed = varlen_attention(q, k, v, cu, max(lens))
-                dec = paged_attention(q[last].contiguous(), kc, vc, torch.arange(B + 1, dtype=torch.int32, device=DEV),
-                                      seq_lens, tables, 1)
-                pre = paged_attention(q, kc, vc, cu, seq_lens, tables, max(lens))
-            assert torch.equal(dec, packed[last]), (group, B)
-            assert torch.equal(pre, packed), (group, B)
+    the packed varlen forward's rows bitwise, for batch sizes 1 to 256."""
+    for B in (1, 7, 64, 256):
+        g = torch.Generator().manual_seed(head_dim * 1000 + group * 10 + B)
+        lens = torch.randint(1, 300, (B,), generator=g).tolist()
+        T, hkv = sum(lens), 2
+        q = torch.randn(T, hkv * group, head_dim, generator=g).to(device=DEV, dtype=dtype)
+        k = torch.randn(T, hkv, head_dim, generator=g).to(device=DEV, dtype=dtype)
+        v = torch.randn(T, hkv, head_dim, generator=g).to(device=DEV, dtype=dtype)
+        kc, vc, tables = _paged(lens, k, v)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEV)
+        seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+        last = (cu[1:] - 1).long()
+        with use_backend("triton"), use_numerics("exact"):
+            packed = varlen_attention(q, k, v, cu, max(lens))
+            dec = paged_attention(q[last].contiguous(), kc, vc, torch.arange(B + 1, dtype=torch.int32, device=DEV),
+                                  seq_lens, tables, 1)
+            pre = paged_attention(q, kc, vc, cu, seq_lens, tables, max(lens))
+        assert torch.equal(dec, packed[last]), (group, B)
+        assert torch.equal(pre, packed), (group, B)
 
 
 # ------------------------------------------------------------------ models
-# (head_dim, query heads per KV head, dtype): every head dim and every group size once
-SHAPES = [(16, 2, torch.bfloat16), (32, 4, torch.bfloat16), (64, 8, torch.bfloat16), (128, 1, torch.bfloat16),
-          (256, 2, torch.bfloat16), (64, 2, torch.float32)]
+# (head_dim, query heads per KV head, dtype)
+# (the kernel tests above cover the rest of the cross product; each new shape compiles every kernel)
+SHAPES = [(16, 2, torch.bfloat16), (64, 8, torch.bfloat16), (256, 4, torch.bfloat16), (128, 1, torch.float32)]
 MAX_TOKENS = 40
 
 
@@ -171,8 +175,7 @@ def test_exact_at_batch_256_small_heads():
         _run(_model(16, 2, torch.bfloat16), _settings(256)[2:4], _prompts(256))
 
 
-@pytest.mark.parametrize("head_dim", [16, 128])
-def test_exact_with_lora_and_unfused_projections(head_dim):
+def test_exact_with_lora_and_unfused_projections(head_dim=16):
     """A random rank-8 adapter on every projection (nonzero B), and a model whose q/k/v and
     gate/up stay separate GEMMs."""
     prompts = _prompts(64)

@@ -116,8 +116,9 @@ def run(args) -> int:
         return fail(e)
     block = 16
     need = max(len(p) for p in prompts) + max_tokens
-    # a pool that holds two of the longest sequences at full length: preemption is forced
-    small_pool = 2 * -(-need // block)
+    # a pool that holds two (GPU: four) of the longest sequences at full length: preemption is
+    # forced, and at 256 sequences the GPU run is not spent recomputing them
+    small_pool = (4 if cuda else 2) * -(-need // block)
     settings = default_sweep(max_batch, small_pool_blocks=small_pool, chunk_tokens=max(block, need // 3))
     lora = f", LoRA on {len(lora_modules(model))} projections" if lora_modules(model) else ""
     print(f"rlfuse check: {model.config.architecture}{lora} on {device} ({model.lm_head_weight.dtype}), numerics "
