@@ -17,6 +17,7 @@ from rlfuse.kernels.gated_delta import (
                                         CHUNK,
                                         chunk_gated_delta_rule,
                                         chunk_gated_delta_rule_ref,
+                                        fused_recurrent_gated_delta_rule,
                                         recurrent_gated_delta_rule_ref,
 )
 
@@ -316,3 +317,35 @@ def check_engine_procedure_gpu(dtype):
             p += s
     assert p == n
     assert torch.equal(torch.cat(outs), whole)
+
+
+# ------------------------------------------------------------ the fast-numerics decode path
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_decode_against_float64(backend, dtype):
+    lens = [3, 1, 9]
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=3, Dk=12, Dv=40, dtype=dtype, seed=11)
+    o_gold, S_gold = recurrent_gated_delta_rule_ref(*_double(q, k, v, g, beta, cu), initial_state=s0.double())
+    o_ref, S_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu, initial_state=s0)
+    state = s0.clone()
+    with use_backend(backend):
+        o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=state, state_out=state)
+    assert S is state and o.dtype == dtype  # the in-place decode step
+    _no_worse(o, o_ref, o_gold, dtype)
+    _no_worse(S, S_ref.float(), S_gold, torch.float32)
+    # one token per sequence from the returned state continues the recurrence
+    q2, k2, v2, g2, beta2, _, _ = _inputs([1, 1, 1], Hk=1, Hv=3, Dk=12, Dv=40, dtype=dtype, seed=12)
+    with use_backend(backend):
+        o2, _ = fused_recurrent_gated_delta_rule(q2, k2, v2, g2, beta2, _cu([1, 1, 1]), initial_state=S.clone())
+    both = [torch.cat([p for b in range(3) for p in (x.split(lens)[b], y[b:b + 1])]) for x, y in
+            zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
+    o_all, _ = recurrent_gated_delta_rule_ref(*_double(*both), _cu([n + 1 for n in lens]), initial_state=s0.double())
+    last = torch.tensor([n for n in torch.tensor([n + 1 for n in lens]).cumsum(0) - 1])
+    torch.testing.assert_close(o2.double(), o_all[last], rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+
+
+def test_recurrent_decode_refuses_exact_numerics():
+    q, k, v, g, beta, cu, s0 = _inputs([2])
+    with use_numerics("exact"), pytest.raises(ValueError, match="fast-numerics decode path"):
+        fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0)
