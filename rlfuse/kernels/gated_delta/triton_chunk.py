@@ -10,10 +10,8 @@ state are independent in the delta rule, so splitting Dv across programs changes
 in a column's arithmetic. Tile shapes (BK, BV) depend on (Dk, Dv) only; exact numerics
 turns FMA contraction off, so a row's rounding cannot depend on how the compiler fuses.
 
-Backward: NOT a Triton kernel yet. The Function's backward recomputes the forward through
-the PyTorch chunked reference (`chunk_gated_delta_rule_ref`, fast numerics: gradients need
-no batch invariance) under autograd and differentiates it: correct, and slower and more
-memory-hungry than a fused backward would be.
+Backward: `triton_chunk_bwd` (its docstring has the math): a state pass per (sequence,
+head, Dv block) and a per-chunk gradient kernel, deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -22,7 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS, chunk_gated_delta_rule_ref
+from rlfuse.kernels.backend import triton_ops
+from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
 from rlfuse.kernels.triton.common import dot, dot_precision, round_to
 
 
@@ -159,21 +158,10 @@ class _ChunkGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dsf):
-        # recompute through the torch chunked reference and differentiate it (see module docstring)
         q, k, v, g, beta, s0, cu = ctx.saved_tensors
-        leaves = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
-                  for x in (q, k, v, g, beta, s0)]
-        with torch.enable_grad():
-            o, sf = chunk_gated_delta_rule_ref(*leaves[:5], cu, initial_state=leaves[5], scale=ctx.scale,
-                                               output_final_state=ctx.output_final_state, exact=False)
-            outs, grads_out = [o], [do]
-            if ctx.output_final_state and dsf is not None:
-                outs.append(sf)
-                grads_out.append(dsf)
-            need = [x for x in leaves if x is not None and x.requires_grad]
-            got = iter(torch.autograd.grad(outs, need, grads_out, allow_unused=True)) if need else iter(())
-        grads = [next(got) if x is not None and x.requires_grad else None for x in leaves]
-        return (*grads, None, None, None, None)
+        dq, dk, dv, dg, db, ds0 = triton_ops("gated_delta.triton_chunk_bwd").gated_delta_bwd(
+            q, k, v, g, beta, cu, s0, ctx.scale, do, dsf if ctx.output_final_state else None)
+        return dq, dk, dv, dg, db, ds0, None, None, None, None
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale: float,
