@@ -201,8 +201,8 @@ def main():
     grads = grad_check(fla_chunk)
     decode = decode_rows(fla_recurrent, [1, 3 if a.smoke else 256] if quick else [1, 32, 256], reps, bw)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", torch=torch.__version__, commit=commit,
-                shapes=dict(Hk=HK, Hv=HV, Dk=DK, Dv=DV, dtype=str(DT)), copy_GBps=bw / 1e9)
+    meta = dict(gpu=torch.cuda.get_device_name() if DEV == "cuda" else "cpu (smoke)", torch=torch.__version__,
+                commit=commit, shapes=dict(Hk=HK, Hv=HV, Dk=DK, Dv=DV, dtype=str(DT)), copy_GBps=bw / 1e9)
     lines = [f"GPU {meta['gpu']}, commit {commit}, Hk={HK} Hv={HV} Dk={DK} Dv={DV} bf16", "",
              "| case | impl | max err vs fp32 ref | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['impl']} | {r['err']:.2e} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} |"

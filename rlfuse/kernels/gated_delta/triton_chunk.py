@@ -26,11 +26,6 @@ from rlfuse.kernels.triton.common import dot, dot_precision, round_to
 
 
 @triton.jit
-def _l2norm_rows(x, eps):
-    return x * (1.0 / tl.sqrt(tl.sum(x * x, 1) + eps))[:, None]
-
-
-@triton.jit
 def _unit_lower_inverse(A, offs_c, C: tl.constexpr, BLK: tl.constexpr, PREC: tl.constexpr):
     """(I + A)^-1 for A (C, C) strictly lower, every step lower-triangular (row i of each
     product reads rows <= i only; the other terms are exact zeros):
@@ -49,6 +44,41 @@ def _unit_lower_inverse(A, offs_c, C: tl.constexpr, BLK: tl.constexpr, PREC: tl.
     M = dot(Td, tl.where(same, 0.0, A), None, PREC)
     X = Td + dot(dot(M, M, None, PREC), Td, None, PREC)
     return X - dot(M, X, None, PREC)
+
+
+@triton.jit
+def chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+                 offs_c, offs_k, mk, C: tl.constexpr, PREC: tl.constexpr):
+    """Load one chunk (rows t, valid where rm) and compute its Dv-independent quantities
+    (steps 1, 2 and 4 of the math): raw q, k and their inverse norms (the backward's l2
+    step), normalized q (scaled) and k, beta, gc, D, exp(gc), k k^T, T, beta exp(gc) k,
+    w, q k^T, P = lower(q k^T D), exp(gL - gc), gL. The forward and both backward kernels
+    call this one function, so the backward recomputes the forward's bits."""
+    qr = tl.load(Q + t[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    kr = tl.load(K + t[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    g = tl.load(G + t * sg_t + h * sg_h, mask=rm, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + t * sb_t + h * sb_h, mask=rm, other=0.0).to(tl.float32)
+    rq = 1.0 / tl.sqrt(tl.sum(qr * qr, 1) + eps)
+    rk = 1.0 / tl.sqrt(tl.sum(kr * kr, 1) + eps)
+    q = qr * rq[:, None] * scale
+    k = kr * rk[:, None]
+    lower = offs_c[:, None] >= offs_c[None, :]
+    strict = offs_c[:, None] > offs_c[None, :]
+    gc = tl.cumsum(g, 0)
+    decay = tl.where(lower, tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    egc = tl.exp(gc)
+    kk = dot(k, tl.trans(k), None, PREC)
+    A = tl.where(strict, beta[:, None] * kk * decay, 0.0)
+    Tm = _unit_lower_inverse(A, offs_c, C, 16, PREC)
+    bek = (beta * egc)[:, None] * k
+    w = dot(Tm, bek, None, PREC)
+    qk = dot(q, tl.trans(k), None, PREC)
+    P = tl.where(lower, qk * decay, 0.0)
+    gL = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), 0)
+    ekd = tl.exp(gL - gc)
+    return qr, kr, rq, rk, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
@@ -73,41 +103,23 @@ def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
         S = tl.load(S0 + s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
-    lower = offs_c[:, None] >= offs_c[None, :]
-    strict = offs_c[:, None] > offs_c[None, :]
     for c in range(0, tl.cdiv(n, C)):
         rows = c * C + offs_c
         rm = rows < n
         t = start + rows
-        q = tl.load(Q + t[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        k = tl.load(K + t[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
+        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
+            Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+            offs_c, offs_k, mk, C, PREC)
         v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
                     other=0.0).to(tl.float32)
-        g = tl.load(G + t * sg_t + h * sg_h, mask=rm, other=0.0).to(tl.float32)
-        beta = tl.load(BETA + t * sb_t + h * sb_h, mask=rm, other=0.0).to(tl.float32)
-        q = _l2norm_rows(q, eps) * scale
-        k = _l2norm_rows(k, eps)
-        gc = tl.cumsum(g, 0)
-        decay = tl.where(lower, tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)   # D_ij
-        egc = tl.exp(gc)
-        # 1. A = strict_lower(beta_i k_i.k_j D_ij), T = (I + A)^-1
-        A = tl.where(strict, beta[:, None] * dot(k, tl.trans(k), None, PREC) * decay, 0.0)
-        Tm = _unit_lower_inverse(A, offs_c, C, 16, PREC)
-        # 2. u = T (beta v), w = T (beta exp(gc) k); 3. v_new = u - w S
-        u = dot(Tm, beta[:, None] * v, None, PREC)
-        w = dot(Tm, (beta * egc)[:, None] * k, None, PREC)
-        v_new = u - dot(w, S, None, PREC)
-        # 4. o = (q exp(gc)) S + lower(q k^T D) v_new
-        qk = tl.where(lower, dot(q, tl.trans(k), None, PREC) * decay, 0.0)
-        o = dot(q * egc[:, None], S, None, PREC) + dot(qk, v_new, None, PREC)
-        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, O.dtype.element_ty).to(O.dtype.element_ty),
+        # 2-3. u = T (beta v), v_new = u - w S;  4. o = (q exp(gc)) S + P v_new
+        v_new = dot(Tm, beta[:, None] * v, None, PREC) - dot(w, S, None, PREC)
+        o = dot(q * egc[:, None], S, None, PREC) + dot(P, v_new, None, PREC)
+        OT: tl.constexpr = O.dtype.element_ty
+        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT),
                  mask=rm[:, None] & mv[None, :])
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
-        glast = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), 0)
-        kd = k * tl.exp(glast - gc)[:, None]
-        S_new = tl.exp(glast) * S + dot(tl.trans(kd), v_new, None, PREC)
+        S_new = tl.exp(gL) * S + dot(tl.trans(k * ekd[:, None]), v_new, None, PREC)
         S = tl.where((c + 1) * C <= n, S_new, S)
     if STORE_SF:
         tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])

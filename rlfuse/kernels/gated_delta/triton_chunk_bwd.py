@@ -30,54 +30,8 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
+from rlfuse.kernels.gated_delta.triton_chunk import chunk_common
 from rlfuse.kernels.triton.common import dot
-
-
-@triton.jit
-def _unit_lower_inverse(A, offs_c, C: tl.constexpr, BLK: tl.constexpr, PREC: tl.constexpr):
-    """(I + A)^-1, A strictly lower (the forward's function, see triton_chunk)."""
-    eye = tl.where(offs_c[:, None] == offs_c[None, :], 1.0, 0.0)
-    same = (offs_c[:, None] // BLK) == (offs_c[None, :] // BLK)
-    Ad = tl.where(same, A, 0.0)
-    Td = eye
-    for i in range(1, BLK):
-        sel = (offs_c % BLK) == i
-        Td = tl.where(sel[:, None], eye - dot(tl.where(sel[:, None], Ad, 0.0), Td, None, PREC), Td)
-    M = dot(Td, tl.where(same, 0.0, A), None, PREC)
-    X = Td + dot(dot(M, M, None, PREC), Td, None, PREC)
-    return X - dot(M, X, None, PREC)
-
-
-@triton.jit
-def _chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
-                  offs_c, offs_k, mk, C: tl.constexpr, PREC: tl.constexpr):
-    """The Dv-independent quantities of one chunk: raw q, k (for the l2 backward), their
-    normalized forms, beta, gc, D, egc, T, w, P, kd, eL."""
-    qr = tl.load(Q + t[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                 other=0.0).to(tl.float32)
-    kr = tl.load(K + t[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                 other=0.0).to(tl.float32)
-    g = tl.load(G + t * sg_t + h * sg_h, mask=rm, other=0.0).to(tl.float32)
-    beta = tl.load(BETA + t * sb_t + h * sb_h, mask=rm, other=0.0).to(tl.float32)
-    rq = 1.0 / tl.sqrt(tl.sum(qr * qr, 1) + eps)
-    rk = 1.0 / tl.sqrt(tl.sum(kr * kr, 1) + eps)
-    q = qr * rq[:, None] * scale
-    k = kr * rk[:, None]
-    lower = offs_c[:, None] >= offs_c[None, :]
-    strict = offs_c[:, None] > offs_c[None, :]
-    gc = tl.cumsum(g, 0)
-    decay = tl.where(lower, tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
-    egc = tl.exp(gc)
-    kk = dot(k, tl.trans(k), None, PREC)
-    A = tl.where(strict, beta[:, None] * kk * decay, 0.0)
-    Tm = _unit_lower_inverse(A, offs_c, C, 16, PREC)
-    bek = (beta * egc)[:, None] * k
-    w = dot(Tm, bek, None, PREC)
-    qk = dot(q, tl.trans(k), None, PREC)
-    P = tl.where(lower, qk * decay, 0.0)
-    gL = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), 0)
-    ekd = tl.exp(gL - gc)
-    return qr, kr, rq, rk, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
@@ -112,7 +66,7 @@ def _state_bwd_kernel(Q, K, V, G, BETA, CU, COFF, S0, DO, DSF, H, DH, DS0,
         t = start + rows
         h_off = ((coff + c) * Hv + h) * DK * DV
         tl.store(H + h_off + kv, S, mask=mkv)
-        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = _chunk_common(
+        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
             Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
             offs_c, offs_k, mk, C, PREC)
         v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
@@ -130,7 +84,7 @@ def _state_bwd_kernel(Q, K, V, G, BETA, CU, COFF, S0, DO, DSF, H, DH, DS0,
         rm = rows < n
         t = start + rows
         h_off = ((coff + c) * Hv + h) * DK * DV
-        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = _chunk_common(
+        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
             Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
             offs_c, offs_k, mk, C, PREC)
         full = (c + 1) * C <= n
@@ -163,7 +117,7 @@ def _chunk_bwd_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, H, DH, DO, DQ, DK_, DV_,
     rows = c * C + offs_c
     rm = rows < n
     t = start + rows
-    qr, kr, rq, rk, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = _chunk_common(
+    qr, kr, rq, rk, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
         Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
         offs_c, offs_k, mk, C, PREC)
     kd = k * ekd[:, None]
