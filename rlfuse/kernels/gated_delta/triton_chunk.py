@@ -127,9 +127,10 @@ def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
 
 def tile_config(Dk: int, Dv: int, exact: bool) -> dict:
     """Tile and compile settings from (Dk, Dv) and the numerics only, never T or B (the
-    exactness rule). BV 64 keeps the (BK, BV) fp32 state block in registers at Dk = 128."""
-    BK = triton.next_power_of_2(Dk)
-    BV = min(64, triton.next_power_of_2(Dv))
+    exactness rule). BV 64 keeps the (BK, BV) fp32 state block in registers at Dk = 128;
+    16 is the smallest `tl.dot` operand side on the GPU (smaller heads are masked up)."""
+    BK = max(16, triton.next_power_of_2(Dk))
+    BV = min(64, max(16, triton.next_power_of_2(Dv)))
     cfg = dict(BK=BK, BV=BV, num_warps=4 if BK * BV <= 4096 else 8)
     if exact:
         cfg["enable_fp_fusion"] = False
@@ -156,7 +157,7 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
         Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, PREC=dot_precision(q if q.dtype == torch.float32 else v), **cfg)
+        STORE_SF=output_final_state, PREC=dot_precision(v), **cfg)
     return o, sf
 
 

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
 from rlfuse.kernels.gated_delta.triton_chunk import chunk_common
-from rlfuse.kernels.triton.common import dot
+from rlfuse.kernels.triton.common import dot, dot_precision
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
@@ -220,9 +220,9 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     ds0 = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=dev)
     s0 = initial_state.float().contiguous() if initial_state is not None else None
     dsf = dsf.float().contiguous() if dsf is not None else None
-    BK = triton.next_power_of_2(Dk)
-    BV = min(64, triton.next_power_of_2(Dv))
-    prec = "interp" if dev.type != "cuda" else ("ieee" if v.dtype == torch.float32 else "tf32")
+    BK = max(16, triton.next_power_of_2(Dk))  # the forward's tiles (triton_chunk.tile_config)
+    BV = min(64, max(16, triton.next_power_of_2(Dv)))
+    prec = dot_precision(v)  # the forward's
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), do.stride(0), do.stride(1))
     warps = 4 if BK * BV <= 4096 else 8
@@ -240,7 +240,7 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     sv = strides[:4] + vc.stride()[:2] + strides[6:10] + doc.stride()[:2]
     _chunk_bwd_kernel[(NC, Hv)](
         q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db, *sv,
-        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,
+        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,  # Dv sums in 32-column steps (register use)
         num_warps=8 if dev.type == "cuda" else 4)
     rep = Hv // Hk
     dq = dq.view(T, Hk, rep, Dk).sum(2)  # a q/k head's gradient: the sum over its value heads, in order
