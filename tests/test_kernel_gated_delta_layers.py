@@ -89,22 +89,28 @@ def test_conv_update_matches_transformers(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_conv_gradients_against_float64(backend):
-    x, w, bias, s0 = [t.requires_grad_() for t in _conv_inputs(LENS, seed=3)]
+@pytest.mark.parametrize("activation,bias", [("silu", True), (None, False)])
+def test_conv_gradients_against_float64(backend, activation, bias):
+    """dx, dweight, dbias, d initial_state, with a gradient on the returned conv state too
+    (sequences shorter than W - 1 included)."""
+    x, w, b, s0 = _conv_inputs(LENS, seed=3, bias=bias)
+    leaves = [t.requires_grad_() for t in (x, w, b, s0) if t is not None]
     cu = _cu(LENS)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     ds = torch.randn(s0.shape, generator=torch.Generator().manual_seed(6))
 
     def grads(args, fn):
-        y, st = fn(*args)
+        xx, ww, *rest = args
+        y, st = fn(xx, ww, rest[0] if bias else None, rest[-1])
         return torch.autograd.grad((y * dy.to(y.dtype)).sum() + (st * ds.to(st.dtype)).sum(), args)
 
     with use_backend(backend):
-        ours = grads([x, w, bias, s0], lambda a, b, c, d: causal_conv1d(a, b, c, cu, initial_state=d))
-    gold = grads([t.detach().double().requires_grad_() for t in (x, w, bias, s0)],
-                 lambda a, b, c, d: causal_conv1d_ref(a, b, c, cu, initial_state=d))
-    for name, a, b in zip(["x", "w", "bias", "s0"], ours, gold):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+        ours = grads(leaves, lambda a, b_, c, d: causal_conv1d(a, b_, c, cu, initial_state=d, activation=activation))
+    gold = grads([t.detach().double().requires_grad_() for t in leaves],
+                 lambda a, b_, c, d: causal_conv1d_ref(a, b_, c, cu, initial_state=d, activation=activation))
+    for name, a, g in zip(["x", "w", "bias", "s0"] if bias else ["x", "w", "s0"], ours, gold):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), g, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
