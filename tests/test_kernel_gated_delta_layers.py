@@ -137,10 +137,11 @@ def test_gated_rmsnorm_matches_transformers(backend, dtype):
 def test_gated_rmsnorm_gradients_and_batch_invariance(backend):
     gen = torch.Generator().manual_seed(8)
     D = 20
-    x = torch.randn(9, D, generator=gen).requires_grad_()
-    z = torch.randn(9, D, generator=gen).requires_grad_()
+    N = 300  # more rows than one backward program's dw partial covers
+    x = torch.randn(N, D, generator=gen).requires_grad_()
+    z = torch.randn(N, D, generator=gen).requires_grad_()
     w = (1 + 0.2 * torch.randn(D, generator=gen)).requires_grad_()
-    dy = torch.randn(9, D, generator=gen)
+    dy = torch.randn(N, D, generator=gen)
     with use_backend(backend), use_numerics("exact"):
         y = gated_rmsnorm(x, z, w, 1e-6)
         for k in (1, 4):
