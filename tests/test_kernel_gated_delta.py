@@ -384,3 +384,28 @@ def test_recurrent_decode_refuses_exact_numerics():
     q, k, v, g, beta, cu, s0 = _inputs([2])
     with use_numerics("exact"), pytest.raises(ValueError, match="fast-numerics decode path"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0)
+
+
+def test_triton_strided_views_as_the_layer_passes_them():
+    """q, k, v as views of one projection output (the layer splits in_proj_qkv's columns):
+    the same forward bits as contiguous copies, and the same gradients."""
+    Hk, Hv, Dk, Dv, lens = 1, 2, 16, 8, [70, 3]
+    T = sum(lens)
+    gen = torch.Generator().manual_seed(13)
+    mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=gen).requires_grad_()
+    _, _, _, g, beta, cu, s0 = _inputs(lens, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, seed=13)
+    do = torch.randn(T, Hv, Dv, generator=gen)
+
+    def run(split):
+        q, k, v = split(mixed)
+        with use_backend("triton"):
+            o, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0)
+        return o, torch.autograd.grad((o * do).sum(), mixed)[0]
+
+    views = lambda m: [x.reshape(T, -1, d) for x, d in zip(m.split([Hk * Dk, Hk * Dk, Hv * Dv], -1),  # noqa: E731
+                                                            (Dk, Dk, Dv))]
+    o_v, g_v = run(views)
+    assert not views(mixed)[0].is_contiguous()
+    o_c, g_c = run(lambda m: [x.contiguous() for x in views(m)])
+    assert torch.equal(o_v, o_c)
+    torch.testing.assert_close(g_v, g_c, rtol=1e-6, atol=1e-6)
