@@ -196,7 +196,7 @@ def _last_inputs(x, initial_state, cu_seqlens, W):
     src = (cu[1:] - cu[:-1])[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]
     rows = torch.where(src >= 0, cu[:-1][:, None] + src,
                        T + torch.arange(B, device=x.device)[:, None] * (W - 1) + (W - 1) + src)
-    return buf[rows].transpose(1, 2)
+    return buf[rows].transpose(1, 2).contiguous()
 
 
 def conv_fwd(x, weight, bias, cu_seqlens, initial_state, activation):
