@@ -29,8 +29,8 @@ from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.benchmark import QWEN3_06B
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.triton.linear import linear_exact_triton
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.transformer import Packed
 

@@ -30,7 +30,7 @@ import yaml
 from rlfuse.cli.common import fail
 from rlfuse.data.prompts import build_prompts, build_sft_examples
 from rlfuse.data.rows import load_rows
-from rlfuse.kernels.attention import supports_head_dim as triton_attention_supports
+from rlfuse.kernels.attention.varlen import supports_head_dim as triton_attention_supports
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
 from rlfuse.rollout.rewards import RewardSet
@@ -597,8 +597,8 @@ def test_head_dim_the_triton_kernels_cannot_run_is_fine_off_triton(backend, devi
 
 
 def test_head_dim_rule_agrees_with_the_kernels():
-    from rlfuse.kernels.attention import _check
-    from rlfuse.kernels.paged_attention import _check_cache
+    from rlfuse.kernels.attention.varlen import _check
+    from rlfuse.kernels.attention.paged import _check_cache
 
     for d in range(2, 300, 2):
         q = torch.zeros(1, 1, d)

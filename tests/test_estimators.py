@@ -1,5 +1,5 @@
 """Critic-free estimators (rlfuse.train.advantages: rloo, reinforce_pp, reinforce_pp_baseline)
-and the CISPO loss (rlfuse.kernels.policy_loss, both backends) on hand-computed cases.
+and the CISPO loss (rlfuse.kernels.loss.policy, both backends) on hand-computed cases.
 
     python -m pytest -q tests/test_estimators.py
 """
@@ -10,8 +10,8 @@ import statistics
 import pytest
 import torch
 
-from rlfuse.kernels.policy_loss import policy_loss_ref
-from rlfuse.kernels.triton.policy_loss import policy_loss_triton
+from rlfuse.kernels.loss.policy import policy_loss_ref
+from rlfuse.kernels.loss.triton_policy import policy_loss_triton
 from rlfuse.train.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages, token_advantages
 
 

@@ -26,11 +26,11 @@ import torch
 from gpu_checks import assert_all_pass, fresh_rows, record_into
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
-from rlfuse.kernels.sampling import filter_logits_ref, row_keys, sample, sample_ref, uniform_from_keys
-from rlfuse.kernels.triton.sampling import sample_triton
-from rlfuse.kernels.swiglu import swiglu, swiglu_ref
+from rlfuse.kernels.norm.rms import rmsnorm, rmsnorm_ref
+from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
+from rlfuse.kernels.sampling.draw import filter_logits_ref, row_keys, sample, sample_ref, uniform_from_keys
+from rlfuse.kernels.sampling.triton_draw import sample_triton
+from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
 
 ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 results: list[dict] = []

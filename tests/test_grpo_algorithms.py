@@ -1,5 +1,5 @@
 """Advantage math (rlfuse.train.advantages) and policy-loss variants
-(rlfuse.kernels.policy_loss) on hand-computed cases; the backend-picking `policy_loss`
+(rlfuse.kernels.loss.policy) on hand-computed cases; the backend-picking `policy_loss`
 against the reference; micro-batch accumulation equals the full-batch loss and gradient."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.policy_loss import accumulation_weight, kl_term, policy_loss, policy_loss_ref
+from rlfuse.kernels.loss.policy import accumulation_weight, kl_term, policy_loss, policy_loss_ref
 from rlfuse.train.advantages import group_advantages, zero_variance_groups
 
 # ---------------------------------------------------------------- advantages

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent("""
     import rlfuse
     from rlfuse.cli import main
     mods = [m.name for m in pkgutil.walk_packages(rlfuse.__path__, "rlfuse.")
-            if not m.name.startswith("rlfuse.kernels.triton")]
+            if not m.name.rsplit(".", 1)[-1].startswith("triton_")]  # the Triton halves
     for m in mods:
         __import__(m)
     recipe, run = sys.argv[1], sys.argv[2]

@@ -21,8 +21,8 @@ import torch
 from train_setup import tiny_cfg
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.attention import SharedPrefix, varlen_attention
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.attention.varlen import SharedPrefix, varlen_attention
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.transformer import CausalLM, pack_by_tokens
 from rlfuse.run.batching import PackedBatch, shared_contexts

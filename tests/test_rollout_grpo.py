@@ -16,7 +16,7 @@ import torch
 from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.data import Prompt
-from rlfuse.kernels.policy_loss import LOSS_TYPES
+from rlfuse.kernels.loss.policy import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS

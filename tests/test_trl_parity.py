@@ -35,7 +35,7 @@ from tiny_hf import hf_config, randomize_  # noqa: E402
 from train_setup import one_thread  # noqa: E402
 
 from rlfuse.engine.config import logprob_temperature  # noqa: E402
-from rlfuse.kernels.logprob import token_logprobs  # noqa: E402
+from rlfuse.kernels.loss.logprob import token_logprobs  # noqa: E402
 from rlfuse.model import Packed  # noqa: E402
 from rlfuse.data import PromptStream, build_preference_pairs, build_prompts  # noqa: E402
 from rlfuse.rollout.sampler import Sample  # noqa: E402

@@ -56,8 +56,8 @@ def test_compile_worker_reports_each_request():
 
     from rlfuse.kernels.backend import compile_worker_command
     target = {"backend": "cuda", "arch": 90, "warp_size": 32}
-    bad = ["rlfuse.kernels.triton.rmsnorm", "_rmsnorm_fwd_kernel", "{}", target]
-    missing = ["rlfuse.kernels.triton.rmsnorm", "no_such_kernel", "{}", target]
+    bad = ["rlfuse.kernels.norm.triton_rms", "_rmsnorm_fwd_kernel", "{}", target]
+    missing = ["rlfuse.kernels.norm.triton_rms", "no_such_kernel", "{}", target]
     out = subprocess.run(compile_worker_command(), input="".join(json.dumps(r) + "\n" for r in (bad, missing)),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -34,9 +34,9 @@ import torch.nn.functional as F
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.attention import varlen_attention
-from rlfuse.kernels.triton.attention import varlen_bwd, varlen_fwd
-from rlfuse.kernels.triton.paged_attention import paged_attention_triton
+from rlfuse.kernels.attention.varlen import varlen_attention
+from rlfuse.kernels.attention.triton_varlen import varlen_bwd, varlen_fwd
+from rlfuse.kernels.attention.triton_paged import paged_attention_triton
 
 HQ, HKV, DH = 16, 8, 128
 DT = torch.bfloat16

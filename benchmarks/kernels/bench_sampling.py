@@ -27,8 +27,8 @@ import torch
 
 from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
 from rlfuse.engine.benchmark import copy_bandwidth
-from rlfuse.kernels.sampling import sample_ref
-from rlfuse.kernels.triton.sampling import sample_triton
+from rlfuse.kernels.sampling.draw import sample_ref
+from rlfuse.kernels.sampling.triton_draw import sample_triton
 
 V = 151936
 SETTINGS = {"none": (0, 1.0), "top-p 0.9": (0, 0.9), "top-k 50": (50, 1.0), "top-k 50 + top-p 0.9": (50, 0.9)}

@@ -2,7 +2,7 @@
 
 Layout: one tensor (2, L, num_blocks, block_size, Hkv, Dh) in the model's dtype; layer l
 reads k = pool[0, l], v = pool[1, l], the (num_blocks, block_size, Hkv, Dh) views that
-`rlfuse.kernels.paged_attention` takes. One allocation, so `release()` (sleep) hands the
+`rlfuse.kernels.attention.paged` takes. One allocation, so `release()` (sleep) hands the
 whole pool back and `allocate()` (wake) re-creates it with the same number of blocks.
 
 Budget on CUDA (measured once, after the weights are loaded and a warm-up forward ran):

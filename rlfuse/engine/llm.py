@@ -22,7 +22,7 @@ resume by recompute after `wake()`), `wake()` re-creates the pool with the same 
 of blocks.
 
 Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
-filtering, from `rlfuse.kernels.logprob.token_logprobs`, the function the trainer uses.
+filtering, from `rlfuse.kernels.loss.logprob.token_logprobs`, the function the trainer uses.
 Test: python -m pytest -q tests/test_engine.py
 """
 

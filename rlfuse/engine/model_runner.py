@@ -18,9 +18,9 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      whose prompts share cache blocks read them once: `_share_plan`). Everything else
      (prefill chunks, mixed batches) runs eagerly. On CPU with enforce_eager=False the
      same static buffers run without capture.
-  3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.sample` with per-row
+  3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.draw.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
-     log-prob from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the
+     log-prob from `rlfuse.kernels.loss.logprob.token_logprobs(h_last, W, ids, T)` -- the
      trainer's function, per distinct temperature (T = 1 for greedy rows).
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
@@ -42,10 +42,10 @@ from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels.backend import num_sms, resolve_backend, use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.paged_attention import (SharedPrefixDecode, plan_shared_prefix, shared_prefix_members,
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.attention.paged import (SharedPrefixDecode, plan_shared_prefix, shared_prefix_members,
                                             shared_prefix_pays)
-from rlfuse.kernels.sampling import sample
+from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model.transformer import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)

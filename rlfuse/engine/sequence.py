@@ -31,7 +31,7 @@ class Completion:
     `logprobs[i]` is log softmax(logits / temperature)[output_token_ids[i]] under the
     weights at sampling time, BEFORE top-k/top-p/min-p filtering and min_tokens masking
     (temperature 1 for greedy requests): the policy the trainer optimizes, computed by
-    the trainer's own function `rlfuse.kernels.logprob.token_logprobs`. fp32, CPU.
+    the trainer's own function `rlfuse.kernels.loss.logprob.token_logprobs`. fp32, CPU.
     """
     request_id: str
     index: int

@@ -89,13 +89,23 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def is_triton_module(modname: str) -> bool:
+    """Whether `modname` is a Triton half (the only modules that import triton): an op
+    family's `rlfuse.kernels.<family>.triton_<op>` or the shared `rlfuse.kernels.triton_common`."""
+    parts = modname.split(".")
+    return parts[:2] == ["rlfuse", "kernels"] and len(parts) >= 3 and parts[-1].startswith("triton_")
+
+
 @functools.cache
 def triton_ops(op: str) -> ModuleType:
-    """The Triton half of op `op`, imported on first use: triton is an optional dependency
+    """The Triton half of an op, imported on first use: triton is an optional dependency
     (CPU-only installs run the references), so only a backend that resolves to "triton"
-    ever imports it. `op` is "<family>.triton_<name>" for an op family's folder
-    (`rlfuse.kernels.<family>.triton_<name>`), or a bare name under `rlfuse.kernels.triton`."""
-    return importlib.import_module(f"rlfuse.kernels.{op}" if "." in op else f"rlfuse.kernels.triton.{op}")
+    ever imports it. `op` is "<family>.triton_<name>" (`rlfuse.kernels.<family>.triton_<name>`),
+    or "triton_common" for the helpers the families share."""
+    name = f"rlfuse.kernels.{op}"
+    if not is_triton_module(name):
+        raise ValueError(f"triton_ops: {op!r} is not a Triton module name ('<family>.triton_<op>' or 'triton_common')")
+    return importlib.import_module(name)
 
 
 def triton_compiles() -> dict[str, int]:
@@ -104,20 +114,20 @@ def triton_compiles() -> dict[str, int]:
     that grows inside a timed region is a Triton compile the timing paid for."""
     if not triton_available():
         return {}
-    return triton_ops("common").compiled_variants()
+    return triton_ops("triton_common").compiled_variants()
 
 
 def record_compiles(skip: bool = True):
     """Context manager (CUDA): kernel launches that would compile are recorded and skipped
     (`skip=False`: recorded only); yields [(module, kernel, specialization JSON, target)],
     the requests a compile worker (`compile_worker_command`) takes (train/warm.py)."""
-    return triton_ops("common").record_compiles(skip)
+    return triton_ops("triton_common").record_compiles(skip)
 
 
 def compile_worker_command() -> list[str]:
-    """argv of a compile worker process (`rlfuse.kernels.triton.common.compile_worker`): a
+    """argv of a compile worker process (`rlfuse.kernels.triton_common.compile_worker`): a
     fresh interpreter that imports only the kernels, never the caller's main script."""
-    return [sys.executable, "-c", "from rlfuse.kernels.triton.common import compile_worker; compile_worker()"]
+    return [sys.executable, "-c", "from rlfuse.kernels.triton_common import compile_worker; compile_worker()"]
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlfuse.kernels.attention import supports_head_dim
+from rlfuse.kernels.attention.varlen import supports_head_dim
 
 log = logging.getLogger(__name__)
 

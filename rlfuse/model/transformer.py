@@ -6,10 +6,10 @@ what we save loads in `transformers` unchanged.
 
 The forward works on packed tokens: input_ids (T,), positions (T,) and an attention
 descriptor, and returns final hidden states (T, D) -- never logits, so log-probs come
-from `rlfuse.kernels.logprob` without a (T, V) tensor. Two descriptors:
+from `rlfuse.kernels.loss.logprob` without a (T, V) tensor. Two descriptors:
   * `Packed(cu_seqlens, max_seqlen, prefix)`: causal attention within each packed sequence
     (training, evaluation, the naive reference generator); with `prefix`, a group's
-    sequences read one shared prompt packed once (`rlfuse.kernels.attention.SharedPrefix`);
+    sequences read one shared prompt packed once (`rlfuse.kernels.attention.varlen.SharedPrefix`);
   * `PagedKV(...)`: the engine's paged KV cache (prefill chunks and decode).
 `forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
 path and scatters back, so padded and packed inputs give the same per-sequence results.
@@ -26,13 +26,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.kernels.attention import SharedPrefix, varlen_attention
+from rlfuse.kernels.attention.varlen import SharedPrefix, varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
-from rlfuse.kernels.linear import linear
-from rlfuse.kernels.paged_attention import SharedPrefixDecode, paged_attention
-from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from rlfuse.kernels.rope import qk_norm_rope, rope_cos_sin, rope_inv_freq
-from rlfuse.kernels.swiglu import swiglu, swiglu_packed
+from rlfuse.kernels.linear.gemm import linear
+from rlfuse.kernels.attention.paged import SharedPrefixDecode, paged_attention
+from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm
+from rlfuse.kernels.rope.rotary import qk_norm_rope, rope_cos_sin, rope_inv_freq
+from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
 
 
@@ -43,7 +43,7 @@ def _with_kernels(backend: str, numerics: str, layer, *args):
 
 class Linear(nn.Linear):
     """nn.Linear (same parameters, same state-dict names) whose forward goes through
-    `rlfuse.kernels.linear`: F.linear in fast numerics, batch-invariant in exact."""
+    `rlfuse.kernels.linear.gemm`: F.linear in fast numerics, batch-invariant in exact."""
 
     def forward(self, x):
         return linear(x, self.weight, self.bias)
@@ -93,7 +93,7 @@ def pack_by_tokens(lengths: list[int], budget: int, shared: list[int] | None = N
 
 @dataclasses.dataclass(slots=True)
 class PagedKV:
-    """Attention against the engine's paged KV cache (see `rlfuse.kernels.paged_attention`).
+    """Attention against the engine's paged KV cache (see `rlfuse.kernels.attention.paged`).
     The new tokens' K/V are written at `slot_mapping` before attention reads the cache."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (num_blocks, block_size, Hkv, Dh)
     slot_mapping: torch.Tensor  # (T,) int64, -1 = padding row

@@ -5,7 +5,7 @@ The trainer reaches `rlfuse.engine` only through `EngineSampler` (its public API
 three methods (`Sampler` protocol) can stand in, e.g. a test's tiny sampler.
 
 A Sample's `logprobs` are the engine's log p(token) under softmax(logits / T) before
-top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.logprob.token_logprobs` -- exactly the
+top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.loss.logprob.token_logprobs` -- exactly the
 quantity the trainer recomputes, so they serve as the PPO "old" log-probs.
 Order: prompt-major, `n` samples per prompt (sample k of prompt i at i * n + k).
 

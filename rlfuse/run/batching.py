@@ -15,7 +15,7 @@ Shared prompts (`share_min=n > 0`, GRPO's `grpo.share_prefix`): consecutive sequ
 whose contexts are the same n or more token ids (a GRPO group: one prompt, G completions)
 pack as [context, completion_1, ..., completion_G], the context once. Completion g's positions
 continue from n_ctx and its attention reads the context's keys first
-(`rlfuse.kernels.attention.SharedPrefix`); its first target is predicted from the
+(`rlfuse.kernels.attention.varlen.SharedPrefix`); its first target is predicted from the
 context's last row, the others from its own rows. The targets, seq_ids and their order are
 those of the unshared batch, and so, in exact numerics, are the log-probs, bit for bit
 (tests/test_prefix_sharing.py); the gradients agree to rounding (docs/numerics.md).

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import load_model
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb

@@ -9,7 +9,7 @@ One step:
   3. train     : mu passes over the batch, each split into `mini_batches` optimizer
                  steps; each optimizer step packs its sequences into micro-batches of at
                  most `micro_batch_tokens` tokens and accumulates gradients of the policy
-                 loss (rlfuse.kernels.policy_loss: reference, Triton path, backend choice), each
+                 loss (rlfuse.kernels.loss.policy: reference, Triton path, backend choice), each
                  micro-batch weighted by its share of the full batch's normalizer, so the
                  accumulated gradient equals that of the loss on the whole mini-batch.
                  Old log-probs = the engine's; the first forward (before any update)
@@ -37,8 +37,8 @@ from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import triton_compiles, use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.loss.policy import accumulation_weight, policy_loss
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import (

@@ -71,7 +71,7 @@ import time
 
 import torch
 
-from rlfuse.kernels.policy_loss import TOKEN_MEAN_TYPES
+from rlfuse.kernels.loss.policy import TOKEN_MEAN_TYPES
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import score_samples
 from rlfuse.run import pack_by_tokens

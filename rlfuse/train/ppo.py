@@ -12,7 +12,7 @@ and docs/algorithms.md, "PPO"):
                 GAE(gamma, lam) -> advantages A_t and returns R_t = A_t + V_t; A whitened
                 over the batch (ppo.whiten_advantages). beta then adapts (ppo.kl_target).
   4. train    : mu epochs x mini_batches; each mini-batch, micro-batched by token budget:
-                the policy's clipped loss through the fused kernel (rlfuse.kernels.policy_loss,
+                the policy's clipped loss through the fused kernel (rlfuse.kernels.loss.policy,
                 per-token advantages; minus entropy_coef x token-mean entropy) and the
                 critic's clipped value loss (token mean), each model stepped by its own
                 MasterAdamW (policy: optim.lr; critic: ppo.critic_lr; same schedule shape).
@@ -48,8 +48,8 @@ from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.loss.policy import accumulation_weight, policy_loss
 from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples

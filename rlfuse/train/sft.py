@@ -4,7 +4,7 @@ One optimizer step takes `sft.batch_size` examples, packs them into micro-batche
 most `sft.micro_batch_tokens` tokens, and accumulates gradients of
     loss = -(1 / N) sum_{target tokens t} log p(y_t | y_<t),   N = target tokens of the step,
 so the result does not depend on how the step was split into micro-batches. Log-probs
-come from `rlfuse.kernels.logprob.token_logprobs` on the rows that predict targets only
+come from `rlfuse.kernels.loss.logprob.token_logprobs` on the rows that predict targets only
 (no (T, V) logits). Then grad-norm clipping, the scheduled LR and MasterAdamW.
 `SFTTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
 Data-parallel (`dist`): every rank draws the same global batch, so N is known locally;
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from rlfuse.data import PromptStream, SFTExample, build_sft_examples
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, reduce_metrics

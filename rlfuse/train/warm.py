@@ -48,8 +48,8 @@ from rlfuse.kernels.backend import (
     triton_compiles,
     use_numerics,
 )
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.rope import rope_cos_sin
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.rope.rotary import rope_cos_sin
 from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)

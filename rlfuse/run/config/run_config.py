@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
-from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
+from rlfuse.kernels.loss.policy import KL_TYPES, LOSS_TYPES
 from rlfuse.run.config import io as config_io
 from rlfuse.run.config.algorithms import (
     ADV_SCALES,

@@ -51,7 +51,7 @@ def rmsnorm_exact_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torc
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Public op: picks the backend (see `rlfuse.kernels.backend`)."""
     if resolve_backend("rmsnorm", x) == "triton":
-        return triton_ops("rmsnorm").rmsnorm(x, weight, eps)  # batch-invariant in both numerics
+        return triton_ops("norm.triton_rms").rmsnorm(x, weight, eps)  # batch-invariant in both numerics
     return (rmsnorm_exact_ref if is_exact() else rmsnorm_ref)(x, weight, eps)
 
 
@@ -62,6 +62,6 @@ def add_rmsnorm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: flo
         raise ValueError(f"add_rmsnorm: h {tuple(h.shape)} {h.dtype} and x {tuple(x.shape)} {x.dtype} "
                          "must have one shape and dtype")
     if resolve_backend("rmsnorm", h) == "triton":
-        return triton_ops("rmsnorm").add_rmsnorm(h, x, weight, eps)
+        return triton_ops("norm.triton_rms").add_rmsnorm(h, x, weight, eps)
     s = h + x
     return s, rmsnorm(s, weight, eps)

@@ -41,7 +41,7 @@ def swiglu_exact_ref(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if resolve_backend("swiglu", gate) == "triton":  # elementwise: batch-invariant in both numerics
-        return triton_ops("swiglu").swiglu(gate, up)
+        return triton_ops("activation.triton_glu").swiglu(gate, up)
     return (swiglu_exact_ref if is_exact() else swiglu_ref)(gate, up)
 
 
@@ -50,6 +50,6 @@ def swiglu_packed(gate_up: torch.Tensor) -> torch.Tensor:
     if gate_up.shape[-1] % 2:
         raise ValueError(f"swiglu_packed: the last dim must hold gate and up halves, got {tuple(gate_up.shape)}")
     if resolve_backend("swiglu", gate_up) == "triton":
-        return triton_ops("swiglu").swiglu_packed(gate_up)
+        return triton_ops("activation.triton_glu").swiglu_packed(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return (swiglu_exact_ref if is_exact() else swiglu_ref)(gate, up)

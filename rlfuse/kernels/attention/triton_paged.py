@@ -1,6 +1,6 @@
 """Paged attention over the engine's KV cache, the Triton kernels: the KV store, the
 prefill/decode kernel (optionally split over the keys) and the split combine (the
-contract, the math and the split rules are in `rlfuse.kernels.paged_attention`'s
+contract, the math and the split rules are in `rlfuse.kernels.attention.paged`'s
 docstring)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention import KV_BLOCK
+from rlfuse.kernels.attention.varlen import KV_BLOCK
 from rlfuse.kernels.backend import num_sms
-from rlfuse.kernels.paged_attention import SharedPrefixDecode, _check_cache, shared_prefix_rows
-from rlfuse.kernels.triton.attention import LOG2E, attend_tile, exact_config
-from rlfuse.kernels.triton.common import dot_precision
+from rlfuse.kernels.attention.paged import SharedPrefixDecode, _check_cache, shared_prefix_rows
+from rlfuse.kernels.attention.triton_varlen import LOG2E, attend_tile, exact_config
+from rlfuse.kernels.triton_common import dot_precision
 
 _MIN_SPLIT_BLOCKS = 2  # keys per split >= 2 * KV_BLOCK: a guess, not yet timed (bench_attention.py: auto vs nosplit)
 _MAX_SPLITS = 64

@@ -1,6 +1,6 @@
 """The clipped policy-gradient loss, the Triton kernel: per-token loss, clip flags, ratio
 and KL with their masked partial sums, and the gradient coefficient (the loss types, the
-aggregation and the KL estimators are in `rlfuse.kernels.policy_loss`'s docstring)."""
+aggregation and the KL estimators are in `rlfuse.kernels.loss.policy`'s docstring)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.policy_loss import KL_TYPES, TOKEN_MEAN_TYPES, _seg_sum, _validate, ratio_bounds
+from rlfuse.kernels.loss.policy import KL_TYPES, TOKEN_MEAN_TYPES, _seg_sum, _validate, ratio_bounds
 
 # The partial sums `_policy_loss_kernel` writes, one row per program, in this column order: masked
 # sums of w l, of clipped tokens (clip, low, high), of r, of kl and of the mask (the

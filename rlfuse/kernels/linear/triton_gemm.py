@@ -1,6 +1,6 @@
 """Linear, the exact-mode Triton GEMM: fused and split launch plans of one canonical
 K order (the order, the plans and why tile families may change with M are in
-`rlfuse.kernels.linear`'s docstring)."""
+`rlfuse.kernels.linear.gemm`'s docstring)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.backend import num_sms
-from rlfuse.kernels.triton.common import dot, dot_precision, round_to, swizzle
+from rlfuse.kernels.triton_common import dot, dot_precision, round_to, swizzle
 
 
 @triton.jit

@@ -1,6 +1,6 @@
 """Varlen causal attention, the Triton kernels: the forward, the backward (delta, dK/dV,
 dQ) and the tile update `attend_tile` that `paged_attention`'s kernel shares (the
-contract, the math and the exact-mode rules are in `rlfuse.kernels.attention`'s
+contract, the math and the exact-mode rules are in `rlfuse.kernels.attention.varlen`'s
 docstring)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention import KV_BLOCK, SharedPrefix
-from rlfuse.kernels.triton.common import dot, dot_precision
+from rlfuse.kernels.attention.varlen import KV_BLOCK, SharedPrefix
+from rlfuse.kernels.triton_common import dot, dot_precision
 
 LOG2E = 1.4426950408889634  # kernels spell log2(e) and ln(2) as literals (jit globals)
 
@@ -38,7 +38,7 @@ def _kv_ptrs(K, V, k_ptrs, v_ptrs, start_n, offs_n, offs_d, row0, prow0, P, skt,
              SHARED: tl.constexpr):
     """Pointers to the key tile at logical keys start_n + offs_n: unshared, rows row0 + key;
     with a shared prefix of P keys at rows prow0.., logical key j < P at prow0 + j and the
-    segment's own key j at row0 + j - P (the module docstring of rlfuse.kernels.attention)."""
+    segment's own key j at row0 + j - P (the module docstring of rlfuse.kernels.attention.varlen)."""
     if SHARED:
         cols = start_n + offs_n
         rows = tl.where(cols < P, prow0 + cols, row0 + cols - P)

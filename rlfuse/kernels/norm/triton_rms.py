@@ -1,5 +1,5 @@
 """RMSNorm, the Triton kernels: forward, backward and the dw partial sum (the math, the
-contract and the tiling rules are in `rlfuse.kernels.rmsnorm`'s docstring)."""
+contract and the tiling rules are in `rlfuse.kernels.norm.rms`'s docstring)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.backend import num_sms
-from rlfuse.kernels.triton.common import round_to
+from rlfuse.kernels.triton_common import round_to
 
 
 @triton.jit

@@ -19,10 +19,10 @@ the number of rows, so row m of y depends on row m of x and the weights only
 (`torch.equal(lora_linear(x)[:k], lora_linear(x[:k]))`) and the engine's decode and
 prefill give the trainer's bits:
   * torch backend (`lora_linear_ref`): PEFT's rounding step by step, each product the exact
-    linear's reference (`rlfuse.kernels.linear.linear_exact_ref`), each result rounded to
+    linear's reference (`rlfuse.kernels.linear.gemm.linear_exact_ref`), each result rounded to
     x.dtype, then `base + d * s` as two rounded elementwise ops (never one fused
     multiply-add, whose rounding depends on the code path);
-  * triton backend (`rlfuse.kernels.triton.lora`): step 2 by the exact linear, steps 1, 3
+  * triton backend (`rlfuse.kernels.linear.triton_lora`): step 2 by the exact linear, steps 1, 3
     and 4 in one GEMM whose epilogue adds s z B^T before the single rounding.
 The two backends are each batch-invariant, not equal to each other (as for `linear`).
 With the adapter switched off the model calls `linear(x, W, b)`, step 1 alone: the base
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
-from rlfuse.kernels.linear import linear_exact, linear_exact_ref
+from rlfuse.kernels.linear.gemm import linear_exact, linear_exact_ref
 
 
 def lora_linear_ref(x, weight, bias, lora_a, lora_b, scale: float, x_a=None):
@@ -65,7 +65,7 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     x_a = x if x_a is None else x_a
     if is_exact():
         if resolve_backend("lora", x) == "triton":
-            return triton_ops("lora").lora_linear_exact_triton(x, weight, bias, lora_a, lora_b, scale, x_a)
+            return triton_ops("linear.triton_lora").lora_linear_exact_triton(x, weight, bias, lora_a, lora_b, scale, x_a)
         # the differentiable exact products (torch backward), with lora_linear_ref's bits
         base = linear_exact(x, weight, bias)
         return base + linear_exact(linear_exact(x_a, lora_a), lora_b) * scale

@@ -50,7 +50,7 @@ from __future__ import annotations
 import torch
 
 from rlfuse.kernels.backend import resolve_backend, triton_ops
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 
 LOSS_TYPES = ("grpo", "dapo", "dr_grpo", "gspo", "cispo")
 """Aggregations (and gspo's sequence ratio, cispo's surrogate) of the module docstring."""
@@ -152,7 +152,7 @@ def policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, *,
 def policy_loss(logp, old_logp, advantages, mask, seq_ids, num_seqs: int, **kwargs):
     """(loss scalar, stats dict of scalars); keyword arguments and math in the module docstring."""
     if resolve_backend("policy_loss", logp) == "triton":
-        return triton_ops("policy_loss").policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
+        return triton_ops("loss.triton_policy").policy_loss_triton(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
     return policy_loss_ref(logp, old_logp, advantages, mask, seq_ids, num_seqs, **kwargs)
 
 

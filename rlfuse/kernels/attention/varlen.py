@@ -210,7 +210,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen: int, scale: float | None =
     if resolve_backend("varlen_attention", q) == "triton":
         _check(q, k, v, cu_seqlens)
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        o, lse = triton_ops("attention").varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), scale, exact,
+        o, lse = triton_ops("attention.triton_varlen").varlen_attention(q, k, v, cu_seqlens, int(max_seqlen), scale, exact,
                                                           prefix)
         return (o, lse) if return_lse else o
     ref = varlen_attention_exact_ref if exact else varlen_attention_ref

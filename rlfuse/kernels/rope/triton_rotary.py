@@ -1,6 +1,6 @@
 """Rotary position embedding, the Triton kernels: RoPE (forward and backward are one
 kernel) and the fused per-head norms + RoPE + KV store (the math, the layout and the
-bitwise contract are in `rlfuse.kernels.rope`'s docstring)."""
+bitwise contract are in `rlfuse.kernels.rope.rotary`'s docstring)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.paged_attention import _check_cache
-from rlfuse.kernels.triton.common import round_to
-from rlfuse.kernels.triton.rmsnorm import _tile, mean_square, norm_rows
+from rlfuse.kernels.attention.paged import _check_cache
+from rlfuse.kernels.triton_common import round_to
+from rlfuse.kernels.norm.triton_rms import _tile, mean_square, norm_rows
 
 
 @triton.jit

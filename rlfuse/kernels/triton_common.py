@@ -14,6 +14,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, make_backend
 from triton.runtime.jit import JITFunction, convert_to_tuple_if_list
 
+from rlfuse.kernels.backend import is_triton_module
+
 
 @triton.jit
 def round_to(x, DT: tl.constexpr):
@@ -29,12 +31,12 @@ def round_to(x, DT: tl.constexpr):
 
 
 def compiled_variants() -> dict[str, int]:
-    """{kernel name: compiled specializations so far} over the loaded
-    rlfuse.kernels.triton modules (see `backend.triton_compiles`). Reads Triton's
+    """{kernel name: compiled specializations so far} over the loaded Triton modules
+    (`backend.is_triton_module`; see `backend.triton_compiles`). Reads Triton's
     per-device kernel cache (first element of each `device_caches` entry in Triton 3.x)."""
     out = {}
     for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("rlfuse.kernels.triton.") or mod is None:
+        if not is_triton_module(mod_name) or mod is None:
             continue
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction) and getattr(fn, "device_caches", None):

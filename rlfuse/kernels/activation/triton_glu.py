@@ -1,5 +1,5 @@
 """SwiGLU, the Triton kernels (the math, the rounding and the launch rules are in
-`rlfuse.kernels.swiglu`'s docstring)."""
+`rlfuse.kernels.activation.glu`'s docstring)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.triton.common import round_to
+from rlfuse.kernels.triton_common import round_to
 
 # Tile: the best of 12 BLOCK x warps settings for both kernels in an H100 sweep at Qwen3-0.6B
 # shapes (bench_layers.py; docs/perf-log.md).

@@ -1,12 +1,12 @@
 """LoRA linear, the exact-mode Triton path: the base GEMM with the adapter's expand in its
-epilogue, so steps 1, 3 and 4 of `rlfuse.kernels.lora` are one kernel (two with the split
+epilogue, so steps 1, 3 and 4 of `rlfuse.kernels.linear.lora` are one kernel (two with the split
 plan) and round once:
     y = round( [x W^T in linear's canonical K order] (+ b) + s * (z B^T) ),  z = x_a A^T
 z (the shrink) comes from the exact linear (`linear_exact`), rounded to x.dtype.
 z B^T is one `dot` over the rank, padded to BLOCK_R >= 16 with zeros: a single k-block,
 so an element's value does not depend on the tile's height or width (the property the
 exact linear's tile families rely on), and the fused and split plans give the same bits.
-Launch plans and tile families are the exact linear's (`rlfuse.kernels.triton.linear`).
+Launch plans and tile families are the exact linear's (`rlfuse.kernels.linear.triton_gemm`).
 The backward is torch's (dx = dy W, dW = dy^T x, db = sum dy, dz = s dy B, dB = s dy^T z).
 """
 
@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.linear import linear_exact
-from rlfuse.kernels.triton.common import dot
-from rlfuse.kernels.triton.linear import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
+from rlfuse.kernels.linear.gemm import linear_exact
+from rlfuse.kernels.triton_common import dot
+from rlfuse.kernels.linear.triton_gemm import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
                                          split_partials)
 
 

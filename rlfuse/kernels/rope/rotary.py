@@ -32,7 +32,7 @@ slot_mapping=)` is, as the reference `qk_norm_rope_ref` spells out,
     store_kvcache(k, v, *kv_cache, slot_mapping)                   (kv_cache given)
 in one Triton launch, bitwise equal to that sequence in both numerics: each head row is
 normalized with the RMSNorm kernel's own row reduction, tile and rounding steps
-(`rlfuse.kernels.triton.rmsnorm`), then rotated with the RoPE arithmetic above. With
+(`rlfuse.kernels.norm.triton_rms`), then rotated with the RoPE arithmetic above. With
 kv_cache it returns (q, None): k lives only in the cache. Forward only: where autograd
 records, the op runs the unfused sequence (the same bits) and their backward kernels.
 Tests: `python -m pytest -q tests/test_kernel_layers.py tests/test_kernel_fused.py -k rope`.
@@ -46,8 +46,8 @@ import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 from rlfuse.kernels.invariant import pointwise
-from rlfuse.kernels.paged_attention import store_kvcache
-from rlfuse.kernels.rmsnorm import rmsnorm
+from rlfuse.kernels.attention.paged import store_kvcache
+from rlfuse.kernels.norm.rms import rmsnorm
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -91,7 +91,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tenso
     """positions (T,) -> the step's cos/sin table (T, Dh) fp32 for the Triton kernels, or
     None where rope runs the reference (see the module docstring)."""
     if resolve_backend("rope", positions) == "triton":
-        return triton_ops("rope").cos_sin_table(positions, inv_freq)
+        return triton_ops("rope.triton_rotary").cos_sin_table(positions, inv_freq)
     return None
 
 
@@ -99,7 +99,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
          cos_sin: torch.Tensor | None = None) -> torch.Tensor:
     """cos_sin: `rope_cos_sin(positions, inv_freq)` (optional, same result)."""
     if resolve_backend("rope", x) == "triton":  # elementwise: batch-invariant in both numerics
-        return triton_ops("rope").rope(x, positions, inv_freq, cos_sin)
+        return triton_ops("rope.triton_rotary").rope(x, positions, inv_freq, cos_sin)
     return rope_ref(x, positions, inv_freq, exact=is_exact())
 
 
@@ -128,7 +128,7 @@ def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.
         raise ValueError("qk_norm_rope: kv_cache, v and slot_mapping go together")
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, q_weight, k_weight))
     if resolve_backend("rope", q) == "triton" and not grad:
-        return triton_ops("rope").qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps,
+        return triton_ops("rope.triton_rotary").qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps,
                                                       v=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
                                                       cos_sin=cos_sin)
     return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,

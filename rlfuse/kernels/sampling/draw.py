@@ -13,7 +13,7 @@ Randomness is a counter-based hash, not a torch.Generator: u_v depends only on
 backend, batch size or batch order. The engine passes offset = the token's position.
 
 Returned log-prob: log softmax(logits / T)[id], the unfiltered policy (T := 1 when
-greedy); the engine's rollout log-probs come from `rlfuse.kernels.logprob` instead, the
+greedy); the engine's rollout log-probs come from `rlfuse.kernels.loss.logprob` instead, the
 function the trainer shares.
 
 Triton path (`sample_triton`; no host syncs, CUDA-graph safe; every per-row decision is
@@ -163,5 +163,5 @@ def sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets):
 def sample(logits, temperature, top_k, top_p, min_p, seeds, offsets):
     """Public op: `sample_triton` or `sample_ref` by the kernel backend (`rlfuse.kernels.backend`)."""
     if resolve_backend("sample", logits) == "triton":
-        return triton_ops("sampling").sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+        return triton_ops("sampling.triton_draw").sample_triton(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     return sample_ref(logits, temperature, top_k, top_p, min_p, seeds, offsets)

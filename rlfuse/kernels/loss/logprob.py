@@ -51,7 +51,7 @@ import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 from rlfuse.kernels.invariant import pairwise_sum, pointwise
-from rlfuse.kernels.linear import linear_exact
+from rlfuse.kernels.linear.gemm import linear_exact
 
 
 def _inv_temperature(temperature, N: int, device) -> torch.Tensor:
@@ -100,4 +100,4 @@ def token_logprobs(hidden, weight, targets, temperature=1.0, return_entropy: boo
     if resolve_backend("token_logprobs", hidden) != "triton":
         ref = token_logprobs_exact_ref if is_exact() else token_logprobs_ref
         return ref(hidden, weight, targets, temperature, return_entropy)
-    return triton_ops("logprob").token_logprobs(hidden, weight, targets, inv_t, return_entropy)
+    return triton_ops("loss.triton_logprob").token_logprobs(hidden, weight, targets, inv_t, return_entropy)

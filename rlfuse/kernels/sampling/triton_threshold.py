@@ -1,5 +1,5 @@
 """Threshold and draw over a filtered row's candidates: stage 4b-4c of sampling (read the
-module notes of `rlfuse.kernels.sampling`), split out of `rlfuse.kernels.triton.sampling`
+module notes of `rlfuse.kernels.sampling.draw`), split out of `rlfuse.kernels.sampling.triton_draw`
 for length. Triton helpers only, called from its `_threshold_draw_kernel`; the Gumbel noise
 is also used by its first pass.
 """

@@ -23,7 +23,7 @@ packs BLOCK_Q query tokens times all query heads of its GQA group into its rows
 (row r = token r // GROUP, head r % GROUP), so each K/V tile is read once per kv head.
 It walks the cache in blocks of KV_BLOCK keys (the constant `varlen_attention` uses,
 same order from key 0), looking up block_tables per key, with the online softmax of
-`rlfuse.kernels.attention`. Split-KV (flash-decoding): when B * Hkv * query blocks is
+`rlfuse.kernels.attention.varlen`. Split-KV (flash-decoding): when B * Hkv * query blocks is
 too few programs for the GPU, the key range [0, block_tables.shape[1] * block_size) is
 cut into `n_split` chunks of whole KV blocks; each program writes a normalized partial
 o_s and lse_s (log2 units) to a workspace and a second kernel combines them:
@@ -59,7 +59,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from rlfuse.kernels.attention import KV_BLOCK, attend_exact_ref, supports_head_dim
+from rlfuse.kernels.attention.varlen import KV_BLOCK, attend_exact_ref, supports_head_dim
 from rlfuse.kernels.backend import is_exact, num_sms, resolve_backend, triton_ops
 
 
@@ -85,7 +85,7 @@ def shared_prefix_rows(group: int, exact: bool, itemsize: int) -> int:
     """Query rows of a shared-prefix program: exact numerics keep the exact tile's height
     (the bits depend on it); fast: 32 (16 sequences of a 2-head GQA group)."""
     if exact:
-        return triton_ops("attention").exact_config(itemsize)["BLOCK_M"]
+        return triton_ops("attention.triton_varlen").exact_config(itemsize)["BLOCK_M"]
     return max(32, group)
 
 
@@ -229,7 +229,7 @@ def _check_cache(k_cache, v_cache, who: str):
 
 def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
     if resolve_backend("store_kvcache", k) == "triton":
-        triton_ops("paged_attention").store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+        triton_ops("attention.triton_paged").store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
         return
     store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
 
@@ -238,7 +238,7 @@ def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
                     max_seqlen_q: int, scale: float | None = None, shared: SharedPrefixDecode | None = None):
     exact = is_exact()
     if resolve_backend("paged_attention", q) == "triton":
-        return triton_ops("paged_attention").paged_attention_triton(
+        return triton_ops("attention.triton_paged").paged_attention_triton(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, exact=exact,
             shared=shared)
     ref = paged_attention_exact_ref if exact else paged_attention_ref

@@ -1,6 +1,6 @@
 """Token log-probs from hidden states, the Triton kernels: the split-V forward with its
 fold, and the chunked backward (the math, the contract and the batch-invariance rules
-are in `rlfuse.kernels.logprob`'s docstring)."""
+are in `rlfuse.kernels.loss.logprob`'s docstring)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.backend import num_sms
-from rlfuse.kernels.triton.common import dot, dot_precision, swizzle
+from rlfuse.kernels.triton_common import dot, dot_precision, swizzle
 
 
 @dataclasses.dataclass(frozen=True)
@@ -367,7 +367,7 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(hidden, weight, targets, inv_t, return_entropy: bool = False):
     """The op on the Triton backend (autograd where a gradient is needed); inv_t from
-    `rlfuse.kernels.logprob._inv_temperature`."""
+    `rlfuse.kernels.loss.logprob._inv_temperature`."""
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _TokenLogprobs.apply(hidden, weight, targets, inv_t, return_entropy)
     logp, ent, _ = token_logprobs_fwd_triton(hidden, weight, targets, inv_t, return_entropy)

@@ -1,6 +1,6 @@
 """Sampling (temperature, top-k, top-p, min-p, Gumbel-max draw with per-row keys), the
 Triton kernels: chunk statistics, the cutoff, candidate compaction and the threshold and
-draw (the contract, the stages and the rounding rules are in `rlfuse.kernels.sampling`'s
+draw (the contract, the stages and the rounding rules are in `rlfuse.kernels.sampling.draw`'s
 docstring)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.triton.sampling_threshold import _all_pairs_threshold_draw, _bisect_threshold_draw, _gumbel
+from rlfuse.kernels.sampling.triton_threshold import _all_pairs_threshold_draw, _bisect_threshold_draw, _gumbel
 
 # Tuning constants (H100, bench_sampling.py; the sweeps that chose them: docs/perf-log.md).
 _BINS_PER_NAT = 2.0     # histogram resolution: the grid is floor(x rnd(BINS_PER_NAT / T))

@@ -76,7 +76,7 @@ class _ExactLinear(torch.autograd.Function):
 
 def linear_exact(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The batch-invariant forward (Triton or the exact reference, by backend); torch backward."""
-    forward = (triton_ops("linear").linear_exact_triton if resolve_backend("linear", x) == "triton"
+    forward = (triton_ops("linear.triton_gemm").linear_exact_triton if resolve_backend("linear", x) == "triton"
                else linear_exact_ref)
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                     or (bias is not None and bias.requires_grad)):
