@@ -3,7 +3,7 @@ free-list integrity after finish, preemption and abort. Pure Python, no model.""
 
 import pytest
 
-from rlfuse.engine.block_manager import BlockManager, block_hash
+from rlfuse.engine.cache.blocks import BlockManager, block_hash
 from rlfuse.engine.config import SamplingParams
 from rlfuse.engine.sequence import Sequence
 

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler

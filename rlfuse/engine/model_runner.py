@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
+from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels.backend import num_sms, resolve_backend, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
