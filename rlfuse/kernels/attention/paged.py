@@ -37,7 +37,7 @@ no host syncs, CUDA-graph capturable. Rows outside every sequence are left unwri
 (unsplit) or zero (split).
 Shared prefixes (decode, Triton path): sequences whose first keys live in the same cache
 blocks (a GRPO group's prompt, through the prefix cache) can read that K/V once for the
-group: `SharedPrefixDecode` lists chunks of up to `shared_prefix_members(...)` such
+group: `SharedPrefixDecode` (planned on the host by `rlfuse.engine.shared_prefix`) lists chunks of up to `shared_prefix_members(...)` such
 sequences and the length they share (whole KV_BLOCKs). One program per (chunk x split,
 kv head) attends all members' query rows to the prefix; `_paged_attn_kernel` then walks each
 sequence's keys from share_len on. When the suffix runs unsplit (always in exact
@@ -55,12 +55,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
 from rlfuse.kernels.attention.varlen import KV_BLOCK, attend_exact_ref, supports_head_dim
-from rlfuse.kernels.backend import is_exact, num_sms, resolve_backend, triton_ops
+from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,69 +92,6 @@ def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: 
     """Sequences per shared-prefix chunk for this model and numerics."""
     group = 1 << (n_heads // n_kv_heads - 1).bit_length()
     return shared_prefix_rows(group, exact, itemsize) // group
-
-
-def shared_prefix_pays(chunks: int, shared_tokens: int, n_kv_heads: int, kv_token_bytes: int,
-                       device: torch.device) -> bool:
-    """Whether a plan of `chunks` chunks sharing `shared_tokens` keys in all (one layer's K/V
-    of a key: `kv_token_bytes`) is worth its prefix programs, which run before the suffix
-    programs: when they fill the GPU (chunks x kv heads >= SMs), or when the prefixes' K/V
-    outgrow the L2 cache, which otherwise already serves most repeated reads of a short
-    prefix (H100, docs/perf-log.md: 8 prompts of 128 keys x 8 completions decoded 7%
-    slower shared; 32 prompts of 250 x 8, 9% faster)."""
-    if device.type != "cuda":
-        return chunks > 0
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size
-    return chunks * n_kv_heads >= num_sms(device) or shared_tokens * kv_token_bytes >= l2
-
-
-def _common_blocks(a, b) -> int:
-    n = min(len(a), len(b))
-    return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def plan_shared_prefix(keys: list, page: int, max_members: int, max_chunks: int):
-    """Host side of `SharedPrefixDecode`: keys[b] = the block ids sequence b may share (its
-    prompt's full blocks) or None. Sorted by key, neighbours share their common leading
-    blocks; a run is cut where that common part is at most half a neighbouring pair's (so
-    the completions of one prompt form a group even when every prompt starts with the same
-    system prompt, and prompts that share only a system prompt form one). A group shares
-    the blocks all its members have in common, in whole KV_BLOCKs (>= one), in chunks of
-    2..max_members. Returns numpy int64 (share_len (B,), perm (B,), first (max_chunks,),
-    count (max_chunks,)) and the chunk count (chunks past max_chunks stay unshared)."""
-    B = len(keys)
-    share_len = np.zeros(B, np.int64)
-    perm = np.zeros(B, np.int64)
-    first = np.zeros(max_chunks, np.int64)
-    count = np.zeros(max_chunks, np.int64)
-    order = sorted((b for b in range(B) if keys[b] is not None and len(keys[b]) * page >= KV_BLOCK),
-                   key=lambda b: tuple(keys[b]))
-    common = [_common_blocks(keys[a], keys[b]) * page // KV_BLOCK for a, b in zip(order, order[1:])]  # tiles
-    # cut between neighbours that share nothing, or at most half what a neighbouring pair shares
-    cut = [c == 0 or 2 * c <= max(common[i - 1] if i else 0, common[i + 1] if i + 1 < len(common) else 0)
-           for i, c in enumerate(common)]
-    groups, run, tiles = [], order[:1], None  # (members, tiles all of them share)
-    for i, b in enumerate(order[1:]):
-        if cut[i]:
-            if len(run) > 1:
-                groups.append((run, tiles))
-            run, tiles = [b], None
-        else:
-            run.append(b)
-            tiles = common[i] if tiles is None else min(tiles, common[i])
-    if len(run) > 1:
-        groups.append((run, tiles))
-    c = o = 0
-    for members, tiles in groups:
-        for j in range(0, len(members) - 1, max_members):
-            part = members[j:j + max_members]
-            if len(part) < 2 or c == max_chunks:
-                continue
-            first[c], count[c] = o, len(part)
-            perm[o:o + len(part)] = part
-            share_len[part] = tiles * KV_BLOCK
-            c, o = c + 1, o + len(part)
-    return share_len, perm, first, count, c
 
 
 def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
