@@ -117,14 +117,14 @@ def test_estimators_train_in_grpo(tmp_path, advantage):
         m = tr.step(step)
         assert torch.isfinite(torch.as_tensor(m["loss"])), m
     folded = advantage != "rloo"
-    assert tr.kl_in_loss is not folded
+    assert tr.update.kl_in_loss is not folded
     if folded:
         assert float(m["kl"]) == 0.0  # REINFORCE++: the KL is in the return, not in the loss
         # the trainer's advantages = the estimator on k1 = rollout - reference log-probs
         prompts = tr.stream.take(4)
         samples = ses.sampler.generate([p.ids for p in prompts], n=4, temperature=1.0, max_tokens=3, seed=7)
         r = torch.tensor([float(len(s.token_ids) % 2) for s in samples])
-        ref = tr._trainer_logprobs(prompts, samples, list(range(16)), model=tr.ref_model)
+        ref = tr.update.trainer_logprobs(prompts, samples, list(range(16)), model=tr.ref_model)
         kl = torch.cat([s.logprobs - ref[j] for j, s in enumerate(samples)])
         assert kl.abs().max() > 1e-4  # the policy has moved away from the reference
         lens = [len(s.token_ids) for s in samples]

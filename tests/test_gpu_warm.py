@@ -38,16 +38,16 @@ def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numeric
                    engine={"gpu_memory_fraction": 0.3, "max_num_seqs": 16})
     ses = open_session(cfg)
     tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
-    assert tr._warm.error is None, tr._warm.error
-    m = tr._warm.wait()
+    assert tr.update.warm.error is None, tr.update.warm.error
+    m = tr.update.warm.wait()
     # Triton's in-memory kernel cache outlives a test: the fast case (first in this process)
     # finds the update's kernels uncompiled; the exact case may find only some, or none
-    assert m.get("compile/warmup_failed", 0.0) == 0, (m, tr._warm.failures[:3])
+    assert m.get("compile/warmup_failed", 0.0) == 0, (m, tr.update.warm.failures[:3])
     if numerics == "fast":
         assert m["compile/warmup_kernels"] > 0, m
     n = _cache_entries(cache)
     # the same forward and backward for real: every kernel comes from the cache
     with use_numerics(numerics):
-        KernelWarmup(ses.model, lambda h, b: policy_head(tr, h, b), numerics=numerics, enabled=False)._forward_backward()
+        KernelWarmup(ses.model, lambda h, b: policy_head(tr.update, h, b), numerics=numerics, enabled=False)._forward_backward()
     torch.cuda.synchronize()
     assert n > 0 and _cache_entries(cache) == n, "the update compiled kernels the workers did not"

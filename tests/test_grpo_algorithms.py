@@ -217,7 +217,7 @@ def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
 
 
 def test_off_policy_corrections_on_hand_computed_cases():
-    from rlfuse.train.off_policy import off_policy_corrections
+    from rlfuse.train.grpo_update import off_policy_corrections
 
     # two sequences: tokens 0-2 (seq 0), 3-4 (seq 1); ratios e^d
     d = torch.log(torch.tensor([1.0, 2.0, 0.5, 4.0, 4.0]))

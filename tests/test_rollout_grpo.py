@@ -63,7 +63,7 @@ def _episodes(vocab: int, G: int = 4):
 def _grads(trainer, prompts, samples, rewards):
     adv = trainer._advantages(prompts, samples, rewards)
     trainer.model.zero_grad(set_to_none=True)
-    trainer.accumulate_gradients(prompts, samples, adv, list(range(len(samples))))
+    trainer.update.accumulate_gradients(prompts, samples, adv, list(range(len(samples))))
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), adv
 
 

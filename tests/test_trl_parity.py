@@ -129,12 +129,19 @@ class RecordingAdamW(MasterAdamW):
         super().step(lr)
 
 
-class LossRecordingGRPO(RlfuseGRPO):
-    def accumulate_gradients(self, *a, **k):
-        sums, n = super().accumulate_gradients(*a, **k)
-        self.losses = getattr(self, "losses", []) + [sums["loss"].detach().clone()]
-        self.stats = getattr(self, "stats", []) + [{k: float(v) for k, v in sums.items()}]
+def record_losses(tr):
+    """Record the loss and statistics of each of the trainer's `accumulate_gradients` calls
+    (the update calls it through the instance, so the wrapper sees every one)."""
+    inner = tr.update.accumulate_gradients
+    tr.losses, tr.stats = [], []
+
+    def accumulate_gradients(*a, **k):
+        sums, n = inner(*a, **k)
+        tr.losses.append(sums["loss"].detach().clone())
+        tr.stats.append({key: float(v) for key, v in sums.items()})
         return sums, n
+    tr.update.accumulate_gradients = accumulate_gradients
+    return tr
 
 
 def run_rlfuse(folder, tmp_path, grpo: dict):
@@ -153,7 +160,7 @@ def run_rlfuse(folder, tmp_path, grpo: dict):
     ses._sampler = FixedSampler(ses.model, {tuple(p.ids): c for p, c in zip(prompts, COMPLETIONS)})
     o = cfg.optim
     opt = RecordingAdamW(ses.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    tr = LossRecordingGRPO(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, shuffle=False), opt)
+    tr = record_losses(RlfuseGRPO(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, shuffle=False), opt))
     tr.step(0)
     return tr.losses, opt.grads_at_step, tr.stats, {p.text: p.ids for p in prompts}
 

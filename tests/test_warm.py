@@ -29,12 +29,12 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         model = ses.model
         assert has_lora(model) == lora
         trainer = GRPOTrainer(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
-        assert trainer._warm.workers == []  # CPU: no compiler to warm, no workers
+        assert trainer.update.warm.workers == []  # CPU: no compiler to warm, no workers
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         heads = []
 
         def head(h, batch):
-            loss = policy_head(trainer, h, batch)
+            loss = policy_head(trainer.update, h, batch)
             heads.append(loss.detach())
             return loss
 

@@ -241,7 +241,7 @@ class StreamStep:
     def run(self, prompts, step: int, timer):
         """-> (samples, total rewards, per-function rewards, reward error counts, per-token
         advantages, training metrics), as the sync path has them after its `_train`."""
-        tr, g = self.tr, self.tr.g
+        tr, up, g = self.tr, self.tr.update, self.tr.g
         P, G = len(prompts), g.group_size
         samples: list = [None] * (P * G)
         total: list = [None] * (P * G)
@@ -249,7 +249,7 @@ class StreamStep:
         adv: list = [None] * (P * G)
         # provisional normalizers (module docstring): all P*G sequences; tokens unnormalized
         totals = (P * G, 1.0)
-        check = tr.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
+        check = up.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         grads = OrderedGradients(tr.optimizer, P)
         mb_sums: list[list[dict]] = [[] for _ in range(P)]  # per group, per micro-batch: summed in order at the end
         n_tok = [0]
@@ -261,14 +261,14 @@ class StreamStep:
         runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
 
         def train_group(i: int, seqs: list[int]) -> None:
-            if tr.recompute_old or check:
-                old.update(tr._trainer_logprobs(prompts, samples, seqs))
-            lengths = [len(tr._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
+            if up.recompute_old or check:
+                old.update(up.trainer_logprobs(prompts, samples, seqs))
+            lengths = [len(up.prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
 
             def backward(mb):
                 def run():
-                    s, n = tr.accumulate_gradients(prompts, samples, adv, seqs, capture[i],
-                                                   old=old if tr.recompute_old else None,
+                    s, n = up.accumulate_gradients(prompts, samples, adv, seqs, capture[i],
+                                                   old=old if up.recompute_old else None,
                                                    micro_batches=[(mb, False)], totals=totals)
                     mb_sums[i].append(s)
                     n_tok[0] += n
@@ -290,7 +290,7 @@ class StreamStep:
                 runner.submit(lambda: grads.skip(i))
                 return
             kept.append(i)
-            loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
+            loss_tokens[i] = sum(float(up.loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
                                  for s in group)
             runner.submit(lambda: train_group(i, seqs))
 
@@ -352,8 +352,8 @@ class StreamStep:
     def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, capture,
                 check: bool, old: dict, samples) -> dict:
         """Rescale what was summed under the provisional normalizers (module docstring), then
-        the step's one optimizer step; its metrics as `GRPOTrainer._train` gives them."""
-        tr, g = self.tr, self.tr.g
+        the step's one optimizer step; its metrics as `GRPOUpdate.train` gives them."""
+        tr, up, g = self.tr, self.tr.update, self.tr.g
         provisional = len(samples)
         stat_scale = 1.0 / max(loss_tokens, 1.0)  # statistics: token-weighted sums, unnormalized
         if g.loss_type in TOKEN_MEAN_TYPES:
@@ -364,7 +364,7 @@ class StreamStep:
             for grad in tr.optimizer.grads():
                 grad.mul_(grad_scale)
         sums = {k: v * (grad_scale or 1.0) if k == "loss" else v * stat_scale for k, v in sums.items()}
-        extra = tr._full_mismatch(samples, seqs, old, check, step) if (tr.recompute_old or check) else {}
-        stats = tr.apply_update(sums, n_tok, step)  # mu = mini_batches = 1: optimizer step `step`
+        extra = up.full_mismatch(samples, seqs, old, check, step) if (up.recompute_old or check) else {}
+        stats = up.apply_update(sums, n_tok, step)  # mu = mini_batches = 1: optimizer step `step`
         n_trained = stats.pop("_tokens")
-        return tr._train_metrics({k: [v] for k, v in stats.items()}, capture, extra, n_trained)
+        return up.metrics({k: [v] for k, v in stats.items()}, capture, extra, n_trained)

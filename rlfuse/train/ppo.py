@@ -64,7 +64,7 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, reference_model, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,
@@ -81,8 +81,8 @@ log = logging.getLogger(__name__)
 
 # one definition, GRPO's: a multi-turn sample's own prompt ids (else its Prompt's), and its
 # loss mask over token_ids (1 on the model's tokens; all ones for a single-turn completion)
-_prompt_ids = GRPOTrainer._prompt_ids
-_loss_mask = GRPOTrainer._loss_mask
+_prompt_ids = GRPOUpdate.prompt_ids
+_loss_mask = GRPOUpdate.loss_mask
 
 
 def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
