@@ -46,7 +46,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlfuse.kernels.linear.gemm import linear_fused
-from rlfuse.model.transformer import Attention, CausalLM, Linear, MLP
+from rlfuse.model.causal_lm import Attention, CausalLM, Linear, MLP
 
 log = logging.getLogger(__name__)
 

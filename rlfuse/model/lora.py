@@ -43,7 +43,7 @@ from torch import nn
 
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.linear.lora import lora_linear
-from rlfuse.model.transformer import CausalLM, Linear
+from rlfuse.model.causal_lm import CausalLM, Linear
 
 log = logging.getLogger(__name__)
 

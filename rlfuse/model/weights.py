@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.transformer import CausalLM
+from rlfuse.model.causal_lm import CausalLM
 
 log = logging.getLogger(__name__)
 
