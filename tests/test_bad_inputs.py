@@ -1647,6 +1647,7 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
 
     from rlfuse.data.prompts import PromptStream, build_prompts
     from rlfuse.train import grpo as grpo_mod
+    from rlfuse.train import grpo_update
     from rlfuse.train.loop import make_optimizer
 
     cfg = tiny_cfg(tmp_path)
@@ -1654,8 +1655,9 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
     stream = PromptStream(build_prompts(ses.train_rows, ses.tokenizer, cfg.data))
     tr = grpo_mod.GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
     before = {k: v.clone() for k, v in ses.model.state_dict().items()}
-    real = grpo_mod.policy_loss
-    monkeypatch.setattr(grpo_mod, "policy_loss", lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
+    real = grpo_update.kernel_policy_loss
+    monkeypatch.setattr(grpo_update, "kernel_policy_loss",
+                        lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
     m = tr.step(0)
     assert m["optim/skipped_steps"] == 1.0 and tr.optimizer.step_count == 0
     assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())

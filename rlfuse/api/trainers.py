@@ -41,7 +41,7 @@ from pathlib import Path
 from rlfuse.api.config import load_run_config
 from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
-from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model import CausalLM
 from rlfuse.rollout import PYTHON_REWARD
 from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace

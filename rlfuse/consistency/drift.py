@@ -21,7 +21,7 @@ import torch
 
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
-from rlfuse.model.causal_lm import CausalLM, Packed, PagedKV
+from rlfuse.model import CausalLM, Packed, PagedKV
 
 # q_norm / k_norm are not modules the forward calls: their weights go to the fused
 # qk_norm_rope kernel, whose result shows in self_attn.attention

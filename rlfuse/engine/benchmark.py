@@ -41,7 +41,7 @@ from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import new_compiles, triton_compiles
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sam
 from rlfuse.engine.stats import EngineStats
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
-from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model import CausalLM
 
 log = logging.getLogger(__name__)
 

@@ -41,7 +41,7 @@ from rlfuse.engine.static_decode import StaticDecode, upload
 from rlfuse.kernels.backend import num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
-from rlfuse.model.causal_lm import CausalLM, Packed, PagedKV
+from rlfuse.model import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from rlfuse.kernels.loss.logprob import token_logprobs
-from rlfuse.model.causal_lm import CausalLM, Packed
+from rlfuse.model import CausalLM, Packed
 
 
 @torch.no_grad()

@@ -32,7 +32,7 @@ from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.shared_prefix import plan_shared_prefix, shared_prefix_pays
 from rlfuse.kernels.attention.paged import SharedPrefixDecode, shared_prefix_members
 from rlfuse.kernels.backend import resolve_backend
-from rlfuse.model.causal_lm import CausalLM, PagedKV
+from rlfuse.model import CausalLM, PagedKV
 
 log = logging.getLogger(__name__)
 # the fields of the static int64 buffer, `_field_stride(nb)` elements each

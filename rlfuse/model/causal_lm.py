@@ -1,4 +1,6 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""The causal LM every registered architecture builds: embeddings, a stack of decoder layers
+whose mixer and MLP the architecture picks per layer (`rlfuse.model.arch`: ArchSpec), a final
+norm and the LM head. Shared building blocks are in `rlfuse.model.layers`.
 
 Parameter names equal the Hugging Face ones (`model.layers.3.self_attn.q_proj.weight`,
 `lm_head.weight`, ...), so a safetensors checkpoint maps 1:1 onto `state_dict()` and
@@ -7,7 +9,7 @@ what we save loads in `transformers` unchanged.
 The forward works on packed tokens: input_ids (T,), positions (T,) and an attention
 descriptor, and returns final hidden states (T, D) -- never logits, so log-probs come
 from `rlfuse.kernels.loss.logprob` without a (T, V) tensor. Two descriptors:
-  * `Packed(cu_seqlens, max_seqlen, prefix)`: causal attention within each packed sequence
+  * `Packed(cu_seqlens, max_seqlen, prefix)` (`rlfuse.model.layers.packed`): causal attention within each packed sequence
     (training, evaluation, the naive reference generator); with `prefix`, a group's
     sequences read one shared prompt packed once (`rlfuse.kernels.attention.varlen.SharedPrefix`);
   * `PagedKV(...)`: the engine's paged KV cache (prefill chunks and decode).
@@ -19,21 +21,16 @@ Shape legend: T packed tokens, B sequences, D hidden, Hq/Hkv heads, Dh head dim,
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.kernels.attention.varlen import SharedPrefix, varlen_attention
 from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
-from rlfuse.kernels.linear.gemm import linear
-from rlfuse.kernels.attention.paged import SharedPrefixDecode, paged_attention
-from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm
-from rlfuse.kernels.rope.rotary import qk_norm_rope, rope_cos_sin, rope_inv_freq
-from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
+from rlfuse.kernels.rope.rotary import rope_cos_sin, rope_inv_freq
+from rlfuse.model.arch import ARCHS
 from rlfuse.model.config import ModelConfig
+from rlfuse.model.layers import DecoderLayer, Linear, Packed, PagedKV, RMSNorm
 
 
 def _with_kernels(backend: str, numerics: str, layer, *args):
@@ -41,165 +38,24 @@ def _with_kernels(backend: str, numerics: str, layer, *args):
         return layer(*args)
 
 
-class Linear(nn.Linear):
-    """nn.Linear (same parameters, same state-dict names) whose forward goes through
-    `rlfuse.kernels.linear.gemm`: F.linear in fast numerics, batch-invariant in exact."""
-
-    def forward(self, x):
-        return linear(x, self.weight, self.bias)
-
-
-@dataclasses.dataclass(slots=True)
-class Packed:
-    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]; with
-    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix)."""
-    cu_seqlens: torch.Tensor  # (B+1,) int32
-    max_seqlen: int
-    prefix: SharedPrefix | None = None
-
-    @classmethod
-    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None) -> "Packed":
-        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none)."""
-        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
-        prefix = None
-        if prefix_of is not None and any(p is not None for p in prefix_of):
-            prefix = SharedPrefix.from_groups(lengths, prefix_of, device)
-        return cls(cu.to(device), max(lengths) if lengths else 0, prefix)
-
-
-def pack_by_tokens(lengths: list[int], budget: int, shared: list[int] | None = None) -> list[list[int]]:
-    """Sequence indices grouped into micro-batches of at most `budget` tokens, greedily in
-    order (deterministic, so accumulated sums add up in a fixed order); a sequence longer
-    than the budget goes alone. `shared[i]`: tokens of sequence i packed once with sequence
-    i - 1 when both share a micro-batch (a shared prompt), so it costs lengths[i] - shared[i]."""
-    if budget < 1:
-        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
-    batches: list[list[int]] = []
-    cur: list[int] = []
-    used = 0
-    for i, n in enumerate(lengths):
-        if shared is not None and cur and cur[-1] == i - 1:
-            n -= shared[i]
-        if cur and used + n > budget:
-            batches.append(cur)
-            cur, used = [], 0
-            n = lengths[i]
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
-    return batches
-
-
-@dataclasses.dataclass(slots=True)
-class PagedKV:
-    """Attention against the engine's paged KV cache (see `rlfuse.kernels.attention.paged`).
-    The new tokens' K/V are written at `slot_mapping` before attention reads the cache."""
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (num_blocks, block_size, Hkv, Dh)
-    slot_mapping: torch.Tensor  # (T,) int64, -1 = padding row
-    cu_seqlens_q: torch.Tensor  # (B+1,) int32
-    seq_lens: torch.Tensor      # (B,) int32, cached tokens after this step
-    block_tables: torch.Tensor  # (B, max_blocks) int32
-    max_seqlen_q: int
-    shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x, residual=None):
-        """rmsnorm(x); with `residual` h: (h + x, rmsnorm(h + x)), the add in the norm's kernel."""
-        if residual is None:
-            return rmsnorm(x, self.weight, self.eps)
-        return add_rmsnorm(residual, x, self.weight, self.eps)
-
-
-class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.n_q, self.n_kv, self.dh = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = Linear(cfg.hidden_size, self.n_q * self.dh, bias=cfg.attention_bias)
-        self.k_proj = Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
-        self.v_proj = Linear(cfg.hidden_size, self.n_kv * self.dh, bias=cfg.attention_bias)
-        # Qwen2 has q/k/v biases but never an o_proj bias; Llama and Qwen3 follow attention_bias
-        self.o_proj = Linear(self.n_q * self.dh, cfg.hidden_size,
-                                bias=cfg.attention_bias and cfg.model_type != "qwen2")
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.dh, cfg.rms_norm_eps)
-        else:
-            self.q_norm = self.k_norm = None
-        self.qkv_fused = None  # q/k/v as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
-
-    def forward(self, x_TD, positions, attn, inv_freq, cos_sin=None):
-        """cos_sin: the forward's RoPE table (`rope_cos_sin`) or None (computed in the kernel)."""
-        T = x_TD.shape[0]
-        if self.qkv_fused is not None and self.qkv_fused.live(self):
-            qkv = self.qkv_fused(x_TD)  # (T, (Hq + 2 Hkv) Dh)
-            q, k, v = qkv.split(self.qkv_fused.sizes, -1)
-            if qkv.requires_grad:  # what backward saves of a view would keep all of qkv alive
-                q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        else:
-            q, k, v = self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)
-        q, k, v = q.view(T, self.n_q, self.dh), k.view(T, self.n_kv, self.dh), v.view(T, self.n_kv, self.dh)
-        # q/k norms (Qwen3), RoPE and the paged path's KV store: one kernel outside autograd
-        norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-        if isinstance(attn, PagedKV):
-            k_cache, v_cache = attn.kv_caches[self.layer_idx]
-            q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
-                                slot_mapping=attn.slot_mapping, cos_sin=cos_sin)
-            o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                attn.block_tables, attn.max_seqlen_q, shared=attn.shared)
-        else:
-            q, k = qk_norm_rope(q, k, positions, inv_freq, *norm, cos_sin=cos_sin)
-            o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
-        return self.o_proj(o.reshape(T, self.n_q * self.dh))
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-        self.gate_up_fused = None  # gate/up as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
-
-    def forward(self, x):
-        if self.gate_up_fused is not None and self.gate_up_fused.live(self):
-            return self.down_proj(swiglu_packed(self.gate_up_fused(x)))
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__()
-        self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, h, positions, attn, inv_freq, delta=None, cos_sin=None):
-        """h: the residual stream, delta: the previous layer's output not yet added to it
-        (None before the first layer). -> (h, delta) with the stream after this layer =
-        h + delta: each residual add runs in the kernel of the norm that follows it.
-        cos_sin: the forward's RoPE table (`rope_cos_sin`), or None."""
-        if delta is None:
-            x = self.input_layernorm(h)
-        else:
-            h, x = self.input_layernorm(delta, h)
-        h, x = self.post_attention_layernorm(self.self_attn(x, positions, attn, inv_freq, cos_sin), h)
-        return h, self.mlp(x)
+def build_layer(cfg: ModelConfig, layer_idx: int, layer_type: str) -> DecoderLayer:
+    """Layer `layer_idx` of the architecture `cfg.model_type`: its mixer for `layer_type` and its MLP."""
+    spec = ARCHS[cfg.model_type]
+    if layer_type not in spec.mixers:
+        raise ValueError(f"{spec.hf_class}: layer {layer_idx} has layer type {layer_type!r}; this architecture "
+                         f"builds {sorted(spec.mixers)}")
+    name, mixer = spec.mixers[layer_type]
+    return DecoderLayer(cfg, layer_idx, name, mixer(cfg, layer_idx), spec.mlp(cfg, layer_idx))
 
 
 class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        types = ARCHS[cfg.model_type].layer_types(cfg)
+        if len(types) != cfg.num_hidden_layers:
+            raise ValueError(f"{cfg.architecture}: {len(types)} layer types for {cfg.num_hidden_layers} layers")
+        self.layers = nn.ModuleList(build_layer(cfg, i, t) for i, t in enumerate(types))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 

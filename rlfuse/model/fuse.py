@@ -46,7 +46,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlfuse.kernels.linear.gemm import linear_fused
-from rlfuse.model.causal_lm import Attention, CausalLM, Linear, MLP
+from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.layers import MLP, Attention, Linear
 
 log = logging.getLogger(__name__)
 

@@ -43,7 +43,8 @@ from torch import nn
 
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.linear.lora import lora_linear
-from rlfuse.model.causal_lm import CausalLM, Linear
+from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.layers import Linear
 
 log = logging.getLogger(__name__)
 

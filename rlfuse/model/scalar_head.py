@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.causal_lm import CausalLM, Linear, Packed
+from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.layers import Linear, Packed
 from rlfuse.model.weights import hf_parameters, load_state_dict_from_files, parse_dtype
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import torch
 
 from rlfuse.model.scalar_head import load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.model.causal_lm import Packed
+from rlfuse.model import Packed
 from rlfuse.run import pack_by_tokens
 
 log = logging.getLogger(__name__)

@@ -2,7 +2,7 @@
 training forward needs.
 
 `pack_by_tokens(lengths, budget, shared=None)` (defined beside `Packed` in
-rlfuse.model.causal_lm, where the consistency check uses it too): greedy in the given
+rlfuse.model.layers.packed, where the consistency check uses it too): greedy in the given
 order; a micro-batch takes sequences while its token count stays <= budget; a longer
 sequence goes alone; `shared` (from `shared_contexts`) discounts a shared prompt.
 
@@ -28,7 +28,7 @@ import dataclasses
 import torch
 
 from rlfuse.model import Packed
-from rlfuse.model.causal_lm import pack_by_tokens  # noqa: F401 (the trainers' import path)
+from rlfuse.model import pack_by_tokens  # noqa: F401 (the trainers' import path)
 
 
 def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:

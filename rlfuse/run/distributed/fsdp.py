@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlfuse.model.causal_lm import CausalLM, Packed
+from rlfuse.model import CausalLM, Packed
 from rlfuse.run.distributed.context import DistContext, reduce_metrics
 
 log = logging.getLogger(__name__)
