@@ -32,7 +32,7 @@ from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
-from rlfuse.model.causal_lm import Packed
+from rlfuse.model import Packed
 
 SHAPE = QWEN3_06B | dict(max_position_embeddings=4096)
 
