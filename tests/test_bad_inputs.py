@@ -1486,9 +1486,9 @@ def _signal_at_step(monkeypatch, at: int, *signums):
     a cluster would."""
     import os
 
-    from rlfuse.train.sft import SFTTrainer
+    from rlfuse.train.sft import SFTStep
 
-    step = SFTTrainer.step
+    step = SFTStep.step
 
     def step_then_signal(self, s):
         m = step(self, s)
@@ -1496,7 +1496,7 @@ def _signal_at_step(monkeypatch, at: int, *signums):
             for sig in signums:
                 os.kill(os.getpid(), sig)
         return m
-    monkeypatch.setattr(SFTTrainer, "step", step_then_signal)
+    monkeypatch.setattr(SFTStep, "step", step_then_signal)
 
 
 @pytest.mark.bad_input("run-folders")

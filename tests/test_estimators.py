@@ -97,11 +97,11 @@ def test_cispo_hand_computed_both_backends(clip_low):
 # ---------------------------------------------------------------- in the GRPO trainer
 def _trainer(cfg, ses):
     from rlfuse.data.prompts import PromptStream, build_prompts
-    from rlfuse.train.grpo import GRPOTrainer
+    from rlfuse.train.grpo import GRPOStep
     from rlfuse.train.loop import make_optimizer
 
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    return GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+    return GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                        make_optimizer(ses.model, cfg))
 
 

@@ -11,7 +11,7 @@ import torch
 from train_setup import tiny_cfg
 
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 from rlfuse.train.warm import KernelWarmup, policy_head
@@ -37,7 +37,7 @@ def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numeric
                    f"engine.numerics={numerics}", "grpo.warm_kernels=true", model={"random_init": MODEL},
                    engine={"gpu_memory_fraction": 0.3, "max_num_seqs": 16})
     ses = open_session(cfg)
-    tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
     assert tr.update.warm.error is None, tr.update.warm.error
     m = tr.update.warm.wait()
     # Triton's in-memory kernel cache outlives a test: the fast case (first in this process)

@@ -11,13 +11,13 @@ from train_setup import tiny_cfg, tiny_session
 
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.advantages import group_advantages
-from rlfuse.train.grpo import GRPOTrainer, run_grpo
+from rlfuse.train.grpo import GRPOStep, run_grpo
 from rlfuse.train.loop import make_optimizer
 
 
 def _trainer(cfg, ses, seed=0):
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    return GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=seed),
+    return GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=seed),
                        make_optimizer(ses.model, cfg))
 
 

@@ -20,7 +20,7 @@ from rlfuse.kernels.loss.policy import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS
-from rlfuse.train.grpo import GRPOTrainer, run_grpo
+from rlfuse.train.grpo import GRPOStep, run_grpo
 from rlfuse.train.loop import make_optimizer, reference_model
 
 
@@ -76,7 +76,7 @@ def test_observation_tokens_never_reach_the_loss(tmp_path, estimator, loss_type)
     with one_thread():
         ses = tiny_session(cfg)
         model = ses.model
-        trainer = GRPOTrainer(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg),
+        trainer = GRPOStep(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg),
                               ref_model=reference_model(model) if kl else None)
         with torch.no_grad():  # a reference that differs from the policy: the KL is not 0
             for p in trainer.ref_model.parameters() if kl else ():

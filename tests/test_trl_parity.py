@@ -5,7 +5,7 @@ on one fixed batch: 2 prompts x 4 completions whose token ids are fixed (some en
 EOS, some are cut at max_completion_length) and whose rewards are fixed. Generation is
 the only part replaced: TRL gets the completions through its `rollout_func` hook, rlfuse
 through a sampler that returns them; everything after that is each library's own code
-path (TRL: `GRPOTrainer.train()`; rlfuse: `GRPOTrainer.step`): advantages, truncation
+path (TRL: `GRPOTrainer.train()`; rlfuse: `GRPOStep.step`): advantages, truncation
 masks, old and reference log-probs, micro-batching, the loss and its backward, AdamW.
 
 Each case runs two optimizer steps on the same batch (TRL `num_iterations=2`, rlfuse
@@ -42,8 +42,8 @@ from rlfuse.rollout.sampler import Sample  # noqa: E402
 from rlfuse.run.build import char_tokenizer  # noqa: E402
 from rlfuse.run.config import load_config  # noqa: E402
 from rlfuse.run.optim import MasterAdamW  # noqa: E402
-from rlfuse.train.dpo import DPOTrainer as RlfuseDPO  # noqa: E402
-from rlfuse.train.grpo import GRPOTrainer as RlfuseGRPO  # noqa: E402
+from rlfuse.train.dpo import DPOStep as RlfuseDPO  # noqa: E402
+from rlfuse.train.grpo import GRPOStep as RlfuseGRPO  # noqa: E402
 from rlfuse.train.session import open_session  # noqa: E402
 
 ALPHABET = "0123456789+=abcdefgh "
@@ -278,7 +278,7 @@ PAIRS = [("3+4=", "7", "8"), ("12+5=", "17", "71"), ("9+9=", "18", "19"), ("20+1
 def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference):
     """DPO with the sigmoid loss on 4 fixed (prompt, chosen, rejected) text pairs, two AdamW
     steps (the first at the reference, h = 0; the second with h != 0): rlfuse's
-    `DPOTrainer.step` against `trl.DPOTrainer.train()`; TRL accumulates 2 micro-batches of 2
+    `DPOStep.step` against `trl.DPOTrainer.train()`; TRL accumulates 2 micro-batches of 2
     pairs, rlfuse packs by tokens. `reference` pairs rlfuse's dpo.reference with TRL's
     precompute_ref_log_probs."""
     import datasets

@@ -12,7 +12,7 @@ from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.model.lora import has_lora
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.warm import KernelWarmup, policy_head
 
@@ -28,7 +28,7 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         ses = tiny_session(cfg)
         model = ses.model
         assert has_lora(model) == lora
-        trainer = GRPOTrainer(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
+        trainer = GRPOStep(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
         assert trainer.update.warm.workers == []  # CPU: no compiler to warm, no workers
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         heads = []

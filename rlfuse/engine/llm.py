@@ -69,6 +69,11 @@ class LLM:
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mcfg = model.config
+        own = getattr(model, "kernels", None)  # the model's kernel settings (a run's), entered by its forward
+        if own is not None and own.numerics != cfg.numerics:
+            raise ValueError(f"EngineConfig.numerics is {cfg.numerics!r} but the model's forwards run in "
+                             f"{own.numerics!r} numerics (model.kernels, from the run's engine.numerics); "
+                             f"the rollout and the trainer must use one")
         fuse = cfg.fuse_projections
         if fuse or (fuse is None and model.lm_head_weight.device.type == "cuda"):
             fuse_projections(model)  # moves the parameters' storage: before any graph records a pointer

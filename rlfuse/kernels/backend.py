@@ -9,14 +9,21 @@ module globals: `with use_backend("torch"): ...`.
 Numerics, the second switch, lives beside it: "fast" (today's kernels: cuBLAS GEMMs,
 split-KV decode, torch's own CPU reductions) or "exact" (every op reduces in an order
 that depends only on the token's own sequence and position, so the engine's rollout
-log-probs equal the trainer's bitwise; see docs/numerics.md). The engine and the trainer
-each enter `use_numerics(cfg.numerics)` around their forwards.
+log-probs equal the trainer's bitwise; see docs/numerics.md).
+
+One mechanism carries both: `KernelSettings(backend, numerics)`. A model owns one
+(`CausalLM.kernels`, set by the run's session) and enters it around every forward and
+log-prob head it runs (`use_settings`), in whatever thread calls it, so a new forward
+cannot run in the wrong numerics; None (a model built outside a run, in tests) inherits the
+ambient context that `use_backend` / `use_numerics` set. The query functions are
+`is_exact()`, `current_numerics()`, `current_backend()` and `resolve_backend()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -73,6 +80,33 @@ def is_exact() -> bool:
 def use_numerics(name: str):
     """Run the enclosed ops in numerics `name` ("fast" or "exact")."""
     return _setting(_numerics, "numerics", NUMERICS, name)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelSettings:
+    """The kernel backend and the numerics a model's forwards run in (the module docstring)."""
+    backend: str = "auto"
+    numerics: str = "fast"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+
+
+@contextlib.contextmanager
+def use_settings(settings: KernelSettings | None):
+    """Run the enclosed ops with both switches of `settings`; None: leave the context as it is."""
+    if settings is None:
+        yield
+        return
+    with use_backend(settings.backend), use_numerics(settings.numerics):
+        yield
+
+
+def current_settings() -> KernelSettings:
+    return KernelSettings(backend=_backend.get(), numerics=_numerics.get())
 
 
 @functools.cache

@@ -26,15 +26,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.kernels.backend import current_backend, current_numerics, use_backend, use_numerics
+from rlfuse.kernels.backend import KernelSettings, current_settings, use_settings
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.rope.rotary import rope_cos_sin, rope_inv_freq
 from rlfuse.model.arch import ARCHS
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.layers import DecoderLayer, Linear, Packed, PagedKV, RMSNorm
 
 
-def _with_kernels(backend: str, numerics: str, layer, *args):
-    with use_backend(backend), use_numerics(numerics):
+def _with_kernels(settings: KernelSettings, layer, *args):
+    with use_settings(settings):
         return layer(*args)
 
 
@@ -68,6 +69,9 @@ class CausalLM(nn.Module):
         self.model = DecoderModel(cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
+        self.kernels: KernelSettings | None = None
+        """The backend and numerics every forward and log-prob head of this model runs in
+        (the run's session sets them; None: the caller's context)."""
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
 
     @property
@@ -84,23 +88,33 @@ class CausalLM(nn.Module):
         return self._inv_freq[device]
 
     def forward(self, input_ids, positions, attn: Packed | PagedKV):
-        """input_ids (T,), positions (T,) -> hidden (T, D)."""
+        """input_ids (T,), positions (T,) -> hidden (T, D), in this model's kernel settings."""
+        with use_settings(self.kernels):
+            return self._forward(input_ids, positions, attn)
+
+    def _forward(self, input_ids, positions, attn):
         h, delta = self.model.embed_tokens(input_ids), None
         inv_freq = self.inv_freq(h.device)
         # every layer rotates by the same angles: their cos/sin once per forward (Triton only)
         cos_sin = rope_cos_sin(positions, inv_freq)
-        backend, numerics = current_backend(), current_numerics()
+        settings = current_settings()
         for layer in self.model.layers:
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # The recompute runs inside backward, on autograd's device thread for CUDA,
                 # where the kernel context variables are back at their defaults: pin the
                 # forward's backend and numerics so the recompute saves the same tensors
                 # (else CheckpointError, or gradients of a different forward).
-                h, delta = checkpoint(_with_kernels, backend, numerics, layer, h, positions, attn, inv_freq,
+                h, delta = checkpoint(_with_kernels, settings, layer, h, positions, attn, inv_freq,
                                       delta, cos_sin, use_reentrant=False)
             else:
                 h, delta = layer(h, positions, attn, inv_freq, delta, cos_sin)
         return self.model.norm(h) if delta is None else self.model.norm(delta, h)[1]
+
+    def token_logprobs(self, hidden_ND, targets_N, temperature=1.0, return_entropy: bool = False):
+        """log p(targets) (N,) from final hidden states through the LM head
+        (`rlfuse.kernels.loss.logprob`), in this model's kernel settings; with entropy: (logp, ent)."""
+        with use_settings(self.kernels):
+            return token_logprobs(hidden_ND, self.lm_head_weight, targets_N, temperature, return_entropy=return_entropy)
 
     def forward_padded(self, input_ids, attention_mask=None):
         """input_ids (B, S) with a 0/1 mask (left or right padding) -> hidden (B, S, D);

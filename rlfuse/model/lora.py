@@ -211,6 +211,13 @@ class BaseModelView:
         return self.model.lm_head_weight
 
     @property
+    def kernels(self):
+        return self.model.kernels
+
+    def token_logprobs(self, *args, **kwargs):
+        return self.model.token_logprobs(*args, **kwargs)  # the LM head carries no adapter
+
+    @property
     def training(self) -> bool:
         return self.model.training
 

@@ -44,7 +44,7 @@ from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_varianc
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
-from rlfuse.train.session import Session, open_session
+from rlfuse.train.session import Session, kernel_settings, open_session
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-class GRPOTrainer(StreamAndGuardState):
+class GRPOStep(StreamAndGuardState):
     """The GRPO step and its state (a `rlfuse.train.loop.Trainer`, which `run_loop` runs):
     rollouts of `stream`'s prompts from `sampler`, scored by `rewards`, trained into `model`."""
 
@@ -76,6 +76,7 @@ class GRPOTrainer(StreamAndGuardState):
         self.ref_model = ref_model if self.g.kl_coef > 0 else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
+        kernel_settings(cfg, model, self.ref_model)
         # multi-turn episodes (rollout.tools / rollout.env): samples carry a loss mask over the
         # model's tokens and their own prompt ids; observation tokens are context only
         self.multi_turn = cfg.rollout.multi_turn
@@ -197,7 +198,7 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None
-    trainer = GRPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+    trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
                           ref_model=ref, dist=ses.dist)
     eval_prompts = ses.eval_prompts()
     # the trainer's RewardSet: its error counts (logged per step) include the evaluations'

@@ -167,6 +167,8 @@ class _Worker:
         self.jobs: queue.Queue = queue.Queue()
         self.spans: list[tuple[float, float]] = []
         self.error: BaseException | None = None
+        # the context copied: the ambient kernel backend of the ops outside the model (the policy loss);
+        # the model enters its own settings (CausalLM.kernels) in any thread
         self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,), daemon=True,
                                        name="rlfuse-stream-train")
         self.thread.start()
@@ -222,7 +224,7 @@ def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end
 
 
 class StreamStep:
-    """The rollout + update of one GRPO step in stream mode, for `GRPOTrainer.step`."""
+    """The rollout + update of one GRPO step in stream mode, for `GRPOStep.step`."""
 
     def __init__(self, trainer):
         self.tr = trainer

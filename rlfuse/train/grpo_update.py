@@ -39,8 +39,7 @@ import torch
 from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt
 from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.backend import triton_compiles, use_numerics
-from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.backend import triton_compiles
 from rlfuse.kernels.loss.policy import accumulation_weight
 from rlfuse.kernels.loss.policy import policy_loss as kernel_policy_loss
 from rlfuse.rollout import Sample
@@ -230,11 +229,10 @@ class GRPOUpdate:
             if pad:  # a zero-weight micro-batch (data-parallel padding): no gradient, no statistics
                 mask_N = torch.zeros_like(mask_N)
             want_ent = g.log_entropy and capture is not None
-            with use_numerics(self.numerics):  # the engine's numerics: exact makes logp_N == old_N bitwise
-                h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
-                out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
-                                     return_entropy=want_ent)
-                ref_N = self.ref_logprobs(batch) if self.kl_in_loss else None
+            # the model's kernel settings carry the engine's numerics: exact makes logp_N == old_N bitwise
+            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            out = self.model.token_logprobs(h_TD[batch.rows], batch.targets, self.logprob_t, return_entropy=want_ent)
+            ref_N = self.ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
             loss, st = self.policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
@@ -273,9 +271,8 @@ class GRPOUpdate:
         for mb, pad in self.micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
             batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
-            with use_numerics(self.numerics):
-                h = model(batch.input_ids, batch.positions, batch.attn)
-                lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)
+            h = model(batch.input_ids, batch.positions, batch.attn)
+            lp = model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
             if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
                 continue
             for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):
@@ -285,7 +282,7 @@ class GRPOUpdate:
     @torch.no_grad()
     def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
         h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
-        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.logprob_t)
+        return self.ref_model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
 
 
 # ---------------------------------------------------------------------- off-policy corrections

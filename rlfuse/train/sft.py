@@ -6,7 +6,7 @@ most `sft.micro_batch_tokens` tokens, and accumulates gradients of
 so the result does not depend on how the step was split into micro-batches. Log-probs
 come from `rlfuse.kernels.loss.logprob.token_logprobs` on the rows that predict targets only
 (no (T, V) logits). Then grad-norm clipping, the scheduled LR and MasterAdamW.
-`SFTTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`SFTStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Data-parallel (`dist`): every rank draws the same global batch, so N is known locally;
 each rank trains its contiguous block of it, padded to the same number of micro-batches,
 and the loss is summed over ranks.
@@ -29,7 +29,7 @@ from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_op
 from rlfuse.train.session import Session, open_session
 
 
-class SFTTrainer(StreamAndGuardState):
+class SFTStep(StreamAndGuardState):
     """The SFT step over batches of `stream` (a `rlfuse.train.loop.Trainer`)."""
 
     stage = "sft"
@@ -105,7 +105,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
                                   context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
+    trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
     if cfg.rewards:
         prompts = ses.eval_prompts()

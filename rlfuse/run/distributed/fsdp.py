@@ -177,6 +177,7 @@ def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
         ref = CausalLM(model.config).to(dtype)
     ref = ref.to_empty(device=device)
     ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
+    ref.kernels = model.kernels
     return ref.requires_grad_(False).eval()
 
 
