@@ -19,7 +19,7 @@ model only knows a tool by its schema). A tool returns anything `str()` can show
 exception it raises becomes an error observation (`ToolError` for expected failures,
 `ToolTimeout` for time limits, both counted by the environment).
 Built-ins: `calculator` (safe arithmetic: an AST walk over numbers and operators, never
-`eval`) and `python` (rlfuse.rollout.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
+`eval`) and `python` (rlfuse.rollout.agent.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
 Test: python -m pytest -q tests/test_rollout_tools.py
 """
 
@@ -35,7 +35,7 @@ import types
 import typing
 from typing import Any, Callable
 
-from rlfuse.rollout.sandbox import Sandbox
+from rlfuse.rollout.agent.sandbox import Sandbox
 from rlfuse.run import load_function
 
 
@@ -223,7 +223,7 @@ def calculator(expression: str) -> str:
 # ---------------------------------------------------------------------- python
 def python_tool(*, timeout_s: float = 10.0, **limits) -> Tool:
     """The `python` built-in: runs code in a `Sandbox` (a subprocess with limits; NOT a
-    security boundary, see rlfuse.rollout.sandbox) and returns what it printed."""
+    security boundary, see rlfuse.rollout.agent.sandbox) and returns what it printed."""
     box = Sandbox(timeout_s=timeout_s, **limits)
 
     def python(code: str) -> str:

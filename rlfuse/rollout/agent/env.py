@@ -13,7 +13,7 @@
             ...
 
 `Step.messages` are rendered through the chat template and appended as ids (see
-rlfuse.rollout.chat); `Step.reward` is an optional per-turn reward; `done` ends the episode.
+rlfuse.rollout.agent.chat); `Step.reward` is an optional per-turn reward; `done` ends the episode.
 `ToolEnv` is the environment of `rollout.tools`: it runs the turn's tool calls (concurrently,
 each under `timeout_s`) and answers with one 'tool' message per call; a turn without a tool
 call ends the episode (its text is the answer the rewards score).
@@ -28,8 +28,8 @@ import dataclasses
 import inspect
 from typing import Protocol, runtime_checkable
 
-from rlfuse.rollout.tool_calls import ToolCall
-from rlfuse.rollout.tools import Tool, ToolError, ToolTimeout
+from rlfuse.rollout.agent.tool_calls import ToolCall
+from rlfuse.rollout.agent.tools import Tool, ToolError, ToolTimeout
 
 
 @dataclasses.dataclass(slots=True)

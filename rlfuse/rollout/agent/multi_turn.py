@@ -34,9 +34,9 @@ from typing import Callable
 import torch
 
 from rlfuse.engine.config import SamplingParams
-from rlfuse.rollout.chat import ChatRenderer, Conversation
-from rlfuse.rollout.env import Environment, Step, Turn, call
-from rlfuse.rollout.tool_calls import parse_tool_calls
+from rlfuse.rollout.agent.chat import ChatRenderer, Conversation
+from rlfuse.rollout.agent.env import Environment, Step, Turn, call
+from rlfuse.rollout.agent.tool_calls import parse_tool_calls
 from rlfuse.run.config import RolloutConfig
 
 log = logging.getLogger(__name__)
