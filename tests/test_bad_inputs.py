@@ -35,8 +35,8 @@ from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
 from rlfuse.rollout.rewards import RewardSet
 from rlfuse.run import checkpoint as ck
-from rlfuse.run import resume as rs
 from rlfuse.run import metrics as mt
+from rlfuse.run import resume as rs
 from rlfuse.run.build import char_tokenizer
 from rlfuse.run.config.sections import DataConfig, RewardSpec
 from rlfuse.run.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
@@ -597,8 +597,8 @@ def test_head_dim_the_triton_kernels_cannot_run_is_fine_off_triton(backend, devi
 
 
 def test_head_dim_rule_agrees_with_the_kernels():
-    from rlfuse.kernels.attention.varlen import _check
     from rlfuse.kernels.attention.paged import _check_cache
+    from rlfuse.kernels.attention.varlen import _check
 
     for d in range(2, 300, 2):
         q = torch.zeros(1, 1, d)

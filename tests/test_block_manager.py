@@ -191,7 +191,7 @@ def test_state_slots_admit_copy_for_a_group_preempt_and_free():
     with pytest.raises(RuntimeError, match="no free slot"):
         st.admit(d)
     assert (st.needed(a, 1000), st.slot(a), st.slot(b), st.slot(c)) == (0, 0, 1, 2)
-    for k, t in st.tensors.items():
+    for t in st.tensors.values():
         t[st.slot(a)] = torch.randn(t.shape[1:])
         t[st.slot(c)] = 7.0
     st.copy_for_group(a, [b])

@@ -290,7 +290,6 @@ def _save_full(ctx, model, opt, path: str) -> None:
         torch.save({"model": sd_model, "optim": sd_optim}, path)
 
 
-
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("dist")

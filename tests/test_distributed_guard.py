@@ -89,7 +89,6 @@ def _job(rank: int, port: int, out_dir: str) -> None:
         D.shutdown()
 
 
-
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     spawn_ranks(_job, WORLD, free_port(), str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]

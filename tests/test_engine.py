@@ -8,9 +8,14 @@ Log-prob tolerance 2e-5: the same ulp-level differences, measured ~2e-6, x10 mar
 
 import pytest
 import torch
+from engine_helpers import (
+    VOCAB,
+    CharTokenizer,
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 
-from engine_helpers import VOCAB, CharTokenizer, random_prompts, tiny_model
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import greedy_generate_naive, teacher_forced_logprobs
 

@@ -11,9 +11,12 @@ import math
 
 import pytest
 import torch
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 
-from engine_helpers import random_prompts, tiny_model
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model import Packed
 

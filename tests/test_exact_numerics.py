@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.kernels import use_backend, use_numerics
+from rlfuse.kernels.activation.glu import swiglu
+from rlfuse.kernels.attention.paged import paged_attention
 from rlfuse.kernels.attention.varlen import attend_exact_ref, varlen_attention
 from rlfuse.kernels.invariant import matmul_nt, pairwise_sum, pointwise
 from rlfuse.kernels.linear.gemm import linear, linear_exact_ref
 from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
 from rlfuse.kernels.loss.logprob import token_logprobs
-from rlfuse.kernels.attention.paged import paged_attention
 from rlfuse.kernels.norm.rms import rmsnorm
 from rlfuse.kernels.rope.rotary import rope, rope_inv_freq
-from rlfuse.kernels.activation.glu import swiglu
 
 BACKENDS = ("torch", "triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on CPU

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.linear.gemm import linear, linear_fused
 from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
+from rlfuse.kernels.linear.gemm import linear, linear_fused
 from rlfuse.model import CausalLM, ModelConfig, Packed, load_model, save_model
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import LoRAConfig, attach_lora

@@ -11,13 +11,12 @@ CPU: Triton's interpreter (small shapes) and the torch backend; GPU (marked): Qw
 
 import pytest
 import torch
-
 from engine_helpers import tiny_model
+
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm
 from rlfuse.kernels.rope.rotary import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
-from rlfuse.model import CausalLM, ModelConfig
-from rlfuse.model import Packed
+from rlfuse.model import CausalLM, ModelConfig, Packed
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _CASES = [(b, n) for b in ("triton", "torch") for n in ("fast", "exact")]

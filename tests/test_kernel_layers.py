@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
+from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
 from rlfuse.kernels.norm.rms import rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
-from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
 
 _ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]

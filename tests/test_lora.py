@@ -22,20 +22,31 @@ import peft
 import pytest
 import torch
 import transformers
-from torch import nn
-
-from engine_helpers import one_thread  # noqa: F401 (fixture)
-from engine_helpers import random_prompts, tiny_model
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 from test_model import _hf_logits, _loss, _ours_logits, _seqs
 from tiny_hf import FAMILIES, hf_model, rel_err
+from torch import nn
+
 from rlfuse.cli import main
 from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.linear.lora import lora_linear, lora_linear_ref
 from rlfuse.model import load_model
-from rlfuse.model.lora import (BaseModelView, LoRAConfig, adapters_off, attach_lora, init_lora_, lora_memory,
-                               lora_modules, lora_parameters)
+from rlfuse.model.lora import (
+    BaseModelView,
+    LoRAConfig,
+    adapters_off,
+    attach_lora,
+    init_lora_,
+    lora_memory,
+    lora_modules,
+    lora_parameters,
+)
 from rlfuse.model.lora_peft import load_peft_adapter, read_peft_config, save_merged, save_peft_adapter
 
 # Relative error (2-norm) against the fp64 gold, per dtype: a few roundings of O(1) values

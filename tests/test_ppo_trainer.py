@@ -72,7 +72,7 @@ def test_micro_batching_does_not_change_either_gradient(tmp_path, loss_type):
         tr = _trainer(cfg, ses)
         grads = {}
         for name, opt in (("policy", tr.optimizer), ("critic", tr.critic_optimizer)):
-            def record(lr, opt=opt, name=name, step=opt.step):  # the gradients each optimizer steps on
+            def record(lr, opt=opt, name=name, step=opt.step, grads=grads):  # the gradients each optimizer steps on
                 grads[name] = [g.clone() for g in opt.grads()]
                 step(lr)
             opt.step = record

@@ -23,8 +23,8 @@ from train_setup import tiny_cfg
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.attention.varlen import SharedPrefix, varlen_attention
 from rlfuse.kernels.loss.logprob import token_logprobs
-from rlfuse.model.config import ModelConfig
 from rlfuse.model import CausalLM, pack_by_tokens
+from rlfuse.model.config import ModelConfig
 from rlfuse.run.batching import PackedBatch, shared_contexts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

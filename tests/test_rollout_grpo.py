@@ -137,7 +137,8 @@ def test_env_reward_adds_to_the_reward_functions():
     from rlfuse.rollout import RewardSet
     from rlfuse.run.config import RewardSpec
     prompts = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]
-    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
+    def mk(text, env):
+        return Sample(0, [1], torch.zeros(1), False, text, None, None, env)
     total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([RewardSpec(name="arithmetic")]), 2)
     assert total == [1.5, 0.0] and per["arithmetic"] == [1.0, 0.0] and per["env"][0] == 0.5
 

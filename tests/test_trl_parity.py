@@ -34,10 +34,10 @@ import transformers  # noqa: E402
 from tiny_hf import hf_config, randomize_  # noqa: E402
 from train_setup import one_thread  # noqa: E402
 
+from rlfuse.data import PromptStream, build_preference_pairs, build_prompts  # noqa: E402
 from rlfuse.engine.config import logprob_temperature  # noqa: E402
 from rlfuse.kernels.loss.logprob import token_logprobs  # noqa: E402
 from rlfuse.model import Packed  # noqa: E402
-from rlfuse.data import PromptStream, build_preference_pairs, build_prompts  # noqa: E402
 from rlfuse.rollout.sampler import Sample  # noqa: E402
 from rlfuse.run.build import char_tokenizer  # noqa: E402
 from rlfuse.run.config import load_config  # noqa: E402
@@ -255,7 +255,7 @@ def test_same_loss_and_gradients_as_trl(folder, tmp_path, case):
     for step in range(2):
         what = f"{case}, optimizer step {step + 1} ({'on' if step == 0 else 'off'}-policy)"
         torch.testing.assert_close(rl_losses[step].float(), trl_losses[step].float(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{what}: loss differs\n{m}")
+                                   msg=lambda m, what=what: f"{what}: loss differs\n{m}")
         assert set(rl_grads[step]) == set(trl_grads[step]), f"{what}: parameter names differ"
         worst, wname = _worst(rl_grads[step], trl_grads[step])
         print(f"{what}: loss {float(rl_losses[step]):.6g} vs {float(trl_losses[step]):.6g}, "
@@ -326,7 +326,7 @@ def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference)
     for step in range(2):
         what = f"dpo ({reference} reference), optimizer step {step + 1}"
         torch.testing.assert_close(torch.as_tensor(rl_metrics[step]["loss"]).float(), trl_losses[step].float(),
-                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: loss differs\n{m}")
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: loss differs\n{m}")
         worst, wname = _worst(opt.grads_at_step[step], rec.grads[step])
         print(f"{what}: loss {float(rl_metrics[step]['loss']):.6g} vs {float(trl_losses[step]):.6g}, "
               f"margin {float(rl_metrics[step]['rewards/margin']):.4g}, worst relative gradient difference "

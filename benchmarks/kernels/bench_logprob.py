@@ -32,8 +32,8 @@ import subprocess
 from pathlib import Path
 
 import torch
-
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.loss.triton_logprob import Tiles, token_logprobs_fwd_triton
@@ -163,7 +163,7 @@ def sweep_table(reps):
             for t in SWEEP:
                 try:
                     s = timeit(lambda: token_logprobs_fwd_triton(h, w, y, inv_t, tiles=t), reps)
-                except Exception as e:  # a shape that does not compile (shared memory) is reported, not fatal
+                except Exception as e:  # noqa: BLE001 -- a shape that does not compile (shared memory) is reported, not fatal
                     print(f"sweep {t}: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 rows.append(dict(D=D, V=V, N=N, tiles=dataclasses.asdict(t), ms=s * 1e3,

@@ -48,6 +48,7 @@ from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunC
 from rlfuse.run.distributed import DistContext, fail_together
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
 
+
 def _rows(data, what: str) -> list[dict]:
     if hasattr(data, "to_list"):  # a datasets.Dataset (or anything shaped like one)
         data = data.to_list()

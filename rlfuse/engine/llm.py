@@ -41,17 +41,11 @@ from rlfuse.engine.model_runner import ModelRunner, Pending
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sample_key_base
 from rlfuse.engine.stats import EngineStats
+from rlfuse.model import CausalLM
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
-from rlfuse.model import CausalLM
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-
 
 
 @dataclasses.dataclass(slots=True)

@@ -12,7 +12,7 @@ loads 1:1 (`load_scalar_head_model`). Two readouts of the head:
     in EOS with EOS == pad is therefore scored at the token before the EOS, as in HF.
 
 Shape legend: T packed tokens, B sequences, N rows, D hidden, L num_labels.
-Test: python -m pytest -q tests/test_scalar_head.py
+Test: python -m pytest -q tests/test_reward_model.py
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from rlfuse.kernels.backend import use_settings
-from rlfuse.model.config import ModelConfig
 from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.config import ModelConfig
 from rlfuse.model.layers import Linear, Packed
 from rlfuse.model.weights import hf_parameters, load_state_dict_from_files, parse_dtype
 

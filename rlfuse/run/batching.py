@@ -27,8 +27,10 @@ import dataclasses
 
 import torch
 
-from rlfuse.model import Packed
-from rlfuse.model import pack_by_tokens  # noqa: F401 (the trainers' import path)
+from rlfuse.model import (
+    Packed,
+    pack_by_tokens,  # noqa: F401 (the trainers' import path)
+)
 
 
 def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:

@@ -43,8 +43,7 @@ from rlfuse.model import load_model
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
-from rlfuse.train.loop import reference_model
-from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)

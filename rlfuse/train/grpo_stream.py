@@ -184,7 +184,7 @@ class _Worker:
                     job()
                     if self.cuda:
                         self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
-                except BaseException as e:  # re-raised on the main thread by finish()
+                except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by finish()
                     self.error = e
                 self.spans.append((t0, time.perf_counter()))
 

@@ -48,8 +48,19 @@ from rlfuse.model.fuse import fuse_projections, is_fused
 from rlfuse.model.lora import BaseModelView, has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
-from rlfuse.run import (DATA_STAGE, Interrupted, MasterAdamW, RunLog, WeightNormWatch, load_checkpoint, open_trackers,
-                        resolve_resume, save_checkpoint, save_final, stop_agreed)
+from rlfuse.run import (
+    DATA_STAGE,
+    Interrupted,
+    MasterAdamW,
+    RunLog,
+    WeightNormWatch,
+    load_checkpoint,
+    open_trackers,
+    resolve_resume,
+    save_checkpoint,
+    save_final,
+    stop_agreed,
+)
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     ShardedAdamW,

@@ -24,8 +24,7 @@ from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabe
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import (apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device,
-                        seed_everything)
+from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device, seed_everything
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 

@@ -58,7 +58,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from rlfuse.kernels.attention.varlen import KV_BLOCK, attend_exact_ref, supports_head_dim
+from rlfuse.kernels.attention.varlen import attend_exact_ref, supports_head_dim
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 
 

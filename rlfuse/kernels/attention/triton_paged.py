@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention.varlen import KV_BLOCK
-from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.attention.paged import SharedPrefixDecode, _check_cache, shared_prefix_rows
 from rlfuse.kernels.attention.triton_varlen import LOG2E, attend_tile, exact_config
+from rlfuse.kernels.attention.varlen import KV_BLOCK
+from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.triton_common import dot_precision
 
 _MIN_SPLIT_BLOCKS = 2  # keys per split >= 2 * KV_BLOCK: a guess, not yet timed (bench_attention.py: auto vs nosplit)

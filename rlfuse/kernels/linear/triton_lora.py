@@ -17,9 +17,15 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.linear.gemm import linear_exact
+from rlfuse.kernels.linear.triton_gemm import (
+    _store_tile,
+    _tile_rows_cols,
+    _tile_sum,
+    gemm_operands,
+    launch_plan,
+    split_partials,
+)
 from rlfuse.kernels.triton_common import dot
-from rlfuse.kernels.linear.triton_gemm import (_store_tile, _tile_rows_cols, _tile_sum, gemm_operands, launch_plan,
-                                         split_partials)
 
 
 @triton.jit

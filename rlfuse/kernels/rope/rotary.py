@@ -44,9 +44,9 @@ import math
 
 import torch
 
+from rlfuse.kernels.attention.paged import store_kvcache
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 from rlfuse.kernels.invariant import pointwise
-from rlfuse.kernels.attention.paged import store_kvcache
 from rlfuse.kernels.norm.rms import rmsnorm
 
 

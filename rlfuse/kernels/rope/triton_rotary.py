@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.attention.paged import _check_cache
-from rlfuse.kernels.triton_common import round_to
 from rlfuse.kernels.norm.triton_rms import _tile, mean_square, norm_rows
+from rlfuse.kernels.triton_common import round_to
 
 
 @triton.jit

@@ -17,7 +17,7 @@ at construction on a probe conversation (text and ids) and again at every observ
 e.g. Qwen3's template drops earlier <think> blocks once a new user message follows, and
 with enable_thinking=False its generation prompt holds an empty <think></think> that its
 rendering of the same turn omits.
-Test: python -m pytest -q tests/test_rollout_chat.py
+Test: python -m pytest -q tests/test_rollout_multi_turn.py
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
         if hasattr(lv.env, "reward"):
             try:
                 lv.ep.env_reward = call(lv.env.reward)
-            except Exception as e:  # an environment's bug ends its episode, not the run
+            except Exception as e:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
                 log.warning("episode %d: env.reward() raised %s: %s", lv.ep.index, type(e).__name__, e)
                 lv.ep.info["env_errors"] = lv.ep.info.get("env_errors", 0) + 1
 
@@ -239,7 +239,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
                 lv, _ = futures.pop(f)
                 try:
                     step = f.result()
-                except Exception as e:  # an environment's bug ends its episode, not the run
+                except Exception as e:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
                     log.warning("episode %d: env.step raised %s: %s", lv.ep.index, type(e).__name__, e)
                     lv.ep.info["env_errors"] = lv.ep.info.get("env_errors", 0) + 1
                     finish(lv, "env_error")
