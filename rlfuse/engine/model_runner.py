@@ -46,6 +46,11 @@ from rlfuse.model import CausalLM, Packed, PagedKV
 log = logging.getLogger(__name__)
 
 
+def param_version(model) -> int:
+    """Sum of the parameters' version counters: changes with every in-place update."""
+    return sum(p._version for p in model.parameters())
+
+
 def _in_numerics(method):
     """Run an engine entry point in the engine's numerics (`EngineConfig.numerics`); CUDA
     graphs captured inside record the kernels of that numerics."""
@@ -69,6 +74,11 @@ class Pending:
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: EngineConfig, max_model_len: int):
         self.model, self.cfg, self.mcfg = model, cfg, model.config
+        own = getattr(model, "kernels", None)  # the model's kernel settings (a run's), entered by its forward
+        if own is not None and own.numerics != cfg.numerics:
+            raise ValueError(f"EngineConfig.numerics is {cfg.numerics!r} but the model's forwards run in "
+                             f"{own.numerics!r} numerics (model.kernels, from the run's engine.numerics); "
+                             f"the rollout and the trainer must use one")
         W = model.lm_head_weight
         self.device, self.dtype = W.device, W.dtype
         self.block_size = cfg.block_size

@@ -1,7 +1,7 @@
 """Threshold and draw over a filtered row's candidates: stage 4b-4c of sampling (read the
 module notes of `rlfuse.kernels.sampling.draw`), split out of `rlfuse.kernels.sampling.triton_draw`
 for length. Triton helpers only, called from its `_threshold_draw_kernel`; the Gumbel noise
-is also used by its first pass.
+is also used by the first pass (`triton_chunks`).
 """
 
 import triton
