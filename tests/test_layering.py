@@ -60,6 +60,29 @@ def test_every_package_is_a_known_layer():
             assert sub.name in LAYERS, f"rlfuse/{sub.name} is not in the layer list {LAYERS}"
 
 
+SUB_ROOMS = {
+    "model": {"arch", "layers"},  # the architecture registry; the shared blocks it assembles
+    "engine": {"cache"},  # per-sequence cache state: KV blocks, KV pool, state slots
+    "run": {"config", "distributed"},
+    "rollout": {"agent"},  # multi-turn: chat, tools, sandbox, environments, episodes
+}
+"""The rooms inside a layer. A new capability is a new room named here (op families under
+`kernels/` are free: `test_kernels_are_families` checks their shape instead)."""
+
+
+def test_every_sub_package_is_a_named_room():
+    for layer in (p for p in ROOT.iterdir() if p.is_dir() and p.name in LAYERS and p.name != "kernels"):
+        found = {d.name for d in layer.iterdir() if d.is_dir() and (d / "__init__.py").exists()}
+        assert found == SUB_ROOMS.get(layer.name, set()), (
+            f"rlfuse/{layer.name}/ has the rooms {sorted(found)}; tests/test_layering.py names "
+            f"{sorted(SUB_ROOMS.get(layer.name, set()))} (name a new room in SUB_ROOMS)")
+    for layer, rooms in SUB_ROOMS.items():
+        for room in rooms:
+            init = ROOT / layer / room / "__init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc, f"{init}: its docstring says what the room is for"
+
+
 @pytest.mark.parametrize("path,modname", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_imports_point_down(path, modname):
     own = _layer(modname)
