@@ -1627,7 +1627,7 @@ def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkey
     ses = tiny_session(cfg, need_target=True)
     ex = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:4]
     opt = make_optimizer(ses.model, cfg)
-    tr = sft_mod.SFTTrainer(cfg, ses.model, opt, PromptStream(ex))
+    tr = sft_mod.SFTStep(cfg, ses.model, opt, PromptStream(ex))
     before = {k: v.clone() for k, v in ses.model.state_dict().items()}
     real = sft_mod.token_logprobs
     monkeypatch.setattr(sft_mod, "token_logprobs", lambda *a, **k: real(*a, **k) * float("nan"))
@@ -1653,7 +1653,7 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
     cfg = tiny_cfg(tmp_path)
     ses = tiny_session(cfg)
     stream = PromptStream(build_prompts(ses.train_rows, ses.tokenizer, cfg.data))
-    tr = grpo_mod.GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
+    tr = grpo_mod.GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
     before = {k: v.clone() for k, v in ses.model.state_dict().items()}
     real = grpo_update.kernel_policy_loss
     monkeypatch.setattr(grpo_update, "kernel_policy_loss",
