@@ -29,10 +29,9 @@ from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.benchmark import QWEN3_06B
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.triton.linear import linear_exact_triton
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.model import CausalLM, ModelConfig
-from rlfuse.model.transformer import Packed
+from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.model import CausalLM, ModelConfig, Packed
 
 SHAPE = QWEN3_06B | dict(max_position_embeddings=4096)
 
@@ -189,7 +188,7 @@ def sweep_linear():
                 try:
                     ms = sum(c * _graph_ms(lambda: linear_exact_triton(xs[K], ws[(N, K)], tiles=t))
                              for N, K, c in layer)
-                except Exception as e:  # a tile that does not compile (resources) is reported, not fatal
+                except Exception as e:  # noqa: BLE001 -- a tile that does not compile (resources) is reported, not fatal
                     print(f"sweep M={M:6d} {name:24s} failed: {type(e).__name__}: {str(e)[:120]}", flush=True)
                     continue
                 rows.append(dict(layout=layout, M=M, tiles=name, layer_ms=round(ms, 4), over_cublas=round(ms / cub, 3)))

@@ -108,7 +108,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     from rlfuse.rollout.sampler import EngineSampler
     from rlfuse.run import apply_lora, build_engine, char_tokenizer
     from rlfuse.run.config.run_config import load_config
-    from rlfuse.train.grpo import GRPOTrainer
+    from rlfuse.train.grpo import GRPOStep
     from rlfuse.train.sft import make_optimizer
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
@@ -166,7 +166,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     gen = torch.Generator().manual_seed(0)
     prompts = [Prompt(torch.randint(0, min(10000, sh["vocab_size"]), (plen,), generator=gen).tolist(), "", {},
                       f"p{i}") for i in range(P * steps)]
-    tr = GRPOTrainer(cfg, model, sampler, RewardSet(cfg.rewards), PromptStream(prompts, seed=0), opt)
+    tr = GRPOStep(cfg, model, sampler, RewardSet(cfg.rewards), PromptStream(prompts, seed=0), opt)
     rows = []
     specs = []  # --log-compiles: (step, kernel, Triton's specialization JSON) of each compile
     for step in range(steps):

@@ -199,7 +199,6 @@ def metric_diff(a: list[dict], b: list[dict]) -> dict:
 
 
 def weight_diff(a: Path, b: Path) -> dict:
-    import torch
     from safetensors.torch import load_file
 
     def load(folder):
@@ -232,8 +231,8 @@ def phase_env(out: Path, work: Path) -> dict:
             return repr(e)
     smi, topo = sh("nvidia-smi"), sh("nvidia-smi", "topo", "-m")
     env = {k: v for k, v in os.environ.items() if any(s in k for s in ("NCCL", "NVLS", "MULTICAST", "NVSHMEM", "SYMM"))}
-    import triton
     import transformers
+    import triton
     info = {"device_count": torch.cuda.device_count(), "names": [torch.cuda.get_device_name(i)
                                                                  for i in range(torch.cuda.device_count())],
             "torch": torch.__version__, "triton": triton.__version__, "transformers": transformers.__version__,

@@ -31,7 +31,7 @@ import torch
 
 from rlfuse.engine.benchmark import QWEN3_06B, TINY
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.run.batching import PackedBatch, pack_by_tokens, shared_contexts
 

@@ -62,7 +62,7 @@ def run(out: Path, small: bool, numerics: str, steps: int, inline: bool = False)
     from rlfuse.rollout import LengthsSampler, RewardSet
     from rlfuse.run.build import build_engine, build_model, char_tokenizer
     from rlfuse.run.config.run_config import load_config
-    from rlfuse.train.grpo import GRPOTrainer
+    from rlfuse.train.grpo import GRPOStep
     from rlfuse.train.loop import make_optimizer
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
@@ -92,7 +92,7 @@ def run(out: Path, small: bool, numerics: str, steps: int, inline: bool = False)
     sampler = LengthsSampler(build_engine(model, tok, c_sync.engine), tok, heavy_tail(new, typical, 16, seed=1))
     rewards = RewardSet(c_sync.rewards)
     modes = ("sync", "stream") + (("inline",) if inline else ())
-    trainers = {mode: GRPOTrainer(c_sync if mode == "sync" else c_stream, model, sampler, rewards,
+    trainers = {mode: GRPOStep(c_sync if mode == "sync" else c_stream, model, sampler, rewards,
                                   PromptStream(prompts, seed=0, shuffle=False), opt) for mode in modes}
     if inline:  # stream mode with the training between engine steps on the engine's own stream
         trainers["inline"].streamer.threaded = False

@@ -46,7 +46,7 @@ from rlfuse.engine.benchmark import build_model, copy_bandwidth
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 
 # (category, pattern on the kernel name); first match wins, order matters. Our Triton kernels
 # are named after their op (`_logprob_fwd_kernel`, `_attn_fwd_kernel`, `_paged_attn_combine_kernel`:

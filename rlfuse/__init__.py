@@ -10,8 +10,19 @@ trainer updates in place. The Python API (docs/python-api.md):
 The command line (`rlfuse --help`) runs the same trainers; see README.md.
 """
 
-from rlfuse.api import (DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer, RunConfig, SFTConfig,
-                        SFTTrainer, load_model, load_run_config)
+from rlfuse.api import (
+                        DPOConfig,
+                        DPOTrainer,
+                        GRPOConfig,
+                        GRPOTrainer,
+                        PPOConfig,
+                        PPOTrainer,
+                        RunConfig,
+                        SFTConfig,
+                        SFTTrainer,
+                        load_model,
+                        load_run_config,
+)
 
 __version__ = "0.1.0"
 __all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "RunConfig", "SFTConfig",

@@ -17,10 +17,9 @@ import os
 import re
 from pathlib import Path
 
+import bad_input_catalog as catalog
 import pytest
 import torch
-
-import bad_input_catalog as catalog
 
 GPU_COMMAND = "python -m pytest -m gpu tests"
 

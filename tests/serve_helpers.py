@@ -8,10 +8,10 @@ import threading
 import time
 
 import torch
+from chat_templates import SMOLLM2
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from chat_templates import SMOLLM2
 from rlfuse.model import CausalLM, ModelConfig, save_model
 from rlfuse.model.tokenizer import Tokenizer
 

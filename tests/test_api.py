@@ -9,7 +9,6 @@ import json
 
 import pytest
 import torch
-
 from engine_helpers import one_thread  # noqa: F401 (fixture)
 from serve_helpers import write_model_folder
 

@@ -30,13 +30,13 @@ import yaml
 from rlfuse.cli.common import fail
 from rlfuse.data.prompts import build_prompts, build_sft_examples
 from rlfuse.data.rows import load_rows
-from rlfuse.kernels.attention import supports_head_dim as triton_attention_supports
+from rlfuse.kernels.attention.varlen import supports_head_dim as triton_attention_supports
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
 from rlfuse.rollout.rewards import RewardSet
 from rlfuse.run import checkpoint as ck
-from rlfuse.run import resume as rs
 from rlfuse.run import metrics as mt
+from rlfuse.run import resume as rs
 from rlfuse.run.build import char_tokenizer
 from rlfuse.run.config.sections import DataConfig, RewardSpec
 from rlfuse.run.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
@@ -597,8 +597,8 @@ def test_head_dim_the_triton_kernels_cannot_run_is_fine_off_triton(backend, devi
 
 
 def test_head_dim_rule_agrees_with_the_kernels():
-    from rlfuse.kernels.attention import _check
-    from rlfuse.kernels.paged_attention import _check_cache
+    from rlfuse.kernels.attention.paged import _check_cache
+    from rlfuse.kernels.attention.varlen import _check
 
     for d in range(2, 300, 2):
         q = torch.zeros(1, 1, d)
@@ -1486,9 +1486,9 @@ def _signal_at_step(monkeypatch, at: int, *signums):
     a cluster would."""
     import os
 
-    from rlfuse.train.sft import SFTTrainer
+    from rlfuse.train.sft import SFTStep
 
-    step = SFTTrainer.step
+    step = SFTStep.step
 
     def step_then_signal(self, s):
         m = step(self, s)
@@ -1496,7 +1496,7 @@ def _signal_at_step(monkeypatch, at: int, *signums):
             for sig in signums:
                 os.kill(os.getpid(), sig)
         return m
-    monkeypatch.setattr(SFTTrainer, "step", step_then_signal)
+    monkeypatch.setattr(SFTStep, "step", step_then_signal)
 
 
 @pytest.mark.bad_input("run-folders")
@@ -1627,7 +1627,7 @@ def test_sft_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monkey
     ses = tiny_session(cfg, need_target=True)
     ex = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:4]
     opt = make_optimizer(ses.model, cfg)
-    tr = sft_mod.SFTTrainer(cfg, ses.model, opt, PromptStream(ex))
+    tr = sft_mod.SFTStep(cfg, ses.model, opt, PromptStream(ex))
     before = {k: v.clone() for k, v in ses.model.state_dict().items()}
     real = sft_mod.token_logprobs
     monkeypatch.setattr(sft_mod, "token_logprobs", lambda *a, **k: real(*a, **k) * float("nan"))
@@ -1647,15 +1647,17 @@ def test_grpo_step_with_a_non_finite_loss_is_skipped_and_counted(tmp_path, monke
 
     from rlfuse.data.prompts import PromptStream, build_prompts
     from rlfuse.train import grpo as grpo_mod
+    from rlfuse.train import grpo_update
     from rlfuse.train.loop import make_optimizer
 
     cfg = tiny_cfg(tmp_path)
     ses = tiny_session(cfg)
     stream = PromptStream(build_prompts(ses.train_rows, ses.tokenizer, cfg.data))
-    tr = grpo_mod.GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
+    tr = grpo_mod.GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), stream, make_optimizer(ses.model, cfg))
     before = {k: v.clone() for k, v in ses.model.state_dict().items()}
-    real = grpo_mod.policy_loss
-    monkeypatch.setattr(grpo_mod, "policy_loss", lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
+    real = grpo_update.kernel_policy_loss
+    monkeypatch.setattr(grpo_update, "kernel_policy_loss",
+                        lambda *a, **k: (lambda r: (r[0] * float("nan"), r[1]))(real(*a, **k)))
     m = tr.step(0)
     assert m["optim/skipped_steps"] == 1.0 and tr.optimizer.step_count == 0
     assert all(torch.equal(before[k], v) for k, v in ses.model.state_dict().items())

@@ -3,7 +3,7 @@ free-list integrity after finish, preemption and abort. Pure Python, no model.""
 
 import pytest
 
-from rlfuse.engine.block_manager import BlockManager, block_hash
+from rlfuse.engine.cache.blocks import BlockManager, block_hash
 from rlfuse.engine.config import SamplingParams
 from rlfuse.engine.sequence import Sequence
 
@@ -173,3 +173,32 @@ def test_free_list_integrity_under_random_churn(caching):
         bm.free_seq(s)
     bm.check([])
     assert bm.num_free == 24
+
+
+def test_state_slots_admit_copy_for_a_group_preempt_and_free():
+    """The second kind of cache state (engine/cache/state.py): one slot per sequence, zeroed
+    on admission, a group's members copy the state the prompt left, free returns the slot."""
+    import torch
+
+    from rlfuse.engine.cache.state import StateSlots
+
+    st = StateSlots(3, {"conv": (2, 3), "recurrent": (2, 2, 2)}, torch.float32)
+    a, b, c, d = (_seq([1, 2, 3], sid=i) for i in range(4))
+    for s in (a, b, c):
+        assert st.can_admit(s)
+        st.admit(s)
+    assert st.num_free == 0 and not st.can_admit(d) and st.can_admit(a)  # admitted twice: same slot
+    with pytest.raises(RuntimeError, match="no free slot"):
+        st.admit(d)
+    assert (st.needed(a, 1000), st.slot(a), st.slot(b), st.slot(c)) == (0, 0, 1, 2)
+    for t in st.tensors.values():
+        t[st.slot(a)] = torch.randn(t.shape[1:])
+        t[st.slot(c)] = 7.0
+    st.copy_for_group(a, [b])
+    for t in st.tensors.values():
+        assert torch.equal(t[1], t[0]) and bool((t[2] == 7.0).all())  # c untouched
+    st.free(b)  # preempted: its slot goes back, and comes back zeroed for the next sequence
+    st.free(b)  # a second free is a no-op
+    assert st.num_free == 1 and st.can_admit(d)
+    st.admit(d)
+    assert st.slot(d) == 1 and all(not t[1].any() for t in st.tensors.values())

@@ -31,8 +31,8 @@ from spawn_ranks import free_port, spawn_ranks
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.loss.policy import accumulation_weight, policy_loss
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.run.batching import PackedBatch, pack_by_tokens
 from rlfuse.run.distributed import context as D
@@ -288,7 +288,6 @@ def _save_full(ctx, model, opt, path: str) -> None:
                                                                                   cpu_offload=True))
     if ctx.is_main:
         torch.save({"model": sd_model, "optim": sd_optim}, path)
-
 
 
 @pytest.fixture(scope="module")

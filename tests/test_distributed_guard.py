@@ -25,7 +25,7 @@ from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.run.distributed import context as D
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
-from rlfuse.train.sft import SFTTrainer
+from rlfuse.train.sft import SFTStep
 
 WORLD = 2
 
@@ -53,7 +53,7 @@ def _job(rank: int, port: int, out_dir: str) -> None:
         cfg = tiny_cfg(os.path.join(out_dir, "run"), "optim.max_nonfinite_steps=3")
         ses = open_session(cfg, need_target=True, dist=ctx)
         examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:8]
-        trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples), dist=ctx)
+        trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples), dist=ctx)
         guard_step = trainer.guard.step
 
         def nan_loss_on_rank_1(optimizer, lr=None, *, loss, grad_norm, where=""):
@@ -89,7 +89,6 @@ def _job(rank: int, port: int, out_dir: str) -> None:
         D.shutdown()
 
 
-
 def test_a_nan_loss_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     spawn_ranks(_job, WORLD, free_port(), str(tmp_path))
     got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
@@ -108,14 +107,14 @@ def _signal_job(rank: int, port: int, out_dir: str) -> None:
     env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
     ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=60)
-    step = SFTTrainer.step
+    step = SFTStep.step
 
     def step_then_signal(self, s):
         m = step(self, s)
         if s == 0 and rank == 1:
             os.kill(os.getpid(), signal.SIGTERM)
         return m
-    SFTTrainer.step = step_then_signal
+    SFTStep.step = step_then_signal
     got = None
     try:
         with stop_on_signals():
@@ -123,7 +122,7 @@ def _signal_job(rank: int, port: int, out_dir: str) -> None:
     except Interrupted as e:
         got = {"signum": e.signum, "step": e.step, "checkpoint": e.checkpoint}
     finally:
-        SFTTrainer.step = step
+        SFTStep.step = step
         D.shutdown()
     with open(os.path.join(out_dir, f"signal{rank}.json"), "w") as f:
         json.dump(got, f)

@@ -75,7 +75,6 @@ def _sft(run_dir, *over):
     return tiny_cfg(run_dir, *SFT, *over)
 
 
-
 def _job(rank: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
     env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",

@@ -20,7 +20,7 @@ from rlfuse.run.build import char_tokenizer
 from rlfuse.run.config.algorithms import DPOConfig
 from rlfuse.run.config.run_config import load_config
 from rlfuse.run.config.sections import DataConfig
-from rlfuse.train.dpo import DPOTrainer, dpo_loss, run_dpo
+from rlfuse.train.dpo import DPOStep, dpo_loss, run_dpo
 from rlfuse.train.loop import make_optimizer
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
@@ -140,7 +140,7 @@ def _cfg(tmp_path, *overrides):
 
 def _trainer(cfg, ses, **kw):
     pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo)
-    return DPOTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, **kw)
+    return DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, **kw)
 
 
 def test_cached_and_live_reference_agree_and_micro_batching_keeps_the_gradient(tmp_path):

@@ -8,9 +8,14 @@ Log-prob tolerance 2e-5: the same ulp-level differences, measured ~2e-6, x10 mar
 
 import pytest
 import torch
+from engine_helpers import (
+    VOCAB,
+    CharTokenizer,
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 
-from engine_helpers import VOCAB, CharTokenizer, random_prompts, tiny_model
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import greedy_generate_naive, teacher_forced_logprobs
 
@@ -354,7 +359,7 @@ def test_runner_passes_16_byte_aligned_tensors_to_kernels(model, monkeypatch):
     start on a 16-byte boundary, whatever the batch: odd batch sizes, B = 1, chunked
     prefill, mixed steps, min_tokens masks, several temperatures."""
     import rlfuse.engine.model_runner as mr
-    import rlfuse.model.transformer as tr
+    import rlfuse.model.layers.attention as tr
 
     bad = []
 

@@ -8,9 +8,10 @@ import importlib.util
 import json
 from pathlib import Path
 
+from engine_helpers import one_thread  # noqa: F401 (fixture)
+
 from rlfuse.cli import main
 from rlfuse.engine.benchmark import bound_bytes, make_cases
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -5,12 +5,13 @@ import json
 
 import pytest
 import torch
-
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    tiny_model,
+)
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine_helpers import tiny_model
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 from rlfuse.cli import main
 from rlfuse.engine.naive import greedy_generate_naive
 from rlfuse.model import save_model

@@ -2,7 +2,7 @@
 token of N samples of one prompt (n = N, max_tokens = 1), per filter setting.
 
 Expected probabilities come from this file's own filter (written from the definitions,
-not from rlfuse.kernels.sampling) on the oracle's fp32 logits. Cells with expected count
+not from rlfuse.kernels.sampling.draw) on the oracle's fp32 logits. Cells with expected count
 < 5 are pooled into one. Significance 1e-3 with fixed seeds, so the test is
 deterministic; every kept token must be inside the filtered support.
 """
@@ -11,9 +11,12 @@ import math
 
 import pytest
 import torch
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 
-from engine_helpers import random_prompts, tiny_model
-from engine_helpers import one_thread  # noqa: F401 (fixture)
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.model import Packed
 

@@ -1,5 +1,5 @@
 """Critic-free estimators (rlfuse.train.advantages: rloo, reinforce_pp, reinforce_pp_baseline)
-and the CISPO loss (rlfuse.kernels.policy_loss, both backends) on hand-computed cases.
+and the CISPO loss (rlfuse.kernels.loss.policy, both backends) on hand-computed cases.
 
     python -m pytest -q tests/test_estimators.py
 """
@@ -10,8 +10,8 @@ import statistics
 import pytest
 import torch
 
-from rlfuse.kernels.policy_loss import policy_loss_ref
-from rlfuse.kernels.triton.policy_loss import policy_loss_triton
+from rlfuse.kernels.loss.policy import policy_loss_ref
+from rlfuse.kernels.loss.triton_policy import policy_loss_triton
 from rlfuse.train.advantages import group_advantages, reinforce_pp_advantages, rloo_advantages, token_advantages
 
 
@@ -97,11 +97,11 @@ def test_cispo_hand_computed_both_backends(clip_low):
 # ---------------------------------------------------------------- in the GRPO trainer
 def _trainer(cfg, ses):
     from rlfuse.data.prompts import PromptStream, build_prompts
-    from rlfuse.train.grpo import GRPOTrainer
+    from rlfuse.train.grpo import GRPOStep
     from rlfuse.train.loop import make_optimizer
 
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    return GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+    return GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                        make_optimizer(ses.model, cfg))
 
 
@@ -117,14 +117,14 @@ def test_estimators_train_in_grpo(tmp_path, advantage):
         m = tr.step(step)
         assert torch.isfinite(torch.as_tensor(m["loss"])), m
     folded = advantage != "rloo"
-    assert tr.kl_in_loss is not folded
+    assert tr.update.kl_in_loss is not folded
     if folded:
         assert float(m["kl"]) == 0.0  # REINFORCE++: the KL is in the return, not in the loss
         # the trainer's advantages = the estimator on k1 = rollout - reference log-probs
         prompts = tr.stream.take(4)
         samples = ses.sampler.generate([p.ids for p in prompts], n=4, temperature=1.0, max_tokens=3, seed=7)
         r = torch.tensor([float(len(s.token_ids) % 2) for s in samples])
-        ref = tr._trainer_logprobs(prompts, samples, list(range(16)), model=tr.ref_model)
+        ref = tr.update.trainer_logprobs(prompts, samples, list(range(16)), model=tr.ref_model)
         kl = torch.cat([s.logprobs - ref[j] for j, s in enumerate(samples)])
         assert kl.abs().max() > 1e-4  # the policy has moved away from the reference
         lens = [len(s.token_ids) for s in samples]

@@ -16,9 +16,12 @@ import json
 
 import pytest
 import torch
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 
-from engine_helpers import one_thread  # noqa: F401 (fixture)
-from engine_helpers import random_prompts, tiny_model
 from rlfuse.cli import main
 from rlfuse.consistency.check import Setting, default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift

@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.attention import attend_exact_ref, varlen_attention
+from rlfuse.kernels.activation.glu import swiglu
+from rlfuse.kernels.attention.paged import paged_attention
+from rlfuse.kernels.attention.varlen import attend_exact_ref, varlen_attention
 from rlfuse.kernels.invariant import matmul_nt, pairwise_sum, pointwise
-from rlfuse.kernels.linear import linear, linear_exact_ref
-from rlfuse.kernels.triton.linear import linear_exact_triton
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.paged_attention import paged_attention
-from rlfuse.kernels.rmsnorm import rmsnorm
-from rlfuse.kernels.rope import rope, rope_inv_freq
-from rlfuse.kernels.swiglu import swiglu
+from rlfuse.kernels.linear.gemm import linear, linear_exact_ref
+from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.norm.rms import rmsnorm
+from rlfuse.kernels.rope.rotary import rope, rope_inv_freq
 
 BACKENDS = ("torch", "triton")
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # Triton runs interpreted on CPU
@@ -85,7 +85,7 @@ def test_exact_linear_tile_families_agree_bitwise(dtype):
     """The 16-bit path picks its tile family from M (narrow for decode, wide for training);
     that is exact only if a tile's height and width leave an element's accumulation order
     alone: the families must agree bitwise, in both plans, across the M threshold."""
-    from rlfuse.kernels.triton.linear import DECODE_ROWS, EXACT_BLOCK_K, EXACT_CHUNK_K
+    from rlfuse.kernels.linear.triton_gemm import DECODE_ROWS, EXACT_BLOCK_K, EXACT_CHUNK_K
 
     narrow = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=4, num_stages=3)
     wide = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=EXACT_BLOCK_K, CHUNK_K=EXACT_CHUNK_K, num_warps=8, num_stages=3)

@@ -18,8 +18,8 @@ import torch
 from safetensors import safe_open
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.linear import linear, linear_fused
-from rlfuse.kernels.swiglu import swiglu, swiglu_packed
+from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
+from rlfuse.kernels.linear.gemm import linear, linear_fused
 from rlfuse.model import CausalLM, ModelConfig, Packed, load_model, save_model
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import LoRAConfig, attach_lora
@@ -217,7 +217,7 @@ def test_gpu_split_last_plan_and_fused_projections_are_bitwise():
     the fused plan at decode shapes, repeated (a missed arrival or a stale partial would
     show as a mismatch), eager and replayed from a CUDA graph; the fused q/k/v and gate/up
     GEMMs equal the separate ones (auto plans on both sides); swiglu_packed equals swiglu."""
-    from rlfuse.kernels.triton.linear import linear_exact_triton
+    from rlfuse.kernels.linear.triton_gemm import linear_exact_triton
     dev, bf16 = "cuda", torch.bfloat16
     g = torch.Generator().manual_seed(0)
 

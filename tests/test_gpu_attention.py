@@ -24,10 +24,10 @@ import torch
 from gpu_checks import assert_all_pass, fresh_rows
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from rlfuse.kernels.attention import varlen_attention_ref
-from rlfuse.kernels.triton.attention import varlen_bwd, varlen_fwd
-from rlfuse.kernels.paged_attention import paged_attention_ref, store_kvcache_ref
-from rlfuse.kernels.triton.paged_attention import paged_attention_triton, store_kvcache_triton
+from rlfuse.kernels.attention.paged import paged_attention_ref, store_kvcache_ref
+from rlfuse.kernels.attention.triton_paged import paged_attention_triton, store_kvcache_triton
+from rlfuse.kernels.attention.triton_varlen import varlen_bwd, varlen_fwd
+from rlfuse.kernels.attention.varlen import varlen_attention_ref
 
 U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
 ROWS: list[dict] = []

@@ -18,7 +18,6 @@ Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_layers.py
 
 from __future__ import annotations
 
-
 import functools
 
 import pytest
@@ -26,11 +25,11 @@ import torch
 from gpu_checks import assert_all_pass, fresh_rows, record_into
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
-from rlfuse.kernels.sampling import filter_logits_ref, row_keys, sample, sample_ref, uniform_from_keys
-from rlfuse.kernels.triton.sampling import sample_triton
-from rlfuse.kernels.swiglu import swiglu, swiglu_ref
+from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
+from rlfuse.kernels.norm.rms import rmsnorm, rmsnorm_ref
+from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
+from rlfuse.kernels.sampling.draw import filter_logits_ref, row_keys, sample, sample_ref, uniform_from_keys
+from rlfuse.kernels.sampling.triton_draw import sample_triton
 
 ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 results: list[dict] = []
@@ -91,7 +90,7 @@ def check_layers():
     llama3 = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 8192}
     for dtype in (torch.bfloat16, torch.float32):
-        def mk(*shape, scale=1.0):
+        def mk(*shape, scale=1.0, dtype=dtype):
             return (torch.randn(*shape, device="cuda") * scale).to(dtype).requires_grad_()
         for n, d in ((T, 1024), (T * 16, 128)):
             x, w = mk(n, d, scale=3), (1 + 0.2 * torch.randn(d, device="cuda")).to(dtype).requires_grad_()

@@ -20,7 +20,6 @@ Run on a GPU machine:  python -m pytest -m gpu tests/test_gpu_logprob.py
 
 from __future__ import annotations
 
-
 import functools
 
 import pytest
@@ -28,10 +27,10 @@ import torch
 from gpu_checks import assert_all_pass, fresh_rows, record_into
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import _inv_temperature, token_logprobs, token_logprobs_ref
-from rlfuse.kernels.triton.logprob import _FWD_TILES, token_logprobs_bwd_triton, token_logprobs_fwd_triton
-from rlfuse.kernels.policy_loss import LOSS_TYPES, grpo_loss_from_hidden, policy_loss_ref
-from rlfuse.kernels.triton.policy_loss import policy_loss_triton
+from rlfuse.kernels.loss.logprob import _inv_temperature, token_logprobs, token_logprobs_ref
+from rlfuse.kernels.loss.policy import LOSS_TYPES, grpo_loss_from_hidden, policy_loss_ref
+from rlfuse.kernels.loss.triton_logprob import _FWD_TILES, token_logprobs_bwd_triton, token_logprobs_fwd_triton
+from rlfuse.kernels.loss.triton_policy import policy_loss_triton
 
 GRAD_RTOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 results: list[dict] = []

@@ -35,7 +35,7 @@ import torch
 import transformers
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import Packed, load_model
 
 TINY = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=8,

@@ -12,7 +12,7 @@ import torch
 from train_setup import tiny_cfg
 
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 from rlfuse.train.warm import KernelWarmup, policy_head
@@ -54,14 +54,14 @@ def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numeric
                    f"engine.numerics={numerics}", "grpo.warm_kernels=true", model={"random_init": MODEL},
                    engine={"gpu_memory_fraction": 0.3, "max_num_seqs": 16})
     ses = open_session(cfg)
-    tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
-    assert tr._warm.error is None, tr._warm.error
-    m = tr._warm.wait()
-    assert m.get("compile/warmup_failed", 0.0) == 0, (m, tr._warm.failures[:3])
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), None, make_optimizer(ses.model, cfg))
+    assert tr.update.warm.error is None, tr.update.warm.error
+    m = tr.update.warm.wait()
+    assert m.get("compile/warmup_failed", 0.0) == 0, (m, tr.update.warm.failures[:3])
     assert m["compile/warmup_kernels"] > 0, m
     n = _cache_entries(cache)
     # the same forward and backward for real: every kernel comes from the cache
     with use_numerics(numerics):
-        KernelWarmup(ses.model, lambda h, b: policy_head(tr, h, b), numerics=numerics, enabled=False)._forward_backward()
+        KernelWarmup(ses.model, lambda h, b: policy_head(tr.update, h, b), numerics=numerics, enabled=False)._forward_backward()
     torch.cuda.synchronize()
     assert n > 0 and _cache_entries(cache) == n, "the update compiled kernels the workers did not"

@@ -1,5 +1,5 @@
 """Advantage math (rlfuse.train.advantages) and policy-loss variants
-(rlfuse.kernels.policy_loss) on hand-computed cases; the backend-picking `policy_loss`
+(rlfuse.kernels.loss.policy) on hand-computed cases; the backend-picking `policy_loss`
 against the reference; micro-batch accumulation equals the full-batch loss and gradient."""
 
 import math
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.policy_loss import accumulation_weight, kl_term, policy_loss, policy_loss_ref
+from rlfuse.kernels.loss.policy import accumulation_weight, kl_term, policy_loss, policy_loss_ref
 from rlfuse.train.advantages import group_advantages, zero_variance_groups
 
 # ---------------------------------------------------------------- advantages
@@ -217,7 +217,7 @@ def test_kernel_policy_loss_matches_reference(backend, loss_type, extras):
 
 
 def test_off_policy_corrections_on_hand_computed_cases():
-    from rlfuse.train.off_policy import off_policy_corrections
+    from rlfuse.train.grpo_update import off_policy_corrections
 
     # two sequences: tokens 0-2 (seq 0), 3-4 (seq 1); ratios e^d
     d = torch.log(torch.tensor([1.0, 2.0, 0.5, 4.0, 4.0]))

@@ -7,7 +7,7 @@ import torch
 from train_setup import tiny_cfg
 
 from rlfuse.data.prompts import PromptStream, build_prompts
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 
@@ -25,7 +25,7 @@ def test_grpo_bf16_cuda(tmp_path):
     ses = open_session(cfg)
     opt = make_optimizer(ses.model, cfg)
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts), opt)
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts), opt)
     p = ses.model.model.layers[0].mlp.up_proj.weight
     ptr, w0 = p.data_ptr(), p.detach().clone()
     for step in range(3):

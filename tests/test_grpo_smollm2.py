@@ -9,7 +9,7 @@ from train_setup import one_thread
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.engine.naive import teacher_forced_logprobs
 from rlfuse.run.config.run_config import load_config
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
 
@@ -46,7 +46,7 @@ def _two_steps(smollm2_dir, tmp_path):
     before = engine.generate(probe, n=1, temperature=0.0, max_tokens=6, seed=0)[0]
 
     prompts = build_prompts(ses.train_rows, tok, cfg.data)
-    tr = GRPOTrainer(cfg, model, engine, ses.rewards(), PromptStream(prompts, seed=0), make_optimizer(model, cfg))
+    tr = GRPOStep(cfg, model, engine, ses.rewards(), PromptStream(prompts, seed=0), make_optimizer(model, cfg))
     for step in range(2):
         m = tr.step(step)
         assert torch.isfinite(torch.as_tensor(m["loss"])) and float(m["grad_norm"]) > 0

@@ -12,7 +12,7 @@ from train_setup import one_thread, tiny_cfg
 
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.rollout import LengthsSampler
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.grpo_stream import OrderedGradients, _Worker, overlap_fraction
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
@@ -34,7 +34,7 @@ def _run(tmp_path, overlap: str, *overrides: str, threaded: bool | None = None, 
     ses = open_session(cfg)
     ses._sampler = LengthsSampler(ses.sampler.llm, ses.tokenizer, _lengths)
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                      make_optimizer(ses.model, cfg))
     if threaded is not None:
         tr.streamer.threaded = threaded

@@ -11,13 +11,13 @@ from train_setup import tiny_cfg, tiny_session
 
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.advantages import group_advantages
-from rlfuse.train.grpo import GRPOTrainer, run_grpo
+from rlfuse.train.grpo import GRPOStep, run_grpo
 from rlfuse.train.loop import make_optimizer
 
 
 def _trainer(cfg, ses, seed=0):
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-    return GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=seed),
+    return GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=seed),
                        make_optimizer(ses.model, cfg))
 
 
@@ -81,7 +81,7 @@ def test_micro_batching_does_not_change_the_gradient(tmp_path, loss_type):
         # perturb the old log-probs so ratios differ from 1 and clipping is exercised
         for k, s in enumerate(samples):
             s.logprobs = s.logprobs + 0.3 * torch.sin(torch.arange(len(s.token_ids)) + k)
-        tr.accumulate_gradients(prompts, samples, adv, list(range(16)))
+        tr.update.accumulate_gradients(prompts, samples, adv, list(range(16)))
         grads.append([p.grad.clone() for p in ses.model.parameters()])
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
@@ -107,7 +107,7 @@ def test_masked_truncated_completions_get_no_gradient(tmp_path):
     assert all(s.truncated or s.token_ids[-1] in ses.tokenizer.eos_token_ids for s in samples)
     trunc = [j for j, s in enumerate(samples) if s.truncated]
     adv = torch.randn(16)
-    tr.accumulate_gradients(prompts, samples, adv, trunc)
+    tr.update.accumulate_gradients(prompts, samples, adv, trunc)
     assert all(p.grad is None or not p.grad.any() for p in ses.model.parameters())
 
 
@@ -189,7 +189,7 @@ def test_fast_numerics_recomputes_the_old_policy_and_applies_the_corrections(tmp
     cfg = tiny_cfg(tmp_path / "exact", "engine.numerics=exact", "grpo.check_every=1", "grpo.tis_cap=2.0",
                    "grpo.max_new_tokens=6")
     tr = _trainer(cfg, open_session(cfg))
-    assert not tr.recompute_old
+    assert not tr.update.recompute_old
     m = tr.step(0)
     assert float(m["mismatch/full_max_abs"]) == 0.0 and float(m["mismatch/full_kl_k3"]) == 0.0
     assert "offpolicy/tis_weight" not in m

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.attention import KV_BLOCK, varlen_attention, varlen_attention_ref
-from rlfuse.kernels.triton.attention import varlen_bwd, varlen_fwd
+from rlfuse.kernels.attention.triton_varlen import varlen_bwd, varlen_fwd
+from rlfuse.kernels.attention.varlen import KV_BLOCK, varlen_attention, varlen_attention_ref
 
 U = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,13 +11,12 @@ CPU: Triton's interpreter (small shapes) and the torch backend; GPU (marked): Qw
 
 import pytest
 import torch
-
 from engine_helpers import tiny_model
+
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
-from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
-from rlfuse.model import CausalLM, ModelConfig
-from rlfuse.model.transformer import Packed
+from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm
+from rlfuse.kernels.rope.rotary import qk_norm_rope, qk_norm_rope_ref, rope_inv_freq
+from rlfuse.model import CausalLM, ModelConfig, Packed
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 _CASES = [(b, n) for b in ("triton", "torch") for n in ("fast", "exact")]
@@ -101,7 +100,7 @@ def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm, mo
             a, b = qk_norm_rope(q[:n], k[:n], pos[:n], inv, *ws)
             assert torch.equal(a, qo[:n]) and torch.equal(b, ko[:n])
         if backend == "triton":  # every head of a token block in one program (the training-size grid)
-            from rlfuse.kernels.triton import rope as R
+            from rlfuse.kernels.rope import triton_rotary as R
             monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)
             a, b = qk_norm_rope(q, k, pos, inv, *ws)
             assert torch.equal(a, qo) and torch.equal(b, ko)

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.rmsnorm import rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import rope, rope_inv_freq, rope_ref
-from rlfuse.kernels.swiglu import swiglu, swiglu_ref
+from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
+from rlfuse.kernels.norm.rms import rmsnorm, rmsnorm_ref
+from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
 
 _ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -63,7 +63,7 @@ def test_rmsnorm_forward_backward(dtype, D):
 def test_rmsnorm_dw_sum_over_many_partials(dtype, monkeypatch):
     """The dw partials summed in several steps and column blocks (shrunk: the CPU run has
     at most 32 partials, under one step of the default 64), D not a multiple of a block."""
-    from rlfuse.kernels.triton import rmsnorm as R
+    from rlfuse.kernels.norm import triton_rms as R
     monkeypatch.setattr(R, "_DW_ROWS", 4)
     monkeypatch.setattr(R, "_DW_COLS", 16)
     g = torch.Generator().manual_seed(7)

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import _inv_temperature, token_logprobs, token_logprobs_ref
-from rlfuse.kernels.triton.logprob import Tiles, token_logprobs_bwd_triton, token_logprobs_fwd_triton
+from rlfuse.kernels.loss.logprob import _inv_temperature, token_logprobs, token_logprobs_ref
+from rlfuse.kernels.loss.triton_logprob import Tiles, token_logprobs_bwd_triton, token_logprobs_fwd_triton
 
 _FWD_ATOL = 2e-5
 _GRAD_RTOL = {torch.float32: 2e-5, torch.bfloat16: 8e-3, torch.float16: 1.5e-3}

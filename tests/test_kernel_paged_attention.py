@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.triton.attention import varlen_fwd
-from rlfuse.kernels.paged_attention import paged_attention, paged_attention_ref, store_kvcache, store_kvcache_ref
-from rlfuse.kernels.triton.paged_attention import paged_attention_triton
+from rlfuse.kernels.attention.paged import paged_attention, paged_attention_ref, store_kvcache, store_kvcache_ref
+from rlfuse.kernels.attention.triton_paged import paged_attention_triton
+from rlfuse.kernels.attention.triton_varlen import varlen_fwd
 
 U = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8}
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

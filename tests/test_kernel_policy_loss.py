@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import token_logprobs_ref
-from rlfuse.kernels.policy_loss import grpo_loss_from_hidden, policy_loss, policy_loss_ref
-from rlfuse.kernels.triton.policy_loss import policy_loss_triton
+from rlfuse.kernels.loss.logprob import token_logprobs_ref
+from rlfuse.kernels.loss.policy import grpo_loss_from_hidden, policy_loss, policy_loss_ref
+from rlfuse.kernels.loss.triton_policy import policy_loss_triton
 
 STATS = ("clip_frac", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl")
 

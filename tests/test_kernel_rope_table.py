@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq
+from rlfuse.kernels.rope.rotary import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -66,7 +66,7 @@ def test_table_is_the_in_kernel_cos_sin(numerics, dtype, T, Dh, monkeypatch):
     with use_backend("triton"), use_numerics(numerics):
         with torch.no_grad():
             spread = _check_qk(q, k, v, w, pos, inv, torch.Generator().manual_seed(1))
-            from rlfuse.kernels.triton import rope as R
+            from rlfuse.kernels.rope import triton_rotary as R
             monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)  # every head of a token block in one program
             whole = _check_qk(q, k, v, w, pos, inv, torch.Generator().manual_seed(1))
             assert all(torch.equal(a, b) for a, b in zip(spread, whole, strict=True))

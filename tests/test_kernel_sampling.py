@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.sampling import filter_logits_ref, sample, sample_ref
-from rlfuse.kernels.triton.sampling import sample_triton
+from rlfuse.kernels.sampling.draw import filter_logits_ref, sample, sample_ref
+from rlfuse.kernels.sampling.triton_draw import sample_triton
 
 # one row per setting: (temperature, top_k, top_p, min_p)
 _SETTINGS = [
@@ -204,7 +204,7 @@ def test_extreme_temperatures_and_magnitudes():
 def _tie_across_bin_edge():
     """(T, x1, x2): adjacent fp32 logits x1 < x2 with rnd(x1 / T) == rnd(x2 / T) but on two
     sides of an edge of the kernel's grid floor(x kw), kw = rnd(BINS_PER_NAT / T)."""
-    from rlfuse.kernels.triton.sampling import _BINS_PER_NAT
+    from rlfuse.kernels.sampling.triton_draw import _BINS_PER_NAT
     for T in (1.5, 1.25, 1.75, 1.1):
         t = torch.tensor(T, dtype=torch.float32)
         kw = torch.tensor(_BINS_PER_NAT, dtype=torch.float32) / t
@@ -414,7 +414,7 @@ def test_uniforms_stay_inside_the_open_interval():
     """The extreme hash values map strictly inside (0, 1), so the Gumbel noise is finite
     (with 24 bits the top value rounded to u = 1.0, the noise to +inf, and the reference
     then sampled a filtered token through -inf + inf = nan; seen on an H100 at V=151936)."""
-    from rlfuse.kernels.sampling import bits_to_uniform
+    from rlfuse.kernels.sampling.draw import bits_to_uniform
 
     x = torch.tensor([0, 1, 511, 512, 2**31, 2**32 - 513, 2**32 - 512, 2**32 - 1], dtype=torch.int64)
     u = bits_to_uniform(x)

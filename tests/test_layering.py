@@ -4,9 +4,11 @@ train -> api -> serve -> recipes -> cli.
 An `ast` walk over every module: a module of layer L may import rlfuse modules of
 layers <= L only (its own layer included). The package root (rlfuse/__init__.py)
 re-exports the Python API, so it is of layer api, and so is `from rlfuse import ...`.
-Triton is an optional dependency: only `rlfuse/kernels/triton/` imports it, and no other
-module imports that package by an import statement (the public ops reach it through `kernels.backend.triton_ops`, once a
-backend resolves to "triton"); `test_no_triton` runs the package with triton hidden."""
+Triton is an optional dependency: only the Triton halves of the op families
+(`rlfuse/kernels/<family>/triton_<op>.py`) and their shared helpers (`rlfuse/kernels/triton_common.py`)
+import it, and no other module imports them by an import statement (the public ops reach them through
+`kernels.backend.triton_ops`, once a backend resolves to "triton"); `test_no_triton` runs the package
+with triton hidden."""
 
 import ast
 from pathlib import Path
@@ -58,6 +60,29 @@ def test_every_package_is_a_known_layer():
             assert sub.name in LAYERS, f"rlfuse/{sub.name} is not in the layer list {LAYERS}"
 
 
+SUB_ROOMS = {
+    "model": {"arch", "layers"},  # the architecture registry; the shared blocks it assembles
+    "engine": {"cache"},  # per-sequence cache state: KV blocks, KV pool, state slots
+    "run": {"config", "distributed"},
+    "rollout": {"agent"},  # multi-turn: chat, tools, sandbox, environments, episodes
+}
+"""The rooms inside a layer. A new capability is a new room named here (op families under
+`kernels/` are free: `test_kernels_are_families` checks their shape instead)."""
+
+
+def test_every_sub_package_is_a_named_room():
+    for layer in (p for p in ROOT.iterdir() if p.is_dir() and p.name in LAYERS and p.name != "kernels"):
+        found = {d.name for d in layer.iterdir() if d.is_dir() and (d / "__init__.py").exists()}
+        assert found == SUB_ROOMS.get(layer.name, set()), (
+            f"rlfuse/{layer.name}/ has the rooms {sorted(found)}; tests/test_layering.py names "
+            f"{sorted(SUB_ROOMS.get(layer.name, set()))} (name a new room in SUB_ROOMS)")
+    for layer, rooms in SUB_ROOMS.items():
+        for room in rooms:
+            init = ROOT / layer / room / "__init__.py"
+            doc = ast.get_docstring(ast.parse(init.read_text()))
+            assert doc, f"{init}: its docstring says what the room is for"
+
+
 @pytest.mark.parametrize("path,modname", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
 def test_imports_point_down(path, modname):
     own = _layer(modname)
@@ -75,41 +100,51 @@ def test_imports_point_down(path, modname):
                           f"({LAYERS[t]}) from {own_name}: imports must point down {LAYERS}")
 
 
-TRITON_PKG = "rlfuse.kernels.triton"
-
-
 def _is_triton_module(modname: str) -> bool:
-    """Triton code lives in `rlfuse/kernels/triton/` or in an op family's `triton_*.py`
-    (`rlfuse/kernels/<family>/triton_<op>.py`)."""
+    """Triton code lives in an op family's `triton_*.py` (`rlfuse/kernels/<family>/triton_<op>.py`)
+    or in the families' shared `rlfuse/kernels/triton_common.py` (`kernels.backend.is_triton_module`
+    says the same; this test reads no rlfuse code)."""
     parts = modname.split(".")
-    return (modname.startswith(TRITON_PKG + ".")
-            or (parts[:2] == ["rlfuse", "kernels"] and len(parts) >= 4 and parts[-1].startswith("triton_")))
+    return parts[:2] == ["rlfuse", "kernels"] and len(parts) >= 3 and parts[-1].startswith("triton_")
 
 
 @pytest.mark.parametrize("path,modname", list(_modules()), ids=lambda x: str(x) if isinstance(x, str) else "")
-def test_triton_only_inside_kernels_triton(path, modname):
+def test_triton_only_in_triton_modules(path, modname):
     if _is_triton_module(modname):
         return
     for lineno, target in _imports(path, modname):
         where = f"{path.relative_to(ROOT.parent)}:{lineno} imports {target}"
         assert target.split(".")[0] != "triton", (f"{where}: triton is optional; Triton code goes in "
-                                                  f"rlfuse/kernels/triton/ or a family's triton_*.py")
-        assert not (target == TRITON_PKG or target.startswith(TRITON_PKG + ".") or _is_triton_module(target)), (
+                                                  f"a family's rlfuse/kernels/<family>/triton_<op>.py")
+        assert not _is_triton_module(target), (
             f"{where}: reach the Triton half of an op through kernels.backend.triton_ops (imported only "
             f"when the backend resolves to triton)")
 
 
 def test_family_triton_modules_are_recognised():
-    assert _is_triton_module("rlfuse.kernels.gated_delta.triton_chunk")
-    assert _is_triton_module("rlfuse.kernels.triton.rmsnorm")
-    assert not _is_triton_module("rlfuse.kernels.gated_delta.chunk")
-    assert not _is_triton_module("rlfuse.model.triton_x")
+    from rlfuse.kernels.backend import is_triton_module
+
+    for name, want in [("rlfuse.kernels.gated_delta.triton_chunk", True), ("rlfuse.kernels.norm.triton_rms", True),
+                       ("rlfuse.kernels.triton_common", True), ("rlfuse.kernels.gated_delta.chunk", False),
+                       ("rlfuse.kernels.backend", False), ("rlfuse.model.triton_x", False)]:
+        assert _is_triton_module(name) is want and is_triton_module(name) is want, name
+
+
+def test_kernels_are_families():
+    """rlfuse/kernels/ holds the shared helpers (backend, invariant, triton_common) and one folder
+    per op family; no op module sits at the top level and no family nests another."""
+    top = sorted(p.stem for p in (ROOT / "kernels").glob("*.py") if p.name != "__init__.py")
+    assert top == ["backend", "invariant", "triton_common"], top
+    for fam in (p for p in (ROOT / "kernels").iterdir() if p.is_dir() and p.name != "__pycache__"):
+        assert (fam / "__init__.py").exists(), f"rlfuse/kernels/{fam.name}/ is not a package"
+        assert not [d for d in fam.iterdir() if d.is_dir() and d.name != "__pycache__"], (
+            f"rlfuse/kernels/{fam.name}/ nests a folder: an op family is one level")
 
 
 def test_triton_rule_catches_a_direct_import(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text("import triton.language as tl\nfrom rlfuse.kernels.triton.rmsnorm import rmsnorm\n")
-    assert [t for _, t in _imports(bad, "rlfuse.kernels.bad")] == ["triton.language", "rlfuse.kernels.triton.rmsnorm"]
+    bad.write_text("import triton.language as tl\nfrom rlfuse.kernels.norm.triton_rms import rmsnorm\n")
+    assert [t for _, t in _imports(bad, "rlfuse.kernels.bad")] == ["triton.language", "rlfuse.kernels.norm.triton_rms"]
 
 
 def test_layer_check_catches_an_upward_import(tmp_path):

@@ -1,4 +1,4 @@
-"""LoRA: the op (`rlfuse.kernels.lora`, `rlfuse.kernels.triton.lora`), the adapters on the
+"""LoRA: the op (`rlfuse.kernels.linear.lora`, `rlfuse.kernels.linear.triton_lora`), the adapters on the
 model (`rlfuse.model.lora`), PEFT folders in and out (`rlfuse.model.lora_peft`), and the
 engine running them.
 
@@ -22,20 +22,31 @@ import peft
 import pytest
 import torch
 import transformers
-from torch import nn
-
-from engine_helpers import one_thread  # noqa: F401 (fixture)
-from engine_helpers import random_prompts, tiny_model
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    random_prompts,
+    tiny_model,
+)
 from test_model import _hf_logits, _loss, _ours_logits, _seqs
 from tiny_hf import FAMILIES, hf_model, rel_err
+from torch import nn
+
 from rlfuse.cli import main
 from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.lora import lora_linear, lora_linear_ref
+from rlfuse.kernels.linear.lora import lora_linear, lora_linear_ref
 from rlfuse.model import load_model
-from rlfuse.model.lora import (BaseModelView, LoRAConfig, adapters_off, attach_lora, init_lora_, lora_memory,
-                               lora_modules, lora_parameters)
+from rlfuse.model.lora import (
+    BaseModelView,
+    LoRAConfig,
+    adapters_off,
+    attach_lora,
+    init_lora_,
+    lora_memory,
+    lora_modules,
+    lora_parameters,
+)
 from rlfuse.model.lora_peft import load_peft_adapter, read_peft_config, save_merged, save_peft_adapter
 
 # Relative error (2-norm) against the fp64 gold, per dtype: a few roundings of O(1) values
@@ -82,8 +93,8 @@ def test_exact_lora_linear_is_batch_invariant(backend, dtype, bias):
 def test_triton_lora_plans_and_tile_families_agree_bitwise(dtype):
     """The fused base + expand GEMM: fused and split plans, narrow and wide tiles (16-bit),
     the same bits; K spans several chunks with a ragged tail, the rank is not a power of 2."""
-    from rlfuse.kernels.triton.linear import EXACT_BLOCK_K, EXACT_CHUNK_K
-    from rlfuse.kernels.triton.lora import lora_expand_triton
+    from rlfuse.kernels.linear.triton_gemm import EXACT_BLOCK_K, EXACT_CHUNK_K
+    from rlfuse.kernels.linear.triton_lora import lora_expand_triton
     x, w, b, a, bb = _op_inputs(dtype, M=70, K=600, N=48, r=5, seed=4)
     z = (x.float() @ a.float().T).to(dtype)
     fused = lora_expand_triton(x, w, b, z, bb, 1.5, plan="fused")

@@ -70,7 +70,7 @@ def test_the_reference_is_the_base_model():
     cfg = tiny_cfg("/tmp/unused", LORA)
     ses = tiny_session(cfg)
     with torch.no_grad():
-        for n, p in lora_parameters(ses.model):
+        for _, p in lora_parameters(ses.model):
             p.normal_(0, 0.5)
     ref = reference_model(ses.model)
     ids = torch.arange(6)

@@ -13,7 +13,7 @@ from train_setup import tiny_cfg, tiny_recipe, tiny_session
 from rlfuse.cli import main
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.train.loop import make_optimizer
-from rlfuse.train.ppo import PPOTrainer, build_critic, make_critic_optimizer, run_ppo
+from rlfuse.train.ppo import PPOStep, build_critic, make_critic_optimizer, run_ppo
 
 PPO = {"steps": 3, "prompts_per_step": 4, "samples_per_prompt": 2, "max_new_tokens": 3, "mu": 2,
        "critic_lr": 1e-2, "kl_coef": 0.1}
@@ -27,7 +27,7 @@ def _cfg(tmp_path, *over, **ppo):
 def _trainer(cfg, ses):
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
     critic = build_critic(cfg, ses.model)
-    return PPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+    return PPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                       make_optimizer(ses.model, cfg), critic, make_critic_optimizer(critic, cfg))
 
 
@@ -72,7 +72,7 @@ def test_micro_batching_does_not_change_either_gradient(tmp_path, loss_type):
         tr = _trainer(cfg, ses)
         grads = {}
         for name, opt in (("policy", tr.optimizer), ("critic", tr.critic_optimizer)):
-            def record(lr, opt=opt, name=name, step=opt.step):  # the gradients each optimizer steps on
+            def record(lr, opt=opt, name=name, step=opt.step, grads=grads):  # the gradients each optimizer steps on
                 grads[name] = [g.clone() for g in opt.grads()]
                 step(lr)
             opt.step = record

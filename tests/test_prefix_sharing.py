@@ -21,10 +21,10 @@ import torch
 from train_setup import tiny_cfg
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.attention import SharedPrefix, varlen_attention
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.attention.varlen import SharedPrefix, varlen_attention
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.model import CausalLM, pack_by_tokens
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.transformer import CausalLM, pack_by_tokens
 from rlfuse.run.batching import PackedBatch, shared_contexts
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -222,7 +222,7 @@ def test_grpo_step_with_share_prefix_on_and_off(tmp_path):
     Adam's first step g / (|g| + eps) near-linear in g: with the default 1e-8, an element
     whose gradient is ~eps turns a last-bit difference into an lr-sized one."""
     from rlfuse.data.prompts import PromptStream, build_prompts
-    from rlfuse.train.grpo import GRPOTrainer
+    from rlfuse.train.grpo import GRPOStep
     from rlfuse.train.loop import make_optimizer
     from rlfuse.train.session import open_session
 
@@ -234,7 +234,7 @@ def test_grpo_step_with_share_prefix_on_and_off(tmp_path):
         ses = open_session(cfg)
         init = {n: p.detach().clone() for n, p in ses.model.named_parameters()}
         prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
-        tr = GRPOTrainer(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+        tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
                          make_optimizer(ses.model, cfg))
         m = tr.step(0)
         runs[share] = (m, {n: p.detach().clone() for n, p in ses.model.named_parameters()})

@@ -13,9 +13,11 @@ Run: python -m pytest -q tests/test_rollout_exact.py
 
 import pytest
 from agent_setup import chat_tokenizer
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    tiny_model,
+)
 
-from engine_helpers import one_thread  # noqa: F401 (fixture)
-from engine_helpers import tiny_model
 from rlfuse.kernels import use_backend
 from rlfuse.rollout.exactness import compare, multi_turn_setting, play
 

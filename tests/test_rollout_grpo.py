@@ -16,11 +16,11 @@ import torch
 from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.data import Prompt
-from rlfuse.kernels.policy_loss import LOSS_TYPES
+from rlfuse.kernels.loss.policy import LOSS_TYPES
 from rlfuse.rollout import Sample
 from rlfuse.rollout.evaluate import score_samples
 from rlfuse.run.config import ESTIMATORS
-from rlfuse.train.grpo import GRPOTrainer, run_grpo
+from rlfuse.train.grpo import GRPOStep, run_grpo
 from rlfuse.train.loop import make_optimizer, reference_model
 
 
@@ -63,7 +63,7 @@ def _episodes(vocab: int, G: int = 4):
 def _grads(trainer, prompts, samples, rewards):
     adv = trainer._advantages(prompts, samples, rewards)
     trainer.model.zero_grad(set_to_none=True)
-    trainer.accumulate_gradients(prompts, samples, adv, list(range(len(samples))))
+    trainer.update.accumulate_gradients(prompts, samples, adv, list(range(len(samples))))
     return torch.cat([p.grad.flatten() for p in trainer.model.parameters() if p.grad is not None]), adv
 
 
@@ -76,7 +76,7 @@ def test_observation_tokens_never_reach_the_loss(tmp_path, estimator, loss_type)
     with one_thread():
         ses = tiny_session(cfg)
         model = ses.model
-        trainer = GRPOTrainer(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg),
+        trainer = GRPOStep(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg),
                               ref_model=reference_model(model) if kl else None)
         with torch.no_grad():  # a reference that differs from the policy: the KL is not 0
             for p in trainer.ref_model.parameters() if kl else ():
@@ -137,7 +137,8 @@ def test_env_reward_adds_to_the_reward_functions():
     from rlfuse.rollout import RewardSet
     from rlfuse.run.config import RewardSpec
     prompts = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]
-    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
+    def mk(text, env):
+        return Sample(0, [1], torch.zeros(1), False, text, None, None, env)
     total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([RewardSpec(name="arithmetic")]), 2)
     assert total == [1.5, 0.0] and per["arithmetic"] == [1.0, 0.0] and per["env"][0] == 0.5
 

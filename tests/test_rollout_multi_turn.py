@@ -16,10 +16,9 @@ import pytest
 from agent_setup import ScriptedEngine, chat_tokenizer
 from chat_templates import QWEN3_THINK, QWEN_LIKE
 
-from rlfuse.rollout import (ChatRenderer, Step, TemplateError, ToolEnv, ToolRunner, calculator,
-                            run_episodes)
-from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
-from rlfuse.rollout.tools import Tool
+from rlfuse.rollout import ChatRenderer, Step, TemplateError, ToolEnv, ToolRunner, calculator, run_episodes
+from rlfuse.rollout.agent.tool_calls import ToolCall, format_tool_call
+from rlfuse.rollout.agent.tools import Tool
 from rlfuse.run.config import RolloutConfig
 
 

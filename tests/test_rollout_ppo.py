@@ -23,7 +23,7 @@ from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.train.grpo import reference_model
 from rlfuse.train.loop import make_optimizer
-from rlfuse.train.ppo import PPOTrainer, build_critic, make_critic_optimizer, run_ppo
+from rlfuse.train.ppo import PPOStep, build_critic, make_critic_optimizer, run_ppo
 from rlfuse.train.ppo_math import gae
 
 PPO = {"steps": 2, "prompts_per_step": 2, "samples_per_prompt": 2, "mu": 1, "critic_lr": 1e-2, "eval_every": 0}
@@ -53,7 +53,7 @@ def _trainer(tmp_path, **ppo):
         for prm in critic.parameters():
             prm.add_(0.05 * torch.randn_like(prm))
     ref = reference_model(model) if cfg.ppo.kl_coef > 0 else None
-    trainer = PPOTrainer(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg), critic,
+    trainer = PPOStep(cfg, model, _Stub(), ses.rewards(), None, make_optimizer(model, cfg), critic,
                          make_critic_optimizer(critic, cfg), ref_model=ref)
     if ref is not None:
         with torch.no_grad():  # a reference that differs from the policy: the KL is not 0

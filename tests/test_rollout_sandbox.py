@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlfuse.rollout.sandbox import Sandbox
-from rlfuse.rollout.tools import ToolError, ToolTimeout, python_tool
+from rlfuse.rollout.agent.sandbox import Sandbox
+from rlfuse.rollout.agent.tools import ToolError, ToolTimeout, python_tool
 
 BOX = Sandbox(timeout_s=1.5, memory_mb=256, cpu_s=20, file_bytes=1 << 16, max_output_bytes=200)
 

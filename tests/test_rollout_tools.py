@@ -6,8 +6,8 @@ from typing import Literal
 
 import pytest
 
-from rlfuse.rollout.tool_calls import ToolCall, format_tool_call, parse_tool_calls
-from rlfuse.rollout.tools import Tool, ToolError, calculator, load_tools
+from rlfuse.rollout.agent.tool_calls import ToolCall, format_tool_call, parse_tool_calls
+from rlfuse.rollout.agent.tools import Tool, ToolError, calculator, load_tools
 
 
 def convert(amount: float, unit: Literal["km", "mi"], digits: int | None = None, tags: list[str] | None = None) -> str:

@@ -3,7 +3,7 @@ newest sequence by recompute, no admission in a preempting step, siblings that w
 a shared prefix. The model is simulated: a step marks the scheduled tokens computed and
 appends one token to each sequence whose chunk reached its end."""
 
-from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.scheduler import Scheduler
 from rlfuse.engine.sequence import Sequence, Status

@@ -40,7 +40,7 @@ def test_sft_grpo_eval_report(tmp_path, recipe, capsys):
 def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     assert list(sub.choices) == list(COMMANDS)
-    for name, mod in COMMANDS.items():  # every listed command has a real implementation
+    for mod in COMMANDS.values():  # every listed command has a real implementation
         assert callable(mod.run) and callable(mod.add_arguments) and mod.HELP
     root = Path(__file__).resolve().parents[1]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}

@@ -8,7 +8,7 @@ from train_setup import tiny_cfg, tiny_session
 from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.engine.naive import teacher_forced_logprobs
 from rlfuse.train.loop import make_optimizer
-from rlfuse.train.sft import SFTTrainer, run_sft
+from rlfuse.train.sft import SFTStep, run_sft
 
 
 def _examples(cfg, ses, n=8):
@@ -16,7 +16,7 @@ def _examples(cfg, ses, n=8):
 
 
 def _trainer(cfg, ses, examples):
-    return SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples))
+    return SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples))
 
 
 def test_loss_is_mean_nll_over_completion_tokens(tmp_path):

@@ -5,7 +5,7 @@ on one fixed batch: 2 prompts x 4 completions whose token ids are fixed (some en
 EOS, some are cut at max_completion_length) and whose rewards are fixed. Generation is
 the only part replaced: TRL gets the completions through its `rollout_func` hook, rlfuse
 through a sampler that returns them; everything after that is each library's own code
-path (TRL: `GRPOTrainer.train()`; rlfuse: `GRPOTrainer.step`): advantages, truncation
+path (TRL: `GRPOTrainer.train()`; rlfuse: `GRPOStep.step`): advantages, truncation
 masks, old and reference log-probs, micro-batching, the loss and its backward, AdamW.
 
 Each case runs two optimizer steps on the same batch (TRL `num_iterations=2`, rlfuse
@@ -34,16 +34,16 @@ import transformers  # noqa: E402
 from tiny_hf import hf_config, randomize_  # noqa: E402
 from train_setup import one_thread  # noqa: E402
 
-from rlfuse.engine.config import logprob_temperature  # noqa: E402
-from rlfuse.kernels.logprob import token_logprobs  # noqa: E402
-from rlfuse.model import Packed  # noqa: E402
 from rlfuse.data import PromptStream, build_preference_pairs, build_prompts  # noqa: E402
+from rlfuse.engine.config import logprob_temperature  # noqa: E402
+from rlfuse.kernels.loss.logprob import token_logprobs  # noqa: E402
+from rlfuse.model import Packed  # noqa: E402
 from rlfuse.rollout.sampler import Sample  # noqa: E402
 from rlfuse.run.build import char_tokenizer  # noqa: E402
 from rlfuse.run.config import load_config  # noqa: E402
 from rlfuse.run.optim import MasterAdamW  # noqa: E402
-from rlfuse.train.dpo import DPOTrainer as RlfuseDPO  # noqa: E402
-from rlfuse.train.grpo import GRPOTrainer as RlfuseGRPO  # noqa: E402
+from rlfuse.train.dpo import DPOStep as RlfuseDPO  # noqa: E402
+from rlfuse.train.grpo import GRPOStep as RlfuseGRPO  # noqa: E402
 from rlfuse.train.session import open_session  # noqa: E402
 
 ALPHABET = "0123456789+=abcdefgh "
@@ -129,12 +129,19 @@ class RecordingAdamW(MasterAdamW):
         super().step(lr)
 
 
-class LossRecordingGRPO(RlfuseGRPO):
-    def accumulate_gradients(self, *a, **k):
-        sums, n = super().accumulate_gradients(*a, **k)
-        self.losses = getattr(self, "losses", []) + [sums["loss"].detach().clone()]
-        self.stats = getattr(self, "stats", []) + [{k: float(v) for k, v in sums.items()}]
+def record_losses(tr):
+    """Record the loss and statistics of each of the trainer's `accumulate_gradients` calls
+    (the update calls it through the instance, so the wrapper sees every one)."""
+    inner = tr.update.accumulate_gradients
+    tr.losses, tr.stats = [], []
+
+    def accumulate_gradients(*a, **k):
+        sums, n = inner(*a, **k)
+        tr.losses.append(sums["loss"].detach().clone())
+        tr.stats.append({key: float(v) for key, v in sums.items()})
         return sums, n
+    tr.update.accumulate_gradients = accumulate_gradients
+    return tr
 
 
 def run_rlfuse(folder, tmp_path, grpo: dict):
@@ -153,7 +160,7 @@ def run_rlfuse(folder, tmp_path, grpo: dict):
     ses._sampler = FixedSampler(ses.model, {tuple(p.ids): c for p, c in zip(prompts, COMPLETIONS)})
     o = cfg.optim
     opt = RecordingAdamW(ses.model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
-    tr = LossRecordingGRPO(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, shuffle=False), opt)
+    tr = record_losses(RlfuseGRPO(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, shuffle=False), opt))
     tr.step(0)
     return tr.losses, opt.grads_at_step, tr.stats, {p.text: p.ids for p in prompts}
 
@@ -248,7 +255,7 @@ def test_same_loss_and_gradients_as_trl(folder, tmp_path, case):
     for step in range(2):
         what = f"{case}, optimizer step {step + 1} ({'on' if step == 0 else 'off'}-policy)"
         torch.testing.assert_close(rl_losses[step].float(), trl_losses[step].float(), rtol=1e-5, atol=1e-6,
-                                   msg=lambda m: f"{what}: loss differs\n{m}")
+                                   msg=lambda m, what=what: f"{what}: loss differs\n{m}")
         assert set(rl_grads[step]) == set(trl_grads[step]), f"{what}: parameter names differ"
         worst, wname = _worst(rl_grads[step], trl_grads[step])
         print(f"{what}: loss {float(rl_losses[step]):.6g} vs {float(trl_losses[step]):.6g}, "
@@ -271,7 +278,7 @@ PAIRS = [("3+4=", "7", "8"), ("12+5=", "17", "71"), ("9+9=", "18", "19"), ("20+1
 def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference):
     """DPO with the sigmoid loss on 4 fixed (prompt, chosen, rejected) text pairs, two AdamW
     steps (the first at the reference, h = 0; the second with h != 0): rlfuse's
-    `DPOTrainer.step` against `trl.DPOTrainer.train()`; TRL accumulates 2 micro-batches of 2
+    `DPOStep.step` against `trl.DPOTrainer.train()`; TRL accumulates 2 micro-batches of 2
     pairs, rlfuse packs by tokens. `reference` pairs rlfuse's dpo.reference with TRL's
     precompute_ref_log_probs."""
     import datasets
@@ -319,7 +326,7 @@ def test_dpo_sigmoid_same_loss_and_gradients_as_trl(folder, tmp_path, reference)
     for step in range(2):
         what = f"dpo ({reference} reference), optimizer step {step + 1}"
         torch.testing.assert_close(torch.as_tensor(rl_metrics[step]["loss"]).float(), trl_losses[step].float(),
-                                   rtol=1e-5, atol=1e-6, msg=lambda m: f"{what}: loss differs\n{m}")
+                                   rtol=1e-5, atol=1e-6, msg=lambda m, what=what: f"{what}: loss differs\n{m}")
         worst, wname = _worst(opt.grads_at_step[step], rec.grads[step])
         print(f"{what}: loss {float(rl_metrics[step]['loss']):.6g} vs {float(trl_losses[step]):.6g}, "
               f"margin {float(rl_metrics[step]['rewards/margin']):.4g}, worst relative gradient difference "

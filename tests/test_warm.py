@@ -12,7 +12,7 @@ from train_setup import one_thread, tiny_cfg, tiny_session
 
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.model.lora import has_lora
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.warm import KernelWarmup, policy_head
 
@@ -28,13 +28,13 @@ def test_warmup_runs_the_update_ops_and_leaves_weights_and_grads_alone(tmp_path,
         ses = tiny_session(cfg)
         model = ses.model
         assert has_lora(model) == lora
-        trainer = GRPOTrainer(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
-        assert trainer._warm.workers == []  # CPU: no compiler to warm, no workers
+        trainer = GRPOStep(cfg, model, ses.sampler, ses.rewards(), None, make_optimizer(model, cfg))
+        assert trainer.update.warm.workers == []  # CPU: no compiler to warm, no workers
         before = {n: p.detach().clone() for n, p in model.named_parameters()}
         heads = []
 
         def head(h, batch):
-            loss = policy_head(trainer, h, batch)
+            loss = policy_head(trainer.update, h, batch)
             heads.append(loss.detach())
             return loss
 
@@ -56,8 +56,8 @@ def test_compile_worker_reports_each_request():
 
     from rlfuse.kernels.backend import compile_worker_command
     target = {"backend": "cuda", "arch": 90, "warp_size": 32}
-    bad = ["rlfuse.kernels.triton.rmsnorm", "_rmsnorm_fwd_kernel", "{}", target]
-    missing = ["rlfuse.kernels.triton.rmsnorm", "no_such_kernel", "{}", target]
+    bad = ["rlfuse.kernels.norm.triton_rms", "_rmsnorm_fwd_kernel", "{}", target]
+    missing = ["rlfuse.kernels.norm.triton_rms", "no_such_kernel", "{}", target]
     out = subprocess.run(compile_worker_command(), input="".join(json.dumps(r) + "\n" for r in (bad, missing)),
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]

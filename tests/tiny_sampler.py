@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import Packed
 from rlfuse.rollout.sampler import Sample
 

@@ -30,13 +30,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.attention import varlen_attention
-from rlfuse.kernels.triton.attention import varlen_bwd, varlen_fwd
-from rlfuse.kernels.triton.paged_attention import paged_attention_triton
+from rlfuse.kernels.attention.triton_paged import paged_attention_triton
+from rlfuse.kernels.attention.triton_varlen import varlen_bwd, varlen_fwd
+from rlfuse.kernels.attention.varlen import varlen_attention
 
 HQ, HKV, DH = 16, 8, 128
 DT = torch.bfloat16
@@ -71,7 +71,7 @@ def _flex():
 def _try(fn):
     try:
         return fn()
-    except Exception as e:  # a baseline that fails is reported in the table, not fatal
+    except Exception as e:  # noqa: BLE001 -- a baseline that fails is reported in the table, not fatal
         return f"error: {type(e).__name__}: {str(e).splitlines()[0][:120]}"
 
 

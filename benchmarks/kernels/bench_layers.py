@@ -39,13 +39,13 @@ import time
 from pathlib import Path
 
 import torch
-
 from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm, rmsnorm_ref
-from rlfuse.kernels.rope import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq, rope_ref
-from rlfuse.kernels.swiglu import swiglu, swiglu_ref
+from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
+from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm, rmsnorm_ref
+from rlfuse.kernels.rope.rotary import qk_norm_rope, qk_norm_rope_ref, rope, rope_cos_sin, rope_inv_freq, rope_ref
 
 DT = torch.bfloat16
 def bench(fn, reps: int) -> float:

@@ -1,7 +1,7 @@
 """Fused linear log-prob: time and memory of forward+backward against the usual ways of
 getting per-token log-probs from hidden states, bf16.
 
-    ours     rlfuse.kernels.logprob.token_logprobs (Triton), loss = -sum(logp)
+    ours     rlfuse.kernels.loss.logprob.token_logprobs (Triton), loss = -sum(logp)
     torch    logits = h @ W^T (bf16) -> log_softmax in fp32 -> gather, loss = -sum
     liger    liger_kernel LigerFusedLinearCrossEntropyLoss(reduction="none"), loss = sum
     cce      cut_cross_entropy.linear_cross_entropy(reduction="none") with its defaults
@@ -32,11 +32,11 @@ import subprocess
 from pathlib import Path
 
 import torch
-
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.kernels import use_backend
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.triton.logprob import Tiles, token_logprobs_fwd_triton
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.loss.triton_logprob import Tiles, token_logprobs_fwd_triton
 
 DT = torch.bfloat16
 SHAPES = [(1024, 151936), (4096, 128256)]
@@ -163,7 +163,7 @@ def sweep_table(reps):
             for t in SWEEP:
                 try:
                     s = timeit(lambda: token_logprobs_fwd_triton(h, w, y, inv_t, tiles=t), reps)
-                except Exception as e:  # a shape that does not compile (shared memory) is reported, not fatal
+                except Exception as e:  # noqa: BLE001 -- a shape that does not compile (shared memory) is reported, not fatal
                     print(f"sweep {t}: {type(e).__name__}: {str(e)[:120]}")
                     continue
                 rows.append(dict(D=D, V=V, N=N, tiles=dataclasses.asdict(t), ms=s * 1e3,

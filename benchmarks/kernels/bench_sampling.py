@@ -24,11 +24,11 @@ import subprocess
 from pathlib import Path
 
 import torch
-
 from _timing import graphed, median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.engine.benchmark import copy_bandwidth
-from rlfuse.kernels.sampling import sample_ref
-from rlfuse.kernels.triton.sampling import sample_triton
+from rlfuse.kernels.sampling.draw import sample_ref
+from rlfuse.kernels.sampling.triton_draw import sample_triton
 
 V = 151936
 SETTINGS = {"none": (0, 1.0), "top-p 0.9": (0, 0.9), "top-k 50": (50, 1.0), "top-k 50 + top-p 0.9": (50, 0.9)}
@@ -83,7 +83,7 @@ def main():
                     print(f"{dist:8s} {r['dtype']:9s} B={B:<4d} {name:22s} kept~{r['kept_median']:>8.0f}  "
                           f"ours {r['ours_ms']:7.3f} ms (graph {r['ours_graph_ms']:7.3f})  ref {r['ref_ms']:8.3f} ms  "
                           f"bound {r['bound_ms']:6.3f} ms  ids==ref {r['ids_equal_ref']}", flush=True)
-                del logits
+                logits = None  # freed before the next batch size (not `del`: the timed lambdas above close over the name)
                 torch.cuda.empty_cache()
     commit = os.environ.get("RLFUSE_COMMIT") or subprocess.run(  # run_gpu.sh sets it
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

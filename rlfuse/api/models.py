@@ -13,11 +13,10 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.model import CausalLM
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.model.transformer import CausalLM
-from rlfuse.run import (check_model_folder, check_vocab, list_checkpoints, load_model_folder, merged_folder,
-                        pick_device)
+from rlfuse.run import check_model_folder, check_vocab, list_checkpoints, load_model_folder, merged_folder, pick_device
 
 log = logging.getLogger(__name__)
 

@@ -41,12 +41,13 @@ from pathlib import Path
 from rlfuse.api.config import load_run_config
 from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
-from rlfuse.model.transformer import CausalLM
+from rlfuse.model import CausalLM
 from rlfuse.rollout import PYTHON_REWARD
 from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
+
 
 def _rows(data, what: str) -> list[dict]:
     if hasattr(data, "to_list"):  # a datasets.Dataset (or anything shaped like one)

@@ -1,7 +1,8 @@
 """The `rlfuse` command line: the only package that reads argv and the environment.
 
-Each subcommand is a module here (`rlfuse/cli/<name>.py`) with `HELP` (one line),
-`add_arguments(parser)` and `run(args) -> int`; `COMMANDS` lists them. `python -m rlfuse`
+Each subcommand has `HELP` (one line), `add_arguments(parser)` and `run(args) -> int`: a
+module here (`rlfuse/cli/<name>.py`), or, for the four training commands, a row of one
+table (`rlfuse/cli/train.py`: TRAIN_COMMANDS); `COMMANDS` lists them. `python -m rlfuse`
 (rlfuse/__main__.py) runs the same `main`.
 
     rlfuse --help
@@ -23,12 +24,13 @@ import sys
 from tqdm.contrib.logging import logging_redirect_tqdm
 
 from rlfuse import __version__
-from rlfuse.cli import bench, check, demo, dpo, generate, grpo, ppo, report, serve, sft
+from rlfuse.cli import bench, check, demo, generate, report, serve
 from rlfuse.cli import eval as eval_cmd
 from rlfuse.cli.common import fail
+from rlfuse.cli.train import TRAIN_COMMANDS
 
-COMMANDS = {"demo": demo, "sft": sft, "grpo": grpo, "ppo": ppo, "dpo": dpo, "eval": eval_cmd, "generate": generate,
-            "serve": serve, "report": report, "check": check, "bench": bench}
+COMMANDS = {"demo": demo, **TRAIN_COMMANDS, "eval": eval_cmd, "generate": generate, "serve": serve, "report": report,
+            "check": check, "bench": bench}
 """Subcommand name -> its module, in the order `--help` lists them."""
 
 

@@ -55,7 +55,7 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True, use
     skip = tuple(f"{a}." for a in ALGORITHMS if a not in uses)
     keep = tuple(f"{k} " for k in uses if "." in k)
     keys = [ln for ln in describe(RunConfig) if not ln.startswith(skip) or ln.startswith(keep)]
-    p.epilog = (f"config keys this command reads (--set KEY=VALUE; all of them: docs/configuration.md):\n"
+    p.epilog = ("config keys this command reads (--set KEY=VALUE; all of them: docs/configuration.md):\n"
                 + "\n".join("  " + ln for ln in keys))
 
 

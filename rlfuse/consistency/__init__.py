@@ -1,1 +1,1 @@
-"""rlfuse.consistency layer (see DEVELOPERS layout)."""
+"""Rollout against trainer: log-prob mismatch metrics, per-op drift localisation and the `rlfuse check` sweep."""

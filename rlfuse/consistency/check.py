@@ -26,7 +26,7 @@ from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import teacher_forced_logprobs
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.model.transformer import CausalLM, pack_by_tokens
+from rlfuse.model import CausalLM, pack_by_tokens
 
 log = logging.getLogger(__name__)
 

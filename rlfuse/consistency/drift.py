@@ -20,8 +20,8 @@ import matplotlib
 import torch
 
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.model.transformer import CausalLM, Packed, PagedKV
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.model import CausalLM, Packed, PagedKV
 
 # q_norm / k_norm are not modules the forward calls: their weights go to the fused
 # qk_norm_rope kernel, whose result shows in self_attn.attention

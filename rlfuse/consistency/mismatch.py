@@ -2,7 +2,7 @@
 
 The engine reports log p(token) at sampling time (paged KV cache, decode kernels); the
 trainer recomputes the same quantity with a packed forward (varlen attention). Both use
-`rlfuse.kernels.logprob.token_logprobs`, so any difference is numerical drift of the
+`rlfuse.kernels.loss.logprob.token_logprobs`, so any difference is numerical drift of the
 forward (attention kernel, reduction order, dtype), never a different definition.
 Over masked tokens, with d = train - rollout:
     max_abs  = max |d|          mean_abs = mean |d|

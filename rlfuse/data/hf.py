@@ -54,7 +54,7 @@ def read_hf(src: str, split: str, field: str = "data.train") -> list[tuple[str, 
             ds = datasets.load_dataset(name, config or None, split=split)
         # datasets raises many types here (no network, not on the Hub, no such config or
         # split, a cache miss in offline mode); each becomes one error naming what was tried
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- the datasets library raises many types; re-raised as one ValueError naming the dataset
             what = f"{name!r}" + (f" (config {config!r})" if config else "") + f", split {split!r}"
             raise ValueError(
                 f"{field}: {src}: could not load {what}: {type(e).__name__}: {e}. A hub dataset is read from the "

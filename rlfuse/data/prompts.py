@@ -65,16 +65,6 @@ class SFTExample:
     where: str
 
 
-
-
-
-
-
-
-
-
-
-
 # ------------------------------------------------------------------ rendering
 def render_prompt(row: dict, tokenizer, cfg: DataConfig, where: str = "row") -> str:
     mf = cfg.messages_field
@@ -121,8 +111,6 @@ def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
     return not row[cfg.prompt_field].strip()
 
 
-
-
 class Drops:
     """Rows dropped or truncated, by reason: the stable slug (a DATA_REASONS key), the
     sentence the log shows (with the limits of this run), a few `file:line` examples."""
@@ -153,8 +141,6 @@ class Drops:
             return
         parts = [f"{len(w)} {self.text[s]} (e.g. {', '.join(w[:3])})" for s, w in self.where.items()]
         log.warning("%s (%d rows): %s", what, total, "; ".join(parts))
-
-
 
 
 class UnknownText:

@@ -105,7 +105,7 @@ def _read_file(path: Path) -> list[tuple[str, dict]]:
             raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         try:
             table = pq.read_table(path)
-        except Exception as e:  # pyarrow's own error types; the message says what is wrong
+        except Exception as e:  # noqa: BLE001 -- pyarrow's own error types; the message says what is wrong
             raise ValueError(f"{path}: not a readable Parquet file ({e})") from None
         out = [(f"{path}: row {i}", row) for i, row in enumerate(table.to_pylist())]
     if not out:

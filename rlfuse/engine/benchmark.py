@@ -40,8 +40,8 @@ import torch
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import new_compiles, triton_compiles
+from rlfuse.model import CausalLM
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 

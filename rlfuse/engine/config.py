@@ -57,7 +57,7 @@ class EngineConfig:
     share_prefix_decode: bool | None = None
     """Decode steps on CUDA graphs read a prompt's cached K/V once for every running
     sequence that shares those blocks (a GRPO group's completions), not once per sequence
-    (rlfuse.kernels.paged_attention, "Shared prefixes"). Exact numerics keep their bits;
+    (rlfuse.kernels.attention.paged, "Shared prefixes"). Exact numerics keep their bits;
     fast numerics round as a split decode does. None (default): where it pays
     (`shared_prefix_pays`: enough groups to fill the GPU, or prompts whose K/V outgrow the
     L2 cache); True: whenever prompts share blocks; False: never. Needs prefix caching."""
@@ -130,7 +130,7 @@ class EngineConfig:
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class SamplingParams:
     """How one request is sampled. Filters apply in the order temperature, top-k, top-p,
-    min-p (see `rlfuse.kernels.sampling`). The reported log-prob of each sampled token is
+    min-p (see `rlfuse.kernels.sampling.draw`). The reported log-prob of each sampled token is
     log softmax(logits / T)[token] BEFORE the filters, T = `logprob_temperature(temperature)`."""
     n: int = 1
     """Completions per prompt; they share the prompt's KV blocks (prefill once)."""

@@ -22,7 +22,7 @@ resume by recompute after `wake()`), `wake()` re-creates the pool with the same 
 of blocks.
 
 Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
-filtering, from `rlfuse.kernels.logprob.token_logprobs`, the function the trainer uses.
+filtering, from `rlfuse.kernels.loss.logprob.token_logprobs`, the function the trainer uses.
 Test: python -m pytest -q tests/test_engine.py
 """
 
@@ -35,23 +35,26 @@ import time
 
 import torch
 
-from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.config import EngineConfig, SamplingParams
-from rlfuse.engine.model_runner import ModelRunner, Pending
+from rlfuse.engine.model_runner import ModelRunner, Pending, param_version
 from rlfuse.engine.scheduler import Batch, Scheduler
-from rlfuse.engine.sequence import Completion, Sequence, Status, sample_key, sample_key_base
+from rlfuse.engine.sequence import (
+    Completion,
+    Sequence,
+    Status,
+    completion,
+    prompt_list,
+    sample_key,
+    sample_key_base,
+    stop_reason,
+)
 from rlfuse.engine.stats import EngineStats
+from rlfuse.model import CausalLM
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
-from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
-
-
-
-
-
-
 
 
 @dataclasses.dataclass(slots=True)
@@ -76,8 +79,7 @@ class LLM:
         if self.max_model_len > mcfg.max_position_embeddings:
             log.warning("max_model_len %d exceeds the model's max_position_embeddings %d", self.max_model_len,
                         mcfg.max_position_embeddings)
-        eos = tokenizer.eos_token_ids if tokenizer is not None else mcfg.eos_token_ids
-        self.eos_ids = frozenset(int(e) for e in eos)
+        self.eos_ids = frozenset(int(e) for e in (mcfg.eos_token_ids if tokenizer is None else tokenizer.eos_token_ids))
         self.vocab_size = mcfg.vocab_size
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.kv = self.runner.plan_and_allocate(self.max_model_len)
@@ -85,12 +87,11 @@ class LLM:
         self.scheduler = Scheduler(cfg, self.block_manager)
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)
-        self._next_id = 0
-        self._next_seq = 0
+        self._next_id = self._next_seq = 0
         self._requests: dict[str, list[Sequence]] = {}
         self._pending: _Launched | None = None  # a look-ahead step launched, not read yet
         self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
-        self._weights_version = self._param_version()
+        self._weights_version = param_version(self.model)
         self._adapters = adapter_switches(model)
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
@@ -101,14 +102,11 @@ class LLM:
                  ("static buffers (no capture on CPU)" if self.runner.static else "eager"), cfg.numerics)
 
     # ------------------------------------------------------------------ weights
-    def _param_version(self) -> int:
-        return sum(p._version for p in self.model.parameters())
-
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
 
     def _check_weights(self) -> None:
-        v = self._param_version()
+        v = param_version(self.model)
         if v != self._weights_version:
             self._weights_version = v
             self.block_manager.reset_prefix_cache()
@@ -205,7 +203,7 @@ class LLM:
         self.scheduler.abort(seqs)
         for s in seqs:
             self.runner.release(s)
-        return [self._completion(s) for s in seqs]
+        return [completion(s, self.tokenizer) for s in seqs]
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Completion]:
@@ -236,7 +234,7 @@ class LLM:
             gone = {id(s) for s in finished}
             nxt.void = [id(s) in gone for s in nxt.batch.seqs]
             self._pending = nxt
-        return out + [self._completion(seq) for seq in finished]
+        return out + [completion(seq, self.tokenizer) for seq in finished]
 
     def _launch(self, batch: Batch, feed: torch.Tensor | None = None) -> _Launched:
         g0, s0 = self.runner.graph_steps, self.runner.shared_steps
@@ -304,7 +302,7 @@ class LLM:
             seq.logprobs.append(lp)
             st.output_tokens += 1
             if tok in seq.stop_ids or seq.params.stop or len(seq.token_ids) >= seq.max_total:  # cheap pre-check
-                reason = self._stop_reason(seq, tok)
+                reason = stop_reason(seq, tok, self.tokenizer)
                 if reason is not None:
                     seq.status, seq.finish_reason = Status.FINISHED, reason
                     finished.append(seq)
@@ -321,38 +319,7 @@ class LLM:
         its finished samples are returned by the next `step()`."""
         if self._pending is not None:
             cur, self._pending = self._pending, None
-            self._ready += [self._completion(s) for s in self._absorb(cur)]
-
-    def _stop_reason(self, seq: Sequence, tok: int) -> str | None:
-        p, n_out = seq.params, seq.num_output_tokens
-        if n_out >= p.min_tokens:
-            if tok in seq.stop_ids:
-                return "stop"
-            if p.stop and self._stop_string(seq) is not None:
-                return "stop"
-        if seq.num_tokens >= seq.max_total:  # max_tokens or the context length
-            return "length"
-        return None
-
-    def _stop_string(self, seq: Sequence, text: str | None = None) -> int | None:
-        """Index in `text` (default: the decoded tail) of the first stop string, or None."""
-        if text is None:
-            # a stop string of c characters spans at most 4c byte-level tokens; it is checked
-            # every step, so it can only newly appear at the tail
-            w = 4 * max(len(s) for s in seq.params.stop) + 4
-            text = self.tokenizer.decode(seq.output_token_ids[-w:])
-        hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
-        return min(hits) if hits else None
-
-    def _completion(self, seq: Sequence) -> Completion:
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
-            if seq.params.stop and seq.finish_reason == "stop":
-                cut = self._stop_string(seq, text)
-                if cut is not None:
-                    text = text[:cut]
-        return seq.to_completion(text)
+            self._ready += [completion(s, self.tokenizer) for s in self._absorb(cur)]
 
     # ------------------------------------------------------------------ batch API
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
@@ -361,18 +328,9 @@ class LLM:
         len(prompts) * n Completions, prompt-major (sample k of prompt i at i * n + k when
         n is shared). All requests are validated before any runs: an invalid one raises
         ValueError naming it (request "i" is prompt i) and nothing is queued."""
-        prompts, plist = self._prompt_list(prompts, params)
+        prompts, plist = prompt_list(prompts, params)
         done = {(i, c.index): c for i, c in self.stream(prompts, plist)}
         return [done[(i, k)] for i, p in enumerate(plist) for k in range(p.n)]
-
-    @staticmethod
-    def _prompt_list(prompts, params):
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
-        if len(plist) != len(prompts):
-            raise ValueError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
-        return prompts, plist
 
     def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
         """`generate`, yielding (prompt index, Completion) as each sample finishes, between
@@ -380,7 +338,7 @@ class LLM:
         (on CUDA, its own kernels on another stream overlap the queued decode step). The
         same requests and steps as `generate`, so the same completions. Validation happens
         at the first `next()`, before anything is queued."""
-        prompts, plist = self._prompt_list(prompts, params)
+        prompts, plist = prompt_list(prompts, params)
         if self.has_unfinished():
             raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
         errors, checked = [], []

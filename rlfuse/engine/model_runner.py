@@ -10,17 +10,13 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      positions, slot mapping, rows, seq_lens, cu_seqlens, sampled rows, top-k, seeds and
      offsets, and one fp32 array (temperature, top-p, min-p). No per-step allocation of
      block tables on the host.
-  2. forward. Decode-shaped batches (every sequence computes one token) with B <= the
-     largest bucket replay the CUDA graph of the smallest bucket >= B over static
-     buffers (rows past B are padding: slot -1, seq_len 0, so they write nothing and
-     attend to nothing); graphs are captured on first use of a bucket (or all at once by
-     `capture_graphs`), a second one per bucket with a shared-prefix plan (sequences
-     whose prompts share cache blocks read them once: `_share_plan`). Everything else
-     (prefill chunks, mixed batches) runs eagerly. On CPU with enforce_eager=False the
-     same static buffers run without capture.
-  3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.sample` with per-row
+  2. forward. Decode-shaped batches (every sequence computes one token) up to the largest
+     graph bucket run on the static decode path (`rlfuse.engine.static_decode`: static
+     buffers, a CUDA graph per bucket, the shared-prefix plan); everything else (prefill
+     chunks, mixed batches) runs eagerly.
+  3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.draw.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
-     log-prob from `rlfuse.kernels.logprob.token_logprobs(h_last, W, ids, T)` -- the
+     log-prob from `rlfuse.kernels.loss.logprob.token_logprobs(h_last, W, ids, T)` -- the
      trainer's function, per distinct temperature (T = 1 for greedy rows).
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
@@ -38,21 +34,21 @@ import time
 import numpy as np
 import torch
 
+from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.kv_cache import KVCache, plan_num_blocks
 from rlfuse.engine.sequence import Sequence
-from rlfuse.kernels.backend import num_sms, resolve_backend, use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.paged_attention import (SharedPrefixDecode, plan_shared_prefix, shared_prefix_members,
-                                            shared_prefix_pays)
-from rlfuse.kernels.sampling import sample
-from rlfuse.model.transformer import CausalLM, Packed, PagedKV
+from rlfuse.engine.static_decode import StaticDecode, upload
+from rlfuse.kernels.backend import num_sms, use_numerics
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.kernels.sampling.draw import sample
+from rlfuse.model import CausalLM, Packed, PagedKV
 
 log = logging.getLogger(__name__)
-# the static int64 buffer of the decode path: one field of `_field_stride(nb)` elements each
-# (the _SH_* fields: the step's SharedPrefixDecode plan)
-_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS, _SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM = range(12)
-_STATIC_FIELDS = 12
+
+
+def param_version(model) -> int:
+    """Sum of the parameters' version counters: changes with every in-place update."""
+    return sum(p._version for p in model.parameters())
 
 
 def _in_numerics(method):
@@ -63,13 +59,6 @@ def _in_numerics(method):
         with use_numerics(self.cfg.numerics):
             return method(self, *args, **kwargs)
     return wrapped
-
-
-def _field_stride(nb: int) -> int:
-    """int64 elements between static fields of bucket nb: even, so every field starts on a
-    16-byte boundary (Triton specializes kernels on pointer alignment: an odd bucket would
-    give the sampler a second compiled variant)."""
-    return nb + (nb & 1)
 
 
 @dataclasses.dataclass(slots=True)
@@ -85,6 +74,11 @@ class Pending:
 class ModelRunner:
     def __init__(self, model: CausalLM, cfg: EngineConfig, max_model_len: int):
         self.model, self.cfg, self.mcfg = model, cfg, model.config
+        own = getattr(model, "kernels", None)  # the model's kernel settings (a run's), entered by its forward
+        if own is not None and own.numerics != cfg.numerics:
+            raise ValueError(f"EngineConfig.numerics is {cfg.numerics!r} but the model's forwards run in "
+                             f"{own.numerics!r} numerics (model.kernels, from the run's engine.numerics); "
+                             f"the rollout and the trainer must use one")
         W = model.lm_head_weight
         self.device, self.dtype = W.device, W.dtype
         self.block_size = cfg.block_size
@@ -93,28 +87,35 @@ class ModelRunner:
         self.free_rows = list(range(self.num_rows - 1, -1, -1))
         # block tables on the device; the extra last row is all zeros for padding rows
         self.bt = torch.zeros((self.num_rows + 1, self.max_blocks), dtype=torch.int32, device=self.device)
-        self.static = not cfg.enforce_eager
-        self.use_graphs = self.static and self.device.type == "cuda"
-        self.graph_sizes = cfg.graph_batch_sizes() if self.static else ()
-        self.max_graph_bs = max(self.graph_sizes) if self.graph_sizes else 0
-        self.graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (bucket, shared-prefix plan)
-        self.graph_pool = None
-        if self.static:
-            n = self.max_graph_bs
-            self.s_i64 = torch.zeros(_STATIC_FIELDS * _field_stride(n), dtype=torch.int64, device=self.device)
-            self.s_cu = torch.arange(n + 1, dtype=torch.int32, device=self.device)
-            self.s_out = torch.zeros((n, self.mcfg.hidden_size), dtype=self.dtype, device=self.device)
+        # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
+        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows)
         self.kv: KVCache | None = None
-        # sequences per shared-prefix chunk (0: no sharing); plan: _share_plan
-        self.share_members = 0
-        if (self.static and cfg.share_prefix_decode is not False and cfg.enable_prefix_caching
-                and resolve_backend("paged_attention", W) == "triton"):
-            self.share_members = shared_prefix_members(self.mcfg.num_attention_heads, self.mcfg.num_key_value_heads,
-                                                       cfg.numerics == "exact", W.element_size())
-        self._share_key, self._share_arrays = None, None
         self.out_dtype_mm = self._probe_out_dtype_mm()
-        self.graph_steps = 0
-        self.shared_steps = 0
+
+    # the static decode path's state, as the engine and tests read it
+    @property
+    def static(self) -> bool:
+        return self.decode is not None
+
+    @property
+    def use_graphs(self) -> bool:
+        return self.decode is not None and self.decode.use_graphs
+
+    @property
+    def max_graph_bs(self) -> int:
+        return self.decode.max_bs if self.decode is not None else 0
+
+    @property
+    def graphs(self) -> dict:
+        return self.decode.graphs if self.decode is not None else {}
+
+    @property
+    def graph_steps(self) -> int:
+        return self.decode.graph_steps if self.decode is not None else 0
+
+    @property
+    def shared_steps(self) -> int:
+        return self.decode.shared_steps if self.decode is not None else 0
 
     # ------------------------------------------------------------------ memory
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
@@ -200,14 +201,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ step
     def _upload(self, x, dtype) -> torch.Tensor:
-        """Host list / array -> device, without waiting for the stream: pinned staging on
-        CUDA (a pageable copy would block the host until the device reached it, which
-        defeats launching a step ahead); the caching host allocator keeps the staging
-        buffer alive until its copy ran."""
-        t = torch.as_tensor(x, dtype=dtype)
-        if self.device.type == "cuda":
-            t = t.pin_memory()
-        return t.to(self.device, non_blocking=True)
+        return upload(x, dtype, self.device)
 
     @torch.no_grad()
     @_in_numerics
@@ -223,7 +217,7 @@ class ModelRunner:
         device from `feed` (B,) (that step's sampled ids, in this batch's order), and it
         is sampled (decode). Its blocks must already cover num_computed + 2 tokens."""
         assert self.kv is not None and self.kv.allocated, "KV cache released (engine asleep)"
-        B, bs = len(seqs), self.block_size
+        B = len(seqs)
         ahead = int(feed is not None)
         rows = self._sync_block_tables(seqs)
         starts = [s.num_computed + ahead for s in seqs]
@@ -239,30 +233,13 @@ class ModelRunner:
         offsets = [len(s.token_ids) + ahead for _, s in samp]  # position of the token being sampled
         decode = all(n == 1 for n in num_new)
         if decode and self.static and B <= self.max_graph_bs:
-            nb = next(g for g in self.graph_sizes if g >= B)
-            fs = _field_stride(nb)
-            host = np.zeros((_STATIC_FIELDS, fs), dtype=np.int64)
-            host[_SLOTS], host[_ROWS] = -1, self.num_rows  # padding rows: no K/V write, the zero table row
-            if not ahead:
-                host[_IDS, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
-            host[_POS, :B] = starts
-            host[_SLOTS, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
-            host[_ROWS, :B] = rows
-            host[_SEQ_LENS, :B] = host[_POS, :B] + 1
-            host[_TOP_K, :S], host[_SEEDS, :S], host[_OFFSETS, :S] = top_k, seeds, offsets
-            shared = self._share_plan(seqs, host, nb)
-            self.shared_steps += shared
-            self.s_i64[:_STATIC_FIELDS * fs].copy_(self._upload(host.reshape(-1), torch.int64))
-            if ahead:
-                self.s_i64[:B].copy_(feed)  # the input ids: the running step's samples, on the device
-            self._replay(nb, shared)
-            h = self.s_out[:B] if S == B else self.s_out[self._upload(sampled, torch.int64)]
-            k_t, seed_t, off_t = (self.s_i64[f * fs:f * fs + S] for f in (_TOP_K, _SEEDS, _OFFSETS))
+            h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k, seeds,
+                                                       offsets, feed)
         else:
             h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds, offsets)
         if S == 0:
             return Pending(sampled, None, None, None)
-        pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see _field_stride)
+        pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see static_decode._field_stride)
         fl = self._upload([[p.temperature for p, _ in samp] + pad, [p.top_p for p, _ in samp] + pad,
                            [p.min_p for p, _ in samp] + pad], torch.float32)[:, :S]
         logits = self._logits(h)
@@ -331,85 +308,16 @@ class ModelRunner:
         return h, (d["top_k"], d["seeds"], d["offsets"])
 
     # ------------------------------------------------------------------ decode graphs
-    def _share_plan(self, seqs: list[Sequence], host: np.ndarray, nb: int) -> bool:
-        """Fill the _SH_* fields with the step's shared-prefix plan; False: nothing to share or
-        it does not pay. Cached while the running set and its first blocks stay the same."""
-        if not self.share_members or len(seqs) < 2:
-            return False
-        key = tuple((s.seq_id, s.block_table[0]) for s in seqs)
-        if key != self._share_key:
-            bs, m = self.block_size, self.mcfg
-            share_len, perm, first, count, n = plan_shared_prefix(
-                [s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs, self.share_members, nb // 2)
-            pays = self.cfg.share_prefix_decode or shared_prefix_pays(  # the chunk leaders' shared keys
-                n, int(share_len[perm[first[:n]]].sum()), m.num_key_value_heads,
-                2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
-            self._share_key, self._share_arrays = key, (share_len, perm, first, count, n if pays else 0)
-        share_len, perm, first, count, n = self._share_arrays
-        host[_SH_LEN, :len(seqs)], host[_SH_PERM, :len(seqs)], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = \
-            share_len, perm, first, count
-        return n > 0
-
-    def _decode_body(self, nb: int, shared: bool) -> None:
-        st, fs = self.s_i64, _field_stride(nb)
-        ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
-        plan = SharedPrefixDecode(*(st[f * fs:f * fs + (nb // 2 if f in (_SH_FIRST, _SH_NUM) else nb)]
-                                    for f in (_SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM)), self.share_members) if shared else None
-        attn = PagedKV(self.kv.kv_caches, slots, self.s_cu[:nb + 1], seq_lens.to(torch.int32),
-                       self.bt.index_select(0, rows), 1, plan)
-        self.s_out[:nb].copy_(self.model(ids, pos, attn))
-
-    def _replay(self, nb: int, shared: bool = False) -> None:
-        if not self.use_graphs:
-            self._decode_body(nb, shared)
-            return
-        g = self.graphs.get((nb, shared))
-        if g is None:
-            g = self._capture(nb, shared)
-        g.replay()
-        self.graph_steps += 1
-
-    def _capture(self, nb: int, shared: bool = False) -> torch.cuda.CUDAGraph:
-        t0 = time.perf_counter()
-        self._decode_body(nb, shared)  # warm-up: compiles kernels; rewrites the same K/V the replay writes
-        torch.cuda.synchronize(self.device)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g, pool=self.graph_pool):
-            self._decode_body(nb, shared)
-        if self.graph_pool is None:
-            self.graph_pool = g.pool()
-        self.graphs[(nb, shared)] = g
-        log.debug("captured the decode CUDA graph for batch size %d%s in %.0f ms", nb,
-                  " (shared prefixes)" if shared else "", 1e3 * (time.perf_counter() - t0))
-        return g
-
     @torch.no_grad()
     @_in_numerics
     def capture_graphs(self, up_to: int | None = None) -> None:
-        """Capture every bucket now (largest first, so one memory pool fits all), over
-        padding inputs; normally buckets are captured on first use. `up_to`: only the
-        buckets a decode batch of at most that many sequences can use."""
-        if not self.use_graphs:
-            return
-        top = next((s for s in self.graph_sizes if s >= up_to), self.max_graph_bs) if up_to else self.max_graph_bs
-        variants = (False, True) if self.share_members else (False,)  # + the shared-prefix plan's graphs
-        todo = [(s, v) for s in sorted(self.graph_sizes, reverse=True) for v in variants
-                if (s, v) not in self.graphs and s <= top and (s > 1 or not v)]
-        if not todo:
-            return
-        t0 = time.perf_counter()
-        nb = self.max_graph_bs
-        for size, shared in todo:
-            host = np.zeros((_STATIC_FIELDS, _field_stride(size)), dtype=np.int64)
-            host[_SLOTS], host[_ROWS] = -1, self.num_rows  # padding; the plan: no chunk
-            self.s_i64[:host.size].copy_(torch.from_numpy(host.reshape(-1)))
-            self._capture(size, shared)
-        log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),
-                 f"{min(self.graph_sizes)}..{nb}", time.perf_counter() - t0)
+        """Capture the decode CUDA graphs now (`StaticDecode.capture`)."""
+        if self.decode is not None:
+            self.decode.capture(self.kv.kv_caches, up_to)
 
     def drop_graphs(self) -> None:
-        self.graphs.clear()
-        self.graph_pool = None
+        if self.decode is not None:
+            self.decode.drop_graphs()
 
     # ------------------------------------------------------------------ sampling helpers
     def _probe_out_dtype_mm(self) -> bool:

@@ -7,7 +7,7 @@ sequence stops after `max_new_tokens` tokens or right after emitting an id in `e
 (the EOS token is part of the returned completion).
 
 `teacher_forced_logprobs` is the trainer's quantity: log p(completion_t | prompt,
-completion_<t) at `temperature`, from `rlfuse.kernels.logprob.token_logprobs` on the
+completion_<t) at `temperature`, from `rlfuse.kernels.loss.logprob.token_logprobs` on the
 final hidden states -- the same function the engine uses to report rollout log-probs.
 
 Slow by design (O(L^2) forwards per sequence, host syncs every step): tests only.
@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.model.transformer import CausalLM, Packed
+from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.model import CausalLM, Packed
 
 
 @torch.no_grad()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 
-from rlfuse.engine.block_manager import BlockManager
+from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence, Status
 

@@ -31,7 +31,7 @@ class Completion:
     `logprobs[i]` is log softmax(logits / temperature)[output_token_ids[i]] under the
     weights at sampling time, BEFORE top-k/top-p/min-p filtering and min_tokens masking
     (temperature 1 for greedy requests): the policy the trainer optimizes, computed by
-    the trainer's own function `rlfuse.kernels.logprob.token_logprobs`. fp32, CPU.
+    the trainer's own function `rlfuse.kernels.loss.logprob.token_logprobs`. fp32, CPU.
     """
     request_id: str
     index: int
@@ -114,3 +114,51 @@ def sample_key(base: bytes, k: int) -> int:
     return int.from_bytes(hashlib.blake2b(base + k.to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 
 
+# ---------------------------------------------------------------------- stops and results
+def stop_reason(seq: Sequence, tok: int, tokenizer) -> str | None:
+    """Why `seq` ends after sampling `tok` ("stop": a stop id or stop string once min_tokens
+    are out; "length": max_tokens or the context), or None."""
+    p, n_out = seq.params, seq.num_output_tokens
+    if n_out >= p.min_tokens:
+        if tok in seq.stop_ids:
+            return "stop"
+        if p.stop and stop_string(seq, tokenizer) is not None:
+            return "stop"
+    if seq.num_tokens >= seq.max_total:  # max_tokens or the context length
+        return "length"
+    return None
+
+
+def stop_string(seq: Sequence, tokenizer, text: str | None = None) -> int | None:
+    """Index in `text` (default: the decoded tail) of the first stop string, or None."""
+    if text is None:
+        # a stop string of c characters spans at most 4c byte-level tokens; it is checked
+        # every step, so it can only newly appear at the tail
+        w = 4 * max(len(s) for s in seq.params.stop) + 4
+        text = tokenizer.decode(seq.output_token_ids[-w:])
+    hits = [i for i in (text.find(s) for s in seq.params.stop) if i >= 0]
+    return min(hits) if hits else None
+
+
+def completion(seq: Sequence, tokenizer) -> Completion:
+    """The finished `seq` as a Completion, its text decoded (and cut at a stop string) when
+    there is a tokenizer."""
+    text = None
+    if tokenizer is not None:
+        text = tokenizer.decode(seq.output_token_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        if seq.params.stop and seq.finish_reason == "stop":
+            cut = stop_string(seq, tokenizer, text)
+            if cut is not None:
+                text = text[:cut]
+    return seq.to_completion(text)
+
+
+def prompt_list(prompts, params) -> tuple[list, list[SamplingParams]]:
+    """`LLM.generate`'s arguments as (prompts, one SamplingParams per prompt): a single prompt
+    (text or token ids) becomes a list of one; one SamplingParams (or None) is shared."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    plist = list(params) if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+    if len(plist) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
+    return prompts, plist

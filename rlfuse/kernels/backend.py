@@ -9,14 +9,21 @@ module globals: `with use_backend("torch"): ...`.
 Numerics, the second switch, lives beside it: "fast" (today's kernels: cuBLAS GEMMs,
 split-KV decode, torch's own CPU reductions) or "exact" (every op reduces in an order
 that depends only on the token's own sequence and position, so the engine's rollout
-log-probs equal the trainer's bitwise; see docs/numerics.md). The engine and the trainer
-each enter `use_numerics(cfg.numerics)` around their forwards.
+log-probs equal the trainer's bitwise; see docs/numerics.md).
+
+One mechanism carries both: `KernelSettings(backend, numerics)`. A model owns one
+(`CausalLM.kernels`, set by the run's session) and enters it around every forward and
+log-prob head it runs (`use_settings`), in whatever thread calls it, so a new forward
+cannot run in the wrong numerics; None (a model built outside a run, in tests) inherits the
+ambient context that `use_backend` / `use_numerics` set. The query functions are
+`is_exact()`, `current_numerics()`, `current_backend()` and `resolve_backend()`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import functools
 import importlib
 import importlib.util
@@ -75,6 +82,33 @@ def use_numerics(name: str):
     return _setting(_numerics, "numerics", NUMERICS, name)
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class KernelSettings:
+    """The kernel backend and the numerics a model's forwards run in (the module docstring)."""
+    backend: str = "auto"
+    numerics: str = "fast"
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"kernel backend must be one of {BACKENDS}, got {self.backend!r}")
+        if self.numerics not in NUMERICS:
+            raise ValueError(f"numerics must be one of {NUMERICS}, got {self.numerics!r}")
+
+
+@contextlib.contextmanager
+def use_settings(settings: KernelSettings | None):
+    """Run the enclosed ops with both switches of `settings`; None: leave the context as it is."""
+    if settings is None:
+        yield
+        return
+    with use_backend(settings.backend), use_numerics(settings.numerics):
+        yield
+
+
+def current_settings() -> KernelSettings:
+    return KernelSettings(backend=_backend.get(), numerics=_numerics.get())
+
+
 @functools.cache
 def triton_available() -> bool:
     """Whether triton is installed (found, not imported: importing it is left to the first
@@ -89,13 +123,23 @@ def triton_interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def is_triton_module(modname: str) -> bool:
+    """Whether `modname` is a Triton half (the only modules that import triton): an op
+    family's `rlfuse.kernels.<family>.triton_<op>` or the shared `rlfuse.kernels.triton_common`."""
+    parts = modname.split(".")
+    return parts[:2] == ["rlfuse", "kernels"] and len(parts) >= 3 and parts[-1].startswith("triton_")
+
+
 @functools.cache
 def triton_ops(op: str) -> ModuleType:
-    """The Triton half of op `op`, imported on first use: triton is an optional dependency
+    """The Triton half of an op, imported on first use: triton is an optional dependency
     (CPU-only installs run the references), so only a backend that resolves to "triton"
-    ever imports it. `op` is "<family>.triton_<name>" for an op family's folder
-    (`rlfuse.kernels.<family>.triton_<name>`), or a bare name under `rlfuse.kernels.triton`."""
-    return importlib.import_module(f"rlfuse.kernels.{op}" if "." in op else f"rlfuse.kernels.triton.{op}")
+    ever imports it. `op` is "<family>.triton_<name>" (`rlfuse.kernels.<family>.triton_<name>`),
+    or "triton_common" for the helpers the families share."""
+    name = f"rlfuse.kernels.{op}"
+    if not is_triton_module(name):
+        raise ValueError(f"triton_ops: {op!r} is not a Triton module name ('<family>.triton_<op>' or 'triton_common')")
+    return importlib.import_module(name)
 
 
 def triton_compiles() -> dict[str, int]:
@@ -104,20 +148,20 @@ def triton_compiles() -> dict[str, int]:
     that grows inside a timed region is a Triton compile the timing paid for."""
     if not triton_available():
         return {}
-    return triton_ops("common").compiled_variants()
+    return triton_ops("triton_common").compiled_variants()
 
 
 def record_compiles(skip: bool = True):
     """Context manager (CUDA): kernel launches that would compile are recorded and skipped
     (`skip=False`: recorded only); yields [(module, kernel, specialization JSON, target)],
     the requests a compile worker (`compile_worker_command`) takes (train/warm.py)."""
-    return triton_ops("common").record_compiles(skip)
+    return triton_ops("triton_common").record_compiles(skip)
 
 
 def compile_worker_command() -> list[str]:
-    """argv of a compile worker process (`rlfuse.kernels.triton.common.compile_worker`): a
+    """argv of a compile worker process (`rlfuse.kernels.triton_common.compile_worker`): a
     fresh interpreter that imports only the kernels, never the caller's main script."""
-    return [sys.executable, "-c", "from rlfuse.kernels.triton.common import compile_worker; compile_worker()"]
+    return [sys.executable, "-c", "from rlfuse.kernels.triton_common import compile_worker; compile_worker()"]
 
 
 def new_compiles(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:

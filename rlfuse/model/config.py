@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama, Qwen2, Qwen3).
+"""Model configuration read from a Hugging Face `config.json` (the families `rlfuse.model.arch` registers).
 
 `ModelConfig.from_hf(dict_or_path)` validates and normalizes; `to_hf()` writes a dict
 that `transformers.AutoConfig` reads back. Unknown architectures and malformed fields
@@ -19,7 +19,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from rlfuse.kernels.attention import supports_head_dim
+from rlfuse.kernels.attention.varlen import supports_head_dim
+from rlfuse.model.arch import ARCHS
 
 log = logging.getLogger(__name__)
 
@@ -32,28 +33,13 @@ def read_json(path: Path) -> Any:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
-ARCHITECTURES = {
-    # model_type -> (HF architecture class name, qkv bias default, qk-norm)
-    "llama": ("LlamaForCausalLM", False, False),
-    "qwen2": ("Qwen2ForCausalLM", True, False),
-    "qwen3": ("Qwen3ForCausalLM", False, True),
-}
-# What each HF class builds whatever its config.json says (transformers has no switch for it):
-# Qwen3 always has the per-head q/k norms, Llama and Qwen2 never; Qwen2 always has q/k/v
-# biases; Qwen2 and Qwen3 never an MLP bias. Another value would save a folder that neither
-# our loader nor transformers reads back, so ModelConfig refuses it.
-_FIXED = {
-    "llama": {"qk_norm": False},
-    "qwen2": {"qk_norm": False, "attention_bias": True, "mlp_bias": False},
-    "qwen3": {"qk_norm": True, "mlp_bias": False},
-}
-_ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()}
+_ARCH_TO_TYPE = {s.hf_class: k for k, s in ARCHS.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     model_type: str
-    """One of "llama", "qwen2", "qwen3"."""
+    """An HF model_type registered in `rlfuse.model.arch` (docs/models.md lists them)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -82,13 +68,13 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
 
     def __post_init__(self):
-        if self.model_type not in ARCHITECTURES:
-            raise ValueError(f"model_type {self.model_type!r} is not supported (expected one of {sorted(ARCHITECTURES)})")
-        _, bias_default, qk_norm = ARCHITECTURES[self.model_type]
-        for f, default in (("attention_bias", bias_default), ("qk_norm", qk_norm)):
+        if self.model_type not in ARCHS:
+            raise ValueError(f"model_type {self.model_type!r} is not supported (expected one of {sorted(ARCHS)})")
+        spec = ARCHS[self.model_type]
+        for f in ("attention_bias", "qk_norm"):
             if getattr(self, f) is None:
-                object.__setattr__(self, f, default)
-        for f, fixed in _FIXED[self.model_type].items():
+                object.__setattr__(self, f, spec.fixed.get(f, spec.defaults.get(f, False)))
+        for f, fixed in spec.fixed.items():
             v = getattr(self, f)
             if not isinstance(v, bool):
                 raise ValueError(f"config field {f!r} must be true or false, got {v!r}")
@@ -117,7 +103,7 @@ class ModelConfig:
 
     @property
     def architecture(self) -> str:
-        return ARCHITECTURES[self.model_type][0]
+        return ARCHS[self.model_type].hf_class
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -164,12 +150,11 @@ class ModelConfig:
             "torch_dtype": self.torch_dtype,
             "dtype": self.torch_dtype,
         }
-        if self.model_type != "qwen2":
-            d["attention_bias"] = self.attention_bias
-        if self.model_type == "llama":
-            d["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("qwen2", "qwen3"):
-            d["use_sliding_window"] = False
+        spec = ARCHS[self.model_type]
+        for f in ("attention_bias", "mlp_bias"):  # the switches the HF class reads from its config
+            if f not in spec.fixed:
+                d[f] = getattr(self, f)
+        d.update(spec.hf_extra)
         return d
 
 
@@ -209,9 +194,10 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports {sorted(ARCHITECTURES)} "
+    if model_type not in ARCHS:
+        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports {sorted(ARCHS)} "
                          f"(architectures {sorted(_ARCH_TO_TYPE)})")
+    fixed = ARCHS[model_type].fixed
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: field 'use_sliding_window' is true; sliding-window attention is not supported")
     n_heads = _number(d, "num_attention_heads", where, integer=True)
@@ -263,8 +249,9 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         rope_scaling=None if rope_type == "default" else scaling,
         max_position_embeddings=_number(d, "max_position_embeddings", where, 4096, integer=True),
         tie_word_embeddings=_flag(d, "tie_word_embeddings", where, False),
-        attention_bias=None if model_type == "qwen2" else _flag(d, "attention_bias", where, False),
-        mlp_bias=_flag(d, "mlp_bias", where, False) if model_type == "llama" else False,  # as HF reads it
+        # a switch the HF class hard-codes is not read from config.json (as transformers reads it)
+        attention_bias=None if "attention_bias" in fixed else _flag(d, "attention_bias", where, False),
+        mlp_bias=fixed["mlp_bias"] if "mlp_bias" in fixed else _flag(d, "mlp_bias", where, False),
         hidden_act=d.get("hidden_act", "silu"),
         bos_token_id=d.get("bos_token_id"),
         eos_token_id=d.get("eos_token_id"),

@@ -27,11 +27,11 @@ Rules.
     that moves or replaces them (`.to()`, `float()`, `attach_lora`, sharding) the layer
     runs its separate projections again, with a warning: slower, never wrong.
 
-Numerics. Exact: an element's K order depends on K alone (`rlfuse.kernels.linear`), so
+Numerics. Exact: an element's K order depends on K alone (`rlfuse.kernels.linear.gemm`), so
 each slice of the fused output equals the separate projection bitwise and rollout
 log-probs still equal the trainer's (which runs the same fused forward). Fast: cuBLAS
 picks its algorithm from N too, so the bits may move within bf16 rounding.
-Gradients (`rlfuse.kernels.linear.linear_fused`): each part gets its rows of dW and db;
+Gradients (`rlfuse.kernels.linear.gemm.linear_fused`): each part gets its rows of dW and db;
 dx is one GEMM over the fused N, equal to the separate sum up to rounding.
 Test: python -m pytest -q tests/test_fuse.py
 """
@@ -45,8 +45,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from rlfuse.kernels.linear import linear_fused
-from rlfuse.model.transformer import Attention, CausalLM, Linear, MLP
+from rlfuse.kernels.linear.gemm import linear_fused
+from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.layers import MLP, Attention, Linear
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ embeddings, norms, LM head) gets requires_grad False: it stays in its dtype, and
 gradient, optimizer state or fp32 master copy is ever made for it. Only A and B train.
 
 The engine calls `model.forward` like the trainer, so rollouts run the same
-`rlfuse.kernels.lora.lora_linear` (prefill, eager decode, and CUDA graphs, which read A
+`rlfuse.kernels.linear.lora.lora_linear` (prefill, eager decode, and CUDA graphs, which read A
 and B at replay: an optimizer step's in-place update is seen by the next replay). In
 exact numerics rollout log-probs equal the trainer's bitwise with adapters on as without.
 
@@ -41,9 +41,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlfuse.kernels.linear import linear
-from rlfuse.kernels.lora import lora_linear
-from rlfuse.model.transformer import CausalLM, Linear
+from rlfuse.kernels.linear.gemm import linear
+from rlfuse.kernels.linear.lora import lora_linear
+from rlfuse.model.causal_lm import CausalLM
+from rlfuse.model.layers import Linear
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +116,7 @@ class LoRAConfig:
 
 class LoRALinear(Linear):
     """A target projection with its adapter: y = x W^T + b + s (x A^T) B^T through
-    `rlfuse.kernels.lora.lora_linear`. `weight` and `bias` are the base projection's own
+    `rlfuse.kernels.linear.lora.lora_linear`. `weight` and `bias` are the base projection's own
     tensors (same state-dict names); `lora_A`, `lora_B` are the adapter, `cfg` the
     LoRAConfig it was attached with."""
 
@@ -208,6 +209,13 @@ class BaseModelView:
     @property
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.lm_head_weight
+
+    @property
+    def kernels(self):
+        return self.model.kernels
+
+    def token_logprobs(self, *args, **kwargs):
+        return self.model.token_logprobs(*args, **kwargs)  # the LM head carries no adapter
 
     @property
     def training(self) -> bool:

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import read_json
 from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
-from rlfuse.model.transformer import CausalLM
 from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ loads 1:1 (`load_scalar_head_model`). Two readouts of the head:
     in EOS with EOS == pad is therefore scored at the token before the EOS, as in HF.
 
 Shape legend: T packed tokens, B sequences, N rows, D hidden, L num_labels.
-Test: python -m pytest -q tests/test_scalar_head.py
+Test: python -m pytest -q tests/test_reward_model.py
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.kernels.backend import use_settings
+from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.transformer import CausalLM, Linear, Packed
+from rlfuse.model.layers import Linear, Packed
 from rlfuse.model.weights import hf_parameters, load_state_dict_from_files, parse_dtype
 
 log = logging.getLogger(__name__)
@@ -51,14 +53,16 @@ class ScalarHeadModel(CausalLM):
         """(N, D) hidden rows -> (N,) fp32 scalars (num_labels must be 1)."""
         if self.num_labels != 1:
             raise ValueError(f"token_values needs a single-output head, this one has num_labels={self.num_labels}")
-        return self.score(hidden_ND).float().squeeze(-1)
+        with use_settings(self.kernels):
+            return self.score(hidden_ND).float().squeeze(-1)
 
     def sequence_scores(self, input_ids_T: torch.Tensor, attn: Packed) -> torch.Tensor:
         """Packed sequences -> (B, num_labels) fp32 head outputs at each one's last non-pad token."""
         _, positions_T = _packed_index(attn.cu_seqlens, input_ids_T.shape[0])
         h_TD = self.forward(input_ids_T, positions_T, attn)
         rows = last_non_pad_rows(input_ids_T, attn.cu_seqlens, self.config.pad_token_id)
-        return self.score(h_TD[rows]).float()
+        with use_settings(self.kernels):
+            return self.score(h_TD[rows]).float()
 
     @torch.no_grad()
     def init_head_(self, std: float = 0.0, generator: torch.Generator | None = None) -> None:
@@ -81,6 +85,7 @@ class ScalarHeadModel(CausalLM):
                 assert name == src_name, (name, src_name)
                 p.copy_(q)
         out.init_head_()
+        out.kernels = lm.kernels
         return out
 
 

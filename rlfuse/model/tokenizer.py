@@ -128,7 +128,7 @@ class Tokenizer:
             raise ValueError(f"{folder}: no tokenizer.json (only `tokenizers` JSON files are supported)")
         try:
             backend = Backend.from_file(str(tj))
-        except Exception as e:  # tokenizers raises a bare Exception on parse errors
+        except Exception as e:  # noqa: BLE001 -- tokenizers raises a bare Exception on parse errors
             raise ValueError(f"{tj}: not a valid tokenizers file ({e})") from None
         cfg_path = folder / "tokenizer_config.json"
         cfg = _read_json(cfg_path) if cfg_path.exists() else {}

@@ -15,14 +15,16 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from rlfuse.model.arch import ARCHS
+from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
 
@@ -93,9 +95,15 @@ def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
     return [(n, p) for n, p in model.named_parameters() if n not in skip]
 
 
+def checkpoint_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """Our parameter name -> the checkpoint's, by the model's architecture (`ArchSpec.checkpoint_name`)."""
+    return ARCHS[model.config.model_type].checkpoint_name
+
+
 @torch.no_grad()
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
-    params = dict(hf_parameters(model))
+    name = checkpoint_names(model)
+    params = {name(n): p for n, p in hf_parameters(model)}
     files = _weight_files(folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
@@ -131,6 +139,8 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     folder = Path(folder)
     with atomic_folder(folder) as tmp:
         named = hf_parameters(model) if tensors is None else list(tensors.items())
+        name = checkpoint_names(model)
+        named = [(name(n), x) for n, x in named]
         _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
         cfg = model.config.to_hf()
         out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype

@@ -24,7 +24,7 @@ from pathlib import Path
 from rlfuse.data import PromptStream, SFTExample, build_prompts
 from rlfuse.rollout import ToolCall, evaluate, format_tool_call
 from rlfuse.run.config import RunConfig, load_config, replace
-from rlfuse.train import SFTTrainer, make_optimizer, open_session, run_grpo
+from rlfuse.train import SFTStep, make_optimizer, open_session, run_grpo
 
 # max SFT steps, GRPO steps, prompts per step, group size, held-out problems
 # (gpu: the cpu schedule on a CUDA device, the same tiny fp32 model: numbers comparable)
@@ -77,7 +77,7 @@ def tool_transcripts(rows, renderer, *, with_tool: bool = True) -> list[SFTExamp
 
 def _sft(ses, cfg: RunConfig, examples, steps: int, stop=None) -> int:
     """SFT on `examples` for up to `steps` optimizer steps; `stop(step)` ends it early."""
-    trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples, seed=cfg.data.seed))
+    trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(examples, seed=cfg.data.seed))
     for step in range(steps):
         trainer.train_step(trainer.stream.take(cfg.sft.batch_size), step)
         if stop is not None and stop(step + 1):

@@ -2,15 +2,15 @@
 reward models, and held-out evaluation. Multi-turn episodes (environments, tools, the
 sandbox, chat rendering) live here too."""
 
-from rlfuse.rollout.chat import ChatRenderer, TemplateError, char_chat_tokenizer
-from rlfuse.rollout.env import Environment, Step, ToolEnv, ToolRunner, Turn
+from rlfuse.rollout.agent.chat import ChatRenderer, TemplateError, char_chat_tokenizer
+from rlfuse.rollout.agent.env import Environment, Step, ToolEnv, ToolRunner, Turn
+from rlfuse.rollout.agent.multi_turn import Episode, run_episodes
+from rlfuse.rollout.agent.tool_calls import ToolCall, format_tool_call
+from rlfuse.rollout.agent.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
 from rlfuse.rollout.evaluate import evaluate, score_samples
 from rlfuse.rollout.exactness import multi_turn_setting
-from rlfuse.rollout.multi_turn import Episode, run_episodes
 from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
 from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler
-from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
-from rlfuse.rollout.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
 
 __all__ = ["PYTHON_REWARD", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
            "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",

@@ -24,9 +24,9 @@ from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.engine import LLM, EngineConfig
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.rollout.chat import ChatRenderer
-from rlfuse.rollout.env import Step
-from rlfuse.rollout.multi_turn import Episode, run_episodes
+from rlfuse.rollout.agent.chat import ChatRenderer
+from rlfuse.rollout.agent.env import Step
+from rlfuse.rollout.agent.multi_turn import Episode, run_episodes
 from rlfuse.run.config import RolloutConfig
 
 _WORDS = ("408", "error: try again", "the tool says 17 and 25", "ok")

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.model import Packed
 from rlfuse.model.scalar_head import load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.model.transformer import Packed
 from rlfuse.run import pack_by_tokens
 
 log = logging.getLogger(__name__)

@@ -50,10 +50,10 @@ from typing import Callable
 
 from rlfuse.data import INT_RE, extract_answer, verify_arithmetic, verify_countdown
 from rlfuse.rollout.reward_model import RewardModelReward
-from rlfuse.run import load_function
 from rlfuse.rollout.reward_worker import RewardImportError, RewardTimeout, WorkerReward
-from rlfuse.utils.user_code import check_kwargs as check_user_kwargs
+from rlfuse.run import load_function
 from rlfuse.run.config import ON_REWARD_ERROR, RewardSpec
+from rlfuse.utils.user_code import check_kwargs as check_user_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -259,7 +259,7 @@ class RewardSet:
             raw = fn(prompts, completions, **columns)
         except (RewardError, RewardImportError):
             raise
-        except Exception:  # user code (or its timeout): find the failing example(s)
+        except Exception:  # noqa: BLE001 -- user code (or its timeout): find the failing example(s)
             out = []
             for i in range(n):
                 cols_i = {k: v[i:i + 1] for k, v in columns.items()}
@@ -270,7 +270,7 @@ class RewardSet:
                 except RewardTimeout as e:
                     out.append(self._fail(name, i, str(e), prompts, completions, e))
                     continue
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 -- user code: counted and reported for this example, the run goes on
                     out.append(self._fail(name, i, f"raised {type(e).__name__}: {e}", prompts, completions, e))
                     continue
                 out += self._finite(name, self._check(name, raw_i, 1, i), list(raw_i), prompts, completions, i)

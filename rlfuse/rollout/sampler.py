@@ -5,12 +5,12 @@ The trainer reaches `rlfuse.engine` only through `EngineSampler` (its public API
 three methods (`Sampler` protocol) can stand in, e.g. a test's tiny sampler.
 
 A Sample's `logprobs` are the engine's log p(token) under softmax(logits / T) before
-top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.logprob.token_logprobs` -- exactly the
+top-k/top-p filtering, T = `rlfuse.engine.config.logprob_temperature(temperature)`, from `rlfuse.kernels.loss.logprob.token_logprobs` -- exactly the
 quantity the trainer recomputes, so they serve as the PPO "old" log-probs.
 Order: prompt-major, `n` samples per prompt (sample k of prompt i at i * n + k).
 
 `MultiTurnSampler` adds `episodes(prompts, ...)`: multi-turn episodes with the recipe's
-tools or environment (rlfuse.rollout.multi_turn), as Samples whose `token_ids` hold the
+tools or environment (rlfuse.rollout.agent.multi_turn), as Samples whose `token_ids` hold the
 model turns and the observations, `loss_mask` telling them apart, and `prompt_ids` the
 episode's own prompt (rendered with the tools' schemas).
 """
@@ -23,10 +23,10 @@ from typing import Protocol
 import torch
 
 from rlfuse.engine import SamplingParams
-from rlfuse.rollout.chat import ChatRenderer
-from rlfuse.rollout.env import ToolEnv, ToolRunner
-from rlfuse.rollout.multi_turn import run_episodes
-from rlfuse.rollout.tools import load_tools
+from rlfuse.rollout.agent.chat import ChatRenderer
+from rlfuse.rollout.agent.env import ToolEnv, ToolRunner
+from rlfuse.rollout.agent.multi_turn import run_episodes
+from rlfuse.rollout.agent.tools import load_tools
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
 

@@ -4,8 +4,17 @@ and the distributed plumbing. `rlfuse.run.report` (plots; imports matplotlib) is
 by module where a report is written."""
 
 from rlfuse.run.batching import PackedBatch, pack_by_tokens, shared_contexts
-from rlfuse.run.build import (apply_lora, build_engine, build_model, build_tokenizer, char_tokenizer,
-                              check_model_folder, check_vocab, pick_device, seed_everything)
+from rlfuse.run.build import (
+                              apply_lora,
+                              build_engine,
+                              build_model,
+                              build_tokenizer,
+                              char_tokenizer,
+                              check_model_folder,
+                              check_vocab,
+                              pick_device,
+                              seed_everything,
+)
 from rlfuse.run.checkpoint import export_model, list_checkpoints, merged_folder, save_checkpoint, save_final
 from rlfuse.run.folder import RunLock, clear_run, make_folder, prepare_run_folder, remove_path
 from rlfuse.run.interrupt import Interrupted, stop_agreed, stop_on_signals

@@ -2,7 +2,7 @@
 training forward needs.
 
 `pack_by_tokens(lengths, budget, shared=None)` (defined beside `Packed` in
-rlfuse.model.transformer, where the consistency check uses it too): greedy in the given
+rlfuse.model.layers.packed, where the consistency check uses it too): greedy in the given
 order; a micro-batch takes sequences while its token count stays <= budget; a longer
 sequence goes alone; `shared` (from `shared_contexts`) discounts a shared prompt.
 
@@ -15,7 +15,7 @@ Shared prompts (`share_min=n > 0`, GRPO's `grpo.share_prefix`): consecutive sequ
 whose contexts are the same n or more token ids (a GRPO group: one prompt, G completions)
 pack as [context, completion_1, ..., completion_G], the context once. Completion g's positions
 continue from n_ctx and its attention reads the context's keys first
-(`rlfuse.kernels.attention.SharedPrefix`); its first target is predicted from the
+(`rlfuse.kernels.attention.varlen.SharedPrefix`); its first target is predicted from the
 context's last row, the others from its own rows. The targets, seq_ids and their order are
 those of the unshared batch, and so, in exact numerics, are the log-probs, bit for bit
 (tests/test_prefix_sharing.py); the gradients agree to rounding (docs/numerics.md).
@@ -27,8 +27,10 @@ import dataclasses
 
 import torch
 
-from rlfuse.model import Packed
-from rlfuse.model.transformer import pack_by_tokens  # noqa: F401 (the trainers' import path)
+from rlfuse.model import (
+    Packed,
+    pack_by_tokens,  # noqa: F401 (the trainers' import path)
+)
 
 
 def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:

@@ -77,7 +77,7 @@ def char_tokenizer(alphabet: str, *, control: tuple[str, ...] = (), phrases: tup
     """A character-level tokenizer built in memory: ids 0..2 = <pad>, <eos>, <unk>, then
     one id per character of `alphabet` (sorted, deduplicated), then the `control` tokens
     (special: a chat template's markers) and the `phrases` (one id per fixed string, e.g.
-    the tool-call scaffolding of rlfuse.rollout.chat.char_chat_tokenizer)."""
+    the tool-call scaffolding of rlfuse.rollout.agent.chat.char_chat_tokenizer)."""
     vocab = {t: i for i, t in enumerate(CHAR_SPECIALS)}
     for c in sorted(set(alphabet)):
         vocab.setdefault(c, len(vocab))

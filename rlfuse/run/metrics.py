@@ -82,7 +82,7 @@ def to_floats(metrics: dict) -> dict:
             by_dev.setdefault(v.device, []).append(k)
         else:
             out[k] = float(v)
-    for dev, keys in by_dev.items():
+    for keys in by_dev.values():
         vals = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).cpu().tolist()
         out.update(zip(keys, vals))
     return {k: (out[k] if math.isfinite(out[k]) else None) for k in metrics}

@@ -221,7 +221,7 @@ def _load_one_process_into_sharded(path: Path, model, optimizer) -> None:
     for i, ((n, p), (n0, p0)) in enumerate(zip(model.named_parameters(), plain.named_parameters())):
         assert n == n0, (n, n0)
 
-        def shard(full: torch.Tensor) -> torch.Tensor:
+        def shard(full: torch.Tensor, p=p) -> torch.Tensor:  # p bound: this iteration's parameter
             return distribute_tensor(full.float().to(p.device), p.device_mesh, p.placements)
 
         p.to_local().copy_(shard(sd["master"][i] if sd["master"][i] is not None else p0).to_local())

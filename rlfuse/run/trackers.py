@@ -107,7 +107,7 @@ class Trackers:
                 getattr(t, fn_name)(*args)
             # any error of a third-party logging client (network, auth, disk, its own bugs):
             # training must not die for it; the warning names it and the tracker goes off
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- a tracker's failure (any library error) turns that tracker off, never the run
                 log.warning("%s: %s failed (%s: %s); %s logging is off for the rest of this run "
                             "(metrics.jsonl has every row)", t.name, what, type(e).__name__, e, t.name)
                 self.trackers.remove(t)
@@ -137,7 +137,7 @@ class Trackers:
             try:
                 self.log_images(sorted(render(run_dir).parent.glob("*.png")))
             # the report reads the run's files back; a failure there must not fail the run
-            except Exception as e:
+            except Exception as e:  # noqa: BLE001 -- a tracker's failure (any library error) turns that tracker off, never the run
                 log.warning("trackers: could not render the report's plots (%s: %s); the metrics are logged "
                             "(rlfuse report %s renders them)", type(e).__name__, e, run_dir)
         self.close()
@@ -163,7 +163,7 @@ def open_trackers(cfg: RunConfig, run_dir: str | Path, run_name: str) -> Tracker
             log.warning("logging.%s is set but %s is not installed (%s): pip install 'rlfuse[%s]'; training "
                         "goes on without it", cls.name, cls.name, e, cls.name)
         # a tracker that cannot start (network, credentials, a bad tracking_uri) must not stop training
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 -- a tracker's failure (any library error) turns that tracker off, never the run
             log.warning("logging.%s: could not start a %s run (%s: %s); training goes on without it "
                         "(metrics.jsonl has every row)", cls.name, cls.name, type(e).__name__, e)
         else:

@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rlfuse.engine import SamplingParams
 
+
 class APIError(Exception):
     """An error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 

@@ -6,6 +6,6 @@ from rlfuse.train.grpo import run_grpo
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.ppo import run_ppo
 from rlfuse.train.session import Session, open_session
-from rlfuse.train.sft import SFTTrainer, run_sft
+from rlfuse.train.sft import SFTStep, run_sft
 
-__all__ = ["SFTTrainer", "Session", "make_optimizer", "open_session", "run_dpo", "run_grpo", "run_ppo", "run_sft"]
+__all__ = ["SFTStep", "Session", "make_optimizer", "open_session", "run_dpo", "run_grpo", "run_ppo", "run_sft"]

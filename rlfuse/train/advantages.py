@@ -21,7 +21,7 @@ reinforce_pp_baseline: the same with r_ij - mean_j r_ij (the group mean subtract
     reasoning tasks with several samples per prompt).
 `zero_variance_groups` marks groups whose rewards are all equal (DAPO dynamic sampling
 drops them: for group and rloo their advantages are 0 and they only dilute the batch).
-The losses these advantages feed are in `rlfuse.kernels.policy_loss`.
+The losses these advantages feed are in `rlfuse.kernels.loss.policy`.
 Test: python -m pytest -q tests/test_grpo_algorithms.py tests/test_estimators.py
 """
 

@@ -25,7 +25,7 @@ reference weights are kept. `live` keeps a frozen reference model and evaluates 
 each micro-batch. The reference is the policy at the start of the run (a resumed run
 starts from the recipe's weights too, so the cache is the same) or `dpo.ref_path`; with
 model.lora, the base model (the policy with its adapters off: no copy).
-`DPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`DPOStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse dpo RECIPE.yaml   Test: python -m pytest -q tests/test_dpo.py
 """
 
@@ -38,13 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import load_model
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
-from rlfuse.train.loop import reference_model
-from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
+from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.session import Session, open_session
 
 log = logging.getLogger(__name__)
@@ -96,7 +95,7 @@ def pair_metrics(lp_P2: torch.Tensor) -> dict:
             "logps/chosen": float(lp_P2[:, 0].mean()), "logps/rejected": float(lp_P2[:, 1].mean())}
 
 
-class DPOTrainer(StreamAndGuardState):
+class DPOStep(StreamAndGuardState):
     """The DPO step over batches of `pairs` (a `rlfuse.train.loop.Trainer`)."""
 
     stage = "dpo"
@@ -183,7 +182,7 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
         if ref_model.config.vocab_size != ses.model.config.vocab_size:
             raise ValueError(f"dpo.ref_path: the reference's vocabulary ({ref_model.config.vocab_size}) differs "
                              f"from the policy's ({ses.model.config.vocab_size})")
-    trainer = DPOTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model)
+    trainer = DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model)
     d = cfg.dpo
     # held-out pairs, when the eval rows are preference rows: the policy's own pair metrics
     # at the start and the end (the reference-relative h is 0 at the start by definition)

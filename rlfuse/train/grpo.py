@@ -6,14 +6,15 @@ One step:
   2. score     : reward functions -> total reward r (P*G,), advantages by the estimator
                  `grpo.advantage` (rlfuse.train.advantages); optional dynamic sampling
                  drops zero-variance groups; optional masking of truncated completions.
-  3. train     : mu passes over the batch, each split into `mini_batches` optimizer
+  3. train     : (rlfuse.train.grpo_update) mu passes over the batch, each split into `mini_batches` optimizer
                  steps; each optimizer step packs its sequences into micro-batches of at
                  most `micro_batch_tokens` tokens and accumulates gradients of the policy
-                 loss (rlfuse.kernels.policy_loss: reference, Triton path, backend choice), each
+                 loss (rlfuse.kernels.loss.policy: reference, Triton path, backend choice), each
                  micro-batch weighted by its share of the full batch's normalizer, so the
                  accumulated gradient equals that of the loss on the whole mini-batch.
-                 Old log-probs = the engine's; the first forward (before any update)
-                 recomputes them, and the difference is logged (rlfuse.consistency).
+                 Old log-probs = the engine's, or the trainer's own no-grad forward
+                 where an off-policy correction needs them; the trainer-vs-rollout
+                 difference is logged (rlfuse.consistency).
   With kl_coef > 0 a frozen reference copy gives ref log-probs for the KL term (with LoRA:
   the model itself with its adapters off, no copy).
 The optimizer writes into the same parameter tensors, so the next generate uses them.
@@ -33,40 +34,17 @@ import math
 
 import torch
 
-from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
-from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.backend import triton_compiles, use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
-from rlfuse.run import (
-    MasterAdamW,
-    NonFiniteGuard,
-    PackedBatch,
-    PhaseTimer,
-    clip_grad_norm_,
-    lr_at,
-    pack_by_tokens,
-    peak_memory_mb,
-    shared_contexts,
-)
+from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import (
-    DistContext,
-    full_copy,
-    local_micro_batches,
-    reduce_metrics,
-    reduce_mismatch,
-    rollout_on_ranks,
-)
+from rlfuse.run.distributed import DistContext, full_copy, rollout_on_ranks
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
+from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
-from rlfuse.train.off_policy import off_policy_corrections, recompute_old_logprobs
-from rlfuse.train.session import Session, open_session
-from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
+from rlfuse.train.session import Session, kernel_settings, open_session
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +54,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-class GRPOTrainer(StreamAndGuardState):
+class GRPOStep(StreamAndGuardState):
     """The GRPO step and its state (a `rlfuse.train.loop.Trainer`, which `run_loop` runs):
     rollouts of `stream`'s prompts from `sampler`, scored by `rewards`, trained into `model`."""
 
@@ -86,7 +64,6 @@ class GRPOTrainer(StreamAndGuardState):
                  optimizer: MasterAdamW, ref_model=None, dist: DistContext | None = None):
         self.cfg, self.g = cfg, cfg.grpo
         self.dist = dist
-        self._owner = None  # data-parallel: global sample index -> the rank that generated it
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
@@ -99,31 +76,17 @@ class GRPOTrainer(StreamAndGuardState):
         self.ref_model = ref_model if self.g.kl_coef > 0 else None
         if self.ref_model is not None:
             self.ref_model.requires_grad_(False).eval()
-        # REINFORCE++ folds the KL into its returns (`_advantages`); the others add it to the loss
-        self.kl_in_loss = self.ref_model is not None and self.g.advantage not in KL_IN_REWARD
-        self.opt_steps_total = self.g.steps * self.g.mu * self.g.mini_batches
-        # the temperature of the rollout's log-probs, which the policy, old and reference
-        # log-probs must share for the ratios and the KL to compare like with like
-        self.logprob_t = logprob_temperature(self.g.temperature)
-        # the old policy is always the engine's rollout log-probs (no recompute forward); in
-        # exact numerics they equal this trainer's first-iteration log-probs bitwise
-        self.numerics = cfg.engine.numerics
-        g = self.g
-        self.recompute_old = recompute_old_logprobs(g, self.numerics)
+        kernel_settings(cfg, model, self.ref_model)
         # multi-turn episodes (rollout.tools / rollout.env): samples carry a loss mask over the
         # model's tokens and their own prompt ids; observation tokens are context only
         self.multi_turn = cfg.rollout.multi_turn
         if self.multi_turn and not hasattr(sampler, "episodes"):
             raise ValueError("rollout.tools / rollout.env need a multi-turn sampler (the session builds one); "
                              f"got {type(sampler).__name__}")
-        self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
-        # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
-        self.share_min = self.g.share_prefix_min_tokens if self.g.share_prefix else 0
-        self.streamer = StreamStep(self) if g.overlap == "stream" else None
+        # the update (grpo_update.py): gradient accumulation, log-prob and mismatch helpers, the optimizer step
+        self.update = GRPOUpdate(cfg, model, optimizer, self.guard, ref_model=self.ref_model, dist=dist)
+        self.streamer = StreamStep(self) if self.g.overlap == "stream" else None
         self.last_samples: list[dict] = []
-        # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
-        self._warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
-                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -139,7 +102,7 @@ class GRPOTrainer(StreamAndGuardState):
         elif self.dist is None:
             samples, total, per, errors = self._rollout(prompts, step, timer)
         else:
-            samples, total, per, errors, self._owner = rollout_on_ranks(
+            samples, total, per, errors, self.update.owner = rollout_on_ranks(
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
@@ -166,7 +129,7 @@ class GRPOTrainer(StreamAndGuardState):
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
-            m.update(trained if trained is not None else self._train(prompts, samples, adv, kept_groups, step))
+            m.update(trained if trained is not None else self.update.train(prompts, samples, adv, kept_groups, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()
         t = timer.times
         n_gen = sum(lens)
@@ -200,33 +163,8 @@ class GRPOTrainer(StreamAndGuardState):
             total, per = score_samples(prompts, samples, self.rewards, g.group_size)
         return samples, total, per, dict(self.rewards.error_counts)
 
-    @staticmethod
-    def _prompt_ids(prompts: list[Prompt], s: Sample) -> list[int]:
-        return s.prompt_ids if s.prompt_ids is not None else prompts[s.prompt_index].ids
-
-    @staticmethod
-    def _loss_mask(s: Sample) -> torch.Tensor:
-        """(len(token_ids),) fp32: 1 on the model's tokens (all of a single-turn completion)."""
-        return s.loss_mask if s.loss_mask is not None else torch.ones(len(s.token_ids))
-
     def _transcript(self, s: Sample) -> str:
         return self.sampler.renderer.tok.decode(s.token_ids, skip_special_tokens=False)
-
-    def _sequences(self, prompts: list[Prompt], samples: list[Sample], seq_idx: list[int]) -> list[tuple]:
-        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
-        ctx = [self._prompt_ids(prompts, samples[j]) for j in seq_idx]
-        return [(c + samples[j].token_ids, len(c)) for c, j in zip(ctx, seq_idx)]
-
-    def _micro_batches(self, seq_idx: list[int], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
-        """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
-        data-parallel, this rank's sequences, padded with zero-weight micro-batches.
-        A shared prompt (grpo.share_prefix) counts once against the token budget."""
-        lengths = [len(ids) for ids, _ in seqs]
-        shared = shared_contexts(seqs, self.share_min)
-        if self.dist is None:
-            return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
-        owned = [i for i, j in enumerate(seq_idx) if self._owner(j) == self.dist.rank]
-        return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned, shared)
 
     def _advantages(self, prompts: list[Prompt], samples: list[Sample], r: torch.Tensor) -> list[torch.Tensor]:
         """Per-token advantages of every sample (CPU fp32) by `grpo.advantage`; REINFORCE++
@@ -235,189 +173,11 @@ class GRPOTrainer(StreamAndGuardState):
         g = self.g
         kl_N = None
         if g.advantage in KL_IN_REWARD and self.ref_model is not None:
-            ref = self._trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
-            kl_N = torch.cat([(samples[j].logprobs - ref[j].float().cpu()) * self._loss_mask(samples[j])
+            ref = self.update.trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
+            kl_N = torch.cat([(samples[j].logprobs - ref[j].float().cpu()) * GRPOUpdate.loss_mask(samples[j])
                               for j in range(len(samples))])
         return token_advantages(g.advantage, r, [len(s.token_ids) for s in samples], g.group_size,
                                 adv_scale=g.adv_scale, eps=g.adv_eps, kl_N=kl_N, kl_coef=g.kl_coef)
-
-    # ------------------------------------------------------------------ the update
-    def _train(self, prompts: list[Prompt], samples: list[Sample], adv: list[torch.Tensor], kept_groups: list[int],
-               step: int) -> dict:
-        g = self.g
-        G = g.group_size
-        if not kept_groups:
-            log.info("step %d: every group has zero reward variance; no update", step)
-            return {"_train_tokens": 0.0, "skipped_update": 1.0}
-        seqs = [j for i in kept_groups for j in range(i * G, (i + 1) * G)]
-        warmup, self._warm = self._warm, None  # the first update: the warm-up's result, what it compiles
-        warm = warmup.wait() if warmup is not None else {}
-        compiled_before = triton_compiles() if warmup is not None and self.device.type == "cuda" else None
-        check = self.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
-        old: dict[int, torch.Tensor] | None = None
-        extra: dict = {}
-        if self.recompute_old or check:
-            old = self._trainer_logprobs(prompts, samples, seqs)
-            extra = self._full_mismatch(samples, seqs, old, check, step)
-            if not self.recompute_old:
-                old = None  # a check only: the old policy stays the rollout's
-        # mini-batches: kept groups split evenly, in order
-        nmb = min(g.mini_batches, len(kept_groups))
-        bounds = [round(k * len(kept_groups) / nmb) for k in range(nmb + 1)]
-        minis = [seqs[bounds[k] * G:bounds[k + 1] * G] for k in range(nmb)]
-        acc: dict[str, list] = {}
-        n_trained = 0
-        first_logp, first_old, first_mask = [], [], []
-        for it in range(g.mu):
-            for k, mini in enumerate(minis):
-                stats = self._optimizer_step(prompts, samples, adv, mini, step * g.mu * nmb + it * nmb + k, old,
-                                             capture=(first_logp, first_old, first_mask) if it == 0 and k == 0 else None)
-                n_trained += stats.pop("_tokens")
-                for key, v in stats.items():
-                    acc.setdefault(key, []).append(v)
-        if compiled_before is not None:
-            extra = {**extra, **warm, **compile_left(compiled_before)}
-        return self._train_metrics(acc, (first_logp, first_old, first_mask), extra, n_trained)
-
-    def _full_mismatch(self, samples, seqs: list[int], old: dict, check: bool, step: int) -> dict:
-        """mismatch/full_* of the trainer's log-probs `old` against the rollout's (an error
-        logged if exact numerics disagree on a checked step)."""
-        mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
-        full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
-                                torch.cat([self._loss_mask(samples[j]).to(self.device) for j in mine]
-                                          or [torch.zeros(0, device=self.device)]))
-        if self.dist is not None:
-            full = reduce_mismatch(self.dist, full)
-        if check and float(full["max_abs"]) != 0.0:  # host sync: once per checked step
-            log.error("step %d: exact numerics, yet the trainer's log-probs differ from the rollout's "
-                      "(max |d| %.3g): run `rlfuse check` on this model", step, float(full["max_abs"]))
-        return {f"mismatch/full_{k}": v for k, v in full.items()}
-
-    def _train_metrics(self, acc: dict[str, list], capture, extra: dict, n_trained: int) -> dict:
-        """The step's training metrics: optimizer-step means of `acc`, the mismatch of the
-        first optimizer step's captured (log-probs, old, mask), `extra`."""
-        out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
-               for key, v in acc.items()}
-        if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
-            out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
-        empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
-        mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
-        if self.dist is not None:
-            mm = reduce_mismatch(self.dist, mm)
-        out.update({f"mismatch/{key}": v for key, v in mm.items()})
-        out.update(extra)
-        out["_train_tokens"] = float(n_trained)
-        return out
-
-    def _optimizer_step(self, prompts, samples, adv, seq_idx: list[int], opt_step: int, old=None,
-                        capture=None) -> dict:
-        sums, n_tok = self.accumulate_gradients(prompts, samples, adv, seq_idx, capture, old=old)
-        return self.apply_update(sums, n_tok, opt_step)
-
-    def apply_update(self, sums: dict, n_tok: int, opt_step: int) -> dict:
-        """Clip the accumulated gradients and take optimizer step `opt_step` (skipped by the
-        non-finite guard); the step's statistics."""
-        o = self.cfg.optim
-        grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
-        lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
-                   schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
-        self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm,
-                        where=f"grpo optimizer step {opt_step + 1}")
-        self.optimizer.zero_grad()
-        return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok}
-
-    def accumulate_gradients(self, prompts, samples, adv, seq_idx: list[int], capture=None, old=None, *,
-                             micro_batches=None, totals: tuple[int, float] | None = None):
-        """Backward of the policy loss over sequences `seq_idx` (indices into samples),
-        micro-batched by token budget; grads accumulate in the params' .grad. `old` (sample
-        index -> trainer log-probs) replaces the rollout's as the old policy and turns on the
-        configured off-policy corrections. Returns (stats summed into full-batch averages,
-        tokens processed). grpo.overlap stream passes one group's `micro_batches`
-        ((positions into seq_idx, pad) pairs) and the normalizers `totals` (sequences,
-        loss tokens) of the whole step, which `seq_idx` alone does not know."""
-        g = self.g
-        dev = self.device
-        self.model.train()
-        # per-sequence loss mask (truncated completions optionally masked) times the per-token
-        # one (multi-turn: observation tokens are context)
-        live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
-        n_loss = [float(self._loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
-        total_seqs, total_tokens = totals or (len(seq_idx), sum(n * w for n, w in zip(n_loss, live)))
-        seqs = self._sequences(prompts, samples, seq_idx)
-        sums: dict[str, torch.Tensor] = {}
-        n_tok = 0
-        for mb, pad in micro_batches if micro_batches is not None else self._micro_batches(seq_idx, seqs):
-            js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
-            old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
-            adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
-            mask_N = torch.cat([self._loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
-            corr: dict = {}
-            if old is not None:
-                rollout_N, old_N = old_N, torch.cat([old[j] for j in js])
-                adv_N, mask_N, corr = off_policy_corrections(old_N - rollout_N, adv_N, mask_N, batch.seq_ids,
-                                                             batch.num_seqs, tis_cap=g.tis_cap,
-                                                             mis_bounds=g.mis_bounds, icepop_bounds=g.icepop_bounds)
-            if pad:  # a zero-weight micro-batch (data-parallel padding): no gradient, no statistics
-                mask_N = torch.zeros_like(mask_N)
-            want_ent = g.log_entropy and capture is not None
-            with use_numerics(self.numerics):  # the engine's numerics: exact makes logp_N == old_N bitwise
-                h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
-                out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
-                                     return_entropy=want_ent)
-                ref_N = self._ref_logprobs(batch) if self.kl_in_loss else None
-            logp_N, ent_N = out if want_ent else (out, None)
-            loss, st = self._policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
-            mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
-            w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
-            (loss * w).backward()
-            tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
-            sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
-            for key, v in {**st, **corr}.items():
-                sums[key] = sums.get(key, 0.0) + v.detach() * tw
-            if ent_N is not None:
-                sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
-            if capture is not None and not pad:
-                capture[0].append(logp_N.detach())
-                capture[1].append(old_N)
-                capture[2].append(mask_N)
-            n_tok += 0 if pad else batch.num_tokens
-        return sums, n_tok
-
-    def _policy_loss(self, logp_N, old_N, adv_N, mask_N, batch: PackedBatch, ref_N):
-        g = self.g
-        return policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
-                           loss_type=g.loss_type, clip_low=g.clip_low, clip_high=g.clip_high,
-                           dual_clip=g.dual_clip, ref_logp=ref_N,
-                           kl_coef=g.kl_coef if self.kl_in_loss else 0.0, kl_type=g.kl_type,
-                           kl_ratio=g.kl_ratio, cispo_clip_low=g.cispo_clip_low,
-                           max_tokens=self.max_loss_tokens)
-
-    @torch.no_grad()
-    def _trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:
-        """The trainer's log-probs of sequences `seq_idx` under the current weights, or those of
-        `model` (no grad, micro-batched like the update): the recomputed old policy, an
-        exact-mode check, or REINFORCE++'s reference."""
-        model = self.model if model is None else model
-        out = {}
-        seqs = self._sequences(prompts, samples, seq_idx)
-        for mb, pad in self._micro_batches(seq_idx, seqs):
-            js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
-            with use_numerics(self.numerics):
-                h = model(batch.input_ids, batch.positions, batch.attn)
-                lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets, self.logprob_t)
-            if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
-                continue
-            for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):
-                out[j] = x
-        return out
-
-    @torch.no_grad()
-    def _ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
-        return token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets, self.logprob_t)
 
 
 # ---------------------------------------------------------------------- the run
@@ -438,7 +198,7 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None
-    trainer = GRPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+    trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
                           ref_model=ref, dist=ses.dist)
     eval_prompts = ses.eval_prompts()
     # the trainer's RewardSet: its error counts (logged per step) include the evaluations'

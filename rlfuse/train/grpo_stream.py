@@ -71,7 +71,7 @@ import time
 
 import torch
 
-from rlfuse.kernels.policy_loss import TOKEN_MEAN_TYPES
+from rlfuse.kernels.loss.policy import TOKEN_MEAN_TYPES
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import score_samples
 from rlfuse.run import pack_by_tokens
@@ -167,6 +167,8 @@ class _Worker:
         self.jobs: queue.Queue = queue.Queue()
         self.spans: list[tuple[float, float]] = []
         self.error: BaseException | None = None
+        # the context copied: the ambient kernel backend of the ops outside the model (the policy loss);
+        # the model enters its own settings (CausalLM.kernels) in any thread
         self.thread = threading.Thread(target=contextvars.copy_context().run, args=(self._loop,), daemon=True,
                                        name="rlfuse-stream-train")
         self.thread.start()
@@ -182,7 +184,7 @@ class _Worker:
                     job()
                     if self.cuda:
                         self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
-                except BaseException as e:  # re-raised on the main thread by finish()
+                except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by finish()
                     self.error = e
                 self.spans.append((t0, time.perf_counter()))
 
@@ -222,7 +224,7 @@ def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end
 
 
 class StreamStep:
-    """The rollout + update of one GRPO step in stream mode, for `GRPOTrainer.step`."""
+    """The rollout + update of one GRPO step in stream mode, for `GRPOStep.step`."""
 
     def __init__(self, trainer):
         self.tr = trainer
@@ -241,7 +243,7 @@ class StreamStep:
     def run(self, prompts, step: int, timer):
         """-> (samples, total rewards, per-function rewards, reward error counts, per-token
         advantages, training metrics), as the sync path has them after its `_train`."""
-        tr, g = self.tr, self.tr.g
+        tr, up, g = self.tr, self.tr.update, self.tr.g
         P, G = len(prompts), g.group_size
         samples: list = [None] * (P * G)
         total: list = [None] * (P * G)
@@ -249,7 +251,7 @@ class StreamStep:
         adv: list = [None] * (P * G)
         # provisional normalizers (module docstring): all P*G sequences; tokens unnormalized
         totals = (P * G, 1.0)
-        check = tr.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
+        check = up.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         grads = OrderedGradients(tr.optimizer, P)
         mb_sums: list[list[dict]] = [[] for _ in range(P)]  # per group, per micro-batch: summed in order at the end
         n_tok = [0]
@@ -261,14 +263,14 @@ class StreamStep:
         runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
 
         def train_group(i: int, seqs: list[int]) -> None:
-            if tr.recompute_old or check:
-                old.update(tr._trainer_logprobs(prompts, samples, seqs))
-            lengths = [len(tr._prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
+            if up.recompute_old or check:
+                old.update(up.trainer_logprobs(prompts, samples, seqs))
+            lengths = [len(up.prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
 
             def backward(mb):
                 def run():
-                    s, n = tr.accumulate_gradients(prompts, samples, adv, seqs, capture[i],
-                                                   old=old if tr.recompute_old else None,
+                    s, n = up.accumulate_gradients(prompts, samples, adv, seqs, capture[i],
+                                                   old=old if up.recompute_old else None,
                                                    micro_batches=[(mb, False)], totals=totals)
                     mb_sums[i].append(s)
                     n_tok[0] += n
@@ -290,7 +292,7 @@ class StreamStep:
                 runner.submit(lambda: grads.skip(i))
                 return
             kept.append(i)
-            loss_tokens[i] = sum(float(tr._loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
+            loss_tokens[i] = sum(float(up.loss_mask(s).sum()) * (0.0 if g.mask_truncated and s.truncated else 1.0)
                                  for s in group)
             runner.submit(lambda: train_group(i, seqs))
 
@@ -352,8 +354,8 @@ class StreamStep:
     def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, capture,
                 check: bool, old: dict, samples) -> dict:
         """Rescale what was summed under the provisional normalizers (module docstring), then
-        the step's one optimizer step; its metrics as `GRPOTrainer._train` gives them."""
-        tr, g = self.tr, self.tr.g
+        the step's one optimizer step; its metrics as `GRPOUpdate.train` gives them."""
+        tr, up, g = self.tr, self.tr.update, self.tr.g
         provisional = len(samples)
         stat_scale = 1.0 / max(loss_tokens, 1.0)  # statistics: token-weighted sums, unnormalized
         if g.loss_type in TOKEN_MEAN_TYPES:
@@ -364,7 +366,7 @@ class StreamStep:
             for grad in tr.optimizer.grads():
                 grad.mul_(grad_scale)
         sums = {k: v * (grad_scale or 1.0) if k == "loss" else v * stat_scale for k, v in sums.items()}
-        extra = tr._full_mismatch(samples, seqs, old, check, step) if (tr.recompute_old or check) else {}
-        stats = tr.apply_update(sums, n_tok, step)  # mu = mini_batches = 1: optimizer step `step`
+        extra = up.full_mismatch(samples, seqs, old, check, step) if (up.recompute_old or check) else {}
+        stats = up.apply_update(sums, n_tok, step)  # mu = mini_batches = 1: optimizer step `step`
         n_trained = stats.pop("_tokens")
-        return tr._train_metrics({k: [v] for k, v in stats.items()}, capture, extra, n_trained)
+        return up.metrics({k: [v] for k, v in stats.items()}, capture, extra, n_trained)

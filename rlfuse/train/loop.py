@@ -1,7 +1,7 @@
 """The run loop every trainer shares (SFT, GRPO and those to come).
 
     session = open_session(cfg)                   # run folder, config.yaml, seeds, data, model
-    trainer = SFTTrainer(cfg, session.model, make_optimizer(session.model, cfg), stream)
+    trainer = SFTStep(cfg, session.model, make_optimizer(session.model, cfg), stream)
     result = run_loop(trainer, session, evaluation=Evaluation(...))
 
 The loop owns everything that is not the step: resuming (weights, optimizer and RNG
@@ -48,8 +48,19 @@ from rlfuse.model.fuse import fuse_projections, is_fused
 from rlfuse.model.lora import BaseModelView, has_lora, lora_memory
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, evaluate
-from rlfuse.run import (DATA_STAGE, Interrupted, MasterAdamW, RunLog, WeightNormWatch, load_checkpoint, open_trackers,
-                        resolve_resume, save_checkpoint, save_final, stop_agreed)
+from rlfuse.run import (
+    DATA_STAGE,
+    Interrupted,
+    MasterAdamW,
+    RunLog,
+    WeightNormWatch,
+    load_checkpoint,
+    open_trackers,
+    resolve_resume,
+    save_checkpoint,
+    save_final,
+    stop_agreed,
+)
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     ShardedAdamW,
@@ -76,6 +87,7 @@ def reference_model(model):
         ref = type(model)(model.config).to(model.lm_head_weight.dtype)
     ref = ref.to_empty(device=model.lm_head_weight.device)
     ref.load_state_dict(model.state_dict())
+    ref.kernels = model.kernels
     if is_fused(model):  # the policy's GEMMs, so KL is 0 before the first update in fast numerics too
         fuse_projections(ref)
     return ref.requires_grad_(False).eval()

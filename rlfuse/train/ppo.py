@@ -12,11 +12,11 @@ and docs/algorithms.md, "PPO"):
                 GAE(gamma, lam) -> advantages A_t and returns R_t = A_t + V_t; A whitened
                 over the batch (ppo.whiten_advantages). beta then adapts (ppo.kl_target).
   4. train    : mu epochs x mini_batches; each mini-batch, micro-batched by token budget:
-                the policy's clipped loss through the fused kernel (rlfuse.kernels.policy_loss,
+                the policy's clipped loss through the fused kernel (rlfuse.kernels.loss.policy,
                 per-token advantages; minus entropy_coef x token-mean entropy) and the
                 critic's clipped value loss (token mean), each model stepped by its own
                 MasterAdamW (policy: optim.lr; critic: ppo.critic_lr; same schedule shape).
-Multi-turn episodes (rollout.tools / rollout.env, rlfuse.rollout.multi_turn): a sample's
+Multi-turn episodes (rollout.tools / rollout.env, rlfuse.rollout.agent.multi_turn): a sample's
 tokens are model turns and observations, its loss mask m 1 on the model's tokens only.
 The observations are context: they enter the forwards, never the policy loss, the KL,
 the entropy, the values, GAE or the value loss (all masked by m, normalizers counting
@@ -32,7 +32,7 @@ The critic (rlfuse.model.ScalarHeadModel) starts as a copy of the policy's trunk
 zero head, or from ppo.critic_path; it lives in this process and holds no activations
 outside its own forward/backward. Its weights and optimizer state travel in the
 checkpoint's trainer state, with the KL coefficient and the reward statistics.
-`PPOTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`PPOStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse ppo RECIPE.yaml   Test: python -m pytest -q tests/test_ppo_trainer.py
 """
 
@@ -47,9 +47,7 @@ from torch.nn.utils.rnn import pad_sequence
 from rlfuse.consistency.mismatch import logprob_mismatch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
-from rlfuse.kernels.backend import use_numerics
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.policy_loss import accumulation_weight, policy_loss
+from rlfuse.kernels.loss.policy import accumulation_weight, policy_loss
 from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
@@ -64,7 +62,7 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
-from rlfuse.train.grpo import GRPOTrainer
+from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, reference_model, run_loop
 from rlfuse.train.ppo_math import (
     RunningMoments,
@@ -75,14 +73,14 @@ from rlfuse.train.ppo_math import (
     value_loss,
     whiten,
 )
-from rlfuse.train.session import Session, open_session
+from rlfuse.train.session import Session, kernel_settings, open_session
 
 log = logging.getLogger(__name__)
 
 # one definition, GRPO's: a multi-turn sample's own prompt ids (else its Prompt's), and its
 # loss mask over token_ids (1 on the model's tokens; all ones for a single-turn completion)
-_prompt_ids = GRPOTrainer._prompt_ids
-_loss_mask = GRPOTrainer._loss_mask
+_prompt_ids = GRPOUpdate.prompt_ids
+_loss_mask = GRPOUpdate.loss_mask
 
 
 def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
@@ -102,6 +100,7 @@ def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
         critic = ScalarHeadModel.from_causal_lm(policy)
         log.info("critic: a copy of the policy's trunk with a zero value head (ppo.critic_path empty)")
     critic.gradient_checkpointing = cfg.model.gradient_checkpointing
+    critic.kernels = policy.kernels
     return critic
 
 
@@ -116,7 +115,7 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-class PPOTrainer:
+class PPOStep:
     """The PPO step (a `rlfuse.train.loop.Trainer`): rollouts of `stream`'s prompts from
     `sampler`, scored by `rewards`, trained into `model` (by `optimizer`) and `critic` (by
     `critic_optimizer`)."""
@@ -137,6 +136,7 @@ class PPOTrainer:
         if self.p.kl_coef > 0 and ref_model is None:
             ref_model = reference_model(model)  # the weights the run starts from (LoRA: the base)
         self.ref_model = ref_model.requires_grad_(False).eval() if self.p.kl_coef > 0 else None
+        kernel_settings(cfg, model, self.ref_model, critic)
         self.kl_coef = self.p.kl_coef
         self.reward_stats = RunningMoments()
         self.opt_steps_total = self.p.steps * self.p.mu * self.p.mini_batches
@@ -247,12 +247,10 @@ class PPOTrainer:
         self.critic.eval()
         for js, batch in self._batches(prompts, samples, list(range(n))):
             sizes = [len(samples[j].token_ids) for j in js]
-            with use_numerics(self.numerics):
-                v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
-                if self.ref_model is not None:
-                    h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
-                    ref_N = token_logprobs(h[batch.rows], self.ref_model.lm_head_weight, batch.targets,
-                                           self.logprob_t)
+            v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
+            if self.ref_model is not None:
+                h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
+                ref_N = self.ref_model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device)
             m_N = torch.cat([_loss_mask(samples[j]) for j in js]).to(self.device)
             kl_N = (old_N - ref_N) * m_N if self.ref_model is not None else torch.zeros_like(old_N)  # k1 estimator
@@ -334,10 +332,8 @@ class PPOTrainer:
             mask_N = torch.cat([_loss_mask(samples[j]) for j in js]).to(self.device)
             mb_tokens = float(sum(_loss_mask(samples[j]).sum() for j in js))  # host: CPU masks
             tw = mb_tokens / max(total_tokens, 1.0)  # this micro-batch's share of the mini-batch's tokens
-            with use_numerics(self.numerics):
-                h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
-                out = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets, self.logprob_t,
-                                     return_entropy=want_ent)
+            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            out = self.model.token_logprobs(h_TD[batch.rows], batch.targets, self.logprob_t, return_entropy=want_ent)
             logp_N, ent_N = out if want_ent else (out, None)
             loss, st = policy_loss(logp_N, old_N, adv_N, mask_N, batch.seq_ids, batch.num_seqs,
                                    loss_type=p.loss_type, clip_low=p.clip_low, clip_high=p.clip_high,
@@ -359,8 +355,7 @@ class PPOTrainer:
                 capture[1].append(old_N)
                 capture[2].append(mask_N)
             # the critic on the same packed batch
-            with use_numerics(self.numerics):
-                v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
+            v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
             vl_N, vclip = value_loss(v_N, torch.cat([old_v[j] for j in js]), torch.cat([ret[j] for j in js]),
                                      mask_N, p.value_clip)
             vloss = vl_N.sum() / max(total_tokens, 1.0)
@@ -393,7 +388,7 @@ def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
                             stats=ses.data_stats)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     critic = build_critic(cfg, ses.model)
-    trainer = PPOTrainer(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+    trainer = PPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
                          critic, make_critic_optimizer(critic, cfg))
     eval_prompts = ses.eval_prompts()
     evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,

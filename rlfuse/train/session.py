@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 
 from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
+from rlfuse.kernels.backend import KernelSettings
+from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import (apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device,
-                        seed_everything)
+from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device, seed_everything
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -78,6 +79,16 @@ class Session:
                              stats=self.data_stats) if self.eval_rows else []
 
 
+def kernel_settings(cfg: RunConfig, *models) -> None:
+    """Every forward of the run (trainer, engine, KL reference, critic) in one backend
+    (model.kernel_backend) and one numerics (engine.numerics), entered by each model itself
+    (`CausalLM.kernels`); a model that already carries settings (a copy of the policy) keeps
+    them, and a LoRA base view uses its model's."""
+    for m in models:
+        if m is not None and not isinstance(m, BaseModelView) and m.kernels is None:
+            m.kernels = KernelSettings(backend=cfg.model.kernel_backend, numerics=cfg.engine.numerics)
+
+
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
                  write_config: bool = True, dist: DistContext | None = None,
                  reward_functions: dict | None = None) -> Session:
@@ -108,6 +119,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
         raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
                          "process or drop model.lora")
     apply_lora(model, cfg.model, seed=cfg.seed)
+    model.kernels = None  # the run's settings, not those of whoever built the model
+    kernel_settings(cfg, model)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
     if dist is not None:

@@ -4,9 +4,9 @@ One optimizer step takes `sft.batch_size` examples, packs them into micro-batche
 most `sft.micro_batch_tokens` tokens, and accumulates gradients of
     loss = -(1 / N) sum_{target tokens t} log p(y_t | y_<t),   N = target tokens of the step,
 so the result does not depend on how the step was split into micro-batches. Log-probs
-come from `rlfuse.kernels.logprob.token_logprobs` on the rows that predict targets only
+come from `rlfuse.kernels.loss.logprob.token_logprobs` on the rows that predict targets only
 (no (T, V) logits). Then grad-norm clipping, the scheduled LR and MasterAdamW.
-`SFTTrainer` supplies the step and its state; `rlfuse.train.loop` runs it.
+`SFTStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Data-parallel (`dist`): every rank draws the same global batch, so N is known locally;
 each rank trains its contiguous block of it, padded to the same number of micro-batches,
 and the loss is summed over ranks.
@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from rlfuse.data import PromptStream, SFTExample, build_sft_examples
-from rlfuse.kernels.logprob import token_logprobs
+from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, reduce_metrics
@@ -29,7 +29,7 @@ from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_op
 from rlfuse.train.session import Session, open_session
 
 
-class SFTTrainer(StreamAndGuardState):
+class SFTStep(StreamAndGuardState):
     """The SFT step over batches of `stream` (a `rlfuse.train.loop.Trainer`)."""
 
     stage = "sft"
@@ -105,7 +105,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
                                   context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
+    trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None
     if cfg.rewards:
         prompts = ses.eval_prompts()

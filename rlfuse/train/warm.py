@@ -47,9 +47,9 @@ from rlfuse.kernels.backend import (
     record_compiles,
     triton_compiles,
     use_numerics,
+    use_settings,
 )
-from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.kernels.rope import rope_cos_sin
+from rlfuse.kernels.rope.rotary import rope_cos_sin
 from rlfuse.run import PackedBatch
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,8 @@ class KernelWarmup:
     def dry_run(self) -> list[tuple]:
         """The dummy forward and backward with every would-be compile recorded and skipped:
         [(module, kernel name, Triton's specialization JSON, target)]."""
-        with record_compiles() as requests, use_numerics(self.numerics):
+        # the dummy runs a layer outside CausalLM.forward, so it enters the model's settings itself
+        with record_compiles() as requests, use_settings(self.model.kernels), use_numerics(self.numerics):
             self._forward_backward()
             torch.cuda.synchronize(self.device)
         return requests
@@ -153,17 +154,16 @@ def _send(p: subprocess.Popen, text: str) -> None:
         pass
 
 
-def policy_head(trainer, h_TD, batch: PackedBatch):
-    """A GRPO trainer's update after the final norm, on the dummy batch: the fused log-prob
-    (with entropy when logged) and the policy loss with the run's settings, so the warm-up
-    compiles the variants the update launches."""
-    g = trainer.g
-    out = token_logprobs(h_TD[batch.rows], trainer.model.lm_head_weight, batch.targets, trainer.logprob_t,
-                         return_entropy=g.log_entropy)
+def policy_head(update, h_TD, batch: PackedBatch):
+    """A GRPO update's loss after the final norm (`rlfuse.train.grpo_update.GRPOUpdate`), on
+    the dummy batch: the fused log-prob (with entropy when logged) and the policy loss with
+    the run's settings, so the warm-up compiles the variants the update launches."""
+    g = update.g
+    out = update.model.token_logprobs(h_TD[batch.rows], batch.targets, update.logprob_t, return_entropy=g.log_entropy)
     logp_N, ent_N = out if g.log_entropy else (out, None)
     ones = torch.ones_like(logp_N)
-    loss, _ = trainer._policy_loss(logp_N, logp_N.detach(), ones, ones, batch,
-                                   logp_N.detach() if trainer.kl_in_loss else None)
+    loss, _ = update.policy_loss(logp_N, logp_N.detach(), ones, ones, batch,
+                                 logp_N.detach() if update.kl_in_loss else None)
     return loss if ent_N is None else loss + 0.0 * ent_N.sum()
 
 

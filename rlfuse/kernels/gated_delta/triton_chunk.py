@@ -22,7 +22,7 @@ import triton.language as tl
 
 from rlfuse.kernels.backend import triton_ops
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
-from rlfuse.kernels.triton.common import dot, dot_precision, round_to
+from rlfuse.kernels.triton_common import dot, dot_precision, round_to
 
 
 @triton.jit

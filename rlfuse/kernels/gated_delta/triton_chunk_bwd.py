@@ -33,7 +33,7 @@ import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
 from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_prep, state_pass_kernel, tile_config
-from rlfuse.kernels.triton.common import dot, dot_precision
+from rlfuse.kernels.triton_common import dot, dot_precision
 
 
 @triton.jit(do_not_specialize=["Hv"])

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.triton.common import round_to
+from rlfuse.kernels.triton_common import round_to
 
 _COMPILE = dict(enable_fp_fusion=False)
 BLOCK_T, BLOCK_C = 16, 64  # tile of the prefill kernel (any: each element is computed on its own)

@@ -10,7 +10,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import L2_EPS
-from rlfuse.kernels.triton.common import round_to
+from rlfuse.kernels.triton_common import round_to
 
 BV_DECODE = 32  # Dv block per program: B x Hv x Dv/32 programs fill an H100 at decode batch sizes
 

@@ -186,7 +186,7 @@ class PPOConfig:
     top_k: int = 0
     """Rollout top-k filter; 0 disables."""
     loss_type: str = "dapo"
-    """Token weighting of the clipped policy loss (rlfuse.kernels.policy_loss): dapo (one mean over
+    """Token weighting of the clipped policy loss (rlfuse.kernels.loss.policy): dapo (one mean over
     all tokens, the classic PPO mean) | grpo (mean over sequences of token means) | dr_grpo."""
     clip_low: float = 0.2
     """Policy ratio clip below 1."""

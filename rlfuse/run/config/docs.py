@@ -1,7 +1,8 @@
 """docs/configuration.md, generated from the run-config dataclasses and their field docstrings.
 
     python -m rlfuse.run.config.docs > docs/configuration.md
-Edit the docstrings in rlfuse/train/config.py (or rlfuse/engine/config.py), then rerun;
+Edit the docstrings in rlfuse/run/config/ (sections.py, algorithms.py, run_config.py) or
+rlfuse/engine/config.py, then rerun;
 tests/test_config_docs.py fails while the file differs from `render()`.
 """
 

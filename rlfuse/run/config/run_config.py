@@ -30,7 +30,7 @@ from pathlib import Path
 
 from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
-from rlfuse.kernels.policy_loss import KL_TYPES, LOSS_TYPES
+from rlfuse.kernels.loss.policy import KL_TYPES, LOSS_TYPES
 from rlfuse.run.config import io as config_io
 from rlfuse.run.config.algorithms import (
     ADV_SCALES,
@@ -159,8 +159,6 @@ class RunConfig:
                              "its own tools)")
 
 
-
-
 RANGES: dict[str, str] = {
     "seed": ">= 0",
     "optim.lr": "(0, 1]", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
@@ -233,8 +231,6 @@ def check_ranges(cfg: "RunConfig") -> None:
                 what = "an integer" if isinstance(v, int) else "a finite number"
                 want = what if rng == "any" else f"{what} {rng}" if rng.startswith(">") else f"in {rng}"
                 raise ValueError(f"{name} must be {want}, got {v!r}")
-
-
 
 
 def load_config(src: str | Path | dict | None = None, overrides: list[str] = (), *,

@@ -155,36 +155,6 @@ def quiet_non_main(ctx: DistContext, logger_name: str = "rlfuse") -> None:
         logging.getLogger(logger_name).setLevel(logging.WARNING)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 # ---------------------------------------------------------------------- data and metrics
 def local_slice(items: Sequence[T], ctx: DistContext, *, what: str) -> list[T]:
     """This rank's contiguous block of a global batch: rank r of N gets items
@@ -302,9 +272,3 @@ def on_main(ctx: DistContext, phase: str, fn, *args):
     """`fn(*args)` on rank 0 only (file-system work: resolving a resume, cleaning up);
     every rank gets its result, or RankFailed with rank 0's error."""
     return gather_results(ctx, phase, lambda: fn(*args) if ctx.is_main else None)[0]
-
-
-
-
-
-

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 
-from rlfuse.model.transformer import CausalLM
+from rlfuse.model import CausalLM
 from rlfuse.model.weights import save_model
 from rlfuse.run.distributed.context import DistContext, fail_together
 

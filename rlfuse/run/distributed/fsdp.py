@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from rlfuse.model.transformer import CausalLM, Packed
+from rlfuse.model import CausalLM, Packed
 from rlfuse.run.distributed.context import DistContext, reduce_metrics
 
 log = logging.getLogger(__name__)
@@ -177,6 +177,7 @@ def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
         ref = CausalLM(model.config).to(dtype)
     ref = ref.to_empty(device=device)
     ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
+    ref.kernels = model.kernels
     return ref.requires_grad_(False).eval()
 
 

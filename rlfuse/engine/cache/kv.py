@@ -1,0 +1,117 @@
+"""The paged KV pool and how many blocks fit in memory.
+
+Layout: one tensor (2, L, num_blocks, block_size, Hkv, Dh) in the model's dtype; layer l
+reads k = pool[0, l], v = pool[1, l], the (num_blocks, block_size, Hkv, Dh) views that
+`rlfuse.kernels.attention.paged` takes. One allocation, so `release()` (sleep) hands the
+whole pool back and `allocate()` (wake) re-creates it with the same number of blocks.
+
+Budget on CUDA (measured once, after the weights are loaded and a warm-up forward ran):
+    free, total   = torch.cuda.mem_get_info()         (after empty_cache)
+    used          = total - free                      (weights, this process, others)
+    activations   = peak - current                    (torch allocator, the warm-up's peak)
+    kv_bytes      = total * gpu_memory_fraction - used - activations
+    num_blocks    = kv_bytes // (2 * L * block_size * Hkv * Dh * itemsize)
+The numbers are logged. On CPU there is nothing to measure: enough blocks for
+max_num_seqs sequences of max_model_len tokens, capped at `cpu_kv_cache_gib`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from rlfuse.engine.config import EngineConfig
+from rlfuse.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+_GIB = 1024**3
+
+
+def bytes_per_block(mcfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * mcfg.num_hidden_layers * block_size * mcfg.num_key_value_heads * mcfg.head_dim * dtype.itemsize
+
+
+def plan_num_blocks(mcfg: ModelConfig, cfg: EngineConfig, max_model_len: int, dtype: torch.dtype,
+                    device: torch.device, warmup: Callable[[], None]) -> int:
+    """Number of KV blocks for this engine (see the module docstring); `warmup` runs the
+    largest forward the engine will do so its activation peak is measured."""
+    per_block = bytes_per_block(mcfg, cfg.block_size, dtype)
+    per_seq = -(-max_model_len // cfg.block_size)
+    if cfg.num_kv_blocks is not None:
+        log.info("KV cache: %d blocks of %d tokens (%.3f GiB), set by EngineConfig.num_kv_blocks",
+                 cfg.num_kv_blocks, cfg.block_size, cfg.num_kv_blocks * per_block / _GIB)
+        return cfg.num_kv_blocks
+    if device.type != "cuda":
+        want = cfg.max_num_seqs * per_seq
+        cap = int(cfg.cpu_kv_cache_gib * _GIB) // per_block
+        n = max(1, min(want, cap))
+        log.info("KV cache on %s: %d blocks of %d tokens (%.3f GiB): %s", device, n, cfg.block_size,
+                 n * per_block / _GIB, f"max_num_seqs {cfg.max_num_seqs} x {per_seq} blocks" if n == want
+                 else f"capped by cpu_kv_cache_gib {cfg.cpu_kv_cache_gib}")
+        return n
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    warmup()
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device)
+    current = torch.cuda.memory_allocated(device)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    used = total - free
+    kv_bytes = int(total * cfg.gpu_memory_fraction) - used - (peak - current)
+    n = kv_bytes // per_block
+    # never more than the running sequences can fill at full length, and as much again for
+    # the prefix cache: a small model on a large GPU would otherwise get millions of blocks,
+    # and the block manager's bookkeeping per block (seconds and GiBs of host memory at start)
+    most = 2 * cfg.max_num_seqs * per_seq
+    if n > most:
+        log.info("KV cache: %d blocks fit; %d kept (2 x max_num_seqs %d x %d blocks of a max_model_len sequence)",
+                 n, most, cfg.max_num_seqs, per_seq)
+        n = most
+    log.info("KV cache budget on %s: total %.2f GiB x fraction %.2f - used %.2f GiB (torch allocated %.2f GiB) "
+             "- warm-up activation peak %.2f GiB = %.2f GiB -> %d blocks of %d tokens (%d tokens, %.1f max-length "
+             "sequences), %.1f KiB per token", torch.cuda.get_device_name(device), total / _GIB,
+             cfg.gpu_memory_fraction, used / _GIB, current / _GIB, (peak - current) / _GIB, kv_bytes / _GIB, n,
+             cfg.block_size, n * cfg.block_size, n / per_seq, per_block / cfg.block_size / 1024)
+    if n < 1:
+        raise ValueError(f"EngineConfig.gpu_memory_fraction={cfg.gpu_memory_fraction}: no memory left for the KV "
+                         f"cache ({kv_bytes / _GIB:.2f} GiB after weights and activations); raise it or lower "
+                         f"max_num_batched_tokens / max_num_seqs")
+    return n
+
+
+class KVCache:
+    def __init__(self, mcfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.shape = (2, mcfg.num_hidden_layers, num_blocks, block_size, mcfg.num_key_value_heads, mcfg.head_dim)
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.dtype, self.device = dtype, device
+        self.pool: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.allocate()
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n * self.dtype.itemsize
+
+    @property
+    def allocated(self) -> bool:
+        return self.pool is not None
+
+    def allocate(self) -> None:
+        if self.pool is not None:
+            return
+        # empty, not zeros: attention reads only slots below each sequence's length, all written
+        # before they are read (the kernels mask the rest), so wake() costs no memset
+        self.pool = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.pool[0, i], self.pool[1, i]) for i in range(self.shape[1])]
+
+    def release(self) -> None:
+        self.kv_caches = []
+        self.pool = None

@@ -1,0 +1,72 @@
+"""How a forward's tokens are laid out, the attention metadata every layer receives as an
+explicit argument (no global context): `Packed` (causal attention within packed sequences:
+training, evaluation, the naive generator; optionally a group's shared prompt packed once)
+and `PagedKV` (the engine's paged KV cache: prefill chunks and decode); `pack_by_tokens`
+groups sequences into micro-batches by a token budget.
+
+Shape legend: T packed tokens, B sequences, Hkv kv heads, Dh head dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from rlfuse.kernels.attention.paged import SharedPrefixDecode
+from rlfuse.kernels.attention.varlen import SharedPrefix
+
+
+@dataclasses.dataclass(slots=True)
+class Packed:
+    """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]; with
+    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix)."""
+    cu_seqlens: torch.Tensor  # (B+1,) int32
+    max_seqlen: int
+    prefix: SharedPrefix | None = None
+
+    @classmethod
+    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None) -> "Packed":
+        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none)."""
+        cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
+        prefix = None
+        if prefix_of is not None and any(p is not None for p in prefix_of):
+            prefix = SharedPrefix.from_groups(lengths, prefix_of, device)
+        return cls(cu.to(device), max(lengths) if lengths else 0, prefix)
+
+
+def pack_by_tokens(lengths: list[int], budget: int, shared: list[int] | None = None) -> list[list[int]]:
+    """Sequence indices grouped into micro-batches of at most `budget` tokens, greedily in
+    order (deterministic, so accumulated sums add up in a fixed order); a sequence longer
+    than the budget goes alone. `shared[i]`: tokens of sequence i packed once with sequence
+    i - 1 when both share a micro-batch (a shared prompt), so it costs lengths[i] - shared[i]."""
+    if budget < 1:
+        raise ValueError(f"micro-batch token budget must be >= 1, got {budget}")
+    batches: list[list[int]] = []
+    cur: list[int] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        if shared is not None and cur and cur[-1] == i - 1:
+            n -= shared[i]
+        if cur and used + n > budget:
+            batches.append(cur)
+            cur, used = [], 0
+            n = lengths[i]
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+@dataclasses.dataclass(slots=True)
+class PagedKV:
+    """Attention against the engine's paged KV cache (see `rlfuse.kernels.attention.paged`).
+    The new tokens' K/V are written at `slot_mapping` before attention reads the cache."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (num_blocks, block_size, Hkv, Dh)
+    slot_mapping: torch.Tensor  # (T,) int64, -1 = padding row
+    cu_seqlens_q: torch.Tensor  # (B+1,) int32
+    seq_lens: torch.Tensor      # (B,) int32, cached tokens after this step
+    block_tables: torch.Tensor  # (B, max_blocks) int32
+    max_seqlen_q: int
+    shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
