@@ -207,3 +207,23 @@ def test_exact_row_ops_are_batch_invariant(backend):
             exact = [op(slice(None)) for op in ops]
         for e, f in zip(exact, [op(slice(None)) for op in ops]):
             torch.testing.assert_close(e, f, rtol=2e-5, atol=2e-5)
+
+
+def test_exact_refuses_a_gqa_group_larger_than_its_tile():
+    """Issue 32: exact numerics refuses at engine start a shape it cannot keep bitwise (a GQA
+    group of query heads taller than the exact attention tile), naming the fields; the torch
+    backend (exact at any group) and fast numerics take it."""
+    from rlfuse.engine import LLM, EngineConfig
+    from rlfuse.model import CausalLM, ModelConfig
+
+    cfg = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=64, num_key_value_heads=1, head_dim=16, qk_norm=True,
+                      max_position_embeddings=64)
+    model = CausalLM(cfg)
+    model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
+    with use_backend("triton"), pytest.raises(ValueError, match="num_attention_heads 64 over num_key_value_heads 1"):
+        LLM(model, config=EngineConfig(numerics="exact", max_num_seqs=2))
+    with use_backend("torch"):
+        LLM(model, config=EngineConfig(numerics="exact", max_num_seqs=2))
+    with use_backend("triton"):
+        LLM(model, config=EngineConfig(numerics="fast", max_num_seqs=2, enforce_eager=True))

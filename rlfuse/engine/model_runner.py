@@ -38,7 +38,8 @@ from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
-from rlfuse.kernels.backend import num_sms, use_numerics
+from rlfuse.kernels.attention import check_exact_attention
+from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
@@ -81,6 +82,10 @@ class ModelRunner:
                              f"the rollout and the trainer must use one")
         W = model.lm_head_weight
         self.device, self.dtype = W.device, W.dtype
+        backend = own.backend if own is not None else current_backend()
+        if cfg.numerics == "exact" and (backend == "triton" or (backend == "auto" and W.is_cuda)):
+            mc = model.config
+            check_exact_attention(mc.num_attention_heads, mc.num_key_value_heads, W.dtype, "engine")
         self.block_size = cfg.block_size
         self.max_blocks = -(-max_model_len // cfg.block_size)
         self.num_rows = cfg.max_num_seqs

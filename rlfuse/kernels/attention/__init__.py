@@ -13,13 +13,14 @@ from rlfuse.kernels.attention.varlen import (
                                             KV_BLOCK,
                                             SharedPrefix,
                                             attend_exact_ref,
+                                            check_exact_attention,
                                             supports_head_dim,
                                             varlen_attention,
                                             varlen_attention_exact_ref,
                                             varlen_attention_ref,
 )
 
-__all__ = ["KV_BLOCK", "SharedPrefix", "SharedPrefixDecode", "attend_exact_ref", "paged_attention",
+__all__ = ["KV_BLOCK", "SharedPrefix", "SharedPrefixDecode", "attend_exact_ref", "check_exact_attention", "paged_attention",
            "paged_attention_exact_ref", "paged_attention_ref", "shared_prefix_members", "store_kvcache",
            "store_kvcache_ref", "supports_head_dim", "varlen_attention", "varlen_attention_exact_ref",
            "varlen_attention_ref"]

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention.varlen import KV_BLOCK, SharedPrefix
+from rlfuse.kernels.attention.varlen import KV_BLOCK, SharedPrefix, exact_tile_rows
 from rlfuse.kernels.triton_common import dot, dot_precision
 
 LOG2E = 1.4426950408889634  # kernels spell log2(e) and ln(2) as literals (jit globals)
@@ -276,7 +276,7 @@ def exact_config(itemsize: int) -> dict:
     `paged_attention` (prefill and decode): BLOCK_M query rows x KV_BLOCK keys x Dh, every
     tile masked, no FMA contraction (so a mask's presence cannot change a row's rounding).
     64 rows: one warpgroup's matrix-instruction height on Hopper."""
-    return dict(BLOCK_M=32 if itemsize == 4 else 64, num_warps=4, num_stages=2, enable_fp_fusion=False)
+    return dict(BLOCK_M=exact_tile_rows(itemsize), num_warps=4, num_stages=2, enable_fp_fusion=False)
 
 
 def varlen_fwd(q, k, v, cu_seqlens, max_seqlen: int, scale: float, *, config: dict | None = None,

@@ -181,6 +181,25 @@ def varlen_attention_exact_ref(q, k, v, cu_seqlens, max_seqlen: int, scale: floa
     return (out, lse) if return_lse else out
 
 
+def exact_tile_rows(itemsize: int) -> int:
+    """Query rows of the one exact-numerics attention tile (`exact_config` in the Triton half):
+    32 in fp32, 64 in 16-bit. A decode step fills the rows with one sequence's GQA group of
+    query heads, so a group larger than this cannot keep the tile, and the bits."""
+    return 32 if itemsize == 4 else 64
+
+
+def check_exact_attention(n_heads: int, n_kv_heads: int, dtype: torch.dtype, where: str) -> None:
+    """ValueError, at engine start, where the exact Triton attention tile cannot hold a GQA
+    group of query heads (issue 32: exact numerics refuses a shape rather than drift)."""
+    group = 1 << (n_heads // n_kv_heads - 1).bit_length()  # rounded up to a power of two, as the kernels do
+    rows = exact_tile_rows(torch.empty((), dtype=dtype).element_size())
+    if group > rows:
+        raise ValueError(f"{where}: numerics 'exact' on the Triton kernels needs at most {rows} query heads per KV "
+                         f"head in {dtype} (the exact attention tile's rows); the model has num_attention_heads "
+                         f"{n_heads} over num_key_value_heads {n_kv_heads}. Use numerics 'fast', or "
+                         f"kernel_backend 'torch' (exact at any group, slower)")
+
+
 def supports_head_dim(head_dim: int) -> bool:
     """The head_dim rule of the Triton attention kernels (this varlen forward and
     `paged_attention`): a power of two in [16, 256]."""
