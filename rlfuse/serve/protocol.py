@@ -195,3 +195,21 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if e.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     return (f"{param}: {e.get('msg')}" if param else str(e.get("msg"))), param
+
+
+def check_text(value, path: str = "") -> None:
+    """Every string in a request body must be encodable as UTF-8: JSON's `\\ud800` escapes
+    decode to lone surrogates, which no tokenizer or template can take (a 400, not a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{path or 'the request'}: the text holds a lone surrogate at character {e.start} "
+                                f"({value[e.start]!r}), which is not valid Unicode", param=path or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, path)
+            check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{path}.{i}" if path else str(i))
