@@ -31,6 +31,7 @@ import inspect
 import math
 import operator
 import re
+import threading
 import types
 import typing
 from typing import Any, Callable
@@ -158,11 +159,17 @@ class Tool:
                 raise ToolError(f"{self.name}: argument {k!r} must be {self.parameters['properties'][k]}, got {v!r}")
         try:
             out = self.fn(**arguments)
+            return out if isinstance(out, str) else str(out)
         except ToolError:
             raise
         except Exception as e:  # a tool's own failure is the model's observation, not the run's crash
             raise ToolError(f"{self.name} raised {type(e).__name__}: {e}") from e
-        return out if isinstance(out, str) else str(out)
+        except (SystemExit, KeyboardInterrupt) as e:
+            # sys.exit() in a tool once ended the run with status 0, silently. On the main
+            # thread a KeyboardInterrupt may be the user's Ctrl-C: that one stays the run's.
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise
+            raise ToolError(f"{self.name} raised {type(e).__name__}({e})") from None
 
 
 # ---------------------------------------------------------------------- calculator
