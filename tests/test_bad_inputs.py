@@ -723,6 +723,58 @@ def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeyp
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
+_SAFETENSORS_FULL = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                     '"No space left on device" })')
+
+
+@pytest.mark.bad_input("checkpoints-fs")
+@pytest.mark.parametrize("what", ["safetensors-disk-full", "tokenizer-writer"])
+def test_every_checkpoint_writer_failure_is_the_same_clear_line(run, monkeypatch, what):
+    """Before: a SafetensorError from a full disk was a traceback (only OSError and RuntimeError
+    were caught); now every writer's failure ends in the same line, the previous checkpoints
+    intact."""
+    from safetensors import SafetensorError
+
+    from rlfuse.model import weights
+
+    r, model, opt = run
+    tok = None
+    if what == "safetensors-disk-full":
+        _fail_with(monkeypatch, weights, "save_file", SafetensorError(_SAFETENSORS_FULL))
+        fed = f"saving checkpoint step 3: safetensors' save_file fails (SafetensorError: {_SAFETENSORS_FULL})"
+        msg = (r"cannot write .*step_000003: no space left on device\? safetensors could not write its data "
+               r"\(safetensors: Error while serializing: IoError")
+    else:
+        class Tok:  # the tokenizers library reports a failed write as a bare Exception
+            def save(self, folder):
+                raise Exception("No space left on device (os error 28)")
+        tok = Tok()
+        fed = "saving checkpoint step 3: the tokenizer's save fails (Exception: No space left on device (os error 28))"
+        msg = r"cannot write .*step_000003: no space left on device\? Exception could not write its data"
+    expect_error(lambda: ck.save_checkpoint(r, 3, model, opt, {}, tokenizer=tok, keep_last=1),
+                 msg + r".*the previous checkpoints are untouched", fed)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert rs.resolve_resume("auto", r).name == "step_000002"
+
+
+@pytest.mark.bad_input("checkpoints-fs")
+def test_final_safetensors_failure_keeps_the_previous_final(run, monkeypatch):
+    from safetensors import SafetensorError
+
+    from rlfuse.model import weights
+
+    r, model, _ = run
+    ck.save_final(r, model)
+    before = (r / "final/model.safetensors").read_bytes()
+    _fail_with(monkeypatch, weights, "save_file", SafetensorError(_SAFETENSORS_FULL))
+    expect_error(lambda: ck.save_final(r, model), r"cannot write .*final: no space left on device\? safetensors",
+                 f"saving final/ over a previous one: safetensors' save_file fails (SafetensorError: "
+                 f"{_SAFETENSORS_FULL})")
+    assert (r / "final/model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in r.iterdir() if p.name.startswith(".final")) == []
+
+
 @pytest.mark.bad_input("checkpoints-fs")
 def test_final_write_failure_keeps_the_previous_final(run, monkeypatch):
     r, model, _ = run
