@@ -146,8 +146,8 @@ class MultiTurnSampler:
             kwargs = dict(cfg.env_kwargs)
             self.make_env, schemas = (lambda: env_cls(**kwargs)), None
         else:
-            self.runner = ToolRunner(load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s), timeout_s=cfg.tool_timeout_s,
-                                     workers=cfg.env_workers)
+            tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
             schemas = self.runner.schemas()

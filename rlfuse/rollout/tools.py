@@ -19,7 +19,7 @@ model only knows a tool by its schema). A tool returns anything `str()` can show
 exception it raises becomes an error observation (`ToolError` for expected failures,
 `ToolTimeout` for time limits, both counted by the environment).
 Built-ins: `calculator` (safe arithmetic: an AST walk over numbers and operators, never
-`eval`) and `python` (rlfuse.rollout.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
+`eval`) and `python` (model-written code run isolated by bubblewrap, see rlfuse.rollout.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
 Test: python -m pytest -q tests/test_rollout_tools.py
 """
 
@@ -36,7 +36,7 @@ import types
 import typing
 from typing import Any, Callable
 
-from rlfuse.rollout.sandbox import Sandbox
+from rlfuse.rollout.sandbox import make_sandbox
 from rlfuse.run import load_function
 
 
@@ -228,10 +228,13 @@ def calculator(expression: str) -> str:
 
 
 # ---------------------------------------------------------------------- python
-def python_tool(*, timeout_s: float = 10.0, **limits) -> Tool:
-    """The `python` built-in: runs code in a `Sandbox` (a subprocess with limits; NOT a
-    security boundary, see rlfuse.rollout.sandbox) and returns what it printed."""
-    box = Sandbox(timeout_s=timeout_s, **limits)
+def python_tool(*, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True, **limits) -> Tool:
+    """The `python` built-in: runs code in a sandbox (rlfuse.rollout.sandbox: bubblewrap
+    isolation by default, `none`, or a SandboxFusion URL) and returns what it printed.
+    `check`: fail closed now (a ValueError) if the sandbox cannot run code isolated."""
+    box = make_sandbox(sandbox, timeout_s=timeout_s, **limits)
+    if check:
+        box.check()
 
     def python(code: str) -> str:
         """Run a Python program and return what it prints (stdout); print the values you need.
@@ -252,15 +255,18 @@ def python_tool(*, timeout_s: float = 10.0, **limits) -> Tool:
 
 
 # ---------------------------------------------------------------------- loading
-def builtin_tool(name: str, *, timeout_s: float = 10.0) -> Tool:
+def builtin_tool(name: str, *, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True) -> Tool:
     if name == "calculator":
         return Tool.from_function(calculator)
     if name == "python":
-        return python_tool(timeout_s=timeout_s)
+        return python_tool(timeout_s=timeout_s, sandbox=sandbox, check=check)
     raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, python; or FILE.py:FUNCTION)")
 
 
-def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools") -> list[Tool]:
+def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools", sandbox: str = "bwrap",
+               check: bool = True) -> list[Tool]:
+    """Tools from names, FILE.py:FUNCTION specs, functions or Tools. `sandbox` / `check`:
+    where the `python` built-in runs code, and whether to prove now that it can."""
     tools = []
     for i, s in enumerate(specs):
         w = f"{what}[{i}]"
@@ -269,6 +275,9 @@ def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools") -
         elif callable(s):
             tools.append(Tool.from_function(s))
         elif isinstance(s, str) and ":" not in s:
+            if s == "python":  # its sandbox's failure names rollout.sandbox, not this entry
+                tools.append(builtin_tool(s, timeout_s=timeout_s, sandbox=sandbox, check=check))
+                continue
             try:
                 tools.append(builtin_tool(s, timeout_s=timeout_s))
             except ValueError as e:

@@ -95,7 +95,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
                                      [r for _, r in train_rows] + [r for _, r in eval_rows])
         if cfg.rollout.multi_turn and alphabet:
             # episodes need a chat template: the compact one, with the tool calls' fixed pieces as tokens
-            tools = [t.schema() for t in load_tools(cfg.rollout.tools)] if cfg.rollout.tools else None
+            tools = ([t.schema() for t in load_tools(cfg.rollout.tools, check=False)]  # schemas only: no code runs
+                     if cfg.rollout.tools else None)
             tokenizer = char_chat_tokenizer(alphabet, tools)
         else:
             tokenizer = build_tokenizer(cfg.model, alphabet)

@@ -154,6 +154,10 @@ class RunConfig:
         r = self.rollout
         _check_choice("rollout.obs_truncation", r.obs_truncation, OBS_TRUNCATION)
         _check_choice("rollout.tool_call_format", r.tool_call_format, TOOL_CALL_FORMATS)
+        if not (isinstance(r.sandbox, str) and (r.sandbox in ("bwrap", "none") or
+                                                r.sandbox.startswith(("http://", "https://")))):
+            raise ValueError(f"rollout.sandbox must be bwrap, none or a SandboxFusion URL (http://HOST:PORT), "
+                             f"got {r.sandbox!r}")
         if r.tools and r.env:
             raise ValueError("rollout: give either rollout.tools or rollout.env, not both (an environment runs "
                              "its own tools)")
