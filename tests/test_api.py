@@ -157,3 +157,14 @@ def test_dpo_and_ppo_from_lists(tmp_path):
                      train_dataset=GRPO_ROWS, config=SMALL, run_dir=tmp_path / "ppo",
                      args={"steps": 1, "prompts_per_step": 4, "max_new_tokens": 4})
     assert ppo.model is dpo.model and ppo.train()["steps"] == 1
+
+
+def test_generate_works_with_tools_set(tmp_path):
+    """Before: AttributeError: 'MultiTurnSampler' object has no attribute 'llm'."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "rollout": {"tools": ["calculator"], "max_turns": 2}}
+    grpo = GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=cfg,
+                       run_dir=tmp_path / "grpo", args={"steps": 1, "max_new_tokens": 4})
+    texts = grpo.generate(["1+2=", "3+0="], max_tokens=4)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    grpo._release()

@@ -185,10 +185,11 @@ class RewardSet:
     scores in several calls); `total_error_counts` is the run's total."""
 
     def __init__(self, specs: list[RewardSpec], on_error: str = "raise",
-                 functions: dict[str, Callable] | None = None, timeout_s: float = 0.0):
+                 functions: dict[str, Callable] | None = None, timeout_s: float = 0.0, allow_empty: bool = False):
         """`functions`: callables by spec name (the Python API's reward_funcs), used instead
-        of resolving those names (they run in this process: no timeout)."""
-        if not specs:
+        of resolving those names (they run in this process: no timeout). `allow_empty`: no
+        functions is fine (an environment's own reward scores the episodes); totals are 0."""
+        if not specs and not allow_empty:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
             raise ValueError(f"on_reward_error must be {' or '.join(map(repr, ON_REWARD_ERROR))}, got {on_error!r}")
@@ -309,5 +310,5 @@ class RewardSet:
                                   f"e.g. {self._last_failure[name]} (on_reward_error=zero scores occasional "
                                   f"failures 0; a function that fails on every example is a bug to fix)")
         total = [sum(w * v for w, v in zip(self.weights, vals) if not math.isnan(v))
-                 for vals in zip(*per.values())]
+                 for vals in zip(*per.values())] if per else [0.0] * len(completions)
         return total, per

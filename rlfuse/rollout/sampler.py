@@ -175,6 +175,11 @@ class MultiTurnSampler:
     def generate(self, prompt_ids, **kwargs) -> list[Sample]:
         return self.base.generate(prompt_ids, **kwargs)
 
+    @property
+    def llm(self):
+        """The engine (the single-turn sampler's): `GRPOTrainer.generate()` reaches it here."""
+        return self.base.llm
+
     def sleep(self) -> None:
         self.base.sleep()
 

@@ -70,8 +70,9 @@ class Session:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
+        # an environment scores its own episodes (reward() or per-turn rewards): functions are optional
         return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions,
-                         timeout_s=self.cfg.reward_timeout_s)
+                         timeout_s=self.cfg.reward_timeout_s, allow_empty=bool(self.cfg.rollout.env))
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
