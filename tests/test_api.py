@@ -168,3 +168,40 @@ def test_generate_works_with_tools_set(tmp_path):
     texts = grpo.generate(["1+2=", "3+0="], max_tokens=4)
     assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
     grpo._release()
+
+
+def lookup(city: str) -> str:
+    """Look up a city's temperature.
+
+    Args:
+        city: the city's name.
+    """
+    return f"{city}: 21 degrees"
+
+
+@pytest.mark.parametrize("how", ["tools-argument", "in-the-config"])
+def test_the_api_takes_a_tool_function(tmp_path, how):
+    """Before: rollout.tools[0]: expected a string, got <function lookup>."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "rollout": {"max_turns": 2}}
+    kw = {"tools": [lookup, "calculator"]}
+    if how == "in-the-config":
+        cfg["rollout"] = {**cfg["rollout"], "tools": [lookup, "calculator"]}
+        kw = {}
+    grpo = GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=cfg,
+                       run_dir=tmp_path / "grpo", args={"steps": 1, "max_new_tokens": 4}, **kw)
+    try:
+        assert grpo.config.rollout.tools == ["python:lookup", "calculator"]
+        assert "python:lookup" in (tmp_path / "grpo" / "config.yaml").read_text()
+        runner = grpo.session.sampler.runner
+        assert [s["function"]["name"] for s in runner.schemas()] == ["lookup", "calculator"]
+        assert runner.tools["lookup"].call({"city": "Oslo"}) == "Oslo: 21 degrees"
+    finally:
+        grpo._release()
+    from rlfuse.rollout import load_tools
+    with pytest.raises(ValueError, match=r"rollout.tools\[0\]: 'python:lookup' names a function given to the "
+                                         r"Python API"):
+        load_tools(["python:lookup"])  # the run's config.yaml read by another process (rlfuse eval, --resume)
+    with pytest.raises(ValueError, match=r"tools\[0\]: expected a built-in name, FILE.py:FUNCTION or a named"):
+        GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=SMALL,
+                    run_dir=tmp_path / "g2", tools=[lambda city: city])

@@ -1876,6 +1876,133 @@ def test_cli_generate_with_a_missing_adapter(tmp_path, capsys):
                    "rlfuse generate BASE --adapter <missing folder>")
 
 
+# ------------------------------------------------------------------ the server (issue 37)
+@pytest.fixture(scope="module")
+def serve_client(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from serve_helpers import write_model_folder
+
+    from rlfuse.api import load_model
+    from rlfuse.engine import LLM, EngineConfig
+    from rlfuse.serve import build_app
+
+    model, tok = load_model(write_model_folder(tmp_path_factory.mktemp("bad_serve")), device="cpu")
+    llm = LLM(model, tok, EngineConfig(max_model_len=96, max_num_seqs=4, num_kv_blocks=16))
+    with TestClient(build_app(llm, "tiny")) as client:
+        yield client
+
+
+SERVE_CASES = [
+    # (id, route, raw JSON body, the error's param)
+    ("stop-token-id-past-the-vocab", "completions",
+     '{"model": "tiny", "prompt": "abc", "min_tokens": 2, "stop_token_ids": [1000000]}', "stop_token_ids"),
+    ("top-k-2**63", "completions", '{"model": "tiny", "prompt": "abc", "top_k": 9223372036854775808}', "top_k"),
+    ("top-k-past-the-vocab", "completions", '{"model": "tiny", "prompt": "abc", "top_k": 100000}', "top_k"),
+    ("temperature-1e-40", "completions", '{"model": "tiny", "prompt": "abc", "temperature": 1e-40, "logprobs": 0}',
+     "temperature"),
+    ("lone-surrogate-prompt", "completions", '{"model": "tiny", "prompt": "\\ud800abc"}', "prompt"),
+    ("lone-surrogate-chat", "chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\udfff"}]}', "messages.0.content"),
+]
+
+
+@pytest.mark.bad_input("serve")
+@pytest.mark.parametrize("route,body,param", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
+def test_serve_refuses_a_request_that_stopped_the_engine(serve_client, route, body, param):
+    """Each once took the engine down (every later request 503) or answered a plain 500."""
+    r = serve_client.post(f"/v1/{route}", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    catalog.seen(f"POST /v1/{route} {body}", f"400 {err['message']}")
+    assert serve_client.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ tools, environments, the sandbox (issue 37)
+class _EnvResetKeyError:
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["question"]}]
+
+    def step(self, turn):
+        from rlfuse.rollout import Step
+        return Step(done=True)
+
+
+class _EnvStepDict(_EnvResetKeyError):
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, turn):
+        return {"done": True}
+
+
+class _EnvNanReward(_EnvStepDict):
+    def step(self, turn):
+        from rlfuse.rollout import Step
+        return Step(done=True)
+
+    def reward(self):
+        return float("nan")
+
+
+AGENT_ENV_CASES = [
+    ("env-reset-raises", _EnvResetKeyError, r"_EnvResetKeyError\.reset raised KeyError: 'question' \(row 0",
+     "rollout.env whose reset reads a missing row field (row['question'])"),
+    ("env-step-returns-a-dict", _EnvStepDict, r"_EnvStepDict\.step returned dict \{'done': True\}",
+     "rollout.env whose step returns {'done': True}"),
+    ("env-reward-nan", _EnvNanReward, r"_EnvNanReward\.reward\(\) gave nan for episode 0 \(row 0\)",
+     "rollout.env whose reward() returns nan"),
+]
+
+
+@pytest.mark.bad_input("agents")
+@pytest.mark.parametrize("env_cls,msg,fed", [c[1:] for c in AGENT_ENV_CASES], ids=[c[0] for c in AGENT_ENV_CASES])
+def test_environment_faults_are_one_line_naming_the_class(env_cls, msg, fed):
+    from agent_setup import ScriptedEngine, chat_tokenizer
+
+    from rlfuse.rollout import ChatRenderer, run_episodes
+    from rlfuse.run.config import RolloutConfig
+
+    tok = chat_tokenizer("qwen2")
+    eng = ScriptedEngine(tok, lambda ids, k: "answer")
+    expect_error(lambda: run_episodes(eng, ChatRenderer(tok), env_cls, [{"prompt": "a"}], cfg=RolloutConfig()),
+                 msg, fed)
+
+
+@pytest.mark.bad_input("agents")
+def test_python_tool_fails_closed_without_isolation(monkeypatch):
+    from rlfuse.rollout import sandbox as sb
+    from rlfuse.rollout.tools import load_tools
+
+    monkeypatch.setattr(sb, "find_bwrap", lambda: None)
+    sb._probe.cache_clear()
+    try:
+        expect_error(lambda: load_tools(["python"]), r"rollout\.sandbox: the python tool runs model-written code "
+                     r"isolated by bubblewrap \(bwrap\), which is not usable here: no bwrap executable found",
+                     "rollout.tools: [python] on a machine without bwrap")
+    finally:
+        sb._probe.cache_clear()
+
+
+@pytest.mark.bad_input("agents")
+def test_python_tool_unisolated_is_warned(caplog):
+    from rlfuse.rollout.tools import load_tools
+
+    with caplog.at_level(logging.WARNING):
+        load_tools(["python"], sandbox="none")
+    expect_reported(caplog, "WITHOUT isolation", "rollout.sandbox: none", count=1)
+
+
+@pytest.mark.bad_input("agents")
+def test_bad_sandbox_setting_names_the_choices():
+    from rlfuse.run.config import load_config
+
+    expect_error(lambda: load_config(None, ["rollout.sandbox=docker"]),
+                 r"rollout\.sandbox must be bwrap, none or a SandboxFusion URL \(http://HOST:PORT\), got 'docker'",
+                 "--set rollout.sandbox=docker")
+
+
 # ------------------------------------------------------------------ the catalog of this corpus
 def test_the_catalog_lists_every_case(request):
     """docs/bad-inputs.md lists exactly this file's corpus cases, each under its category (the

@@ -28,6 +28,8 @@ resume or overwrite, as the commands' --resume / --overwrite / --force), opens t
     importable by module and name is recorded as "module:function"; others (lambdas,
     functions of a notebook or __main__) as "python:<name>", which only this process can
     resolve.
+  * tools (or config rollout.tools): built-in names, "file.py:fn" strings or typed functions
+    (recorded as "python:<name>", resolved in this process, like reward functions).
 Test: python -m pytest -q tests/test_api.py
 """
 
@@ -42,7 +44,7 @@ from rlfuse.api.config import load_run_config
 from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
 from rlfuse.model.transformer import CausalLM
-from rlfuse.rollout import PYTHON_REWARD
+from rlfuse.rollout import PYTHON_REWARD, PYTHON_TOOL
 from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together
@@ -85,6 +87,29 @@ def _reward_spec(fn, weight: float, i: int) -> tuple[RewardSpec, Callable | None
     return RewardSpec(name=PYTHON_REWARD + (name if name != "<lambda>" else f"reward_{i}"), weight=weight), fn
 
 
+def _tool_functions_out(config):
+    """(config without callables in rollout.tools, those entries) for a dict config: a
+    RunConfig holds names only, so functions are taken out first and recorded by name."""
+    if not isinstance(config, dict) or not isinstance(config.get("rollout"), dict):
+        return config, None
+    tools = config["rollout"].get("tools")
+    if not isinstance(tools, (list, tuple)) or not any(callable(t) for t in tools):
+        return config, None
+    rollout = {k: v for k, v in config["rollout"].items() if k != "tools"}
+    return {**config, "rollout": rollout}, list(tools)
+
+
+def _tool_spec(t, i: int) -> str:
+    """A tool's rollout.tools entry: names and FILE.py:FUNCTION strings as they are, a
+    function as python:<name> (resolved in this process only)."""
+    if isinstance(t, str):
+        return t
+    if not callable(t) or getattr(t, "__name__", "<lambda>") == "<lambda>":
+        raise ValueError(f"tools[{i}]: expected a built-in name, FILE.py:FUNCTION or a named function (its name "
+                         f"and docstring describe it to the model), got {t!r}")
+    return PYTHON_TOOL + t.__name__
+
+
 class _Trainer:
     kind = ""
     """The command and config section: sft, grpo, ppo, dpo."""
@@ -95,7 +120,8 @@ class _Trainer:
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 force: bool = False, dist: DistContext | None = None):
+                 force: bool = False, dist: DistContext | None = None, tools=None):
+        config, in_config = _tool_functions_out(config)
         cfg = load_run_config(config, overrides)
         changes: dict = {}
         if args is not None:
@@ -132,6 +158,15 @@ class _Trainer:
                 if call is not None:
                     fns[spec.name] = call
             changes["rewards"] = specs
+        tool_fns: dict[str, Callable] = {}
+        if tools is not None or in_config is not None:
+            specs = []
+            for i, t in enumerate(list(tools if tools is not None else in_config)):
+                spec = _tool_spec(t, i)
+                specs.append(spec)
+                if callable(t):
+                    tool_fns[spec] = t
+            changes["rollout.tools"] = specs
         in_memory = {}
         for split, data in (("train", train_dataset), ("eval", eval_dataset)):
             if isinstance(data, (str, Path)):
@@ -152,7 +187,7 @@ class _Trainer:
             for split, rows in in_memory.items():
                 _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
             self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
-                                                 reward_functions=fns, **self._given)
+                                                 reward_functions=fns, tool_functions=tool_fns, **self._given)
         except BaseException:
             self._release()
             raise

@@ -10,9 +10,9 @@ from rlfuse.rollout.multi_turn import Episode, run_episodes
 from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
 from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler
 from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
-from rlfuse.rollout.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
+from rlfuse.rollout.tools import PYTHON_TOOL, Tool, ToolError, ToolTimeout, calculator, load_tools
 
-__all__ = ["PYTHON_REWARD", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
+__all__ = ["PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
            "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
            "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "evaluate", "format_tool_call", "load_tools",
            "multi_turn_setting", "run_episodes", "score_samples"]

@@ -138,7 +138,8 @@ class MultiTurnSampler:
     `generate` stays the single-turn one. `last_metrics`: the last `episodes` call's
     rollout/* metrics (turns, tool calls, errors, timeouts, idle fraction, ...)."""
 
-    def __init__(self, base: EngineSampler, tokenizer, cfg: RolloutConfig, data: DataConfig):
+    def __init__(self, base: EngineSampler, tokenizer, cfg: RolloutConfig, data: DataConfig, *,
+                 tool_functions: dict | None = None):
         self.base, self.cfg = base, cfg
         self.runner = None
         if cfg.env:
@@ -146,7 +147,7 @@ class MultiTurnSampler:
             kwargs = dict(cfg.env_kwargs)
             self.make_env, schemas = (lambda: env_cls(**kwargs)), None
         else:
-            tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox)
+            tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, functions=tool_functions)
             self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)

@@ -263,14 +263,25 @@ def builtin_tool(name: str, *, timeout_s: float = 10.0, sandbox: str = "bwrap", 
     raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, python; or FILE.py:FUNCTION)")
 
 
+PYTHON_TOOL = "python:"
+"""Prefix of a tool recorded by name only (`python:<name>`): a function the Python API was
+given, which only that process can resolve (through `functions`)."""
+
+
 def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools", sandbox: str = "bwrap",
-               check: bool = True) -> list[Tool]:
+               check: bool = True, functions: dict | None = None) -> list[Tool]:
     """Tools from names, FILE.py:FUNCTION specs, functions or Tools. `sandbox` / `check`:
-    where the `python` built-in runs code, and whether to prove now that it can."""
+    where the `python` built-in runs code, and whether to prove now that it can.
+    `functions`: callables by spec (the Python API's tool functions, `python:<name>`)."""
     tools = []
     for i, s in enumerate(specs):
         w = f"{what}[{i}]"
-        if isinstance(s, Tool):
+        if isinstance(s, str) and functions and s in functions:
+            tools.append(Tool.from_function(functions[s], name=s.removeprefix(PYTHON_TOOL)))
+        elif isinstance(s, str) and s.startswith(PYTHON_TOOL):
+            raise ValueError(f"{w}: {s!r} names a function given to the Python API, which only that process can "
+                             f"resolve; pass the function again (tools=[...]) or name it FILE.py:FUNCTION")
+        elif isinstance(s, Tool):
             tools.append(s)
         elif callable(s):
             tools.append(Tool.from_function(s))

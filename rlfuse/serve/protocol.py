@@ -20,6 +20,7 @@ Test: python -m pytest -q tests/test_serve.py
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -94,7 +95,8 @@ class _Sampling(BaseModel):
                                   stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                                   seed=self.seed, skip_special_tokens=self.skip_special_tokens)
         except ValueError as e:
-            raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+            field = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, str(e).replace("SamplingParams.", ""), param=field and field.group(1)) from None
 
     @property
     def include_usage(self) -> bool:

@@ -48,6 +48,8 @@ class Session:
     reward_functions: dict = dataclasses.field(default_factory=dict)
     """Reward callables by RewardSpec name (the Python API's reward_funcs), used instead of
     resolving those names."""
+    tool_functions: dict = dataclasses.field(default_factory=dict)
+    """Tool callables by their rollout.tools entry (the Python API's tool functions)."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
     of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
@@ -63,7 +65,8 @@ class Session:
         if self._sampler is None:
             self._sampler = self._engine_sampler()
             if self.cfg.rollout.multi_turn:
-                self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data)
+                self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data,
+                                                 tool_functions=self.tool_functions)
         return self._sampler
 
     def _engine_sampler(self) -> EngineSampler:
@@ -81,7 +84,7 @@ class Session:
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
                  write_config: bool = True, dist: DistContext | None = None,
-                 reward_functions: dict | None = None) -> Session:
+                 reward_functions: dict | None = None, tool_functions: dict | None = None) -> Session:
     run_dir = make_folder(cfg.logging.run_dir, "logging.run_dir")
     if write_config and (dist is None or dist.is_main):
         save_config(cfg, run_dir / "config.yaml")
@@ -96,8 +99,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
                                      [r for _, r in train_rows] + [r for _, r in eval_rows])
         if cfg.rollout.multi_turn and alphabet:
             # episodes need a chat template: the compact one, with the tool calls' fixed pieces as tokens
-            tools = ([t.schema() for t in load_tools(cfg.rollout.tools, check=False)]  # schemas only: no code runs
-                     if cfg.rollout.tools else None)
+            tools = ([t.schema() for t in load_tools(cfg.rollout.tools, check=False, functions=tool_functions)]
+                     if cfg.rollout.tools else None)  # schemas only: no code runs
             tokenizer = char_chat_tokenizer(alphabet, tools)
         else:
             tokenizer = build_tokenizer(cfg.model, alphabet)
@@ -115,4 +118,4 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     if dist is not None:
         model = shard_model(model, dist)
     return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
-                   reward_functions=dict(reward_functions or {}))
+                   reward_functions=dict(reward_functions or {}), tool_functions=dict(tool_functions or {}))
