@@ -6,6 +6,7 @@ same process; rows in memory land in RUN_DIR/data as JSONL that the run's config
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -205,3 +206,16 @@ def test_the_api_takes_a_tool_function(tmp_path, how):
     with pytest.raises(ValueError, match=r"tools\[0\]: expected a built-in name, FILE.py:FUNCTION or a named"):
         GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=SMALL,
                     run_dir=tmp_path / "g2", tools=[lambda city: city])
+
+
+@pytest.mark.parametrize("kw,key", [({"learning_rate": 1e-6}, "optim.lr"), ({"num_generations": 4}, "grpo.group_size"),
+                                    ({"max_completion_length": 64}, "grpo.max_new_tokens"),
+                                    ({"beta": 0.04}, "grpo.kl_coef")])
+def test_trl_names_name_rlfuse_s_field(kw, key):
+    """Before: a bare TypeError (__init__() got an unexpected keyword argument)."""
+    from rlfuse import GRPOConfig
+    with pytest.raises(ValueError, match=rf"GRPOConfig: unknown field '{next(iter(kw))}' \(that is TRL's name; "
+                                         rf"rlfuse's is {re.escape(key)}"):
+        GRPOConfig(**kw)
+    with pytest.raises(ValueError, match=r"SFTConfig: unknown field 'lr' \(fields: batch_size, eval_every"):
+        SFTConfig(lr=1e-3)
