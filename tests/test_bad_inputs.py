@@ -1301,6 +1301,17 @@ def test_cli_triton_backend_on_cpu_without_the_interpreter(tmp_path, capsys, mon
 
 
 @pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("argv", [["check", "--tiny", "--threads", "0"], ["serve", "nowhere", "--threads", "0"],
+                                  ["generate", "nowhere", "--prompt", "x", "--threads", "0"]],
+                         ids=["check", "serve", "generate"])
+def test_threads_is_checked_by_the_inference_commands(capsys, argv):
+    """check, serve and generate had no --threads (issue 37: their speed swung with torch's default)."""
+    rc, _, err = _cli(argv, capsys)
+    cli_error_line(rc, err, r"--threads: expected an integer >= 1 \(torch CPU threads\), got 0",
+                   f"rlfuse {' '.join(argv)}")
+
+
+@pytest.mark.bad_input("cli")
 def test_cli_bad_log_level(capsys):
     from rlfuse.cli import main
 

@@ -47,8 +47,7 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True, use
                        help="replace the run already in the run folder (its metrics, checkpoints, final/)")
         p.add_argument("--force", action="store_true",
                        help="with --resume: accept changes of the model, data, seeds or algorithm")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; RLFUSE_THREADS also sets it)")
+    add_threads_argument(p)
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a rank waits in a collective for the others before it fails")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -75,8 +74,17 @@ def run_flags(args) -> dict:
                 force=getattr(args, "force", False))
 
 
+THREADS_HELP = ("torch CPU threads (default: torch's choice, one per core; RLFUSE_THREADS also sets it). On a "
+                "busy or small machine, 1-2 threads often run a small model several times faster")
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
+
+
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model and engine options of the inference commands (generate, serve)."""
+    add_threads_argument(p)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="model dtype: float32, bfloat16 or float16 (default: the "
                                                  "checkpoint's)")
