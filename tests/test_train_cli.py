@@ -57,3 +57,15 @@ def test_missing_model_folder_is_said_so(tmp_path, recipe, capsys):
     assert f"rlfuse: error: --checkpoint: {nope}: no such model folder" in capsys.readouterr().err
     assert main(["generate", str(nope)]) == 2
     assert "rlfuse: error: no prompts: give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_the_runs_config_as_it_was(tmp_path, recipe, capsys):
+    """Issue 37: a resume that failed on its data ("data.train is empty") had already
+    rewritten the run's config.yaml (train: ''): the run no longer named its own data."""
+    run = tmp_path / "run"
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--set", "sft.steps=1"]) == 0
+    before = (run / "config.yaml").read_text()
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--resume", "--force", "--set", "data.train=",
+                 "--set", "sft.steps=2"]) == 2
+    assert "data.train" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == before

@@ -86,8 +86,6 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
                  write_config: bool = True, dist: DistContext | None = None,
                  reward_functions: dict | None = None, tool_functions: dict | None = None) -> Session:
     run_dir = make_folder(cfg.logging.run_dir, "logging.run_dir")
-    if write_config and (dist is None or dist.is_main):
-        save_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.seed)
     train_rows = load_rows(cfg.data, "train", need_target=need_target)
     has_eval = bool(cfg.data.eval) or cfg.data.train.startswith("builtin:")
@@ -117,5 +115,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     check_prompt_len(cfg.data, context_len)
     if dist is not None:
         model = shard_model(model, dist)
+    if write_config and (dist is None or dist.is_main):
+        # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
+        save_config(cfg, run_dir / "config.yaml")
     return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
                    reward_functions=dict(reward_functions or {}), tool_functions=dict(tool_functions or {}))
