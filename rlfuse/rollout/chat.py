@@ -80,6 +80,7 @@ class ChatRenderer:
         self.eos_texts = {e: tokenizer.decode([e], skip_special_tokens=False) for e in eos}
         self.tool_call_format = self._resolve_format(tool_call_format)
         self.placeholder = self._probe(probe_roles)
+        self._check_tools_rendered()
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -187,6 +188,19 @@ class ChatRenderer:
             fmt, why = "hermes", "the chat template names no tool-call markup (the default)"
         log.info("tool-call format: %s (%s)", fmt, why)
         return fmt
+
+    def _check_tools_rendered(self) -> None:
+        """Warn when the template drops `tools` (SmolLM2's does): the model is then never
+        told the tools' names and arguments, and a policy that never calls one learns nothing."""
+        if not self.tools:
+            return
+        names = [t.get("function", t).get("name", "") for t in self.tools if isinstance(t, dict)]
+        text = self.render([{"role": "user", "content": "?"}], True)
+        if names and not any(n and n in text for n in names):
+            log.warning("the chat template does not render `tools`: the model is never shown the tools %s, their "
+                        "arguments or the call format. Give a template that does (rollout.chat_template: a .jinja "
+                        "file, e.g. Qwen2.5's or Hermes'), or describe the tools and the <tool_call> format in "
+                        "data.system_prompt (docs/agents.md)", names)
 
     def _probe(self, roles) -> str:
         """The placeholder for which a probe tool loop renders append-only, text and ids; a

@@ -18,6 +18,7 @@ episode's own prompt (rendered with the tools' schemas).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Protocol
 
 import torch
@@ -29,6 +30,8 @@ from rlfuse.rollout.multi_turn import run_episodes
 from rlfuse.rollout.tools import load_tools
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -161,6 +164,7 @@ class MultiTurnSampler:
         self.renderer = ChatRenderer(tokenizer, tools=schemas, chat_template=template,
                                      tool_call_format=cfg.tool_call_format)
         self.last_metrics: dict = {}
+        self._no_calls = 0  # rollouts without a single tool call (warned)
 
     def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
                  seed: int) -> list[Sample]:
@@ -169,6 +173,13 @@ class MultiTurnSampler:
         eps, self.last_metrics = run_episodes(self.base.llm, self.renderer, self.make_env, [p.columns for p in prompts],
                                               cfg=self.cfg, group_size=n, seed=seed,
                                               sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
+        if self.runner is not None and eps and not self.last_metrics.get("rollout/tool_calls_per_episode"):
+            self._no_calls += 1
+            if self._no_calls <= 3:  # a policy that never calls a tool cannot learn to from rewards
+                log.warning("%d episodes and not one tool call (tools: %s)%s: check that the chat template shows "
+                            "the tools and that the prompt or an SFT warm-up teaches the call format "
+                            "(docs/agents.md)", len(eps), ", ".join(self.runner.tools),
+                            " -- said 3 times, not repeated" if self._no_calls == 3 else "")
         return [Sample(e.prompt_index, e.token_ids, e.logprobs_tensor(), e.truncated, e.final_text,
                        torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward,
                        e.turn_reward_marks()) for e in eps]

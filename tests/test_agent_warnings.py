@@ -1,0 +1,58 @@
+"""What a new user of tools is told (issue 37): a chat template that drops `tools` is warned
+(the model would never see them), and so is a rollout in which no episode called a tool.
+Scripted policy, no model. Run: python -m pytest -q tests/test_agent_warnings.py
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+
+from agent_setup import ScriptedEngine, chat_tokenizer
+from chat_templates import SMOLLM2
+
+from rlfuse.data import Prompt
+from rlfuse.rollout import ChatRenderer, Tool, calculator
+from rlfuse.rollout.sampler import MultiTurnSampler
+from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
+from rlfuse.run.config import DataConfig, RolloutConfig
+
+SCHEMAS = [Tool.from_function(calculator).schema()]
+
+
+def _warnings(caplog, text: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and text in r.getMessage()]
+
+
+def test_a_template_that_drops_tools_is_warned(caplog):
+    with caplog.at_level(logging.WARNING):
+        ChatRenderer(chat_tokenizer("qwen2", template=SMOLLM2), tools=SCHEMAS)
+    [msg] = _warnings(caplog, "does not render `tools`")
+    assert "['calculator']" in msg and "rollout.chat_template" in msg
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        ChatRenderer(chat_tokenizer("qwen2"), tools=SCHEMAS)  # Qwen2.5's template lists them
+        ChatRenderer(chat_tokenizer("qwen2", template=SMOLLM2))  # no tools: nothing to show
+    assert not _warnings(caplog, "does not render `tools`")
+
+
+def _sampler(tok, policy):
+    base = types.SimpleNamespace(llm=ScriptedEngine(tok, policy), wake=lambda: None, sleep=lambda: None)
+    return MultiTurnSampler(base, tok, RolloutConfig(tools=["calculator"], max_turns=2), DataConfig())
+
+
+def test_a_rollout_without_a_single_tool_call_is_said(caplog):
+    tok = chat_tokenizer("qwen2")
+    prompts = [Prompt([1], "2+2=", {"prompt": "What is 2+2?"}, "t:0")]
+    quiet = _sampler(tok, lambda ids, k: "4")
+    with caplog.at_level(logging.WARNING):
+        for _ in range(4):
+            quiet.episodes(prompts, n=2, temperature=1.0, seed=0)
+    msgs = _warnings(caplog, "not one tool call")
+    assert len(msgs) == 3 and "tools: calculator" in msgs[0] and "not repeated" in msgs[2]
+    caplog.clear()
+    call = format_tool_call(ToolCall("calculator", {"expression": "2+2"}), "hermes")
+    busy = _sampler(tok, lambda ids, k: call if k == 0 else "4")
+    with caplog.at_level(logging.WARNING):
+        busy.episodes(prompts, n=2, temperature=1.0, seed=0)
+    assert not _warnings(caplog, "not one tool call")
