@@ -56,3 +56,20 @@ def test_a_rollout_without_a_single_tool_call_is_said(caplog):
     with caplog.at_level(logging.WARNING):
         busy.episodes(prompts, n=2, temperature=1.0, seed=0)
     assert not _warnings(caplog, "not one tool call")
+
+
+REWRITES_HISTORY = """{%- for m in messages %}<|im_start|>{{ m.role }}
+{%- if m.role == 'assistant' and not loop.last %} (earlier) {% endif %}
+{{ m.content }}<|im_end|>
+{% endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+def test_a_template_unrelated_to_qwen3_gets_the_general_hint():
+    """Before: any template that was not append-only got "This is the Qwen3-style template..."."""
+    import pytest
+
+    from rlfuse.rollout import TemplateError
+    with pytest.raises(TemplateError) as e:
+        ChatRenderer(chat_tokenizer("qwen2", template=REWRITES_HISTORY))
+    assert "Qwen3" not in str(e.value) and "renders earlier turns unchanged" in str(e.value)
