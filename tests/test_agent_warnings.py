@@ -73,3 +73,40 @@ def test_a_template_unrelated_to_qwen3_gets_the_general_hint():
     with pytest.raises(TemplateError) as e:
         ChatRenderer(chat_tokenizer("qwen2", template=REWRITES_HISTORY))
     assert "Qwen3" not in str(e.value) and "renders earlier turns unchanged" in str(e.value)
+
+
+def test_an_environment_shows_its_tools_to_the_template(tmp_path):
+    """Before: with rollout.env no tool schemas reached the chat template."""
+    (tmp_path / "my_env.py").write_text('''
+from rlfuse.rollout import Step, calculator
+
+def lookup(city: str) -> str:
+    """Look up a city.
+
+    Args:
+        city: its name.
+    """
+    return city
+
+class WithTools:
+    tools = [calculator, lookup]
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+    def step(self, turn):
+        return Step(done=True)
+''')
+    tok = chat_tokenizer("qwen2")
+    base = types.SimpleNamespace(llm=ScriptedEngine(tok, lambda ids, k: "4"), wake=lambda: None, sleep=lambda: None)
+    s = MultiTurnSampler(base, tok, RolloutConfig(env=f"{tmp_path / 'my_env.py'}:WithTools"), DataConfig())
+    assert [t["function"]["name"] for t in s.renderer.tools] == ["calculator", "lookup"]
+    prompt = tok.decode(s.renderer.start([{"role": "user", "content": "hi"}])[1])
+    assert "lookup" in prompt and "calculator" in prompt
+
+
+def test_trained_tokens_are_counted():
+    """Before: completion_len/mean counted observation tokens and nothing counted the trained ones."""
+    from rlfuse.rollout.multi_turn import Episode, episode_metrics
+    a = Episode(0, 0, [1], token_ids=[5, 6, 7, 8], loss_mask=[1, 1, 0, 0])
+    b = Episode(1, 0, [1], token_ids=[5, 6], loss_mask=[1, 1])
+    m = episode_metrics([a, b])
+    assert m["rollout/trained_tokens_per_episode"] == 2.0 and m["rollout/trained_frac"] == 4 / 6

@@ -321,6 +321,10 @@ def episode_metrics(episodes: list[Episode], *, idle_s: float = 0.0, wall_s: flo
          "rollout/engine_idle_frac": idle_s / wall_s if wall_s > 0 else 0.0}
     for k in keys:
         m[f"rollout/{k}_per_episode"] = sum(e.info.get(k, 0) for e in episodes) / n
+    # completion_len counts everything after the prompt; these say how much of it is trained
+    m["rollout/trained_tokens_per_episode"] = sum(sum(e.loss_mask) for e in episodes) / n
+    m["rollout/trained_frac"] = (sum(sum(e.loss_mask) for e in episodes) /
+                                 max(sum(len(e.loss_mask) for e in episodes), 1))
     cont = sum(e.continuation_tokens for e in episodes)
     m["rollout/continuation_cached_frac"] = sum(e.cached_tokens for e in episodes) / cont if cont else 0.0
     return m

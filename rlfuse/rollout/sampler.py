@@ -136,6 +136,18 @@ class LengthsSampler(EngineSampler):
                                     seed=(params.seed + k) % 2**32, ignore_eos=True) for k in range(params.n)]
 
 
+def env_tool_schemas(env_cls) -> list[dict] | None:
+    """The schemas an environment class shows the model through the chat template: its
+    `tools` attribute (typed functions, Tools or schema dicts); its step() runs the calls."""
+    tools = getattr(env_cls, "tools", None)
+    if not tools:
+        return None
+    what = f"{getattr(env_cls, '__name__', 'env')}.tools"
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"{what}: expected a list of functions, Tools or schema dicts, got {type(tools).__name__}")
+    return [t if isinstance(t, dict) else load_tools([t], what=what, check=False)[0].schema() for t in tools]
+
+
 class MultiTurnSampler:
     """An `EngineSampler` plus multi-turn episodes (`rollout.tools` or `rollout.env`);
     `generate` stays the single-turn one. `last_metrics`: the last `episodes` call's
@@ -148,7 +160,7 @@ class MultiTurnSampler:
         if cfg.env:
             env_cls = load_function(cfg.env, "rollout.env")
             kwargs = dict(cfg.env_kwargs)
-            self.make_env, schemas = (lambda: env_cls(**kwargs)), None
+            self.make_env, schemas = (lambda: env_cls(**kwargs)), env_tool_schemas(env_cls)
         else:
             tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, functions=tool_functions)
             self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
