@@ -38,7 +38,7 @@ def folder(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(folder):
     model, tok = load_model(folder, device="cpu")
-    llm = LLM(model, tok, EngineConfig(max_model_len=96, max_num_seqs=8, num_kv_blocks=24))
+    llm = LLM(model, tok, EngineConfig(max_model_len=160, max_num_seqs=8, num_kv_blocks=24))
     with LocalServer(build_app(llm, NAME)) as s:
         s.llm = llm
         s.worker = s.server.config.app.state.serve.worker
@@ -238,3 +238,13 @@ def test_fuzz_random_typed_requests_never_break_the_server(server):
     assert seen.get(200, 0) > 30 and sum(v for k, v in seen.items() if k >= 400) > 20, seen
     assert server.worker.alive and server.worker.failures == failures, "a fuzz request reached a failing step"
     _served(server)
+
+
+def test_a_chat_request_without_max_tokens_is_logged(server, caplog):
+    """Issue 37: on a CPU the default (the rest of the context) looked like a hang."""
+    import logging
+    with caplog.at_level(logging.INFO, logger="rlfuse.serve.app"):
+        status, body = _post(server, "/v1/chat/completions", {"model": NAME, "temperature": 0,
+                                                               "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200, body
+    assert any("without max_tokens: up to" in r.getMessage() for r in caplog.records)

@@ -305,6 +305,9 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
         check_text(req.model_dump(exclude_none=True))  # before the template sees the text
         prompt = state.chat_prompt(req)
         limit = req.token_limit if req.token_limit is not None else max(1, llm.max_model_len - len(prompt))
+        if req.token_limit is None:  # on a CPU this can look like a hang: say what was chosen
+            log.info("chat request without max_tokens: up to %d new tokens (the rest of the %d-token context); "
+                     "clients should set max_tokens", limit, llm.max_model_len)
         return await state.run("chat", req, [prompt], state.params(req, limit), request)
 
     return app
