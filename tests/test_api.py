@@ -219,3 +219,28 @@ def test_trl_names_name_rlfuse_s_field(kw, key):
         GRPOConfig(**kw)
     with pytest.raises(ValueError, match=r"SFTConfig: unknown field 'lr' \(fields: batch_size, eval_every"):
         SFTConfig(lr=1e-3)
+
+
+def test_the_api_logs_like_the_cli_unless_logging_is_configured(monkeypatch, capsys):
+    """Issue 37: the Python API printed no log lines (no evaluations, no summary)."""
+    import logging
+
+    from rlfuse.api.trainers import log_to_stderr_unless_configured
+    pkg = logging.getLogger("rlfuse")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(pkg, "handlers", [])
+    monkeypatch.setattr(pkg, "level", logging.NOTSET)
+    engine_level = logging.getLogger("rlfuse.engine").level
+    try:
+        log_to_stderr_unless_configured()
+        logging.getLogger("rlfuse.train.demo").info("held-out accuracy 0.5")
+        assert "INFO rlfuse.train.demo: held-out accuracy 0.5" in capsys.readouterr().err
+        handlers = list(pkg.handlers)
+        log_to_stderr_unless_configured()
+        assert pkg.handlers == handlers  # once
+    finally:
+        logging.getLogger("rlfuse.engine").setLevel(engine_level)
+    monkeypatch.setattr(pkg, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # the program's own setup
+    log_to_stderr_unless_configured()
+    assert pkg.handlers == []

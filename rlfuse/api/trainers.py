@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +50,26 @@ from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The CLI's log line format (rlfuse.cli uses it too)."""
+
+
+def log_to_stderr_unless_configured() -> None:
+    """The CLI's log output (INFO lines on stderr: evaluations, the closing summary, rows kept
+    and dropped) for an API user who configured no logging; a program that did keeps its
+    own. Silence it with logging.getLogger("rlfuse").setLevel(logging.WARNING)."""
+    pkg = logging.getLogger("rlfuse")
+    if logging.getLogger().handlers or pkg.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    pkg.addHandler(handler)
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
+        # as the CLI: the engine's per-call INFO lines would drown the rest
+        logging.getLogger("rlfuse.engine").setLevel(logging.WARNING)
+
 
 def _rows(data, what: str) -> list[dict]:
     if hasattr(data, "to_list"):  # a datasets.Dataset (or anything shaped like one)
@@ -122,6 +143,7 @@ class _Trainer:
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
                  force: bool = False, dist: DistContext | None = None, tools=None):
         config, in_config = _tool_functions_out(config)
+        log_to_stderr_unless_configured()
         cfg = load_run_config(config, overrides)
         changes: dict = {}
         if args is not None:
