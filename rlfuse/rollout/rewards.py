@@ -226,6 +226,8 @@ class RewardSet:
         self._pending_counts = {n: 0 for n in self.names}
         self._last_failure: dict[str, str] = {}
         self.correctness = next((n for n, s in zip(self.names, specs) if s.name in CORRECTNESS), None)
+        self.text_only = [s.name in BUILTINS or s.name in MODEL_REWARDS for s in specs]
+        """Per function: rlfuse's own (scores text); the others get chat rows as messages (`score`)."""
 
     def pop_error_counts(self) -> dict[str, int]:
         """Errors per function since the previous call (then reset to 0)."""
@@ -296,12 +298,16 @@ class RewardSet:
                                   f"(expected a float, an int or None)")
         return out
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
-        """(total [B floats], {name: [B floats (NaN = not applicable)]})."""
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list],
+              chat: tuple[list, list] | None = None):
+        """(total [B floats], {name: [B floats (NaN = not applicable)]}). `chat`: (prompts,
+        completions) as message lists for chat rows, what user functions get then (TRL passes
+        conversational data so); rlfuse's built-in rewards keep the text."""
         self.error_counts = {n: 0 for n in self.names}
         per = {}
-        for name, fn in zip(self.names, self.fns):
-            per[name] = self._call(name, fn, prompts, completions, columns)
+        for name, fn, text_only in zip(self.names, self.fns, self.text_only):
+            p, c = (prompts, completions) if chat is None or text_only else chat
+            per[name] = self._call(name, fn, p, c, columns)
             failed = self.error_counts[name]
             self.total_error_counts[name] += failed
             self._pending_counts[name] += failed
