@@ -244,3 +244,20 @@ def test_the_api_logs_like_the_cli_unless_logging_is_configured(monkeypatch, cap
     monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # the program's own setup
     log_to_stderr_unless_configured()
     assert pkg.handlers == []
+
+
+def test_the_next_stage_inherits_the_earlier_trainers_settings(tmp_path):
+    """Issue 37: GRPOTrainer(sft, ...) without a config took every default and failed
+    (data.max_prompt_len 512 does not fit the 64-token context) only after the SFT ran."""
+    folder = write_model_folder(tmp_path / "base")
+    sft = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft",
+                     args={"steps": 1, "batch_size": 4})
+    sft._release()
+    grpo = GRPOTrainer(sft, reward_funcs=[len], train_dataset=GRPO_ROWS, run_dir=tmp_path / "grpo",
+                       args={"steps": 1, "max_new_tokens": 4})
+    try:
+        assert grpo.config.data.max_prompt_len == 16 and grpo.config.engine.max_model_len == 64
+        assert grpo.config.optim.lr == sft.config.optim.lr and grpo.config.grpo.max_new_tokens == 4
+        assert grpo.config.logging.run_dir == str(tmp_path / "grpo")
+    finally:
+        grpo._release()

@@ -18,7 +18,8 @@ resume or overwrite, as the commands' --resume / --overwrite / --force), opens t
     dict of its fields); `overrides`: "a.b=value" strings as --set.
   * model: a folder (HF, checkpoint or run: `load_model`'s forms), a CausalLM with its
     `tokenizer=`, or an earlier trainer, whose model, tokenizer and engine are taken over
-    (SFT then GRPO on one copy of the weights); None: the config's model section.
+    (SFT then GRPO on one copy of the weights), and its config too when `config` is None;
+    None: the config's model section.
   * train_dataset / eval_dataset: a path (data.train / data.eval), a list of dicts, or
     anything with `to_list()` (a `datasets.Dataset`). Rows in memory are written to
     RUN_DIR/data/<split>.jsonl and read back like a file, so the run folder's config.yaml
@@ -142,8 +143,13 @@ class _Trainer:
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
                  force: bool = False, dist: DistContext | None = None, tools=None):
-        config, in_config = _tool_functions_out(config)
         log_to_stderr_unless_configured()
+        if isinstance(model, _Trainer) and config is None:
+            # the next stage of the same run: its settings (data formatting and lengths, engine,
+            # optimizer, ...) unless a config is given; a GRPO after an SFT on a 64-token model
+            # once failed on the default max_prompt_len only after the SFT had run
+            config = replace(model.config, **{"checkpoint.resume": "never"})
+        config, in_config = _tool_functions_out(config)
         cfg = load_run_config(config, overrides)
         changes: dict = {}
         if args is not None:
