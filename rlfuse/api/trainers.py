@@ -149,6 +149,9 @@ class _Trainer:
             # optimizer, ...) unless a config is given; a GRPO after an SFT on a 64-token model
             # once failed on the default max_prompt_len only after the SFT had run
             config = replace(model.config, **{"checkpoint.resume": "never"})
+            inherited = (dict(model.session.reward_functions), dict(model.session.tool_functions))
+        else:
+            inherited = ({}, {})
         config, in_config = _tool_functions_out(config)
         cfg = load_run_config(config, overrides)
         changes: dict = {}
@@ -173,7 +176,7 @@ class _Trainer:
             self._given = dict(model=model, tokenizer=tokenizer)
         elif model is not None:
             changes.update({"model.path": str(resolve_model_folder(model, "model")), "model.random_init": None})
-        fns: dict[str, Callable] = {}
+        fns: dict[str, Callable] = {} if reward_funcs is not None else inherited[0]
         if reward_funcs is not None:
             funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
             weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
@@ -186,7 +189,7 @@ class _Trainer:
                 if call is not None:
                     fns[spec.name] = call
             changes["rewards"] = specs
-        tool_fns: dict[str, Callable] = {}
+        tool_fns: dict[str, Callable] = {} if tools is not None or in_config is not None else inherited[1]
         if tools is not None or in_config is not None:
             specs = []
             for i, t in enumerate(list(tools if tools is not None else in_config)):
