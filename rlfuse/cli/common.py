@@ -157,7 +157,9 @@ def print_data(res: dict) -> None:
 def setup_threads(threads: int | None) -> None:
     """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer >= 1)."""
     what, raw = ("--threads", threads) if threads is not None else ("RLFUSE_THREADS", os.environ.get("RLFUSE_THREADS"))
-    if raw is None:
+    if raw is None:  # say what torch chose: on a shared machine it can be the slowest choice
+        log.info("torch CPU threads: %d (torch's default, one per core; --threads N or RLFUSE_THREADS=N to change: "
+                 "1-2 often run a small model faster on a busy machine)", torch.get_num_threads())
         return
     try:
         n = int(raw)
