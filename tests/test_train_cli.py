@@ -69,3 +69,16 @@ def test_a_failed_start_leaves_the_runs_config_as_it_was(tmp_path, recipe, capsy
                  "--set", "sft.steps=2"]) == 2
     assert "data.train" in capsys.readouterr().err
     assert (run / "config.yaml").read_text() == before
+
+
+def test_the_thread_count_is_always_logged(caplog, monkeypatch):
+    """Issue 37: speed swung up to 19x with torch's default threads, and nothing said which."""
+    import logging
+
+    import torch
+
+    from rlfuse.cli.common import setup_threads
+    monkeypatch.delenv("RLFUSE_THREADS", raising=False)
+    with caplog.at_level(logging.INFO, logger="rlfuse.cli"):
+        setup_threads(None)
+    assert f"torch CPU threads: {torch.get_num_threads()} (torch's default" in caplog.text
