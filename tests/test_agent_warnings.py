@@ -110,3 +110,28 @@ def test_trained_tokens_are_counted():
     b = Episode(1, 0, [1], token_ids=[5, 6], loss_mask=[1, 1])
     m = episode_metrics([a, b])
     assert m["rollout/trained_tokens_per_episode"] == 2.0 and m["rollout/trained_frac"] == 4 / 6
+
+
+def test_sft_on_tool_transcripts_trains_the_rollouts_ids():
+    """Issue 37: `rlfuse sft` on chat rows trained the newline after each end token and never
+    gave the tools to the template (216 prompt ids against 403 in the rollout). With
+    rollout.tools set, the warm-up lays chat rows out as the rollout does."""
+    from rlfuse.data import build_sft_examples
+    from rlfuse.rollout import episode_renderer
+
+    tok = chat_tokenizer("qwen2")
+    call = format_tool_call(ToolCall("calculator", {"expression": "12*34"}), "hermes")
+    msgs = [{"role": "user", "content": "What is 12 * 34?"}, {"role": "assistant", "content": call},
+            {"role": "tool", "content": "408"}, {"role": "assistant", "content": "408"}]
+    renderer = episode_renderer(tok, RolloutConfig(tools=["calculator"]))
+    assert [t["function"]["name"] for t in renderer.tools] == ["calculator"]
+    data = DataConfig(max_prompt_len=1000)
+    [ex] = build_sft_examples([("r:1", {"messages": msgs})], tok, data, 4096, chat_layout=renderer.transcript)
+    ids, mask = renderer.transcript(msgs)
+    assert ex.ids == ids and ex.mask == [bool(m) for m in mask]
+    assert "calculator" in tok.decode(ex.ids[:mask.index(1)])  # the tools are in the prompt
+    trained = [t for t, m in zip(ex.ids, ex.mask) if m]
+    assert trained == tok.encode(call, add_special_tokens=False) + [min(renderer.eos_ids)] + \
+        tok.encode("408", add_special_tokens=False) + [min(renderer.eos_ids)]  # no newline after an end token
+    [plain] = build_sft_examples([("r:1", {"messages": msgs})], tok, data, 4096)
+    assert sum(plain.mask) > sum(ex.mask)  # the template's own layout also trains what follows each end

@@ -8,11 +8,11 @@ from rlfuse.rollout.evaluate import evaluate, score_samples
 from rlfuse.rollout.exactness import multi_turn_setting
 from rlfuse.rollout.multi_turn import Episode, run_episodes
 from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
-from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler
+from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler, episode_renderer
 from rlfuse.rollout.tool_calls import ToolCall, format_tool_call
 from rlfuse.rollout.tools import PYTHON_TOOL, Tool, ToolError, ToolTimeout, calculator, load_tools
 
 __all__ = ["PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
            "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
-           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "evaluate", "format_tool_call", "load_tools",
-           "multi_turn_setting", "run_episodes", "score_samples"]
+           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "episode_renderer", "evaluate", "format_tool_call",
+           "load_tools", "multi_turn_setting", "run_episodes", "score_samples"]

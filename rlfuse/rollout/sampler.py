@@ -148,6 +148,26 @@ def env_tool_schemas(env_cls) -> list[dict] | None:
     return [t if isinstance(t, dict) else load_tools([t], what=what, check=False)[0].schema() for t in tools]
 
 
+def episode_renderer(tokenizer, cfg: RolloutConfig, schemas: list[dict] | None = None, *,
+                     tool_functions: dict | None = None) -> ChatRenderer:
+    """The ChatRenderer of the recipe's episodes: its chat template (rollout.chat_template,
+    else the tokenizer's), tool-call format and tool schemas (`schemas`, else those of
+    rollout.tools or the environment class's `tools`; no code is run). An SFT warm-up lays
+    its chat rows out with it (`transcript`), so it trains exactly the ids a rollout makes."""
+    if schemas is None:
+        if cfg.env:
+            schemas = env_tool_schemas(load_function(cfg.env, "rollout.env"))
+        elif cfg.tools:
+            schemas = [t.schema() for t in load_tools(cfg.tools, check=False, functions=tool_functions)]
+    template = None
+    if cfg.chat_template:
+        try:
+            template = open(cfg.chat_template, encoding="utf-8").read()
+        except OSError as e:
+            raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
+    return ChatRenderer(tokenizer, tools=schemas, chat_template=template, tool_call_format=cfg.tool_call_format)
+
+
 class MultiTurnSampler:
     """An `EngineSampler` plus multi-turn episodes (`rollout.tools` or `rollout.env`);
     `generate` stays the single-turn one. `last_metrics`: the last `episodes` call's
@@ -167,14 +187,7 @@ class MultiTurnSampler:
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
             schemas = self.runner.schemas()
-        template = None
-        if cfg.chat_template:
-            try:
-                template = open(cfg.chat_template, encoding="utf-8").read()
-            except OSError as e:
-                raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
-        self.renderer = ChatRenderer(tokenizer, tools=schemas, chat_template=template,
-                                     tool_call_format=cfg.tool_call_format)
+        self.renderer = episode_renderer(tokenizer, cfg, schemas)
         self.last_metrics: dict = {}
         self._no_calls = 0  # rollouts without a single tool call (warned)
 
