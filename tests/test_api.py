@@ -261,3 +261,15 @@ def test_the_next_stage_inherits_the_earlier_trainers_settings(tmp_path):
         assert grpo.config.logging.run_dir == str(tmp_path / "grpo")
     finally:
         grpo._release()
+
+
+def test_run_folder_errors_name_the_api_arguments(tmp_path):
+    """Issue 37: API errors said --resume / --overwrite / --run-dir."""
+    folder = write_model_folder(tmp_path / "base")
+    sft = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft",
+                     args={"steps": 1, "batch_size": 4})
+    sft.train()
+    with pytest.raises(ValueError) as e:
+        SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft")
+    msg = str(e.value)
+    assert "resume=True" in msg and "overwrite=True" in msg and "run_dir=" in msg and "--" not in msg, msg

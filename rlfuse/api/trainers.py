@@ -132,6 +132,20 @@ def _tool_spec(t, i: int) -> str:
     return PYTHON_TOOL + t.__name__
 
 
+_CLI_TO_API = (("--resume --force", "resume=True, force=True"), ("pass --force", "pass force=True"),
+               ("--resume", "resume=True"), ("--overwrite", "overwrite=True"), ("--force", "force=True"),
+               ("another --run-dir", "another run_dir="), ("a new --run-dir", "a new run_dir="),
+               ("--run-dir", "run_dir="))
+
+
+def _api_words(msg: str) -> str:
+    """A run-folder message as the Python API's arguments name things (resume=True, not
+    --resume): rlfuse.run.folder words them for the command line."""
+    for cli, api in _CLI_TO_API:
+        msg = msg.replace(cli, api)
+    return msg
+
+
 class _Trainer:
     kind = ""
     """The command and config section: sft, grpo, ppo, dpo."""
@@ -230,8 +244,11 @@ class _Trainer:
         error if it refuses. The lock is held until `train()` ends."""
         def prepare():
             if self.dist is None or self.dist.is_main:
-                self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
-                                                force=force)
+                try:
+                    self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
+                                                    force=force)
+                except ValueError as e:
+                    raise ValueError(_api_words(str(e))) from None
         if self.dist is None:
             prepare()
             return
