@@ -156,7 +156,7 @@ class _Trainer:
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 force: bool = False, dist: DistContext | None = None, tools=None):
+                 force: bool = False, dist: DistContext | None = None, tools=None, words: str = "api"):
         log_to_stderr_unless_configured()
         if isinstance(model, _Trainer) and config is None:
             # the next stage of the same run: its settings (data formatting and lengths, engine,
@@ -227,6 +227,7 @@ class _Trainer:
         self.config: RunConfig = replace(cfg, **changes) if changes else cfg
         self.dist = dist
         self._lock: RunLock | None = None
+        self._words = words  # "cli": the commands construct this trainer; their errors name --resume, ...
         self._prepare(resume, overwrite, force)
         try:
             for split, rows in in_memory.items():
@@ -248,6 +249,8 @@ class _Trainer:
                     self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
                                                     force=force)
                 except ValueError as e:
+                    if self._words == "cli":
+                        raise
                     raise ValueError(_api_words(str(e))) from None
         if self.dist is None:
             prepare()

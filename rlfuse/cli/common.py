@@ -71,7 +71,7 @@ def load_run_config(args) -> RunConfig:
 def run_flags(args) -> dict:
     """--resume / --overwrite / --force as the trainers' keywords (rlfuse.run.folder)."""
     return dict(resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
-                force=getattr(args, "force", False))
+                force=getattr(args, "force", False), words="cli")
 
 
 THREADS_HELP = ("torch CPU threads (default: torch's choice, one per core; RLFUSE_THREADS also sets it). On a "
