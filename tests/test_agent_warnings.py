@@ -34,6 +34,10 @@ def test_a_template_that_drops_tools_is_warned(caplog):
         ChatRenderer(chat_tokenizer("qwen2"), tools=SCHEMAS)  # Qwen2.5's template lists them
         ChatRenderer(chat_tokenizer("qwen2", template=SMOLLM2))  # no tools: nothing to show
     assert not _warnings(caplog, "does not render `tools`")
+    from rlfuse.rollout import char_chat_tokenizer
+    with caplog.at_level(logging.WARNING):  # the tiny models' template leaves tools out on purpose
+        ChatRenderer(char_chat_tokenizer("0123456789+= ", SCHEMAS), tools=SCHEMAS)
+    assert not _warnings(caplog, "does not render `tools`")
 
 
 def _sampler(tok, policy):

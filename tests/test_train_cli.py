@@ -82,3 +82,18 @@ def test_the_thread_count_is_always_logged(caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="rlfuse.cli"):
         setup_threads(None)
     assert f"torch CPU threads: {torch.get_num_threads()} (torch's default" in caplog.text
+
+
+def test_the_tiny_char_model_trains_on_your_own_jsonl(tmp_path, recipe, capsys):
+    """Issue 37: model.tokenizer: char with a JSONL file failed ("'char' needs a builtin task").
+    The alphabet now comes from the file's own text, and the run's final/ carries it."""
+    rows = [{"prompt": f"reverse {w}: ", "completion": w[::-1]} for w in ("abc", "hello", "rlfuse", "tiny", "xyz")]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--set", f"data.train={data}", "--set", "data.eval=",
+                 "--set", "rewards=[]", "--set", "sft.steps=2", "--set", "data.max_prompt_len=15"]) == 0, \
+        capsys.readouterr().err
+    tok = json.loads((run / "final" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    assert all(c in vocab for c in "reverslhofuntiyxz:")

@@ -193,7 +193,7 @@ class ChatRenderer:
     def _check_tools_rendered(self) -> None:
         """Warn when the template drops `tools` (SmolLM2's does): the model is then never
         told the tools' names and arguments, and a policy that never calls one learns nothing."""
-        if not self.tools:
+        if not self.tools or NO_TOOL_LIST in self._source:
             return
         names = [t.get("function", t).get("name", "") for t in self.tools if isinstance(t, dict)]
         text = self.render([{"role": "user", "content": "?"}], True)
@@ -253,8 +253,10 @@ def _fix_hint(template: str) -> str:
 
 
 # ---------------------------------------------------------------------- tiny models
+NO_TOOL_LIST = "{#- tools are not listed: a tiny model learns them from SFT -#}"
+"""A template that holds this comment omits `tools` on purpose (no warning)."""
 CHAR_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ '<s>' + m.content }}"
+    NO_TOOL_LIST + "{% for m in messages %}{% if m.role == 'system' %}{{ '<s>' + m.content }}"
     "{% elif m.role == 'user' %}{{ '<u>' + m.content }}"
     "{% elif m.role == 'assistant' %}{{ '<a>' + m.content + eos_token }}"
     "{% else %}{{ '<r>' + m.content }}{% endif %}{% endfor %}"

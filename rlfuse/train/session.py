@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
+from rlfuse.data import build_prompts, check_prompt_len, load_rows, rows_alphabet, task_alphabet
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
 from rlfuse.run import (apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device,
                         seed_everything)
@@ -92,9 +92,10 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     eval_rows = load_rows(cfg.data, "eval") if has_eval else []
     if tokenizer is None:
         alphabet = ""
-        if cfg.model.tokenizer == "char" and cfg.data.train.startswith("builtin:"):
-            alphabet = task_alphabet(cfg.data.train.removeprefix("builtin:"),
-                                     [r for _, r in train_rows] + [r for _, r in eval_rows])
+        if cfg.model.tokenizer == "char":  # the alphabet of the task, or of the user's own rows
+            rows = [r for _, r in train_rows] + [r for _, r in eval_rows]
+            alphabet = (task_alphabet(cfg.data.train.removeprefix("builtin:"), rows)
+                        if cfg.data.train.startswith("builtin:") else rows_alphabet(rows))
         if cfg.rollout.multi_turn and alphabet:
             # episodes need a chat template: the compact one, with the tool calls' fixed pieces as tokens
             tools = ([t.schema() for t in load_tools(cfg.rollout.tools, check=False, functions=tool_functions)]
