@@ -1182,6 +1182,18 @@ def test_bad_sampling_params(kw, msg):
 
 
 @pytest.mark.bad_input("config-ranges")
+def test_grpo_max_new_tokens_over_the_room_a_prompt_leaves_is_warned(tmp_path, capsys, caplog):
+    """Issue 37: max_new_tokens 256 on a 64-token model learned nothing, silently."""
+    recipe = _tiny_recipe(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["grpo", str(recipe), "--set", "grpo.max_new_tokens=30"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "grpo.max_new_tokens=30 exceeds the room a prompt of data.max_prompt_len=8 tokens "
+                    "leaves in the 32-token context (24)", "rlfuse grpo with grpo.max_new_tokens=30, "
+                    "data.max_prompt_len=8 and a 32-token model context", count=1)
+
+
+@pytest.mark.bad_input("config-ranges")
 def test_grpo_max_new_tokens_over_the_context_is_warned(tmp_path, capsys, caplog):
     recipe = _tiny_recipe(tmp_path)
     with caplog.at_level(logging.WARNING):

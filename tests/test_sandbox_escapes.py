@@ -315,6 +315,7 @@ def test_remote_sandbox_fails_closed_when_unreachable():
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    with pytest.raises(ValueError, match=r"rollout\.sandbox: the SandboxFusion server at http://127\.0\.0\.1:\d+/run_code "
-                                         r"did not run a test program \(the remote sandbox failed"):
+    with pytest.raises(ValueError, match=r"rollout\.sandbox: the SandboxFusion server at "
+                                         r"http://127\.0\.0\.1:\d+/run_code did not run a test program "
+                                         r"\(the remote sandbox failed"):
         python_tool(sandbox=f"http://127.0.0.1:{port}", timeout_s=1)

@@ -115,7 +115,8 @@ def test_non_finite_logprobs_are_null_in_json():
     """A NaN or inf log-prob (none is expected after the temperature floor) is sent as null:
     JSON has no NaN, and json.dumps(allow_nan=False) in the response made it a 500."""
     app = types.SimpleNamespace(token_text=lambda t: "x")
-    for kind, req in (("completion", types.SimpleNamespace(logprobs=0)), ("chat", types.SimpleNamespace(logprobs=True))):
+    for kind, req in (("completion", types.SimpleNamespace(logprobs=0)),
+                      ("chat", types.SimpleNamespace(logprobs=True))):
         call = _Call(app, kind, req, [[1]], SamplingParams())
         d = call._logprobs([1, 2, 3], [float("nan"), -math.inf, -0.5])
         json.dumps(d, allow_nan=False)

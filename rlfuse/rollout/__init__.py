@@ -14,5 +14,5 @@ from rlfuse.rollout.tools import PYTHON_TOOL, Tool, ToolError, ToolTimeout, calc
 
 __all__ = ["PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
            "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
-           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "episode_renderer", "evaluate", "format_tool_call",
-           "load_tools", "multi_turn_setting", "run_episodes", "score_samples"]
+           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "episode_renderer", "evaluate",
+           "format_tool_call", "load_tools", "multi_turn_setting", "run_episodes", "score_samples"]

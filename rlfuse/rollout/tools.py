@@ -19,7 +19,8 @@ model only knows a tool by its schema). A tool returns anything `str()` can show
 exception it raises becomes an error observation (`ToolError` for expected failures,
 `ToolTimeout` for time limits, both counted by the environment).
 Built-ins: `calculator` (safe arithmetic: an AST walk over numbers and operators, never
-`eval`) and `python` (model-written code run isolated by bubblewrap, see rlfuse.rollout.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
+`eval`) and `python` (model-written code run isolated by bubblewrap, see
+rlfuse.rollout.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
 Test: python -m pytest -q tests/test_rollout_tools.py
 """
 
