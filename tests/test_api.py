@@ -273,3 +273,18 @@ def test_run_folder_errors_name_the_api_arguments(tmp_path):
         SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft")
     msg = str(e.value)
     assert "resume=True" in msg and "overwrite=True" in msg and "run_dir=" in msg and "--" not in msg, msg
+
+
+def test_resuming_an_api_run_whose_rows_were_in_memory(tmp_path):
+    """Issue 37: resume=True without the datasets was refused (data.train '' against the run's
+    RUN_DIR/data/train.jsonl), and with force=True the failed start rewrote config.yaml."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "checkpoint": {"save_final": False, "every": 1}}
+    first = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=cfg, run_dir=tmp_path / "sft",
+                       args={"steps": 1, "batch_size": 4})
+    assert first.train()["steps"] == 1
+    again = SFTTrainer(str(folder), config=cfg, run_dir=tmp_path / "sft", resume=True,
+                       args={"steps": 2, "batch_size": 4})
+    assert again.config.data.train == str(tmp_path / "sft" / "data" / "train.jsonl")
+    res = again.train()
+    assert res["steps"] == 2 and res["history"][-1]["step"] == 2

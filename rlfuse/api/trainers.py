@@ -42,6 +42,8 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+import yaml
+
 from rlfuse.api.config import load_run_config
 from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
@@ -107,6 +109,16 @@ def _reward_spec(fn, weight: float, i: int) -> tuple[RewardSpec, Callable | None
     if mod and mod != "__main__" and qual == name and name != "<lambda>":
         return RewardSpec(name=f"{mod}:{name}", weight=weight), fn
     return RewardSpec(name=PYTHON_REWARD + (name if name != "<lambda>" else f"reward_{i}"), weight=weight), fn
+
+
+def _saved_data(run_dir: Path) -> dict[str, str]:
+    """data.train / data.eval as the run folder's config.yaml names them (empty ones left out)."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    data = saved.get("data") if isinstance(saved, dict) else None
+    return {k: v for k, v in (data or {}).items() if k in ("train", "eval") and isinstance(v, str) and v}
 
 
 def _tool_functions_out(config):
@@ -221,6 +233,10 @@ class _Trainer:
         run_path = Path(changes.get("logging.run_dir", cfg.logging.run_dir))
         for split in in_memory:
             changes[f"data.{split}"] = str(run_path / "data" / f"{split}.jsonl")
+        if resume:  # the run names its own data (rows once in memory: RUN_DIR/data/*.jsonl)
+            for split, path in _saved_data(run_path).items():
+                if f"data.{split}" not in changes and not getattr(cfg.data, split):
+                    changes[f"data.{split}"] = path
         if in_memory and dist is not None:
             raise ValueError("train_dataset / eval_dataset in memory under torchrun: save them to a file and pass "
                              "its path (every rank reads it)")
