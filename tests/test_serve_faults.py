@@ -152,6 +152,8 @@ def test_engine_step_failure_fails_the_request_not_the_server(server, monkeypatc
     assert "injected step failure" in err["error"]["message"]
     assert server.worker.failures == before + 1 and server.worker.alive
     _served(server)
+    with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
+        assert json.loads(r.read())["step_failures"] == before + 1
     bm = server.llm.block_manager
     assert bm.num_free == bm.num_blocks
 

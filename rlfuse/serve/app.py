@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI) over one `EngineWorker`.
 
-    GET  /health               200 {"status": "ok", requests, running, waiting, free/total KV blocks}; 503 if the
-                               engine loop stopped
+    GET  /health               200 {"status": "ok", requests, running, waiting, free/total KV blocks, step_failures
+                               (engine steps that failed and were recovered from)}; 503 if the engine loop stopped
     GET  /v1/models            the one served model
     POST /v1/completions       text or token-id prompts (a list of them too)
     POST /v1/chat/completions  messages rendered by the model's chat template (`Tokenizer.chat_prompt_ids`,

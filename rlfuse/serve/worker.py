@@ -180,7 +180,7 @@ class EngineWorker:
         elif kind == "snapshot":
             sch, bm = self.llm.scheduler, self.llm.block_manager
             cmd[1].set_result(dict(requests=len(self._live), running=len(sch.running), waiting=len(sch.waiting),
-                                   free_blocks=bm.num_free, total_blocks=bm.num_blocks))
+                                   free_blocks=bm.num_free, total_blocks=bm.num_blocks, step_failures=self.failures))
         elif kind == "stop":
             self._stopping = True
             for rid in list(self._live):
