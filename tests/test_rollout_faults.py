@@ -197,6 +197,11 @@ class ResetReturnsText(_Base):
         return row["prompt"]
 
 
+class ResetExits(_Base):
+    def reset(self, row, *, seed):
+        sys.exit(0)
+
+
 class StepReturnsDict(_Base):
     def step(self, turn):
         return {"done": True}
@@ -210,6 +215,7 @@ class StepExits(_Base):
 @pytest.mark.parametrize("env_cls,msg", [
     (ResetRaises, r"ResetRaises\.reset raised KeyError: 'question' \(row 0"),
     (ResetReturnsText, r"ResetReturnsText\.reset must return a list of message dicts .* got 'a' \(row 0\)"),
+    (ResetExits, r"ResetExits\.reset raised SystemExit: 0 \(row 0"),
     (StepReturnsDict, r"StepReturnsDict\.step returned dict \{'done': True\} \(episode \d\); it must return "
                       r"rlfuse\.rollout\.Step"),
 ])
