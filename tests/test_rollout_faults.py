@@ -263,3 +263,12 @@ def test_finite_rewards_still_pass():
 
     eps, _ = _env_rollout(IntReward)
     assert [e.env_reward for e in eps] == [1.0, 1.0]
+
+
+def test_system_exit_in_env_reward_is_a_counted_env_error():
+    class RewardExits(_Base):
+        def reward(self):
+            sys.exit(1)
+
+    eps, m = _env_rollout(RewardExits)
+    assert [e.env_reward for e in eps] == [None, None] and m["rollout/env_errors_per_episode"] == 1.0

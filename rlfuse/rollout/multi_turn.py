@@ -199,7 +199,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
         if hasattr(lv.env, "reward"):
             try:
                 r = call(lv.env.reward)
-            except Exception as e:  # an environment's bug ends its episode, not the run
+            except (Exception, SystemExit) as e:  # an environment's bug ends its episode, not the run
                 log.warning("episode %d: env.reward() raised %s: %s", lv.ep.index, type(e).__name__, e)
                 lv.ep.info["env_errors"] = lv.ep.info.get("env_errors", 0) + 1
                 return
