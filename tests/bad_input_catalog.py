@@ -42,6 +42,8 @@ CATEGORIES = {
     "cli": "Command line",
     "run-folders": "Run folders: start, resume, overwrite",
     "lora": "LoRA adapters",
+    "serve": "The server (rlfuse serve)",
+    "agents": "Tools, environments and the sandbox",
 }
 
 PROPERTY = "bad_input"  # the key of the (fed, text) entries in item.user_properties

@@ -6,6 +6,7 @@ same process; rows in memory land in RUN_DIR/data as JSONL that the run's config
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -156,3 +157,133 @@ def test_dpo_and_ppo_from_lists(tmp_path):
                      train_dataset=GRPO_ROWS, config=SMALL, run_dir=tmp_path / "ppo",
                      args={"steps": 1, "prompts_per_step": 4, "max_new_tokens": 4})
     assert ppo.model is dpo.model and ppo.train()["steps"] == 1
+
+
+def test_generate_works_with_tools_set(tmp_path):
+    """Before: AttributeError: 'MultiTurnSampler' object has no attribute 'llm'."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "rollout": {"tools": ["calculator"], "max_turns": 2}}
+    grpo = GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=cfg,
+                       run_dir=tmp_path / "grpo", args={"steps": 1, "max_new_tokens": 4})
+    texts = grpo.generate(["1+2=", "3+0="], max_tokens=4)
+    assert len(texts) == 2 and all(isinstance(t, str) for t in texts)
+    grpo._release()
+
+
+def lookup(city: str) -> str:
+    """Look up a city's temperature.
+
+    Args:
+        city: the city's name.
+    """
+    return f"{city}: 21 degrees"
+
+
+@pytest.mark.parametrize("how", ["tools-argument", "in-the-config"])
+def test_the_api_takes_a_tool_function(tmp_path, how):
+    """Before: rollout.tools[0]: expected a string, got <function lookup>."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "rollout": {"max_turns": 2}}
+    kw = {"tools": [lookup, "calculator"]}
+    if how == "in-the-config":
+        cfg["rollout"] = {**cfg["rollout"], "tools": [lookup, "calculator"]}
+        kw = {}
+    grpo = GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=cfg,
+                       run_dir=tmp_path / "grpo", args={"steps": 1, "max_new_tokens": 4}, **kw)
+    try:
+        assert grpo.config.rollout.tools == ["python:lookup", "calculator"]
+        assert "python:lookup" in (tmp_path / "grpo" / "config.yaml").read_text()
+        runner = grpo.session.sampler.runner
+        assert [s["function"]["name"] for s in runner.schemas()] == ["lookup", "calculator"]
+        assert runner.tools["lookup"].call({"city": "Oslo"}) == "Oslo: 21 degrees"
+    finally:
+        grpo._release()
+    from rlfuse.rollout import load_tools
+    with pytest.raises(ValueError, match=r"rollout.tools\[0\]: 'python:lookup' names a function given to the "
+                                         r"Python API"):
+        load_tools(["python:lookup"])  # the run's config.yaml read by another process (rlfuse eval, --resume)
+    with pytest.raises(ValueError, match=r"tools\[0\]: expected a built-in name, FILE.py:FUNCTION or a named"):
+        GRPOTrainer(str(folder), reward_funcs=[len], train_dataset=GRPO_ROWS, config=SMALL,
+                    run_dir=tmp_path / "g2", tools=[lambda city: city])
+
+
+@pytest.mark.parametrize("kw,key", [({"learning_rate": 1e-6}, "optim.lr"), ({"num_generations": 4}, "grpo.group_size"),
+                                    ({"max_completion_length": 64}, "grpo.max_new_tokens"),
+                                    ({"beta": 0.04}, "grpo.kl_coef")])
+def test_trl_names_name_rlfuse_s_field(kw, key):
+    """Before: a bare TypeError (__init__() got an unexpected keyword argument)."""
+    from rlfuse import GRPOConfig
+    with pytest.raises(ValueError, match=rf"GRPOConfig: unknown field '{next(iter(kw))}' \(that is TRL's name; "
+                                         rf"rlfuse's is {re.escape(key)}"):
+        GRPOConfig(**kw)
+    with pytest.raises(ValueError, match=r"SFTConfig: unknown field 'lr' \(fields: batch_size, eval_every"):
+        SFTConfig(lr=1e-3)
+
+
+def test_the_api_logs_like_the_cli_unless_logging_is_configured(monkeypatch, capsys):
+    """Issue 37: the Python API printed no log lines (no evaluations, no summary)."""
+    import logging
+
+    from rlfuse.api.trainers import log_to_stderr_unless_configured
+    pkg = logging.getLogger("rlfuse")
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    monkeypatch.setattr(pkg, "handlers", [])
+    monkeypatch.setattr(pkg, "level", logging.NOTSET)
+    engine_level = logging.getLogger("rlfuse.engine").level
+    try:
+        log_to_stderr_unless_configured()
+        logging.getLogger("rlfuse.train.demo").info("held-out accuracy 0.5")
+        assert "INFO rlfuse.train.demo: held-out accuracy 0.5" in capsys.readouterr().err
+        handlers = list(pkg.handlers)
+        log_to_stderr_unless_configured()
+        assert pkg.handlers == handlers  # once
+    finally:
+        logging.getLogger("rlfuse.engine").setLevel(engine_level)
+    monkeypatch.setattr(pkg, "handlers", [])
+    monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])  # the program's own setup
+    log_to_stderr_unless_configured()
+    assert pkg.handlers == []
+
+
+def test_the_next_stage_inherits_the_earlier_trainers_settings(tmp_path):
+    """Issue 37: GRPOTrainer(sft, ...) without a config took every default and failed
+    (data.max_prompt_len 512 does not fit the 64-token context) only after the SFT ran."""
+    folder = write_model_folder(tmp_path / "base")
+    sft = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft",
+                     args={"steps": 1, "batch_size": 4})
+    sft._release()
+    grpo = GRPOTrainer(sft, reward_funcs=[len], train_dataset=GRPO_ROWS, run_dir=tmp_path / "grpo",
+                       args={"steps": 1, "max_new_tokens": 4})
+    try:
+        assert grpo.config.data.max_prompt_len == 16 and grpo.config.engine.max_model_len == 64
+        assert grpo.config.optim.lr == sft.config.optim.lr and grpo.config.grpo.max_new_tokens == 4
+        assert grpo.config.logging.run_dir == str(tmp_path / "grpo")
+    finally:
+        grpo._release()
+
+
+def test_run_folder_errors_name_the_api_arguments(tmp_path):
+    """Issue 37: API errors said --resume / --overwrite / --run-dir."""
+    folder = write_model_folder(tmp_path / "base")
+    sft = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft",
+                     args={"steps": 1, "batch_size": 4})
+    sft.train()
+    with pytest.raises(ValueError) as e:
+        SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=SMALL, run_dir=tmp_path / "sft")
+    msg = str(e.value)
+    assert "resume=True" in msg and "overwrite=True" in msg and "run_dir=" in msg and "--" not in msg, msg
+
+
+def test_resuming_an_api_run_whose_rows_were_in_memory(tmp_path):
+    """Issue 37: resume=True without the datasets was refused (data.train '' against the run's
+    RUN_DIR/data/train.jsonl), and with force=True the failed start rewrote config.yaml."""
+    folder = write_model_folder(tmp_path / "base")
+    cfg = {**SMALL, "checkpoint": {"save_final": False, "every": 1}}
+    first = SFTTrainer(str(folder), train_dataset=SFT_ROWS, config=cfg, run_dir=tmp_path / "sft",
+                       args={"steps": 1, "batch_size": 4})
+    assert first.train()["steps"] == 1
+    again = SFTTrainer(str(folder), config=cfg, run_dir=tmp_path / "sft", resume=True,
+                       args={"steps": 2, "batch_size": 4})
+    assert again.config.data.train == str(tmp_path / "sft" / "data" / "train.jsonl")
+    res = again.train()
+    assert res["steps"] == 2 and res["history"][-1]["step"] == 2

@@ -723,6 +723,58 @@ def test_checkpoint_write_failure_names_path_and_keeps_the_previous(run, monkeyp
     assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
 
 
+_SAFETENSORS_FULL = ('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                     '"No space left on device" })')
+
+
+@pytest.mark.bad_input("checkpoints-fs")
+@pytest.mark.parametrize("what", ["safetensors-disk-full", "tokenizer-writer"])
+def test_every_checkpoint_writer_failure_is_the_same_clear_line(run, monkeypatch, what):
+    """Before: a SafetensorError from a full disk was a traceback (only OSError and RuntimeError
+    were caught); now every writer's failure ends in the same line, the previous checkpoints
+    intact."""
+    from safetensors import SafetensorError
+
+    from rlfuse.model import weights
+
+    r, model, opt = run
+    tok = None
+    if what == "safetensors-disk-full":
+        _fail_with(monkeypatch, weights, "save_file", SafetensorError(_SAFETENSORS_FULL))
+        fed = f"saving checkpoint step 3: safetensors' save_file fails (SafetensorError: {_SAFETENSORS_FULL})"
+        msg = (r"cannot write .*step_000003: no space left on device\? safetensors could not write its data "
+               r"\(safetensors: Error while serializing: IoError")
+    else:
+        class Tok:  # the tokenizers library reports a failed write as a bare Exception
+            def save(self, folder):
+                raise Exception("No space left on device (os error 28)")
+        tok = Tok()
+        fed = "saving checkpoint step 3: the tokenizer's save fails (Exception: No space left on device (os error 28))"
+        msg = r"cannot write .*step_000003: no space left on device\? Exception could not write its data"
+    expect_error(lambda: ck.save_checkpoint(r, 3, model, opt, {}, tokenizer=tok, keep_last=1),
+                 msg + r".*the previous checkpoints are untouched", fed)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (r / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert rs.resolve_resume("auto", r).name == "step_000002"
+
+
+@pytest.mark.bad_input("checkpoints-fs")
+def test_final_safetensors_failure_keeps_the_previous_final(run, monkeypatch):
+    from safetensors import SafetensorError
+
+    from rlfuse.model import weights
+
+    r, model, _ = run
+    ck.save_final(r, model)
+    before = (r / "final/model.safetensors").read_bytes()
+    _fail_with(monkeypatch, weights, "save_file", SafetensorError(_SAFETENSORS_FULL))
+    expect_error(lambda: ck.save_final(r, model), r"cannot write .*final: no space left on device\? safetensors",
+                 f"saving final/ over a previous one: safetensors' save_file fails (SafetensorError: "
+                 f"{_SAFETENSORS_FULL})")
+    assert (r / "final/model.safetensors").read_bytes() == before
+    assert sorted(p.name for p in r.iterdir() if p.name.startswith(".final")) == []
+
+
 @pytest.mark.bad_input("checkpoints-fs")
 def test_final_write_failure_keeps_the_previous_final(run, monkeypatch):
     r, model, _ = run
@@ -1130,6 +1182,18 @@ def test_bad_sampling_params(kw, msg):
 
 
 @pytest.mark.bad_input("config-ranges")
+def test_grpo_max_new_tokens_over_the_room_a_prompt_leaves_is_warned(tmp_path, capsys, caplog):
+    """Issue 37: max_new_tokens 256 on a 64-token model learned nothing, silently."""
+    recipe = _tiny_recipe(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        rc, _, err = _cli(["grpo", str(recipe), "--set", "grpo.max_new_tokens=30"], capsys)
+    assert rc == 0, err
+    expect_reported(caplog, "grpo.max_new_tokens=30 exceeds the room a prompt of data.max_prompt_len=8 tokens "
+                    "leaves in the 32-token context (24)", "rlfuse grpo with grpo.max_new_tokens=30, "
+                    "data.max_prompt_len=8 and a 32-token model context", count=1)
+
+
+@pytest.mark.bad_input("config-ranges")
 def test_grpo_max_new_tokens_over_the_context_is_warned(tmp_path, capsys, caplog):
     recipe = _tiny_recipe(tmp_path)
     with caplog.at_level(logging.WARNING):
@@ -1246,6 +1310,17 @@ def test_cli_triton_backend_on_cpu_without_the_interpreter(tmp_path, capsys, mon
               r"model\.kernel_backend: 'triton' on cpu runs only under Triton's interpreter "
               r"\(TRITON_INTERPRET=1 .*use model\.kernel_backend: auto or torch on cpu",
               " (on a CPU, TRITON_INTERPRET unset)")
+
+
+@pytest.mark.bad_input("cli")
+@pytest.mark.parametrize("argv", [["check", "--tiny", "--threads", "0"], ["serve", "nowhere", "--threads", "0"],
+                                  ["generate", "nowhere", "--prompt", "x", "--threads", "0"]],
+                         ids=["check", "serve", "generate"])
+def test_threads_is_checked_by_the_inference_commands(capsys, argv):
+    """check, serve and generate had no --threads (issue 37: their speed swung with torch's default)."""
+    rc, _, err = _cli(argv, capsys)
+    cli_error_line(rc, err, r"--threads: expected an integer >= 1 \(torch CPU threads\), got 0",
+                   f"rlfuse {' '.join(argv)}")
 
 
 @pytest.mark.bad_input("cli")
@@ -1824,6 +1899,133 @@ def test_cli_generate_with_a_missing_adapter(tmp_path, capsys):
     rc, _, err = _cli(argv, capsys)
     cli_error_line(rc, err, r"adapter .*nope: no such folder \(a PEFT LoRA adapter folder holds",
                    "rlfuse generate BASE --adapter <missing folder>")
+
+
+# ------------------------------------------------------------------ the server (issue 37)
+@pytest.fixture(scope="module")
+def serve_client(tmp_path_factory):
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+    from serve_helpers import write_model_folder
+
+    from rlfuse.api import load_model
+    from rlfuse.engine import LLM, EngineConfig
+    from rlfuse.serve import build_app
+
+    model, tok = load_model(write_model_folder(tmp_path_factory.mktemp("bad_serve")), device="cpu")
+    llm = LLM(model, tok, EngineConfig(max_model_len=96, max_num_seqs=4, num_kv_blocks=16))
+    with TestClient(build_app(llm, "tiny")) as client:
+        yield client
+
+
+SERVE_CASES = [
+    # (id, route, raw JSON body, the error's param)
+    ("stop-token-id-past-the-vocab", "completions",
+     '{"model": "tiny", "prompt": "abc", "min_tokens": 2, "stop_token_ids": [1000000]}', "stop_token_ids"),
+    ("top-k-2**63", "completions", '{"model": "tiny", "prompt": "abc", "top_k": 9223372036854775808}', "top_k"),
+    ("top-k-past-the-vocab", "completions", '{"model": "tiny", "prompt": "abc", "top_k": 100000}', "top_k"),
+    ("temperature-1e-40", "completions", '{"model": "tiny", "prompt": "abc", "temperature": 1e-40, "logprobs": 0}',
+     "temperature"),
+    ("lone-surrogate-prompt", "completions", '{"model": "tiny", "prompt": "\\ud800abc"}', "prompt"),
+    ("lone-surrogate-chat", "chat/completions",
+     '{"model": "tiny", "messages": [{"role": "user", "content": "hi \\udfff"}]}', "messages.0.content"),
+]
+
+
+@pytest.mark.bad_input("serve")
+@pytest.mark.parametrize("route,body,param", [c[1:] for c in SERVE_CASES], ids=[c[0] for c in SERVE_CASES])
+def test_serve_refuses_a_request_that_stopped_the_engine(serve_client, route, body, param):
+    """Each once took the engine down (every later request 503) or answered a plain 500."""
+    r = serve_client.post(f"/v1/{route}", content=body.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and err["type"] == "invalid_request_error"
+    catalog.seen(f"POST /v1/{route} {body}", f"400 {err['message']}")
+    assert serve_client.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------ tools, environments, the sandbox (issue 37)
+class _EnvResetKeyError:
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["question"]}]
+
+    def step(self, turn):
+        from rlfuse.rollout import Step
+        return Step(done=True)
+
+
+class _EnvStepDict(_EnvResetKeyError):
+    def reset(self, row, *, seed):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, turn):
+        return {"done": True}
+
+
+class _EnvNanReward(_EnvStepDict):
+    def step(self, turn):
+        from rlfuse.rollout import Step
+        return Step(done=True)
+
+    def reward(self):
+        return float("nan")
+
+
+AGENT_ENV_CASES = [
+    ("env-reset-raises", _EnvResetKeyError, r"_EnvResetKeyError\.reset raised KeyError: 'question' \(row 0",
+     "rollout.env whose reset reads a missing row field (row['question'])"),
+    ("env-step-returns-a-dict", _EnvStepDict, r"_EnvStepDict\.step returned dict \{'done': True\}",
+     "rollout.env whose step returns {'done': True}"),
+    ("env-reward-nan", _EnvNanReward, r"_EnvNanReward\.reward\(\) gave nan for episode 0 \(row 0\)",
+     "rollout.env whose reward() returns nan"),
+]
+
+
+@pytest.mark.bad_input("agents")
+@pytest.mark.parametrize("env_cls,msg,fed", [c[1:] for c in AGENT_ENV_CASES], ids=[c[0] for c in AGENT_ENV_CASES])
+def test_environment_faults_are_one_line_naming_the_class(env_cls, msg, fed):
+    from agent_setup import ScriptedEngine, chat_tokenizer
+
+    from rlfuse.rollout import ChatRenderer, run_episodes
+    from rlfuse.run.config import RolloutConfig
+
+    tok = chat_tokenizer("qwen2")
+    eng = ScriptedEngine(tok, lambda ids, k: "answer")
+    expect_error(lambda: run_episodes(eng, ChatRenderer(tok), env_cls, [{"prompt": "a"}], cfg=RolloutConfig()),
+                 msg, fed)
+
+
+@pytest.mark.bad_input("agents")
+def test_python_tool_fails_closed_without_isolation(monkeypatch):
+    from rlfuse.rollout import sandbox as sb
+    from rlfuse.rollout.agent.tools import load_tools
+
+    monkeypatch.setattr(sb, "find_bwrap", lambda: None)
+    sb._probe.cache_clear()
+    try:
+        expect_error(lambda: load_tools(["python"]), r"rollout\.sandbox: the python tool runs model-written code "
+                     r"isolated by bubblewrap \(bwrap\), which is not usable here: no bwrap executable found",
+                     "rollout.tools: [python] on a machine without bwrap")
+    finally:
+        sb._probe.cache_clear()
+
+
+@pytest.mark.bad_input("agents")
+def test_python_tool_unisolated_is_warned(caplog):
+    from rlfuse.rollout.agent.tools import load_tools
+
+    with caplog.at_level(logging.WARNING):
+        load_tools(["python"], sandbox="none")
+    expect_reported(caplog, "WITHOUT isolation", "rollout.sandbox: none", count=1)
+
+
+@pytest.mark.bad_input("agents")
+def test_bad_sandbox_setting_names_the_choices():
+    from rlfuse.run.config import load_config
+
+    expect_error(lambda: load_config(None, ["rollout.sandbox=docker"]),
+                 r"rollout\.sandbox must be bwrap, none or a SandboxFusion URL \(http://HOST:PORT\), got 'docker'",
+                 "--set rollout.sandbox=docker")
 
 
 # ------------------------------------------------------------------ the catalog of this corpus

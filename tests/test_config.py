@@ -103,3 +103,30 @@ def test_engine_section_is_a_typed_engine_config(tmp_path):
     with pytest.raises(ValueError, match=r"engine.block_size must be a power of two"):
         load_config(None, ["engine.block_size=24"])
     assert any(ln.startswith("engine.max_num_seqs (int, default 256): Most sequences") for ln in describe(RunConfig))
+
+
+def test_a_runs_config_yaml_loads_back_from_anywhere(tmp_path, monkeypatch):
+    """Issue 37: paths given relative to where the command ran were re-read relative to the
+    run folder (`rlfuse eval runs/my_grpo/config.yaml` looked for runs/my_grpo/vowels_train.jsonl,
+    then runs/my_grpo/runs/my_sft/final). config.yaml now holds them resolved."""
+    from rlfuse.api.config import load_run_config
+    from rlfuse.run.config import save_config
+    from rlfuse.run.folder import config_changes
+
+    work = tmp_path / "work"
+    (work / "runs" / "my_sft" / "final").mkdir(parents=True)
+    (work / "vowels_train.jsonl").write_text('{"prompt": "a", "completion": "b"}\n')
+    (work / "tools.py").write_text("")
+    monkeypatch.chdir(work)
+    cfg = load_config(None, ["data.train=vowels_train.jsonl", "model.path=runs/my_sft/final",
+                             "model.random_init=null", "logging.run_dir=runs/my_grpo",
+                             "rollout.tools=[calculator, tools.py:lookup]"])
+    saved = save_config(cfg, work / "runs" / "my_grpo" / "config.yaml")
+    for cwd in (work, tmp_path):  # where the run started, and elsewhere
+        monkeypatch.chdir(cwd)
+        back = load_run_config(str(saved.relative_to(cwd)) if cwd == work else str(saved))
+        assert back.data.train == str(work / "vowels_train.jsonl") and Path(back.data.train).is_file()
+        assert back.model.path == str(work / "runs" / "my_sft" / "final")
+        assert back.rollout.tools == ["calculator", f"{work / 'tools.py'}:lookup"]
+    monkeypatch.chdir(work)
+    assert config_changes(yaml.safe_load(saved.read_text()), cfg) == []  # --resume with the relative config

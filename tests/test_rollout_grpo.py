@@ -161,3 +161,48 @@ def test_cli_grpo_and_eval_with_tools(tmp_path):
         assert main(["eval", str(recipe), "--run-dir", str(run), "--checkpoint", str(run / "final")]) == 0
     assert json.loads((run / "eval.json").read_text())["num_problems"] == 10
 
+
+
+def test_an_environment_reward_needs_no_reward_function(tmp_path):
+    """Before: an env defining reward() still needed a reward function ("rewards: the list is
+    empty"). Its reward alone is the total now."""
+    from rlfuse.rollout import RewardSet
+    prompts = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]
+    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
+    total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([], allow_empty=True), 2)
+    assert total == [0.5, 0.0] and list(per) == ["env"]
+    with pytest.raises(ValueError, match="rewards: the list is empty"):
+        RewardSet([])  # without an environment, a run still needs a reward function
+    (tmp_path / "echo_env.py").write_text(ENV)
+    cfg = tiny_cfg(tmp_path / "run", f"rollout.env={tmp_path / 'echo_env.py'}:Echo", "rollout.env_kwargs={turns: 2}",
+                   "rollout.max_turn_tokens=3", "rewards=[]", "grpo.steps=1", "grpo.eval_every=0",
+                   "data.eval_size=4")
+    with one_thread():
+        res = run_grpo(cfg)
+    assert res["steps"] == 1 and "reward/env" in res["history"][0]
+
+
+def test_trl_style_reward_functions_get_chat_rows_as_messages():
+    """Issue 37: with `messages` rows a TRL-style reward (completions[0][0]["content"]) failed:
+    it got the rendered template and plain strings. Built-in rewards keep the text."""
+    from rlfuse.rollout import RewardSet
+    from rlfuse.run.config import RewardSpec
+    seen = {}
+
+    def trl_style(prompts, completions, answer, **kw):
+        seen["prompts"], seen["completions"] = prompts, completions
+        texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]  # chat rows, or plain ones
+        return [float(t.strip() == a) for t, a in zip(texts, answer)]
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
+            {"role": "assistant", "content": "4"}]
+    prompts = [Prompt([1], "<rendered>", {"messages": msgs, "answer": "4"}, "t:0")]
+    mk = lambda text: Sample(0, [1], torch.zeros(1), False, text, None, None, None)
+    rs = RewardSet([RewardSpec(name="python:trl_style"), RewardSpec(name="arithmetic")],
+                   functions={"python:trl_style": trl_style})
+    total, per = score_samples(prompts, [mk("4"), mk("5")], rs, 2)
+    assert per["trl_style"] == [1.0, 0.0] and per["arithmetic"] == [1.0, 0.0] and total == [2.0, 0.0]
+    assert seen["prompts"] == [msgs[:2], msgs[:2]]
+    assert seen["completions"] == [[{"role": "assistant", "content": "4"}], [{"role": "assistant", "content": "5"}]]
+    plain = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]  # plain rows: strings, as before
+    score_samples(plain, [mk("4"), mk("5")], rs, 2)
+    assert seen["prompts"] == ["2+2=", "2+2="] and seen["completions"] == ["4", "5"]

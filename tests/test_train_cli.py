@@ -57,3 +57,44 @@ def test_missing_model_folder_is_said_so(tmp_path, recipe, capsys):
     assert f"rlfuse: error: --checkpoint: {nope}: no such model folder" in capsys.readouterr().err
     assert main(["generate", str(nope)]) == 2
     assert "rlfuse: error: no prompts: give --prompt TEXT or --prompts-file FILE" in capsys.readouterr().err
+
+
+def test_a_failed_start_leaves_the_runs_config_as_it_was(tmp_path, recipe, capsys):
+    """Issue 37: a resume that failed on its data ("data.train is empty") had already
+    rewritten the run's config.yaml (train: ''): the run no longer named its own data. (An
+    empty data.train on resume now takes the run's own; any failed start is tried here.)"""
+    run = tmp_path / "run"
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--set", "sft.steps=1"]) == 0
+    before = (run / "config.yaml").read_text()
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--resume", "--force", "--set", "data.max_prompt_len=500",
+                 "--set", "sft.steps=2"]) == 2
+    assert "data.max_prompt_len (500) does not fit" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == before
+
+
+def test_the_thread_count_is_always_logged(caplog, monkeypatch):
+    """Issue 37: speed swung up to 19x with torch's default threads, and nothing said which."""
+    import logging
+
+    import torch
+
+    from rlfuse.cli.common import setup_threads
+    monkeypatch.delenv("RLFUSE_THREADS", raising=False)
+    with caplog.at_level(logging.INFO, logger="rlfuse.cli"):
+        setup_threads(None)
+    assert f"torch CPU threads: {torch.get_num_threads()} (torch's default" in caplog.text
+
+
+def test_the_tiny_char_model_trains_on_your_own_jsonl(tmp_path, recipe, capsys):
+    """Issue 37: model.tokenizer: char with a JSONL file failed ("'char' needs a builtin task").
+    The alphabet now comes from the file's own text, and the run's final/ carries it."""
+    rows = [{"prompt": f"reverse {w}: ", "completion": w[::-1]} for w in ("abc", "hello", "rlfuse", "tiny", "xyz")]
+    data = tmp_path / "mine.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = tmp_path / "run"
+    assert main(["sft", str(recipe), "--run-dir", str(run), "--set", f"data.train={data}", "--set", "data.eval=",
+                 "--set", "rewards=[]", "--set", "sft.steps=2", "--set", "data.max_prompt_len=15"]) == 0, \
+        capsys.readouterr().err
+    tok = json.loads((run / "final" / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    assert all(c in vocab for c in "reverslhofuntiyxz:")

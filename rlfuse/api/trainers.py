@@ -18,7 +18,8 @@ resume or overwrite, as the commands' --resume / --overwrite / --force), opens t
     dict of its fields); `overrides`: "a.b=value" strings as --set.
   * model: a folder (HF, checkpoint or run: `load_model`'s forms), a CausalLM with its
     `tokenizer=`, or an earlier trainer, whose model, tokenizer and engine are taken over
-    (SFT then GRPO on one copy of the weights); None: the config's model section.
+    (SFT then GRPO on one copy of the weights), and its config too when `config` is None;
+    None: the config's model section.
   * train_dataset / eval_dataset: a path (data.train / data.eval), a list of dicts, or
     anything with `to_list()` (a `datasets.Dataset`). Rows in memory are written to
     RUN_DIR/data/<split>.jsonl and read back like a file, so the run folder's config.yaml
@@ -28,6 +29,8 @@ resume or overwrite, as the commands' --resume / --overwrite / --force), opens t
     importable by module and name is recorded as "module:function"; others (lambdas,
     functions of a notebook or __main__) as "python:<name>", which only this process can
     resolve.
+  * tools (or config rollout.tools): built-in names, "file.py:fn" strings or typed functions
+    (recorded as "python:<name>", resolved in this process, like reward functions).
 Test: python -m pytest -q tests/test_api.py
 """
 
@@ -35,18 +38,40 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
+
+import yaml
 
 from rlfuse.api.config import load_run_config
 from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
 from rlfuse.model import CausalLM
-from rlfuse.rollout import PYTHON_REWARD
+from rlfuse.rollout import PYTHON_REWARD, PYTHON_TOOL
 from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+"""The CLI's log line format (rlfuse.cli uses it too)."""
+
+
+def log_to_stderr_unless_configured() -> None:
+    """The CLI's log output (INFO lines on stderr: evaluations, the closing summary, rows kept
+    and dropped) for an API user who configured no logging; a program that did keeps its
+    own. Silence it with logging.getLogger("rlfuse").setLevel(logging.WARNING)."""
+    pkg = logging.getLogger("rlfuse")
+    if logging.getLogger().handlers or pkg.handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter(LOG_FORMAT))
+    pkg.addHandler(handler)
+    if pkg.level == logging.NOTSET:
+        pkg.setLevel(logging.INFO)
+        # as the CLI: the engine's per-call INFO lines would drown the rest
+        logging.getLogger("rlfuse.engine").setLevel(logging.WARNING)
 
 
 def _rows(data, what: str) -> list[dict]:
@@ -86,6 +111,53 @@ def _reward_spec(fn, weight: float, i: int) -> tuple[RewardSpec, Callable | None
     return RewardSpec(name=PYTHON_REWARD + (name if name != "<lambda>" else f"reward_{i}"), weight=weight), fn
 
 
+def _saved_data(run_dir: Path) -> dict[str, str]:
+    """data.train / data.eval as the run folder's config.yaml names them (empty ones left out)."""
+    try:
+        saved = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError, UnicodeDecodeError):
+        return {}
+    data = saved.get("data") if isinstance(saved, dict) else None
+    return {k: v for k, v in (data or {}).items() if k in ("train", "eval") and isinstance(v, str) and v}
+
+
+def _tool_functions_out(config):
+    """(config without callables in rollout.tools, those entries) for a dict config: a
+    RunConfig holds names only, so functions are taken out first and recorded by name."""
+    if not isinstance(config, dict) or not isinstance(config.get("rollout"), dict):
+        return config, None
+    tools = config["rollout"].get("tools")
+    if not isinstance(tools, (list, tuple)) or not any(callable(t) for t in tools):
+        return config, None
+    rollout = {k: v for k, v in config["rollout"].items() if k != "tools"}
+    return {**config, "rollout": rollout}, list(tools)
+
+
+def _tool_spec(t, i: int) -> str:
+    """A tool's rollout.tools entry: names and FILE.py:FUNCTION strings as they are, a
+    function as python:<name> (resolved in this process only)."""
+    if isinstance(t, str):
+        return t
+    if not callable(t) or getattr(t, "__name__", "<lambda>") == "<lambda>":
+        raise ValueError(f"tools[{i}]: expected a built-in name, FILE.py:FUNCTION or a named function (its name "
+                         f"and docstring describe it to the model), got {t!r}")
+    return PYTHON_TOOL + t.__name__
+
+
+_CLI_TO_API = (("--resume --force", "resume=True, force=True"), ("pass --force", "pass force=True"),
+               ("--resume", "resume=True"), ("--overwrite", "overwrite=True"), ("--force", "force=True"),
+               ("another --run-dir", "another run_dir="), ("a new --run-dir", "a new run_dir="),
+               ("--run-dir", "run_dir="))
+
+
+def _api_words(msg: str) -> str:
+    """A run-folder message as the Python API's arguments name things (resume=True, not
+    --resume): rlfuse.run.folder words them for the command line."""
+    for cli, api in _CLI_TO_API:
+        msg = msg.replace(cli, api)
+    return msg
+
+
 class _Trainer:
     kind = ""
     """The command and config section: sft, grpo, ppo, dpo."""
@@ -96,7 +168,17 @@ class _Trainer:
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 force: bool = False, dist: DistContext | None = None):
+                 force: bool = False, dist: DistContext | None = None, tools=None, words: str = "api"):
+        log_to_stderr_unless_configured()
+        if isinstance(model, _Trainer) and config is None:
+            # the next stage of the same run: its settings (data formatting and lengths, engine,
+            # optimizer, ...) unless a config is given; a GRPO after an SFT on a 64-token model
+            # once failed on the default max_prompt_len only after the SFT had run
+            config = replace(model.config, **{"checkpoint.resume": "never"})
+            inherited = (dict(model.session.reward_functions), dict(model.session.tool_functions))
+        else:
+            inherited = ({}, {})
+        config, in_config = _tool_functions_out(config)
         cfg = load_run_config(config, overrides)
         changes: dict = {}
         if args is not None:
@@ -120,7 +202,7 @@ class _Trainer:
             self._given = dict(model=model, tokenizer=tokenizer)
         elif model is not None:
             changes.update({"model.path": str(resolve_model_folder(model, "model")), "model.random_init": None})
-        fns: dict[str, Callable] = {}
+        fns: dict[str, Callable] = {} if reward_funcs is not None else inherited[0]
         if reward_funcs is not None:
             funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
             weights = list(reward_weights) if reward_weights is not None else [1.0] * len(funcs)
@@ -133,6 +215,15 @@ class _Trainer:
                 if call is not None:
                     fns[spec.name] = call
             changes["rewards"] = specs
+        tool_fns: dict[str, Callable] = {} if tools is not None or in_config is not None else inherited[1]
+        if tools is not None or in_config is not None:
+            specs = []
+            for i, t in enumerate(list(tools if tools is not None else in_config)):
+                spec = _tool_spec(t, i)
+                specs.append(spec)
+                if callable(t):
+                    tool_fns[spec] = t
+            changes["rollout.tools"] = specs
         in_memory = {}
         for split, data in (("train", train_dataset), ("eval", eval_dataset)):
             if isinstance(data, (str, Path)):
@@ -142,18 +233,23 @@ class _Trainer:
         run_path = Path(changes.get("logging.run_dir", cfg.logging.run_dir))
         for split in in_memory:
             changes[f"data.{split}"] = str(run_path / "data" / f"{split}.jsonl")
+        if resume:  # the run names its own data (rows once in memory: RUN_DIR/data/*.jsonl)
+            for split, path in _saved_data(run_path).items():
+                if f"data.{split}" not in changes and not getattr(cfg.data, split):
+                    changes[f"data.{split}"] = path
         if in_memory and dist is not None:
             raise ValueError("train_dataset / eval_dataset in memory under torchrun: save them to a file and pass "
                              "its path (every rank reads it)")
         self.config: RunConfig = replace(cfg, **changes) if changes else cfg
         self.dist = dist
         self._lock: RunLock | None = None
+        self._words = words  # "cli": the commands construct this trainer; their errors name --resume, ...
         self._prepare(resume, overwrite, force)
         try:
             for split, rows in in_memory.items():
                 _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
             self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
-                                                 reward_functions=fns, **self._given)
+                                                 reward_functions=fns, tool_functions=tool_fns, **self._given)
         except BaseException:
             self._release()
             raise
@@ -165,8 +261,13 @@ class _Trainer:
         error if it refuses. The lock is held until `train()` ends."""
         def prepare():
             if self.dist is None or self.dist.is_main:
-                self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
-                                                force=force)
+                try:
+                    self._lock = prepare_run_folder(self.config, self.kind, resume=resume, overwrite=overwrite,
+                                                    force=force)
+                except ValueError as e:
+                    if self._words == "cli":
+                        raise
+                    raise ValueError(_api_words(str(e))) from None
         if self.dist is None:
             prepare()
             return

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.cli.common import fail
+from rlfuse.cli.common import add_threads_argument, fail, setup_threads
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
@@ -63,6 +63,7 @@ def add_arguments(p) -> None:
                    "the checkpoint's otherwise)")
     p.add_argument("--backend", choices=BACKENDS, default="auto", help="kernel backend")
     p.add_argument("--adapter", default=None, help="a PEFT LoRA adapter folder applied to the model (unmerged)")
+    add_threads_argument(p)
     p.add_argument("--lora-rank", type=int, default=0, help="attach a random LoRA adapter of this rank on every "
                    "linear layer (B drawn nonzero, so the adapter changes the output)")
 
@@ -101,6 +102,10 @@ def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
 
 
 def run(args) -> int:
+    try:
+        setup_threads(args.threads)
+    except ValueError as e:
+        return fail(e)
     if args.tiny == bool(args.model):
         return fail(ValueError("check: give either MODEL_DIR (an HF model folder) or --tiny (a small random "
                                f"model); got {'both' if args.tiny else 'neither'}"))

@@ -47,8 +47,7 @@ def add_config_arguments(p: argparse.ArgumentParser, *, resume: bool = True, use
                        help="replace the run already in the run folder (its metrics, checkpoints, final/)")
         p.add_argument("--force", action="store_true",
                        help="with --resume: accept changes of the model, data, seeds or algorithm")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads (default: torch's choice; RLFUSE_THREADS also sets it)")
+    add_threads_argument(p)
     p.add_argument("--dist-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="under torchrun: how long a rank waits in a collective for the others before it fails")
     p.formatter_class = argparse.RawDescriptionHelpFormatter
@@ -72,11 +71,20 @@ def load_run_config(args) -> RunConfig:
 def run_flags(args) -> dict:
     """--resume / --overwrite / --force as the trainers' keywords (rlfuse.run.folder)."""
     return dict(resume=getattr(args, "resume", False), overwrite=getattr(args, "overwrite", False),
-                force=getattr(args, "force", False))
+                force=getattr(args, "force", False), words="cli")
+
+
+THREADS_HELP = ("torch CPU threads (default: torch's choice, one per core; RLFUSE_THREADS also sets it). On a "
+                "busy or small machine, 1-2 threads often run a small model several times faster")
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The model and engine options of the inference commands (generate, serve)."""
+    add_threads_argument(p)
     p.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="model dtype: float32, bfloat16 or float16 (default: the "
                                                  "checkpoint's)")
@@ -149,7 +157,9 @@ def print_data(res: dict) -> None:
 def setup_threads(threads: int | None) -> None:
     """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer >= 1)."""
     what, raw = ("--threads", threads) if threads is not None else ("RLFUSE_THREADS", os.environ.get("RLFUSE_THREADS"))
-    if raw is None:
+    if raw is None:  # say what torch chose: on a shared machine it can be the slowest choice
+        log.info("torch CPU threads: %d (torch's default, one per core; --threads N or RLFUSE_THREADS=N to change: "
+                 "1-2 often run a small model faster on a busy machine)", torch.get_num_threads())
         return
     try:
         n = int(raw)

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from rlfuse.api import load_model
-from rlfuse.cli.common import add_engine_arguments, engine_config, fail
+from rlfuse.cli.common import add_engine_arguments, engine_config, fail, setup_threads
 from rlfuse.engine import LLM, SamplingParams
 
 HELP = "generate completions for prompts with the built-in engine"
@@ -49,6 +49,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    try:
+        setup_threads(args.threads)
+    except ValueError as e:
+        return fail(e)
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += [line.rstrip("\n") for line in Path(args.prompts_file).read_text().splitlines() if line.strip()]

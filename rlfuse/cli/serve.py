@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 
 from rlfuse.api import load_model
-from rlfuse.cli.common import add_engine_arguments, engine_config, fail
+from rlfuse.cli.common import add_engine_arguments, engine_config, fail, setup_threads
 from rlfuse.engine import LLM
 
 HELP = "serve a model or run over an OpenAI-compatible HTTP API (completions, chat)"
@@ -43,6 +43,7 @@ def run(args) -> int:
         return fail(ValueError(f"rlfuse serve needs the serve extra ({e.name} is not installed): "
                                "pip install 'rlfuse[serve]'"))
     try:
+        setup_threads(args.threads)
         cfg = engine_config(args)
         model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype,
                                 device_option="--device", adapter=args.adapter or None)

@@ -215,13 +215,15 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
 
 def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, context_len: int | None = None,
                        overlong: str = "truncate", counts: dict | None = None, stats: dict | None = None,
-                       split: str = "train") -> list[SFTExample]:
+                       split: str = "train", chat_layout=None) -> list[SFTExample]:
     """Tokenize every row up front into (ids, target mask). Sequences longer than
     min(max_seq_len, context_len) are truncated on the completion side (overlong="truncate",
     the default: the prompt and the start of the answer still teach) or dropped
     (overlong="drop"); examples with an empty prompt, a prompt over data.max_prompt_len or
     no target token left are dropped. All counted and logged; `counts` receives
-    {reason sentence: rows}, `stats` the data metrics of `split` (module docstring)."""
+    {reason sentence: rows}, `stats` the data metrics of `split` (module docstring).
+    `chat_layout(messages) -> (ids, mask)`: how chat rows are laid out instead of the whole
+    template's rendering (a multi-turn recipe's: the rollout's layout, tools included)."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     limit = max_seq_len if context_len is None else min(max_seq_len, context_len)
@@ -235,7 +237,11 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
             drops.add("dropped/empty_prompt", "dropped: empty prompt", where)
             continue
         if cfg.messages_field in row:
-            ids, mask = _chat_sft(row[cfg.messages_field], tokenizer, where)
+            if chat_layout is not None:
+                ids, mask = chat_layout(row[cfg.messages_field])
+                mask = [bool(m) for m in mask]
+            else:
+                ids, mask = _chat_sft(row[cfg.messages_field], tokenizer, where)
             n_prompt = mask.index(True) if True in mask else len(ids)
             unknown.check(where, "".join(m["content"] for m in row[cfg.messages_field]), ids)
         else:

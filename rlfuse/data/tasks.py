@@ -195,6 +195,25 @@ def task_alphabet(task: str, rows: list[dict]) -> str:
     return "".join(sorted(chars))
 
 
+def rows_alphabet(rows: list[dict]) -> str:
+    """Every character of every string in the rows (prompts, completions, answers, chat
+    messages, any column): a character-level tokenizer for the user's own data file."""
+    chars: set[str] = set()
+
+    def walk(v) -> None:
+        if isinstance(v, str):
+            chars.update(v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+    for r in rows:
+        walk(r)
+    return "".join(sorted(chars))
+
+
 def make_split(task: str, n: int, *, seed: int, exclude=(), **kwargs) -> list[dict]:
     if task not in TASKS:
         raise ValueError(f"unknown builtin task {task!r}; builtin tasks: {sorted(TASKS)}")

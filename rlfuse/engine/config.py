@@ -16,6 +16,10 @@ import math
 from rlfuse.kernels.backend import NUMERICS
 
 _MAX_SEED = 2**32
+_MAX_TOP_K = 2**31 - 1  # the sampler holds top-k in int32
+MIN_TEMPERATURE = 1e-5
+"""The smallest non-zero temperature: below ~1e-38 T is subnormal in fp32 and the log-probs
+become NaN (1e-40 did); far above it sampling is already greedy to fp32 precision."""
 
 
 def logprob_temperature(temperature: float) -> float:
@@ -171,12 +175,15 @@ class SamplingParams:
                              f"got {self.min_tokens!r}")
         if not isinstance(self.temperature, (int, float)) or not 0 <= self.temperature < math.inf:
             raise ValueError(f"{o}.temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            raise ValueError(f"{o}.temperature must be 0 (greedy) or >= {MIN_TEMPERATURE:g}, got {self.temperature!r}")
         if not isinstance(self.top_p, (int, float)) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"{o}.top_p must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.min_p, (int, float)) or not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"{o}.min_p must be in [0, 1], got {self.min_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < -1:
-            raise ValueError(f"{o}.top_k must be an integer >= -1 (0 or -1 disables), got {self.top_k!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or not -1 <= self.top_k <= _MAX_TOP_K:
+            raise ValueError(f"{o}.top_k must be an integer in [-1, 2**31 - 1] (0 or -1 disables), "
+                             f"got {self.top_k!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < _MAX_SEED):
             raise ValueError(f"{o}.seed must be None or an int in [0, 2**32), got {self.seed!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)):

@@ -56,7 +56,6 @@ from rlfuse.model.lora import adapter_switches
 
 log = logging.getLogger(__name__)
 
-
 @dataclasses.dataclass(slots=True)
 class _Launched:
     batch: Batch
@@ -139,6 +138,8 @@ class LLM:
             raise bad("the prompt is empty")
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise bad(f"prompt token ids must be ints in [0, {self.vocab_size})")
+        if not all(t < self.vocab_size for t in params.stop_token_ids):
+            raise bad(f"stop_token_ids must be in [0, {self.vocab_size}), got {list(params.stop_token_ids)}")
         if len(ids) >= self.max_model_len:
             raise bad(f"the prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room "
                       f"for output")
@@ -204,6 +205,16 @@ class LLM:
         for s in seqs:
             self.runner.release(s)
         return [completion(s, self.tokenizer) for s in seqs]
+
+    def abort_all(self) -> None:
+        """Recover from a failed `step()`: drop every request and any launched step unread
+        (a failure may leave the bookkeeping half-written, so the block manager and the
+        scheduler start afresh: all KV blocks free, prefix cache empty); the engine is idle."""
+        self._pending, self._ready, self._requests = None, [], {}
+        self.runner.free_rows = list(range(self.runner.num_rows - 1, -1, -1))
+        self.block_manager = BlockManager(self.kv.num_blocks, self.config.block_size,
+                                          self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.block_manager)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Completion]:

@@ -6,13 +6,13 @@ from rlfuse.rollout.agent.chat import ChatRenderer, TemplateError, char_chat_tok
 from rlfuse.rollout.agent.env import Environment, Step, ToolEnv, ToolRunner, Turn
 from rlfuse.rollout.agent.multi_turn import Episode, run_episodes
 from rlfuse.rollout.agent.tool_calls import ToolCall, format_tool_call
-from rlfuse.rollout.agent.tools import Tool, ToolError, ToolTimeout, calculator, load_tools
+from rlfuse.rollout.agent.tools import PYTHON_TOOL, Tool, ToolError, ToolTimeout, calculator, load_tools
 from rlfuse.rollout.evaluate import evaluate, score_samples
 from rlfuse.rollout.exactness import multi_turn_setting
 from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
-from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler
+from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler, episode_renderer
 
-__all__ = ["PYTHON_REWARD", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
+__all__ = ["PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode", "LengthsSampler",
            "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall", "ToolEnv", "ToolError", "ToolRunner",
-           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "evaluate", "format_tool_call", "load_tools",
-           "multi_turn_setting", "run_episodes", "score_samples"]
+           "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "episode_renderer", "evaluate",
+           "format_tool_call", "load_tools", "multi_turn_setting", "run_episodes", "score_samples"]

@@ -16,9 +16,25 @@ from rlfuse.rollout.rewards import RewardSet
 from rlfuse.rollout.sampler import Sampler
 
 
+def _conversational(prompts: list[Prompt], samples) -> tuple[list, list] | None:
+    """For chat rows (each holds `messages`): the prompt messages (up to the first assistant
+    one) and each completion as [{"role": "assistant", "content": text}], as TRL gives
+    conversational data to reward functions; None for plain-text rows."""
+    rows = [prompts[s.prompt_index].columns for s in samples]
+    if not rows or not all(isinstance(r.get("messages"), list) for r in rows):
+        return None
+    firsts = []
+    for r in rows:
+        msgs = r["messages"]
+        k = next((i for i, m in enumerate(msgs) if isinstance(m, dict) and m.get("role") == "assistant"), len(msgs))
+        firsts.append([dict(m) for m in msgs[:k]])
+    return firsts, [[{"role": "assistant", "content": s.text}] for s in samples]
+
+
 def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
     """(total, per-function) rewards of samples (prompt-major, n per prompt); an
-    environment's episode reward (Sample.env_reward) is added as the function "env"."""
+    environment's episode reward (Sample.env_reward) is added as the function "env". Chat
+    rows reach user reward functions as message lists (`_conversational`)."""
     p_text = [prompts[s.prompt_index].text for s in samples]
     cols: dict[str, list] = {}
     keys = [k for k in dict.fromkeys(k for p in prompts for k in p.columns) if k not in ("prompts", "completions")]
@@ -26,7 +42,7 @@ def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
         cols[k] = [prompts[s.prompt_index].columns.get(k) for s in samples]
     cols["completion_ids"] = [s.token_ids for s in samples]
     cols["truncated"] = [s.truncated for s in samples]
-    total, per = rewards.score(p_text, [s.text for s in samples], cols)
+    total, per = rewards.score(p_text, [s.text for s in samples], cols, chat=_conversational(prompts, samples))
     env = [getattr(s, "env_reward", None) for s in samples]
     if any(r is not None for r in env):
         per["env"] = [float("nan") if r is None else float(r) for r in env]

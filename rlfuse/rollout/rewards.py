@@ -185,10 +185,11 @@ class RewardSet:
     scores in several calls); `total_error_counts` is the run's total."""
 
     def __init__(self, specs: list[RewardSpec], on_error: str = "raise",
-                 functions: dict[str, Callable] | None = None, timeout_s: float = 0.0):
+                 functions: dict[str, Callable] | None = None, timeout_s: float = 0.0, allow_empty: bool = False):
         """`functions`: callables by spec name (the Python API's reward_funcs), used instead
-        of resolving those names (they run in this process: no timeout)."""
-        if not specs:
+        of resolving those names (they run in this process: no timeout). `allow_empty`: no
+        functions is fine (an environment's own reward scores the episodes); totals are 0."""
+        if not specs and not allow_empty:
             raise ValueError("rewards: the list is empty; add at least one reward function")
         if on_error not in ON_REWARD_ERROR:
             raise ValueError(f"on_reward_error must be {' or '.join(map(repr, ON_REWARD_ERROR))}, got {on_error!r}")
@@ -225,6 +226,8 @@ class RewardSet:
         self._pending_counts = {n: 0 for n in self.names}
         self._last_failure: dict[str, str] = {}
         self.correctness = next((n for n, s in zip(self.names, specs) if s.name in CORRECTNESS), None)
+        self.text_only = [s.name in BUILTINS or s.name in MODEL_REWARDS for s in specs]
+        """Per function: rlfuse's own (scores text); the others get chat rows as messages (`score`)."""
 
     def pop_error_counts(self) -> dict[str, int]:
         """Errors per function since the previous call (then reset to 0)."""
@@ -295,12 +298,16 @@ class RewardSet:
                                   f"(expected a float, an int or None)")
         return out
 
-    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list]):
-        """(total [B floats], {name: [B floats (NaN = not applicable)]})."""
+    def score(self, prompts: list[str], completions: list[str], columns: dict[str, list],
+              chat: tuple[list, list] | None = None):
+        """(total [B floats], {name: [B floats (NaN = not applicable)]}). `chat`: (prompts,
+        completions) as message lists for chat rows, what user functions get then (TRL passes
+        conversational data so); rlfuse's built-in rewards keep the text."""
         self.error_counts = {n: 0 for n in self.names}
         per = {}
-        for name, fn in zip(self.names, self.fns):
-            per[name] = self._call(name, fn, prompts, completions, columns)
+        for name, fn, text_only in zip(self.names, self.fns, self.text_only):
+            p, c = (prompts, completions) if chat is None or text_only else chat
+            per[name] = self._call(name, fn, p, c, columns)
             failed = self.error_counts[name]
             self.total_error_counts[name] += failed
             self._pending_counts[name] += failed
@@ -309,5 +316,5 @@ class RewardSet:
                                   f"e.g. {self._last_failure[name]} (on_reward_error=zero scores occasional "
                                   f"failures 0; a function that fails on every example is a bug to fix)")
         total = [sum(w * v for w, v in zip(self.weights, vals) if not math.isnan(v))
-                 for vals in zip(*per.values())]
+                 for vals in zip(*per.values())] if per else [0.0] * len(completions)
         return total, per

@@ -18,6 +18,7 @@ episode's own prompt (rendered with the tools' schemas).
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Protocol
 
 import torch
@@ -29,6 +30,8 @@ from rlfuse.rollout.agent.multi_turn import run_episodes
 from rlfuse.rollout.agent.tools import load_tools
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
@@ -133,33 +136,60 @@ class LengthsSampler(EngineSampler):
                                     seed=(params.seed + k) % 2**32, ignore_eos=True) for k in range(params.n)]
 
 
+def env_tool_schemas(env_cls) -> list[dict] | None:
+    """The schemas an environment class shows the model through the chat template: its
+    `tools` attribute (typed functions, Tools or schema dicts); its step() runs the calls."""
+    tools = getattr(env_cls, "tools", None)
+    if not tools:
+        return None
+    what = f"{getattr(env_cls, '__name__', 'env')}.tools"
+    if not isinstance(tools, (list, tuple)):
+        raise ValueError(f"{what}: expected a list of functions, Tools or schema dicts, got {type(tools).__name__}")
+    return [t if isinstance(t, dict) else load_tools([t], what=what, check=False)[0].schema() for t in tools]
+
+
+def episode_renderer(tokenizer, cfg: RolloutConfig, schemas: list[dict] | None = None, *,
+                     tool_functions: dict | None = None) -> ChatRenderer:
+    """The ChatRenderer of the recipe's episodes: its chat template (rollout.chat_template,
+    else the tokenizer's), tool-call format and tool schemas (`schemas`, else those of
+    rollout.tools or the environment class's `tools`; no code is run). An SFT warm-up lays
+    its chat rows out with it (`transcript`), so it trains exactly the ids a rollout makes."""
+    if schemas is None:
+        if cfg.env:
+            schemas = env_tool_schemas(load_function(cfg.env, "rollout.env"))
+        elif cfg.tools:
+            schemas = [t.schema() for t in load_tools(cfg.tools, check=False, functions=tool_functions)]
+    template = None
+    if cfg.chat_template:
+        try:
+            template = open(cfg.chat_template, encoding="utf-8").read()
+        except OSError as e:
+            raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
+    return ChatRenderer(tokenizer, tools=schemas, chat_template=template, tool_call_format=cfg.tool_call_format)
+
+
 class MultiTurnSampler:
     """An `EngineSampler` plus multi-turn episodes (`rollout.tools` or `rollout.env`);
     `generate` stays the single-turn one. `last_metrics`: the last `episodes` call's
     rollout/* metrics (turns, tool calls, errors, timeouts, idle fraction, ...)."""
 
-    def __init__(self, base: EngineSampler, tokenizer, cfg: RolloutConfig, data: DataConfig):
+    def __init__(self, base: EngineSampler, tokenizer, cfg: RolloutConfig, data: DataConfig, *,
+                 tool_functions: dict | None = None):
         self.base, self.cfg = base, cfg
         self.runner = None
         if cfg.env:
             env_cls = load_function(cfg.env, "rollout.env")
             kwargs = dict(cfg.env_kwargs)
-            self.make_env, schemas = (lambda: env_cls(**kwargs)), None
+            self.make_env, schemas = (lambda: env_cls(**kwargs)), env_tool_schemas(env_cls)
         else:
-            self.runner = ToolRunner(load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s), timeout_s=cfg.tool_timeout_s,
-                                     workers=cfg.env_workers)
+            tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, functions=tool_functions)
+            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
             schemas = self.runner.schemas()
-        template = None
-        if cfg.chat_template:
-            try:
-                template = open(cfg.chat_template, encoding="utf-8").read()
-            except OSError as e:
-                raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
-        self.renderer = ChatRenderer(tokenizer, tools=schemas, chat_template=template,
-                                     tool_call_format=cfg.tool_call_format)
+        self.renderer = episode_renderer(tokenizer, cfg, schemas)
         self.last_metrics: dict = {}
+        self._no_calls = 0  # rollouts without a single tool call (warned)
 
     def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
                  seed: int) -> list[Sample]:
@@ -168,12 +198,24 @@ class MultiTurnSampler:
         eps, self.last_metrics = run_episodes(self.base.llm, self.renderer, self.make_env, [p.columns for p in prompts],
                                               cfg=self.cfg, group_size=n, seed=seed,
                                               sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
+        if self.runner is not None and eps and not self.last_metrics.get("rollout/tool_calls_per_episode"):
+            self._no_calls += 1
+            if self._no_calls <= 3:  # a policy that never calls a tool cannot learn to from rewards
+                log.warning("%d episodes and not one tool call (tools: %s)%s: check that the chat template shows "
+                            "the tools and that the prompt or an SFT warm-up teaches the call format "
+                            "(docs/agents.md)", len(eps), ", ".join(self.runner.tools),
+                            " -- said 3 times, not repeated" if self._no_calls == 3 else "")
         return [Sample(e.prompt_index, e.token_ids, e.logprobs_tensor(), e.truncated, e.final_text,
                        torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward,
                        e.turn_reward_marks()) for e in eps]
 
     def generate(self, prompt_ids, **kwargs) -> list[Sample]:
         return self.base.generate(prompt_ids, **kwargs)
+
+    @property
+    def llm(self):
+        """The engine (the single-turn sampler's): `GRPOTrainer.generate()` reaches it here."""
+        return self.base.llm
 
     def sleep(self) -> None:
         self.base.sleep()

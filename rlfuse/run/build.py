@@ -96,7 +96,7 @@ def char_tokenizer(alphabet: str, *, control: tuple[str, ...] = (), phrases: tup
 def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:
     if spec.tokenizer == "char":
         if not alphabet:
-            raise ValueError("model.tokenizer: 'char' needs a builtin task (the alphabet comes from its data)")
+            raise ValueError("model.tokenizer: 'char' builds its alphabet from the data's text, and there is none")
         tok = char_tokenizer(alphabet)
         log.info("tokenizer: character-level over %d characters (model.tokenizer=char)", len(set(alphabet)))
         return tok

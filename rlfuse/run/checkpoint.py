@@ -30,8 +30,10 @@ Rules that keep a checkpoint trustworthy:
   * written into a hidden temporary sibling and renamed into place, so a crash never
     leaves a half-written `step_*` folder; `list_checkpoints()` also requires COMPLETE;
   * weights with NaN/inf are never written (NonFiniteError; the previous checkpoints stay);
-  * a full disk or a read-only folder raises CheckpointError naming the path; the
-    temporary folder is removed and the previous checkpoints are untouched;
+  * a full disk or a read-only folder raises CheckpointError naming the path, whichever
+    writer failed (Python's OSError, torch.save's RuntimeError, safetensors'
+    SafetensorError, the tokenizers library's Exception); the temporary folder is removed
+    and the previous checkpoints are untouched;
   * rotation (keep the newest `keep_last`) removes a checkpoint's COMPLETE before its files;
   * resume (`resolve_resume`) first removes leftover temporary folders of an interrupted
     save, then verifies the newest checkpoint (files present with the recorded sizes,
@@ -105,17 +107,24 @@ def check_finite(model, what: str, dist: DistContext | None = None) -> None:
                              f"optim.lr or resume from an earlier checkpoint")
 
 
-# how torch.save's C++ writer reports a write that did not go through (a full disk, most
-# often): "[enforce fail at inline_container.cc:...] . unexpected pos N vs M",
-# "PytorchStreamWriter failed writing file data/0: file write failed"
-_TORCH_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing file")
+# how the writers that are not Python's own report a write that did not go through (a full
+# disk, most often): torch.save's C++ writer "[enforce fail at inline_container.cc:...] .
+# unexpected pos N vs M", "PytorchStreamWriter failed writing file data/0: file write
+# failed"; safetensors (Rust) "Error while serializing: IoError(Os { code: 28, kind:
+# StorageFull, message: \"No space left on device\" })"
+_WRITE_FAILED = re.compile(r"unexpected pos|file write failed|failed writing file|StorageFull|No space left|"
+                           r"IoError")
 
 
 def _write_error(path: Path, e: BaseException) -> CheckpointError:
+    """The one line every writer's failure ends in: the path, the cause, the free space."""
     what = getattr(e, "strerror", None) or str(e)
-    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(what):
-        what = (f"no space left on device? torch.save could not write its data (torch: "
-                f"{what.strip().splitlines()[0][:160]})")
+    if not isinstance(e, OSError):
+        writer, label = {"RuntimeError": ("torch.save", "torch"), "SafetensorError": ("safetensors", "safetensors")
+                         }.get(type(e).__name__, (type(e).__name__, type(e).__name__))
+        first = (what.strip().splitlines() or [""])[0][:160]
+        what = (f"no space left on device? {writer} could not write its data ({label}: {first})"
+                if _WRITE_FAILED.search(what) else f"{label}: {first}")
     at = f" ({e.filename})" if getattr(e, "filename", None) else ""
     try:
         probe = next(p for p in (path, *path.parents) if p.exists())
@@ -157,7 +166,10 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dic
             os.replace(final, old)
         os.replace(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as RuntimeError
+    except ValueError:  # rlfuse's own errors (CheckpointError, NonFiniteError) as they are
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except Exception as e:  # noqa: BLE001 -- every writer (torch, safetensors, tokenizers) fails its own way
         shutil.rmtree(tmp, ignore_errors=True)
         raise _write_error(final, e) from e
     except BaseException:
@@ -217,7 +229,10 @@ def _save_sharded_checkpoint(dist: DistContext, run_dir, step: int, model, optim
                 os.replace(final, old)
             os.replace(tmp, final)
             shutil.rmtree(old, ignore_errors=True)
-        except (OSError, RuntimeError) as e:
+        except ValueError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        except Exception as e:  # noqa: BLE001 -- as in save_checkpoint
             shutil.rmtree(tmp, ignore_errors=True)
             raise _write_error(final, e) from e
         _rotate(run_dir, keep_last)
@@ -268,7 +283,9 @@ def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext
                     log.info("LoRA merged into the weights (HF folder) -> %s", merged_folder(final))
             else:
                 save_model(model, final, tokenizer_dir=tok_dir)
-    except (OSError, RuntimeError) as e:
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- as in save_checkpoint
         raise _write_error(final, e) from e
     log.info("%s -> %s", "LoRA adapter (PEFT folder)" if has_lora(model) else "weights", final)
     return final

@@ -35,7 +35,7 @@ from pathlib import Path
 import yaml
 
 from rlfuse.run.config.io import to_dict
-from rlfuse.run.config.run_config import RunConfig
+from rlfuse.run.config.run_config import RunConfig, resolved_inputs
 from rlfuse.run.metrics import NOT_TRAINING
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,9 @@ def _flat(d, prefix: str = "") -> dict:
 
 
 def config_changes(saved: dict, new: RunConfig) -> list[tuple[str, object, object]]:
-    """(dotted key, saved value, new value) for every field that differs, in key order."""
-    a, b = _flat(saved), _flat(to_dict(new))
+    """(dotted key, saved value, new value) for every field that differs, in key order; input
+    paths compared resolved (config.yaml holds them absolute, a new config may not)."""
+    a, b = _flat(resolved_inputs(saved)), _flat(resolved_inputs(to_dict(new)))
     return [(k, a.get(k), b.get(k)) for k in sorted(set(a) | set(b))
             if a.get(k) != b.get(k) and k not in IGNORED]
 

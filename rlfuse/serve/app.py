@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP app (FastAPI) over one `EngineWorker`.
 
-    GET  /health               200 {"status": "ok", requests, running, waiting, free/total KV blocks}; 503 if the
-                               engine loop stopped
+    GET  /health               200 {"status": "ok", requests, running, waiting, free/total KV blocks, step_failures
+                               (engine steps that failed and were recovered from)}; 503 if the engine loop stopped
     GET  /v1/models            the one served model
     POST /v1/completions       text or token-id prompts (a list of them too)
     POST /v1/chat/completions  messages rendered by the model's chat template (`Tokenizer.chat_prompt_ids`,
@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import time
 import uuid
 
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from rlfuse.engine import LLM, SamplingParams
-from rlfuse.serve.protocol import APIError, ChatRequest, CompletionRequest, validation_message
+from rlfuse.serve.protocol import APIError, ChatRequest, CompletionRequest, check_text, validation_message
 from rlfuse.serve.worker import Done, EngineWorker
 
 log = logging.getLogger(__name__)
@@ -69,8 +70,11 @@ class _Call:
 
     def _take(self, item):
         tag, ev = item
-        if isinstance(ev, BaseException):
-            raise APIError(503, f"the engine failed: {ev}", type="server_error")
+        if isinstance(ev, BaseException):  # a failed step (the worker recovered) or a dead loop
+            state = "the server goes on" if self.app.worker.alive else "the engine loop stopped"
+            raise APIError(500 if self.app.worker.alive else 503,
+                           f"the engine failed on this request ({type(ev).__name__}: {ev}); {state}",
+                           type="server_error")
         if isinstance(ev, Done):
             self.open -= 1
         return tag * self.params.n + ev.index, ev
@@ -94,6 +98,7 @@ class _Call:
 
     # ------------------------------------------------------------------ response pieces
     def _logprobs(self, ids: list[int], lps: list[float]) -> dict | None:
+        lps = [lp if math.isfinite(lp) else None for lp in lps]  # JSON has no NaN / inf: null instead
         if self.kind == "chat":
             if not self.req.logprobs:
                 return None
@@ -210,6 +215,18 @@ class ServeApp:
             raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
+    def params(self, req, max_tokens: int) -> SamplingParams:
+        """The request's SamplingParams, checked against the model: a 400 naming the field."""
+        params = req.sampling_params(max_tokens)
+        vocab = self.llm.vocab_size
+        if params.top_k > vocab:
+            raise APIError(400, f"top_k must be <= the vocabulary size {vocab} (or 0 / -1: off), got {params.top_k}",
+                           param="top_k")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise APIError(400, f"stop_token_ids must be in [0, {vocab}), got {bad[:5]}", param="stop_token_ids")
+        return params
+
     def chat_prompt(self, req: ChatRequest) -> list[int]:
         try:
             return self.tok.chat_prompt_ids([m.for_template() for m in req.messages],
@@ -254,6 +271,12 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
         msg, param = validation_message(e.errors())
         return JSONResponse(APIError(400, msg, param=param).body(), status_code=400)
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request, e: Exception):  # a bug, not the client's: still OpenAI's shape
+        log.exception("request failed")
+        return JSONResponse(APIError(500, f"internal error ({type(e).__name__}: {e})", type="server_error").body(),
+                            status_code=500)
+
     @app.exception_handler(HTTPException)
     async def _http(request, e: HTTPException):
         return JSONResponse(APIError(e.status_code, str(e.detail)).body(), status_code=e.status_code)
@@ -272,14 +295,19 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         state.check_model(req.model)
-        params = req.sampling_params(req.max_tokens if req.max_tokens is not None else 16)
+        check_text(req.model_dump(exclude_none=True))
+        params = state.params(req, req.max_tokens if req.max_tokens is not None else 16)
         return await state.run("completion", req, state.completion_prompts(req), params, request)
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
         state.check_model(req.model)
+        check_text(req.model_dump(exclude_none=True))  # before the template sees the text
         prompt = state.chat_prompt(req)
         limit = req.token_limit if req.token_limit is not None else max(1, llm.max_model_len - len(prompt))
-        return await state.run("chat", req, [prompt], req.sampling_params(limit), request)
+        if req.token_limit is None:  # on a CPU this can look like a hang: say what was chosen
+            log.info("chat request without max_tokens: up to %d new tokens (the rest of the %d-token context); "
+                     "clients should set max_tokens", limit, llm.max_model_len)
+        return await state.run("chat", req, [prompt], state.params(req, limit), request)
 
     return app

@@ -20,6 +20,7 @@ Test: python -m pytest -q tests/test_serve.py
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -95,7 +96,8 @@ class _Sampling(BaseModel):
                                   stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
                                   seed=self.seed, skip_special_tokens=self.skip_special_tokens)
         except ValueError as e:
-            raise APIError(400, str(e).replace("SamplingParams.", "")) from None
+            field = re.match(r"SamplingParams\.(\w+)", str(e))
+            raise APIError(400, str(e).replace("SamplingParams.", ""), param=field and field.group(1)) from None
 
     @property
     def include_usage(self) -> bool:
@@ -196,3 +198,21 @@ def validation_message(errors: list[dict]) -> tuple[str, str | None]:
     if e.get("type") == "json_invalid":
         return "the request body is not valid JSON", None
     return (f"{param}: {e.get('msg')}" if param else str(e.get("msg"))), param
+
+
+def check_text(value, path: str = "") -> None:
+    """Every string in a request body must be encodable as UTF-8: JSON's `\\ud800` escapes
+    decode to lone surrogates, which no tokenizer or template can take (a 400, not a 500)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise APIError(400, f"{path or 'the request'}: the text holds a lone surrogate at character {e.start} "
+                                f"({value[e.start]!r}), which is not valid Unicode", param=path or None) from None
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            check_text(k, path)
+            check_text(v, f"{path}.{k}" if path else str(k))
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            check_text(v, f"{path}.{i}" if path else str(i))

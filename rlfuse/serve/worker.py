@@ -8,7 +8,8 @@ and publishes, per live request, the new tokens of each sample (`Delta`) and eac
 that finished (`Done`). When nothing is running it blocks on the inbox.
 
 A request the engine refuses (`add_request` raises ValueError) fails the handler's future
-with that error; a full KV pool only makes requests wait in the engine's scheduler (it
+with that error; a step that raises fails the requests live in it and the engine goes on
+(`_recover`); a full KV pool only makes requests wait in the engine's scheduler (it
 admits and preempts; nothing is dropped). `abort` (a client went away) frees the
 request's sequences and KV blocks. The thread runs in a copy of the starting thread's
 context, so kernel backend and numerics settings (context variables) carry over.
@@ -71,6 +72,8 @@ class EngineWorker:
                                         name="rlfuse-engine", daemon=True)
         self.error: BaseException | None = None
         """The exception that ended the loop, if one did (the server then answers 503)."""
+        self.failures = 0
+        """Engine steps that failed and were recovered from (`_recover`)."""
 
     def start(self) -> "EngineWorker":
         self._thread.start()
@@ -123,13 +126,29 @@ class EngineWorker:
                 busy = self.llm.has_unfinished()
                 self._take_commands(block=not busy)
                 if self.llm.has_unfinished():
-                    self._publish(self.llm.step())
-        except BaseException as e:  # the engine failed: every waiting client hears it
+                    try:
+                        self._publish(self.llm.step())
+                    except Exception as e:  # noqa: BLE001 -- any step failure is contained, see _recover
+                        self._recover(e)
+        except BaseException as e:  # the recovery itself failed: every waiting client hears it
             self.error = e
             log.exception("the engine loop stopped")
             for live in self._live.values():
                 live.publish(e)
             self._fail_inbox(e)
+
+    def _recover(self, e: Exception) -> None:
+        """A step failed: its live requests get the error, the engine drops every request
+        and starts idle, and the loop goes on serving. The engine cannot tell which request
+        caused a failure, so all requests live at that moment fail; the request checks
+        (protocol.py, `LLM.add_request`) are what keep a bad request from getting here."""
+        self.failures += 1
+        log.error("an engine step failed (%s: %s); failing the %d live request(s), the engine goes on",
+                  type(e).__name__, e, len(self._live), exc_info=e)
+        for live in self._live.values():
+            live.publish(e)
+        self._live.clear()
+        self.llm.abort_all()
 
     def _take_commands(self, block: bool) -> None:
         while True:
@@ -146,7 +165,7 @@ class EngineWorker:
             _, rid, prompt, params, publish, stream, fut = cmd
             try:
                 self.llm.add_request(prompt, params, request_id=rid)
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 -- a refused request fails alone (ValueError: a 400)
                 fut.set_exception(e)
                 return
             tok = self.llm.tokenizer
@@ -161,7 +180,7 @@ class EngineWorker:
         elif kind == "snapshot":
             sch, bm = self.llm.scheduler, self.llm.block_manager
             cmd[1].set_result(dict(requests=len(self._live), running=len(sch.running), waiting=len(sch.waiting),
-                                   free_blocks=bm.num_free, total_blocks=bm.num_blocks))
+                                   free_blocks=bm.num_free, total_blocks=bm.num_blocks, step_failures=self.failures))
         elif kind == "stop":
             self._stopping = True
             for rid in list(self._live):

@@ -192,6 +192,9 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
         log.warning("grpo.max_new_tokens=%d is not below the model context (%d tokens: engine.max_model_len or the "
                     "model's max_position_embeddings): every completion stops at the context, prompt included, "
                     "before max_new_tokens", cfg.grpo.max_new_tokens, ses.context_len)
+    elif cfg.grpo.max_new_tokens > (room := ses.context_len - cfg.data.max_prompt_len):
+        log.warning("grpo.max_new_tokens=%d exceeds the room a prompt of data.max_prompt_len=%d tokens leaves in the "
+                    "%d-token context (%d)", cfg.grpo.max_new_tokens, cfg.data.max_prompt_len, ses.context_len, room)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
                             stats=ses.data_stats)

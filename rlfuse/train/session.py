@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabet
+from rlfuse.data import build_prompts, check_prompt_len, load_rows, rows_alphabet, task_alphabet
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
@@ -49,6 +49,8 @@ class Session:
     reward_functions: dict = dataclasses.field(default_factory=dict)
     """Reward callables by RewardSpec name (the Python API's reward_funcs), used instead of
     resolving those names."""
+    tool_functions: dict = dataclasses.field(default_factory=dict)
+    """Tool callables by their rollout.tools entry (the Python API's tool functions)."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
     of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
@@ -64,15 +66,17 @@ class Session:
         if self._sampler is None:
             self._sampler = self._engine_sampler()
             if self.cfg.rollout.multi_turn:
-                self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data)
+                self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data,
+                                                 tool_functions=self.tool_functions)
         return self._sampler
 
     def _engine_sampler(self) -> EngineSampler:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
 
     def rewards(self) -> RewardSet:
+        # an environment scores its own episodes (reward() or per-turn rewards): functions are optional
         return RewardSet(self.cfg.rewards, self.cfg.on_reward_error, self.reward_functions,
-                         timeout_s=self.cfg.reward_timeout_s)
+                         timeout_s=self.cfg.reward_timeout_s, allow_empty=bool(self.cfg.rollout.env))
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
@@ -91,22 +95,22 @@ def kernel_settings(cfg: RunConfig, *models) -> None:
 
 def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
                  write_config: bool = True, dist: DistContext | None = None,
-                 reward_functions: dict | None = None) -> Session:
+                 reward_functions: dict | None = None, tool_functions: dict | None = None) -> Session:
     run_dir = make_folder(cfg.logging.run_dir, "logging.run_dir")
-    if write_config and (dist is None or dist.is_main):
-        save_config(cfg, run_dir / "config.yaml")
     seed_everything(cfg.seed)
     train_rows = load_rows(cfg.data, "train", need_target=need_target)
     has_eval = bool(cfg.data.eval) or cfg.data.train.startswith("builtin:")
     eval_rows = load_rows(cfg.data, "eval") if has_eval else []
     if tokenizer is None:
         alphabet = ""
-        if cfg.model.tokenizer == "char" and cfg.data.train.startswith("builtin:"):
-            alphabet = task_alphabet(cfg.data.train.removeprefix("builtin:"),
-                                     [r for _, r in train_rows] + [r for _, r in eval_rows])
+        if cfg.model.tokenizer == "char":  # the alphabet of the task, or of the user's own rows
+            rows = [r for _, r in train_rows] + [r for _, r in eval_rows]
+            alphabet = (task_alphabet(cfg.data.train.removeprefix("builtin:"), rows)
+                        if cfg.data.train.startswith("builtin:") else rows_alphabet(rows))
         if cfg.rollout.multi_turn and alphabet:
             # episodes need a chat template: the compact one, with the tool calls' fixed pieces as tokens
-            tools = [t.schema() for t in load_tools(cfg.rollout.tools)] if cfg.rollout.tools else None
+            tools = ([t.schema() for t in load_tools(cfg.rollout.tools, check=False, functions=tool_functions)]
+                     if cfg.rollout.tools else None)  # schemas only: no code runs
             tokenizer = char_chat_tokenizer(alphabet, tools)
         else:
             tokenizer = build_tokenizer(cfg.model, alphabet)
@@ -125,5 +129,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     check_prompt_len(cfg.data, context_len)
     if dist is not None:
         model = shard_model(model, dist)
+    if write_config and (dist is None or dist.is_main):
+        # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
+        save_config(cfg, run_dir / "config.yaml")
     return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
-                   reward_functions=dict(reward_functions or {}))
+                   reward_functions=dict(reward_functions or {}), tool_functions=dict(tool_functions or {}))

@@ -22,6 +22,7 @@ import torch
 
 from rlfuse.data import PromptStream, SFTExample, build_sft_examples
 from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.rollout import episode_renderer
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, reduce_metrics
@@ -102,8 +103,12 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     when the recipe names rewards. `stop_after` and `stop_when` as in `run_loop` (the
     demo's "warm up to partial accuracy" is a stop_when)."""
     ses = session or open_session(cfg, need_target=True, dist=dist)
+    layout = None
+    if cfg.rollout.multi_turn:  # a warm-up trains exactly the ids (and tools in the prompt) a rollout makes
+        layout = episode_renderer(ses.tokenizer, cfg.rollout, tool_functions=ses.tool_functions).transcript
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
-                                  context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats)
+                                  context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats,
+                                  chat_layout=layout)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None

@@ -78,8 +78,13 @@ class ChatRenderer:
             raise TemplateError("the tokenizer has no EOS id: a model turn could not end")
         self.eos_ids = frozenset(eos)
         self.eos_texts = {e: tokenizer.decode([e], skip_special_tokens=False) for e in eos}
+        try:
+            self._source = self.tok.get_chat_template(self.chat_template, self.tools)
+        except ValueError:
+            self._source = ""
         self.tool_call_format = self._resolve_format(tool_call_format)
         self.placeholder = self._probe(probe_roles)
+        self._check_tools_rendered()
 
     # ------------------------------------------------------------------ rendering
     def render(self, messages: list[dict], generation_prompt: bool) -> str:
@@ -111,7 +116,7 @@ class ChatRenderer:
             raise TemplateError(
                 "chat template is not append-only: the generation prompt plus the model's turn "
                 f"({_snippet(head, i)}) is not how the template renders that turn ({_snippet(full, i)}), "
-                f"at character {i}. {_fix_hint(full, head)}")
+                f"at character {i}. {_fix_hint(self._source)}")
         return full[len(head):]
 
     def observation(self, conv: Conversation, model_ids: list[int], finish_reason: str,
@@ -129,7 +134,7 @@ class ChatRenderer:
             raise TemplateError(
                 f"chat template is not append-only: appending messages with roles {[m.get('role') for m in messages]} "
                 f"re-renders the earlier conversation ({_snippet(closed, i)} becomes {_snippet(after, i)} at "
-                f"character {i}). {_fix_hint(after, closed)}")
+                f"character {i}). {_fix_hint(self._source)}")
         rest = tail
         last = model_ids[-1] if model_ids else None
         if finish_reason == "stop" and last in self.eos_ids:
@@ -175,10 +180,7 @@ class ChatRenderer:
             raise ValueError(f"tool_call_format must be one of {TOOL_CALL_FORMATS}, got {fmt!r}")
         if fmt != "auto":
             return fmt
-        try:
-            src = self.tok.get_chat_template(self.chat_template, self.tools)
-        except ValueError:
-            src = ""
+        src = self._source
         if "<tool_call>" in src:
             fmt, why = "hermes", "the chat template writes <tool_call> tags"
         elif "ipython" in src or '"parameters"' in src:
@@ -187,6 +189,19 @@ class ChatRenderer:
             fmt, why = "hermes", "the chat template names no tool-call markup (the default)"
         log.info("tool-call format: %s (%s)", fmt, why)
         return fmt
+
+    def _check_tools_rendered(self) -> None:
+        """Warn when the template drops `tools` (SmolLM2's does): the model is then never
+        told the tools' names and arguments, and a policy that never calls one learns nothing."""
+        if not self.tools or NO_TOOL_LIST in self._source:
+            return
+        names = [t.get("function", t).get("name", "") for t in self.tools if isinstance(t, dict)]
+        text = self.render([{"role": "user", "content": "?"}], True)
+        if names and not any(n and n in text for n in names):
+            log.warning("the chat template does not render `tools`: the model is never shown the tools %s, their "
+                        "arguments or the call format. Give a template that does (rollout.chat_template: a .jinja "
+                        "file, e.g. Qwen2.5's or Hermes'), or describe the tools and the <tool_call> format in "
+                        "data.system_prompt (docs/agents.md)", names)
 
     def _probe(self, roles) -> str:
         """The placeholder for which a probe tool loop renders append-only, text and ids; a
@@ -198,7 +213,7 @@ class ChatRenderer:
                 return ph
             except TemplateError as e:
                 errors.append(e)
-        raise errors[-1]
+        raise errors[-1] if "<think>" in self._source else errors[0]  # the plain answer's failure, unless it thinks
 
     def _probe_with(self, ph: str, roles) -> None:
         self.placeholder = ph
@@ -224,8 +239,10 @@ class ChatRenderer:
                 "space per encode call): token ids could not be appended exactly")
 
 
-def _fix_hint(a: str, b: str) -> str:
-    if "<think>" in a or "<think>" in b:
+def _fix_hint(template: str) -> str:
+    # from the template's own source: a probe placeholder may hold <think> whatever the template
+    # (a template unrelated to Qwen3 once got the Qwen3 hint)
+    if "<think>" in template:
         return ("This is the Qwen3-style template: it drops earlier <think> blocks once a new user message "
                 "follows, and with enable_thinking=False its generation prompt holds an empty <think></think> "
                 "that its rendering of the turn omits. Fixes: send observations as role 'tool' (not 'user'), "
@@ -236,8 +253,10 @@ def _fix_hint(a: str, b: str) -> str:
 
 
 # ---------------------------------------------------------------------- tiny models
+NO_TOOL_LIST = "{#- tools are not listed: a tiny model learns them from SFT -#}"
+"""A template that holds this comment omits `tools` on purpose (no warning)."""
 CHAR_CHAT_TEMPLATE = (
-    "{% for m in messages %}{% if m.role == 'system' %}{{ '<s>' + m.content }}"
+    NO_TOOL_LIST + "{% for m in messages %}{% if m.role == 'system' %}{{ '<s>' + m.content }}"
     "{% elif m.role == 'user' %}{{ '<u>' + m.content }}"
     "{% elif m.role == 'assistant' %}{{ '<a>' + m.content + eos_token }}"
     "{% else %}{{ '<r>' + m.content }}{% endif %}{% endfor %}"

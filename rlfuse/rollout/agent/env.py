@@ -26,6 +26,7 @@ import asyncio
 import concurrent.futures as cf
 import dataclasses
 import inspect
+import threading
 from typing import Protocol, runtime_checkable
 
 from rlfuse.rollout.agent.tool_calls import ToolCall
@@ -71,15 +72,83 @@ def call(fn, *args, **kwargs):
     return asyncio.run(r) if inspect.isawaitable(r) else r
 
 
+class UserCodeExit(RuntimeError):
+    """User code (a tool, an environment) raised SystemExit or KeyboardInterrupt on a
+    worker thread: that is the code's failure, not a request to end the run."""
+
+
+class DaemonPool:
+    """Runs user calls (tool functions, env.step) on daemon threads, at most `max_workers`
+    at once, each returning a Future. Not a ThreadPoolExecutor: Python joins its worker
+    threads at exit, so one hung tool kept the process alive after the run had finished
+    ("grpo done", then no exit). A daemon thread is left behind at exit instead. A caller
+    that stops waiting on a call (its time limit) calls `abandon(fut)`: the call's slot is
+    freed for the next one, and the hung thread, if it ever returns, frees nothing."""
+
+    def __init__(self, max_workers: int, name: str):
+        self._slots = threading.Semaphore(max_workers)
+        self._name, self._n = name, 0
+        self._lock = threading.Lock()
+        self._held: set[cf.Future] = set()     # calls whose thread holds a slot
+        self._waiting: set[cf.Future] = set()  # calls waiting for a slot
+
+    def submit(self, fn, *args, **kwargs) -> cf.Future:
+        fut: cf.Future = cf.Future()
+        self._n += 1
+        with self._lock:
+            self._waiting.add(fut)
+        threading.Thread(target=self._run, args=(fut, fn, args, kwargs), name=f"{self._name}-{self._n}",
+                         daemon=True).start()
+        return fut
+
+    def _run(self, fut: cf.Future, fn, args, kwargs) -> None:
+        self._slots.acquire()
+        with self._lock:
+            self._waiting.discard(fut)
+            self._held.add(fut)
+        try:
+            if not fut.set_running_or_notify_cancel():  # cancelled while it waited for a slot
+                return
+            try:
+                fut.set_result(fn(*args, **kwargs))
+            except Exception as e:  # noqa: BLE001 -- the caller reads it from the future
+                fut.set_exception(e)
+            except BaseException as e:  # SystemExit / KeyboardInterrupt raised by the user's code
+                fut.set_exception(UserCodeExit(f"{type(e).__name__}({e}) raised inside the call"))
+        finally:
+            self._release(fut)
+
+    def _release(self, fut: cf.Future) -> None:
+        with self._lock:
+            if fut not in self._held:
+                return
+            self._held.discard(fut)
+        self._slots.release()
+
+    def abandon(self, fut: cf.Future) -> None:
+        """Stop waiting for `fut`: cancel it if it has not started, else free its slot."""
+        if not fut.cancel():
+            self._release(fut)
+
+    def shutdown(self) -> None:
+        """Cancel the calls not started; running ones are left to their daemon threads
+        (nothing is joined)."""
+        with self._lock:
+            waiting, self._waiting = self._waiting, set()
+        for f in waiting:
+            f.cancel()
+
+
 class ToolRunner:
     """Runs tool calls on a thread pool, each under a wall-clock limit; shared by the
     episodes of a rollout. A plain function past its limit cannot be killed: its thread is
-    left to finish and the call is reported as a timeout (the `python` tool kills its process)."""
+    left to finish on its daemon thread (it never delays the process's exit) and the call is
+    reported as a timeout (the `python` tool kills its process)."""
 
     def __init__(self, tools: list[Tool], *, timeout_s: float = 10.0, workers: int = 8):
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
-        self.pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="rlfuse-tool")
+        self.pool = DaemonPool(workers, "rlfuse-tool")
 
     def schemas(self) -> list[dict]:
         return [t.schema() for t in self.tools.values()]
@@ -98,15 +167,18 @@ class ToolRunner:
             try:
                 out.append((f.result(timeout=self.timeout_s), None))
             except cf.TimeoutError:
+                self.pool.abandon(f)
                 out.append((f"error: {c.name} timed out after {self.timeout_s:g} s", "timeout"))
             except ToolTimeout as e:
                 out.append((f"error: {e}", "timeout"))
             except ToolError as e:
                 out.append((f"error: {e}", "error"))
+            except Exception as e:  # noqa: BLE001 -- a tool object whose call() itself fails is still a tool error
+                out.append((f"error: {c.name} raised {type(e).__name__}: {e}", "error"))
         return out
 
     def close(self) -> None:
-        self.pool.shutdown(wait=False, cancel_futures=True)
+        self.pool.shutdown()
 
 
 class ToolEnv:

@@ -28,6 +28,8 @@ import concurrent.futures as cf
 import dataclasses
 import hashlib
 import logging
+import math
+import numbers
 import time
 from typing import Callable
 
@@ -35,7 +37,7 @@ import torch
 
 from rlfuse.engine.config import SamplingParams
 from rlfuse.rollout.agent.chat import ChatRenderer, Conversation
-from rlfuse.rollout.agent.env import Environment, Step, Turn, call
+from rlfuse.rollout.agent.env import DaemonPool, Environment, Step, Turn, call
 from rlfuse.rollout.agent.tool_calls import parse_tool_calls
 from rlfuse.run.config import RolloutConfig
 
@@ -105,16 +107,56 @@ def episode_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest(), "little")
 
 
+MAX_BYTES_PER_TOKEN = 64
+"""An observation is cut to max_tokens * this many UTF-8 bytes before it is encoded (no
+vocabulary has longer tokens in practice): a 50 MB tool output took 170 s to encode whole."""
+
+
 def truncate_content(renderer: ChatRenderer, text: str, max_tokens: int, side: str) -> tuple[str, bool]:
     """An observation's text cut to `max_tokens` tokens (its head for side "right", its
     tail for "left"), with a note; observation text is not model output, so it may be
-    re-encoded."""
+    re-encoded. Long text is first cut by bytes, so the cost is bounded by `max_tokens`."""
+    limit = max_tokens * MAX_BYTES_PER_TOKEN
+    cut_bytes = len(text) > limit // 4 and len(raw := text.encode("utf-8", "replace")) > limit
+    if cut_bytes:  # a character split at the cut is dropped
+        text = (raw[:limit] if side == "right" else raw[-limit:]).decode("utf-8", "ignore")
     ids = renderer.encode(text)
-    if len(ids) <= max_tokens:
+    if len(ids) <= max_tokens and not cut_bytes:
         return text, False
     keep = ids[:max_tokens] if side == "right" else ids[-max_tokens:]
     cut = renderer.tok.decode(keep, skip_special_tokens=False)
     return (cut + " [truncated]" if side == "right" else "[truncated] " + cut), True
+
+
+def _short(obj, limit: int = 80) -> str:
+    r = repr(obj)
+    return r if len(r) <= limit else r[:limit - 3] + "..."
+
+
+def checked_reward(env, value, what: str, ep: Episode) -> float | None:
+    """An environment's reward as a float, or None; anything else (NaN, inf, a string) is
+    refused here, naming the environment and the episode, before it can reach the loss."""
+    if value is None:
+        return None
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(float(value)):
+        return float(value)
+    raise ValueError(f"{type(env).__name__}{what} gave {_short(value)} for episode {ep.index} (row "
+                     f"{ep.prompt_index}): an environment reward must be a finite number or None")
+
+
+def _reset(env, row: dict, r: int, seed: int) -> list[dict]:
+    """env.reset(row, seed=...) with its failures as one line naming the class and the row:
+    a reset that raises or returns something else than messages fails the same way for
+    every episode, so the run stops instead of counting errors."""
+    name = type(env).__name__
+    try:
+        msgs = call(env.reset, row, seed=seed)
+    except (Exception, SystemExit) as e:  # sys.exit() in user code is its failure (a Ctrl-C stays the user's)
+        raise ValueError(f"{name}.reset raised {type(e).__name__}: {e} (row {r}: {_short(row)})") from None
+    if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
+        raise ValueError(f"{name}.reset must return a list of message dicts ({{'role': ..., 'content': ...}}), "
+                         f"got {_short(msgs)} (row {r})")
+    return msgs
 
 
 def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environment], rows: list[dict], *,
@@ -127,7 +169,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
     Returns (episodes, metrics)."""
     sampling = dict(sampling or {})
     t_start = time.perf_counter()
-    pool = cf.ThreadPoolExecutor(max_workers=cfg.env_workers, thread_name_prefix="rlfuse-env")
+    pool = DaemonPool(cfg.env_workers, "rlfuse-env")  # a hung env.step never delays the process's exit
     live: dict[str, _Live] = {}
     futures: dict[cf.Future, tuple[_Live, float]] = {}
     episodes: list[Episode] = []
@@ -156,10 +198,12 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
             lv.ep.per_turn = True
         if hasattr(lv.env, "reward"):
             try:
-                lv.ep.env_reward = call(lv.env.reward)
-            except Exception as e:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
+                r = call(lv.env.reward)
+            except (Exception, SystemExit) as e:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
                 log.warning("episode %d: env.reward() raised %s: %s", lv.ep.index, type(e).__name__, e)
                 lv.ep.info["env_errors"] = lv.ep.info.get("env_errors", 0) + 1
+                return
+            lv.ep.env_reward = checked_reward(lv.env, r, ".reward()", lv.ep)
 
     def on_turn(lv: _Live, c) -> None:
         ep = lv.ep
@@ -183,7 +227,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
 
     def on_step(lv: _Live, step: Step) -> None:
         ep = lv.ep
-        ep.turn_rewards[-1] = step.reward
+        ep.turn_rewards[-1] = checked_reward(lv.env, step.reward, ".step() -> Step.reward", ep)
         for k, v in step.info.items():
             if isinstance(v, (int, float)) and not isinstance(v, bool):
                 ep.info[k] = ep.info.get(k, 0) + v
@@ -217,7 +261,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
                 i = r * group_size + g
                 env = make_env()
                 s = episode_seed(seed, i)
-                conv, prompt_ids = renderer.start(call(env.reset, row, seed=s))
+                conv, prompt_ids = renderer.start(_reset(env, row, r, s))
                 lv = _Live(Episode(i, r, prompt_ids), env, conv, s)
                 episodes.append(lv.ep)
                 submit(lv)
@@ -240,21 +284,25 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
                 try:
                     step = f.result()
                 except Exception as e:  # noqa: BLE001 -- an environment's bug ends its episode, not the run
-                    log.warning("episode %d: env.step raised %s: %s", lv.ep.index, type(e).__name__, e)
+                    log.warning("episode %d: %s.step raised %s: %s", lv.ep.index, type(lv.env).__name__,
+                                type(e).__name__, e)
                     lv.ep.info["env_errors"] = lv.ep.info.get("env_errors", 0) + 1
                     finish(lv, "env_error")
                     continue
-                if not isinstance(step, Step):
-                    raise TypeError(f"env.step must return a rlfuse.rollout.Step, got {type(step).__name__}")
+                if not isinstance(step, Step):  # the same for every episode: the run stops, naming the class
+                    raise ValueError(f"{type(lv.env).__name__}.step returned {type(step).__name__} {_short(step)} "
+                                     f"(episode {lv.ep.index}); it must return rlfuse.rollout.Step(messages=..., "
+                                     "done=..., reward=...)")
                 on_step(lv, step)
             now = time.perf_counter()
             for f, (lv, t) in list(futures.items()):
                 if now - t > cfg.env_timeout_s:
                     futures.pop(f)
+                    pool.abandon(f)
                     lv.ep.info["env_timeouts"] = lv.ep.info.get("env_timeouts", 0) + 1
                     finish(lv, "env_timeout")
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        pool.shutdown()
     wall = time.perf_counter() - t_start
     m = episode_metrics(episodes, idle_s=idle_s, wall_s=wall)
     log.info("multi-turn rollout: %d episodes in %.2f s, %.2f turns and %.2f tool calls each, %.1f%% truncated, "
@@ -273,6 +321,10 @@ def episode_metrics(episodes: list[Episode], *, idle_s: float = 0.0, wall_s: flo
          "rollout/engine_idle_frac": idle_s / wall_s if wall_s > 0 else 0.0}
     for k in keys:
         m[f"rollout/{k}_per_episode"] = sum(e.info.get(k, 0) for e in episodes) / n
+    # completion_len counts everything after the prompt; these say how much of it is trained
+    m["rollout/trained_tokens_per_episode"] = sum(sum(e.loss_mask) for e in episodes) / n
+    m["rollout/trained_frac"] = (sum(sum(e.loss_mask) for e in episodes) /
+                                 max(sum(len(e.loss_mask) for e in episodes), 1))
     cont = sum(e.continuation_tokens for e in episodes)
     m["rollout/continuation_cached_frac"] = sum(e.cached_tokens for e in episodes) / cont if cont else 0.0
     return m

@@ -19,7 +19,8 @@ model only knows a tool by its schema). A tool returns anything `str()` can show
 exception it raises becomes an error observation (`ToolError` for expected failures,
 `ToolTimeout` for time limits, both counted by the environment).
 Built-ins: `calculator` (safe arithmetic: an AST walk over numbers and operators, never
-`eval`) and `python` (rlfuse.rollout.agent.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
+`eval`) and `python` (model-written code run isolated by bubblewrap, see
+rlfuse.rollout.agent.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
 Test: python -m pytest -q tests/test_rollout_tools.py
 """
 
@@ -31,11 +32,12 @@ import inspect
 import math
 import operator
 import re
+import threading
 import types
 import typing
 from typing import Any, Callable
 
-from rlfuse.rollout.agent.sandbox import Sandbox
+from rlfuse.rollout.agent.sandbox import make_sandbox
 from rlfuse.run import load_function
 
 
@@ -158,11 +160,17 @@ class Tool:
                 raise ToolError(f"{self.name}: argument {k!r} must be {self.parameters['properties'][k]}, got {v!r}")
         try:
             out = self.fn(**arguments)
+            return out if isinstance(out, str) else str(out)
         except ToolError:
             raise
         except Exception as e:  # a tool's own failure is the model's observation, not the run's crash
             raise ToolError(f"{self.name} raised {type(e).__name__}: {e}") from e
-        return out if isinstance(out, str) else str(out)
+        except (SystemExit, KeyboardInterrupt) as e:
+            # sys.exit() in a tool once ended the run with status 0, silently. On the main
+            # thread a KeyboardInterrupt may be the user's Ctrl-C: that one stays the run's.
+            if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+                raise
+            raise ToolError(f"{self.name} raised {type(e).__name__}({e})") from None
 
 
 # ---------------------------------------------------------------------- calculator
@@ -221,10 +229,13 @@ def calculator(expression: str) -> str:
 
 
 # ---------------------------------------------------------------------- python
-def python_tool(*, timeout_s: float = 10.0, **limits) -> Tool:
-    """The `python` built-in: runs code in a `Sandbox` (a subprocess with limits; NOT a
-    security boundary, see rlfuse.rollout.agent.sandbox) and returns what it printed."""
-    box = Sandbox(timeout_s=timeout_s, **limits)
+def python_tool(*, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True, **limits) -> Tool:
+    """The `python` built-in: runs code in a sandbox (rlfuse.rollout.agent.sandbox: bubblewrap
+    isolation by default, `none`, or a SandboxFusion URL) and returns what it printed.
+    `check`: fail closed now (a ValueError) if the sandbox cannot run code isolated."""
+    box = make_sandbox(sandbox, timeout_s=timeout_s, **limits)
+    if check:
+        box.check()
 
     def python(code: str) -> str:
         """Run a Python program and return what it prints (stdout); print the values you need.
@@ -245,23 +256,40 @@ def python_tool(*, timeout_s: float = 10.0, **limits) -> Tool:
 
 
 # ---------------------------------------------------------------------- loading
-def builtin_tool(name: str, *, timeout_s: float = 10.0) -> Tool:
+def builtin_tool(name: str, *, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True) -> Tool:
     if name == "calculator":
         return Tool.from_function(calculator)
     if name == "python":
-        return python_tool(timeout_s=timeout_s)
+        return python_tool(timeout_s=timeout_s, sandbox=sandbox, check=check)
     raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, python; or FILE.py:FUNCTION)")
 
 
-def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools") -> list[Tool]:
+PYTHON_TOOL = "python:"
+"""Prefix of a tool recorded by name only (`python:<name>`): a function the Python API was
+given, which only that process can resolve (through `functions`)."""
+
+
+def load_tools(specs, *, timeout_s: float = 10.0, what: str = "rollout.tools", sandbox: str = "bwrap",
+               check: bool = True, functions: dict | None = None) -> list[Tool]:
+    """Tools from names, FILE.py:FUNCTION specs, functions or Tools. `sandbox` / `check`:
+    where the `python` built-in runs code, and whether to prove now that it can.
+    `functions`: callables by spec (the Python API's tool functions, `python:<name>`)."""
     tools = []
     for i, s in enumerate(specs):
         w = f"{what}[{i}]"
-        if isinstance(s, Tool):
+        if isinstance(s, str) and functions and s in functions:
+            tools.append(Tool.from_function(functions[s], name=s.removeprefix(PYTHON_TOOL)))
+        elif isinstance(s, str) and s.startswith(PYTHON_TOOL):
+            raise ValueError(f"{w}: {s!r} names a function given to the Python API, which only that process can "
+                             f"resolve; pass the function again (tools=[...]) or name it FILE.py:FUNCTION")
+        elif isinstance(s, Tool):
             tools.append(s)
         elif callable(s):
             tools.append(Tool.from_function(s))
         elif isinstance(s, str) and ":" not in s:
+            if s == "python":  # its sandbox's failure names rollout.sandbox, not this entry
+                tools.append(builtin_tool(s, timeout_s=timeout_s, sandbox=sandbox, check=check))
+                continue
             try:
                 tools.append(builtin_tool(s, timeout_s=timeout_s))
             except ValueError as e:

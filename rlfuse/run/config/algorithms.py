@@ -11,8 +11,42 @@ import dataclasses
 from rlfuse.run.config.sections import _DC, _check_choice
 
 
+TRL_NAMES = {
+    "learning_rate": "optim.lr", "num_generations": "grpo.group_size", "max_completion_length": "grpo.max_new_tokens",
+    "beta": "grpo.kl_coef (dpo.beta for DPO)", "epsilon": "grpo.clip_low", "epsilon_high": "grpo.clip_high",
+    "delta": "grpo.dual_clip", "num_iterations": "grpo.mu", "scale_rewards": "grpo.adv_scale",
+    "mask_truncated_completions": "grpo.mask_truncated", "max_steps": "steps", "num_train_epochs": "steps",
+    "per_device_train_batch_size": "grpo.prompts_per_step (sft.batch_size for SFT)",
+    "gradient_accumulation_steps": "grpo.mini_batches / micro_batch_tokens", "max_prompt_length": "data.max_prompt_len",
+    "max_length": "sft.max_seq_len", "warmup_steps": "optim.warmup_steps", "lr_scheduler_type": "optim.schedule",
+    "max_grad_norm": "optim.max_grad_norm", "weight_decay": "optim.weight_decay", "bf16": "model.dtype",
+    "gradient_checkpointing": "model.gradient_checkpointing", "output_dir": "run_dir= (logging.run_dir)",
+    "logging_steps": "logging.log_every", "save_steps": "checkpoint.every", "save_total_limit": "checkpoint.keep_last",
+    "seed": "seed", "reward_weights": "reward_weights= (rewards[].weight)",
+}
+"""TRL's config names -> rlfuse's keys (docs/coming-from-trl.md), for the error a TRL name gets."""
+
+
+class _Section:
+    """Base of the algorithm sections: an unknown keyword is a ValueError naming the field
+    and, for a TRL name, rlfuse's key (a dataclass alone raises a bare TypeError)."""
+    __slots__ = ()
+
+    def __new__(cls, *args, **kwargs):
+        unknown = [k for k in kwargs if k not in cls.__dataclass_fields__]
+        if unknown:
+            k = unknown[0]
+            hint = (f"that is TRL's name; rlfuse's is {TRL_NAMES[k]}" if k in TRL_NAMES else
+                    f"fields: {', '.join(sorted(cls.__dataclass_fields__))}")
+            where = "" if "." not in TRL_NAMES.get(k, "") or TRL_NAMES[k].startswith(cls.section + ".") else (
+                " (set other sections through config=, e.g. config={'optim': {'lr': 1e-6}})")
+            raise ValueError(f"{cls.__name__}: unknown field {k!r} ({hint}; docs/coming-from-trl.md){where}")
+        return super().__new__(cls)
+
+
 @dataclasses.dataclass(**_DC)
-class SFTConfig:
+class SFTConfig(_Section):
+    section = "sft"
     steps: int = 100
     """Optimizer steps."""
     batch_size: int = 32
@@ -28,7 +62,8 @@ class SFTConfig:
 
 
 @dataclasses.dataclass(**_DC)
-class GRPOConfig:
+class GRPOConfig(_Section):
+    section = "grpo"
     steps: int = 100
     """Rollout steps (each: generate, score, mu policy updates)."""
     prompts_per_step: int = 16
@@ -139,7 +174,8 @@ DPO_LOSSES = ("sigmoid", "ipo", "conservative")
 
 
 @dataclasses.dataclass(**_DC)
-class DPOConfig:
+class DPOConfig(_Section):
+    section = "dpo"
     steps: int = 100
     """Optimizer steps."""
     batch_size: int = 32
@@ -170,7 +206,8 @@ class DPOConfig:
 
 
 @dataclasses.dataclass(**_DC)
-class PPOConfig:
+class PPOConfig(_Section):
+    section = "ppo"
     steps: int = 100
     """Rollout steps (each: generate, score, GAE, mu epochs of policy and critic updates)."""
     prompts_per_step: int = 64

@@ -24,9 +24,12 @@ Test: python -m pytest -q tests/test_config.py
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 from pathlib import Path
+
+import yaml
 
 from rlfuse.engine.config import EngineConfig
 from rlfuse.kernels.backend import BACKENDS
@@ -154,6 +157,10 @@ class RunConfig:
         r = self.rollout
         _check_choice("rollout.obs_truncation", r.obs_truncation, OBS_TRUNCATION)
         _check_choice("rollout.tool_call_format", r.tool_call_format, TOOL_CALL_FORMATS)
+        if not (isinstance(r.sandbox, str) and (r.sandbox in ("bwrap", "none") or
+                                                r.sandbox.startswith(("http://", "https://")))):
+            raise ValueError(f"rollout.sandbox must be bwrap, none or a SandboxFusion URL (http://HOST:PORT), "
+                             f"got {r.sandbox!r}")
         if r.tools and r.env:
             raise ValueError("rollout: give either rollout.tools or rollout.env, not both (an environment runs "
                              "its own tools)")
@@ -280,5 +287,19 @@ def _relative_spec(spec, base: Path):
     return f"{p if p.is_absolute() else base / p}:{name}"
 
 
+def resolved_inputs(data: dict) -> dict:
+    """A copy of config data with its relative input paths resolved against the working
+    directory, where the run that holds them reads them."""
+    data = copy.deepcopy(data)
+    resolve_input_paths(data, Path.cwd())
+    return data
+
+
 def save_config(cfg: RunConfig, path: str | Path) -> Path:
-    return config_io.save(cfg, path)
+    """`cfg` as YAML with its input paths absolute (`resolved_inputs`): a run's config.yaml
+    names the same files from any folder (`rlfuse eval RUN/config.yaml` resolves relative
+    paths against RUN, which once found RUN/vowels_train.jsonl instead of ./vowels_train.jsonl)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(resolved_inputs(config_io.to_dict(cfg)), sort_keys=False))
+    return path

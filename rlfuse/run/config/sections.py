@@ -179,8 +179,12 @@ class CheckpointConfig:
 class RolloutConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
     """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`
-    and `python` (a subprocess sandbox, not a security boundary) or `FILE.py:FUNCTION` (a typed
+    and `python` (model-written code, run where `sandbox` says) or `FILE.py:FUNCTION` (a typed
     function whose docstring describes it). docs/agents.md."""
+    sandbox: str = "bwrap"
+    """Where the `python` tool runs code: bwrap (isolated by bubblewrap: no network, no access
+    to your files or processes; the run refuses to start if bwrap is unusable) | none (a plain
+    subprocess with limits, warned every run) | http(s)://HOST:PORT (a SandboxFusion server)."""
     env: str = ""
     """An environment class `FILE.py:CLASS` (reset(row, *, seed) -> messages, step(turn) -> Step),
     instead of `tools`; built with `env_kwargs` once per episode."""
