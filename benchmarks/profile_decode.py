@@ -53,6 +53,7 @@ from rlfuse.kernels.loss.logprob import token_logprobs
 # tests/test_engine_bench.py checks each lands in its op's category).
 CATEGORIES = [
     ("qk-norm+rope+kv", r"qk_norm_rope"),  # the fused q/k norms, RoPE and KV store
+    ("linear-attn", r"chunk_prep|state_pass|state_bwd|chunk_bwd|conv_|recurrent|gated_norm"),  # Gated DeltaNet
     ("attention", r"paged|attn|flash|store_kv"),
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),

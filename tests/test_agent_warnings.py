@@ -13,8 +13,8 @@ from chat_templates import SMOLLM2
 
 from rlfuse.data import Prompt
 from rlfuse.rollout import ChatRenderer, Tool, calculator
-from rlfuse.rollout.sampler import MultiTurnSampler
 from rlfuse.rollout.agent.tool_calls import ToolCall, format_tool_call
+from rlfuse.rollout.sampler import MultiTurnSampler
 from rlfuse.run.config import DataConfig, RolloutConfig
 
 SCHEMAS = [Tool.from_function(calculator).schema()]

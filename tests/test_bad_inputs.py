@@ -1997,7 +1997,7 @@ def test_environment_faults_are_one_line_naming_the_class(env_cls, msg, fed):
 
 @pytest.mark.bad_input("agents")
 def test_python_tool_fails_closed_without_isolation(monkeypatch):
-    from rlfuse.rollout import sandbox as sb
+    from rlfuse.rollout.agent import sandbox as sb
     from rlfuse.rollout.agent.tools import load_tools
 
     monkeypatch.setattr(sb, "find_bwrap", lambda: None)

@@ -23,7 +23,7 @@ def _python_block(doc: str, marker: str) -> str:
     return m.group(1)
 
 
-def test_agents_driver_example_runs(tmp_path, capsys, one_thread):
+def test_agents_driver_example_runs(tmp_path, capsys, one_thread):  # noqa: F811 (the fixture)
     """Before: the example imported RolloutConfig from rlfuse.rollout (it is not there) and
     never said how to build the llm or what a row is."""
     code = _python_block("agents.md", "**The driver**")
@@ -37,7 +37,7 @@ def test_agents_driver_example_runs(tmp_path, capsys, one_thread):
     assert "rollout/turns_mean" in namespace["metrics"]
 
 
-def test_readme_python_example_runs(tmp_path, monkeypatch, one_thread):
+def test_readme_python_example_runs(tmp_path, monkeypatch, one_thread):  # noqa: F811 (the fixture)
     """Issue 37: the README's Python example failed on the walk-through's tiny model (its GRPO
     stage took every default: data.max_prompt_len 512 in a 64-token context). Run as written,
     with MODEL and the data files named, and fewer steps."""

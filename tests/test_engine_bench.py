@@ -46,7 +46,9 @@ KERNEL_CATEGORIES = {"attention.triton_varlen": "attention", "attention.triton_p
                      "loss.triton_logprob": "log-prob", "linear.triton_gemm": "gemm", "linear.triton_lora": "gemm",
                      "norm.triton_rms": "norm", "rope.triton_rotary": "rope", "activation.triton_glu": "swiglu",
                      "sampling.triton_draw": "sampling", "sampling.triton_chunks": "sampling",
-                     "sampling.triton_threshold": "sampling"}
+                     "sampling.triton_threshold": "sampling",
+                     **{f"gated_delta.triton_{m}": "linear-attn" for m in ("chunk", "chunk_bwd", "conv", "gated_norm",
+                                                                           "recurrent")}}
 
 
 def test_profile_decode_puts_each_kernel_in_its_ops_category():

@@ -23,8 +23,7 @@ import torch
 from rlfuse.cli import main
 from rlfuse.consistency.check import Setting, run_setting
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.attention import varlen_attention
-from rlfuse.kernels.attention import paged_attention
+from rlfuse.kernels.attention import paged_attention, varlen_attention
 from rlfuse.kernels.rope import qk_norm_rope, rope_cos_sin, rope_inv_freq
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_

@@ -168,7 +168,8 @@ def test_an_environment_reward_needs_no_reward_function(tmp_path):
     empty"). Its reward alone is the total now."""
     from rlfuse.rollout import RewardSet
     prompts = [Prompt([1], "2+2=", {"answer": "4"}, "t:0")]
-    mk = lambda text, env: Sample(0, [1], torch.zeros(1), False, text, None, None, env)
+    def mk(text, env):
+        return Sample(0, [1], torch.zeros(1), False, text, None, None, env)
     total, per = score_samples(prompts, [mk("4", 0.5), mk("5", None)], RewardSet([], allow_empty=True), 2)
     assert total == [0.5, 0.0] and list(per) == ["env"]
     with pytest.raises(ValueError, match="rewards: the list is empty"):
@@ -196,7 +197,8 @@ def test_trl_style_reward_functions_get_chat_rows_as_messages():
     msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2="},
             {"role": "assistant", "content": "4"}]
     prompts = [Prompt([1], "<rendered>", {"messages": msgs, "answer": "4"}, "t:0")]
-    mk = lambda text: Sample(0, [1], torch.zeros(1), False, text, None, None, None)
+    def mk(text):
+        return Sample(0, [1], torch.zeros(1), False, text, None, None, None)
     rs = RewardSet([RewardSpec(name="python:trl_style"), RewardSpec(name="arithmetic")],
                    functions={"python:trl_style": trl_style})
     total, per = score_samples(prompts, [mk("4"), mk("5")], rs, 2)

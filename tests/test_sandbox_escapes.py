@@ -26,7 +26,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlfuse.rollout import sandbox as sb
+from rlfuse.rollout.agent import sandbox as sb
 from rlfuse.rollout.agent.sandbox import RemoteSandbox, Sandbox
 from rlfuse.rollout.agent.tools import ToolError, ToolTimeout, load_tools, python_tool
 

@@ -158,7 +158,7 @@ def test_engine_step_failure_fails_the_request_not_the_server(server, monkeypatc
     assert bm.num_free == bm.num_blocks
 
 
-def test_abort_all_leaves_the_engine_idle_and_usable(folder, one_thread):
+def test_abort_all_leaves_the_engine_idle_and_usable(folder, one_thread):  # noqa: F811 (the fixture)
     model, tok = load_model(folder, device="cpu")
     llm = LLM(model, tok, EngineConfig(max_model_len=96, max_num_seqs=4, num_kv_blocks=16))
     want = llm.generate([[65, 66, 67]], SamplingParams(max_tokens=6, temperature=0))[0].output_token_ids

@@ -33,14 +33,14 @@ import time
 from pathlib import Path
 
 import torch
-
 from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script's directory)
+
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
-                                        chunk_gated_delta_rule,
-                                        chunk_gated_delta_rule_ref,
-                                        fused_recurrent_gated_delta_rule,
+    chunk_gated_delta_rule,
+    chunk_gated_delta_rule_ref,
+    fused_recurrent_gated_delta_rule,
 )
 
 HK, HV, DK, DV = 16, 32, 128, 128

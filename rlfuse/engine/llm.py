@@ -48,6 +48,7 @@ from rlfuse.engine.sequence import (
     sample_key,
     sample_key_base,
     stop_reason,
+    validate_request,
 )
 from rlfuse.engine.stats import EngineStats
 from rlfuse.model import CausalLM
@@ -55,6 +56,7 @@ from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
 
 log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(slots=True)
 class _Launched:
@@ -124,31 +126,8 @@ class LLM:
 
     # ------------------------------------------------------------------ requests
     def _validate(self, rid: str, prompt, params) -> list[int]:
-        def bad(msg):
-            return ValueError(f"request {rid!r}: {msg}")
-        if not isinstance(params, SamplingParams):
-            raise bad(f"params must be a SamplingParams, got {type(params).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise bad("a text prompt needs a tokenizer (LLM(model, tokenizer, ...)); pass token ids instead")
-            ids = list(self.tokenizer.encode(prompt))
-        else:
-            ids = list(prompt)
-        if not ids:
-            raise bad("the prompt is empty")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise bad(f"prompt token ids must be ints in [0, {self.vocab_size})")
-        if not all(t < self.vocab_size for t in params.stop_token_ids):
-            raise bad(f"stop_token_ids must be in [0, {self.vocab_size}), got {list(params.stop_token_ids)}")
-        if len(ids) >= self.max_model_len:
-            raise bad(f"the prompt has {len(ids)} tokens; max_model_len {self.max_model_len} leaves no room "
-                      f"for output")
-        if params.stop and self.tokenizer is None:
-            raise bad("stop strings need a tokenizer")
-        need = self.block_manager.blocks_for(min(len(ids) + params.max_tokens, self.max_model_len))
-        if need > self.block_manager.num_blocks:
-            raise bad(f"needs {need} KV blocks, the pool has {self.block_manager.num_blocks}")
-        return ids
+        return validate_request(rid, prompt, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                                max_model_len=self.max_model_len, block_manager=self.block_manager)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

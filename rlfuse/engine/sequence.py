@@ -162,3 +162,34 @@ def prompt_list(prompts, params) -> tuple[list, list[SamplingParams]]:
     if len(plist) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(plist)} SamplingParams")
     return prompts, plist
+
+
+def validate_request(rid: str, prompt, params, *, tokenizer, vocab_size: int, max_model_len: int,
+                     block_manager) -> list[int]:
+    """A request's prompt ids, or a ValueError naming the request and what is wrong (before
+    anything is queued)."""
+    def bad(msg):
+        return ValueError(f"request {rid!r}: {msg}")
+    if not isinstance(params, SamplingParams):
+        raise bad(f"params must be a SamplingParams, got {type(params).__name__}")
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise bad("a text prompt needs a tokenizer (LLM(model, tokenizer, ...)); pass token ids instead")
+        ids = list(tokenizer.encode(prompt))
+    else:
+        ids = list(prompt)
+    if not ids:
+        raise bad("the prompt is empty")
+    if not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        raise bad(f"prompt token ids must be ints in [0, {vocab_size})")
+    if not all(t < vocab_size for t in params.stop_token_ids):
+        raise bad(f"stop_token_ids must be in [0, {vocab_size}), got {list(params.stop_token_ids)}")
+    if len(ids) >= max_model_len:
+        raise bad(f"the prompt has {len(ids)} tokens; max_model_len {max_model_len} leaves no room "
+                  f"for output")
+    if params.stop and tokenizer is None:
+        raise bad("stop strings need a tokenizer")
+    need = block_manager.blocks_for(min(len(ids) + params.max_tokens, max_model_len))
+    if need > block_manager.num_blocks:
+        raise bad(f"needs {need} KV blocks, the pool has {block_manager.num_blocks}")
+    return ids

@@ -13,8 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.triton_common import round_to
 from rlfuse.kernels.norm.triton_rms import mean_square
+from rlfuse.kernels.triton_common import round_to
 
 _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

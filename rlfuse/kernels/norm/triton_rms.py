@@ -10,7 +10,6 @@ import triton.language as tl
 from rlfuse.kernels.backend import num_sms
 from rlfuse.kernels.triton_common import round_to
 
-
 # Every kernel that computes a row's mean of squares, or rotates by RoPE angles, is compiled
 # with FMA contraction off: whether the compiler fuses a product into the next add depends on
 # the code around it, so two kernels with the same expressions could round differently.

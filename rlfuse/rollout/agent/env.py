@@ -113,7 +113,7 @@ class DaemonPool:
                 fut.set_result(fn(*args, **kwargs))
             except Exception as e:  # noqa: BLE001 -- the caller reads it from the future
                 fut.set_exception(e)
-            except BaseException as e:  # SystemExit / KeyboardInterrupt raised by the user's code
+            except BaseException as e:  # noqa: BLE001 -- SystemExit / KeyboardInterrupt raised by the user's code
                 fut.set_exception(UserCodeExit(f"{type(e).__name__}({e}) raised inside the call"))
         finally:
             self._release(fut)

@@ -151,7 +151,7 @@ def _reset(env, row: dict, r: int, seed: int) -> list[dict]:
     name = type(env).__name__
     try:
         msgs = call(env.reset, row, seed=seed)
-    except (Exception, SystemExit) as e:  # sys.exit() in user code is its failure (a Ctrl-C stays the user's)
+    except (Exception, SystemExit) as e:  # noqa: BLE001 -- sys.exit() in user code is its failure (a Ctrl-C stays the user's)
         raise ValueError(f"{name}.reset raised {type(e).__name__}: {e} (row {r}: {_short(row)})") from None
     if not isinstance(msgs, list) or not all(isinstance(m, dict) for m in msgs):
         raise ValueError(f"{name}.reset must return a list of message dicts ({{'role': ..., 'content': ...}}), "

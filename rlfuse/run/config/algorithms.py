@@ -10,7 +10,6 @@ import dataclasses
 
 from rlfuse.run.config.sections import _DC, _check_choice
 
-
 TRL_NAMES = {
     "learning_rate": "optim.lr", "num_generations": "grpo.group_size", "max_completion_length": "grpo.max_new_tokens",
     "beta": "grpo.kl_coef (dpo.beta for DPO)", "epsilon": "grpo.clip_low", "epsilon_high": "grpo.clip_high",
