@@ -96,7 +96,7 @@ class _Trainer:
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 force: bool = False, dist: DistContext | None = None):
+                 force: bool = False, dist: DistContext | None = None, sampler_factory=None):
         cfg = load_run_config(config, overrides)
         changes: dict = {}
         if args is not None:
@@ -153,7 +153,8 @@ class _Trainer:
             for split, rows in in_memory.items():
                 _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
             self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
-                                                 reward_functions=fns, **self._given)
+                                                 reward_functions=fns, sampler_factory=sampler_factory,
+                                                 **self._given)
         except BaseException:
             self._release()
             raise
