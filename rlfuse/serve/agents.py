@@ -97,6 +97,15 @@ class AgentSampler:
         self.last_metrics, self.last_sessions = m, sessions
         return samples
 
+    def generate(self, prompt_ids, **kwargs) -> list[Sample]:
+        return self.base.generate(prompt_ids, **kwargs)
+
+    def sleep(self) -> None:
+        self.base.sleep()
+
+    def wake(self) -> None:
+        self.base.wake()
+
     def _sample(self, prompt, index: int, ses: AgentSession):
         segs = ses.segments()
         if ses.failed or not segs:
@@ -141,7 +150,8 @@ class AgentSampler:
             ses.failed = ses.failed or "timeout"
             return
         except Exception as e:  # noqa: BLE001 -- the user's agent failing ends its episode, not the run
-            log.warning("agent episode raised %s: %s", type(e).__name__, e)
+            if not ses.failed:  # a refused call (max_turns, context, ...) is counted by its cause
+                log.warning("agent episode raised %s: %s", type(e).__name__, e)
             ses.failed = ses.failed or "raised"
             return
         if isinstance(out, dict):

@@ -113,6 +113,7 @@ async def session_chat(state: ServeApp, store: SessionStore, sid: str, req: Chat
     except TemplateError as e:
         raise APIError(400, str(e), param="messages") from None
     if len(prompt) >= state.llm.max_model_len:
+        ses.failed = ses.failed or "context"
         raise APIError(400, f"the prompt is {len(prompt)} tokens; this model's context is {state.llm.max_model_len}",
                        param="messages", code="context_length_exceeded")
     room = min(_room(store, ses, prompt, req.token_limit), state.llm.max_model_len - len(prompt))

@@ -31,6 +31,12 @@ from rlfuse.rollout.agent.chat import ChatRenderer, Conversation, TemplateError
 from rlfuse.rollout.agent.tool_calls import ToolCall, parse_tool_calls
 
 
+FAILURES = ("raised", "timeout", "no_calls", "max_turns", "token_budget", "context")
+"""Why an agent episode fails: the agent raised, ran past rollout.agent_timeout_s, made no
+call, asked for more calls than rollout.max_turns, past rollout.max_total_tokens, or sent a
+prompt longer than the model's context."""
+
+
 @dataclasses.dataclass(slots=True)
 class Call:
     """One recorded chat call."""
@@ -114,7 +120,7 @@ class AgentSession:
         self.calls: list[Call] = []
         self.rerendered_tokens = 0
         self.failed = ""
-        """Why the episode failed ('' if it did not): raised, timeout, no_calls, max_turns, token_budget."""
+        """Why the episode failed ('' if it did not): one of FAILURES."""
         self.reward: float | None = None
         self.info: dict = {}
 
@@ -188,6 +194,6 @@ def session_metrics(sessions: list[AgentSession], trained: list[Segment]) -> dic
          "rollout/agent_rerendered_tokens": float(sum(s.rerendered_tokens for s in sessions)),
          "rollout/agent_tokens_sampled": float(sampled),
          "rollout/agent_tokens_trained": float(trained_tokens)}
-    for why in ("raised", "timeout", "no_calls", "max_turns", "token_budget"):
+    for why in FAILURES:
         m[f"rollout/agent_failed_{why}"] = float(sum(s.failed == why for s in sessions))
     return m
