@@ -118,7 +118,7 @@ def test_faults_fail_the_episode_with_reward_zero(setup):
         return 1.0
 
     with use_backend("torch"):
-        sampler = _sampler(setup, agent, max_turns=3, agent_timeout_s=1.0)
+        sampler = _sampler(setup, agent, max_turns=3, agent_timeout_s=3.0)  # the others end well before
         samples = sampler.episodes(_rows("raise", "hang", "none", "loop"), n=1, temperature=1.0, seed=0)
     m = sampler.last_metrics
     assert [s.failed for s in sampler.last_sessions] == ["raised", "timeout", "no_calls", "max_turns"]
