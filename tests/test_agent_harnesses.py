@@ -26,7 +26,7 @@ from rlfuse.recipes.agent_harnesses import CALCULATOR
 from rlfuse.rollout import char_chat_tokenizer
 from rlfuse.run.config import RolloutConfig, replace
 from rlfuse.serve import AgentSampler, agent_sampler
-from rlfuse.train import open_session, run_grpo
+from rlfuse.train import open_session, run_grpo, run_ppo
 
 HARNESSES = ["openai_loop", "agents_sdk", "langgraph"]
 NEEDS = {"agents_sdk": "agents", "langgraph": "langgraph.prebuilt"}
@@ -125,3 +125,16 @@ def test_a_plain_openai_agent_learns_the_calculator(tmp_path, seed):
     assert all(float(h["rollout/agent_calls_per_episode"]) > 1.5 for h in hist), summary  # episodes call the tool
     assert all(float(h["rollout/agent_tokens_trained"]) == float(h["rollout/agent_tokens_sampled"]) for h in hist)
     assert max(float(h["mismatch/max_abs"]) for h in hist) == 0.0, summary
+
+
+def test_one_ppo_step_through_the_plain_loop(tmp_path):
+    cfg = agent_config("ci", str(tmp_path), 0)
+    tok = open_session(replace(cfg, **{"logging.run_dir": str(tmp_path / "tok")})).tokenizer
+    cfg = replace(cfg, **{"rollout.tools": [], "rollout.agent": _harness("openai_loop"), "ppo.steps": 1,
+                          "ppo.prompts_per_step": 2, "ppo.samples_per_prompt": 2, "data.eval_size": 2,
+                          "engine.numerics": "exact"})
+    with one_thread():
+        res = run_ppo(cfg, session=open_session(cfg, tokenizer=tok, sampler_factory=agent_sampler))
+    h = res["history"][-1]
+    assert float(h["rollout/agent_tokens_trained"]) == float(h["rollout/agent_tokens_sampled"]) > 0, h
+    assert math.isfinite(float(h["value_loss"] if "value_loss" in h else h["loss"])), h
