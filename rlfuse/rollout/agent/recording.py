@@ -30,7 +30,6 @@ import json
 from rlfuse.rollout.agent.chat import ChatRenderer, Conversation, TemplateError
 from rlfuse.rollout.agent.tool_calls import ToolCall, parse_tool_calls
 
-
 FAILURES = ("raised", "timeout", "no_calls", "max_turns", "token_budget", "context")
 """Why an agent episode fails: the agent raised, ran past rollout.agent_timeout_s, made no
 call, asked for more calls than rollout.max_turns, past rollout.max_total_tokens, or sent a
