@@ -126,8 +126,11 @@ def test_check_cli_tiny(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 11 and report["settings"][-1]["name"] == "multi-turn, scripted tool"
-    assert report["settings"][-1]["engine_stats"]["preemptions"] > 0
+    names = [r["name"] for r in report["settings"]]
+    assert len(names) == 12 and names[-2:] == ["multi-turn, scripted tool", "agent via OpenAI API"]
+    assert report["settings"][-2]["engine_stats"]["preemptions"] > 0
+    agent = report["settings"][-1]["engine_stats"]  # a scripted openai client through the session server
+    assert agent["rollout/agent_split_samples"] >= 1 and agent["rollout/agent_merged_frac"] > 0.3
     for row in report["settings"]:
         assert set(row) >= {"name", "tokens", "bitwise_frac", "max_abs", "mean_abs", "kl_k3"}
         assert row["bitwise_frac"] == 1.0 and row["tokens"] > 0

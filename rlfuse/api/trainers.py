@@ -168,7 +168,8 @@ class _Trainer:
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
                  tokenizer=None, run_dir: str | Path | None = None, resume: bool = False, overwrite: bool = False,
-                 force: bool = False, dist: DistContext | None = None, tools=None, words: str = "api"):
+                 force: bool = False, dist: DistContext | None = None, tools=None, words: str = "api",
+                 sampler_factory=None):
         log_to_stderr_unless_configured()
         if isinstance(model, _Trainer) and config is None:
             # the next stage of the same run: its settings (data formatting and lengths, engine,
@@ -249,7 +250,8 @@ class _Trainer:
             for split, rows in in_memory.items():
                 _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
             self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
-                                                 reward_functions=fns, tool_functions=tool_fns, **self._given)
+                                                 reward_functions=fns, tool_functions=tool_fns,
+                                                 sampler_factory=sampler_factory, **self._given)
         except BaseException:
             self._release()
             raise

@@ -155,6 +155,22 @@ def run(args) -> int:
                   f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
         except TemplateError as e:
             print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
+        try:
+            # optional dependencies (the `serve` extra and openai): the row is skipped without them
+            from rlfuse.serve.agent_check import agent_setting
+        except ImportError as e:
+            print(f"{'agent via OpenAI API':34s} skipped: {e} (pip install 'rlfuse[serve]' openai)", flush=True)
+        else:
+            try:
+                r = agent_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+                results.append(r)
+                st = r.engine_stats
+                print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+                      f"{r.kl_k3:10.3g}  {st['rollout/agent_calls_per_episode']:.1f} calls per episode, "
+                      f"{100 * st['rollout/agent_merged_frac']:.0f}% merged, "
+                      f"{st['rollout/agent_split_samples']:.0f} split samples", flush=True)
+            except TemplateError as e:
+                print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),

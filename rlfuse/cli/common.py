@@ -230,3 +230,12 @@ def end_distributed(ctx: DistContext | None) -> None:
     """After a successful run: leave the process group (a failing rank just exits)."""
     if ctx is not None:
         shutdown()
+
+
+def agent_flags(cfg) -> dict:
+    """The trainer / session argument that runs rollout.agent's episodes, if the recipe has one."""
+    if not cfg.rollout.agent:
+        return {}
+    # optional dependencies (the `serve` extra, and openai): imported only for an agent recipe
+    from rlfuse.serve import agent_sampler
+    return {"sampler_factory": agent_sampler}

@@ -15,7 +15,7 @@ import torch
 
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
-from rlfuse.recipes.agent_demo import run_agent_demo
+from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
@@ -33,6 +33,10 @@ def add_arguments(p):
     p.add_argument("--agent", action="store_true",
                    help="multi-turn with a tool: SFT on calculator transcripts, then GRPO on episodes that call "
                         "it (3-digit multiplication), vs a no-tool baseline")
+    p.add_argument("--harness", choices=HARNESSES, default="env",
+                   help="with --agent: env (rlfuse's own episode loop) or an agent written against the OpenAI "
+                        "client (openai_loop, agents_sdk, langgraph: rlfuse.recipes.agent_harnesses), trained "
+                        "through the training process's own server (rollout.agent)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -70,8 +74,11 @@ def run(args) -> int:
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
+            if args.harness != "env" and not args.agent:
+                raise ValueError("--harness runs with --agent")
+            extra = {"harness": args.harness} if args.agent else {}
             run = run_agent_demo if args.agent else run_demo
-            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics}, **extra)
             summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
             with open(root / "demo.json", "w") as f:
                 json.dump(summary, f, indent=2)

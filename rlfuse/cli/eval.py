@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from rlfuse.cli.common import add_config_arguments, fail, load_run_config, setup_threads
+from rlfuse.cli.common import add_config_arguments, agent_flags, fail, load_run_config, setup_threads
 from rlfuse.model.lora_peft import CONFIG_FILE as ADAPTER_CONFIG
 from rlfuse.rollout import evaluate
 from rlfuse.run import check_model_folder
@@ -46,7 +46,7 @@ def run(args) -> int:
                 cfg = replace(cfg, **{"model.path": str(path), "model.random_init": None, "model.tokenizer": tok})
         if adapter:
             cfg = replace(cfg, **{"model.lora": {"path": adapter}})
-        ses = open_session(cfg, write_config=False)
+        ses = open_session(cfg, write_config=False, **agent_flags(cfg))
         prompts = ses.eval_prompts()
         if not prompts:
             raise ValueError("eval: the recipe has no eval set (data.eval) and its train set is not a builtin task")

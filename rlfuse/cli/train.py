@@ -14,6 +14,7 @@ from collections.abc import Callable
 from rlfuse.api import DPOTrainer, GRPOTrainer, PPOTrainer, SFTTrainer
 from rlfuse.cli.common import (
     add_config_arguments,
+    agent_flags,
     as_rank,
     end_distributed,
     fail,
@@ -85,7 +86,8 @@ class TrainCommand:
             if self.distributed:
                 ctx = start_distributed(args, cfg)  # None unless launched by torchrun
             with stop_on_signals():
-                res = self.trainer(config=cfg, **({"dist": ctx} if self.distributed else {}), **run_flags(args)).train()
+                res = self.trainer(config=cfg, **({"dist": ctx} if self.distributed else {}), **run_flags(args),
+                                   **agent_flags(cfg)).train()
         except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
             return fail(e)
         except Interrupted as e:

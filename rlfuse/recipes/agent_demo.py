@@ -30,6 +30,8 @@ from rlfuse.train import SFTStep, make_optimizer, open_session, run_grpo
 # (gpu: the cpu schedule on a CUDA device, the same tiny fp32 model: numbers comparable)
 _SCHEDULE = {"ci": (200, 16, 16, 8, 200), "cpu": (300, 40, 16, 8, 500), "gpu": (300, 40, 16, 8, 500)}
 AGENT_SIZES = tuple(_SCHEDULE)
+HARNESSES = ("env", "openai_loop", "agents_sdk", "langgraph")
+HARNESS_MODULE = "rlfuse.recipes.agent_harnesses"
 SFT_TARGET = 0.3
 """The warm-up stops once greedy accuracy with tools on 100 training problems reaches this."""
 
@@ -86,7 +88,12 @@ def _sft(ses, cfg: RunConfig, examples, steps: int, stop=None) -> int:
 
 
 def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed: int = 0,
-                   overrides: dict | None = None, echo=print) -> dict:
+                   overrides: dict | None = None, echo=print, harness: str = "env") -> dict:
+    """`harness`: "env" (rlfuse's own episode loop, rollout.tools) or the name of an agent in
+    rlfuse.recipes.agent_harnesses (openai_loop, agents_sdk, langgraph): GRPO and the held-out
+    evaluations then run that agent through the training process's server (rollout.agent)."""
+    if harness not in HARNESSES:
+        raise ValueError(f"agent demo harness must be one of {HARNESSES}, got {harness!r}")
     t0 = time.perf_counter()
     base = agent_config(size, run_dir, seed)
     if overrides:
@@ -115,8 +122,15 @@ def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed:
     echo(f"SFT warm-up on tool transcripts: {sft_steps} steps in {t_sft:.0f} s, accuracy with tools on training "
          f"problems {dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")
     grpo_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "grpo")})
-    res = run_grpo(grpo_cfg, session=open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer,
-                                                  sampler=ses.sampler))
+    if harness == "env":
+        grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)
+    else:  # the same task, the agent's own tool loop talking to the trainer's server
+        # optional dependency (the `serve` extra): only the agent harnesses need the server
+        from rlfuse.serve import agent_sampler
+        grpo_cfg = replace(grpo_cfg, **{"rollout.tools": [], "rollout.agent": f"{HARNESS_MODULE}:{harness}"})
+        ses.sampler.sleep()
+        grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler_factory=agent_sampler)
+    res = run_grpo(grpo_cfg, session=grpo_ses)
     before, after = res["evals"][0], res["evals"][-1]
     # the no-tool baseline: a fresh model, direct answers, as many optimizer steps
     base_cfg = replace(sft_cfg, **{"logging.run_dir": str(Path(run_dir) / "no_tool")})

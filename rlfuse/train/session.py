@@ -44,6 +44,9 @@ class Session:
     """Longest sequence the run may build: engine.max_model_len, else the model's
     max_position_embeddings (prompts and SFT examples are checked against it)."""
     _sampler: object = None
+    sampler_factory: object = None
+    """`factory(session) -> sampler` building the sampler on first use instead of the engine's
+    (rollout.agent: `rlfuse.serve.agent_sampler`, whose server lives above this layer)."""
     dist: DistContext | None = None
     """Set when the run is data-parallel (rlfuse.run.distributed.context); None in one process."""
     reward_functions: dict = dataclasses.field(default_factory=dict)
@@ -63,6 +66,12 @@ class Session:
                 raise ValueError("rollout.tools / rollout.env: multi-turn episodes run in one process; "
                                  "data-parallel (torchrun) is not supported for them yet")
             self._sampler = GatheredSampler(self.model, self._engine_sampler)
+        if self._sampler is None and self.sampler_factory is not None:
+            self._sampler = self.sampler_factory(self)
+        if self._sampler is None and self.cfg.rollout.agent:
+            raise ValueError("rollout.agent: your agent runs against the training process's own server, which "
+                             "rlfuse.serve builds: pass sampler_factory=rlfuse.serve.agent_sampler to the trainer "
+                             "or open_session (the CLI does)")
         if self._sampler is None:
             self._sampler = self._engine_sampler()
             if self.cfg.rollout.multi_turn:
@@ -93,7 +102,8 @@ def kernel_settings(cfg: RunConfig, *models) -> None:
             m.kernels = KernelSettings(backend=cfg.model.kernel_backend, numerics=cfg.engine.numerics)
 
 
-def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, need_target: bool = False,
+def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sampler_factory=None,
+                 need_target: bool = False,
                  write_config: bool = True, dist: DistContext | None = None,
                  reward_functions: dict | None = None, tool_functions: dict | None = None) -> Session:
     run_dir = make_folder(cfg.logging.run_dir, "logging.run_dir")
@@ -132,5 +142,6 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")
-    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
+    return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, sampler_factory,
+                   dist=dist,
                    reward_functions=dict(reward_functions or {}), tool_functions=dict(tool_functions or {}))

@@ -211,10 +211,16 @@ class RolloutConfig:
     """Longest an environment step may take before its episode ends with an error."""
     env_workers: int = 8
     """Threads running environment steps (tool calls) while the engine decodes other episodes."""
+    agent: str = ""
+    """Your own agent `FILE.py:FUNCTION`, `async def agent(client, row) -> float | dict | None`, run
+    with an openai.AsyncOpenAI client bound to one recorded session of the training process's own
+    server, instead of `tools` / `env` (docs/agents.md, "Bring your own agent")."""
+    agent_timeout_s: float = 300.0
+    """Longest one agent episode may run; past it the episode fails (reward 0, counted)."""
 
     @property
     def multi_turn(self) -> bool:
-        return bool(self.tools or self.env)
+        return bool(self.tools or self.env or self.agent)
 
 
 OBS_TRUNCATION = ("right", "left")

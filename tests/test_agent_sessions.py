@@ -1,0 +1,149 @@
+"""Your own agent through the training process's server (rollout.agent): the merge rule,
+token-exact recording, bitwise log-probs, faults, OpenAI's error shape, one GRPO step.
+
+A tiny random model (qwen2-style ChatML tokenizer of the multi-turn tests) answers an
+`openai.AsyncOpenAI` client over httpx's ASGI transport; nothing listens on a port.
+Run: python -m pytest -q tests/test_agent_sessions.py
+"""
+
+import asyncio
+
+import openai
+import pytest
+from agent_setup import chat_tokenizer
+from engine_helpers import (
+    one_thread,  # noqa: F401 (fixture)
+    tiny_model,
+)
+
+from rlfuse.data import Prompt
+from rlfuse.engine import LLM, EngineConfig
+from rlfuse.kernels import use_backend
+from rlfuse.rollout.agent.recording import AgentSession, Call, Segment
+from rlfuse.run.config import RolloutConfig
+from rlfuse.serve.agent_check import agent_setting
+from rlfuse.serve.agents import MODEL_NAME, AgentSampler
+
+
+@pytest.fixture(scope="module")
+def setup():
+    tok = chat_tokenizer("qwen2")
+    return tiny_model(vocab=tok.vocab_size, std=0.05), tok
+
+
+class _Base:
+    def __init__(self, llm):
+        self.llm = llm
+
+    def wake(self):
+        self.llm.wake()
+
+
+def _rows(*texts):
+    return [Prompt(ids=[], text=t, columns={"prompt": t}, where="test") for t in texts]
+
+
+def _sampler(setup, agent, numerics="exact", **rollout):
+    model, tok = setup
+    llm = LLM(model, tok, EngineConfig(max_num_seqs=8, numerics=numerics, seed=0))
+    cfg = RolloutConfig(**{"max_turns": 4, "max_turn_tokens": 12, "max_total_tokens": 200, "agent": "x",
+                           **rollout})
+    return AgentSampler(_Base(llm), tok, cfg, agent)
+
+
+def _call(prompt, out):
+    return Call([], prompt, out, [0.5] * len(out), "stop", "", "", [], None, None)
+
+
+def test_segments_merge_extending_calls_and_split_the_others():
+    ses = AgentSession()
+    ses.record(_call([1, 2], [3, 4]))
+    ses.record(_call([1, 2, 3, 4, 9], [5]))      # extends: one segment, 9 is context
+    ses.record(_call([1, 2, 7], [8]))            # edited history: a new segment
+    ses.record(_call([1, 2, 3, 4, 9, 5, 6], [0]))  # extends the first one again
+    a, b = ses.segments()
+    assert a == Segment([1, 2], [3, 4, 9, 5, 6, 0], [1, 1, 0, 1, 0, 1], [.5, .5, 0, .5, 0, .5], 3)
+    assert (b.prompt_ids, b.token_ids, b.loss_mask, b.calls) == ([1, 2, 7], [8], [1], 1)
+
+
+def test_agent_calls_are_recorded_token_exact_and_merged(setup):
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(3):
+            r = await client.chat.completions.create(model=MODEL_NAME, messages=messages)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "content": "408"})
+        return 1.0
+
+    with use_backend("torch"):
+        sampler = _sampler(setup, agent)
+        samples = sampler.episodes(_rows("What is 12 * 34?", "hi"), n=2, temperature=1.0, seed=3)
+    m = sampler.last_metrics
+    assert len(samples) == 4 and all(s.env_reward == 1.0 for s in samples)
+    assert m["rollout/agent_calls_per_episode"] == 3 and m["rollout/agent_merged_frac"] == pytest.approx(2 / 3)
+    assert m["rollout/agent_split_samples"] == 0 and m["rollout/agent_rerendered_tokens"] == 0
+    assert m["rollout/agent_tokens_trained"] == m["rollout/agent_tokens_sampled"] > 0
+    for s, ses in zip(samples, sampler.last_sessions):
+        # the model tokens of the sample are exactly the sampled ids, call after call
+        model_ids = [t for t, k in zip(s.token_ids, s.loss_mask.tolist()) if k]
+        assert model_ids == [t for c in ses.calls for t in c.output_ids]
+        assert s.prompt_ids == ses.calls[0].prompt_ids
+        for a, b in zip(ses.calls, ses.calls[1:]):  # each prompt = the last one + its output + the observation
+            assert b.prompt_ids[:len(a.prompt_ids) + len(a.output_ids)] == a.prompt_ids + a.output_ids
+
+
+def test_a_scripted_openai_agent_logprobs_equal_the_trainers_bitwise(setup):
+    model, tok = setup
+    with use_backend("torch"):
+        r = agent_setting(model, tok, numerics="exact", seed=1)
+        st = r.engine_stats
+        assert st["rollout/agent_split_samples"] >= 1 and st["rollout/agent_merged_frac"] > 0.3, st
+        assert r.tokens > 100 and r.bitwise_frac == 1.0 and r.first_diff is None, r
+
+
+def test_faults_fail_the_episode_with_reward_zero(setup):
+    async def agent(client, row):
+        p = row["prompt"]
+        if p == "raise":
+            raise RuntimeError("agent bug")
+        if p == "hang":
+            await asyncio.sleep(60)
+        if p == "none":
+            return 1.0
+        messages = [{"role": "user", "content": p}]
+        for _ in range(10):  # past max_turns: the 4th call is refused
+            r = await client.chat.completions.create(model=MODEL_NAME, messages=messages)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "user", "content": "again"})
+        return 1.0
+
+    with use_backend("torch"):
+        sampler = _sampler(setup, agent, max_turns=3, agent_timeout_s=3.0)  # the others end well before
+        samples = sampler.episodes(_rows("raise", "hang", "none", "loop"), n=1, temperature=1.0, seed=0)
+    m = sampler.last_metrics
+    assert [s.failed for s in sampler.last_sessions] == ["raised", "timeout", "no_calls", "max_turns"]
+    assert all(s.env_reward == 0.0 and s.text == "" for s in samples)
+    assert m["rollout/agent_failed_frac"] == 1.0 and m["rollout/agent_failed_timeout"] == 1
+    assert len(sampler.last_sessions[3].calls) == 3
+
+
+def test_bad_requests_get_openais_errors(setup):
+    seen = {}
+
+    async def agent(client, row):
+        msgs = [{"role": "user", "content": row["prompt"]}]
+        for name, kw in (("model", dict(model="gpt-4o", messages=msgs)),
+                         ("param", dict(model=MODEL_NAME, messages=msgs, temperature=-1)),
+                         ("long", dict(model=MODEL_NAME, messages=[{"role": "user", "content": "x " * 3000}]))):
+            try:
+                await client.chat.completions.create(**kw)
+            except openai.APIStatusError as e:
+                seen[name] = (e.status_code, e.body.get("code"), e.body.get("param"))
+        return 0.0
+
+    with use_backend("torch"):
+        _sampler(setup, agent).episodes(_rows("hi"), n=1, temperature=1.0, seed=0)
+    assert seen["model"][0] == 404 and seen["model"][1] == "model_not_found"
+    assert seen["param"][0] == 400 and "temperature" in seen["param"][2]
+    assert seen["long"][:2] == (400, "context_length_exceeded")
+
