@@ -162,11 +162,12 @@ class MultiTurnSampler:
         self.last_metrics: dict = {}
 
     def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                 seed: int) -> list[Sample]:
-        """`n` episodes per Prompt (its `columns` are the row the environment resets from)."""
+                 seed: int, first_episode: int = 0) -> list[Sample]:
+        """`n` episodes per Prompt (its `columns` are the row the environment resets from);
+        `first_episode`: the global index of the first one (data-parallel ranks, for the seeds)."""
         self.base.wake()
         eps, self.last_metrics = run_episodes(self.base.llm, self.renderer, self.make_env, [p.columns for p in prompts],
-                                              cfg=self.cfg, group_size=n, seed=seed,
+                                              cfg=self.cfg, group_size=n, seed=seed, first_episode=first_episode,
                                               sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
         return [Sample(e.prompt_index, e.token_ids, e.logprobs_tensor(), e.truncated, e.final_text,
                        torch.tensor(e.loss_mask, dtype=torch.float32), e.prompt_ids, e.env_reward,

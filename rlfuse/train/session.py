@@ -56,13 +56,11 @@ class Session:
 
     @property
     def sampler(self):
-        if self._sampler is None and self.dist is not None:
-            if self.cfg.rollout.multi_turn:
-                raise ValueError("rollout.tools / rollout.env: multi-turn episodes run in one process; "
-                                 "data-parallel (torchrun) is not supported for them yet")
-            self._sampler = GatheredSampler(self.model, self._engine_sampler)
         if self._sampler is None:
-            self._sampler = self._engine_sampler()
+            # data-parallel: the engine runs on the gathered weights; each rank runs the
+            # episodes of its own prompts (multi-turn wraps the gathering sampler)
+            self._sampler = (self._engine_sampler() if self.dist is None
+                             else GatheredSampler(self.model, self._engine_sampler))
             if self.cfg.rollout.multi_turn:
                 self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data)
         return self._sampler

@@ -63,6 +63,14 @@ class GatheredSampler:
             self._gathered.close()
             self._gathered = None
 
+    @property
+    def llm(self):
+        """The engine (after the first `wake()`): what multi-turn episodes and
+        `trainer.generate` drive directly."""
+        if self._gathered is None:
+            raise RuntimeError("GatheredSampler.llm: call wake() first (it gathers the weights on every rank)")
+        return self.inner.llm
+
     def generate(self, prompt_ids, **kw):
         if self._gathered is None:  # the weights are shards: gathering is a collective every rank must join
             raise RuntimeError("GatheredSampler.generate: call wake() first (it gathers the weights on every rank)")
@@ -89,6 +97,17 @@ def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, grou
             errors[name] = errors.get(name, 0) + n
     per_rank = group_size * len(mine)
     return samples, totals, per, errors, (lambda j: j // per_rank)
+
+
+def episode_metrics_on_ranks(ctx: DistContext, sampler) -> dict:
+    """A multi-turn sampler's `last_metrics` (rollout/*: per-episode means over this rank's
+    episodes) -> over all ranks: the mean of the ranks' values (ranks run equal numbers of
+    episodes, so a per-episode mean is exact; ratios such as the cached fraction and the
+    engine's idle fraction are the ranks' mean). A key some rank lacks (a counter no
+    episode of it raised) counts 0 there. One all-gather of the dicts."""
+    parts = gather_results(ctx, "rollout metrics", lambda: dict(sampler.last_metrics))
+    keys = sorted({k for p in parts for k in p})
+    return {k: sum(float(p.get(k, 0.0)) for p in parts) / len(parts) for k in keys}
 
 
 def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int, owned: list[int],
