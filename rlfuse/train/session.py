@@ -24,7 +24,8 @@ from rlfuse.data import build_prompts, check_prompt_len, load_rows, task_alphabe
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device, seed_everything
+from rlfuse.run import (apply_lora, build_engine, build_model, build_sharded, build_tokenizer, make_folder, pick_device,
+                        seed_everything)
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -108,9 +109,15 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
             tokenizer = char_chat_tokenizer(alphabet, tools)
         else:
             tokenizer = build_tokenizer(cfg.model, alphabet)
+    sharded = False
     if model is None:
         device = pick_device(cfg.model.device) if dist is None else dist.device
-        model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
+        if dist is not None and cfg.model.random_init and cfg.model.init == "keyed" and cfg.model.lora is None:
+            # on the meta device, each rank drawing its shard only: the weights of build_model's keyed init
+            model = build_sharded(cfg.model, tokenizer, dist, seed=cfg.seed)
+            sharded = True
+        else:
+            model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
     if cfg.model.lora is not None and dist is not None:
@@ -121,7 +128,7 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     kernel_settings(cfg, model)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
-    if dist is not None:
+    if dist is not None and not sharded:
         model = shard_model(model, dist)
     return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, dist=dist,
                    reward_functions=dict(reward_functions or {}))
