@@ -60,8 +60,12 @@ class Session:
         if self._sampler is None:
             # data-parallel: the engine runs on the gathered weights; each rank runs the
             # episodes of its own prompts (multi-turn wraps the gathering sampler)
-            self._sampler = (self._engine_sampler() if self.dist is None
-                             else GatheredSampler(self.model, self._engine_sampler))
+            if self.dist is None:
+                self._sampler = self._engine_sampler()
+            else:  # fused projections on the gathered weights where the engine would fuse (CUDA by default)
+                fuse = self.cfg.engine.fuse_projections
+                fuse = self.dist.device.type == "cuda" if fuse is None else fuse
+                self._sampler = GatheredSampler(self.model, self._engine_sampler, fuse=fuse)
             if self.cfg.rollout.multi_turn:
                 self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data)
         return self._sampler

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
+from rlfuse.model.fuse import fuse_gathered, unfuse_gathered
 from rlfuse.run.batching import pack_by_tokens
 from rlfuse.run.distributed.context import DistContext, gather_results, local_slice, max_across_ranks, reduce_metrics
 from rlfuse.run.distributed.fsdp import gathered_weights
@@ -37,10 +38,15 @@ class GatheredSampler:
     Pointers: the gathered storage is freed at `sleep()` and allocated again at the next
     `wake()`, so weight pointers may move between rollouts. The engine's `sleep()` drops
     its CUDA graphs and its prefix cache, and graphs are captured again on first use
-    after `wake()`: nothing captured survives a move (on CPU there are no graphs)."""
+    after `wake()`: nothing captured survives a move (on CPU there are no graphs).
 
-    def __init__(self, model, make_sampler: Callable[[], object]):
-        self.model, self._make = model, make_sampler
+    `fuse` (EngineConfig.fuse_projections): at each `wake()` the gathered q/k/v and
+    gate/up weights are moved into fused buffers (`rlfuse.model.fuse.fuse_gathered`: the
+    same bytes, not a second copy), so the engine's projections run as one GEMM each under
+    FSDP too; `sleep()` undoes it before FSDP frees the gathered weights."""
+
+    def __init__(self, model, make_sampler: Callable[[], object], *, fuse: bool = False):
+        self.model, self._make, self.fuse = model, make_sampler, fuse
         self.inner = None
         self._gathered: contextlib.ExitStack | None = None
 
@@ -49,6 +55,8 @@ class GatheredSampler:
             return
         stack = contextlib.ExitStack()
         stack.enter_context(gathered_weights(self.model))
+        if self.fuse:  # unfused (the callback) before the gathered block's reshard frees FSDP's storage
+            stack.callback(unfuse_gathered, fuse_gathered(self.model))
         self._gathered = stack
         if self.inner is None:
             self.inner = self._make()
