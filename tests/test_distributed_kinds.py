@@ -8,8 +8,9 @@ One spawned 2-rank job (`_job`) runs:
     seeded sampling with n = 2, an odd number of prompts: the parts are uneven), then 2
     steps and the final export;
   * `run_grpo` with `rollout.env` (3 turns an episode, observations appended as ids),
-    engine.numerics exact, the mismatch checked every step; each rank runs the episodes
-    of its own prompts, seeded by their global index.
+    engine.numerics exact, the mismatch checked every step, fused projections on (under
+    FSDP the engine fuses the gathered weights, the trainer runs them separate); each rank
+    runs the episodes of its own prompts, seeded by their global index.
 This process then runs both in one process and checks: the generated texts are equal; the
 logged metrics within TOL; the final weights within WEIGHT_TOL (tests/test_distributed_run.py
 explains both bounds); the mismatch is 0 at every step (the logged value is the max over
@@ -82,7 +83,7 @@ def _episodes_cfg(tmp: Path, run_dir: Path):
     return tiny_cfg(run_dir, f"rollout.env={tmp / 'echo_env.py'}:Echo", "rollout.max_turn_tokens=4",
                     "rollout.max_total_tokens=40", "engine.numerics=exact", "grpo.check_every=1", "grpo.steps=2",
                     "grpo.group_size=2", "model.kernel_backend=auto", "grpo.eval_every=0", "data.eval_size=4",
-                    "engine.fuse_projections=false", "checkpoint.save_final=true")
+                    "engine.fuse_projections=true", "checkpoint.save_final=true")
 
 
 def _job(rank: int, port: int, out: str, folder: str) -> None:
