@@ -35,6 +35,7 @@ from rlfuse import GRPOTrainer, PPOTrainer
 from rlfuse.model import load_model
 from rlfuse.run.distributed import context as D
 from rlfuse.run.metrics import read_metrics
+from rlfuse.train.dpo import run_dpo
 from rlfuse.train.grpo import run_grpo
 
 WORLD = 2
@@ -163,3 +164,44 @@ def test_ppo_refuses_data_parallel_with_one_line(tmp_path):
     with pytest.raises(ValueError, match="PPOTrainer: data-parallel ppo"):
         PPOTrainer(config=API_CFG, run_dir=tmp_path / "r", dist=object())
     assert not (tmp_path / "r").exists()
+
+
+# ---------------------------------------------------------------------- DPO
+def _dpo_cfg(run_dir: Path, reference: str):
+    # batch 6 over 2 ranks (3 pairs each), packed by 40 tokens: ranks whose counts differ pad
+    return tiny_cfg(run_dir, "dpo.steps=2", "dpo.batch_size=6", "dpo.micro_batch_tokens=40",
+                    f"dpo.reference={reference}", "checkpoint.save_final=true", "engine.fuse_projections=false",
+                    data={"train": "builtin:arithmetic_pref", "train_size": 40, "eval_size": 4},
+                    rewards=[{"name": "arithmetic"}])
+
+
+def _dpo_job(rank: int, port: int, out: str) -> None:
+    torch.set_num_threads(1)
+    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=120)
+    D.quiet_non_main(ctx)
+    for ref in ("precompute", "live"):
+        run_dpo(_dpo_cfg(Path(out) / f"dpo_{ref}2", ref), dist=ctx)
+    D.shutdown()
+
+
+@pytest.mark.slow  # one 2-rank job and two one-process runs: ~30 s on 2 cores
+def test_dpo_two_ranks_match_one_process(tmp_path):
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for ref in ("precompute", "live"):
+            run_dpo(_dpo_cfg(tmp_path / f"dpo_{ref}1", ref))
+        spawn_ranks(_dpo_job, WORLD, free_port(), str(tmp_path))
+    finally:
+        torch.set_num_threads(n)
+    for ref in ("precompute", "live"):
+        two, one = _rows(tmp_path / f"dpo_{ref}2"), _rows(tmp_path / f"dpo_{ref}1")
+        assert len([r for r in two if r["stage"] == "dpo"]) == 2
+        assert any(abs(r["rewards/margin"]) > 0 for r in two if r["stage"] == "dpo")  # it trained
+        d, where = _max_diff(two, one)
+        dw = _weights_diff(tmp_path / f"dpo_{ref}2", tmp_path / f"dpo_{ref}1")
+        print(f"dpo ({ref}): 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); weights {dw:.2e}")
+        assert d <= TOL, where
+        assert dw <= WEIGHT_TOL

@@ -93,7 +93,7 @@ class _Trainer:
     run: Callable = None
     need_target = False
     data_parallel = True
-    """Runs data-parallel with `dist=` (torchrun); PPO and DPO refuse it for now."""
+    """Runs data-parallel with `dist=` (torchrun); PPO refuses it for now."""
 
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
@@ -274,4 +274,4 @@ class PPOTrainer(_Trainer):
 
 class DPOTrainer(_Trainer):
     """DPO / IPO / conservative DPO (`rlfuse dpo`): preference rows (prompt, chosen, rejected)."""
-    kind, section, run, data_parallel = "dpo", DPOConfig, staticmethod(run_dpo), False
+    kind, section, run = "dpo", DPOConfig, staticmethod(run_dpo)
