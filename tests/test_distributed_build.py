@@ -7,6 +7,9 @@
     they equal `shard_model` of the one-process keyed build (`init_keyed`), so a
     data-parallel run starts from the one-process weights; each rank holds only its rows
     (parameter bytes ~ 1/N);
+  * an HF folder read shard by shard (`load_sharded_folder`: safetensors slices) gives the
+    masters of `shard_model(load_model(folder))`, bitwise, at 1 and 2 ranks, with the
+    file's fp32 rows rounded to a bf16 run's dtype;
   * a data-parallel GRPO step (`open_session` with model.init keyed) equals one process.
 Run: python -m pytest -q tests/test_distributed_build.py
 """
@@ -20,9 +23,10 @@ import torch
 from spawn_ranks import free_port, spawn_ranks
 from train_setup import tiny_cfg
 
-from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model import CausalLM, ModelConfig, load_model, save_model
 from rlfuse.run.distributed import context as D
-from rlfuse.run.distributed.build import ROWS_PER_DRAW, build_sharded_random, init_keyed, keyed_fill_
+from rlfuse.run.distributed.build import (ROWS_PER_DRAW, build_sharded_random, init_keyed, keyed_fill_,
+                                         load_sharded_folder)
 from rlfuse.run.distributed.fsdp import full_copy, memory_bytes, shard_model
 from rlfuse.run.metrics import read_metrics
 from rlfuse.train.grpo import run_grpo
@@ -64,6 +68,13 @@ def _job(rank: int, world: int, port: int, out: str) -> None:
         mine = memory_bytes(model, compute_dtype=dtype)["params"]
         if rank == 0:
             torch.save({"masters": masters, "ref": ref, "param_bytes": mine}, Path(out) / f"w{world}_{dtype}.pt")
+    folder = Path(out) / "folder"  # fp32 tensors in the file; the run in bf16 (the rows are rounded)
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_sharded_folder(folder, ctx, dtype=dtype)
+        masters = full_copy(model, torch.float32).state_dict()
+        ref = full_copy(shard_model(load_model(folder, dtype=dtype), ctx), torch.float32).state_dict()
+        if rank == 0:
+            torch.save({"masters": masters, "ref": ref}, Path(out) / f"f{world}_{dtype}.pt")
     run_grpo(tiny_cfg(Path(out) / f"grpo{world}", "model.init=keyed", "grpo.steps=1", "grpo.eval_every=0",
                       "engine.fuse_projections=false"), dist=ctx if world > 1 else None)
     D.shutdown()
@@ -72,6 +83,9 @@ def _job(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("meta_build")
+    plain = CausalLM(CFG)
+    plain.init_weights(generator=torch.Generator().manual_seed(1))
+    save_model(plain, out / "folder")
     for world in (1, 2):
         spawn_ranks(_job, world, world, free_port(), str(out))
     return out
@@ -89,6 +103,17 @@ def test_one_and_two_ranks_build_the_one_process_weights(built, dtype):
             assert torch.equal(v, v.to(dtype).float()), k  # masters start as run-dtype values
     total = sum(v.numel() * 4 for v in one["masters"].values())
     assert one["param_bytes"] == total and abs(two["param_bytes"] - total / 2) <= 4 * CFG.hidden_size * 20
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_folder_read_shard_by_shard_equals_the_whole_load(built, dtype):
+    for world in (1, 2):
+        res = torch.load(built / f"f{world}_{dtype}.pt")
+        assert res["masters"].keys() == res["ref"].keys()
+        for k, v in res["masters"].items():
+            assert torch.equal(v, res["ref"][k]), (world, k)
+            assert torch.equal(v, v.to(dtype).float()), k  # rounded to the run dtype
 
 
 @pytest.mark.slow

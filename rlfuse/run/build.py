@@ -26,8 +26,9 @@ from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run.config.sections import ModelSpec
-from rlfuse.run.distributed.build import build_sharded_random, init_keyed
+from rlfuse.run.distributed.build import build_sharded_random, init_keyed, load_sharded_folder
 from rlfuse.run.distributed.context import DistContext
+from rlfuse.run.distributed.fsdp import shard_model
 from rlfuse.run.resume import load_model_folder, model_folder
 
 log = logging.getLogger(__name__)
@@ -181,15 +182,29 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
 
 
 def build_sharded(spec: ModelSpec, tokenizer: Tokenizer, ctx: DistContext, seed: int = 0) -> CausalLM:
-    """model.random_init with model.init keyed, data-parallel: built on the meta device and
-    FSDP2-sharded, each rank drawing only its rows (rlfuse.run.distributed.build); the
-    masters equal `shard_model(build_model(...))`'s bitwise. Collective."""
+    """The data-parallel model, FSDP2-sharded, built on the meta device with each rank
+    materializing only its rows (rlfuse.run.distributed.build): an HF folder (model.path)
+    read shard by shard, or model.random_init with model.init keyed drawn shard by shard.
+    The masters equal `shard_model(build_model(...))`'s bitwise. Another model (a training
+    checkpoint's sharded dcp/ folder, the stream init) is built whole and then sharded.
+    Collective."""
+    dtype = parse_dtype(spec.dtype)
+    if spec.path and spec.random_init:
+        raise ValueError("model: give either model.path or model.random_init, not both")
+    folder = model_folder(spec.path) if spec.path else None
+    if (folder is not None and (folder / "dcp").is_dir()) or (folder is None and spec.init != "keyed"):
+        return shard_model(build_model(spec, tokenizer, ctx.device, seed=seed), ctx)
     set_backend(spec.kernel_backend)
     check_backend(spec.kernel_backend, ctx.device)
-    if spec.path:
-        raise ValueError("model: give either model.path or model.random_init, not both")
-    model = build_sharded_random(random_model_config(spec, tokenizer, ctx.device), ctx,
-                                 dtype=parse_dtype(spec.dtype), seed=seed)
+    if folder is not None:
+        check_model_folder(spec.path)
+        config_json = folder / "config.json"
+        cfg = ModelConfig.from_hf(folder)
+        check_kernel_support(cfg, spec.kernel_backend, ctx.device.type, str(config_json))
+        check_vocab(cfg.vocab_size, tokenizer, str(config_json))
+        model = load_sharded_folder(folder, ctx, dtype=dtype)
+    else:
+        model = build_sharded_random(random_model_config(spec, tokenizer, ctx.device), ctx, dtype=dtype, seed=seed)
     model.gradient_checkpointing = spec.gradient_checkpointing
     return model
 

@@ -116,8 +116,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     sharded = False
     if model is None:
         device = pick_device(cfg.model.device) if dist is None else dist.device
-        if dist is not None and cfg.model.random_init and cfg.model.init == "keyed" and cfg.model.lora is None:
-            # on the meta device, each rank drawing its shard only: the weights of build_model's keyed init
+        if dist is not None and cfg.model.lora is None:
+            # on the meta device, each rank reading (a folder) or drawing (model.init keyed) its rows only
             model = build_sharded(cfg.model, tokenizer, dist, seed=cfg.seed)
             sharded = True
         else:

@@ -1,7 +1,11 @@
-"""Fast random models for data-parallel runs: built on the meta device, FSDP2-sharded, and
-only each rank's shard drawn (`model.init: keyed`).
+"""Fast model building for data-parallel runs: built on the meta device, FSDP2-sharded,
+and only each rank's shard drawn (random, `model.init: keyed`) or read (an HF folder).
 
     model = build_sharded_random(model_config, ctx, dtype=torch.bfloat16, seed=0)
+    model = load_sharded_folder("Qwen3-8B/", ctx, dtype=torch.bfloat16)
+
+`load_sharded_folder` reads each tensor's rows of this rank only (safetensors slices), so
+no rank holds the whole model; the masters equal `shard_model(load_model(folder))`'s.
 
 The ordinary random init (`CausalLM.init_weights`, `model.init: stream`) draws every weight
 from one generator in parameter order: a rank cannot draw its rows without drawing all
@@ -34,7 +38,7 @@ import math
 import torch
 from torch.distributed.tensor import DTensor
 
-from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model import CausalLM, ModelConfig, load_rows_from_files
 from rlfuse.run.distributed.context import DistContext
 from rlfuse.run.distributed.fsdp import finish_sharding, wrap_fsdp
 
@@ -86,6 +90,28 @@ def _row0(p: DTensor, ctx: DistContext) -> int:
     row0 = min(ctx.rank * per, rows)
     assert p.to_local().shape[0] == max(0, min(per, rows - row0)), (p.shape, p.to_local().shape)  # FSDP2's layout
     return row0
+
+
+def _shard_of(ctx: DistContext):
+    return lambda p: (p.to_local(), _row0(p, ctx))
+
+
+def load_sharded_folder(folder, ctx: DistContext, *, dtype: torch.dtype) -> CausalLM:
+    """An HF folder's model, FSDP2-sharded across ctx, each rank reading only its rows of
+    every tensor (safetensors slices), rounded to `dtype` (the run dtype) and held as fp32
+    masters: the masters of `shard_model(load_model(folder, dtype=dtype))`, without any
+    rank holding the whole model. Collective."""
+    cfg = ModelConfig.from_hf(folder)
+    with torch.device("meta"):
+        model = CausalLM(cfg)
+    model.to(dtype)
+    model.float()
+    wrap_fsdp(model, ctx, dtype)
+    model.to_empty(device=ctx.device)
+    load_rows_from_files(model, folder, _shard_of(ctx), via=dtype)
+    log.info("loaded %s (%d layers) from %s shard by shard: rank %d read its rows only", cfg.model_type,
+             cfg.num_hidden_layers, folder, ctx.rank)
+    return finish_sharding(model, ctx, dtype)
 
 
 def build_sharded_random(cfg: ModelConfig, ctx: DistContext, *, dtype: torch.dtype, seed: int,
