@@ -1,6 +1,7 @@
 """Data-parallel plumbing on PyTorch's own stack: the process group and cross-rank
-helpers (context), FSDP2 sharding (fsdp), DCP checkpoint I/O (dcp), and how the trainers
-split rollouts, micro-batches and evaluation over ranks (data_parallel)."""
+helpers (context), FSDP2 sharding (fsdp), models built on the meta device shard by shard
+(build), DCP checkpoint I/O (dcp), and how the trainers split rollouts, micro-batches and
+evaluation over ranks (data_parallel)."""
 
 from rlfuse.run.distributed.context import (
                                             DistContext,
