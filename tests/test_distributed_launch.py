@@ -54,6 +54,21 @@ def test_raising_rank_stops_the_job_with_its_message():
     print(f"failing 2-process torchrun stopped after {dt:.1f} s")
 
 
+def test_a_rank_raising_outside_the_shared_phases_prints_one_line_naming_it():
+    """as_rank (the CLI's torchrun entry): an error the command does not catch (not a
+    ValueError) prints one `rlfuse: error: rank R raised ...` line, then propagates (torch's
+    `record` and torchrun report it with its traceback; the process exits non-zero)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    code = ("from rlfuse.cli.common import as_rank\n"
+            "def body():\n    raise RuntimeError('shape mismatch in layer 3')\n"
+            "as_rank(body)()")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    lines = [x for x in out.stderr.splitlines() if x.startswith("rlfuse: error: ")]
+    assert lines == ["rlfuse: error: rank 1 raised RuntimeError: shape mismatch in layer 3"], out.stderr[-2000:]
+
+
 RECIPE = """seed: 0
 model: {random_init: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
         num_key_value_heads: 1, head_dim: 16, max_position_embeddings: 64},
