@@ -47,8 +47,9 @@ from rlfuse.train.sft import run_sft
 
 ROOT = Path(__file__).resolve().parents[1]
 WORLD = 2
-# engine.fuse_projections off: sharded ranks never fuse (FSDP owns the parameters), so a fused
-# one-process run would also differ by the fused GEMMs' rounding, not only the sum orders below
+# engine.fuse_projections off: sharded ranks fuse only the engine's gathered weights (their
+# training forwards run the separate projections), so with fusion on a one-process run (fused
+# training forwards) would also differ by the fused GEMMs' fast-numerics rounding
 GRPO = ("grpo.kl_coef=0.05", "grpo.mu=2", "grpo.mini_batches=2", "checkpoint.every=2", "checkpoint.save_final=true",
         "engine.fuse_projections=false")
 SFT = ("sft.micro_batch_tokens=24",)

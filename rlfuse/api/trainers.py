@@ -51,7 +51,7 @@ from rlfuse.model import CausalLM
 from rlfuse.rollout import PYTHON_REWARD, PYTHON_TOOL
 from rlfuse.run import RunLock, export_model, prepare_run_folder
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
-from rlfuse.run.distributed import DistContext, fail_together
+from rlfuse.run.distributed import DistContext, fail_together, gather_results
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -164,6 +164,8 @@ class _Trainer:
     section: type = object
     run: Callable = None
     need_target = False
+    data_parallel = True
+    """Runs data-parallel with `dist=` (torchrun); PPO refuses it for now."""
 
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
@@ -238,17 +240,16 @@ class _Trainer:
             for split, path in _saved_data(run_path).items():
                 if f"data.{split}" not in changes and not getattr(cfg.data, split):
                     changes[f"data.{split}"] = path
-        if in_memory and dist is not None:
-            raise ValueError("train_dataset / eval_dataset in memory under torchrun: save them to a file and pass "
-                             "its path (every rank reads it)")
+        if dist is not None and not self.data_parallel:
+            raise ValueError(f"{type(self).__name__}: data-parallel {self.kind} (dist=, torchrun) is not supported "
+                             f"yet; run it in one process")
         self.config: RunConfig = replace(cfg, **changes) if changes else cfg
         self.dist = dist
         self._lock: RunLock | None = None
         self._words = words  # "cli": the commands construct this trainer; their errors name --resume, ...
         self._prepare(resume, overwrite, force)
         try:
-            for split, rows in in_memory.items():
-                _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
+            self._write_datasets(in_memory)
             self.session: Session = open_session(self.config, need_target=self.need_target, dist=dist,
                                                  reward_functions=fns, tool_functions=tool_fns,
                                                  sampler_factory=sampler_factory, **self._given)
@@ -256,6 +257,21 @@ class _Trainer:
             self._release()
             raise
         self.summary: dict | None = None
+
+    def _write_datasets(self, in_memory: dict) -> None:
+        """Rows in memory -> RUN_DIR/data/<split>.jsonl. Data-parallel: rank 0 writes its
+        rows and every rank then reads that file, so all ranks hold the same global rows
+        whatever each was passed, and each takes its share of every step's batch
+        (`local_slice`); a rank 0 error stops every rank."""
+        def write():
+            if self.dist is None or self.dist.is_main:
+                for split, rows in in_memory.items():
+                    _write_rows(rows, Path(getattr(self.config.data, split)), f"{split}_dataset")
+        if self.dist is None or not in_memory:
+            write()
+            return
+        with fail_together(self.dist, "datasets"):  # also the barrier before the other ranks read
+            write()
 
     def _prepare(self, resume: bool, overwrite: bool, force: bool) -> None:
         """Take the run folder's lock, then start, resume or overwrite it (rlfuse.run.folder).
@@ -317,21 +333,31 @@ class _Trainer:
                  temperature: float = 0.0, n: int = 1, **sampling) -> list[str]:
         """Completions of `prompts` with the run's engine on the current weights (greedy by
         default; other SamplingParams fields as keywords). `chat`: each prompt is a user
-        message in the chat template. Returns len(prompts) * n texts, prompt-major."""
-        if self.session.dist is not None:
-            raise ValueError("generate: not under torchrun (each rank holds a shard of the weights)")
+        message in the chat template. Returns len(prompts) * n texts, prompt-major.
+        Data-parallel (dist=): a collective; every rank calls it with the same prompts and
+        gets every text. Rank r generates the r-th of N near-equal contiguous parts of the
+        prompts on the gathered weights, then one all-gather (a seeded request samples
+        what it samples in one process: the engine keys its draws by seed and prompt)."""
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         tok = self.tokenizer
         ids = [tok.chat_prompt_ids([{"role": "user", "content": p}]) if chat else tok.encode(p) for p in prompts]
+        params = SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens, **sampling)
         sampler = self.session.sampler
-        sampler.wake()
-        try:
-            outs = sampler.llm.generate(ids, SamplingParams(n=n, temperature=temperature, max_tokens=max_tokens,
-                                                            **sampling))
-        finally:
-            sampler.sleep()  # the KV pool goes back to training
-        return [o.text if o.text is not None else tok.decode(o.output_token_ids, skip_special_tokens=True)
-                for o in outs]
+        ctx = self.session.dist
+
+        def run(part: list) -> list[str]:
+            sampler.wake()  # data-parallel: gathers the weights (every rank, even with no prompts)
+            try:
+                outs = sampler.llm.generate(part, params) if part else []
+            finally:
+                sampler.sleep()  # the KV pool goes back to training
+            return [o.text if o.text is not None else tok.decode(o.output_token_ids, skip_special_tokens=True)
+                    for o in outs]
+        if ctx is None:
+            return run(ids)
+        k, w = len(ids), ctx.world_size
+        return [t for part in gather_results(ctx, "generate", run, ids[ctx.rank * k // w:(ctx.rank + 1) * k // w])
+                for t in part]
 
 
 class SFTTrainer(_Trainer):
@@ -346,7 +372,7 @@ class GRPOTrainer(_Trainer):
 
 class PPOTrainer(_Trainer):
     """PPO with a critic (`rlfuse ppo`): prompts, reward functions."""
-    kind, section, run = "ppo", PPOConfig, staticmethod(run_ppo)
+    kind, section, run, data_parallel = "ppo", PPOConfig, staticmethod(run_ppo), False
 
 
 class DPOTrainer(_Trainer):

@@ -193,7 +193,14 @@ def as_rank(body: Callable[[], int]) -> Callable[[], int]:
         return body
 
     def rank_main() -> int:
-        rc = record(body)()
+        try:
+            rc = record(body)()
+        except Exception as e:
+            # errors outside the shared phases (those end with `fail`'s line on every rank):
+            # one line naming this rank before torchrun's summary and traceback
+            print(f"rlfuse: error: rank {os.environ.get('RANK', '?')} raised {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+            raise
         # The run is over and its files are written and closed; torch's C++ teardown of a
         # finished gloo job can still abort at interpreter exit ("terminate called without an
         # active exception", seen in CPU tests), which torchrun reports as a failed rank.

@@ -109,6 +109,6 @@ TRAIN_COMMANDS = {c.name: c for c in (
                  trainer=PPOTrainer, uses=("ppo",), summary=lambda res: print_summary("ppo", res)),
     TrainCommand(name="dpo", HELP="DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)",
                  trainer=DPOTrainer, uses=("dpo", "grpo.max_new_tokens"),  # held-out answers' length
-                 summary=_dpo_summary),
+                 summary=_dpo_summary, distributed=True),
 )}
 """Command name -> TrainCommand."""

@@ -88,7 +88,8 @@ class EngineConfig:
     """Run q/k/v and gate/up of each layer as one GEMM each (the engine fuses the model in
     place when built: the parameters become views of one buffer per group, names and
     checkpoints unchanged; the trainer's forward runs fused too). Exact numerics keep their
-    bits; LoRA-adapted and FSDP-sharded projections stay separate (rlfuse.model.fuse).
+    bits; LoRA-adapted projections stay separate; FSDP-sharded models fuse the gathered
+    weights at each rollout, and their training forwards run separate (rlfuse.model.fuse).
     None (default): on CUDA, where it speeds decode up; not on a CPU, where it would only move
     fast-mode rounding. True / False: always / never (False leaves the model as it is: one
     fused earlier by another engine stays fused)."""

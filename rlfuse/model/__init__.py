@@ -8,7 +8,7 @@ from rlfuse.model.config import ModelConfig
 from rlfuse.model.layers import Linear, Packed, PagedKV, pack_by_tokens
 from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
-from rlfuse.model.weights import load_model, save_model
+from rlfuse.model.weights import load_model, load_rows_from_files, save_model
 
 __all__ = ["ARCHS", "ArchSpec", "CausalLM", "Linear", "ModelConfig", "Packed", "PagedKV", "ScalarHeadModel",
-           "Tokenizer", "load_model", "load_scalar_head_model", "pack_by_tokens", "save_model"]
+           "Tokenizer", "load_model", "load_rows_from_files", "load_scalar_head_model", "pack_by_tokens", "save_model"]

@@ -18,8 +18,15 @@ Rules.
   * Fusing moves the parameters' storage once: do it before anything records their
     pointers (CUDA graphs; the engine fuses in its constructor, before any capture).
     Fusing a fused model again changes nothing.
-  * Not fused: an FSDP-wrapped model (FSDP owns the parameter storage; the engine runs on
-    its gathered weights), a group that is not all plain `Linear` (LoRA adapters add a
+  * FSDP-sharded models: not by `fuse_projections` (FSDP owns the parameter storage), but
+    on the gathered weights while the engine runs (`fuse_gathered`, called by
+    rlfuse.run.distributed.GatheredSampler at each wake): each group's gathered tensors
+    are moved into one buffer and their own storage (FSDP's all-gather output) freed, so
+    the fused buffers replace the gathered weights instead of adding to them (peak: one
+    group more); `unfuse_gathered` points the parameters back before FSDP frees them,
+    and FSDP allocates and fills its storage again at the next gather. Training forwards
+    (FSDP's per-layer gathers) run the separate projections.
+  * Not fused: a group that is not all plain `Linear` (LoRA adapters add a
     term per projection: adapted layers keep their separate GEMMs), parameters on the
     meta device or of mixed device or dtype. Each skip is logged with its reason.
   * A group checks at every forward that its modules are still the layer's and each
@@ -121,7 +128,10 @@ def fuse_projections(model: CausalLM) -> int:
     Returns the number of groups fused by this call; logs what was fused or skipped, and why."""
     reason = _skip_reason(model)
     if reason is not None:
-        log.info("projections not fused: %s", reason)
+        if is_fused(model):  # FSDP's gathered weights, fused by fuse_gathered
+            log.info("fused projections: on the FSDP-gathered weights (fused at each gather)")
+        else:
+            log.info("projections not fused: %s", reason)
         return 0
     fused, already, adapted = 0, 0, []
     for layer_name, module in model.named_modules():
@@ -150,3 +160,40 @@ def fuse_projections(model: CausalLM) -> int:
         log.info("fused projections: %d groups (q/k/v and gate/up, one GEMM each)%s", fused,
                  f"; {already} already fused" if already else "")
     return fused
+
+
+def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
+    mods = [getattr(module, n) for n in names]
+    if any(type(m) is not Linear for m in mods):
+        return False
+    ps = [p for m in mods for p in m.parameters()]
+    return (len({(p.device, p.dtype) for p in ps}) == 1 and len({m.in_features for m in mods}) == 1
+            and len({m.bias is None for m in mods}) == 1 and not any(isinstance(p, DTensor) for p in ps))
+
+
+def fuse_gathered(model: CausalLM) -> list:
+    """Fuse every group of an FSDP-sharded `model` whose parameters are gathered now
+    (inside `gathered_weights`), moving the gathered tensors into the fused buffers and
+    freeing their own storage (module docstring). Returns what `unfuse_gathered` needs;
+    groups that are not plain Linear are skipped (logged by the engine's fuse call)."""
+    restore = []
+    for module in model.modules():
+        for kind, attr, names in GROUPS:
+            if not isinstance(module, kind) or not _fusable(module, names):
+                continue
+            params = [t for n in names for t in (getattr(module, n).weight, getattr(module, n).bias) if t is not None]
+            own = [p.data for p in params]  # views of FSDP's all-gather outputs
+            setattr(module, attr, FusedLinear(module, names))  # copies into the buffer, re-points .data
+            for t in own:
+                t.untyped_storage().resize_(0)  # the buffer replaces them; FSDP re-allocates at the next gather
+            restore.append((module, attr, list(zip(params, own))))
+    return restore
+
+
+def unfuse_gathered(restore: list) -> None:
+    """Undo `fuse_gathered` before FSDP reshards: the parameters point at FSDP's (freed)
+    storage again and the fused buffers go."""
+    for module, attr, pairs in restore:
+        for p, own in pairs:
+            p.data = own
+        setattr(module, attr, None)

@@ -100,8 +100,9 @@ def checkpoint_names(model: torch.nn.Module) -> Callable[[str], str]:
     return ARCHS[model.config.model_type].checkpoint_name
 
 
-@torch.no_grad()
-def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
+def _plan(model: CausalLM, folder: Path) -> tuple[dict, dict[Path, list[str]]]:
+    """(checkpoint name -> parameter, file -> names to read), with the folder's tensors
+    checked against the model's (unexpected or missing ones named)."""
     name = checkpoint_names(model)
     params = {name(n): p for n, p in hf_parameters(model)}
     files = _weight_files(folder)
@@ -118,6 +119,12 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     for name, path in files.items():
         if name in params:
             by_file.setdefault(path, []).append(name)
+    return params, by_file
+
+
+@torch.no_grad()
+def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
+    params, by_file = _plan(model, folder)
     device = next(iter(params.values())).device
     for path, names in by_file.items():
         with _open(path, str(device) if device.type != "meta" else "cpu") as f:
@@ -234,3 +241,27 @@ def _write_weights(named: list[tuple[str, torch.Tensor]], folder: Path, max_shar
             total += t.numel() * t.element_size()
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+@torch.no_grad()
+def load_rows_from_files(model: CausalLM, folder: str | Path, shard_of: Callable,
+                         via: torch.dtype | None = None) -> None:
+    """Fill a model whose parameters are dim-0 shards (FSDP2) from an HF folder, each
+    tensor read only for its rows (safetensors slices: no full copy in memory).
+    `shard_of(parameter)` -> (the local tensor to fill, its first global row); the rows
+    are read in the file's dtype, rounded to `via` when given (the run dtype: fp32 masters
+    then hold the run-dtype values, as `load_model` + `shard_model` give), cast by the copy."""
+    folder = Path(folder)
+    params, by_file = _plan(model, folder)
+    for path, names in by_file.items():
+        with _open(path) as f:
+            for name in names:
+                p = params[name]
+                local, row0 = shard_of(p)
+                sl = f.get_slice(name)
+                if tuple(sl.get_shape()) != tuple(p.shape):
+                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(sl.get_shape())}, "
+                                     f"the config expects {tuple(p.shape)}")
+                if local.numel():
+                    rows = sl[row0:row0 + local.shape[0]]
+                    local.copy_(rows if via is None else rows.to(via))

@@ -192,11 +192,12 @@ class MultiTurnSampler:
         self._no_calls = 0  # rollouts without a single tool call (warned)
 
     def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                 seed: int) -> list[Sample]:
-        """`n` episodes per Prompt (its `columns` are the row the environment resets from)."""
+                 seed: int, first_episode: int = 0) -> list[Sample]:
+        """`n` episodes per Prompt (its `columns` are the row the environment resets from);
+        `first_episode`: the global index of the first one (data-parallel ranks, for the seeds)."""
         self.base.wake()
         eps, self.last_metrics = run_episodes(self.base.llm, self.renderer, self.make_env, [p.columns for p in prompts],
-                                              cfg=self.cfg, group_size=n, seed=seed,
+                                              cfg=self.cfg, group_size=n, seed=seed, first_episode=first_episode,
                                               sampling=dict(temperature=temperature, top_p=top_p, top_k=top_k))
         if self.runner is not None and eps and not self.last_metrics.get("rollout/tool_calls_per_episode"):
             self._no_calls += 1

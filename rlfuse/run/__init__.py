@@ -8,6 +8,7 @@ from rlfuse.run.build import (
                               apply_lora,
                               build_engine,
                               build_model,
+                              build_sharded,
                               build_tokenizer,
                               char_tokenizer,
                               check_model_folder,
@@ -25,7 +26,8 @@ from rlfuse.run.trackers import open_trackers
 from rlfuse.utils.user_code import load_function
 
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
-           "RunLock", "RunLog", "WeightNormWatch", "apply_lora", "build_engine", "build_model", "build_tokenizer",
+           "RunLock", "RunLog", "WeightNormWatch", "apply_lora", "build_engine", "build_model", "build_sharded",
+           "build_tokenizer",
            "char_tokenizer", "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines",
            "export_model", "list_checkpoints", "load_checkpoint", "load_function", "load_model_folder", "lr_at",
            "make_folder", "merged_folder", "model_folder", "open_trackers", "pack_by_tokens", "peak_memory_mb",

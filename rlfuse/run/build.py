@@ -26,6 +26,9 @@ from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run.config.sections import ModelSpec
+from rlfuse.run.distributed.build import build_sharded_random, init_keyed, load_sharded_folder
+from rlfuse.run.distributed.context import DistContext
+from rlfuse.run.distributed.fsdp import shard_model
 from rlfuse.run.resume import load_model_folder, model_folder
 
 log = logging.getLogger(__name__)
@@ -117,6 +120,34 @@ def check_model_folder(path: str, what: str = "model.path") -> None:
         raise ValueError(f"{what}: {p} is a file; expected an HF model folder (config.json, *.safetensors)")
 
 
+def random_model_config(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device) -> ModelConfig:
+    """The ModelConfig of model.random_init (vocab from the tokenizer, checked against the
+    kernels and the tokenizer)."""
+    if spec.init not in ("stream", "keyed"):
+        raise ValueError(f"model.init: expected stream or keyed, got {spec.init!r}")
+    dtype = parse_dtype(spec.dtype)
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    bad = [k for k in spec.random_init if k not in fields]
+    if bad:
+        raise ValueError(f"model.random_init.{bad[0]}: unknown ModelConfig field; valid: {sorted(fields)}")
+    kw = {"model_type": "qwen3", "tie_word_embeddings": True, **spec.random_init}
+    vocab = -(-tokenizer.vocab_size // 8) * 8
+    if "vocab_size" not in kw:
+        log.info("random model: vocab_size %d (tokenizer's %d rounded up to a multiple of 8)",
+                 vocab, tokenizer.vocab_size)
+    kw.setdefault("vocab_size", vocab)
+    kw.setdefault("eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)
+    kw.setdefault("pad_token_id", tokenizer.pad_token_id)
+    kw["torch_dtype"] = str(dtype).replace("torch.", "")
+    try:
+        cfg = ModelConfig(**kw)
+    except (TypeError, ValueError) as e:  # ModelConfig's own messages name the field, not the recipe key
+        raise ValueError(f"model.random_init: {e}") from None
+    check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
+    check_vocab(cfg.vocab_size, tokenizer, "model.random_init")
+    return cfg
+
+
 def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, seed: int = 0) -> CausalLM:
     set_backend(spec.kernel_backend)
     check_backend(spec.kernel_backend, device)
@@ -130,33 +161,50 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         check_kernel_support(model.config, spec.kernel_backend, device.type, str(config_json))
         check_vocab(model.config.vocab_size, tokenizer, str(config_json))
     elif spec.random_init:
-        fields = {f.name for f in dataclasses.fields(ModelConfig)}
-        bad = [k for k in spec.random_init if k not in fields]
-        if bad:
-            raise ValueError(f"model.random_init.{bad[0]}: unknown ModelConfig field; valid: {sorted(fields)}")
-        kw = {"model_type": "qwen3", "tie_word_embeddings": True, **spec.random_init}
-        vocab = -(-tokenizer.vocab_size // 8) * 8
-        if "vocab_size" not in kw:
-            log.info("random model: vocab_size %d (tokenizer's %d rounded up to a multiple of 8)",
-                     vocab, tokenizer.vocab_size)
-        kw.setdefault("vocab_size", vocab)
-        kw.setdefault("eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)
-        kw.setdefault("pad_token_id", tokenizer.pad_token_id)
-        kw["torch_dtype"] = str(dtype).replace("torch.", "")
-        try:
-            cfg = ModelConfig(**kw)
-        except (TypeError, ValueError) as e:  # ModelConfig's own messages name the field, not the recipe key
-            raise ValueError(f"model.random_init: {e}") from None
-        check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
-        check_vocab(cfg.vocab_size, tokenizer, "model.random_init")
-        model = CausalLM(cfg)
-        model.init_weights(generator=torch.Generator().manual_seed(seed))
-        model = model.to(device=device, dtype=dtype)
+        cfg = random_model_config(spec, tokenizer, device)
+        if spec.init == "keyed":  # drawn on `device`, as each rank of a sharded build draws its rows
+            with torch.device("meta"):
+                model = CausalLM(cfg)
+            model = model.to_empty(device=device)
+            init_keyed(model, seed)
+            model = model.to(dtype)
+        else:
+            model = CausalLM(cfg)
+            model.init_weights(generator=torch.Generator().manual_seed(seed))
+            model = model.to(device=device, dtype=dtype)
         n = sum(p.numel() for p in model.parameters())
         log.info("random %s model: %d layers, hidden %d, %.2fM params, %s on %s", cfg.model_type,
                  cfg.num_hidden_layers, cfg.hidden_size, n / 1e6, dtype, device)
     else:
         raise ValueError("model: set model.path (an HF folder) or model.random_init (ModelConfig fields)")
+    model.gradient_checkpointing = spec.gradient_checkpointing
+    return model
+
+
+def build_sharded(spec: ModelSpec, tokenizer: Tokenizer, ctx: DistContext, seed: int = 0) -> CausalLM:
+    """The data-parallel model, FSDP2-sharded, built on the meta device with each rank
+    materializing only its rows (rlfuse.run.distributed.build): an HF folder (model.path)
+    read shard by shard, or model.random_init with model.init keyed drawn shard by shard.
+    The masters equal `shard_model(build_model(...))`'s bitwise. Another model (a training
+    checkpoint's sharded dcp/ folder, the stream init) is built whole and then sharded.
+    Collective."""
+    dtype = parse_dtype(spec.dtype)
+    if spec.path and spec.random_init:
+        raise ValueError("model: give either model.path or model.random_init, not both")
+    folder = model_folder(spec.path) if spec.path else None
+    if (folder is not None and (folder / "dcp").is_dir()) or (folder is None and spec.init != "keyed"):
+        return shard_model(build_model(spec, tokenizer, ctx.device, seed=seed), ctx)
+    set_backend(spec.kernel_backend)
+    check_backend(spec.kernel_backend, ctx.device)
+    if folder is not None:
+        check_model_folder(spec.path)
+        config_json = folder / "config.json"
+        cfg = ModelConfig.from_hf(folder)
+        check_kernel_support(cfg, spec.kernel_backend, ctx.device.type, str(config_json))
+        check_vocab(cfg.vocab_size, tokenizer, str(config_json))
+        model = load_sharded_folder(folder, ctx, dtype=dtype)
+    else:
+        model = build_sharded_random(random_model_config(spec, tokenizer, ctx.device), ctx, dtype=dtype, seed=seed)
     model.gradient_checkpointing = spec.gradient_checkpointing
     return model
 

@@ -26,6 +26,12 @@ each micro-batch. The reference is the policy at the start of the run (a resumed
 starts from the recipe's weights too, so the cache is the same) or `dpo.ref_path`; with
 model.lora, the base model (the policy with its adapters off: no copy).
 `DPOStep` supplies the step and its state; `rlfuse.train.loop` runs it.
+Data-parallel (`dist`, FSDP2-sharded policy): every rank draws the same global batch of
+pairs and trains its contiguous block of it (`dpo.batch_size` a multiple of N), padded to
+the same number of micro-batches (zero-weight pairs); the loss is already divided by the
+global batch size, so gradients and metric partial sums are summed over ranks. The cached
+reference is computed on every rank for every pair (each forward is a collective);
+`live` uses a full frozen copy on every rank (`full_copy`).
 Run: rlfuse dpo RECIPE.yaml   Test: python -m pytest -q tests/test_dpo.py
 """
 
@@ -41,8 +47,10 @@ from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import load_model
 from rlfuse.model.lora import BaseModelView, has_lora
+from rlfuse.model.weights import parse_dtype
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
+from rlfuse.run.distributed import DistContext, full_copy, is_sharded, local_micro_batches, local_slice, reduce_metrics
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.session import Session, open_session
 
@@ -61,10 +69,14 @@ def dpo_loss(pi_c, pi_r, ref_c, ref_r, *, loss: str = "sigmoid", beta: float = 0
     return -(1.0 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h), h
 
 
-def pair_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, device):
+def pair_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, device, micro_batches=None):
     """Per packed micro-batch, yield (indices into pairs, chosen (b,) and rejected (b,)
-    sequence log-probs, tokens in the micro-batch); differentiable when grad is enabled."""
-    for mb in pack_by_tokens([p.num_tokens for p in pairs], micro_batch_tokens):
+    sequence log-probs, tokens in the micro-batch); differentiable when grad is enabled.
+    `micro_batches`: the index lists to run (data-parallel: this rank's, padded); default:
+    all pairs packed by `micro_batch_tokens`."""
+    if micro_batches is None:
+        micro_batches = pack_by_tokens([p.num_tokens for p in pairs], micro_batch_tokens)
+    for mb in micro_batches:
         batch = PackedBatch.build([s for i in mb for s in pairs[i].sequences()], device)
         h_TD = model(batch.input_ids, batch.positions, batch.attn)
         logp_N = token_logprobs(h_TD[batch.rows], model.lm_head_weight, batch.targets)
@@ -83,6 +95,11 @@ def sequence_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: in
         idx = torch.tensor(mb, device=device)
         out[idx, 0], out[idx, 1] = c, r
     model.train(was_training)
+    if is_sharded(model):
+        # FSDP2's root keeps its gathered weights after a forward until a backward reshards
+        # it; with no backward here, the parameters would stay the gathered tensors, which
+        # a later reshard frees under anyone holding them (the loop's weight-norm watch)
+        model.reshard()
     return out
 
 
@@ -100,10 +117,12 @@ class DPOStep(StreamAndGuardState):
 
     stage = "dpo"
 
-    def __init__(self, cfg: RunConfig, model, optimizer: MasterAdamW, pairs: list[PreferencePair], ref_model=None):
+    def __init__(self, cfg: RunConfig, model, optimizer: MasterAdamW, pairs: list[PreferencePair], ref_model=None,
+                 dist: DistContext | None = None):
         self.cfg, self.d = cfg, cfg.dpo
         self.model, self.optimizer, self.pairs = model, optimizer, pairs
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.dist = dist
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         self.device = model.lm_head_weight.device
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,
@@ -140,7 +159,15 @@ class DPOStep(StreamAndGuardState):
                 ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
                  "logps/chosen", "logps/rejected")}
         n_tok = 0
-        for mb, pi_c, pi_r, tokens in pair_logprobs(self.model, pairs, d.micro_batch_tokens, self.device):
+        lengths = [p.num_tokens for p in pairs]
+        if self.dist is None:
+            mbs = [(mb, False) for mb in pack_by_tokens(lengths, d.micro_batch_tokens)]
+        else:
+            owned = local_slice(range(B), self.dist, what="dpo.batch_size")
+            mbs = local_micro_batches(self.dist, lengths, d.micro_batch_tokens, owned)
+        pads = [pad for _, pad in mbs]
+        batches = pair_logprobs(self.model, pairs, d.micro_batch_tokens, self.device, [mb for mb, _ in mbs])
+        for pad, (mb, pi_c, pi_r, tokens) in zip(pads, batches):
             if self.ref_cache is not None:
                 ref = self.ref_cache[torch.tensor([idx[i] for i in mb], device=self.device)]
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
@@ -151,6 +178,9 @@ class DPOStep(StreamAndGuardState):
                                                             d.micro_batch_tokens, self.device))
             losses, h = dpo_loss(pi_c, pi_r, ref_c, ref_r, loss=d.loss, beta=d.beta,
                                  label_smoothing=d.label_smoothing)
+            if pad:  # a zero-weight micro-batch (data-parallel padding): keeps the ranks' collectives in step
+                (losses.sum() * 0.0).backward()
+                continue
             (losses.sum() / B).backward()
             with torch.no_grad():
                 rc, rr = d.beta * (pi_c.detach() - ref_c), d.beta * (pi_r.detach() - ref_r)
@@ -165,24 +195,31 @@ class DPOStep(StreamAndGuardState):
         self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm, where=f"dpo step {step + 1}")
         self.optimizer.zero_grad()
         dt = time.perf_counter() - t0
-        return {**sums, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
-                "tokens": float(n_tok),
-                "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+        m = {**sums, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
+             "tokens": float(n_tok), "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+        if self.dist is not None:  # the sums are this rank's shares of the global means
+            m = reduce_metrics(self.dist, m, ops={**{k: "sum" for k in sums}, "tokens": "sum", "tokens_per_s": "sum"},
+                               default="max")
+        return m
 
 
-def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
+def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,
+            dist: DistContext | None = None) -> dict:
     """DPO for cfg.dpo.steps (resuming per cfg.checkpoint.resume); held-out greedy
     evaluation before the first step and at the end when the recipe names rewards.
-    `stop_after` as in `run_loop` (tests of resume)."""
-    ses = session or open_session(cfg)
+    `stop_after` as in `run_loop` (tests of resume); `dist`: data-parallel (ignored when
+    `session` is given: its own `dist` counts)."""
+    ses = session or open_session(cfg, dist=dist)
     pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo, stats=ses.data_stats)
     ref_model = None
     if cfg.dpo.ref_path:
-        ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=ses.model.lm_head_weight.dtype)
+        ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=parse_dtype(cfg.model.dtype))
         if ref_model.config.vocab_size != ses.model.config.vocab_size:
             raise ValueError(f"dpo.ref_path: the reference's vocabulary ({ref_model.config.vocab_size}) differs "
                              f"from the policy's ({ses.model.config.vocab_size})")
-    trainer = DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model)
+    if ses.dist is not None and ref_model is None and cfg.dpo.reference == "live":
+        ref_model = full_copy(ses.model, parse_dtype(cfg.model.dtype))  # the starting weights, 2P a rank
+    trainer = DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model, dist=ses.dist)
     d = cfg.dpo
     # held-out pairs, when the eval rows are preference rows: the policy's own pair metrics
     # at the start and the end (the reference-relative h is 0 at the start by definition)

@@ -39,7 +39,7 @@ from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import DistContext, full_copy, rollout_on_ranks
+from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, rollout_on_ranks
 from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
@@ -102,8 +102,10 @@ class GRPOStep(StreamAndGuardState):
         elif self.dist is None:
             samples, total, per, errors = self._rollout(prompts, step, timer)
         else:
+            # rank r's episodes are numbered (seeded) from its first prompt's global place
+            first = self.dist.rank * (g.prompts_per_step // self.dist.world_size) * g.group_size
             samples, total, per, errors, self.update.owner = rollout_on_ranks(
-                self.dist, prompts, lambda mine: self._rollout(mine, step, timer), group_size=g.group_size)
+                self.dist, prompts, lambda mine: self._rollout(mine, step, timer, first), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
             if trained is None:
@@ -120,7 +122,7 @@ class GRPOStep(StreamAndGuardState):
             m["accuracy"] = _mean(per[self.rewards.correctness])
         lens = [len(s.token_ids) for s in samples]
         if self.multi_turn:
-            m.update(self.sampler.last_metrics)
+            m.update(self.sampler.last_metrics if self.dist is None else episode_metrics_on_ranks(self.dist, self.sampler))
         m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
         m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
         adv_N = torch.cat(adv)
@@ -145,15 +147,16 @@ class GRPOStep(StreamAndGuardState):
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
 
-    def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer):
+    def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer, first_episode: int = 0):
         """Generate G completions of each prompt and score them: (samples, total rewards,
-        per-function rewards, this call's reward error counts)."""
+        per-function rewards, this call's reward error counts). `first_episode`: the global
+        index of the first multi-turn episode (data-parallel ranks)."""
         g = self.g
         with timer("generate"):
             self.sampler.wake()
             if self.multi_turn:
                 samples = self.sampler.episodes(prompts, n=g.group_size, temperature=g.temperature, top_p=g.top_p,
-                                                top_k=g.top_k, seed=g.seed + step)
+                                                top_k=g.top_k, seed=g.seed + step, first_episode=first_episode)
             else:
                 samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
                                                 top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,

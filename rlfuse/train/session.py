@@ -24,7 +24,16 @@ from rlfuse.data import build_prompts, check_prompt_len, load_rows, rows_alphabe
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
-from rlfuse.run import apply_lora, build_engine, build_model, build_tokenizer, make_folder, pick_device, seed_everything
+from rlfuse.run import (
+    apply_lora,
+    build_engine,
+    build_model,
+    build_sharded,
+    build_tokenizer,
+    make_folder,
+    pick_device,
+    seed_everything,
+)
 from rlfuse.run.config import RunConfig, save_config
 from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
 
@@ -61,19 +70,24 @@ class Session:
 
     @property
     def sampler(self):
-        if self._sampler is None and self.dist is not None:
-            if self.cfg.rollout.multi_turn:
-                raise ValueError("rollout.tools / rollout.env: multi-turn episodes run in one process; "
-                                 "data-parallel (torchrun) is not supported for them yet")
-            self._sampler = GatheredSampler(self.model, self._engine_sampler)
         if self._sampler is None and self.sampler_factory is not None:
+            if self.dist is not None:
+                raise ValueError("rollout.agent: agents through the server run in one process; data-parallel "
+                                 "(torchrun) is not supported for them yet")
             self._sampler = self.sampler_factory(self)
         if self._sampler is None and self.cfg.rollout.agent:
             raise ValueError("rollout.agent: your agent runs against the training process's own server, which "
                              "rlfuse.serve builds: pass sampler_factory=rlfuse.serve.agent_sampler to the trainer "
                              "or open_session (the CLI does)")
         if self._sampler is None:
-            self._sampler = self._engine_sampler()
+            # data-parallel: the engine runs on the gathered weights; each rank runs the
+            # episodes of its own prompts (multi-turn wraps the gathering sampler)
+            if self.dist is None:
+                self._sampler = self._engine_sampler()
+            else:  # fused projections on the gathered weights where the engine would fuse (CUDA by default)
+                fuse = self.cfg.engine.fuse_projections
+                fuse = self.dist.device.type == "cuda" if fuse is None else fuse
+                self._sampler = GatheredSampler(self.model, self._engine_sampler, fuse=fuse)
             if self.cfg.rollout.multi_turn:
                 self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data,
                                                  tool_functions=self.tool_functions)
@@ -124,9 +138,15 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
             tokenizer = char_chat_tokenizer(alphabet, tools)
         else:
             tokenizer = build_tokenizer(cfg.model, alphabet)
+    sharded = False
     if model is None:
         device = pick_device(cfg.model.device) if dist is None else dist.device
-        model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
+        if dist is not None and cfg.model.lora is None:
+            # on the meta device, each rank reading (a folder) or drawing (model.init keyed) its rows only
+            model = build_sharded(cfg.model, tokenizer, dist, seed=cfg.seed)
+            sharded = True
+        else:
+            model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
     if cfg.model.lora is not None and dist is not None:
@@ -137,7 +157,7 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
     kernel_settings(cfg, model)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
-    if dist is not None:
+    if dist is not None and not sharded:
         model = shard_model(model, dist)
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was

@@ -161,9 +161,11 @@ def _reset(env, row: dict, r: int, seed: int) -> list[dict]:
 
 def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environment], rows: list[dict], *,
                  cfg: RolloutConfig, group_size: int = 1, sampling: dict | None = None,
-                 seed: int = 0) -> tuple[list[Episode], dict]:
+                 seed: int = 0, first_episode: int = 0) -> tuple[list[Episode], dict]:
     """`group_size` episodes per row (episode i of row r at r * group_size + i), each with a
-    fresh environment from `make_env`. `engine`: an `rlfuse.engine.LLM` (or anything with
+    fresh environment from `make_env`. Episode i is seeded from (seed, first_episode + i):
+    a data-parallel rank passes the global index of its first episode, so its episodes are
+    seeded as one process seeds those of the whole batch. `engine`: an `rlfuse.engine.LLM` (or anything with
     its streaming API: add_request, step, has_unfinished, max_model_len). `sampling`:
     SamplingParams fields shared by every turn (temperature, top_p, top_k, ...).
     Returns (episodes, metrics)."""
@@ -260,7 +262,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
             for g in range(group_size):
                 i = r * group_size + g
                 env = make_env()
-                s = episode_seed(seed, i)
+                s = episode_seed(seed, first_episode + i)
                 conv, prompt_ids = renderer.start(_reset(env, row, r, s))
                 lv = _Live(Episode(i, r, prompt_ids), env, conv, s)
                 episodes.append(lv.ep)

@@ -18,6 +18,11 @@ class ModelSpec:
     """HF checkpoint folder (config.json, safetensors, tokenizer.json); empty with `random_init`."""
     random_init: dict | None = None
     """ModelConfig fields of a freshly initialized model (vocab_size is taken from the tokenizer)."""
+    init: str = "stream"
+    """How `random_init` draws the weights: stream (one generator in parameter order) or keyed
+    (each block of 64 rows from a generator keyed by seed, name and block: data-parallel runs
+    build on the meta device and draw only their shard, with the weights of one process;
+    other values than stream's). docs/distributed.md."""
     tokenizer: str = ""
     """Tokenizer folder; empty = the model folder. `char` builds a character-level tokenizer
     over the data's alphabet (the built-in tasks only)."""

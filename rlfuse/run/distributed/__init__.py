@@ -1,6 +1,7 @@
 """Data-parallel plumbing on PyTorch's own stack: the process group and cross-rank
-helpers (context), FSDP2 sharding (fsdp), DCP checkpoint I/O (dcp), and how the trainers
-split rollouts, micro-batches and evaluation over ranks (data_parallel)."""
+helpers (context), FSDP2 sharding (fsdp), models built on the meta device shard by shard
+(build), DCP checkpoint I/O (dcp), and how the trainers split rollouts, micro-batches and
+evaluation over ranks (data_parallel)."""
 
 from rlfuse.run.distributed.context import (
                                             DistContext,
@@ -22,6 +23,7 @@ from rlfuse.run.distributed.context import (
 from rlfuse.run.distributed.data_parallel import (
                                             GatheredSampler,
                                             SilentLog,
+                                            episode_metrics_on_ranks,
                                             evaluate_on_ranks,
                                             local_micro_batches,
                                             reduce_mismatch,
@@ -30,7 +32,8 @@ from rlfuse.run.distributed.data_parallel import (
 )
 from rlfuse.run.distributed.fsdp import ShardedAdamW, full_copy, gathered_weights, is_sharded, log_memory, shard_model
 
-__all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "ShardedAdamW", "SilentLog", "evaluate_on_ranks",
+__all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "ShardedAdamW", "SilentLog", "episode_metrics_on_ranks",
+           "evaluate_on_ranks",
            "fail_together", "full_copy", "gather_results", "gathered_weights", "global_sums", "init_distributed",
            "is_sharded", "launch_env", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
            "on_any_rank", "on_main", "quiet_non_main", "reduce_metrics", "reduce_mismatch", "rollout_on_ranks",

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 from collections.abc import Callable
 
+from rlfuse.model.fuse import fuse_gathered, unfuse_gathered
 from rlfuse.run.batching import pack_by_tokens
 from rlfuse.run.distributed.context import DistContext, gather_results, local_slice, max_across_ranks, reduce_metrics
 from rlfuse.run.distributed.fsdp import gathered_weights
@@ -37,10 +38,15 @@ class GatheredSampler:
     Pointers: the gathered storage is freed at `sleep()` and allocated again at the next
     `wake()`, so weight pointers may move between rollouts. The engine's `sleep()` drops
     its CUDA graphs and its prefix cache, and graphs are captured again on first use
-    after `wake()`: nothing captured survives a move (on CPU there are no graphs)."""
+    after `wake()`: nothing captured survives a move (on CPU there are no graphs).
 
-    def __init__(self, model, make_sampler: Callable[[], object]):
-        self.model, self._make = model, make_sampler
+    `fuse` (EngineConfig.fuse_projections): at each `wake()` the gathered q/k/v and
+    gate/up weights are moved into fused buffers (`rlfuse.model.fuse.fuse_gathered`: the
+    same bytes, not a second copy), so the engine's projections run as one GEMM each under
+    FSDP too; `sleep()` undoes it before FSDP frees the gathered weights."""
+
+    def __init__(self, model, make_sampler: Callable[[], object], *, fuse: bool = False):
+        self.model, self._make, self.fuse = model, make_sampler, fuse
         self.inner = None
         self._gathered: contextlib.ExitStack | None = None
 
@@ -49,6 +55,8 @@ class GatheredSampler:
             return
         stack = contextlib.ExitStack()
         stack.enter_context(gathered_weights(self.model))
+        if self.fuse:  # unfused (the callback) before the gathered block's reshard frees FSDP's storage
+            stack.callback(unfuse_gathered, fuse_gathered(self.model))
         self._gathered = stack
         if self.inner is None:
             self.inner = self._make()
@@ -62,6 +70,14 @@ class GatheredSampler:
         finally:
             self._gathered.close()
             self._gathered = None
+
+    @property
+    def llm(self):
+        """The engine (after the first `wake()`): what multi-turn episodes and
+        `trainer.generate` drive directly."""
+        if self._gathered is None:
+            raise RuntimeError("GatheredSampler.llm: call wake() first (it gathers the weights on every rank)")
+        return self.inner.llm
 
     def generate(self, prompt_ids, **kw):
         if self._gathered is None:  # the weights are shards: gathering is a collective every rank must join
@@ -89,6 +105,17 @@ def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, grou
             errors[name] = errors.get(name, 0) + n
     per_rank = group_size * len(mine)
     return samples, totals, per, errors, (lambda j: j // per_rank)
+
+
+def episode_metrics_on_ranks(ctx: DistContext, sampler) -> dict:
+    """A multi-turn sampler's `last_metrics` (rollout/*: per-episode means over this rank's
+    episodes) -> over all ranks: the mean of the ranks' values (ranks run equal numbers of
+    episodes, so a per-episode mean is exact; ratios such as the cached fraction and the
+    engine's idle fraction are the ranks' mean). A key some rank lacks (a counter no
+    episode of it raised) counts 0 there. One all-gather of the dicts."""
+    parts = gather_results(ctx, "rollout metrics", lambda: dict(sampler.last_metrics))
+    keys = sorted({k for p in parts for k in p})
+    return {k: sum(float(p.get(k, 0.0)) for p in parts) / len(parts) for k in keys}
 
 
 def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int, owned: list[int],

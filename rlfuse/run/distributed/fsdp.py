@@ -44,6 +44,13 @@ def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
     if any(p.dtype != compute for p in model.parameters()):
         raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
     model.float()
+    wrap_fsdp(model, ctx, compute)
+    return finish_sharding(model, ctx, compute)
+
+
+def wrap_fsdp(model: CausalLM, ctx: DistContext, compute: torch.dtype) -> None:
+    """The FSDP2 groups of `shard_model` on an fp32 model (real or on the meta device:
+    rlfuse.run.distributed.build initializes the shards after this)."""
     # cast_forward_inputs off: a layer's inputs include the fp32 RoPE frequencies, which
     # must not be rounded to bf16 (the activations already come out of bf16 weights)
     policy = MixedPrecisionPolicy(param_dtype=None if compute == torch.float32 else compute,
@@ -52,6 +59,11 @@ def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
         fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
     fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
     _apply_reshard_policy(model)
+
+
+def finish_sharding(model: CausalLM, ctx: DistContext, compute: torch.dtype) -> CausalLM:
+    """After `wrap_fsdp` and with the shards holding their values: fix the FSDP root,
+    free what that gathered, and sum the gradients across ranks."""
     # FSDP2 makes the first module to run forward the root; the engine calls
     # `model.forward` (not the root's hooks) and may run first, so run one token through
     # the root now (collective: every rank calls shard_model)
