@@ -120,8 +120,10 @@ def runs(tmp_path_factory):
 
 # by design not the one-process numbers: a time ratio (each rank's engine waits for its own
 # environments) and the prefix-cache hit fraction (each rank's engine caches only its own
-# episodes' prefixes, so fewer are shared than in one engine)
-TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac")
+# episodes' prefixes, so fewer are shared than in one engine); and the trained-token fraction, a
+# ratio of token sums that the ranks' mean approximates (rollout/trained_tokens_per_episode, a
+# per-episode mean, is compared)
+TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac", "rollout/trained_frac")
 
 
 def _rows(run_dir: Path) -> list[dict]:
