@@ -24,8 +24,10 @@ def _topk_softmax_kernel(L, W, IDX, P, T, E, sl, TOPK: tl.constexpr, NORM: tl.co
     cand = tl.where(ok, p, -1.0)
     s = 0.0
     for j in tl.static_range(TOPK):
-        e = tl.argmax(cand, 0, tie_break_left=True)  # the lowest index among equal values
         v = tl.max(cand, 0)
+        # the lowest index among equal values, spelled out (the interpreter's argmax ignores
+        # tie_break_left, so CPU tests would not see the GPU's choice)
+        e = tl.min(tl.where(cand == v, es, BLOCK_E), 0)
         cand = tl.where(es == e, -1.0, cand)
         tl.store(IDX + t * TOPK + j, e.to(tl.int64))
         tl.store(W + t * TOPK + j, v)
