@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from rlfuse.kernels.attention import supports_head_dim
+from rlfuse.model.moe_config import MoEConfig, moe_config_from_hf
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,7 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", False, False),
     "qwen2": ("Qwen2ForCausalLM", True, False),
     "qwen3": ("Qwen3ForCausalLM", False, True),
+    "qwen3_moe": ("Qwen3MoeForCausalLM", False, True),
 }
 # What each HF class builds whatever its config.json says (transformers has no switch for it):
 # Qwen3 always has the per-head q/k norms, Llama and Qwen2 never; Qwen2 always has q/k/v
@@ -46,6 +48,7 @@ _FIXED = {
     "llama": {"qk_norm": False},
     "qwen2": {"qk_norm": False, "attention_bias": True, "mlp_bias": False},
     "qwen3": {"qk_norm": True, "mlp_bias": False},
+    "qwen3_moe": {"qk_norm": True, "mlp_bias": False},
 }
 _ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()}
 
@@ -53,7 +56,7 @@ _ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()}
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     model_type: str
-    """One of "llama", "qwen2", "qwen3"."""
+    """One of "llama", "qwen2", "qwen3", "qwen3_moe"."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,6 +83,8 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    moe: MoEConfig | None = None
+    """The mixture-of-experts fields (model_type "qwen3_moe" only; `rlfuse.model.moe_config`)."""
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -95,6 +100,13 @@ class ModelConfig:
             if v != fixed:
                 raise ValueError(f"config field {f!r} is {v}, but {self.architecture} always has {f} = {fixed} "
                                  f"(transformers has no switch for it: such a model would not load back)")
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if (self.moe is not None) != (self.model_type == "qwen3_moe"):
+            raise ValueError(f"config field 'moe' must be given for model_type 'qwen3_moe' and only for it "
+                             f"(model_type {self.model_type!r}, moe {self.moe!r})")
+        if self.moe is not None:
+            self.moe.check(self.num_hidden_layers)
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
@@ -168,8 +180,10 @@ class ModelConfig:
             d["attention_bias"] = self.attention_bias
         if self.model_type == "llama":
             d["mlp_bias"] = self.mlp_bias
-        if self.model_type in ("qwen2", "qwen3"):
+        if self.model_type in ("qwen2", "qwen3", "qwen3_moe"):
             d["use_sliding_window"] = False
+        if self.moe is not None:
+            d.update(self.moe.to_hf())
         return d
 
 
@@ -271,6 +285,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         pad_token_id=d.get("pad_token_id"),
         torch_dtype=str(dtype).replace("torch.", ""),
     )
+    if model_type == "qwen3_moe":
+        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"])
     try:
         return ModelConfig(**kw)
     except ValueError as e:

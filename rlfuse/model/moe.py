@@ -154,25 +154,43 @@ def per_expert_names(prefix: str, num_experts: int) -> list[str]:
     return [f"{prefix}experts.{e}.{p}.weight" for e in range(num_experts) for p in ("gate_proj", "up_proj", "down_proj")]
 
 
-def fuse_expert_tensors(get, prefix: str, num_experts: int, hidden_size: int, intermediate_size: int,
-                        where: str = "checkpoint") -> dict[str, torch.Tensor]:
-    """{prefix + "experts.gate_up_proj": (E, 2I, D), prefix + "experts.down_proj": (E, D, I)}
-    from the per-expert tensors, `get(name)` returning one (or None when absent). A missing
-    or mis-shaped expert tensor: a ValueError naming it."""
-    want = {"gate_proj": (intermediate_size, hidden_size), "up_proj": (intermediate_size, hidden_size),
-            "down_proj": (hidden_size, intermediate_size)}
-    parts: dict[str, list[torch.Tensor]] = {p: [] for p in want}
-    for e in range(num_experts):
+def named_blocks(model: nn.Module) -> list[tuple[str, SparseMoeBlock]]:
+    """(parameter-name prefix such as "model.layers.3.mlp.", block) of every MoE block."""
+    return [(f"{n}." if n else "", m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+
+
+@torch.no_grad()
+def copy_expert_tensors(get, prefix: str, gate_up: torch.Tensor, down: torch.Tensor,
+                        where: str = "checkpoint") -> None:
+    """Fill gate_up (E, 2I, D) and down (E, D, I) from the per-expert tensors of block
+    `prefix` (e.g. "model.layers.3.mlp."), `get(name)` returning one or None when absent,
+    one expert at a time (no second copy of the block). A missing or mis-shaped expert
+    tensor: a ValueError naming it."""
+    E, two_i, D = gate_up.shape
+    inter = two_i // 2
+    want = {"gate_proj": (inter, D), "up_proj": (inter, D), "down_proj": (D, inter)}
+    for e in range(E):
+        dst = {"gate_proj": gate_up[e, :inter], "up_proj": gate_up[e, inter:], "down_proj": down[e]}
         for p, shape in want.items():
             name = f"{prefix}experts.{e}.{p}.weight"
             t = get(name)
             if t is None:
-                raise ValueError(f"{where}: missing tensor {name!r} (expert {e} of num_experts = {num_experts})")
+                raise ValueError(f"{where}: missing tensor {name!r} (expert {e} of num_experts = {E})")
             if tuple(t.shape) != shape:
                 raise ValueError(f"{where}: tensor {name!r} has shape {tuple(t.shape)}, the config expects {shape}")
-            parts[p].append(t)
-    gate_up = torch.cat([torch.stack(parts["gate_proj"]), torch.stack(parts["up_proj"])], dim=1)
-    return {prefix + EXPERT_PARAMS[0]: gate_up, prefix + EXPERT_PARAMS[1]: torch.stack(parts["down_proj"])}
+            dst[p].copy_(t)
+
+
+def fuse_expert_tensors(get, prefix: str, num_experts: int, hidden_size: int, intermediate_size: int,
+                        where: str = "checkpoint") -> dict[str, torch.Tensor]:
+    """{prefix + "experts.gate_up_proj": (E, 2I, D), prefix + "experts.down_proj": (E, D, I)}
+    assembled from the per-expert tensors (`copy_expert_tensors`), in their dtype."""
+    first = get(f"{prefix}experts.0.gate_proj.weight")
+    dtype = first.dtype if first is not None else torch.float32
+    gate_up = torch.empty(num_experts, 2 * intermediate_size, hidden_size, dtype=dtype)
+    down = torch.empty(num_experts, hidden_size, intermediate_size, dtype=dtype)
+    copy_expert_tensors(get, prefix, gate_up, down, where)
+    return {prefix + EXPERT_PARAMS[0]: gate_up, prefix + EXPERT_PARAMS[1]: down}
 
 
 def split_expert_tensors(prefix: str, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -183,4 +201,18 @@ def split_expert_tensors(prefix: str, gate_up: torch.Tensor, down: torch.Tensor)
         out[f"{prefix}experts.{e}.gate_proj.weight"] = gate_up[e, :inter]
         out[f"{prefix}experts.{e}.up_proj.weight"] = gate_up[e, inter:]
         out[f"{prefix}experts.{e}.down_proj.weight"] = down[e]
+    return out
+
+
+def published_layout(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs with every block's fused expert tensors replaced by the
+    per-expert ones (what transformers' save_pretrained writes, and what vLLM reads)."""
+    tensors = dict(named)
+    out = []
+    for name, t in named:
+        if name.endswith(EXPERT_PARAMS[0]):
+            prefix = name[:-len(EXPERT_PARAMS[0])]
+            out += split_expert_tensors(prefix, t, tensors[prefix + EXPERT_PARAMS[1]]).items()
+        elif not name.endswith(EXPERT_PARAMS[1]):
+            out.append((name, t))
     return out

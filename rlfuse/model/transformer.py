@@ -1,4 +1,5 @@
-"""One decoder-only transformer for the Llama, Qwen2 and Qwen3 families.
+"""One decoder-only transformer for the Llama, Qwen2, Qwen3 and Qwen3-MoE families (the
+MoE block is `rlfuse.model.moe`, picked per layer by `make_mlp`).
 
 Parameter names equal the Hugging Face ones (`model.layers.3.self_attn.q_proj.weight`,
 `lm_head.weight`, ...), so a safetensors checkpoint maps 1:1 onto `state_dict()` and
@@ -34,6 +35,7 @@ from rlfuse.kernels.rmsnorm import add_rmsnorm, rmsnorm
 from rlfuse.kernels.rope import qk_norm_rope, rope_cos_sin, rope_inv_freq
 from rlfuse.kernels.swiglu import swiglu, swiglu_packed
 from rlfuse.model.config import ModelConfig
+from rlfuse.model.moe import SparseMoeBlock
 
 
 def _with_kernels(backend: str, numerics: str, layer, *args):
@@ -174,11 +176,22 @@ class MLP(nn.Module):
         return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
+def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s feed-forward block: the sparse MoE block where the config's MoE
+    rule makes the layer sparse (`MoEConfig.is_sparse`), else the dense SwiGLU MLP."""
+    m = cfg.moe
+    if m is not None and m.is_sparse(layer_idx):
+        return SparseMoeBlock(hidden_size=cfg.hidden_size, moe_intermediate_size=m.moe_intermediate_size,
+                              num_experts=m.num_experts, top_k=m.num_experts_per_tok,
+                              norm_topk_prob=m.norm_topk_prob, layer_idx=layer_idx)
+    return MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(cfg, layer_idx)
-        self.mlp = MLP(cfg)
+        self.mlp = make_mlp(cfg, layer_idx)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -22,6 +22,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlfuse.model.config import ModelConfig
+from rlfuse.model.moe import EXPERT_PARAMS, copy_expert_tensors, named_blocks, per_expert_names, published_layout
 from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -97,6 +98,7 @@ def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     params = dict(hf_parameters(model))
     files = _weight_files(folder)
+    _load_per_expert_layout(model, params, files, folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -122,6 +124,33 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
                 p.copy_(t)
 
 
+def _load_per_expert_layout(model: torch.nn.Module, params: dict, files: dict[str, Path], folder: Path) -> None:
+    """MoE blocks stored one expert per tensor (published checkpoints, transformers'
+    save_pretrained): copied into the fused parameters here, then left out of `params` and
+    `files` so the name checks that follow see neither."""
+    for prefix, block in named_blocks(model):
+        fused = [prefix + n for n in EXPERT_PARAMS]
+        if fused[0] in files or fused[0] not in params:
+            continue  # the fused layout (loaded by name), or expert weights not in the checkpoint (adapters)
+        names = per_expert_names(prefix, block.num_experts)
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, object] = {}
+            device = params[fused[0]].device
+
+            def get(name):
+                if name not in files:
+                    return None
+                if files[name] not in handles:
+                    handles[files[name]] = stack.enter_context(_open(files[name], str(device)))
+                return handles[files[name]].get_tensor(name)
+
+            copy_expert_tensors(get, prefix, params[fused[0]], params[fused[1]], where=str(folder))
+        for n in fused:
+            del params[n]
+        for n in names:
+            del files[n]
+
+
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
                max_shard_bytes: int = 5 * 1024**3, dtype: str | torch.dtype | None = None,
                tensors: dict[str, torch.Tensor] | None = None) -> Path:
@@ -130,7 +159,7 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     are `hf_parameters(model)`, or `tensors` (name -> tensor, e.g. LoRA merged in)."""
     folder = Path(folder)
     with atomic_folder(folder) as tmp:
-        named = hf_parameters(model) if tensors is None else list(tensors.items())
+        named = published_layout(hf_parameters(model) if tensors is None else list(tensors.items()))
         _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
         cfg = model.config.to_hf()
         out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype
