@@ -98,6 +98,7 @@ class SparseMoeBlock(nn.Module):
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
         # what the last forward routed: read by moe_metrics and the trainer's router losses
         self.last_load: torch.Tensor | None = None        # (E,) int64 (token, slot) pairs, detached
+        self.last_experts: torch.Tensor | None = None     # (T, k) int64 the experts each token picked
         self.last_stats: RouterStats | None = None        # only when grad was enabled
         self.last_router_logits: torch.Tensor | None = None
 
@@ -108,6 +109,7 @@ class SparseMoeBlock(nn.Module):
         r = route(logits, self.top_k, self.norm_topk_prob)
         out = experts_mlp(x_TD, self.experts.gate_up_proj, self.experts.down_proj, r)
         self.last_load = r.counts.detach()
+        self.last_experts = r.experts
         self.last_router_logits = logits
         self.last_stats = router_stats(logits, self.top_k) if torch.is_grad_enabled() else None
         return out.view(shape)

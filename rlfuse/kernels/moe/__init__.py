@@ -3,6 +3,7 @@
 from rlfuse.kernels.moe.combine import combine, gather_rows
 from rlfuse.kernels.moe.experts import experts_mlp
 from rlfuse.kernels.moe.grouped_gemm import grouped_linear
-from rlfuse.kernels.moe.routing import Routing, route, sort_by_expert, topk_softmax
+from rlfuse.kernels.moe.routing import Routing, route, routing_mismatch, sort_by_expert, topk_softmax
 
-__all__ = ["Routing", "combine", "experts_mlp", "gather_rows", "grouped_linear", "route", "sort_by_expert", "topk_softmax"]
+__all__ = ["Routing", "combine", "experts_mlp", "gather_rows", "grouped_linear", "route", "routing_mismatch",
+           "sort_by_expert", "topk_softmax"]

@@ -116,6 +116,17 @@ def sort_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tenso
     return order, offsets, slot_pos.view(experts.shape)
 
 
+def routing_mismatch(experts_a: torch.Tensor, experts_b: torch.Tensor) -> torch.Tensor:
+    """The fraction of rows (token-layer pairs) whose top-k expert *sets* differ between two
+    routings (T, k) of the same tokens, e.g. the rollout's and the trainer's: the metric
+    `moe/routing_mismatch`. A 0-dim fp32 tensor (no host sync)."""
+    if experts_a.shape != experts_b.shape:
+        raise ValueError(f"routing_mismatch: expert choices of shapes {tuple(experts_a.shape)} and "
+                         f"{tuple(experts_b.shape)}; expected the same (T, k)")
+    differ = (experts_a.sort(-1).values != experts_b.sort(-1).values).any(-1)
+    return differ.float().mean() if differ.numel() else differ.new_zeros((), dtype=torch.float32)
+
+
 def route(logits: torch.Tensor, k: int, norm: bool) -> Routing:
     """topk_softmax, then sort_by_expert: everything the experts and the combine need."""
     weights, experts = topk_softmax(logits, k, norm)

@@ -1,0 +1,97 @@
+"""Exact routing on a tiny Qwen3-MoE (CPU): the engine's rollout log-probs equal the
+trainer's bitwise in `rlfuse.consistency.check`'s settings, and every token picks the
+same experts in every layer whether it runs alone or packed with other sequences
+(`routing_mismatch` reads 0); fast numerics on the same model must show a log-prob
+difference somewhere, so the comparison can fail.
+
+    python -m pytest -q tests/test_moe_exact.py
+"""
+
+import pytest
+import torch
+
+from engine_helpers import one_thread  # noqa: F401 (fixture)
+from engine_helpers import random_prompts
+from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.kernels import use_backend, use_numerics
+from rlfuse.kernels.moe import routing_mismatch
+from rlfuse.model import CausalLM, ModelConfig, Packed
+from rlfuse.model.moe import moe_blocks
+
+PROMPT_LENS = [14, 30, 7, 18]
+
+
+def tiny_moe(dtype=torch.float32, seed=0) -> CausalLM:
+    """hidden 64, 2 layers (both sparse), 8 experts of width 32, top-2, vocab 128."""
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      tie_word_embeddings=False, max_position_embeddings=512,
+                      moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True))
+    m = CausalLM(cfg)
+    m.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():  # a wider router: close second choices are rarer, the choice matters more
+        for b in moe_blocks(m):
+            b.gate.weight.mul_(5)
+    return m.to(dtype).eval()
+
+
+def _sweep(tokens):
+    need = max(PROMPT_LENS) + tokens
+    return {s.name: s for s in default_sweep(4, small_pool_blocks=2 * -(-need // 16), chunk_tokens=16)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_engine_and_trainer_logprobs_bitwise_in_exact_numerics(dtype):
+    model = tiny_moe(dtype)
+    prompts = random_prompts(PROMPT_LENS)
+    sweep = _sweep(8)
+    with use_backend("torch"):
+        for name, setting in sweep.items():  # every setting of `rlfuse check`
+            r = run_setting(model, prompts, setting, numerics="exact", max_tokens=8, temperature=1.0)
+            assert r.tokens > 0 and r.bitwise_frac == 1.0 and r.max_abs == 0.0, (name, r.row(), r.first_diff)
+
+
+def test_fast_numerics_differs_so_the_comparison_can_fail():
+    model = tiny_moe()
+    with use_backend("torch"):
+        r = run_setting(model, random_prompts(PROMPT_LENS), _sweep(8)["combined"], numerics="fast", max_tokens=8,
+                        temperature=1.0)
+    assert r.bitwise_frac < 1.0
+
+
+def test_engine_and_trainer_bitwise_on_triton_kernels():
+    """The Triton path (interpreter on CPU): grouped GEMMs, routing and combine kernels."""
+    model = tiny_moe()
+    with use_backend("triton"):
+        r = run_setting(model, random_prompts(PROMPT_LENS[:2]), _sweep(4)["batch 1"], numerics="exact",
+                        max_tokens=4, temperature=1.0)
+    assert r.bitwise_frac == 1.0, (r.row(), r.first_diff)
+
+
+def _experts_per_layer(model, ids_list):
+    ids = torch.cat(ids_list)
+    pos = torch.cat([torch.arange(len(s)) for s in ids_list])
+    with torch.no_grad():
+        model(ids, pos, Packed.from_lengths([len(s) for s in ids_list]))
+    return [b.last_experts for b in moe_blocks(model)]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_routing_alone_equals_routing_packed_in_exact_numerics(backend):
+    model = tiny_moe(torch.bfloat16)
+    g = torch.Generator().manual_seed(4)
+    seqs = [torch.randint(0, 128, (n,), generator=g) for n in (9, 5, 12)]
+    with use_backend(backend), use_numerics("exact"):
+        packed = _experts_per_layer(model, seqs)
+        alone = [_experts_per_layer(model, [s]) for s in seqs]
+    for layer, experts in enumerate(packed):
+        rows = torch.cat([a[layer] for a in alone])
+        assert routing_mismatch(experts, rows) == 0.0
+        assert torch.equal(experts, rows)
+
+
+def test_routing_mismatch_counts_sets_not_order():
+    a = torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])
+    b = torch.tensor([[1, 0], [2, 4], [4, 5], [7, 1]])  # row 0: same set; rows 1 and 3 differ
+    assert routing_mismatch(a, b) == 0.5
+    assert routing_mismatch(a, a) == 0.0
