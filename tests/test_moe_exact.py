@@ -95,3 +95,25 @@ def test_routing_mismatch_counts_sets_not_order():
     b = torch.tensor([[1, 0], [2, 4], [4, 5], [7, 1]])  # row 0: same set; rows 1 and 3 differ
     assert routing_mismatch(a, b) == 0.5
     assert routing_mismatch(a, a) == 0.0
+
+
+def test_drift_probe_on_a_sparse_model():
+    """The layer-wise probe hooks a sparse block's router logits and output; fast numerics
+    differs somewhere, exact numerics nowhere."""
+    from rlfuse.consistency.drift import layer_drift
+    model = tiny_moe()
+    prompt, completion = random_prompts([12, 6], seed=3)
+    with use_backend("torch"):
+        fast = layer_drift(model, prompt, completion, 5, numerics="fast")
+        exact = layer_drift(model, prompt, completion, 5, numerics="exact")
+    assert {op for _, op, _ in exact.ops} >= {"mlp.router_logits", "mlp"}
+    assert fast.first_divergence is not None
+    assert exact.first_divergence is None and exact.logprob_delta == 0.0
+
+
+def test_check_cli_tiny_moe(tmp_path, capsys):
+    from rlfuse.cli import main
+    rc = main(["check", "--tiny", "--moe", "--numerics", "exact", "--max-batch", "2", "--max-tokens", "4",
+               "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr()
+    assert "bitwise equal over all settings" in capsys.readouterr().out
