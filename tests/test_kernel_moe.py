@@ -268,3 +268,15 @@ def test_experts_mlp_is_batch_invariant_in_exact_numerics(backend, dtype):
         assert torch.equal(_moe(x[perm], *params, k)[0], full[perm])
         mixed, _ = _moe(torch.cat([other, x[3:8], other[:2]]), *params, k)
         assert torch.equal(mixed[9:14], full[3:8])
+
+
+def test_grouped_linear_tile_family_keeps_the_bits():
+    """bf16: a batch whose experts average over 256 rows runs the wide tile family; its
+    rows still carry the bits of the narrow family (a few rows alone)."""
+    g = _g(13)
+    x = torch.randn(300, 64, generator=g).bfloat16()
+    w = (torch.randn(1, 40, 64, generator=g) * 0.1).bfloat16()
+    with use_backend("triton"), use_numerics("exact"):
+        wide = grouped_linear(x, w, torch.tensor([0, 300]))
+        for r in (0, 131, 299):
+            assert torch.equal(grouped_linear(x[r:r + 1], w, torch.tensor([0, 1])), wide[r:r + 1])

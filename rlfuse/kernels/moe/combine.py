@@ -2,8 +2,8 @@
 
 Contract (a `routing.Routing` r of T tokens, k slots each):
   gather_rows(x (T, D), r) -> xs (T k, D):  xs[row] = x[r.order[row] // k]
-      backward: dx[t] = sum_j dxs[r.slot_pos[t, j]]  (a fixed sum over the k copies, no
-      scatter-add: deterministic on every device)
+      backward: dx[t] = rnd(sum_j dxs[r.slot_pos[t, j]])  (the k copies in slot order, in
+      fp32: no scatter-add, deterministic on every device)
   combine(ys (T k, N), r) -> out (T, N) in ys.dtype:
       out[t] = rnd( sum_{j = 0..k-1} r.weights[t, j] * ys[r.slot_pos[t, j]] )
       the products and the sum in fp32, the k slots added left to right, one rounding; so a
@@ -36,10 +36,10 @@ class _GatherRows(torch.autograd.Function):
         (slot_pos,) = ctx.saved_tensors
         T, k = slot_pos.shape
         parts = dxs.index_select(0, slot_pos.reshape(-1)).view(T, k, -1)
-        dx = parts[:, 0]
-        for j in range(1, k):  # the k copies of a token, in slot order
-            dx = dx + parts[:, j]
-        return dx, None, None
+        dx = parts[:, 0].float()
+        for j in range(1, k):  # the k copies of a token, in slot order, in fp32
+            dx = dx + parts[:, j].float()
+        return dx.to(dxs.dtype), None, None
 
 
 def gather_rows(x: torch.Tensor, r: Routing) -> torch.Tensor:
