@@ -156,3 +156,24 @@ def test_bad_expert_tensors_are_one_line_naming_the_tensor(pair, tmp_path, edit,
     with pytest.raises(ValueError, match=message) as e:
         load_model(_folder_with(folder, tmp_path, edit_tensors=edit))
     assert "\n" not in str(e.value)
+
+
+def test_model_config_from_plain_dicts():
+    """A recipe's model.random_init (YAML: nested dicts and lists) builds the same config."""
+    cfg = ModelConfig(model_type="qwen3_moe", vocab_size=32, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                      moe={"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+                           "mlp_only_layers": [0]})
+    assert cfg.moe.mlp_only_layers == (0,) and not cfg.moe.is_sparse(0) and cfg.moe.is_sparse(1)
+    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    with pytest.raises(ValueError, match=r"config field 'moe' must be given for model_type 'qwen3_moe' and only"):
+        ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe=cfg.moe)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_empty_batch(pair, backend):
+    _, ours, _ = pair
+    with torch.no_grad(), use_backend(backend), use_numerics("exact"):
+        h = ours(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), Packed.from_lengths([]))
+    assert h.shape == (0, HF_KW["hidden_size"])

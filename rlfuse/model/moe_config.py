@@ -34,6 +34,10 @@ class MoEConfig:
     output_router_logits: bool = False
     """transformers adds the load-balancing loss to the model's loss only when this is true."""
 
+    def __post_init__(self):
+        if isinstance(self.mlp_only_layers, list):  # from YAML or JSON
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))
+
     def is_sparse(self, layer_idx: int) -> bool:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
