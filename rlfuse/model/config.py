@@ -100,13 +100,6 @@ class ModelConfig:
             if v != fixed:
                 raise ValueError(f"config field {f!r} is {v}, but {self.architecture} always has {f} = {fixed} "
                                  f"(transformers has no switch for it: such a model would not load back)")
-        if isinstance(self.moe, dict):
-            object.__setattr__(self, "moe", MoEConfig(**self.moe))
-        if (self.moe is not None) != (self.model_type == "qwen3_moe"):
-            raise ValueError(f"config field 'moe' must be given for model_type 'qwen3_moe' and only for it "
-                             f"(model_type {self.model_type!r}, moe {self.moe!r})")
-        if self.moe is not None:
-            self.moe.check(self.num_hidden_layers)
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
@@ -126,6 +119,13 @@ class ModelConfig:
         v = self.max_position_embeddings
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"config field 'max_position_embeddings' must be a positive integer, got {v!r}")
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if (self.moe is not None) != (self.model_type == "qwen3_moe"):
+            raise ValueError(f"config field 'moe' must be given for model_type 'qwen3_moe' and only for it "
+                             f"(model_type {self.model_type!r}, moe {self.moe!r})")
+        if self.moe is not None:
+            self.moe.check(self.num_hidden_layers)
 
     @property
     def architecture(self) -> str:
