@@ -177,3 +177,21 @@ def test_empty_batch(pair, backend):
     with torch.no_grad(), use_backend(backend), use_numerics("exact"):
         h = ours(torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), Packed.from_lengths([]))
     assert h.shape == (0, HF_KW["hidden_size"])
+
+
+def test_activation_checkpointing_keeps_loss_and_aux_gradients(pair):
+    """Router stats recorded inside a checkpointed layer still carry the aux loss's
+    gradient (the recompute rebuilds what backward needs): the same gradients as without."""
+    _, ours, _ = pair
+    ids = _ids(5)
+    grads = []
+    for ckpt in (False, True):
+        ours.zero_grad(set_to_none=True)
+        ours.gradient_checkpointing = ckpt
+        with use_backend("torch"):
+            _, loss, _ = _ours_loss(ours, ids)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in ours.named_parameters()})
+    ours.gradient_checkpointing = False
+    for n, g in grads[0].items():
+        assert torch.equal(g, grads[1][n]), n

@@ -8,12 +8,14 @@ offsets[E] = M); one float dtype; y (M, N) in x.dtype. Differentiable w.r.t. x a
 The experts' gate/up projection is one call with weight (E, 2I, D) (gate rows first, as
 transformers stores `experts.gate_up_proj`), the down projection one with (E, D, I).
 
-Numerics: in both numerics every element is reduced in the exact linear's canonical order
-(`rlfuse.kernels.linear`: K cut into CHUNK_K chunks, each accumulated from zero BLOCK_K at a
-time, the chunks added left to right), which depends on (K, dtype) only. So a row's output
-depends on its own x row and its expert's weight alone -- not on which other tokens share
-the batch or the expert, nor on how many rows an expert received (no split over rows, no
-split-K by load) -- and it equals `linear(x[r], W[e])` of exact numerics bit for bit.
+Numerics: the Triton kernel, in both numerics, reduces every element in the exact linear's
+canonical order (`rlfuse.kernels.linear`: K cut into CHUNK_K chunks, each accumulated from
+zero BLOCK_K at a time, the chunks added left to right), which depends on (K, dtype) only.
+So a row's output depends on its own x row and its expert's weight alone -- not on which
+other tokens share the batch or the expert, nor on how many rows an expert received (no
+split over rows, no split-K by load) -- and it equals `linear(x[r], W[e])` of exact
+numerics bit for bit. The torch backend runs F.linear per expert in fast numerics (batch-
+variant on CPU, like the dense linear) and `matmul_nt` per expert in exact numerics.
 
 Steps (Triton):
   1. tile table, on the device (no host sync): expert e gets cdiv(count_e, BLOCK_M) row
@@ -25,8 +27,7 @@ Steps (Triton):
   4. dW: program (expert, N tile, K tile) walks its expert's rows BLOCK_R at a time.
 The backward is deterministic (fixed loops, no atomics); it need not be batch-invariant.
 
-References: the fast one runs F.linear per expert, the exact one `invariant.matmul_nt`
-per expert (row-invariant by construction); both read offsets on the host (a reference).
+The references read the offsets on the host (a reference's host sync, never the Triton path's).
 Tests: python -m pytest -q tests/test_kernel_moe.py -k grouped
 """
 
