@@ -43,7 +43,8 @@ def _profile_decode():
 # the category of benchmarks/profile_decode.py that each kernel module's kernels belong in
 KERNEL_CATEGORIES = {"attention": "attention", "paged_attention": "attention", "logprob": "log-prob",
                      "linear": "gemm", "lora": "gemm", "rmsnorm": "norm", "rope": "rope", "swiglu": "swiglu",
-                     "sampling": "sampling"}
+                     "sampling": "sampling", "triton_routing": "moe", "triton_grouped_gemm": "moe",
+                     "triton_combine": "moe"}
 
 
 def test_profile_decode_puts_each_kernel_in_its_ops_category():
@@ -52,7 +53,8 @@ def test_profile_decode_puts_each_kernel_in_its_ops_category():
     in a decode profile). The fused log-prob's kernels are not 'other'."""
     category = _profile_decode().category
     kernels = []  # (module, name) of every @triton.jit function
-    for path in sorted((REPO / "rlfuse" / "kernels" / "triton").glob("*.py")):
+    for path in sorted([*(REPO / "rlfuse" / "kernels" / "triton").glob("*.py"),
+                        *(REPO / "rlfuse" / "kernels" / "moe").glob("triton_*.py")]):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.FunctionDef) and any("jit" in ast.unparse(d) for d in node.decorator_list):
                 kernels.append((path.stem, node.name))
