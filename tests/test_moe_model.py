@@ -195,3 +195,17 @@ def test_activation_checkpointing_keeps_loss_and_aux_gradients(pair):
     ours.gradient_checkpointing = False
     for n, g in grads[0].items():
         assert torch.equal(g, grads[1][n]), n
+
+
+def test_lora_on_a_moe_model_says_the_experts_get_none(pair, caplog):
+    import copy
+    import logging
+
+    from rlfuse.model.lora import LoRAConfig, attach_lora
+    _, ours, _ = pair
+    model = copy.deepcopy(ours)
+    with caplog.at_level(logging.WARNING):
+        names = attach_lora(model, LoRAConfig(rank=4))
+    assert any("self_attn" in n for n in names) and not any("experts" in n for n in names)
+    assert "the routed experts and routers of 2 MoE layers get no adapter" in caplog.text
+    assert not model.model.layers[0].mlp.experts.gate_up_proj.requires_grad
