@@ -20,8 +20,12 @@ def _topk_softmax_kernel(L, W, IDX, P, T, E, sl, TOPK: tl.constexpr, NORM: tl.co
     p = tl.math.div_rn(q, tl.sum(q, 0))
     if STORE_P:
         tl.store(P + t * E + es, p, mask=ok)
-    # 2. TOPK rounds of argmax; a taken expert (and padding) drops to -1, below any probability
+    # 2. TOPK rounds of argmax; a taken expert (and padding) drops to -1, below any probability.
+    # The k values and ids collect in registers and are stored once (no re-read of a store).
     cand = tl.where(ok, p, -1.0)
+    js = tl.arange(0, TOPK)
+    vals = tl.zeros((TOPK,), tl.float32)
+    ids = tl.zeros((TOPK,), tl.int64)
     s = 0.0
     for j in tl.static_range(TOPK):
         v = tl.max(cand, 0)
@@ -29,13 +33,13 @@ def _topk_softmax_kernel(L, W, IDX, P, T, E, sl, TOPK: tl.constexpr, NORM: tl.co
         # tie_break_left, so CPU tests would not see the GPU's choice)
         e = tl.min(tl.where(cand == v, es, BLOCK_E), 0)
         cand = tl.where(es == e, -1.0, cand)
-        tl.store(IDX + t * TOPK + j, e.to(tl.int64))
-        tl.store(W + t * TOPK + j, v)
+        vals = tl.where(js == j, v, vals)
+        ids = tl.where(js == j, e.to(tl.int64), ids)
         s += v  # 3. slot order, left to right
     if NORM:
-        js = tl.arange(0, TOPK)
-        w = tl.load(W + t * TOPK + js)
-        tl.store(W + t * TOPK + js, tl.math.div_rn(w, s))
+        vals = tl.math.div_rn(vals, s)
+    tl.store(W + t * TOPK + js, vals)
+    tl.store(IDX + t * TOPK + js, ids)
 
 
 def _launch(logits: torch.Tensor, k: int, norm: bool, store_p: bool):
