@@ -93,6 +93,9 @@ def test_load_balancing_loss_matches_transformers(masked, dtype):
 def test_router_stats_recorded_in_training_only_and_metrics():
     _, ours = _pair(torch.float32, seed=5)
     x = torch.randn(11, D)
+    ours(x)
+    assert ours.last_stats is None  # recorded only when asked (the config's output_router_logits)
+    ours.record_stats = True
     with torch.no_grad():
         ours(x)
     assert ours.last_stats is None and int(ours.last_load.sum()) == 11 * K

@@ -20,7 +20,7 @@ from tiny_hf import randomize_, rel_err
 
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.model import ModelConfig, Packed, load_model, save_model
-from rlfuse.model.moe import SparseMoeBlock, collect_router_stats, load_balancing_loss
+from rlfuse.model.moe import SparseMoeBlock, collect_router_stats, load_balancing_loss, moe_blocks
 
 E, K = 6, 2
 HF_KW = dict(vocab_size=96, hidden_size=64, intermediate_size=80, moe_intermediate_size=24, num_experts=E,
@@ -40,7 +40,10 @@ def pair(tmp_path_factory):
                 layer.mlp.gate.weight.normal_(0, 0.5)
     folder = tmp_path_factory.mktemp("qwen3_moe")
     hf.save_pretrained(folder)
-    return hf, load_model(folder, dtype="float32"), folder
+    ours = load_model(folder, dtype="float32")
+    for b in moe_blocks(ours):  # the router losses' stats (output_router_logits: true in config.json turns it on)
+        b.record_stats = True
+    return hf, ours, folder
 
 
 def _ids(seed, B=2, S=9):
@@ -203,6 +206,8 @@ def test_lora_on_a_moe_model_says_the_experts_get_none(pair, caplog):
 
     from rlfuse.model.lora import LoRAConfig, attach_lora
     _, ours, _ = pair
+    for blk in moe_blocks(ours):
+        blk.last_stats = None  # graph tensors of an earlier test's forward: deepcopy refuses them
     model = copy.deepcopy(ours)
     with caplog.at_level(logging.WARNING):
         names = attach_lora(model, LoRAConfig(rank=4))

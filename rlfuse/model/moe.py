@@ -17,7 +17,9 @@ In exact numerics every step is batch-invariant, so the router logits -- and wit
 the experts each token picks -- are the same bits in the engine's decode and the trainer's
 packed forward: no routing replay is needed.
 
-Router losses (training only: the block records `RouterStats` when grad is enabled):
+Router losses (the block records `RouterStats` when `record_stats` is on -- the config's
+`output_router_logits`, transformers' switch for adding the loss -- and grad is enabled;
+off, no (T, E) tensors of the stats' graph outlive the forward):
   * `load_balancing_loss` is transformers' `load_balancing_loss_func` (Switch Transformer):
       f_e = (top-k assignments to e) / rows,  P_e = (sum of softmax probs of e) / rows,
       summed over layers before the product: loss = E * sum_e f_e P_e,
@@ -87,20 +89,20 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, *, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, layer_idx: int = 0):
+                 norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False):
         super().__init__()
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"config field 'num_experts_per_tok' is {top_k!r}; expected an integer in "
                              f"[1, num_experts = {num_experts}]")
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
-        self.layer_idx = layer_idx
+        self.layer_idx, self.record_stats = layer_idx, record_stats
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
         # what the last forward routed: read by moe_metrics and the trainer's router losses
         self.last_load: torch.Tensor | None = None        # (E,) int64 (token, slot) pairs, detached
         self.last_experts: torch.Tensor | None = None     # (T, k) int64 the experts each token picked
-        self.last_stats: RouterStats | None = None        # only when grad was enabled
-        self.last_router_logits: torch.Tensor | None = None
+        self.last_stats: RouterStats | None = None        # with record_stats, when grad was enabled
+        self.last_router_logits: torch.Tensor | None = None  # (T, E), detached
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -110,8 +112,8 @@ class SparseMoeBlock(nn.Module):
         out = experts_mlp(x_TD, self.experts.gate_up_proj, self.experts.down_proj, r)
         self.last_load = r.counts.detach()
         self.last_experts = r.experts
-        self.last_router_logits = logits
-        self.last_stats = router_stats(logits, self.top_k) if torch.is_grad_enabled() else None
+        self.last_router_logits = logits.detach()  # values only: a graph tensor on a module would pin the graph
+        self.last_stats = router_stats(logits, self.top_k) if self.record_stats and torch.is_grad_enabled() else None
         return out.view(shape)
 
 

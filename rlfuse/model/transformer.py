@@ -183,7 +183,8 @@ def make_mlp(cfg: ModelConfig, layer_idx: int) -> nn.Module:
     if m is not None and m.is_sparse(layer_idx):
         return SparseMoeBlock(hidden_size=cfg.hidden_size, moe_intermediate_size=m.moe_intermediate_size,
                               num_experts=m.num_experts, top_k=m.num_experts_per_tok,
-                              norm_topk_prob=m.norm_topk_prob, layer_idx=layer_idx)
+                              norm_topk_prob=m.norm_topk_prob, layer_idx=layer_idx,
+                              record_stats=m.output_router_logits)
     return MLP(cfg)
 
 
