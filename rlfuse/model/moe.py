@@ -130,8 +130,8 @@ def collect_router_stats(model: nn.Module) -> list[RouterStats]:
 def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
     """`moe/*` metrics of the last forward: per layer the busiest and the idlest expert's
     share over the mean (`moe/load_max/layer_{i}`, `moe/load_min/layer_{i}`), their worst
-    over layers (`moe/load_max`, `moe/load_min`), and the aux loss of the last forward with
-    grad (`moe/aux_loss`)."""
+    over layers (`moe/load_max`, `moe/load_min`), and the load-balancing loss of the last
+    forward that recorded router stats (`moe/aux_loss`; see `record_stats`)."""
     out: dict[str, torch.Tensor] = {}
     blocks = [b for b in moe_blocks(model) if b.last_load is not None]
     for b in blocks:
