@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import load_model
+from rlfuse.model.layers.moe import RouterLoss
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
@@ -104,6 +105,9 @@ class DPOStep(StreamAndGuardState):
         self.cfg, self.d = cfg, cfg.dpo
         self.model, self.optimizer, self.pairs = model, optimizer, pairs
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
+        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
+                                           z_coef=cfg.model.router_z_loss_coef)
         self.device = model.lm_head_weight.device
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,
@@ -141,6 +145,8 @@ class DPOStep(StreamAndGuardState):
                  "logps/chosen", "logps/rejected")}
         n_tok = 0
         for mb, pi_c, pi_r, tokens in pair_logprobs(self.model, pairs, d.micro_batch_tokens, self.device):
+            # read before the reference forward below; the micro-batch's share of the batch's pairs
+            router = self.router.term(len(mb) / B) if self.router is not None else 0.0
             if self.ref_cache is not None:
                 ref = self.ref_cache[torch.tensor([idx[i] for i in mb], device=self.device)]
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
@@ -151,7 +157,7 @@ class DPOStep(StreamAndGuardState):
                                                             d.micro_batch_tokens, self.device))
             losses, h = dpo_loss(pi_c, pi_r, ref_c, ref_r, loss=d.loss, beta=d.beta,
                                  label_smoothing=d.label_smoothing)
-            (losses.sum() / B).backward()
+            (losses.sum() / B + router).backward()
             with torch.no_grad():
                 rc, rr = d.beta * (pi_c.detach() - ref_c), d.beta * (pi_r.detach() - ref_r)
                 for k, v in (("loss", losses.detach()), ("rewards/chosen", rc), ("rewards/rejected", rr),
@@ -167,7 +173,8 @@ class DPOStep(StreamAndGuardState):
         dt = time.perf_counter() - t0
         return {**sums, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
                 "tokens": float(n_tok),
-                "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt}
+                "tokens_per_s": n_tok / max(dt, 1e-9), "time/step": dt,
+                **(self.router.metrics() if self.router is not None else {})}
 
 
 def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:

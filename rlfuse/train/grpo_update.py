@@ -42,6 +42,7 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import triton_compiles
 from rlfuse.kernels.loss.policy import accumulation_weight
 from rlfuse.kernels.loss.policy import policy_loss as kernel_policy_loss
+from rlfuse.model.layers.moe import RouterLoss
 from rlfuse.rollout import Sample
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, shared_contexts
 from rlfuse.run.config import RunConfig
@@ -81,6 +82,9 @@ class GRPOUpdate:
         # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
         self.share_min = g.share_prefix_min_tokens if g.share_prefix else 0
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
+        # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
+        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
+                                           z_coef=cfg.model.router_z_loss_coef)
         self.warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
@@ -174,6 +178,8 @@ class GRPOUpdate:
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
+        if self.router is not None:
+            out.update(self.router.metrics())
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -237,7 +243,11 @@ class GRPOUpdate:
             loss, st = self.policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
-            (loss * w).backward()
+            if self.router is not None:  # the micro-batch's share of the step's loss tokens
+                loss_w = loss * w + self.router.term(0.0 if pad else mb_tokens / max(total_tokens, 1.0))
+            else:
+                loss_w = loss * w
+            loss_w.backward()
             tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
             for key, v in {**st, **corr}.items():

@@ -148,6 +148,72 @@ def moe_metrics(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+class RouterLoss:
+    """The router losses a training step adds to its loss on an MoE model, and its `moe/*`
+    metrics. After each differentiable forward the trainer calls `term(share)`, `share` being
+    that micro-batch's part of the step's loss normalizer (its tokens over the step's, or its
+    pairs over the batch's; the shares of a step sum to 1), and adds the result to the
+    micro-batch's loss:
+        term = share * (aux_coef * load_balancing_loss + z_coef * router_z_loss)
+    With one micro-batch this is transformers' `loss + router_aux_loss_coef * aux_loss`
+    exactly; with several, the share-weighted mean of the micro-batches' terms (the loss is a
+    product of batch means, so no split reproduces the whole batch's value bitwise).
+    `metrics()` returns and resets the share-weighted means since its last call:
+    moe/aux_loss, moe/z_loss (logged whatever the coefficients), moe/load_max and
+    moe/load_min (the busiest / idlest expert's routed pairs over the mean, worst layer).
+    Turns on every block's `record_stats` (two (T, E) reductions per layer; the forward's
+    output is unchanged)."""
+
+    def __init__(self, model: nn.Module, *, aux_coef: float, z_coef: float):
+        self.blocks = moe_blocks(model)
+        self.aux_coef, self.z_coef = float(aux_coef), float(z_coef)
+        for b in self.blocks:
+            b.record_stats = True
+        self._reset()
+
+    @classmethod
+    def for_model(cls, model: nn.Module, *, aux_coef: float | None = None, z_coef: float = 0.0) -> RouterLoss | None:
+        """None for a model without MoE blocks. `aux_coef` None: transformers' rule, the
+        config's router_aux_loss_coef when its output_router_logits is true, else 0."""
+        blocks = moe_blocks(model)
+        if not blocks:
+            return None
+        if aux_coef is None:
+            moe = model.config.moe
+            aux_coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
+        return cls(model, aux_coef=aux_coef, z_coef=z_coef)
+
+    def _reset(self) -> None:
+        self._aux = self._z = self._share = 0.0
+        self._load: list[torch.Tensor | float] = [0.0] * len(self.blocks)
+
+    def term(self, share: float = 1.0) -> torch.Tensor:
+        """The weighted router losses of the last forward (its stats are consumed: a second
+        call without a forward in between raises)."""
+        stats = [b.last_stats for b in self.blocks]
+        if any(s is None for s in stats):
+            raise RuntimeError("RouterLoss.term: no router stats of a differentiable forward since the last call")
+        aux = load_balancing_loss(stats, self.blocks[0].num_experts)
+        z = router_z_loss(stats)
+        for i, b in enumerate(self.blocks):
+            self._load[i] = self._load[i] + b.last_load.float()
+            b.last_stats = None  # the graph tensors go with the loss, not with the module
+        self._aux = self._aux + share * aux.detach()
+        self._z = self._z + share * z.detach()
+        self._share += share
+        return share * (self.aux_coef * aux + self.z_coef * z)
+
+    def metrics(self) -> dict[str, torch.Tensor]:
+        if not self._share:
+            return {}
+        loads = [x / x.mean().clamp_min(1e-9) for x in self._load]
+        out = {"moe/aux_loss": self._aux / self._share, "moe/z_loss": self._z / self._share,
+               "moe/load_max": torch.stack([x.max() for x in loads]).max(),
+               "moe/load_min": torch.stack([x.min() for x in loads]).min()}
+        self._reset()
+        return out
+
+
 # ---------------------------------------------------------------- checkpoint layouts
 
 EXPERT_PARAMS = ("experts.gate_up_proj", "experts.down_proj")
