@@ -42,7 +42,8 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import triton_compiles
 from rlfuse.kernels.loss.policy import accumulation_weight
 from rlfuse.kernels.loss.policy import policy_loss as kernel_policy_loss
-from rlfuse.model.layers.moe import RouterLoss
+from rlfuse.kernels.moe import routing_mismatch
+from rlfuse.model.layers.moe import RouterLoss, moe_blocks
 from rlfuse.rollout import Sample
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, shared_contexts
 from rlfuse.run.config import RunConfig
@@ -85,6 +86,7 @@ class GRPOUpdate:
         # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
         self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
                                            z_coef=cfg.model.router_z_loss_coef)
+        self.routing_acc = (0.0, 0)  # (mismatched token-layer pairs, pairs) of the step: moe/routing_mismatch
         self.warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
@@ -180,6 +182,9 @@ class GRPOUpdate:
         out.update(extra)
         if self.router is not None:
             out.update(self.router.metrics())
+            if self.routing_acc[1]:  # pairs compared on the first optimizer step
+                out["moe/routing_mismatch"] = self.routing_acc[0] / self.routing_acc[1]
+            self.routing_acc = (0.0, 0)
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -254,12 +259,32 @@ class GRPOUpdate:
                 sums[key] = sums.get(key, 0.0) + v.detach() * tw
             if ent_N is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
+            if capture is not None and not pad and self.router is not None:
+                self.compare_routing(samples, js, batch)
             if capture is not None and not pad:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
                 capture[2].append(mask_N)
             n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
+
+    def compare_routing(self, samples, js: list[int], batch: PackedBatch) -> None:
+        """Add the last forward's routing of the rows that predict the sampled tokens to the
+        step's moe/routing_mismatch, against the rollout's (`Sample.routing`): on the first
+        optimizer step's micro-batches, whose weights are the rollout's. Sequences without a
+        record (not recorded, or multi-turn episodes, whose observation tokens were not
+        sampled) are left out."""
+        have = [len(samples[j].routing) == len(samples[j].token_ids) if samples[j].routing is not None else False
+                for j in js]
+        if not any(have):
+            return
+        rows = batch.rows.split([len(samples[j].token_ids) for j in js])
+        keep = torch.cat([r for r, h in zip(rows, have) if h])
+        ours = torch.stack([b.last_experts[keep] for b in moe_blocks(self.model)], 1)  # (N, L, k)
+        theirs = torch.cat([samples[j].routing for j, h in zip(js, have) if h]).to(ours.device, ours.dtype)
+        n = ours.shape[0] * ours.shape[1]
+        frac = routing_mismatch(ours.reshape(n, -1), theirs.reshape(n, -1))
+        self.routing_acc = (self.routing_acc[0] + frac * n, self.routing_acc[1] + n)
 
     def policy_loss(self, logp_N, old_N, adv_N, mask_N, batch: PackedBatch, ref_N):
         g = self.g

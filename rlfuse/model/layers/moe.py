@@ -79,12 +79,17 @@ def router_z_loss(stats: list[RouterStats]) -> torch.Tensor:
 
 
 class Experts(nn.Module):
-    """The E routed SwiGLU experts, as two 3-D parameters (transformers' `Qwen3MoeExperts`)."""
+    """The E routed SwiGLU experts, as two 3-D parameters (transformers' `Qwen3MoeExperts`).
+    `rlfuse.model.lora` swaps it for a subclass that adds per-expert adapters."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x_TD: torch.Tensor, r) -> torch.Tensor:
+        """x (T, D) routed by r (`kernels.moe.Routing`) -> (T, D)."""
+        return experts_mlp(x_TD, self.gate_up_proj, self.down_proj, r)
 
 
 class SparseMoeBlock(nn.Module):
@@ -103,15 +108,20 @@ class SparseMoeBlock(nn.Module):
         self.last_experts: torch.Tensor | None = None     # (T, k) int64 the experts each token picked
         self.last_stats: RouterStats | None = None        # with record_stats, when grad was enabled
         self.last_router_logits: torch.Tensor | None = None  # (T, E), detached
+        # the engine's per-step record of the routing (a static (rows, k) int64 buffer, set
+        # only around the engine's forwards, so a CUDA graph writes into it): None = off
+        self.routing_buffer: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x_TD = x.reshape(-1, shape[-1])
         logits = linear(x_TD, self.gate.weight)  # (T, E)
         r = route(logits, self.top_k, self.norm_topk_prob)
-        out = experts_mlp(x_TD, self.experts.gate_up_proj, self.experts.down_proj, r)
+        out = self.experts(x_TD, r)
         self.last_load = r.counts.detach()
         self.last_experts = r.experts
+        if self.routing_buffer is not None:
+            self.routing_buffer[:x_TD.shape[0]].copy_(r.experts)
         self.last_router_logits = logits.detach()  # values only: a graph tensor on a module would pin the graph
         self.last_stats = router_stats(logits, self.top_k) if self.record_stats and torch.is_grad_enabled() else None
         return out.view(shape)
