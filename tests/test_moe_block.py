@@ -1,4 +1,4 @@
-"""The MoE block (rlfuse.model.moe) against transformers 5.24's Qwen3MoeSparseMoeBlock on
+"""The MoE block (rlfuse.model.layers.moe) against transformers 5.24's Qwen3MoeSparseMoeBlock on
 random weights: output, router logits, the gradient of the input and of every parameter
 (fp32 tight, bf16 loose), on both backends and numerics; the load-balancing loss against
 transformers' `load_balancing_loss_func` (value and gradient, with and without a mask);
@@ -13,7 +13,7 @@ from transformers import Qwen3MoeConfig
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.model.moe import (SparseMoeBlock, collect_router_stats, fuse_expert_tensors, load_balancing_loss,
+from rlfuse.model.layers.moe import (SparseMoeBlock, collect_router_stats, fuse_expert_tensors, load_balancing_loss,
                               moe_metrics, router_stats, router_z_loss, split_expert_tensors)
 
 D, I, E, K = 48, 24, 6, 2

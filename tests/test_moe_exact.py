@@ -16,7 +16,7 @@ from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.moe import routing_mismatch
 from rlfuse.model import CausalLM, ModelConfig, Packed
-from rlfuse.model.moe import moe_blocks
+from rlfuse.model.layers.moe import moe_blocks
 
 PROMPT_LENS = [14, 30, 7, 18]
 

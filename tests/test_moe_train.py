@@ -72,12 +72,12 @@ def test_router_loss_follows_transformers_switch_and_skips_dense_models():
     assert RouterLoss.for_model(dense) is None
 
 
-def test_the_router_gradient_carries_the_aux_term():
+def test_the_router_gradient_carries_the_aux_term(tmp_path):
     """The same SFT step with and without the aux coefficient: the routers' gradients differ
     by the aux term's gradient, the experts' are unchanged (the aux loss reads the router only)."""
     grads = {}
     for coef in (0.0, 10.0):
-        cfg = tiny_cfg("unused", "optim.max_grad_norm=0",  # no clipping: the raw gradients
+        cfg = tiny_cfg(tmp_path / str(coef), "optim.max_grad_norm=0",  # no clipping: the raw gradients
                        model={"random_init": TINY_MOE, "router_aux_loss_coef": coef})
         ses = tiny_session(cfg, need_target=True)
         ex = build_sft_examples(ses.train_rows[:8], ses.tokenizer, cfg.data, cfg.sft.max_seq_len)
