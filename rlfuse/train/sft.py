@@ -71,8 +71,9 @@ class SFTStep(StreamAndGuardState):
             h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             logp_N = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets)
             loss = -(logp_N * w_N).sum() / total_targets
-            if self.router is not None:  # this micro-batch's share of the step's target tokens
-                loss = loss + self.router.term(float(w_N.sum()) / max(total_targets, 1))  # host: w_N built from lists
+            if self.router is not None:  # this micro-batch's share of the step's target tokens (host lists)
+                share = 0.0 if pad else sum(sum(examples[i].mask[n_ctx[i]:]) for i in mb) / max(total_targets, 1)
+                loss = loss + self.router.term(share)
             loss.backward()
             loss_sum += loss.detach()
             n_tok += 0 if pad else batch.num_tokens
