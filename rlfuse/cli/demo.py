@@ -16,7 +16,7 @@ import torch
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import run_agent_demo
-from rlfuse.recipes.demo import SIZES, run_demo
+from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
@@ -33,6 +33,9 @@ def add_arguments(p):
     p.add_argument("--agent", action="store_true",
                    help="multi-turn with a tool: SFT on calculator transcripts, then GRPO on episodes that call "
                         "it (3-digit multiplication), vs a no-tool baseline")
+    p.add_argument("--moe", action="store_true",
+                   help="a tiny Qwen3-MoE model (4 experts, top-2, every layer sparse) instead of the dense one "
+                        "(cpu and ci sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -70,8 +73,14 @@ def run(args) -> int:
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
+            if args.moe and (args.agent or size == "gpu"):
+                raise ValueError("demo: --moe runs the arithmetic demo at the cpu or ci size (not with --agent or "
+                                 "--size gpu)")
             run = run_agent_demo if args.agent else run_demo
-            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+            overrides = {"engine.numerics": args.numerics}
+            if args.moe:
+                overrides["model.random_init"] = MOE_MODEL
+            res = run(size, args.run_dir, seed=args.seed, overrides=overrides)
             summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
             with open(root / "demo.json", "w") as f:
                 json.dump(summary, f, indent=2)
