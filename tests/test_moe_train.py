@@ -125,3 +125,24 @@ def test_rl_and_preference_steps_log_moe_metrics_and_add_the_terms(tmp_path, sta
         assert all(k in m and torch.isfinite(torch.as_tensor(m[k])) for k in METRICS), sorted(m)
         moved[z] = float((ses.model.model.layers[0].mlp.gate.weight.detach() - router0).norm())
     assert moved[100.0] != moved[0.0]
+
+
+def test_router_loss_under_gradient_checkpointing_keeps_the_gradients(tmp_path):
+    """Activation checkpointing recomputes each layer in backward; the router term is taken
+    from the first forward's stats, so every gradient is the same bits as without it."""
+    grads = {}
+    for ckpt in (False, True):
+        cfg = tiny_cfg(tmp_path / str(ckpt), "optim.max_grad_norm=0",
+                       model={"random_init": TINY_MOE, "router_aux_loss_coef": 1.0, "router_z_loss_coef": 0.1,
+                              "gradient_checkpointing": ckpt})
+        ses = tiny_session(cfg, need_target=True)
+        ex = build_sft_examples(ses.train_rows[:8], ses.tokenizer, cfg.data, cfg.sft.max_seq_len)
+        tr = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(ex, seed=0))
+        tr.optimizer.step = lambda *a, **k: None  # keep the gradients: read them below
+        tr.optimizer.zero_grad = lambda *a, **k: None
+        m = tr.train_step(ex, 0)
+        grads[ckpt] = ({n: p.grad.clone() for n, p in ses.model.named_parameters() if p.grad is not None},
+                       float(m["moe/aux_loss"]))
+    assert grads[False][1] == grads[True][1]
+    for n, g in grads[False][0].items():
+        assert torch.equal(g, grads[True][0][n]), n
