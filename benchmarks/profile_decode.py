@@ -58,6 +58,7 @@ CATEGORIES = [
     ("norm", r"rmsnorm|norm"),
     ("rope", r"rope"),
     ("swiglu", r"swiglu|silu"),
+    ("moe", r"grouped|topk_softmax|^_combine_kernel$"),  # routing, the experts' GEMMs, the combine
     ("sampling", r"sampl|cutoff|compact|threshold|gumbel|chunk_stats|histogram|argmax|topk|sort|exponential"),
     ("log-prob", r"logprob|log_softmax|logsumexp"),
     ("gemm", r"gemm|nvjet|xmma|cutlass|cublas|_linear_|matmul|splitk|sm90|lora"),

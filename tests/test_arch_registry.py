@@ -27,8 +27,9 @@ def test_models_md_is_up_to_date():
 
 @pytest.mark.parametrize("model_type", sorted(ARCHS))
 def test_each_family_round_trips_through_its_switches(model_type):
-    cfg = ModelConfig(model_type=model_type, **TINY)
     spec = ARCHS[model_type]
+    moe = {"moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}} if spec.has_moe else {}
+    cfg = ModelConfig(model_type=model_type, **TINY, **moe)
     for f, v in spec.fixed.items():
         assert getattr(cfg, f) is v
     back = ModelConfig.from_hf(cfg.to_hf())

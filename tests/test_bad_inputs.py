@@ -522,6 +522,59 @@ def test_bad_hf_config_names_file_and_field(tmp_path, change, msg):
     expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}: .*{msg}", _hf_fed(change))
 
 
+MOE = dict(model_type="qwen3_moe", num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8)
+MOE_CONFIG_CASES = [
+    ("moe-top-k-above-experts", dict(num_experts_per_tok=5), r"field 'num_experts_per_tok' is 5; it must be at most "
+                                                             r"num_experts = 4"),
+    ("moe-size-missing", dict(moe_intermediate_size="DELETE"), r"missing required field 'moe_intermediate_size'"),
+    ("moe-mlp-only-layer-out-of-range", dict(mlp_only_layers=[1]), r"field 'mlp_only_layers' holds \[1\]; expected "
+                                                                   r"layer indices in \[0, num_hidden_layers = 1\)"),
+    ("moe-shared-experts", dict(shared_expert_intermediate_size=16), r"field 'shared_expert_intermediate_size' is 16; "
+                                                                     r"shared experts are not supported"),
+    ("moe-scoring-sigmoid", dict(scoring_func="sigmoid"), r"field 'scoring_func' is 'sigmoid'; only 'softmax'"),
+]
+
+
+@pytest.mark.bad_input("model-config")
+@pytest.mark.parametrize("change,msg", [c[1:] for c in MOE_CONFIG_CASES], ids=[c[0] for c in MOE_CONFIG_CASES])
+def test_bad_moe_config_names_file_and_field(tmp_path, change, msg):
+    cfg = _hf(**MOE)
+    for k, v in change.items():
+        cfg.pop(k) if v == "DELETE" else cfg.__setitem__(k, v)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}: .*{msg}",
+                 _hf_fed({**MOE, **change}))
+
+
+def _moe_folder(tmp_path, edit):
+    from safetensors.torch import load_file, save_file
+
+    from rlfuse.model import CausalLM, save_model
+    model = CausalLM(ModelConfig.from_hf(_hf(**MOE)))
+    model.init_weights()
+    save_model(model, tmp_path / "m")
+    tensors = load_file(tmp_path / "m" / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, tmp_path / "m" / "model.safetensors")
+    return tmp_path / "m"
+
+
+@pytest.mark.bad_input("model-config")
+@pytest.mark.parametrize("fed,edit,msg", [
+    ("a qwen3_moe folder without model.layers.0.mlp.experts.3.up_proj.weight",
+     lambda t: t.pop("model.layers.0.mlp.experts.3.up_proj.weight"),
+     r"missing tensor 'model\.layers\.0\.mlp\.experts\.3\.up_proj\.weight' \(expert 3 of num_experts = 4\)"),
+    ("a qwen3_moe folder whose expert 1 down_proj is (32, 7)",
+     lambda t: t.update({"model.layers.0.mlp.experts.1.down_proj.weight": torch.zeros(32, 7)}),
+     r"tensor 'model\.layers\.0\.mlp\.experts\.1\.down_proj\.weight' has shape \(32, 7\), the config expects "
+     r"\(32, 8\)"),
+], ids=["moe-expert-missing", "moe-expert-misshaped"])
+def test_bad_moe_expert_tensors_name_the_tensor(tmp_path, fed, edit, msg):
+    from rlfuse.model import load_model
+    folder = _moe_folder(tmp_path, edit)
+    expect_error(lambda: load_model(folder), rf"{folder}: {msg}", fed)
+
+
 @pytest.mark.bad_input("model-config")
 @pytest.mark.parametrize("content,msg", [("{oops", r"not valid JSON"), ("[1, 2]", r"expected a JSON object of config "
                                                                                   r"fields, got list")],

@@ -4,6 +4,7 @@
     rlfuse check MODEL_DIR --prompts prompts.txt --numerics fast --out runs/check
     rlfuse check MODEL_DIR --adapter PEFT_DIR        # the same with a LoRA adapter applied
     rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
+    rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
@@ -44,11 +45,16 @@ HELP = "prove rollout log-probs equal training log-probs (exact numerics) or mea
 _TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True, tie_word_embeddings=False,
              max_position_embeddings=1024)
+# --tiny --moe: the same shape as a Qwen3-MoE, both layers sparse
+_TINY_MOE = dict(_TINY, model_type="qwen3_moe",
+                 moe=dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True))
 
 
 def add_arguments(p) -> None:
     p.add_argument("model", nargs="?", help="HF checkpoint folder (or use --tiny)")
     p.add_argument("--tiny", action="store_true", help="a small random Qwen3-style model built in memory")
+    p.add_argument("--moe", action="store_true", help="with --tiny: a small random Qwen3-MoE model (8 experts, "
+                   "top-2) instead of the dense one")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -71,7 +77,7 @@ def add_arguments(p) -> None:
 def _model(args, device):
     if args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-        m = CausalLM(ModelConfig(**_TINY))
+        m = CausalLM(ModelConfig(**(_TINY_MOE if args.moe else _TINY)))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
         m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
     else:
@@ -106,6 +112,8 @@ def run(args) -> int:
         setup_threads(args.threads)
     except ValueError as e:
         return fail(e)
+    if args.moe and not args.tiny:
+        return fail(ValueError("check: --moe picks the --tiny model's kind; a checkpoint's config.json says its own"))
     if args.tiny == bool(args.model):
         return fail(ValueError("check: give either MODEL_DIR (an HF model folder) or --tiny (a small random "
                                f"model); got {'both' if args.tiny else 'neither'}"))

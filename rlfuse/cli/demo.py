@@ -16,7 +16,7 @@ import torch
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
-from rlfuse.recipes.demo import SIZES, run_demo
+from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
 HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
@@ -37,6 +37,9 @@ def add_arguments(p):
                    help="with --agent: env (rlfuse's own episode loop) or an agent written against the OpenAI "
                         "client (openai_loop, agents_sdk, langgraph: rlfuse.recipes.agent_harnesses), trained "
                         "through the training process's own server (rollout.agent)")
+    p.add_argument("--moe", action="store_true",
+                   help="a tiny Qwen3-MoE model (4 experts, top-2, every layer sparse) instead of the dense one "
+                        "(cpu and ci sizes)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -76,9 +79,15 @@ def run(args) -> int:
             replace_previous_demo(root)
             if args.harness != "env" and not args.agent:
                 raise ValueError("--harness runs with --agent")
+            if args.moe and (args.agent or size == "gpu"):
+                raise ValueError("demo: --moe runs the arithmetic demo at the cpu or ci size (not with --agent or "
+                                 "--size gpu)")
             extra = {"harness": args.harness} if args.agent else {}
             run = run_agent_demo if args.agent else run_demo
-            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics}, **extra)
+            overrides = {"engine.numerics": args.numerics}
+            if args.moe:
+                overrides["model.random_init"] = MOE_MODEL
+            res = run(size, args.run_dir, seed=args.seed, overrides=overrides, **extra)
             summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
             with open(root / "demo.json", "w") as f:
                 json.dump(summary, f, indent=2)

@@ -27,6 +27,16 @@ from rlfuse.model import CausalLM, Packed, PagedKV
 # qk_norm_rope kernel, whose result shows in self_attn.attention
 _OPS = ("input_layernorm", "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.attention", "self_attn.o_proj", "post_attention_layernorm",
         "mlp.gate_proj", "mlp.up_proj", "mlp.swiglu", "mlp.down_proj", "output")
+# a sparse MoE layer's feed-forward ops: its router logits (recorded by the block's forward,
+# which runs the router GEMM itself), then the block's output
+_MOE_MLP_OPS = ("mlp.router_logits", "mlp")
+
+
+def _layer_ops(layer) -> tuple[str, ...]:
+    """The ops hooked in `layer`: _OPS, with a sparse block's ops in place of the dense MLP's."""
+    if hasattr(layer.mlp, "down_proj"):
+        return _OPS
+    return (*[op for op in _OPS if not op.startswith("mlp.") and op != "output"], *_MOE_MLP_OPS, "output")
 
 
 @dataclasses.dataclass(slots=True)
@@ -63,11 +73,17 @@ def _capture(model: CausalLM, row: int) -> tuple[dict, list]:
 
     hooks.append(model.model.embed_tokens.register_forward_hook(save((-1, "embed_tokens"))))
     for i, layer in enumerate(model.model.layers):
-        for op in _OPS:
+        for op in _layer_ops(layer):
             if op == "output":
                 hooks.append(layer.register_forward_hook(save((i, op))))
             elif op == "self_attn.attention":  # the attention core's output is o_proj's input
                 hooks.append(layer.self_attn.o_proj.register_forward_pre_hook(save((i, op), pre=True)))
+            elif op == "mlp.router_logits":
+                hooks.append(layer.mlp.register_forward_hook(
+                    lambda mod, _args, _out, key=(i, op): got.__setitem__(
+                        key, mod.last_router_logits[row].detach().float().clone())))
+            elif op == "mlp":
+                hooks.append(layer.mlp.register_forward_hook(save((i, op))))
             elif op == "mlp.swiglu":
                 hooks.append(layer.mlp.down_proj.register_forward_pre_hook(save((i, op), pre=True)))
             else:

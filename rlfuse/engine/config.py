@@ -80,6 +80,10 @@ class EngineConfig:
     16 up to max_num_seqs. Larger decode batches run eagerly."""
     seed: int = 0
     """Seeds the per-request seeds of requests that do not set one."""
+    record_routing: bool | None = None
+    """MoE models: record each sampled token's top-k expert ids in every MoE layer
+    (`Completion.routing`, (tokens, layers, k) int16), read by the trainer's
+    moe/routing_mismatch. None: on for models with MoE blocks; a (T, k) copy per layer per step."""
     numerics: str = "fast"
     """"fast": cuBLAS GEMMs and split-KV decode, rollout log-probs within ~1e-2 of the
     trainer's. "exact": batch-invariant kernels, so every rollout log-prob equals the

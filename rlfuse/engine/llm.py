@@ -264,7 +264,7 @@ class LLM:
         """Read a launched step's results and apply them to the sequences; returns the
         sequences that finished (already released)."""
         batch = cur.batch
-        sampled, ids, lps = self.runner.collect(cur.pending)
+        sampled, ids, lps, routing = self.runner.collect(cur.pending)
         void = cur.void or [False] * len(batch.seqs)
         st = self.stats
         st.steps += 1
@@ -283,13 +283,15 @@ class LLM:
             if (c + n) // bs > seq.num_ready_blocks:  # a block just became complete
                 mark(seq)
         finished = []
-        for j, tok, lp in zip(sampled, ids, lps):
+        for i, (j, tok, lp) in enumerate(zip(sampled, ids, lps)):
             if void[j]:
                 st.discarded_tokens += 1
                 continue
             seq = batch.seqs[j]
             seq.token_ids.append(tok)
             seq.logprobs.append(lp)
+            if routing is not None:
+                seq.routing.append(routing[i])
             st.output_tokens += 1
             if tok in seq.stop_ids or seq.params.stop or len(seq.token_ids) >= seq.max_total:  # cheap pre-check
                 reason = stop_reason(seq, tok, self.tokenizer)

@@ -43,6 +43,7 @@ from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
+from rlfuse.model.layers.moe import moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -65,11 +66,13 @@ def _in_numerics(method):
 @dataclasses.dataclass(slots=True)
 class Pending:
     """A launched step: `ids` (S,) device tensor of its samples (the next look-ahead step's
-    inputs), `out` (2, S) ids and log-probs (pinned host copy on CUDA, valid once `done`)."""
+    inputs), `out` (2, S) ids and log-probs (pinned host copy on CUDA, valid once `done`),
+    `routing` (S, MoE layers, k) int16 expert ids of the sampled rows (recording on), idem."""
     sampled: list[int]
     ids: torch.Tensor | None
     out: torch.Tensor | None
     done: "torch.cuda.Event | None"
+    routing: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -96,6 +99,26 @@ class ModelRunner:
         self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows)
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
+        # MoE routing record (EngineConfig.record_routing): one (rows, k) buffer per MoE layer,
+        # installed in the blocks only around the engine's own forwards (and graph captures)
+        blocks = moe_blocks(model)
+        record = cfg.record_routing if cfg.record_routing is not None else bool(blocks)
+        self.routing_blocks = blocks if record else []
+        self.routing_bufs = [torch.zeros(max(cfg.max_num_batched_tokens, cfg.max_num_seqs), b.top_k,
+                                         dtype=torch.int64, device=self.device) for b in self.routing_blocks]
+        if blocks:
+            log.info("engine: %s the experts of each sampled token in %d MoE layers (engine.record_routing %s)",
+                     "records" if record else "does not record", len(blocks), cfg.record_routing)
+
+    def _install_routing(self, on: bool) -> None:
+        for b, buf in zip(self.routing_blocks, self.routing_bufs):
+            b.routing_buffer = buf if on else None
+
+    def _sampled_routing(self, num_new: list[int], sampled: list[int]) -> torch.Tensor:
+        """(S, layers, k) int16: the routing of each sampled sequence's last computed row."""
+        ends = np.cumsum(num_new) - 1
+        idx = self._upload([int(ends[j]) for j in sampled], torch.int64)
+        return torch.stack([buf[idx] for buf in self.routing_bufs], 1).to(torch.int16)
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -237,13 +260,19 @@ class ModelRunner:
         seeds = [s.seed for _, s in samp]
         offsets = [len(s.token_ids) + ahead for _, s in samp]  # position of the token being sampled
         decode = all(n == 1 for n in num_new)
-        if decode and self.static and B <= self.max_graph_bs:
-            h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k, seeds,
-                                                       offsets, feed)
-        else:
-            h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds, offsets)
+        self._install_routing(True)
+        try:
+            if decode and self.static and B <= self.max_graph_bs:
+                h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k,
+                                                           seeds, offsets, feed)
+            else:
+                h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds,
+                                                          offsets)
+        finally:
+            self._install_routing(False)
         if S == 0:
             return Pending(sampled, None, None, None)
+        routing = self._sampled_routing(num_new, sampled) if self.routing_blocks else None
         pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see static_decode._field_stride)
         fl = self._upload([[p.temperature for p, _ in samp] + pad, [p.top_p for p, _ in samp] + pad,
                            [p.min_p for p, _ in samp] + pad], torch.float32)[:, :S]
@@ -259,20 +288,24 @@ class ModelRunner:
         if self.device.type == "cuda":
             host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
             host_out.copy_(out, non_blocking=True)
+            if routing is not None:
+                host_routing = torch.empty(routing.shape, dtype=routing.dtype, pin_memory=True)
+                routing = host_routing.copy_(routing, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return Pending(sampled, ids, host_out, done)
-        return Pending(sampled, ids, out, None)
+            return Pending(sampled, ids, host_out, done, routing)
+        return Pending(sampled, ids, out, None, routing)
 
     @staticmethod
-    def collect(p: "Pending") -> tuple[list[int], list[int], list[float]]:
-        """Wait for a launched step; (batch indices sampled, token ids, log-probs)."""
+    def collect(p: "Pending") -> tuple[list[int], list[int], list[float], torch.Tensor | None]:
+        """Wait for a launched step; (batch indices sampled, token ids, log-probs, routing
+        (S, layers, k) on the host or None)."""
         if p.ids is None:
-            return [], [], []
+            return [], [], [], None
         if p.done is not None:
             p.done.synchronize()  # host sync: the step's one read-back
         out = p.out.tolist()
-        return p.sampled, [int(t) for t in out[0]], out[1]
+        return p.sampled, [int(t) for t in out[0]], out[1], p.routing
 
     def _run_eager(self, seqs, num_new, starts, rows, sampled, top_k, seeds, offsets):
         B, bs = len(seqs), self.block_size
@@ -318,7 +351,11 @@ class ModelRunner:
     def capture_graphs(self, up_to: int | None = None) -> None:
         """Capture the decode CUDA graphs now (`StaticDecode.capture`)."""
         if self.decode is not None:
-            self.decode.capture(self.kv.kv_caches, up_to)
+            self._install_routing(True)  # the graphs then write each step's routing into the buffers
+            try:
+                self.decode.capture(self.kv.kv_caches, up_to)
+            finally:
+                self._install_routing(False)
 
     def drop_graphs(self) -> None:
         if self.decode is not None:

@@ -44,6 +44,10 @@ class Completion:
     text: str | None = None
     num_cached_prompt_tokens: int = 0
     """Prompt tokens whose K/V came from the prefix cache at first admission."""
+    routing: torch.Tensor | None = None
+    """MoE models with EngineConfig.record_routing: (len(output_token_ids), MoE layers, k)
+    int16, the experts each layer picked for the row that produced each sampled token
+    (the position before it), in layer order; None when not recorded."""
 
     @property
     def token_ids(self) -> list[int]:
@@ -53,7 +57,7 @@ class Completion:
 class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens", "status",
                  "block_table", "num_computed", "num_ready_blocks", "block_hashes", "logprobs", "finish_reason",
-                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total")
+                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total", "routing")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  seed: int, stop_ids: frozenset[int]):
@@ -77,6 +81,7 @@ class Sequence:
         self.row = -1               # row in the model runner's block-table buffer
         self.row_len = 0            # block-table entries already written to that row
         self.max_total = 1 << 62    # length at which it stops ("length"): set by the engine
+        self.routing: list[torch.Tensor] = []  # per sampled token (layers, k), when the engine records routing
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +102,7 @@ class Sequence:
         return Completion(self.request_id, self.index, self.token_ids[:self.num_prompt_tokens],
                           self.output_token_ids, torch.frombuffer(bytearray(self.logprobs), dtype=torch.float32)
                           if len(self.logprobs) else torch.zeros(0), self.finish_reason, text,
-                          max(self.num_cached_prompt, 0))
+                          max(self.num_cached_prompt, 0), torch.stack(self.routing) if self.routing else None)
 
     def __repr__(self):
         return (f"Sequence({self.request_id}#{self.index}, {self.status.value}, tokens={self.num_tokens}, "

@@ -21,6 +21,7 @@ from typing import Any
 
 from rlfuse.kernels.attention.varlen import supports_head_dim
 from rlfuse.model.arch import ARCHS
+from rlfuse.model.layers.moe_config import MoEConfig, moe_config_from_hf
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    moe: MoEConfig | None = None
+    """The mixture-of-experts fields, given exactly for the architectures whose spec says
+    `has_moe` (qwen3_moe; `rlfuse.model.layers.moe_config`)."""
 
     def __post_init__(self):
         if self.model_type not in ARCHS:
@@ -100,6 +104,14 @@ class ModelConfig:
         v = self.max_position_embeddings
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"config field 'max_position_embeddings' must be a positive integer, got {v!r}")
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEConfig(**self.moe))
+        if (self.moe is not None) != spec.has_moe:
+            moe_types = sorted(k for k, s in ARCHS.items() if s.has_moe)
+            raise ValueError(f"config field 'moe' must be given for model_types {moe_types} and only for them "
+                             f"(model_type {self.model_type!r}, moe {self.moe!r})")
+        if self.moe is not None:
+            self.moe.check(self.num_hidden_layers)
 
     @property
     def architecture(self) -> str:
@@ -155,6 +167,8 @@ class ModelConfig:
             if f not in spec.fixed:
                 d[f] = getattr(self, f)
         d.update(spec.hf_extra)
+        if self.moe is not None:
+            d.update(self.moe.to_hf())
         return d
 
 
@@ -258,6 +272,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         pad_token_id=d.get("pad_token_id"),
         torch_dtype=str(dtype).replace("torch.", ""),
     )
+    if ARCHS[model_type].has_moe:
+        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"])
     try:
         return ModelConfig(**kw)
     except ValueError as e:

@@ -43,8 +43,10 @@ from torch import nn
 
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.linear.lora import lora_linear
+from rlfuse.kernels.moe import ExpertLoRA, experts_mlp
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.layers import Linear
+from rlfuse.model.layers.moe import Experts, SparseMoeBlock
 
 log = logging.getLogger(__name__)
 
@@ -73,6 +75,11 @@ class LoRAConfig:
     path: str | None = None
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors) to start
     from; its rank, alpha, targets and rslora are used, and a value set here must agree."""
+    experts: bool = False
+    """MoE models: also adapt every routed expert's gate_up and down GEMMs, one A/B pair per
+    expert (rank and scale as above), applied inside the grouped GEMMs in the rollout and the
+    trainer alike. PEFT folders do not carry them (an rlfuse side file does); the merged
+    export does. The routers stay frozen."""
     export_merged: bool = False
     """Also write an HF folder with the adapter merged into the weights (W + s B A rounded
     to the weights' dtype) beside the PEFT adapter: RUN_DIR/final_merged, for tools that
@@ -87,6 +94,8 @@ class LoRAConfig:
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)) \
                 or not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"lora.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if not isinstance(self.experts, bool):
+            raise ValueError(f"lora.experts must be true or false, got {self.experts!r}")
         if not isinstance(self.export_merged, bool):
             raise ValueError(f"lora.export_merged must be true or false, got {self.export_merged!r}")
         targets = self.targets
@@ -144,18 +153,66 @@ class LoRALinear(Linear):
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
 
 
+class LoRAExperts(Experts):
+    """An MoE block's routed experts with per-expert adapters (`lora.experts`): the base
+    `gate_up_proj` / `down_proj` tensors shared (same state-dict names), plus
+    gate_up_A (E, r, D), gate_up_B (E, 2I, r), down_A (E, r, I), down_B (E, D, r), applied by
+    `rlfuse.kernels.moe.experts_mlp` in the grouped GEMMs' path."""
+
+    adapter_params = ("gate_up_A", "gate_up_B", "down_A", "down_B")
+    """Parameters that are no part of the HF checkpoint (`rlfuse.model.weights` skips them)."""
+
+    def __init__(self, base: Experts, cfg: LoRAConfig):
+        nn.Module.__init__(self)
+        self.gate_up_proj, self.down_proj = base.gate_up_proj, base.down_proj
+        w = base.gate_up_proj
+        E, two_i, D = w.shape
+        kw = dict(dtype=w.dtype, device=w.device)
+        self.gate_up_A = nn.Parameter(torch.empty(E, cfg.rank, D, **kw))
+        self.gate_up_B = nn.Parameter(torch.zeros(E, two_i, cfg.rank, **kw))
+        self.down_A = nn.Parameter(torch.empty(E, cfg.rank, two_i // 2, **kw))
+        self.down_B = nn.Parameter(torch.zeros(E, D, cfg.rank, **kw))
+        self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
+
+    def forward(self, x_TD, r):
+        if not self.enabled:
+            return super().forward(x_TD, r)
+        drop = None
+        if self.dropout > 0 and self.training and torch.is_grad_enabled():
+            drop = lambda t: F.dropout(t, self.dropout, training=True)  # noqa: E731
+        return experts_mlp(x_TD, self.gate_up_proj, self.down_proj, r,
+                           ExpertLoRA(self.gate_up_A, self.gate_up_B, self.down_A, self.down_B, self.scale, drop))
+
+    def merged(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up + s B A, down + s B A) per expert, in the base dtype (the merged export)."""
+        gu = self.gate_up_proj.float() + self.scale * self.gate_up_B.float() @ self.gate_up_A.float()
+        dn = self.down_proj.float() + self.scale * self.down_B.float() @ self.down_A.float()
+        return gu.to(self.gate_up_proj.dtype), dn.to(self.down_proj.dtype)
+
+
 def lora_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    """(module name, LoRALinear) of every adapter, in module order."""
+    """(module name, LoRALinear) of every projection adapter, in module order (expert
+    adapters: `expert_lora_modules`)."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
 
 
+def expert_lora_modules(model: nn.Module) -> list[tuple[str, LoRAExperts]]:
+    """(module name, LoRAExperts) of every MoE block's expert adapters, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRAExperts)]
+
+
+def _all_adapters(model: nn.Module) -> list[tuple[str, LoRALinear | LoRAExperts]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAExperts))]
+
+
 def lora_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """(parameter name, tensor) of every A and B: what the optimizer gets."""
-    return [(f"{n}.{p}", getattr(m, p)) for n, m in lora_modules(model) for p in LoRALinear.adapter_params]
+    """(parameter name, tensor) of every adapter tensor (projections' A and B, experts'
+    A and B): what the optimizer gets."""
+    return [(f"{n}.{p}", getattr(m, p)) for n, m in _all_adapters(model) for p in m.adapter_params]
 
 
 def has_lora(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    return any(isinstance(m, (LoRALinear, LoRAExperts)) for m in model.modules())
 
 
 def lora_config(model: nn.Module) -> LoRAConfig:
@@ -170,13 +227,13 @@ def adapter_switches(model: nn.Module) -> tuple[bool, ...]:
     """Each adapter's on/off state, in module order (() without adapters): the engine
     compares it between requests, since its decode graphs and cached prefixes were
     computed under one state."""
-    return tuple(m.enabled for m in model.modules() if isinstance(m, LoRALinear))
+    return tuple(m.enabled for m in model.modules() if isinstance(m, (LoRALinear, LoRAExperts)))
 
 
 @contextlib.contextmanager
 def adapters_off(model: nn.Module):
     """Run the enclosed forwards as the base model (every adapter off); restored on exit."""
-    mods = [m for _, m in lora_modules(model)]
+    mods = [m for _, m in _all_adapters(model)]
     was = [m.enabled for m in mods]
     for m in mods:
         m.enabled = False
@@ -243,6 +300,12 @@ def init_lora_(model: nn.Module, seed: int = 0, b_std: float = 0.0) -> None:
         m.lora_A.copy_(torch.empty(m.lora_A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g))
         m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * b_std if b_std > 0 else
                        torch.zeros(m.lora_B.shape))
+    for _, m in expert_lora_modules(model):  # after the projections: their draws are unchanged
+        for a, b in (("gate_up_A", "gate_up_B"), ("down_A", "down_B")):
+            A, B = getattr(m, a), getattr(m, b)
+            bound = 1.0 / math.sqrt(A.shape[2])
+            A.copy_(torch.empty(A.shape, dtype=torch.float32).uniform_(-bound, bound, generator=g))
+            B.copy_(torch.randn(B.shape, generator=g) * b_std if b_std > 0 else torch.zeros(B.shape))
 
 
 def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]:
@@ -261,6 +324,13 @@ def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]
             names.append(name)
     if not names:
         raise ValueError(f"attach_lora: no projection named {list(cfg.target_names)} in the model")
+    blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
+    if cfg.experts:
+        if not blocks:
+            raise ValueError("lora.experts is true but the model has no MoE layers")
+        for n, b in blocks:
+            b.experts = LoRAExperts(b.experts, cfg)
+            names.append(f"{n}.experts")
     for p in model.parameters():
         p.requires_grad_(False)
     for _, p in lora_parameters(model):
@@ -270,6 +340,11 @@ def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]
     n_all = sum(p.numel() for p in model.parameters())
     log.info("LoRA: rank %d, scale %g, on %d projections (%s): %d trainable parameters, %.3f%% of %d",
              cfg.rank, cfg.scale, len(names), ", ".join(cfg.target_names), n_train, 100 * n_train / n_all, n_all)
+    if blocks and not cfg.experts:  # said, not silent
+        log.warning("LoRA: the routed experts and routers of %d MoE layers get no adapter (frozen); set "
+                    "lora.experts: true for per-expert adapters", len(blocks))
+    elif blocks:
+        log.info("LoRA: per-expert adapters on the routed experts of %d MoE layers (routers frozen)", len(blocks))
     return names
 
 

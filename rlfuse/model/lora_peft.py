@@ -29,13 +29,23 @@ from safetensors import SafetensorError, safe_open
 
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import read_json
-from rlfuse.model.lora import ALL_LINEAR, TARGETS, LoRAConfig, attach_lora, lora_config, lora_modules
+from rlfuse.model.lora import (
+    ALL_LINEAR,
+    TARGETS,
+    LoRAConfig,
+    attach_lora,
+    expert_lora_modules,
+    lora_config,
+    lora_modules,
+)
 from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
 
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
+EXPERTS_FILE = "rlfuse_expert_adapters.safetensors"
+"""MoE models: the per-expert adapters (lora.experts), beside the PEFT files; PEFT ignores it."""
 _PREFIX = "base_model.model."
 _DEFAULTS = LoRAConfig()
 # adapter_config.json fields that would change the math if set: (field, the value we support)
@@ -87,7 +97,8 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
     try:
         cfg = LoRAConfig(rank=d.get("r"), alpha=d.get("lora_alpha"), dropout=d.get("lora_dropout", 0.0),
                          rslora=bool(d.get("use_rslora", False)),
-                         targets=ALL_LINEAR if leaves == set(TARGETS) else tuple(sorted(leaves)), path=str(folder))
+                         targets=ALL_LINEAR if leaves == set(TARGETS) else tuple(sorted(leaves)), path=str(folder),
+                         experts=(folder / EXPERTS_FILE).is_file())
     except ValueError as e:
         msg = str(e)
         for ours, theirs in _PEFT_NAMES.items():  # name the key the user finds in this file
@@ -104,8 +115,11 @@ def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
         if a != d and a != got:
             raise ValueError(f"lora.{f} = {a!r} but the adapter at {where} has {got!r}: set lora.{f} to {got!r} "
                              f"or leave it out")
+    if asked.experts and not found.experts:
+        raise ValueError(f"lora.experts is true but the adapter at {where} has no {EXPERTS_FILE} (no expert adapters)")
     return LoRAConfig(rank=found.rank, alpha=found.alpha, targets=found.targets, rslora=found.rslora,
-                      dropout=asked.dropout, path=str(where), export_merged=asked.export_merged)
+                      dropout=asked.dropout, path=str(where), export_merged=asked.export_merged,
+                      experts=found.experts)
 
 
 @torch.no_grad()
@@ -154,6 +168,28 @@ def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, st
             if not t.is_floating_point():
                 raise ValueError(f"{w_path}: {key} is {t.dtype}; expected floating-point adapter weights")
             p.copy_(t)
+    _load_expert_adapters(model, folder)
+
+
+def _load_expert_adapters(model: CausalLM, folder: Path) -> None:
+    """The per-expert adapters of EXPERTS_FILE into the model's (both or neither present)."""
+    e_path = folder / EXPERTS_FILE
+    want = {f"{n}.{p}": getattr(m, p) for n, m in expert_lora_modules(model) for p in m.adapter_params}
+    if not want and not e_path.is_file():
+        return
+    if not want or not e_path.is_file():
+        raise ValueError(f"{folder}: {'holds' if e_path.is_file() else 'has no'} {EXPERTS_FILE} but the model "
+                         f"{'has no' if not want else 'has'} expert adapters (lora.experts)")
+    with safe_open(e_path, framework="pt") as f:
+        keys = set(f.keys())
+        if keys != set(want):
+            raise ValueError(f"{e_path}: tensors {sorted(keys ^ set(want))[:3]} differ from the model's expert adapters")
+        for key, p in want.items():
+            t = f.get_tensor(key)
+            if tuple(t.shape) != tuple(p.shape) or not t.is_floating_point():
+                raise ValueError(f"{e_path}: {key} is {tuple(t.shape)} {t.dtype}; the model's adapter expects "
+                                 f"{tuple(p.shape)} floating point")
+            p.copy_(t)
 
 
 def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or_path: str | None = None,
@@ -171,8 +207,16 @@ def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or
     for name, m in mods:
         tensors[_tensor_key(name, "lora_A")] = m.lora_A.detach().contiguous().cpu()
         tensors[_tensor_key(name, "lora_B")] = m.lora_B.detach().contiguous().cpu()
+    experts = {f"{n}.{p}": getattr(m, p).detach().contiguous().cpu()
+               for n, m in expert_lora_modules(model) for p in m.adapter_params}
+    if experts:  # said, not silent: PEFT's layout for 3-D expert parameters is not written yet
+        log.warning("save_peft_adapter: the per-expert adapters of %d MoE layers go to %s, which PEFT does not "
+                    "read; the PEFT folder applies the projection adapters only (lora.export_merged writes a "
+                    "folder with every adapter merged)", len(expert_lora_modules(model)), EXPERTS_FILE)
     with atomic_folder(folder) as tmp:
         save_tensors_file(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
+        if experts:
+            save_tensors_file(experts, tmp / EXPERTS_FILE, {"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, base_model_name_or_path), indent=2))
         copy_side_files(tokenizer_dir, tmp)
     return folder
@@ -192,10 +236,16 @@ def merged_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
     """The HF checkpoint's tensors with every adapter merged: W + s B A in fp32, rounded
     to W's dtype (CPU tensors; the live model is untouched)."""
     merged = {f"{n}.weight": m for n, m in lora_modules(model)}
+    experts = {}  # MoE blocks' per-expert adapters: each expert's W + s B A
+    for n, m in expert_lora_modules(model):
+        gu, dn = m.merged()
+        experts[f"{n}.gate_up_proj"], experts[f"{n}.down_proj"] = gu.cpu(), dn.cpu()
     out = {}
     for name, p in hf_parameters(model):
         m = merged.get(name)
-        if m is None:
+        if name in experts:
+            out[name] = experts[name]
+        elif m is None:
             out[name] = p.detach().cpu()
         else:
             w = p.float() + m.scale * (m.lora_B.float() @ m.lora_A.float())

@@ -25,6 +25,7 @@ from safetensors.torch import save_file
 from rlfuse.model.arch import ARCHS
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
+from rlfuse.model.layers.moe import EXPERT_PARAMS, copy_expert_tensors, named_blocks, per_expert_names, published_layout
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,7 @@ def _plan(model: CausalLM, folder: Path) -> tuple[dict, dict[Path, list[str]]]:
     name = checkpoint_names(model)
     params = {name(n): p for n, p in hf_parameters(model)}
     files = _weight_files(folder)
+    _load_per_expert_layout(model, name, params, files, folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -137,6 +139,36 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
                 p.copy_(t)
 
 
+def _load_per_expert_layout(model: torch.nn.Module, name: Callable[[str], str], params: dict,
+                            files: dict[str, Path], folder: Path) -> None:
+    """MoE blocks stored one expert per tensor (published checkpoints, transformers'
+    save_pretrained): copied into the fused parameters here, then left out of `params` and
+    `files` so the name checks that follow see neither."""
+    for our_prefix, block in named_blocks(model):
+        fused = [name(our_prefix + n) for n in EXPERT_PARAMS]  # checkpoint names
+        prefix = fused[0][:-len(EXPERT_PARAMS[0])]
+        if fused[0] in files or fused[0] not in params:
+            continue  # the fused layout (loaded by name), or expert weights not in the checkpoint (adapters)
+        names = per_expert_names(prefix, block.num_experts)
+        with contextlib.ExitStack() as stack:
+            handles: dict[Path, object] = {}
+            device = params[fused[0]].device
+
+            def get(tensor_name, handles=handles, stack=stack, device=device):  # bound: called in this iteration
+                if tensor_name not in files:
+                    return None
+                f = files[tensor_name]
+                if f not in handles:
+                    handles[f] = stack.enter_context(_open(f, str(device)))
+                return handles[f].get_tensor(tensor_name)
+
+            copy_expert_tensors(get, prefix, params[fused[0]], params[fused[1]], where=str(folder))
+        for n in fused:
+            del params[n]
+        for n in names:
+            del files[n]
+
+
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
                max_shard_bytes: int = 5 * 1024**3, dtype: str | torch.dtype | None = None,
                tensors: dict[str, torch.Tensor] | None = None) -> Path:
@@ -147,7 +179,7 @@ def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path
     with atomic_folder(folder) as tmp:
         named = hf_parameters(model) if tensors is None else list(tensors.items())
         name = checkpoint_names(model)
-        named = [(name(n), x) for n, x in named]
+        named = published_layout([(name(n), x) for n, x in named])
         _write_weights(named, tmp, max_shard_bytes, None if dtype is None else parse_dtype(dtype))
         cfg = model.config.to_hf()
         out_dtype = parse_dtype(dtype) if dtype is not None else model.lm_head_weight.dtype

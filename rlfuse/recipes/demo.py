@@ -35,6 +35,12 @@ _MODEL = {
     "gpu": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=64, max_position_embeddings=64, rope_theta=10000.0),
 }
+MOE_MODEL = {
+    **_MODEL["cpu"], "model_type": "qwen3_moe",
+    # 4 experts, top-2, each half the dense MLP's width: the active MLP width equals the dense demo's
+    "moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
+}
+"""`rlfuse demo --moe`: the cpu model with a Qwen3-MoE block in every layer (model.random_init)."""
 # max SFT steps, SFT batch, GRPO steps, prompts per step, group size, held-out problems
 _SCHEDULE = {
     "ci": (1500, 64, 30, 32, 8, 300),
@@ -103,7 +109,8 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     ses = open_session(sft_cfg, need_target=True)
     model, tok = ses.model, ses.tokenizer
     ses._sampler = sampler_factory(model, tok) if sampler_factory else None
-    echo(f"rlfuse demo ({size}): tiny Qwen3 model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+    kind = "Qwen3-MoE" if model.config.moe is not None else "Qwen3"
+    echo(f"rlfuse demo ({size}): tiny {kind} model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
          f"{model.config.num_hidden_layers} layers) on {ses.device}, 2-digit addition, run folder {run_dir}")
     t_sft = time.perf_counter()
     sft, dev_acc = sft_warm_up(ses, sft_cfg, max_new_tokens=base.grpo.max_new_tokens)

@@ -53,6 +53,9 @@ class Sample:
     turn_rewards: list[tuple[int, float]] | None = None
     """Multi-turn: (index in token_ids of a turn's last model token, its per-turn reward) when
     env_reward is the sum of per-turn rewards (Episode.turn_reward_marks); PPO places them there."""
+    routing: torch.Tensor | None = None
+    """MoE models: (len(token_ids), MoE layers, k) int16, the experts the engine routed each
+    sampled token's producing row to (`Completion.routing`); None when not recorded."""
 
 
 class Sampler(Protocol):
@@ -97,7 +100,7 @@ class EngineSampler:
             text = c.text if c.text is not None else self.tokenizer.decode(c.output_token_ids,
                                                                           skip_special_tokens=True)
             pending[i].append((r, c.index, Sample(i, list(c.output_token_ids), c.logprobs.float(),
-                                                  c.finish_reason == "length", text)))
+                                                  c.finish_reason == "length", text, routing=c.routing)))
             if len(pending[i]) == n:
                 yield i, [s for _, _, s in sorted(pending.pop(i), key=lambda x: x[:2])]
         if pending:

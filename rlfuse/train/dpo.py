@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from rlfuse.data import PreferencePair, PromptStream, build_preference_pairs
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import load_model
+from rlfuse.model.layers.moe import RouterLoss
 from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
@@ -123,6 +124,9 @@ class DPOStep(StreamAndGuardState):
         self.model, self.optimizer, self.pairs = model, optimizer, pairs
         self.dist = dist
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
+        # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
+        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
+                                           z_coef=cfg.model.router_z_loss_coef)
         self.device = model.lm_head_weight.device
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,
@@ -168,6 +172,9 @@ class DPOStep(StreamAndGuardState):
         pads = [pad for _, pad in mbs]
         batches = pair_logprobs(self.model, pairs, d.micro_batch_tokens, self.device, [mb for mb, _ in mbs])
         for pad, (mb, pi_c, pi_r, tokens) in zip(pads, batches):
+            # read before the reference forward below; the micro-batch's share of the batch's pairs
+            # (a data-parallel padding micro-batch: none, but its term is still consumed)
+            router = self.router.term(0.0 if pad else len(mb) / B) if self.router is not None else 0.0
             if self.ref_cache is not None:
                 ref = self.ref_cache[torch.tensor([idx[i] for i in mb], device=self.device)]
                 ref_c, ref_r = ref[:, 0], ref[:, 1]
@@ -179,9 +186,9 @@ class DPOStep(StreamAndGuardState):
             losses, h = dpo_loss(pi_c, pi_r, ref_c, ref_r, loss=d.loss, beta=d.beta,
                                  label_smoothing=d.label_smoothing)
             if pad:  # a zero-weight micro-batch (data-parallel padding): keeps the ranks' collectives in step
-                (losses.sum() * 0.0).backward()
+                ((losses.sum() + router) * 0.0).backward()
                 continue
-            (losses.sum() / B).backward()
+            (losses.sum() / B + router).backward()
             with torch.no_grad():
                 rc, rr = d.beta * (pi_c.detach() - ref_c), d.beta * (pi_r.detach() - ref_r)
                 for k, v in (("loss", losses.detach()), ("rewards/chosen", rc), ("rewards/rejected", rr),
@@ -200,7 +207,7 @@ class DPOStep(StreamAndGuardState):
         if self.dist is not None:  # the sums are this rank's shares of the global means
             m = reduce_metrics(self.dist, m, ops={**{k: "sum" for k in sums}, "tokens": "sum", "tokens_per_s": "sum"},
                                default="max")
-        return m
+        return {**m, **(self.router.metrics() if self.router is not None else {})}
 
 
 def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,

@@ -42,6 +42,8 @@ from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.backend import triton_compiles
 from rlfuse.kernels.loss.policy import accumulation_weight
 from rlfuse.kernels.loss.policy import policy_loss as kernel_policy_loss
+from rlfuse.kernels.moe import routing_mismatch
+from rlfuse.model.layers.moe import RouterLoss, moe_blocks
 from rlfuse.rollout import Sample
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, shared_contexts
 from rlfuse.run.config import RunConfig
@@ -81,6 +83,10 @@ class GRPOUpdate:
         # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
         self.share_min = g.share_prefix_min_tokens if g.share_prefix else 0
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
+        # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
+        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
+                                           z_coef=cfg.model.router_z_loss_coef)
+        self.routing_acc = (0.0, 0)  # (mismatched token-layer pairs, pairs) of the step: moe/routing_mismatch
         self.warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")
 
@@ -174,6 +180,11 @@ class GRPOUpdate:
             mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
+        if self.router is not None:
+            out.update(self.router.metrics())
+            if self.routing_acc[1]:  # pairs compared on the first optimizer step
+                out["moe/routing_mismatch"] = self.routing_acc[0] / self.routing_acc[1]
+            self.routing_acc = (0.0, 0)
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -237,19 +248,43 @@ class GRPOUpdate:
             loss, st = self.policy_loss(logp_N, old_N, adv_N, mask_N, batch, ref_N)
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
-            (loss * w).backward()
+            if self.router is not None:  # the micro-batch's share of the step's loss tokens
+                loss_w = loss * w + self.router.term(0.0 if pad else mb_tokens / max(total_tokens, 1.0))
+            else:
+                loss_w = loss * w
+            loss_w.backward()
             tw = mb_tokens / max(total_tokens, 1.0)  # token-weighted averages of the per-token stats
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
             for key, v in {**st, **corr}.items():
                 sums[key] = sums.get(key, 0.0) + v.detach() * tw
             if ent_N is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
+            if capture is not None and not pad and self.router is not None:
+                self.compare_routing(samples, js, batch)
             if capture is not None and not pad:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
                 capture[2].append(mask_N)
             n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
+
+    def compare_routing(self, samples, js: list[int], batch: PackedBatch) -> None:
+        """Add the last forward's routing of the rows that predict the sampled tokens to the
+        step's moe/routing_mismatch, against the rollout's (`Sample.routing`): on the first
+        optimizer step's micro-batches, whose weights are the rollout's. Sequences without a
+        record (not recorded, or multi-turn episodes, whose observation tokens were not
+        sampled) are left out."""
+        have = [len(samples[j].routing) == len(samples[j].token_ids) if samples[j].routing is not None else False
+                for j in js]
+        if not any(have):
+            return
+        rows = batch.rows.split([len(samples[j].token_ids) for j in js])
+        keep = torch.cat([r for r, h in zip(rows, have) if h])
+        ours = torch.stack([b.last_experts[keep] for b in moe_blocks(self.model)], 1)  # (N, L, k)
+        theirs = torch.cat([samples[j].routing for j, h in zip(js, have) if h]).to(ours.device, ours.dtype)
+        n = ours.shape[0] * ours.shape[1]
+        frac = routing_mismatch(ours.reshape(n, -1), theirs.reshape(n, -1))
+        self.routing_acc = (self.routing_acc[0] + frac * n, self.routing_acc[1] + n)
 
     def policy_loss(self, logp_N, old_N, adv_N, mask_N, batch: PackedBatch, ref_N):
         g = self.g

@@ -22,6 +22,7 @@ import torch
 
 from rlfuse.data import PromptStream, SFTExample, build_sft_examples
 from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.model.layers.moe import RouterLoss
 from rlfuse.rollout import episode_renderer
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import RunConfig
@@ -44,6 +45,9 @@ class SFTStep(StreamAndGuardState):
         self.schedule = Schedule(steps=cfg.sft.steps, eval_every=cfg.sft.eval_every, eval_at_start=True,
                                  headline="loss")
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
+        # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
+        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
+                                           z_coef=cfg.model.router_z_loss_coef)
 
     def step(self, step: int) -> dict:
         m = self.train_step(self.stream.take(self.cfg.sft.batch_size), step)
@@ -68,6 +72,9 @@ class SFTStep(StreamAndGuardState):
             h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             logp_N = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets)
             loss = -(logp_N * w_N).sum() / total_targets
+            if self.router is not None:  # this micro-batch's share of the step's target tokens (host lists)
+                share = 0.0 if pad else sum(sum(examples[i].mask[n_ctx[i]:]) for i in mb) / max(total_targets, 1)
+                loss = loss + self.router.term(share)
             loss.backward()
             loss_sum += loss.detach()
             n_tok += 0 if pad else batch.num_tokens
@@ -79,7 +86,7 @@ class SFTStep(StreamAndGuardState):
         dt = time.perf_counter() - t0
         m = {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
              "tokens": float(n_tok), "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9),
-             "time/step": dt}
+             "time/step": dt, **(self.router.metrics() if self.router is not None else {})}
         if self.dist is not None:  # each rank's loss is its share of the global mean
             m = reduce_metrics(self.dist, m, ops={"loss": "sum", "tokens": "sum", "tokens_per_s": "sum"},
                                default="max")

@@ -9,9 +9,12 @@ Plug-in points (docs/architecture.md, "A new architecture"):
   * `mlp(cfg, layer_idx)`: the layer's MLP (dense SwiGLU, or an MoE block);
   * `fixed` / `defaults`: config fields the HF class hard-codes or defaults;
     `hf_extra`: fields its config.json always carries;
+  * `has_moe`: config.json carries the mixture-of-experts fields (`ModelConfig.moe`, a
+    `layers.moe_config.MoEConfig`), read and written back;
   * `checkpoint_name(name)`: our parameter name -> the checkpoint's (identity for the dense
-    families, whose module tree mirrors HF's). A many-to-one layout (stacked MoE experts)
-    needs more than a rename: a per-parameter loader, not written yet.
+    families, whose module tree mirrors HF's). Stacked MoE experts (one (E, ...) tensor here,
+    one tensor per expert in published folders) are split and joined by `model.weights`
+    for every `layers.moe.SparseMoeBlock`, whatever the family.
 """
 
 from __future__ import annotations
@@ -57,6 +60,8 @@ class ArchSpec:
     config.json, not written to it, and a config asking otherwise is refused."""
     hf_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
     """Fields written into every config.json of this family."""
+    has_moe: bool = False
+    """config.json carries MoE fields (`ModelConfig.moe` is required, else refused)."""
     checkpoint_name: Callable[[str], str] = _same_name
     """Our state-dict name -> the checkpoint's."""
     notes: str = ""

@@ -170,7 +170,7 @@ class RunConfig:
 
 
 RANGES: dict[str, str] = {
-    "seed": ">= 0",
+    "seed": ">= 0", "model.router_aux_loss_coef": ">= 0", "model.router_z_loss_coef": ">= 0",
     "optim.lr": "(0, 1]", "optim.betas[0]": "[0, 1)", "optim.betas[1]": "[0, 1)", "optim.eps": "> 0",
     "optim.weight_decay": ">= 0", "optim.warmup_steps": ">= 0", "optim.min_lr_ratio": "[0, 1]",
     "optim.max_grad_norm": ">= 0", "optim.max_nonfinite_steps": ">= 0",

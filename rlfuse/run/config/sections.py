@@ -38,6 +38,13 @@ class ModelSpec:
     """LoRA adapters trained on the frozen base (docs/lora.md); null: full fine-tune. `lora: {}`
     takes every default (rank 16, alpha 32, all linear layers); set optim.lr ~10x the full
     fine-tune's."""
+    router_aux_loss_coef: float | None = None
+    """MoE models: weight of the load-balancing loss every training loss adds (SFT, GRPO, PPO,
+    DPO); null = transformers' rule: config.json's router_aux_loss_coef when its
+    output_router_logits is true, else 0. Logged as moe/aux_loss either way."""
+    router_z_loss_coef: float = 0.0
+    """MoE models: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2)
+    added to every training loss; logged as moe/z_loss either way."""
 
 
 @dataclasses.dataclass(**_DC)
