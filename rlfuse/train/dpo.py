@@ -125,8 +125,7 @@ class DPOStep(StreamAndGuardState):
         self.dist = dist
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
-        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
-                                           z_coef=cfg.model.router_z_loss_coef)
+        self.router = RouterLoss.for_run(model, cfg)
         self.device = model.lm_head_weight.device
         self.stream = PromptStream(list(range(len(pairs))), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
         self.schedule = Schedule(steps=self.d.steps, eval_every=self.d.eval_every, eval_at_start=True,

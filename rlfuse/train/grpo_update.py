@@ -84,8 +84,7 @@ class GRPOUpdate:
         self.share_min = g.share_prefix_min_tokens if g.share_prefix else 0
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
         # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
-        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
-                                           z_coef=cfg.model.router_z_loss_coef)
+        self.router = RouterLoss.for_run(model, cfg)
         self.routing_acc = (0.0, 0)  # (mismatched token-layer pairs, pairs) of the step: moe/routing_mismatch
         self.warm = KernelWarmup(model, lambda h, batch: policy_head(self, h, batch), numerics=self.numerics,
                                  enabled=g.warm_kernels and dist is None and g.overlap == "sync")

@@ -131,9 +131,7 @@ class PPOStep:
         # a non-finite policy or value step is skipped (weights and moments untouched), each on its own
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
         self.critic_guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
-        # MoE models: the policy's load-balancing / z-loss terms and the moe/* metrics (None when dense)
-        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
-                                           z_coef=cfg.model.router_z_loss_coef)
+        self.router = RouterLoss.for_run(model, cfg)  # MoE: the router losses and moe/* metrics (None: dense)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.p.steps, eval_every=self.p.eval_every, eval_at_start=True,
                                  sample_every=self.p.sample_every, headline="reward/mean")
@@ -318,8 +316,7 @@ class PPOStep:
                for key, v in acc.items()}
         mm = logprob_mismatch(*(torch.cat(c) for c in capture))  # over the model's tokens
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
-        if self.router is not None:
-            out.update(self.router.metrics())
+        out.update(self.router.metrics() if self.router is not None else {})
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -346,9 +343,8 @@ class PPOStep:
                                    max_tokens=self.max_loss_tokens)
             st.pop("kl")  # no KL in the loss: it is in the reward (logged as "kl")
             w = accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
-            obj = loss * w
-            if self.router is not None:  # the micro-batch's share of the mini-batch's tokens
-                obj = obj + self.router.term(tw)
+            # MoE: plus the router losses' share of this micro-batch (tw: its share of the mini-batch's tokens)
+            obj = loss * w + (self.router.term(tw) if self.router is not None else 0.0)
             if ent_N is not None:
                 ent_mean = (ent_N * mask_N).sum() / max(total_tokens, 1.0)  # this micro-batch's part of the token mean
                 if p.entropy_coef > 0:

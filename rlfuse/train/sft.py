@@ -46,8 +46,7 @@ class SFTStep(StreamAndGuardState):
                                  headline="loss")
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
-        self.router = RouterLoss.for_model(model, aux_coef=cfg.model.router_aux_loss_coef,
-                                           z_coef=cfg.model.router_z_loss_coef)
+        self.router = RouterLoss.for_run(model, cfg)
 
     def step(self, step: int) -> dict:
         m = self.train_step(self.stream.take(self.cfg.sft.batch_size), step)

@@ -193,6 +193,11 @@ class RouterLoss:
             aux_coef = moe.router_aux_loss_coef if moe.output_router_logits else 0.0
         return cls(model, aux_coef=aux_coef, z_coef=z_coef)
 
+    @classmethod
+    def for_run(cls, model: nn.Module, cfg) -> RouterLoss | None:
+        """`for_model` with a run config's model.router_aux_loss_coef / router_z_loss_coef."""
+        return cls.for_model(model, aux_coef=cfg.model.router_aux_loss_coef, z_coef=cfg.model.router_z_loss_coef)
+
     def _reset(self) -> None:
         self._aux = self._z = self._share = 0.0
         self._load: list[torch.Tensor | float] = [0.0] * len(self.blocks)
