@@ -1,4 +1,4 @@
-"""Model configuration read from a Hugging Face `config.json` (Llama, Qwen2, Qwen3).
+"""Model configuration read from a Hugging Face `config.json` (Llama, Qwen2, Qwen3, Qwen3.5).
 
 `ModelConfig.from_hf(dict_or_path)` validates and normalizes; `to_hf()` writes a dict
 that `transformers.AutoConfig` reads back. Unknown architectures and malformed fields
@@ -7,6 +7,10 @@ head_dim, eps, rope theta or max_position_embeddings that is null, zero, negativ
 number. Absent optional fields take the HF default, logged where it matters
 (num_key_value_heads, head_dim, max_position_embeddings).
 `check_kernel_support` rejects, at load, a head_dim the Triton kernels cannot run.
+Hybrid models (Qwen3.5: `layer_types` mixing "linear_attention" Gated DeltaNet layers with
+"full_attention" ones) carry the linear-attention shapes and the partial rotary factor; the
+text tower of a multimodal folder (`Qwen3_5ForConditionalGeneration`, `text_config`) is
+read as the text model (TEXT_TOWERS).
 Test: python -m pytest -q tests/test_weights.py tests/test_bad_inputs.py
 """
 
@@ -37,7 +41,18 @@ ARCHITECTURES = {
     "llama": ("LlamaForCausalLM", False, False),
     "qwen2": ("Qwen2ForCausalLM", True, False),
     "qwen3": ("Qwen3ForCausalLM", False, True),
+    "qwen3_5_text": ("Qwen3_5ForCausalLM", False, True),
 }
+# Architectures whose layers follow `layer_types` (each one of LAYER_TYPES); the others are
+# all full attention.
+HYBRID = ("qwen3_5_text",)
+LAYER_TYPES = ("full_attention", "linear_attention")
+# HF's defaults for a hybrid config's absent fields (transformers' Qwen3_5TextConfig)
+_HYBRID_DEFAULTS = {"linear_conv_kernel_dim": 4, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+                    "linear_num_key_heads": 16, "linear_num_value_heads": 32}
+# Multimodal wrappers whose text tower rlfuse loads: model_type -> (the text model_type,
+# the HF class). Their config.json nests the text fields under `text_config`.
+TEXT_TOWERS = {"qwen3_5": ("qwen3_5_text", "Qwen3_5ForConditionalGeneration")}
 # What each HF class builds whatever its config.json says (transformers has no switch for it):
 # Qwen3 always has the per-head q/k norms, Llama and Qwen2 never; Qwen2 always has q/k/v
 # biases; Qwen2 and Qwen3 never an MLP bias. Another value would save a folder that neither
@@ -46,14 +61,15 @@ _FIXED = {
     "llama": {"qk_norm": False},
     "qwen2": {"qk_norm": False, "attention_bias": True, "mlp_bias": False},
     "qwen3": {"qk_norm": True, "mlp_bias": False},
+    "qwen3_5_text": {"qk_norm": True, "mlp_bias": False},
 }
-_ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()}
+_ARCH_TO_TYPE = {v[0]: k for k, v in ARCHITECTURES.items()} | {v[1]: k for k, v in TEXT_TOWERS.items()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
     model_type: str
-    """One of "llama", "qwen2", "qwen3"."""
+    """One of "llama", "qwen2", "qwen3", "qwen3_5_text"."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -80,6 +96,19 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
     pad_token_id: int | None = None
     torch_dtype: str = "bfloat16"
+    layer_types: tuple[str, ...] | None = None
+    """Hybrid models: each layer's mixer, "full_attention" or "linear_attention" (None: HF's
+    default, every 4th layer full). Other architectures: None (all full attention)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first int(head_dim * factor) dims of each head (Qwen3.5: 0.25)."""
+    linear_conv_kernel_dim: int | None = None
+    """Hybrid models: the causal conv1d width of the linear-attention layers (None: 4)."""
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    """Linear-attention heads: q/k heads of linear_key_head_dim, value heads (a multiple of
+    the key heads) of linear_value_head_dim. None: HF's defaults (128, 128, 16, 32)."""
 
     def __post_init__(self):
         if self.model_type not in ARCHITECTURES:
@@ -114,6 +143,57 @@ class ModelConfig:
         v = self.max_position_embeddings
         if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
             raise ValueError(f"config field 'max_position_embeddings' must be a positive integer, got {v!r}")
+        self._check_hybrid()
+
+    def _check_hybrid(self):
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"config field 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"config field 'partial_rotary_factor' ({f}) gives a rotary dim of {self.rotary_dim} "
+                             f"(head_dim {self.head_dim}); it must be even and at least 2")
+        linear = tuple(_HYBRID_DEFAULTS)
+        if self.model_type not in HYBRID:
+            given = [k for k in ("layer_types", *linear) if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"config field {given[0]!r} is set, but {self.architecture} has no linear-attention "
+                                 f"layers (hybrid architectures: {list(HYBRID)})")
+            return
+        for k, default in _HYBRID_DEFAULTS.items():
+            v = getattr(self, k)
+            if v is None:
+                object.__setattr__(self, k, default)
+            elif not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"config field {k!r} must be a positive integer, got {v!r}")
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(f"config field 'linear_num_value_heads' ({self.linear_num_value_heads}) must be a "
+                             f"multiple of 'linear_num_key_heads' ({self.linear_num_key_heads})")
+        types = self.layer_types
+        if types is None:  # HF's default: every 4th layer full attention
+            types = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                     for i in range(self.num_hidden_layers)]
+        if isinstance(types, str) or not isinstance(types, (list, tuple)):
+            raise ValueError(f"config field 'layer_types' must be a list of {list(LAYER_TYPES)}, got {types!r}")
+        for i, t in enumerate(types):
+            if t not in LAYER_TYPES:
+                raise ValueError(f"config field 'layer_types': layer {i} has type {t!r}, which rlfuse does not "
+                                 f"support; supported layer types: {list(LAYER_TYPES)}")
+        if len(types) != self.num_hidden_layers:
+            raise ValueError(f"config field 'layer_types' lists {len(types)} layers; num_hidden_layers is "
+                             f"{self.num_hidden_layers}")
+        object.__setattr__(self, "layer_types", tuple(types))
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims RoPE rotates (the first ones; the rest pass through), as HF rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return self.layer_types is not None
+
+    def layer_type(self, i: int) -> str:
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
 
     @property
     def architecture(self) -> str:
@@ -141,6 +221,8 @@ class ModelConfig:
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `transformers.AutoConfig.for_model` accepts."""
         rope = {"rope_type": "default", **(self.rope_scaling or {}), "rope_theta": self.rope_theta}
+        if self.partial_rotary_factor != 1.0:
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
         d: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -170,6 +252,10 @@ class ModelConfig:
             d["mlp_bias"] = self.mlp_bias
         if self.model_type in ("qwen2", "qwen3"):
             d["use_sliding_window"] = False
+        if self.model_type in HYBRID:
+            d["layer_types"] = list(self.layer_types)
+            d["partial_rotary_factor"] = self.partial_rotary_factor
+            d.update({k: getattr(self, k) for k in _HYBRID_DEFAULTS})
         return d
 
 
@@ -209,9 +295,11 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+    if model_type in TEXT_TOWERS:
+        d, model_type, where = _text_tower(d, model_type, where)
     if model_type not in ARCHITECTURES:
-        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports {sorted(ARCHITECTURES)} "
-                         f"(architectures {sorted(_ARCH_TO_TYPE)})")
+        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports "
+                         f"{sorted(ARCHITECTURES) + sorted(TEXT_TOWERS)} (architectures {sorted(_ARCH_TO_TYPE)})")
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: field 'use_sliding_window' is true; sliding-window attention is not supported")
     n_heads = _number(d, "num_attention_heads", where, integer=True)
@@ -237,7 +325,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         rope_theta = _number(rope, "rope_theta", where, label="rope_parameters.rope_theta")
     else:
         rope_theta = _number(d, "rope_theta", where, 10000.0)
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    hybrid = _hybrid_fields(d, rope, where) if model_type in HYBRID else {}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta" and k not in _HYBRID_ROPE_KEYS}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"{where}: field 'rope_parameters.rope_type' is {rope_type!r}; supported: 'default', 'llama3'")
@@ -270,11 +359,63 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         eos_token_id=d.get("eos_token_id"),
         pad_token_id=d.get("pad_token_id"),
         torch_dtype=str(dtype).replace("torch.", ""),
+        **hybrid,
     )
     try:
         return ModelConfig(**kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _text_tower(d: dict, wrapper: str, where: str) -> tuple[dict, str, str]:
+    """A multimodal config's text tower: its `text_config` fields (the outer file's
+    tie_word_embeddings and dtype win, as transformers reads them), the text model_type."""
+    text_type, cls = TEXT_TOWERS[wrapper]
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: a {cls} config needs a 'text_config' object, got {type(text).__name__}")
+    text = dict(text)
+    for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        if k in d:
+            text[k] = d[k]
+    text_model_type = text.get("model_type", text_type)
+    if text_model_type != text_type:
+        raise ValueError(f"{where}: field 'text_config.model_type' is {text_model_type!r}; a {cls} folder "
+                         f"holds a {text_type!r} text tower")
+    text["model_type"] = text_type
+    return text, text_type, f"{where} (text_config)"
+
+
+# rope_parameters keys of hybrid models that are no part of the rope type: the partial
+# factor (read below), and the multimodal rope's sections: a text-only input gives the
+# three position streams (time, height, width) the same positions, so mrope is plain rope.
+_HYBRID_ROPE_KEYS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def _hybrid_fields(d: dict, rope: dict, where: str) -> dict:
+    """A hybrid config's layer_types, linear-attention shapes and partial rotary factor."""
+    if d.get("attn_output_gate", True) is not True:
+        raise ValueError(f"{where}: field 'attn_output_gate' is {d['attn_output_gate']!r}; Qwen3.5's attention "
+                         f"always has its output gate (transformers has no switch for it)")
+    out: dict[str, Any] = {k: _number(d, k, where, None, integer=True) for k in _HYBRID_DEFAULTS}
+    for k, default in _HYBRID_DEFAULTS.items():
+        if out[k] is None:
+            out[k] = default
+            log.info("%s: no %r; using %d (the HF default)", where, k, default)
+    types = d.get("layer_types")
+    if types is None:
+        interval = _number(d, "full_attention_interval", where, 4, integer=True)
+        n = _number(d, "num_hidden_layers", where, integer=True)
+        types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(n)]
+    elif not isinstance(types, list):
+        raise ValueError(f"{where}: field 'layer_types' must be a list of {list(LAYER_TYPES)}, got {types!r}")
+    out["layer_types"] = tuple(types)
+    if "partial_rotary_factor" in rope:
+        prf = _number(rope, "partial_rotary_factor", where, label="rope_parameters.partial_rotary_factor")
+    else:  # transformers' Qwen3_5TextConfig default
+        prf = _number(d, "partial_rotary_factor", where, 0.25)
+    out["partial_rotary_factor"] = prf
+    return out
 
 
 TRITON_HEAD_DIMS = "a power of two in [16, 256]"

@@ -5,6 +5,13 @@ Loading builds the module on the meta device, allocates it once on the target de
 and copies one tensor at a time out of the memory-mapped files, so host memory never
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
+
+Architectures: `build_model(cfg)` picks the module class by model_type (MODEL_CLASSES;
+default the dense `CausalLM`). A checkpoint's names may differ from ours by a prefix
+(CHECKPOINT_PREFIXES: Qwen3.5's multimodal folders keep the text tower under
+`model.language_model.`) and hold parts rlfuse does not load (SKIPPED_PREFIXES: the vision
+tower, logged in one line, and the multi-token-prediction head); we save plain text-model
+names, which transformers loads for both classes.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from rlfuse.model.config import ModelConfig
+from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM
 from rlfuse.model.transformer import CausalLM
 
 log = logging.getLogger(__name__)
@@ -31,6 +39,17 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 # files we carry along when saving next to the weights (tokenizer and generation settings)
 SIDE_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
               "generation_config.json", "chat_template.jinja", "vocab.json", "merges.txt")
+
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"qwen3_5_text": Qwen3_5ForCausalLM}
+# model_type -> (checkpoint name prefix, ours) and (prefix not loaded, what it is)
+CHECKPOINT_PREFIXES = {"qwen3_5_text": (("model.language_model.", "model."),)}
+SKIPPED_PREFIXES = {"qwen3_5_text": (("model.visual.", "vision tower"), ("mtp.", "multi-token-prediction head"))}
+
+
+def build_model(cfg: ModelConfig) -> CausalLM:
+    """The module for `cfg` (its architecture's class), on the current default device."""
+    return MODEL_CLASSES.get(cfg.model_type, CausalLM)(cfg)
 
 
 def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
@@ -77,7 +96,7 @@ def load_model(folder: str | Path, *, device: str | torch.device = "cpu",
     cfg = ModelConfig.from_hf(folder)
     dtype = parse_dtype(dtype or cfg.torch_dtype)
     with torch.device("meta"):
-        model = CausalLM(cfg).to(dtype)
+        model = build_model(cfg).to(dtype)
     model = model.to_empty(device=device)
     load_state_dict_from_files(model, folder)
     log.info("loaded %s (%s, %d layers) from %s to %s in %s", cfg.architecture, cfg.model_type,
@@ -96,7 +115,7 @@ def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
 @torch.no_grad()
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     params = dict(hf_parameters(model))
-    files = _weight_files(folder)
+    files = _checkpoint_names(_weight_files(folder), model.config.model_type, folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -114,12 +133,35 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     for path, names in by_file.items():
         with _open(path, str(device) if device.type != "meta" else "cpu") as f:
             for name in names:
-                t = f.get_tensor(name)
+                t = f.get_tensor(files.stored[name])
                 p = params[name]
                 if tuple(t.shape) != tuple(p.shape):
                     raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
                                      f"the config expects {tuple(p.shape)}")
                 p.copy_(t)
+
+
+class _Names(dict):
+    """our tensor name -> file, with `stored`: our name -> the name inside the file."""
+    stored: dict[str, str]
+
+
+def _checkpoint_names(files: dict[str, Path], model_type: str, folder: Path) -> _Names:
+    """The checkpoint's tensor names mapped to ours; skipped parts dropped, logged once each."""
+    out, out.stored = _Names(), {}
+    renames = CHECKPOINT_PREFIXES.get(model_type, ())
+    skipped: dict[str, int] = {}
+    for name, path in files.items():
+        what = next((w for p, w in SKIPPED_PREFIXES.get(model_type, ()) if name.startswith(p)), None)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+            continue
+        ours = next((mine + name[len(p):] for p, mine in renames if name.startswith(p)), name)
+        out[ours], out.stored[ours] = path, name
+    for what, n in skipped.items():
+        note = " (images and video are not supported yet)" if what == "vision tower" else ""
+        log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
+    return out
 
 
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
