@@ -1,0 +1,19 @@
+"""Gated DeltaNet (Qwen3.5 linear attention): the chunked gated delta rule, its causal conv1d and gated RMSNorm."""
+
+from rlfuse.kernels.gated_delta.chunk import (
+                                              CHUNK,
+                                              chunk_gated_delta_rule,
+                                              chunk_gated_delta_rule_ref,
+                                              recurrent_gated_delta_rule_ref,
+)
+from rlfuse.kernels.gated_delta.conv import (
+                                             causal_conv1d,
+                                             causal_conv1d_ref,
+                                             causal_conv1d_update,
+                                             causal_conv1d_update_ref,
+)
+from rlfuse.kernels.gated_delta.gated_norm import gated_rmsnorm, gated_rmsnorm_ref
+
+__all__ = ["CHUNK", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref",
+           "chunk_gated_delta_rule", "chunk_gated_delta_rule_ref", "gated_rmsnorm", "gated_rmsnorm_ref",
+           "recurrent_gated_delta_rule_ref"]
