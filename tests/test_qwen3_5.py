@@ -14,7 +14,8 @@ random model (tests/tiny_hf.py QWEN3_5: layers [linear, linear, linear, full], v
     that PEFT + transformers apply with the same logits;
   * the engine hook: `GatedDeltaNet.forward_continue` (conv state + S_c + buffered rows)
     equals the whole-sequence forward bitwise in exact numerics;
-  * SFT on the tiny hybrid model lowers the loss.
+  * SFT (the trainer's packed path) on a tiny random hybrid model lowers the loss;
+    activation checkpointing leaves the update bitwise unchanged.
 Fp32 parity runs under use_backend("torch") (the readable references).
 Run: python -m pytest -q tests/test_qwen3_5.py
 """
@@ -29,15 +30,19 @@ import torch.nn.functional as F
 import transformers
 from safetensors.torch import load_file, save_file
 from tiny_hf import QWEN3_5, qwen3_5_model, rel_err
+from train_setup import tiny_cfg, tiny_session
 
+from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.backend import use_numerics
-from rlfuse.model import Packed, load_model
+from rlfuse.model import ModelConfig, Packed, load_model
 from rlfuse.model.gated_deltanet import GatedDeltaNet
-from rlfuse.model.lora import attach_lora, init_lora_, lora_modules, LoRAConfig
+from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import save_peft_adapter
 from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM, tiny_hybrid_model
 from rlfuse.model.weights import save_model
+from rlfuse.train.loop import make_optimizer
+from rlfuse.train.sft import SFTTrainer, run_sft
 
 LENS = [5, 150, 70]
 FP32_TOL = 1e-4
@@ -97,7 +102,7 @@ def test_fp32_logits_loss_and_every_grad_match_transformers(pair):
     theirs = _hf_logits(hf, seqs)
     hf_loss = _loss(theirs, seqs)
     hf_loss.backward()
-    assert rel_err(mine, theirs) < 1e-5
+    assert rel_err(mine.detach(), theirs.detach()) < 1e-5
     assert abs(loss.item() - hf_loss.item()) < 1e-5 * abs(hf_loss.item())
     hf_params = dict(hf.named_parameters())
     for name, p in ours.named_parameters():
@@ -224,19 +229,65 @@ def test_continuing_from_the_state_equals_the_whole_sequence_bitwise(dtype):
     assert torch.equal(got, whole[:sum(lens)])
 
 
-def test_sft_steps_lower_the_loss():
-    """The trainer's forward and backward on the tiny hybrid model: a few AdamW steps on one
-    packed batch lower its loss."""
-    torch.manual_seed(0)
-    model = tiny_hybrid_model(seed=2)
-    seqs = _seqs(512, seed=8, lens=[40, 90, 12])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    with use_backend("torch"):
-        for _ in range(6):
-            loss = _loss(_ours_logits(model, seqs), seqs)
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-    assert losses[-1] < losses[0] - 0.1, losses
+# the trainers' tiny run (tests/train_setup.py) on a 2-layer hybrid: [linear, full]
+TINY_HYBRID = dict(model_type="qwen3_5_text", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64,
+                   layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+                   linear_num_key_heads=2, linear_num_value_heads=4, partial_rotary_factor=0.5)
+
+
+def test_sft_on_a_random_hybrid_model_lowers_the_loss(tmp_path):
+    """`rlfuse sft`'s path (model.random_init, packed micro-batches, SFTTrainer) on Qwen3.5."""
+    cfg = tiny_cfg(tmp_path, "sft.steps=30", "optim.lr=0.01", model={"random_init": TINY_HYBRID})
+    ses = tiny_session(cfg, need_target=True)
+    assert isinstance(ses.model, Qwen3_5ForCausalLM)
+    losses = [r["loss"] for r in run_sft(cfg, session=ses)["history"]]
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5, losses
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path):
+    params = []
+    for ckpt in (False, True):
+        cfg = tiny_cfg(tmp_path / str(ckpt), f"model.gradient_checkpointing={str(ckpt).lower()}",
+                       model={"random_init": TINY_HYBRID})
+        ses = tiny_session(cfg, need_target=True)
+        ex = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len)[:8]
+        SFTTrainer(cfg, ses.model, make_optimizer(ses.model, cfg), PromptStream(ex)).train_step(ex, 0)
+        params.append([p.detach().clone() for p in ses.model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*params))
+
+
+def _released_config(**text_over):
+    """A config.json as the released Qwen3.5 folders write it (the 0.8B's fields, fewer layers)."""
+    text = {"model_type": "qwen3_5_text", "attention_bias": False, "attn_output_gate": True, "dtype": "bfloat16",
+            "eos_token_id": 248044, "full_attention_interval": 4, "head_dim": 256, "hidden_act": "silu",
+            "hidden_size": 1024, "intermediate_size": 3584, "linear_conv_kernel_dim": 4, "linear_key_head_dim": 128,
+            "linear_num_key_heads": 16, "linear_num_value_heads": 16, "linear_value_head_dim": 128,
+            "max_position_embeddings": 262144, "mtp_num_hidden_layers": 1, "mtp_use_dedicated_embeddings": False,
+            "num_attention_heads": 8, "num_hidden_layers": 8, "num_key_value_heads": 2, "rms_norm_eps": 1e-6,
+            "vocab_size": 248320, "rope_parameters": {"mrope_interleaved": True, "mrope_section": [11, 11, 10],
+                                                      "rope_type": "default", "rope_theta": 10000000,
+                                                      "partial_rotary_factor": 0.25}, **text_over}
+    return {"architectures": ["Qwen3_5ForConditionalGeneration"], "model_type": "qwen3_5", "text_config": text,
+            "tie_word_embeddings": True, "vision_config": {"depth": 12, "model_type": "qwen3_5"}}
+
+
+def test_released_config_reads_as_its_text_model():
+    c = ModelConfig.from_hf(_released_config())
+    assert (c.model_type, c.architecture, c.tie_word_embeddings) == ("qwen3_5_text", "Qwen3_5ForCausalLM", True)
+    assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
+        "full_attention",)
+    assert (c.rope_theta, c.rope_scaling, c.partial_rotary_factor, c.rotary_dim) == (1e7, None, 0.25, 64)
+    assert (c.linear_num_value_heads, c.linear_key_head_dim, c.torch_dtype) == (16, 128, "bfloat16")
+    back = ModelConfig.from_hf(c.to_hf())
+    assert back == c
+    with pytest.raises(ValueError, match=r"'attn_output_gate' is False; Qwen3.5's attention always has"):
+        ModelConfig.from_hf(_released_config(attn_output_gate=False))
+    with pytest.raises(ValueError, match=r"text_config.model_type' is 'qwen3_5_moe_text'"):
+        ModelConfig.from_hf(_released_config(model_type="qwen3_5_moe_text"))
+    with pytest.raises(ValueError, match=r"'linear_num_value_heads' \(24\) must be a multiple of "
+                                         r"'linear_num_key_heads' \(16\)"):
+        ModelConfig.from_hf(_released_config(linear_num_value_heads=24))
+    with pytest.raises(ValueError, match=r"'partial_rotary_factor' is set, but Qwen3ForCausalLM has no"):
+        ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+                    num_attention_heads=1, num_key_value_heads=1, head_dim=8, partial_rotary_factor=0.5)

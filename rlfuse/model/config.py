@@ -155,6 +155,8 @@ class ModelConfig:
         linear = tuple(_HYBRID_DEFAULTS)
         if self.model_type not in HYBRID:
             given = [k for k in ("layer_types", *linear) if getattr(self, k) is not None]
+            if f != 1.0:
+                given.append("partial_rotary_factor")
             if given:
                 raise ValueError(f"config field {given[0]!r} is set, but {self.architecture} has no linear-attention "
                                  f"layers (hybrid architectures: {list(HYBRID)})")

@@ -6,7 +6,7 @@ and copies one tensor at a time out of the memory-mapped files, so host memory n
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
 
-Architectures: `build_model(cfg)` picks the module class by model_type (MODEL_CLASSES;
+Architectures: `build_causal_lm(cfg)` picks the module class by model_type (MODEL_CLASSES;
 default the dense `CausalLM`). A checkpoint's names may differ from ours by a prefix
 (CHECKPOINT_PREFIXES: Qwen3.5's multimodal folders keep the text tower under
 `model.language_model.`) and hold parts rlfuse does not load (SKIPPED_PREFIXES: the vision
@@ -47,7 +47,7 @@ CHECKPOINT_PREFIXES = {"qwen3_5_text": (("model.language_model.", "model."),)}
 SKIPPED_PREFIXES = {"qwen3_5_text": (("model.visual.", "vision tower"), ("mtp.", "multi-token-prediction head"))}
 
 
-def build_model(cfg: ModelConfig) -> CausalLM:
+def build_causal_lm(cfg: ModelConfig) -> CausalLM:
     """The module for `cfg` (its architecture's class), on the current default device."""
     return MODEL_CLASSES.get(cfg.model_type, CausalLM)(cfg)
 
@@ -96,7 +96,7 @@ def load_model(folder: str | Path, *, device: str | torch.device = "cpu",
     cfg = ModelConfig.from_hf(folder)
     dtype = parse_dtype(dtype or cfg.torch_dtype)
     with torch.device("meta"):
-        model = build_model(cfg).to(dtype)
+        model = build_causal_lm(cfg).to(dtype)
     model = model.to_empty(device=device)
     load_state_dict_from_files(model, folder)
     log.info("loaded %s (%s, %d layers) from %s to %s in %s", cfg.architecture, cfg.model_type,

@@ -19,7 +19,7 @@ from tokenizers import Tokenizer as Backend
 
 from rlfuse.engine import LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend, triton_available, triton_interpreting
-from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model import CausalLM, ModelConfig, build_causal_lm
 from rlfuse.model.config import check_kernel_support
 from rlfuse.model.lora import attach_lora, has_lora, lora_memory
 from rlfuse.model.lora_peft import load_peft_adapter
@@ -149,7 +149,7 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
             raise ValueError(f"model.random_init: {e}") from None
         check_kernel_support(cfg, spec.kernel_backend, device.type, "model.random_init")
         check_vocab(cfg.vocab_size, tokenizer, "model.random_init")
-        model = CausalLM(cfg)
+        model = build_causal_lm(cfg)
         model.init_weights(generator=torch.Generator().manual_seed(seed))
         model = model.to(device=device, dtype=dtype)
         n = sum(p.numel() for p in model.parameters())

@@ -19,7 +19,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import distribute_tensor
 
-from rlfuse.model import CausalLM, ModelConfig
+from rlfuse.model import CausalLM, ModelConfig, build_causal_lm
 from rlfuse.model.lora import has_lora
 from rlfuse.model.lora_peft import load_peft_weights
 from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_dtype
@@ -247,7 +247,7 @@ def load_model_folder(folder: str | Path, *, device: str | torch.device = "cpu",
         return load_model(folder, device=device, dtype=dtype)
     cfg = ModelConfig.from_hf(folder)
     with torch.device("meta"):
-        model = CausalLM(cfg)
+        model = build_causal_lm(cfg)
     model = model.to_empty(device=device)
     sd = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in model.named_parameters()}
     _dcp_load_here({"model": sd}, folder / "dcp")

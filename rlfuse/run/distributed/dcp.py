@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from rlfuse.model.transformer import CausalLM
-from rlfuse.model.weights import save_model
+from rlfuse.model.weights import build_causal_lm, save_model
 from rlfuse.run.distributed.context import DistContext, fail_together
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def save_hf_export(ctx: DistContext, model: CausalLM, folder: str | Path, *, dty
     with fail_together(ctx, "export"):  # a write error on rank 0 stops every rank with its message
         if ctx.is_main:
             with torch.device("meta"):
-                shell = CausalLM(model.config)
+                shell = build_causal_lm(model.config)
             shell.load_state_dict(full, assign=True)  # adopts the gathered tensors: no copy
             out = save_model(shell, folder, tokenizer_dir=tokenizer_dir, dtype=dtype)
     return out

@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlfuse.model.transformer import CausalLM, Packed
+from rlfuse.model.weights import build_causal_lm
 from rlfuse.run.distributed.context import DistContext, reduce_metrics
 
 log = logging.getLogger(__name__)
@@ -174,7 +175,7 @@ def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
     device = next(iter(full.values())).device
     with torch.device("meta"):
-        ref = CausalLM(model.config).to(dtype)
+        ref = build_causal_lm(model.config).to(dtype)
     ref = ref.to_empty(device=device)
     ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
     return ref.requires_grad_(False).eval()
