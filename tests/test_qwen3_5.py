@@ -11,7 +11,9 @@ random model (tests/tiny_hf.py QWEN3_5: layers [linear, linear, linear, full], v
     Qwen3_5ForConditionalGeneration folder (vision tower and MTP head not loaded, said in
     one line) gives transformers' logits;
   * LoRA on every projection, the linear-attention ones included, exported as a PEFT folder
-    that PEFT + transformers apply with the same logits;
+    that PEFT + transformers apply with the same logits; a PEFT-made adapter on them loads
+    here with PEFT's logits and adapter gradients;
+  * exact numerics: a sequence packed with others gives the bits it gives alone;
   * the engine hook: `GatedDeltaNet.forward_continue` (conv state + S_c + buffered rows)
     equals the whole-sequence forward bitwise in exact numerics;
   * SFT (the trainer's packed path) on a tiny random hybrid model lowers the loss;
@@ -37,8 +39,8 @@ from rlfuse.kernels import use_backend
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.model import ModelConfig, Packed, load_model
 from rlfuse.model.gated_deltanet import GatedDeltaNet
-from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
-from rlfuse.model.lora_peft import save_peft_adapter
+from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules, lora_parameters
+from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM, tiny_hybrid_model
 from rlfuse.model.weights import save_model
 from rlfuse.train.loop import make_optimizer
@@ -197,6 +199,42 @@ def test_lora_on_every_projection_exports_a_peft_folder(pair, tmp_path):
         pm.unload()
         assert rel_err(theirs, mine) < 1e-5
         assert rel_err(_hf_logits(hf, seqs), mine) > 1e-2  # the adapter matters
+
+
+def test_a_peft_adapter_on_the_linear_attention_projections_loads_here(pair, tmp_path):
+    hf, folder, _ = pair
+    targets = ["in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj", "q_proj"]
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=6, target_modules=targets, init_lora_weights=False,
+                                                 task_type="CAUSAL_LM"))
+    pm.save_pretrained(tmp_path / "adapter")
+    ours = load_model(folder, dtype="float32")
+    cfg = load_peft_adapter(ours, tmp_path / "adapter")
+    assert set(cfg.targets) == set(targets) and len(lora_modules(ours)) == 3 * 5 + 1
+    seqs = _seqs(QWEN3_5["vocab_size"], seed=9, lens=[8, 67])
+    with use_backend("torch"):
+        mine = _ours_logits(ours, seqs)
+        _loss(mine, seqs).backward()
+    theirs = _hf_logits(pm, seqs)
+    _loss(theirs, seqs).backward()
+    assert rel_err(mine.detach(), theirs.detach()) < 1e-5
+    peft_params = dict(pm.named_parameters())
+    for name, p in lora_parameters(ours):
+        g = peft_params[f"base_model.model.{name}.default.weight"].grad
+        assert p.grad is not None and rel_err(p.grad, g) < FP32_TOL, name
+    pm.unload()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_numerics_a_sequence_packed_with_others_equals_it_alone(dtype):
+    """Batch invariance of the whole hybrid forward (references, exact numerics): what the
+    engine's bitwise rollout = training log-probs promise stands on."""
+    model = tiny_hybrid_model(seed=3).to(dtype)
+    seqs = _seqs(512, seed=10, lens=[70, 5, 130])
+    with use_backend("torch"), use_numerics("exact"), torch.no_grad():
+        packed = model(torch.cat(seqs), torch.cat([torch.arange(len(s)) for s in seqs]),
+                       Packed.from_lengths([len(s) for s in seqs]))
+        alone = model(seqs[2], torch.arange(130), Packed.from_lengths([130]))
+    assert torch.equal(packed[75:], alone)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -152,14 +152,14 @@ class Qwen3_5ForCausalLM(CausalLM):
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
         """transformers' init: matrices N(0, std), (1 + w) norms at w = 0, the gated norm and
-        dt_bias at 1, A = exp(A_log) uniform in [1, 16) (HF draws from [0.01, 16))."""
+        dt_bias at 1, A = exp(A_log) uniform in [0.01, 16)."""
         for name, p in self.named_parameters():
             if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
                 p.fill_(1.0)
             elif name.endswith("norm.weight") or name.endswith(".bias"):
                 p.zero_()
             elif name.endswith("A_log"):
-                p.copy_(torch.empty(p.shape).uniform_(1.0, 16.0, generator=generator).log())
+                p.copy_(torch.empty(p.shape).uniform_(0.01, 16.0, generator=generator).log())
             else:
                 p.normal_(0.0, std, generator=generator)
 
