@@ -17,6 +17,7 @@ from rlfuse.kernels.gated_delta import (
                                         CHUNK,
                                         chunk_gated_delta_rule,
                                         chunk_gated_delta_rule_ref,
+                                        fused_recurrent_gated_delta_rule,
                                         recurrent_gated_delta_rule_ref,
 )
 
@@ -129,17 +130,17 @@ def test_bad_shapes_are_value_errors():
 
 # ------------------------------------------------------------------------------ exactness
 
-def _other_batch(rng, dtype, Hk, Hv, Dk, Dv):
-    """Random other sequences (0-3 of them, random lengths) to surround the target with."""
-    lens = [rng.randint(1, 150) for _ in range(rng.randint(0, 3))]
+def _other_batch(rng, dtype, Hk, Hv, Dk, Dv, max_len=150):
+    """Random other sequences (0-2 of them, random lengths) to surround the target with."""
+    lens = [rng.randint(1, max_len) for _ in range(rng.randint(0, 2))]
     return lens, _inputs(lens, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=rng.randint(0, 10 ** 6)) if lens \
         else None
 
 
-def _call_in_batch(target, s0, rng, dtype, dims):
+def _call_in_batch(target, s0, rng, dtype, dims, max_len=150):
     """chunk_gated_delta_rule over [others before] + target + [others after]: the target's
     o and final state."""
-    before, after = _other_batch(rng, dtype, *dims), _other_batch(rng, dtype, *dims)
+    before, after = _other_batch(rng, dtype, *dims, max_len), _other_batch(rng, dtype, *dims, max_len)
     parts, states, lens = [], [], []
     for lens_x, x in (before, (None, None), after):
         if lens_x is None and x is None:
@@ -156,13 +157,13 @@ def _call_in_batch(target, s0, rng, dtype, dims):
     return o[t0:t0 + target[0].shape[0]], S[len(before[0])]
 
 
-def _engine_procedure(seq, s0, steps, rng, dtype, dims):
+def _engine_procedure(seq, s0, steps, rng, dtype, dims, max_len):
     """What the engine does: keep S_c (the state at the last chunk boundary) and the buffer
     of tokens since; each step is one call over [buffer + new tokens] from S_c."""
     n = seq[0].shape[0]
     S_c, buf, p, outs = s0, 0, 0, []
     for s in steps:
-        o, S = _call_in_batch([x[buf:p + s] for x in seq], S_c, rng, dtype, dims)
+        o, S = _call_in_batch([x[buf:p + s] for x in seq], S_c, rng, dtype, dims, max_len)
         outs.append(o[p - buf:])
         if (p + s - buf) // CHUNK:
             S_c, buf = S, buf + CHUNK * ((p + s - buf) // CHUNK)
@@ -185,14 +186,14 @@ def _schedule(n, rng):
     return steps
 
 
-def check_engine_procedure(backend, dtype, n=200, seed=0, dims=(2, 4, 16, 8)):
+def check_engine_procedure(backend, dtype, n=200, seed=0, dims=(2, 4, 16, 8), steps=None, max_len=150):
     rng = random.Random(seed)
     q, k, v, g, beta, _, s0 = _inputs([n], Hk=dims[0], Hv=dims[1], Dk=dims[2], Dv=dims[3], dtype=dtype,
                                       seed=seed)
     seq = [q, k, v, g, beta]
     with use_backend(backend), use_numerics("exact"):
-        whole, _ = _call_in_batch(seq, s0[0], rng, dtype, dims)
-        eng = _engine_procedure(seq, s0[0], _schedule(n, rng), rng, dtype, dims)
+        whole, _ = _call_in_batch(seq, s0[0], rng, dtype, dims, max_len)
+        eng = _engine_procedure(seq, s0[0], steps or _schedule(n, rng), rng, dtype, dims, max_len)
     assert eng.dtype == whole.dtype == dtype
     bad = (eng != whole).any(-1).any(-1).nonzero().flatten().tolist()
     assert not bad, f"tokens whose o differs bitwise: {bad[:10]}"
@@ -201,3 +202,150 @@ def check_engine_procedure(backend, dtype, n=200, seed=0, dims=(2, 4, 16, 8)):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_engine_procedure_torch(dtype):
     check_engine_procedure("torch", dtype, n=150 if dtype == torch.bfloat16 else 200)
+
+
+# a prefill piece ending on the chunk boundary at 64, single tokens, a piece straddling
+# 128 (its state after the full chunk only must carry on), then tokens after it; the
+# interpreter is slow: few calls
+TRITON_STEPS = [37, 27, 1, 1, 9, 60, 1, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_engine_procedure_triton(dtype):
+    check_engine_procedure("triton", dtype, n=sum(TRITON_STEPS), dims=(1, 2, 16, 8), steps=TRITON_STEPS,
+                           max_len=70)
+
+
+# ------------------------------------------------------------------------ the Triton kernel
+
+_ATOL = {torch.float32: 2e-6, torch.bfloat16: 1e-2}
+
+
+def _no_worse(ours, ref, gold, dtype):
+    err = (ours.double() - gold).abs().max().item()
+    err_ref = (ref.double() - gold).abs().max().item()
+    assert err <= 2 * err_ref + _ATOL[dtype], (err, err_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("dims,lens,state", [((2, 4, 16, 8), [70, 5, 64], True),
+                                             ((1, 3, 12, 10), [1, 66], False)])
+def test_triton_forward_against_float64(dtype, numerics, dims, lens, state):
+    Hk, Hv, Dk, Dv = dims
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=5, state=state)
+    kw = dict(initial_state=s0, output_final_state=True)
+    with use_numerics(numerics):
+        with use_backend("triton"):
+            o, S = chunk_gated_delta_rule(q, k, v, g, beta, cu, **kw)
+        o_ref, S_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu, **kw)
+    gold = chunk_gated_delta_rule_ref(*_double(q, k, v, g, beta, cu), initial_state=None if s0 is None
+                                      else s0.double(), output_final_state=True, exact=False)
+    assert o.dtype == dtype and S.dtype == torch.float32 and S.shape == (len(lens), Hv, Dk, Dv)
+    _no_worse(o, o_ref, gold[0], dtype)
+    _no_worse(S, S_ref, gold[1], torch.float32)
+
+
+def test_triton_gradients_match_the_reference():
+    lens = [66, 4]
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=2, Dk=8, Dv=4, seed=6)
+    leaves = [t.requires_grad_() for t in (q, k, v, g, beta, s0)]
+    gen = torch.Generator().manual_seed(7)
+    do, dS = torch.randn(sum(lens), 2, 4, generator=gen), torch.randn(2, 2, 8, 4, generator=gen)
+    out = {}
+    for backend in ("triton", "torch"):
+        with use_backend(backend):
+            o, S = chunk_gated_delta_rule(*leaves[:5], cu, initial_state=leaves[5], output_final_state=True)
+        out[backend] = torch.autograd.grad((o * do).sum() + (S * dS).sum(), leaves)
+    for name, a, b in zip("q k v g beta s0".split(), out["triton"], out["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def _qwen35_inputs(lens, dtype, device):
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=16, Hv=32, Dk=128, Dv=128, dtype=dtype, seed=9)
+    return [x.to(device) for x in (q, k, v, g, beta, cu, s0)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qwen35_shapes(dtype):
+    """Qwen3.5 linear-attention shapes on the GPU: forward against float64, gradients."""
+    lens = [1000, 37, 600]
+    q, k, v, g, beta, cu, s0 = _qwen35_inputs(lens, dtype, "cuda")
+    for numerics in ("fast", "exact"):
+        with use_numerics(numerics), use_backend("triton"):
+            o, S = chunk_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0, output_final_state=True)
+        o_ref, S_ref = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu, initial_state=s0, output_final_state=True,
+                                                  exact=False)
+        gold = chunk_gated_delta_rule_ref(*_double(q, k, v, g, beta, cu), initial_state=s0.double(),
+                                          output_final_state=True, exact=False)
+        _no_worse(o, o_ref, gold[0], dtype)
+        _no_worse(S, S_ref, gold[1], torch.bfloat16)  # tf32 dots for bf16 inputs, ieee for fp32
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_exact_engine_procedure(dtype):
+    check_engine_procedure_gpu(dtype)
+
+
+def check_engine_procedure_gpu(dtype):
+    """The engine procedure at Qwen3.5 head shapes on the GPU (compiled kernels)."""
+    n = 300
+    q, k, v, g, beta, _, s0 = _qwen35_inputs([n], dtype, "cuda")
+    seq = [q, k, v, g, beta]
+    others = _qwen35_inputs([77, 130], dtype, "cuda")
+
+    def call(x, s):  # the target between two other sequences whose lengths vary per call
+        m = x[0].shape[0]
+        cut = [len(x[0]) % 50 + 1, 130]
+        parts = [[o[:cut[0]] for o in others[:5]], x, [o[77:77 + cut[1]] for o in others[:5]]]
+        cat = [torch.cat([p[i] for p in parts]) for i in range(5)]
+        cu = _cu([cut[0], m, cut[1]]).cuda()
+        st = torch.stack([others[6][0], s, others[6][1]])
+        o, S = chunk_gated_delta_rule(*cat, cu, initial_state=st, output_final_state=True)
+        return o[cut[0]:cut[0] + m], S[1]
+
+    with use_backend("triton"), use_numerics("exact"):
+        whole, _ = call(seq, s0[0])
+        S_c, buf, p, outs = s0[0], 0, 0, []
+        for s in [100, 28, 1, 1, 1, 60, 45, 1, 1, 62]:
+            o, S = call([x[buf:p + s] for x in seq], S_c)
+            outs.append(o[p - buf:])
+            if (p + s - buf) // CHUNK:
+                S_c, buf = S, buf + CHUNK * ((p + s - buf) // CHUNK)
+            p += s
+    assert p == n
+    assert torch.equal(torch.cat(outs), whole)
+
+
+# ------------------------------------------------------------ the fast-numerics decode path
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_recurrent_decode_against_float64(backend, dtype):
+    lens = [3, 1, 9]
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=3, Dk=12, Dv=40, dtype=dtype, seed=11)
+    o_gold, S_gold = recurrent_gated_delta_rule_ref(*_double(q, k, v, g, beta, cu), initial_state=s0.double())
+    o_ref, S_ref = recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu, initial_state=s0)
+    state = s0.clone()
+    with use_backend(backend):
+        o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=state, state_out=state)
+    assert S is state and o.dtype == dtype  # the in-place decode step
+    _no_worse(o, o_ref, o_gold, dtype)
+    _no_worse(S, S_ref.float(), S_gold, torch.float32)
+    # one token per sequence from the returned state continues the recurrence
+    q2, k2, v2, g2, beta2, _, _ = _inputs([1, 1, 1], Hk=1, Hv=3, Dk=12, Dv=40, dtype=dtype, seed=12)
+    with use_backend(backend):
+        o2, _ = fused_recurrent_gated_delta_rule(q2, k2, v2, g2, beta2, _cu([1, 1, 1]), initial_state=S.clone())
+    both = [torch.cat([p for b in range(3) for p in (x.split(lens)[b], y[b:b + 1])]) for x, y in
+            zip((q, k, v, g, beta), (q2, k2, v2, g2, beta2))]
+    o_all, _ = recurrent_gated_delta_rule_ref(*_double(*both), _cu([n + 1 for n in lens]), initial_state=s0.double())
+    last = torch.tensor([n for n in torch.tensor([n + 1 for n in lens]).cumsum(0) - 1])
+    torch.testing.assert_close(o2.double(), o_all[last], rtol=0, atol=2e-6 if dtype == torch.float32 else 2e-2)
+
+
+def test_recurrent_decode_refuses_exact_numerics():
+    q, k, v, g, beta, cu, s0 = _inputs([2])
+    with use_numerics("exact"), pytest.raises(ValueError, match="fast-numerics decode path"):
+        fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0)

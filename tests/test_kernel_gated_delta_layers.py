@@ -14,7 +14,7 @@ from rlfuse.kernels.gated_delta import causal_conv1d, causal_conv1d_ref, causal_
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
-BACKENDS = ("torch",)  # the Triton halves come next
+BACKENDS = ("torch", "triton")
 
 
 def _cu(lens):
@@ -53,7 +53,7 @@ def test_conv_prefill_matches_transformers(backend, dtype, activation):
 
 
 # torch's fast CPU silu rounds a tensor's SIMD tail differently: fast torch is not bitwise
-@pytest.mark.parametrize("backend,exact", [("torch", "exact")])
+@pytest.mark.parametrize("backend,exact", [("torch", "exact"), ("triton", "exact"), ("triton", "fast")])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_conv_prefill_equals_update_bitwise(backend, exact, dtype):
     """The engine prefills part of a sequence, then decodes token by token with the

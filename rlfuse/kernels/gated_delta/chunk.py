@@ -94,7 +94,7 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_stat
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
     scale = Dk ** -0.5 if scale is None else scale
-    ct = _ct(q)
+    ct, out_dtype = _ct(q), v.dtype
     q, k = _prepare_qk(q, k, Hv, scale, exact=False)
     v, g, beta = v.to(ct), g.to(ct), beta.to(ct)
     B = cu_seqlens.shape[0] - 1
@@ -111,7 +111,7 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_stat
             S = S + k[t][:, :, None] * delta[:, None, :]
             o[t] = (S * q[t][:, :, None]).sum(-2)
         states.append(S)
-    return o.to(v.dtype if v.dtype != ct else ct), torch.stack(states) if states else None
+    return o.to(out_dtype), torch.stack(states) if states else None
 
 
 def _chunk_layout(cu_seqlens: torch.Tensor, T: int):

@@ -1,0 +1,50 @@
+"""The gated delta rule token by token: the fast-numerics decode path.
+
+Contract:
+  o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *,
+                                              initial_state=None, scale=None, state_out=None)
+inputs as `chunk_gated_delta_rule`'s (raw q, k: l2-normalized and scaled inside; packed
+varlen sequences); returns o (T, Hv, Dv) in v.dtype and the state after the LAST token of
+each sequence (B, Hv, Dk, Dv) fp32, written into `state_out` when given (it may be
+`initial_state` itself: an in-place decode step, CUDA-graph friendly).
+
+Math, per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q (HF's
+`torch_recurrent_gated_delta_rule` order). One token costs O(Dk Dv) per head, against the
+chunked call's O(64 (Dk + Dv) 64) over the buffered tokens, but it rounds differently
+from the chunked form, so it is a FAST-numerics path only: in exact numerics the engine
+keeps the chunk-boundary state and a buffer, and calls `chunk_gated_delta_rule` (see its
+docstring); calling this op under exact numerics is an error. With the same state layout
+the engine can still start from the chunk state S_c by passing [buffer + new tokens].
+Tests: `python -m pytest -q tests/test_kernel_gated_delta.py -k recurrent`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
+from rlfuse.kernels.gated_delta.chunk import _check, recurrent_gated_delta_rule_ref
+
+
+def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
+                                     state_out=None):
+    """Public op (contract in the module docstring): picks the backend; fast numerics only."""
+    if is_exact():
+        raise ValueError("fused_recurrent_gated_delta_rule is the fast-numerics decode path; exact numerics "
+                         "decodes through chunk_gated_delta_rule from the chunk-boundary state + buffer")
+    _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    B, Hv, Dk, Dv = cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
+    if state_out is not None and (state_out.shape != (B, Hv, Dk, Dv) or state_out.dtype != torch.float32):
+        raise ValueError(f"fused_recurrent_gated_delta_rule: state_out must be fp32 (B, Hv, Dk, Dv) = "
+                         f"{(B, Hv, Dk, Dv)}, got {tuple(state_out.shape)} {state_out.dtype}")
+    scale = Dk ** -0.5 if scale is None else float(scale)
+    if resolve_backend("fused_recurrent_gated_delta_rule", v) == "triton":
+        return triton_ops("gated_delta.triton_recurrent").fused_recurrent_gated_delta_rule(
+            q, k, v, g, beta, cu_seqlens, initial_state=initial_state, scale=scale, state_out=state_out)
+    o, state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
+                                              scale=scale)
+    state = state.float() if state is not None else torch.zeros(0, Hv, Dk, Dv, device=v.device)
+    if state_out is not None:
+        state_out.copy_(state)
+        state = state_out
+    return o, state
