@@ -164,16 +164,21 @@ class Qwen3_5ForCausalLM(CausalLM):
                 p.normal_(0.0, std, generator=generator)
 
 
+def tiny_hybrid_fields(**over) -> dict:
+    """ModelConfig fields of a small Qwen3.5 shape for the CPU demo / check / tests (usable as
+    a recipe's `model.random_init`): 4 layers (three Gated DeltaNet, then one gated full
+    attention), value heads = 2 x key heads, head_dim 16 with half of it rotated. `over`:
+    any ModelConfig field (e.g. vocab_size for a tokenizer)."""
+    return dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=192,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                partial_rotary_factor=0.5, tie_word_embeddings=False, max_position_embeddings=1024,
+                rope_theta=10000.0, layer_types=("linear_attention",) * 3 + ("full_attention",),
+                linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+                linear_num_value_heads=4) | over
+
+
 def tiny_hybrid_config(**over) -> ModelConfig:
-    """A small random-init Qwen3.5 shape for the CPU demo / check / tests: 4 layers (three
-    Gated DeltaNet, one gated full attention), value heads = 2 x key heads, head_dim 16 with
-    half of it rotated. `over`: any ModelConfig field."""
-    kw = dict(model_type="qwen3_5_text", vocab_size=512, hidden_size=64, intermediate_size=192, num_hidden_layers=4,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.5,
-              tie_word_embeddings=False, max_position_embeddings=1024, rope_theta=10000.0,
-              layer_types=("linear_attention",) * 3 + ("full_attention",), linear_conv_kernel_dim=4,
-              linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
-    return ModelConfig(**{**kw, **over})
+    return ModelConfig(**tiny_hybrid_fields(**over))
 
 
 def tiny_hybrid_model(seed: int = 0, std: float = 0.1, **over) -> Qwen3_5ForCausalLM:
