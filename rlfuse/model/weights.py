@@ -115,7 +115,7 @@ def hf_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]
 @torch.no_grad()
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     params = dict(hf_parameters(model))
-    files = _checkpoint_names(_weight_files(folder), model.config.model_type, folder)
+    files, stored = _checkpoint_names(_weight_files(folder), model.config.model_type, folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -133,22 +133,20 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     for path, names in by_file.items():
         with _open(path, str(device) if device.type != "meta" else "cpu") as f:
             for name in names:
-                t = f.get_tensor(files.stored[name])
+                t = f.get_tensor(stored[name])
                 p = params[name]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                    raise ValueError(f"{path}: tensor {stored[name]!r} has shape {tuple(t.shape)}, "
                                      f"the config expects {tuple(p.shape)}")
                 p.copy_(t)
 
 
-class _Names(dict):
-    """our tensor name -> file, with `stored`: our name -> the name inside the file."""
-    stored: dict[str, str]
-
-
-def _checkpoint_names(files: dict[str, Path], model_type: str, folder: Path) -> _Names:
-    """The checkpoint's tensor names mapped to ours; skipped parts dropped, logged once each."""
-    out, out.stored = _Names(), {}
+def _checkpoint_names(files: dict[str, Path], model_type: str,
+                      folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """(our tensor name -> file, our name -> the name inside the file): the checkpoint's
+    names mapped to ours; skipped parts dropped, each logged in one line."""
+    out: dict[str, Path] = {}
+    stored: dict[str, str] = {}
     renames = CHECKPOINT_PREFIXES.get(model_type, ())
     skipped: dict[str, int] = {}
     for name, path in files.items():
@@ -157,11 +155,11 @@ def _checkpoint_names(files: dict[str, Path], model_type: str, folder: Path) -> 
             skipped[what] = skipped.get(what, 0) + 1
             continue
         ours = next((mine + name[len(p):] for p, mine in renames if name.startswith(p)), name)
-        out[ours], out.stored[ours] = path, name
+        out[ours], stored[ours] = path, name
     for what, n in skipped.items():
         note = " (images and video are not supported yet)" if what == "vision tower" else ""
         log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
-    return out
+    return out, stored
 
 
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
