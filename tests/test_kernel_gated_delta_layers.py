@@ -89,22 +89,28 @@ def test_conv_update_matches_transformers(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_conv_gradients_against_float64(backend):
-    x, w, bias, s0 = [t.requires_grad_() for t in _conv_inputs(LENS, seed=3)]
+@pytest.mark.parametrize("activation,bias", [("silu", True), (None, False)])
+def test_conv_gradients_against_float64(backend, activation, bias):
+    """dx, dweight, dbias, d initial_state, with a gradient on the returned conv state too
+    (sequences shorter than W - 1 included)."""
+    x, w, b, s0 = _conv_inputs(LENS, seed=3, bias=bias)
+    leaves = [t.requires_grad_() for t in (x, w, b, s0) if t is not None]
     cu = _cu(LENS)
     dy = torch.randn(x.shape, generator=torch.Generator().manual_seed(5))
     ds = torch.randn(s0.shape, generator=torch.Generator().manual_seed(6))
 
     def grads(args, fn):
-        y, st = fn(*args)
+        xx, ww, *rest = args
+        y, st = fn(xx, ww, rest[0] if bias else None, rest[-1])
         return torch.autograd.grad((y * dy.to(y.dtype)).sum() + (st * ds.to(st.dtype)).sum(), args)
 
     with use_backend(backend):
-        ours = grads([x, w, bias, s0], lambda a, b, c, d: causal_conv1d(a, b, c, cu, initial_state=d))
-    gold = grads([t.detach().double().requires_grad_() for t in (x, w, bias, s0)],
-                 lambda a, b, c, d: causal_conv1d_ref(a, b, c, cu, initial_state=d))
-    for name, a, b in zip(["x", "w", "bias", "s0"], ours, gold):
-        torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+        ours = grads(leaves, lambda a, b_, c, d: causal_conv1d(a, b_, c, cu, initial_state=d, activation=activation))
+    gold = grads([t.detach().double().requires_grad_() for t in leaves],
+                 lambda a, b_, c, d: causal_conv1d_ref(a, b_, c, cu, initial_state=d, activation=activation))
+    for name, a, g in zip(["x", "w", "bias", "s0"] if bias else ["x", "w", "s0"], ours, gold):
+        assert a.dtype == torch.float32, name
+        torch.testing.assert_close(a.double(), g, rtol=1e-5, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -147,3 +153,34 @@ def test_gated_rmsnorm_gradients_and_batch_invariance(backend):
     gold = torch.autograd.grad((m(gl[0], gl[1]) * dy.double()).sum(), (gl[0], gl[1], m.weight))
     for name, a, b in zip(["x", "z", "w"], ours, gold):
         torch.testing.assert_close(a.double(), b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qwen35_conv_and_norm(dtype):
+    """Qwen3.5 sizes on the GPU (conv channels 2 * 16 * 128 + 32 * 128, W = 4; norm D = 128):
+    conv prefill == decode update bitwise, both against the references; gradients."""
+    lens = [300, 1, 77]
+    x, w, _, s0 = [t.cuda() for t in _conv_inputs(lens, C=8192, dtype=dtype, seed=10, bias=False)]
+    cu = _cu(lens).cuda()
+    with use_backend("triton"), use_numerics("exact"):
+        y, st = causal_conv1d(x, w, None, cu, initial_state=s0)
+        y_p, st_p = causal_conv1d(x[:299], w, None, _cu([299]).cuda(), initial_state=s0[:1])
+        y_t = causal_conv1d_update(x[299:300], st_p.clone(), w, None)
+    assert torch.equal(y_p, y[:299]) and torch.equal(y_t[0], y[299])
+    y_ref, st_ref = causal_conv1d_ref(x, w, None, cu, initial_state=s0, exact=False)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                               atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert torch.equal(st, st_ref)
+    xs = torch.randn(4096, 32, 128, device="cuda").to(dtype).requires_grad_()
+    zs = torch.randn(4096, 32, 128, device="cuda").to(dtype).requires_grad_()
+    ws = (1 + 0.1 * torch.randn(128, device="cuda")).to(dtype).requires_grad_()
+    with use_backend("triton"):
+        yn = gated_rmsnorm(xs, zs, ws, 1e-6)
+        for k in (1, 5):
+            assert torch.equal(gated_rmsnorm(xs[:k], zs[:k], ws, 1e-6), yn[:k])
+    m = hf.Qwen3_5RMSNormGated(128, eps=1e-6).to(device="cuda", dtype=dtype)
+    with torch.no_grad():
+        m.weight.copy_(ws)
+    tol = dict(rtol=8e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=0, atol=2e-6)
+    torch.testing.assert_close(yn.float(), m(xs, zs).float(), **tol)

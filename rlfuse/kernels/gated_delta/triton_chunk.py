@@ -10,10 +10,8 @@ state are independent in the delta rule, so splitting Dv across programs changes
 in a column's arithmetic. Tile shapes (BK, BV) depend on (Dk, Dv) only; exact numerics
 turns FMA contraction off, so a row's rounding cannot depend on how the compiler fuses.
 
-Backward: NOT a Triton kernel yet. The Function's backward recomputes the forward through
-the PyTorch chunked reference (`chunk_gated_delta_rule_ref`, fast numerics: gradients need
-no batch invariance) under autograd and differentiates it: correct, and slower and more
-memory-hungry than a fused backward would be.
+Backward: `triton_chunk_bwd` (its docstring has the math): a state pass per (sequence,
+head, Dv block) and a per-chunk gradient kernel, deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -22,13 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS, chunk_gated_delta_rule_ref
+from rlfuse.kernels.backend import triton_ops
+from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
 from rlfuse.kernels.triton.common import dot, dot_precision, round_to
-
-
-@triton.jit
-def _l2norm_rows(x, eps):
-    return x * (1.0 / tl.sqrt(tl.sum(x * x, 1) + eps))[:, None]
 
 
 @triton.jit
@@ -50,6 +44,41 @@ def _unit_lower_inverse(A, offs_c, C: tl.constexpr, BLK: tl.constexpr, PREC: tl.
     M = dot(Td, tl.where(same, 0.0, A), None, PREC)
     X = Td + dot(dot(M, M, None, PREC), Td, None, PREC)
     return X - dot(M, X, None, PREC)
+
+
+@triton.jit
+def chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+                 offs_c, offs_k, mk, C: tl.constexpr, PREC: tl.constexpr):
+    """Load one chunk (rows t, valid where rm) and compute its Dv-independent quantities
+    (steps 1, 2 and 4 of the math): raw q, k and their inverse norms (the backward's l2
+    step), normalized q (scaled) and k, beta, gc, D, exp(gc), k k^T, T, beta exp(gc) k,
+    w, q k^T, P = lower(q k^T D), exp(gL - gc), gL. The forward and both backward kernels
+    call this one function, so the backward recomputes the forward's bits."""
+    qr = tl.load(Q + t[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    kr = tl.load(K + t[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
+                 other=0.0).to(tl.float32)
+    g = tl.load(G + t * sg_t + h * sg_h, mask=rm, other=0.0).to(tl.float32)
+    beta = tl.load(BETA + t * sb_t + h * sb_h, mask=rm, other=0.0).to(tl.float32)
+    rq = 1.0 / tl.sqrt(tl.sum(qr * qr, 1) + eps)
+    rk = 1.0 / tl.sqrt(tl.sum(kr * kr, 1) + eps)
+    q = qr * rq[:, None] * scale
+    k = kr * rk[:, None]
+    lower = offs_c[:, None] >= offs_c[None, :]
+    strict = offs_c[:, None] > offs_c[None, :]
+    gc = tl.cumsum(g, 0)
+    decay = tl.where(lower, tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    egc = tl.exp(gc)
+    kk = dot(k, tl.trans(k), None, PREC)
+    A = tl.where(strict, beta[:, None] * kk * decay, 0.0)
+    Tm = _unit_lower_inverse(A, offs_c, C, 16, PREC)
+    bek = (beta * egc)[:, None] * k
+    w = dot(Tm, bek, None, PREC)
+    qk = dot(q, tl.trans(k), None, PREC)
+    P = tl.where(lower, qk * decay, 0.0)
+    gL = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), 0)
+    ekd = tl.exp(gL - gc)
+    return qr, kr, rq, rk, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
@@ -74,41 +103,23 @@ def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
         S = tl.load(S0 + s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
     else:
         S = tl.zeros((BK, BV), dtype=tl.float32)
-    lower = offs_c[:, None] >= offs_c[None, :]
-    strict = offs_c[:, None] > offs_c[None, :]
     for c in range(0, tl.cdiv(n, C)):
         rows = c * C + offs_c
         rm = rows < n
         t = start + rows
-        q = tl.load(Q + t[:, None] * sq_t + hk * sq_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
-        k = tl.load(K + t[:, None] * sk_t + hk * sk_h + offs_k[None, :], mask=rm[:, None] & mk[None, :],
-                    other=0.0).to(tl.float32)
+        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
+            Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+            offs_c, offs_k, mk, C, PREC)
         v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
                     other=0.0).to(tl.float32)
-        g = tl.load(G + t * sg_t + h * sg_h, mask=rm, other=0.0).to(tl.float32)
-        beta = tl.load(BETA + t * sb_t + h * sb_h, mask=rm, other=0.0).to(tl.float32)
-        q = _l2norm_rows(q, eps) * scale
-        k = _l2norm_rows(k, eps)
-        gc = tl.cumsum(g, 0)
-        decay = tl.where(lower, tl.exp(tl.where(lower, gc[:, None] - gc[None, :], 0.0)), 0.0)   # D_ij
-        egc = tl.exp(gc)
-        # 1. A = strict_lower(beta_i k_i.k_j D_ij), T = (I + A)^-1
-        A = tl.where(strict, beta[:, None] * dot(k, tl.trans(k), None, PREC) * decay, 0.0)
-        Tm = _unit_lower_inverse(A, offs_c, C, 16, PREC)
-        # 2. u = T (beta v), w = T (beta exp(gc) k); 3. v_new = u - w S
-        u = dot(Tm, beta[:, None] * v, None, PREC)
-        w = dot(Tm, (beta * egc)[:, None] * k, None, PREC)
-        v_new = u - dot(w, S, None, PREC)
-        # 4. o = (q exp(gc)) S + lower(q k^T D) v_new
-        qk = tl.where(lower, dot(q, tl.trans(k), None, PREC) * decay, 0.0)
-        o = dot(q * egc[:, None], S, None, PREC) + dot(qk, v_new, None, PREC)
-        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, O.dtype.element_ty).to(O.dtype.element_ty),
+        # 2-3. u = T (beta v), v_new = u - w S;  4. o = (q exp(gc)) S + P v_new
+        v_new = dot(Tm, beta[:, None] * v, None, PREC) - dot(w, S, None, PREC)
+        o = dot(q * egc[:, None], S, None, PREC) + dot(P, v_new, None, PREC)
+        OT: tl.constexpr = O.dtype.element_ty
+        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT),
                  mask=rm[:, None] & mv[None, :])
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
-        glast = tl.sum(tl.where(offs_c == C - 1, gc, 0.0), 0)
-        kd = k * tl.exp(glast - gc)[:, None]
-        S_new = tl.exp(glast) * S + dot(tl.trans(kd), v_new, None, PREC)
+        S_new = tl.exp(gL) * S + dot(tl.trans(k * ekd[:, None]), v_new, None, PREC)
         S = tl.where((c + 1) * C <= n, S_new, S)
     if STORE_SF:
         tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
@@ -116,9 +127,10 @@ def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
 
 def tile_config(Dk: int, Dv: int, exact: bool) -> dict:
     """Tile and compile settings from (Dk, Dv) and the numerics only, never T or B (the
-    exactness rule). BV 64 keeps the (BK, BV) fp32 state block in registers at Dk = 128."""
-    BK = triton.next_power_of_2(Dk)
-    BV = min(64, triton.next_power_of_2(Dv))
+    exactness rule). BV 64 keeps the (BK, BV) fp32 state block in registers at Dk = 128;
+    16 is the smallest `tl.dot` operand side on the GPU (smaller heads are masked up)."""
+    BK = max(16, triton.next_power_of_2(Dk))
+    BV = min(64, max(16, triton.next_power_of_2(Dv)))
     cfg = dict(BK=BK, BV=BV, num_warps=4 if BK * BV <= 4096 else 8)
     if exact:
         cfg["enable_fp_fusion"] = False
@@ -145,7 +157,7 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
         Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, PREC=dot_precision(q if q.dtype == torch.float32 else v), **cfg)
+        STORE_SF=output_final_state, PREC=dot_precision(v), **cfg)
     return o, sf
 
 
@@ -159,21 +171,10 @@ class _ChunkGatedDelta(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dsf):
-        # recompute through the torch chunked reference and differentiate it (see module docstring)
         q, k, v, g, beta, s0, cu = ctx.saved_tensors
-        leaves = [x.detach().requires_grad_(x.requires_grad) if x is not None else None
-                  for x in (q, k, v, g, beta, s0)]
-        with torch.enable_grad():
-            o, sf = chunk_gated_delta_rule_ref(*leaves[:5], cu, initial_state=leaves[5], scale=ctx.scale,
-                                               output_final_state=ctx.output_final_state, exact=False)
-            outs, grads_out = [o], [do]
-            if ctx.output_final_state and dsf is not None:
-                outs.append(sf)
-                grads_out.append(dsf)
-            need = [x for x in leaves if x is not None and x.requires_grad]
-            got = iter(torch.autograd.grad(outs, need, grads_out, allow_unused=True)) if need else iter(())
-        grads = [next(got) if x is not None and x.requires_grad else None for x in leaves]
-        return (*grads, None, None, None, None)
+        dq, dk, dv, dg, db, ds0 = triton_ops("gated_delta.triton_chunk_bwd").gated_delta_bwd(
+            q, k, v, g, beta, cu, s0, ctx.scale, do, dsf if ctx.output_final_state else None)
+        return dq, dk, dv, dg, db, ds0, None, None, None, None
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale: float,
