@@ -596,17 +596,19 @@ def _hybrid_folder(tmp_path, **config_change) -> Path:
 def test_hybrid_layer_type_not_supported(tmp_path):
     types = ["linear_attention", "linear_attention", "sliding_attention", "full_attention"]
     folder = _hybrid_folder(tmp_path, layer_types=types)
-    expect_error(lambda: ModelConfig.from_hf(folder), r"q35/config\.json: config field "
-                 r"'layer_types': layer 2 has type 'sliding_attention', which rlfuse does not support; supported "
-                 r"layer types: \['full_attention', 'linear_attention'\]", f"Qwen3.5 config.json with layer_types {types}")
+    expect_error(lambda: ModelConfig.from_hf(folder),
+                 r"q35/config\.json: config field 'layer_types': layer 2 has type 'sliding_attention', which rlfuse "
+                 r"does not support; supported layer types: \['full_attention', 'linear_attention'\]",
+                 f"Qwen3.5 config.json with layer_types {types}")
 
 
 @pytest.mark.bad_input("model-config")
 def test_hybrid_linear_attention_shapes_not_the_configs(tmp_path):
     """Weights of 4 linear-attention value heads under a config.json that says 2."""
     folder = _hybrid_folder(tmp_path, linear_num_value_heads=2)
-    expect_error(lambda: load_model_folder(folder), r"model\.safetensors: tensor 'model\.layers\.0\.linear_attn\.A_log' "
-                 r"has shape \(4,\), the config expects \(2,\)",
+    expect_error(lambda: load_model_folder(folder),
+                 r"model\.safetensors: tensor 'model\.layers\.0\.linear_attn\.A_log' has shape \(4,\), the config "
+                 r"expects \(2,\)",
                  "Qwen3.5 folder whose config.json says linear_num_value_heads 2, its weights 4")
 
 

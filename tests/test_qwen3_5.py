@@ -155,6 +155,24 @@ def test_saved_folder_loads_in_transformers(pair, tmp_path):
         assert rel_err(_hf_logits(back, seqs), _hf_logits(hf, seqs)) == 0
 
 
+def test_tied_embeddings_load_and_save(tmp_path):
+    """The small released Qwen3.5 models tie the LM head to the embeddings."""
+    hf = qwen3_5_model(seed=1, tie_word_embeddings=True)
+    hf.save_pretrained(tmp_path / "hf")
+    ours = load_model(tmp_path / "hf", dtype="float32")
+    assert ours.lm_head is None and ours.config.tie_word_embeddings
+    seqs = _seqs(QWEN3_5["vocab_size"], seed=12, lens=[9, 66])
+    with torch.no_grad(), use_backend("torch"):
+        assert rel_err(_ours_logits(ours, seqs), _hf_logits(hf, seqs)) < 1e-5
+    save_model(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32,
+                                                             attn_implementation="eager").eval()
+    assert back.config.tie_word_embeddings
+    assert back.lm_head.weight.data_ptr() == back.model.embed_tokens.weight.data_ptr()
+    with torch.no_grad():
+        assert rel_err(_hf_logits(back, seqs), _hf_logits(hf, seqs)) == 0
+
+
 def test_text_tower_of_a_multimodal_folder(pair, tmp_path, caplog):
     hf, _, _ = pair
     vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
