@@ -17,6 +17,10 @@ Parameter names equal HF's. What differs from Qwen3 (`rlfuse.model.transformer`)
 The MLP, embeddings, LM head, residual stream and `CausalLM.forward` loop (checkpointing,
 the residual add carried into the next norm) are Qwen3's.
 
+Not covered: Qwen3-Next (model_type "qwen3_next"): the same mixers, but MoE MLPs and the
+linear-attention projections fused as in_proj_qkvz / in_proj_ba, interleaved per key head;
+the config loader refuses it with the supported list.
+
 The forward runs on `Packed` whole sequences (the trainer); the engine's paged path
 reaches the full-attention layers only, its linear-attention state is a later step
 (`GatedDeltaNet.forward_continue` is the hook).
