@@ -44,6 +44,7 @@ from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM, tiny_hybrid_model
 from rlfuse.model.weights import save_model
 from rlfuse.train.loop import make_optimizer
+from rlfuse.train import run_grpo
 from rlfuse.train.sft import SFTTrainer, run_sft
 
 LENS = [5, 150, 70]
@@ -384,3 +385,13 @@ def test_triton_kernels_gradients_no_worse_than_the_references():
     for name, g in gold.items():
         err_tri, err_ref = rel_err(tri[name], g), rel_err(ref[name], g)
         assert err_tri <= 4 * err_ref + 1e-5, (name, err_tri, err_ref)
+
+
+def test_grpo_shared_prompt_packing_is_refused_for_hybrid_models(tmp_path):
+    """GRPO's trainer side runs on the hybrid (the tiny sampler: no engine), but not with
+    grpo.share_prefix, whose packed prompt a linear-attention layer cannot read yet."""
+    cfg = tiny_cfg(tmp_path / "a", model={"random_init": TINY_HYBRID})
+    assert run_grpo(cfg, session=tiny_session(cfg))["steps"] == cfg.grpo.steps
+    cfg = tiny_cfg(tmp_path / "b", "grpo.share_prefix=true", model={"random_init": TINY_HYBRID})
+    with pytest.raises(ValueError, match=r"grpo.share_prefix: not supported for hybrid models \(Qwen3_5ForCausalLM"):
+        run_grpo(cfg, session=tiny_session(cfg))
