@@ -119,10 +119,6 @@ class GRPOTrainer(StreamAndGuardState):
         self.max_loss_tokens = cfg.rollout.max_total_tokens if self.multi_turn else self.g.max_new_tokens
         # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
         self.share_min = self.g.share_prefix_min_tokens if self.g.share_prefix else 0
-        if self.g.share_prefix and getattr(model.config, "is_hybrid", False):
-            # a linear-attention layer reads its prompt as a state, not as keys: not wired yet
-            raise ValueError(f"grpo.share_prefix: not supported for hybrid models ({model.config.architecture}, "
-                             f"linear-attention layers); set grpo.share_prefix: false")
         self.streamer = StreamStep(self) if g.overlap == "stream" else None
         self.last_samples: list[dict] = []
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
