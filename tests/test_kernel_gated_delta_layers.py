@@ -40,7 +40,7 @@ def test_conv_prefill_matches_transformers(backend, dtype, activation):
     x, w, _, _ = _conv_inputs(LENS, dtype=dtype)
     with use_backend(backend):
         y, state = causal_conv1d(x, w, None, _cu(LENS), activation=activation)
-    assert y.dtype == dtype and state.shape == (len(LENS), 12, 3)
+    assert y.dtype == dtype and state.shape == (len(LENS), 12, 3) and state.is_contiguous()  # updated in place later
     cu = _cu(LENS).tolist()
     tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     for b, n in enumerate(LENS):
@@ -137,10 +137,11 @@ def test_gated_rmsnorm_matches_transformers(backend, dtype):
 def test_gated_rmsnorm_gradients_and_batch_invariance(backend):
     gen = torch.Generator().manual_seed(8)
     D = 20
-    x = torch.randn(9, D, generator=gen).requires_grad_()
-    z = torch.randn(9, D, generator=gen).requires_grad_()
+    N = 300  # more rows than one backward program's dw partial covers
+    x = torch.randn(N, D, generator=gen).requires_grad_()
+    z = torch.randn(N, D, generator=gen).requires_grad_()
     w = (1 + 0.2 * torch.randn(D, generator=gen)).requires_grad_()
-    dy = torch.randn(9, D, generator=gen)
+    dy = torch.randn(N, D, generator=gen)
     with use_backend(backend), use_numerics("exact"):
         y = gated_rmsnorm(x, z, w, 1e-6)
         for k in (1, 4):
@@ -161,7 +162,8 @@ def test_gpu_qwen35_conv_and_norm(dtype):
     """Qwen3.5 sizes on the GPU (conv channels 2 * 16 * 128 + 32 * 128, W = 4; norm D = 128):
     conv prefill == decode update bitwise, both against the references; gradients."""
     lens = [300, 1, 77]
-    x, w, _, s0 = [t.cuda() for t in _conv_inputs(lens, C=8192, dtype=dtype, seed=10, bias=False)]
+    x, w, _, s0 = _conv_inputs(lens, C=8192, dtype=dtype, seed=10, bias=False)
+    x, w, s0 = x.cuda(), w.cuda(), s0.cuda()
     cu = _cu(lens).cuda()
     with use_backend("triton"), use_numerics("exact"):
         y, st = causal_conv1d(x, w, None, cu, initial_state=s0)

@@ -24,8 +24,10 @@ SCRIPT = textwrap.dedent("""
     sys.modules["triton"] = None  # not installed
     import rlfuse
     from rlfuse.cli import main
+    # the Triton halves: rlfuse/kernels/triton/ and an op family's triton_*.py
     mods = [m.name for m in pkgutil.walk_packages(rlfuse.__path__, "rlfuse.")
-            if not m.name.startswith("rlfuse.kernels.triton")]
+            if not m.name.startswith("rlfuse.kernels.triton")
+            and not (m.name.startswith("rlfuse.kernels.") and m.name.rsplit(".", 1)[1].startswith("triton_"))]
     for m in mods:
         __import__(m)
     recipe, run = sys.argv[1], sys.argv[2]

@@ -36,7 +36,12 @@ rows and its start state; (c) nothing depends on T, B or the other sequences. Th
 torch reference below gets (a)-(c) on CPU from `rlfuse.kernels.invariant` (pairwise sums
 whose zero-padded trailing terms change nothing, SIMD-uniform exp / rsqrt); the Triton
 kernel (`triton_chunk.py`) from one program per (sequence, head, Dv block) walking its
-chunks with one masked tile shape. Tests: `python -m pytest -q tests/test_kernel_gated_delta.py`.
+chunks with one masked tile shape, FMA contraction off in exact numerics.
+
+Backends: "torch" runs `chunk_gated_delta_rule_ref` (autograd differentiates it);
+"triton" runs `triton_chunk.py`'s forward and `triton_chunk_bwd.py`'s backward (dq, dk,
+dv, dg, dbeta, d initial_state; deterministic). The backward needs no batch invariance.
+Tests: `python -m pytest -q tests/test_kernel_gated_delta.py`.
 """
 
 from __future__ import annotations
@@ -226,7 +231,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_state=No
     return o, state
 
 
-def _check(q, k, v, g, beta, cu_seqlens, initial_state):
+def check_inputs(q, k, v, g, beta, cu_seqlens, initial_state):
     if q.dim() != 3 or k.shape != q.shape or v.dim() != 3 or v.shape[0] != q.shape[0]:
         raise ValueError(f"chunk_gated_delta_rule: q, k must be (T, Hk, Dk) and v (T, Hv, Dv); got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -251,7 +256,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, 
     """Public op (contract in the module docstring): picks the backend. Both backends
     honour the current numerics; in exact numerics the result of a row is independent of
     the rows after it, of T and of the other sequences."""
-    _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"chunk_gated_delta_rule: scale must be finite, got {scale}")

@@ -67,7 +67,7 @@ def causal_conv1d_ref(x, weight, bias, cu_seqlens, *, initial_state=None, activa
     src = lens[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]    # (B, W-1)
     rows = torch.where(src >= 0, cu[:-1][:, None] + src,
                        T + torch.arange(B, device=x.device)[:, None] * (W - 1) + (W - 1) + src)
-    return y.to(x.dtype), buf[rows].transpose(1, 2)
+    return y.to(x.dtype), buf[rows].transpose(1, 2).contiguous()  # (B, C, W-1), updated in place later
 
 
 def causal_conv1d_update_ref(x, conv_state, weight, bias, activation="silu", exact=None):

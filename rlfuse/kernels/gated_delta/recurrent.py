@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
-from rlfuse.kernels.gated_delta.chunk import _check, recurrent_gated_delta_rule_ref
+from rlfuse.kernels.gated_delta.chunk import check_inputs, recurrent_gated_delta_rule_ref
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
@@ -32,7 +32,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_st
     if is_exact():
         raise ValueError("fused_recurrent_gated_delta_rule is the fast-numerics decode path; exact numerics "
                          "decodes through chunk_gated_delta_rule from the chunk-boundary state + buffer")
-    _check(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     B, Hv, Dk, Dv = cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
     if state_out is not None and (state_out.shape != (B, Hv, Dk, Dv) or state_out.dtype != torch.float32):
         raise ValueError(f"fused_recurrent_gated_delta_rule: state_out must be fp32 (B, Hv, Dk, Dv) = "

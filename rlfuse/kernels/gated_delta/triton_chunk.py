@@ -82,17 +82,58 @@ def chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
-def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
-                    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
-                    Hv, n_rep, scale, eps,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, PREC: tl.constexpr):
-    pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
-    b = pid_bh // Hv
-    h = pid_bh % Hv
+def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
+                       sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
+                       Hv, n_rep, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
+                       BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+    """Everything of a chunk that does not depend on its start state, one program per
+    (chunk, value head), all chunks at once: w, u = T (beta v), q exp(gc), k exp(gL - gc)
+    (rows of the chunk, fp32), P (C, C) and exp(gL)."""
+    ci, h = tl.program_id(0), tl.program_id(1)
+    b = tl.load(CSEQ + ci).to(tl.int64)
+    if b < 0:  # past the last chunk (the grid is sized by an upper bound: no host sync)
+        return
+    c = tl.load(CIDX + ci).to(tl.int64)
     hk = h // n_rep
     start = tl.load(CU + b).to(tl.int64)
     n = tl.load(CU + b + 1).to(tl.int64) - start
+    offs_c = tl.arange(0, C)
+    offs_k = tl.arange(0, BK)
+    mk = offs_k < DK
+    rows = c * C + offs_c
+    rm = rows < n
+    t = start + rows
+    _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
+        Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+        offs_c, offs_k, mk, C, PREC)
+    rk = (t[:, None] * Hv + h) * DK + offs_k[None, :]
+    m2 = rm[:, None] & mk[None, :]
+    tl.store(WB + rk, w, mask=m2)
+    tl.store(QG + rk, q * egc[:, None], mask=m2)
+    tl.store(KD + rk, k * ekd[:, None], mask=m2)
+    tl.store(PB + (ci * Hv + h).to(tl.int64) * C * C + offs_c[:, None] * C + offs_c[None, :], P)
+    tl.store(EL + ci * Hv + h, tl.exp(gL))
+    for v0 in range(0, DV, BV):
+        offs_v = v0 + tl.arange(0, BV)
+        mv = offs_v < DV
+        v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
+                    other=0.0).to(tl.float32)
+        u = dot(Tm, beta[:, None] * v, None, PREC)                     # 2. u = T (beta v)
+        tl.store(UB + (t[:, None] * Hv + h) * DV + offs_v[None, :], u, mask=rm[:, None] & mv[None, :])
+
+
+@triton.jit(do_not_specialize=["Hv"])
+def _gdn_fwd_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, so_t, so_h, Hv,
+                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                    C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, PREC: tl.constexpr):
+    """The state pass, one program per (Dv block, sequence x value head), chunks in order:
+    v_new = u - w S, o = (q exp(gc)) S + P v_new, S <- exp(gL) S + kd^T v_new (full chunks)."""
+    pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
+    b = pid_bh // Hv
+    h = pid_bh % Hv
+    start = tl.load(CU + b).to(tl.int64)
+    n = tl.load(CU + b + 1).to(tl.int64) - start
+    coff = tl.load(COFF + b).to(tl.int64)
     offs_c = tl.arange(0, C)
     offs_k = tl.arange(0, BK)
     offs_v = pid_v * BV + tl.arange(0, BV)
@@ -107,22 +148,40 @@ def _gdn_fwd_kernel(Q, K, V, G, BETA, CU, S0, O, SF,
         rows = c * C + offs_c
         rm = rows < n
         t = start + rows
-        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
-            Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
-            offs_c, offs_k, mk, C, PREC)
-        v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
-                    other=0.0).to(tl.float32)
-        # 2-3. u = T (beta v), v_new = u - w S;  4. o = (q exp(gc)) S + P v_new
-        v_new = dot(Tm, beta[:, None] * v, None, PREC) - dot(w, S, None, PREC)
-        o = dot(q * egc[:, None], S, None, PREC) + dot(P, v_new, None, PREC)
+        ci = coff + c
+        rk = (t[:, None] * Hv + h) * DK + offs_k[None, :]
+        m2 = rm[:, None] & mk[None, :]
+        mvr = rm[:, None] & mv[None, :]
+        w = tl.load(WB + rk, mask=m2, other=0.0)
+        qg = tl.load(QG + rk, mask=m2, other=0.0)
+        kd = tl.load(KD + rk, mask=m2, other=0.0)
+        u = tl.load(UB + (t[:, None] * Hv + h) * DV + offs_v[None, :], mask=mvr, other=0.0)
+        P = tl.load(PB + (ci * Hv + h) * C * C + offs_c[:, None] * C + offs_c[None, :])
+        eL = tl.load(EL + ci * Hv + h)
+        # 3. v_new = u - w S;  4. o = (q exp(gc)) S + P v_new
+        v_new = u - dot(w, S, None, PREC)
+        o = dot(qg, S, None, PREC) + dot(P, v_new, None, PREC)
         OT: tl.constexpr = O.dtype.element_ty
-        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT),
-                 mask=rm[:, None] & mv[None, :])
+        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
-        S_new = tl.exp(gL) * S + dot(tl.trans(k * ekd[:, None]), v_new, None, PREC)
+        S_new = eL * S + dot(tl.trans(kd), v_new, None, PREC)
         S = tl.where((c + 1) * C <= n, S_new, S)
     if STORE_SF:
         tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
+
+
+def chunk_map(cu_seqlens: torch.Tensor, T: int):
+    """Device-side chunk bookkeeping, no host sync: coff (B+1,) each sequence's first chunk
+    index, and for NC = T // CHUNK + B (a bound on the chunk count) slots, cseq (the slot's
+    sequence, -1 past the last chunk) and cidx (its chunk number in the sequence)."""
+    B = cu_seqlens.shape[0] - 1
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
+    coff = torch.cat([lens.new_zeros(1), ((lens + CHUNK - 1) // CHUNK).cumsum(0)])
+    NC = T // CHUNK + B
+    ids = torch.arange(NC, device=cu_seqlens.device)
+    cseq = torch.searchsorted(coff[1:].contiguous(), ids, right=True)
+    cidx = ids - coff[cseq.clamp(max=B - 1)]
+    return coff, torch.where(cseq < B, cseq, -1), cidx, NC
 
 
 def tile_config(Dk: int, Dv: int, exact: bool) -> dict:
@@ -151,13 +210,23 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
     if B == 0:
         return o, sf
     cfg = tile_config(Dk, Dv, exact)
-    grid = (triton.cdiv(Dv, cfg["BV"]), B * Hv)
-    _gdn_fwd_kernel[grid](
-        q, k, v, g, beta, cu_seqlens, s0 if s0 is not None else o, o, sf if sf is not None else o,
+    BK, BV = cfg.pop("BK"), cfg.pop("BV")
+    prec = dot_precision(v)
+    coff, cseq, cidx, NC = chunk_map(cu_seqlens, T)
+    dev = v.device
+    wb, qg, kd = (torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev) for _ in range(3))
+    ub = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
+    pb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
+    el = torch.empty(NC, Hv, dtype=torch.float32, device=dev)
+    _chunk_prep_kernel[(NC, Hv)](
+        q, k, v, g, beta, cu_seqlens, cseq, cidx, wb, ub, qg, kd, pb, el,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
-        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, PREC=dot_precision(v), **cfg)
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
+        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=prec, **cfg)
+    _gdn_fwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](
+        wb, ub, qg, kd, pb, el, cu_seqlens, coff, s0 if s0 is not None else o, o, sf if sf is not None else o,
+        o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
+        STORE_SF=output_final_state, PREC=prec, **cfg)
     return o, sf
 
 

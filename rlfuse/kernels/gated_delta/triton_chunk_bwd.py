@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
-from rlfuse.kernels.gated_delta.triton_chunk import chunk_common
+from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_map
 from rlfuse.kernels.triton.common import dot, dot_precision
 
 
@@ -207,14 +207,7 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
         return (z(q), z(k), z(v), z(g), z(beta), None if initial_state is None
                 else (dsf.float().clone() if dsf is not None else z(initial_state, dtype=torch.float32)))
     q, k, v, do = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do))
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).long()
-    nch = (lens + CHUNK - 1) // CHUNK
-    coff = torch.cat([nch.new_zeros(1), nch.cumsum(0)])                           # (B+1,)
-    NC = T // CHUNK + B
-    ids = torch.arange(NC, device=dev)
-    cseq = torch.searchsorted(coff[1:].contiguous(), ids, right=True)             # chunk -> sequence
-    cidx = ids - coff[cseq.clamp(max=B - 1)]
-    cseq = torch.where(cseq < B, cseq, -1)
+    coff, cseq, cidx, NC = chunk_map(cu_seqlens, T)
     Hbuf = torch.empty(NC, Hv, Dk, Dv, dtype=torch.float32, device=dev)
     dH = torch.empty_like(Hbuf)
     ds0 = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=dev)
@@ -240,7 +233,7 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     sv = strides[:4] + vc.stride()[:2] + strides[6:10] + doc.stride()[:2]
     _chunk_bwd_kernel[(NC, Hv)](
         q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db, *sv,
-        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,  # Dv sums in 32-column steps (register use)
+        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,  # 32: registers
         num_warps=8 if dev.type == "cuda" else 4)
     rep = Hv // Hk
     dq = dq.view(T, Hk, rep, Dk).sum(2)  # a q/k head's gradient: the sum over its value heads, in order

@@ -155,10 +155,12 @@ def _conv_bwd_ds0_kernel(Wt, CU, DA, DST, DS0, C, W: tl.constexpr, HAS_DST: tl.c
     for m in tl.static_range(W - 1):
         acc = tl.zeros((BC,), dtype=tl.float32)
         for j in tl.static_range(m + 1):
-            da = tl.load(DA + (start + m - j) * C + c, mask=cm & (tl.full((BC,), m - j, tl.int64) < n), other=0.0)
+            inseq = tl.full((BC,), m - j, tl.int64) < n  # output position m - j exists
+            da = tl.load(DA + (start + m - j) * C + c, mask=cm & inseq, other=0.0)
             acc += tl.load(Wt + c * W + j, mask=cm, other=0.0).to(tl.float32) * da
-        if HAS_DST:
-            acc += tl.load(DST + (b * C + c) * (W - 1) + m - n, mask=cm & (tl.full((BC,), m, tl.int64) >= n), other=0.0).to(tl.float32)
+        if HAS_DST:  # state entry m is still in the returned state when n <= m
+            short = tl.full((BC,), m, tl.int64) >= n
+            acc += tl.load(DST + (b * C + c) * (W - 1) + m - n, mask=cm & short, other=0.0).to(tl.float32)
         tl.store(DS0 + (b * C + c) * (W - 1) + m, acc, mask=cm)
 
 
@@ -196,7 +198,7 @@ def _last_inputs(x, initial_state, cu_seqlens, W):
     src = (cu[1:] - cu[:-1])[:, None] - (W - 1) + torch.arange(W - 1, device=x.device)[None, :]
     rows = torch.where(src >= 0, cu[:-1][:, None] + src,
                        T + torch.arange(B, device=x.device)[:, None] * (W - 1) + (W - 1) + src)
-    return buf[rows].transpose(1, 2)
+    return buf[rows].transpose(1, 2).contiguous()
 
 
 def conv_fwd(x, weight, bias, cu_seqlens, initial_state, activation):

@@ -3,8 +3,8 @@ Function (contract and cast order: `rlfuse.kernels.gated_delta.gated_norm`).
 
 Forward: tiles of ROWS x BLOCK_D (both from D only), each row reduced by the RMSNorm
 kernels' `mean_square`, the casts of HF's order done by explicit rounding (`round_to`, so
-the CPU interpreter rounds like the GPU). Backward: NOT a Triton kernel; the Function
-recomputes the PyTorch reference under autograd (fast numerics) and differentiates it.
+the CPU interpreter rounds like the GPU). Backward: one kernel for dx and dz, with
+per-program dw partial sums that torch adds in order (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.gated_delta.gated_norm import gated_rmsnorm_ref
 from rlfuse.kernels.triton.common import round_to
 from rlfuse.kernels.triton.rmsnorm import mean_square
 
@@ -37,6 +36,47 @@ def _gated_norm_fwd_kernel(X, Z, W, Y, N, D, sx, sz, sy, eps, PT: tl.constexpr, 
     tl.store(Y + rows[:, None] * sy + cols[None, :], round_to(y, XT).to(XT), mask=mask)
 
 
+@triton.jit(do_not_specialize=["N"])
+def _gated_norm_bwd_kernel(X, Z, W, DY, DX, DZ, DWP, N, D, sx, sz, sdy, eps, PT: tl.constexpr, ROWS: tl.constexpr,
+                           BLOCK_D: tl.constexpr, STEPS: tl.constexpr):
+    """With n = x r (r = rsqrt(mean(x^2) + eps)), s = silu(z), p = w n (rounded as forward):
+    dz = dy p silu'(z), dn = dy s w, dx = r (dn - n mean(dn n)); this program's partial sum
+    of dw = sum_rows dy s rnd(n) over its ROWS * STEPS rows. The casts are straight-through."""
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_D)
+    cmask = cols < D
+    XT: tl.constexpr = X.dtype.element_ty
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for st in range(STEPS):
+        rows = (pid * STEPS + st).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        mask = (rows < N)[:, None] & cmask[None, :]
+        x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(Z + rows[:, None] * sz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * sdy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        r = tl.math.rsqrt(mean_square(x, D) + eps)
+        n = x * r[:, None]
+        nr = round_to(n, XT)
+        p = round_to(w[None, :] * nr, PT)
+        sg = tl.sigmoid(z)
+        s = z * sg
+        dz = dy * p * sg * (1.0 + z * (1.0 - sg))
+        dn = dy * s * w[None, :]
+        dx = r[:, None] * (dn - n * (tl.sum(dn * n, 1) / D)[:, None])
+        dw += tl.sum(dy * s * nr, 0)
+        tl.store(DX + rows[:, None] * D + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DZ + rows[:, None] * D + cols[None, :], dz.to(DZ.dtype.element_ty), mask=mask)
+    tl.store(DWP + pid * D + cols, dw, mask=cmask)
+
+
+def _tile(D: int):
+    BLOCK_D = triton.next_power_of_2(D)
+    return BLOCK_D, max(1, min(16, 4096 // BLOCK_D))  # from D only: a row's reduction never depends on N
+
+
+BWD_STEPS = 16  # row tiles per backward program: dw partials of up to 256 rows
+
+
 def gated_norm_fwd(x, z, weight, eps: float):
     D = x.shape[-1]
     x2, z2 = x.reshape(-1, D), z.reshape(-1, D)
@@ -45,8 +85,7 @@ def gated_norm_fwd(x, z, weight, eps: float):
     N = x2.shape[0]
     y = torch.empty((N, D), dtype=x.dtype, device=x.device)
     if N:
-        BLOCK_D = triton.next_power_of_2(D)
-        ROWS = max(1, min(16, 4096 // BLOCK_D))  # from D only: a row's reduction never depends on N
+        BLOCK_D, ROWS = _tile(D)
         _gated_norm_fwd_kernel[(triton.cdiv(N, ROWS),)](
             x2, z2, weight, y, N, D, x2.stride(0), z2.stride(0), y.stride(0), eps,
             PT=_TL[torch.promote_types(weight.dtype, x.dtype)], ROWS=ROWS, BLOCK_D=BLOCK_D)
@@ -62,13 +101,21 @@ class _GatedRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        # recompute the reference under autograd and differentiate it (module docstring)
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors]
-        with torch.enable_grad():
-            y = gated_rmsnorm_ref(*leaves, ctx.eps, exact=False)
-            need = [t for t in leaves if t.requires_grad]
-            got = iter(torch.autograd.grad(y, need, dy) if need else ())
-        return (*[next(got) if t.requires_grad else None for t in leaves], None)
+        x, z, weight = ctx.saved_tensors
+        D = x.shape[-1]
+        x2, z2, dy2 = (t.reshape(-1, D) for t in (x, z, dy))
+        x2, z2, dy2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, z2, dy2))
+        N = x2.shape[0]
+        BLOCK_D, ROWS = _tile(D)
+        nprog = max(1, triton.cdiv(N, ROWS * BWD_STEPS))
+        dx = torch.empty((N, D), dtype=x.dtype, device=x.device)
+        dz = torch.empty((N, D), dtype=z.dtype, device=x.device)
+        dwp = torch.zeros(nprog, D, dtype=torch.float32, device=x.device)
+        if N:
+            _gated_norm_bwd_kernel[(nprog,)](
+                x2, z2, weight, dy2, dx, dz, dwp, N, D, x2.stride(0), z2.stride(0), dy2.stride(0), ctx.eps,
+                PT=_TL[torch.promote_types(weight.dtype, x.dtype)], ROWS=ROWS, BLOCK_D=BLOCK_D, STEPS=BWD_STEPS)
+        return dx.view(x.shape), dz.view(z.shape), dwp.sum(0).to(weight.dtype), None
 
 
 def gated_rmsnorm(x, z, weight, eps: float):

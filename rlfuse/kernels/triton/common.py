@@ -29,12 +29,14 @@ def round_to(x, DT: tl.constexpr):
 
 
 def compiled_variants() -> dict[str, int]:
-    """{kernel name: compiled specializations so far} over the loaded
-    rlfuse.kernels.triton modules (see `backend.triton_compiles`). Reads Triton's
-    per-device kernel cache (first element of each `device_caches` entry in Triton 3.x)."""
+    """{kernel name: compiled specializations so far} over the loaded Triton modules
+    (rlfuse.kernels.triton.* and the op families' triton_*.py; see `backend.triton_compiles`).
+    Reads Triton's per-device kernel cache (first element of each `device_caches` entry in
+    Triton 3.x)."""
     out = {}
     for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("rlfuse.kernels.triton.") or mod is None:
+        family = mod_name.startswith("rlfuse.kernels.") and mod_name.rsplit(".", 1)[1].startswith("triton_")
+        if not (mod_name.startswith("rlfuse.kernels.triton.") or family) or mod is None:
             continue
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction) and getattr(fn, "device_caches", None):
