@@ -350,7 +350,7 @@ def test_released_config_reads_as_its_text_model():
     with pytest.raises(ValueError, match=r"'linear_num_value_heads' \(24\) must be a multiple of "
                                          r"'linear_num_key_heads' \(16\)"):
         ModelConfig.from_hf(_released_config(linear_num_value_heads=24))
-    with pytest.raises(ValueError, match=r"'partial_rotary_factor' is set, but Qwen3ForCausalLM has no"):
+    with pytest.raises(ValueError, match=r"'partial_rotary_factor' is set, but Qwen3ForCausalLM is not a hybrid"):
         ModelConfig(model_type="qwen3", vocab_size=8, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
                     num_attention_heads=1, num_key_value_heads=1, head_dim=8, partial_rotary_factor=0.5)
 

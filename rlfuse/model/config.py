@@ -158,8 +158,8 @@ class ModelConfig:
             if f != 1.0:
                 given.append("partial_rotary_factor")
             if given:
-                raise ValueError(f"config field {given[0]!r} is set, but {self.architecture} has no linear-attention "
-                                 f"layers (hybrid architectures: {list(HYBRID)})")
+                raise ValueError(f"config field {given[0]!r} is set, but {self.architecture} is not a hybrid "
+                                 f"architecture (hybrid: {list(HYBRID)})")
             return
         for k, default in _HYBRID_DEFAULTS.items():
             v = getattr(self, k)
