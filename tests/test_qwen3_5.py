@@ -17,7 +17,8 @@ random model (tests/tiny_hf.py QWEN3_5: layers [linear, linear, linear, full], v
   * the engine hook: `GatedDeltaNet.forward_continue` (conv state + S_c + buffered rows)
     equals the whole-sequence forward bitwise in exact numerics;
   * SFT (the trainer's packed path) on a tiny random hybrid model lowers the loss;
-    activation checkpointing leaves the update bitwise unchanged.
+    activation checkpointing leaves the update bitwise unchanged; GRPO's shared-prompt
+    packing gives the unshared log-probs bitwise (exact numerics), GRPO's update runs.
 Fp32 parity runs under use_backend("torch") (the readable references).
 Run: python -m pytest -q tests/test_qwen3_5.py
 """
@@ -37,12 +38,14 @@ from train_setup import tiny_cfg, tiny_session
 from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import ModelConfig, Packed, load_model
 from rlfuse.model.gated_deltanet import GatedDeltaNet
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules, lora_parameters
 from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM, tiny_hybrid_model
 from rlfuse.model.weights import save_model
+from rlfuse.run.batching import PackedBatch
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train import run_grpo
 from rlfuse.train.sft import SFTTrainer, run_sft
@@ -387,11 +390,43 @@ def test_triton_kernels_gradients_no_worse_than_the_references():
         assert err_tri <= 4 * err_ref + 1e-5, (name, err_tri, err_ref)
 
 
-def test_grpo_shared_prompt_packing_is_refused_for_hybrid_models(tmp_path):
-    """GRPO's trainer side runs on the hybrid (the tiny sampler: no engine), but not with
-    grpo.share_prefix, whose packed prompt a linear-attention layer cannot read yet."""
-    cfg = tiny_cfg(tmp_path / "a", model={"random_init": TINY_HYBRID})
-    assert run_grpo(cfg, session=tiny_session(cfg))["steps"] == cfg.grpo.steps
-    cfg = tiny_cfg(tmp_path / "b", "grpo.share_prefix=true", model={"random_init": TINY_HYBRID})
-    with pytest.raises(ValueError, match=r"grpo.share_prefix: not supported for hybrid models \(Qwen3_5ForCausalLM"):
-        run_grpo(cfg, session=tiny_session(cfg))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_prompt_packing_gives_the_unshared_log_probs_bitwise(dtype):
+    """grpo.share_prefix's layout (a group's prompt packed once, its completions reading it):
+    exact numerics, the completions' log-probs equal the unshared batch's bitwise (the
+    linear-attention layers re-run the prompt per completion: PrefixRows); fp32 gradients agree
+    to rounding (the prompt's rows sum the completions' terms in another order:
+    tests/test_prefix_sharing.py's bound, max |d grad| <= 2e-5 max |grad| per tensor; 2e-4
+    for A_log and dt_bias)."""
+    g = torch.Generator().manual_seed(13)
+    prompt = torch.randint(0, 512, (70,), generator=g).tolist()  # crosses a 64-token chunk boundary
+    seqs = [(torch.randint(0, 512, (9,), generator=g).tolist(), 4)]
+    seqs += [(prompt + torch.randint(0, 512, (n,), generator=g).tolist(), 70) for n in (5, 66, 1)]
+    model = tiny_hybrid_model(seed=5).to(dtype)
+    runs = []
+    for share_min in (0, 16):
+        batch = PackedBatch.build(seqs, "cpu", share_min)
+        assert (batch.attn.prefix is not None) == (share_min > 0)
+        model.zero_grad(set_to_none=True)
+        with use_backend("torch"), use_numerics("exact"):
+            h = model(batch.input_ids, batch.positions, batch.attn)
+            lp = token_logprobs(h[batch.rows], model.lm_head_weight, batch.targets)
+            lp.float().sum().backward()
+        runs.append((lp.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (lp0, g0), (lp1, g1) = runs
+    assert torch.equal(lp0, lp1)
+    if dtype == torch.float32:
+        for name, grad in g0.items():
+            # the decay's A_log / dt_bias gradients sum every row's terms, which nearly cancel
+            # (|grad| ~ 1e-2 of the others'): measured 3e-5 / 5e-5 of max |grad|, the rest <= 1.2e-5
+            tol = 2e-4 if name.endswith(("A_log", "dt_bias")) else 2e-5
+            assert (g1[name] - grad).abs().max() <= tol * grad.abs().max(), name
+
+
+def test_grpo_trainer_side_runs_on_a_hybrid_model(tmp_path):
+    """GRPO's update on the hybrid (the tiny sampler stands in for the engine), with and
+    without grpo.share_prefix."""
+    for share in ("false", "true"):
+        cfg = tiny_cfg(tmp_path / share, f"grpo.share_prefix={share}", "grpo.share_prefix_min_tokens=1",
+                       model={"random_init": TINY_HYBRID})
+        assert run_grpo(cfg, session=tiny_session(cfg))["steps"] == cfg.grpo.steps

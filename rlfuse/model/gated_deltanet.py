@@ -64,6 +64,35 @@ class GatedRMSNorm(nn.Module):
 
 
 @dataclasses.dataclass(slots=True)
+class PrefixRows:
+    """A `Packed` batch whose segments read a shared prefix (`Packed.prefix`, GRPO's shared
+    prompt), re-laid for linear attention: a reader segment becomes [its prefix's rows, its
+    own rows], so the conv and the chunks run over the same logical sequence, from the
+    prefix's first token, as the unshared batch (in exact numerics its own rows' outputs are
+    bitwise the unshared ones; the prefix's rows are recomputed once per reader and their
+    outputs dropped). Attention and every other layer still read the prompt once."""
+    rows: torch.Tensor        # (T',) int64 the packed row of each re-laid row
+    own: torch.Tensor         # (T,) int64 the re-laid row holding each packed row in its own segment
+    cu_seqlens: torch.Tensor  # (B+1,) int32 the re-laid segments
+
+    @classmethod
+    def of(cls, attn) -> "PrefixRows":
+        # host sync: the layout, once per forward that has a shared prefix (the trainer's micro-batch)
+        bounds = attn.cu_seqlens.tolist()
+        p_start, p_len = attn.prefix.start.tolist(), attn.prefix.length.tolist()
+        rows, own, lens = [], [0] * bounds[-1], []
+        for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
+            rows.extend(range(p_start[b], p_start[b] + p_len[b]))
+            own[s:e] = range(len(rows), len(rows) + e - s)
+            rows.extend(range(s, e))
+            lens.append(p_len[b] + e - s)
+        dev = attn.cu_seqlens.device
+        cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32)
+        return cls(torch.tensor(rows, dtype=torch.long).to(dev), torch.tensor(own, dtype=torch.long).to(dev),
+                   cu.to(dev))
+
+
+@dataclasses.dataclass(slots=True)
 class LinearState:
     """One linear-attention layer's state for B sequences between calls (see module doc).
     tail_lens[b] < CHUNK rows of `tail` (packed in sequence order) are sequence b's kernel
@@ -98,19 +127,23 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, D, bias=False)
 
     # -- the three stages (the trainer runs them in a row; the engine wraps the middle one)
-    def project(self, x_TD, cu_seqlens, conv_state=None):
+    def project(self, x_TD, cu_seqlens, conv_state=None, rows=None):
         """-> (q, k, v, g, beta), z (T, Hv, Dv), conv_state (B, C, W-1): the kernel's inputs
-        for the rows of x, the conv continuing from `conv_state` (None: zeros)."""
-        T = x_TD.shape[0]
-        qkv, conv_state = causal_conv1d(self.in_proj_qkv(x_TD), self.conv1d.weight.squeeze(1), None, cu_seqlens,
+        for the rows of x (or x's rows `rows`, PrefixRows, laid out as `cu_seqlens`), the
+        conv continuing from `conv_state` (None: zeros)."""
+        mixed, b, a = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+        if rows is not None:
+            mixed, b, a = mixed.index_select(0, rows), b.index_select(0, rows), a.index_select(0, rows)
+        T = mixed.shape[0]
+        qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.reshape(T, self.n_k, self.dk), k.reshape(T, self.n_k, self.dk), v.reshape(T, self.n_v, self.dv)
-        beta = elementwise(torch.sigmoid, self.in_proj_b(x_TD))  # (T, Hv), in the model dtype as HF
+        beta = elementwise(torch.sigmoid, b)  # (T, Hv), in the model dtype as HF
         # HF's order: A_log and a in fp32 (A would overflow in fp16), dt_bias promoted to fp32
         decay = elementwise(torch.exp, self.A_log.float())
-        g = -decay * elementwise(F.softplus, self.in_proj_a(x_TD).float() + self.dt_bias)  # (T, Hv) fp32
-        z = self.in_proj_z(x_TD).view(T, self.n_v, self.dv)
+        g = -decay * elementwise(F.softplus, a.float() + self.dt_bias)  # (T, Hv) fp32
+        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)  # the output side: x's own rows
         return (q, k, v, g, beta), z, conv_state
 
     def output(self, o_THV, z):
@@ -118,18 +151,20 @@ class GatedDeltaNet(nn.Module):
         T = o_THV.shape[0]
         return self.out_proj(self.norm(o_THV, z).reshape(T, self.value_dim))
 
-    def forward(self, x_TD, attn):
+    def forward(self, x_TD, attn, prefix_rows: PrefixRows | None = None):
         """The trainer's forward: x (T, D) of packed sequences starting at their first token,
-        attn a `Packed` (its cu_seqlens) -> (T, D)."""
-        prefix = getattr(attn, "prefix", None)
-        if prefix is not None or not hasattr(attn, "cu_seqlens"):
-            raise NotImplementedError(
-                f"linear-attention layer {self.layer_idx}: runs on packed whole sequences only (Packed without a "
-                f"shared prefix); the engine's paged path and shared-prompt packing are not wired for hybrid "
-                f"models yet")
-        inputs, z, _ = self.project(x_TD, attn.cu_seqlens)
-        o, _ = chunk_gated_delta_rule(*inputs, attn.cu_seqlens)
-        return self.output(o, z)
+        attn a `Packed` -> (T, D). With a shared prefix, `prefix_rows` (PrefixRows.of(attn),
+        which the model computes once per forward; made here if not given)."""
+        if not hasattr(attn, "cu_seqlens"):
+            raise NotImplementedError(f"linear-attention layer {self.layer_idx}: runs on packed whole sequences "
+                                      f"(Packed); the engine's paged path is not wired for hybrid models yet")
+        if attn.prefix is None:
+            inputs, z, _ = self.project(x_TD, attn.cu_seqlens)
+            return self.output(chunk_gated_delta_rule(*inputs, attn.cu_seqlens)[0], z)
+        re = prefix_rows if prefix_rows is not None else PrefixRows.of(attn)
+        inputs, z, _ = self.project(x_TD, re.cu_seqlens, rows=re.rows)
+        o = chunk_gated_delta_rule(*inputs, re.cu_seqlens)[0]  # (T', Hv, Dv)
+        return self.output(o.index_select(0, re.own), z)
 
     def empty_state(self, batch: int, device, dtype) -> LinearState:
         """The state of B sequences before their first token."""

@@ -21,13 +21,17 @@ Not covered: Qwen3-Next (model_type "qwen3_next"): the same mixers, but MoE MLPs
 linear-attention projections fused as in_proj_qkvz / in_proj_ba, interleaved per key head;
 the config loader refuses it with the supported list.
 
-The forward runs on `Packed` whole sequences (the trainer); the engine's paged path
-reaches the full-attention layers only, its linear-attention state is a later step
+The forward runs on `Packed` whole sequences (the trainer), with or without a shared
+prefix (GRPO's shared prompt: attention reads it once, the linear-attention layers re-run it
+per reader, `gated_deltanet.PrefixRows`); the engine's paged path reaches the
+full-attention layers only, its linear-attention state is a later step
 (`GatedDeltaNet.forward_continue` is the hook).
 Test: python -m pytest -q tests/test_qwen3_5.py
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 from torch import nn
@@ -37,8 +41,15 @@ from rlfuse.kernels.paged_attention import paged_attention, store_kvcache
 from rlfuse.kernels.rmsnorm import rmsnorm
 from rlfuse.kernels.rope import rope, rope_inv_freq
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.gated_deltanet import GatedDeltaNet, elementwise
-from rlfuse.model.transformer import MLP, CausalLM, Linear, PagedKV
+from rlfuse.model.gated_deltanet import GatedDeltaNet, PrefixRows, elementwise
+from rlfuse.model.transformer import MLP, CausalLM, Linear, Packed, PagedKV
+
+
+@dataclasses.dataclass(slots=True)
+class PackedWithPrefixRows(Packed):
+    """A `Packed` with a shared prefix, carrying the linear-attention layers' re-laid rows
+    (PrefixRows), computed once per forward instead of once per layer."""
+    prefix_rows: PrefixRows | None = None
 
 
 class OffsetRMSNorm(nn.Module):
@@ -117,7 +128,7 @@ class HybridDecoderLayer(nn.Module):
         else:
             h, x = self.input_layernorm(delta, h)
         if self.layer_type == "linear_attention":
-            mixed = self.linear_attn(x, attn)
+            mixed = self.linear_attn(x, attn, getattr(attn, "prefix_rows", None))
         else:
             mixed = self.self_attn(x, positions, attn, inv_freq, cos_sin)
         h, x = self.post_attention_layernorm(mixed, h)
@@ -145,6 +156,13 @@ class Qwen3_5ForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.gradient_checkpointing = False
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+
+    def forward(self, input_ids, positions, attn: Packed | PagedKV):
+        """CausalLM.forward; a Packed batch with a shared prefix (GRPO's shared prompt) gets
+        the linear-attention layers' re-laid rows first (`PrefixRows`, one host sync)."""
+        if isinstance(attn, Packed) and attn.prefix is not None and not isinstance(attn, PackedWithPrefixRows):
+            attn = PackedWithPrefixRows(attn.cu_seqlens, attn.max_seqlen, attn.prefix, PrefixRows.of(attn))
+        return super().forward(input_ids, positions, attn)
 
     def inv_freq(self, device) -> torch.Tensor:
         device = torch.device(device)

@@ -107,10 +107,6 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, ne
     if cfg.model.lora is not None and dist is not None:
         raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
                          "process or drop model.lora")
-    if cfg.grpo.share_prefix and getattr(model.config, "is_hybrid", False):
-        # a linear-attention layer reads a prompt as its state, not as keys: the shared packing is not wired
-        raise ValueError(f"grpo.share_prefix: not supported for hybrid models ({model.config.architecture}, "
-                         f"linear-attention layers); set grpo.share_prefix: false")
     apply_lora(model, cfg.model, seed=cfg.seed)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
