@@ -40,7 +40,7 @@ from rlfuse.kernels import use_backend
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
 from rlfuse.model import ModelConfig, Packed, load_model
-from rlfuse.model.gated_deltanet import GatedDeltaNet
+from rlfuse.model.gated_deltanet import GatedDeltaNet, PrefixRows
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules, lora_parameters
 from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 from rlfuse.model.qwen3_5 import Qwen3_5ForCausalLM, tiny_hybrid_model
@@ -421,6 +421,24 @@ def test_shared_prompt_packing_gives_the_unshared_log_probs_bitwise(dtype):
             # (|grad| ~ 1e-2 of the others'): measured 3e-5 / 5e-5 of max |grad|, the rest <= 1.2e-5
             tol = 2e-4 if name.endswith(("A_log", "dt_bias")) else 2e-5
             assert (g1[name] - grad).abs().max() <= tol * grad.abs().max(), name
+
+
+def test_prefix_relay_gradient_is_index_selects():
+    """PrefixRows.gather (deterministic backward: a prefix row's copies summed in reader order)
+    against autograd's own index_select, on a layout of two groups with 3 and 1 readers."""
+    attn = Packed.from_lengths([4, 3, 2, 5, 3, 6, 2], prefix_of=[None, None, 1, 1, 1, None, 5])
+    re = PrefixRows.of(attn)
+    r = lambda a, b: list(range(a, b))  # noqa: E731
+    # segments [0,4) [4,7) [7,9)+p [9,14)+p [14,17)+p [17,23) [23,25)+p', p = [4,7), p' = [17,23)
+    assert re.rows.tolist() == (r(0, 4) + r(4, 7) + r(4, 9) + r(4, 7) + r(9, 14) + r(4, 7) + r(14, 17) + r(17, 23)
+                                + r(17, 25))
+    assert len(re.copies) == 3  # the first readers of both prompts, then the second and third of p
+    x = torch.randn(25, 3, dtype=torch.float64, requires_grad=True)
+    torch.autograd.gradcheck(re.gather, (x,))
+    w = torch.randn(len(re.rows), 3, dtype=torch.float64)
+    (dx,) = torch.autograd.grad((re.gather(x) * w).sum(), x)
+    (ref,) = torch.autograd.grad((x.index_select(0, re.rows) * w).sum(), x)
+    assert torch.allclose(dx, ref, rtol=1e-15, atol=0)
 
 
 def test_grpo_trainer_side_runs_on_a_hybrid_model(tmp_path):

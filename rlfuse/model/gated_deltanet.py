@@ -70,26 +70,55 @@ class PrefixRows:
     own rows], so the conv and the chunks run over the same logical sequence, from the
     prefix's first token, as the unshared batch (in exact numerics its own rows' outputs are
     bitwise the unshared ones; the prefix's rows are recomputed once per reader and their
-    outputs dropped). Attention and every other layer still read the prompt once."""
+    outputs dropped). Attention and every other layer still read the prompt once.
+    `gather` is the re-lay with a deterministic backward: a prefix row's gradient sums its
+    own copy, then its readers' copies in reader order (no atomics on repeated rows)."""
     rows: torch.Tensor        # (T',) int64 the packed row of each re-laid row
     own: torch.Tensor         # (T,) int64 the re-laid row holding each packed row in its own segment
     cu_seqlens: torch.Tensor  # (B+1,) int32 the re-laid segments
+    copies: list[tuple[torch.Tensor, torch.Tensor]]  # per reader rank k: (re-laid rows, packed rows) of
+    #                                                   every prefix's k-th reader's copy; packed rows unique
 
     @classmethod
     def of(cls, attn) -> "PrefixRows":
         # host sync: the layout, once per forward that has a shared prefix (the trainer's micro-batch)
         bounds = attn.cu_seqlens.tolist()
         p_start, p_len = attn.prefix.start.tolist(), attn.prefix.length.tolist()
-        rows, own, lens = [], [0] * bounds[-1], []
+        rows, own, lens, copies, readers = [], [0] * bounds[-1], [], [], {}
         for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
-            rows.extend(range(p_start[b], p_start[b] + p_len[b]))
+            if p_len[b]:
+                k = readers[p_start[b]] = readers.get(p_start[b], -1) + 1
+                if k == len(copies):
+                    copies.append(([], []))
+                copies[k][0].extend(range(len(rows), len(rows) + p_len[b]))
+                copies[k][1].extend(range(p_start[b], p_start[b] + p_len[b]))
+                rows.extend(range(p_start[b], p_start[b] + p_len[b]))
             own[s:e] = range(len(rows), len(rows) + e - s)
             rows.extend(range(s, e))
             lens.append(p_len[b] + e - s)
         dev = attn.cu_seqlens.device
+        t = lambda x: torch.tensor(x, dtype=torch.long).to(dev)  # noqa: E731
         cu = torch.tensor([0, *lens], dtype=torch.int64).cumsum(0).to(torch.int32)
-        return cls(torch.tensor(rows, dtype=torch.long).to(dev), torch.tensor(own, dtype=torch.long).to(dev),
-                   cu.to(dev))
+        return cls(t(rows), t(own), cu.to(dev), [(t(dst), t(src)) for dst, src in copies])
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x (T, ...) packed rows -> (T', ...) re-laid rows."""
+        return _ReLay.apply(x, self)
+
+
+class _ReLay(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, re: PrefixRows):
+        ctx.re = re
+        return x.index_select(0, re.rows)
+
+    @staticmethod
+    def backward(ctx, grad):
+        re = ctx.re
+        dx = grad.index_select(0, re.own)
+        for dst, src in re.copies:  # src rows unique within a rank: each index_add_ adds once per row
+            dx.index_add_(0, src, grad.index_select(0, dst))
+        return dx, None
 
 
 @dataclasses.dataclass(slots=True)
@@ -129,11 +158,11 @@ class GatedDeltaNet(nn.Module):
     # -- the three stages (the trainer runs them in a row; the engine wraps the middle one)
     def project(self, x_TD, cu_seqlens, conv_state=None, rows=None):
         """-> (q, k, v, g, beta), z (T, Hv, Dv), conv_state (B, C, W-1): the kernel's inputs
-        for the rows of x (or x's rows `rows`, PrefixRows, laid out as `cu_seqlens`), the
-        conv continuing from `conv_state` (None: zeros)."""
+        for the rows of x (or x re-laid by `rows`, a PrefixRows, as `cu_seqlens`), the conv
+        continuing from `conv_state` (None: zeros)."""
         mixed, b, a = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
         if rows is not None:
-            mixed, b, a = mixed.index_select(0, rows), b.index_select(0, rows), a.index_select(0, rows)
+            mixed, b, a = rows.gather(mixed), rows.gather(b), rows.gather(a)
         T = mixed.shape[0]
         qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
@@ -162,7 +191,7 @@ class GatedDeltaNet(nn.Module):
             inputs, z, _ = self.project(x_TD, attn.cu_seqlens)
             return self.output(chunk_gated_delta_rule(*inputs, attn.cu_seqlens)[0], z)
         re = prefix_rows if prefix_rows is not None else PrefixRows.of(attn)
-        inputs, z, _ = self.project(x_TD, re.cu_seqlens, rows=re.rows)
+        inputs, z, _ = self.project(x_TD, re.cu_seqlens, rows=re)
         o = chunk_gated_delta_rule(*inputs, re.cu_seqlens)[0]  # (T', Hv, Dv)
         return self.output(o.index_select(0, re.own), z)
 
