@@ -39,7 +39,7 @@ from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.kernels import use_backend
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.logprob import token_logprobs
-from rlfuse.model import ModelConfig, Packed, load_model
+from rlfuse.model import ModelConfig, Packed, ScalarHeadModel, load_model
 from rlfuse.model.gated_deltanet import GatedDeltaNet, PrefixRows
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules, lora_parameters
 from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
@@ -448,3 +448,10 @@ def test_grpo_trainer_side_runs_on_a_hybrid_model(tmp_path):
         cfg = tiny_cfg(tmp_path / share, f"grpo.share_prefix={share}", "grpo.share_prefix_min_tokens=1",
                        model={"random_init": TINY_HYBRID})
         assert run_grpo(cfg, session=tiny_session(cfg))["steps"] == cfg.grpo.steps
+
+
+def test_a_scalar_head_on_a_hybrid_trunk_is_refused():
+    """Reward models and PPO critics build CausalLM's dense trunk: refused for a hybrid config
+    (it would silently be another model)."""
+    with pytest.raises(ValueError, match=r"reward models and critics on a hybrid trunk \(Qwen3_5ForCausalLM\)"):
+        ScalarHeadModel(tiny_hybrid_model().config)
