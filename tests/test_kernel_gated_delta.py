@@ -248,7 +248,8 @@ def test_triton_forward_against_float64(dtype, numerics, dims, lens, state):
 
 @pytest.mark.parametrize("dims,lens,state,final", [((1, 2, 8, 4), [66, 4], True, True),
                                                    ((2, 4, 12, 40), [130, 64, 3], False, False),
-                                                   ((1, 3, 16, 8), [64, 1], True, False)])
+                                                   ((1, 3, 16, 8), [64, 1], True, False),
+                                                   ((1, 2, 8, 4), [5, 0, 66], True, True)])  # an empty sequence
 def test_triton_backward_against_float64(dims, lens, state, final):
     """The Triton backward (dq, dk, dv, dg, dbeta, d initial state) against float64
     gradients of the reference: no worse than the fp32 reference's own error."""

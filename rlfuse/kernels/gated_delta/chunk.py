@@ -72,8 +72,8 @@ def l2norm_ref(x: torch.Tensor, exact: bool, eps: float = L2_EPS) -> torch.Tenso
 def _mm(a: torch.Tensor, b: torch.Tensor, exact: bool) -> torch.Tensor:
     """a (..., M, K) @ b (..., K, N); exact: products summed pairwise over K (row m of the
     result depends on a[m] and b only, in a fixed order)."""
-    if exact:
-        return pairwise_sum(a.unsqueeze(-1) * b.unsqueeze(-3), -2)
+    if exact:  # products laid out (..., M, N, K): the halving runs over a contiguous last dim
+        return pairwise_sum(a.unsqueeze(-2) * b.transpose(-1, -2).unsqueeze(-3), -1)
     return a @ b
 
 

@@ -123,11 +123,13 @@ def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
 
 
 @triton.jit(do_not_specialize=["Hv"])
-def _gdn_fwd_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, so_t, so_h, Hv,
-                    DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                    C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, PREC: tl.constexpr):
+def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h, Hv,
+                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, STORE_O: tl.constexpr,
+                      STORE_H: tl.constexpr, PREC: tl.constexpr):
     """The state pass, one program per (Dv block, sequence x value head), chunks in order:
-    v_new = u - w S, o = (q exp(gc)) S + P v_new, S <- exp(gL) S + kd^T v_new (full chunks)."""
+    v_new = u - w S, o = (q exp(gc)) S + P v_new, S <- exp(gL) S + kd^T v_new (full chunks).
+    The backward runs it again with STORE_H (each chunk's start state into H) and no o."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // Hv
     h = pid_bh % Hv
@@ -149,6 +151,9 @@ def _gdn_fwd_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, so_t, so_h, Hv,
         rm = rows < n
         t = start + rows
         ci = coff + c
+        if STORE_H:
+            tl.store(H + (ci * Hv + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :], S,
+                     mask=mk[:, None] & mv[None, :])
         rk = (t[:, None] * Hv + h) * DK + offs_k[None, :]
         m2 = rm[:, None] & mk[None, :]
         mvr = rm[:, None] & mv[None, :]
@@ -160,9 +165,10 @@ def _gdn_fwd_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, so_t, so_h, Hv,
         eL = tl.load(EL + ci * Hv + h)
         # 3. v_new = u - w S;  4. o = (q exp(gc)) S + P v_new
         v_new = u - dot(w, S, None, PREC)
-        o = dot(qg, S, None, PREC) + dot(P, v_new, None, PREC)
-        OT: tl.constexpr = O.dtype.element_ty
-        tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
+        if STORE_O:
+            o = dot(qg, S, None, PREC) + dot(P, v_new, None, PREC)
+            OT: tl.constexpr = O.dtype.element_ty
+            tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
         S_new = eL * S + dot(tl.trans(kd), v_new, None, PREC)
         S = tl.where((c + 1) * C <= n, S_new, S)
@@ -211,7 +217,19 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
         return o, sf
     cfg = tile_config(Dk, Dv, exact)
     BK, BV = cfg.pop("BK"), cfg.pop("BV")
-    prec = dot_precision(v)
+    prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg)
+    state_pass_kernel[(triton.cdiv(Dv, BV), B * Hv)](
+        *prep["buffers"], cu_seqlens, prep["coff"], s0 if s0 is not None else o, o, sf if sf is not None else o, o,
+        o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
+        STORE_SF=output_final_state, STORE_O=True, STORE_H=False, PREC=dot_precision(v), **cfg)
+    return o, sf
+
+
+def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg: dict) -> dict:
+    """Launch `_chunk_prep_kernel`: {"buffers": (w, u, q exp(gc), k exp(gL - gc), P,
+    exp(gL)) fp32, "coff", "cseq", "cidx", "NC"} (see `chunk_map`)."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
     coff, cseq, cidx, NC = chunk_map(cu_seqlens, T)
     dev = v.device
     wb, qg, kd = (torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev) for _ in range(3))
@@ -222,12 +240,8 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
         q, k, v, g, beta, cu_seqlens, cseq, cidx, wb, ub, qg, kd, pb, el,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=prec, **cfg)
-    _gdn_fwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](
-        wb, ub, qg, kd, pb, el, cu_seqlens, coff, s0 if s0 is not None else o, o, sf if sf is not None else o,
-        o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, PREC=prec, **cfg)
-    return o, sf
+        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=dot_precision(v), **cfg)
+    return dict(buffers=(wb, ub, qg, kd, pb, el), coff=coff, cseq=cseq, cidx=cidx, NC=NC)
 
 
 class _ChunkGatedDelta(torch.autograd.Function):

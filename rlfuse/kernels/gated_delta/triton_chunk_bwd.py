@@ -13,9 +13,11 @@ Given do and dS' (the gradient reaching the state after the chunk):
   exponentials, gc = cumsum(g) (dg = reverse cumsum of dgc), beta, and the l2 norms
   (x -> x r: dx = r dy - r^3 x (x.dy)).
 Two kernels:
-  1. `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
-     forward storing each chunk's start state H (the state is column-independent), then
-     backward carrying dS, storing each chunk's dS' (dH) and finally d initial_state.
+  1. the forward's two kernels again (`chunk_prep`, `state_pass_kernel` with STORE_H):
+     each chunk's state-independent quantities and its start state H;
+     `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
+     backward carrying dS, storing each chunk's dS' (dH) and finally d initial_state (the
+     state's Dv columns are independent, so are their gradients).
   2. `_chunk_bwd_kernel`, one program per (chunk, value head), all chunks in parallel:
      recomputes the chunk, loops over Dv blocks accumulating the Dv sums, writes dq, dk
      (per value head; summed over a q/k head's group after), dv, dg, dbeta.
@@ -30,20 +32,19 @@ import triton
 import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
-from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_map
+from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_prep, state_pass_kernel, tile_config
 from rlfuse.kernels.triton.common import dot, dot_precision
 
 
-@triton.jit(do_not_specialize=["Hv", "n_rep"])
-def _state_bwd_kernel(Q, K, V, G, BETA, CU, COFF, S0, DO, DSF, H, DH, DS0,
-                      sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h, so_t, so_h,
-                      Hv, n_rep, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                      BV: tl.constexpr, C: tl.constexpr, HAS_S0: tl.constexpr, HAS_DSF: tl.constexpr,
-                      PREC: tl.constexpr):
+@triton.jit(do_not_specialize=["Hv"])
+def _state_bwd_kernel(WB, QG, KD, PB, EL, CU, COFF, DO, DSF, DH, DS0, so_t, so_h, Hv,
+                      DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      C: tl.constexpr, HAS_DSF: tl.constexpr, PREC: tl.constexpr):
+    """The reverse walk, one program per (Dv block, sequence x head): for each chunk, last
+    first, its dS' (stored in DH) and the gradient passed to its start state."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // Hv
     h = pid_bh % Hv
-    hk = h // n_rep
     start = tl.load(CU + b).to(tl.int64)
     n = tl.load(CU + b + 1).to(tl.int64) - start
     coff = tl.load(COFF + b).to(tl.int64)
@@ -55,46 +56,32 @@ def _state_bwd_kernel(Q, K, V, G, BETA, CU, COFF, S0, DO, DSF, H, DH, DS0,
     mkv = mk[:, None] & mv[None, :]
     kv = offs_k[:, None] * DV + offs_v[None, :]
     s_off = (b * Hv + h).to(tl.int64) * DK * DV
-    if HAS_S0:
-        S = tl.load(S0 + s_off + kv, mask=mkv, other=0.0)
-    else:
-        S = tl.zeros((BK, BV), dtype=tl.float32)
-    nch = tl.cdiv(n, C)
-    for c in range(0, nch):  # forward: each chunk's start state
-        rows = c * C + offs_c
-        rm = rows < n
-        t = start + rows
-        h_off = ((coff + c) * Hv + h) * DK * DV
-        tl.store(H + h_off + kv, S, mask=mkv)
-        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
-            Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
-            offs_c, offs_k, mk, C, PREC)
-        v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
-                    other=0.0).to(tl.float32)
-        v_new = dot(Tm, beta[:, None] * v, None, PREC) - dot(w, S, None, PREC)
-        S_new = tl.exp(gL) * S + dot(tl.trans(k * ekd[:, None]), v_new, None, PREC)
-        S = tl.where((c + 1) * C <= n, S_new, S)
     if HAS_DSF:
         dS = tl.load(DSF + s_off + kv, mask=mkv, other=0.0)
     else:
         dS = tl.zeros((BK, BV), dtype=tl.float32)
-    for cc in range(0, nch):  # backward
+    nch = tl.cdiv(n, C)
+    for cc in range(0, nch):
         c = nch - 1 - cc
         rows = c * C + offs_c
         rm = rows < n
         t = start + rows
-        h_off = ((coff + c) * Hv + h) * DK * DV
-        _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
-            Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
-            offs_c, offs_k, mk, C, PREC)
+        ci = coff + c
+        rk = (t[:, None] * Hv + h) * DK + offs_k[None, :]
+        m2 = rm[:, None] & mk[None, :]
+        w = tl.load(WB + rk, mask=m2, other=0.0)
+        qg = tl.load(QG + rk, mask=m2, other=0.0)
+        kd = tl.load(KD + rk, mask=m2, other=0.0)
+        P = tl.load(PB + (ci * Hv + h) * C * C + offs_c[:, None] * C + offs_c[None, :])
+        eL = tl.load(EL + ci * Hv + h)
         full = (c + 1) * C <= n
         dSn = tl.where(full, dS, 0.0)  # the state after a partial chunk is not an output
-        tl.store(DH + h_off + kv, dSn, mask=mkv)
+        tl.store(DH + (ci * Hv + h) * DK * DV + kv, dSn, mask=mkv)
         do = tl.load(DO + t[:, None] * so_t + h * so_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
                      other=0.0).to(tl.float32)
-        dv_new = dot(tl.trans(P), do, None, PREC) + dot(k * ekd[:, None], dSn, None, PREC)
-        dS_prev = dot(tl.trans(q * egc[:, None]), do, None, PREC) - dot(tl.trans(w), dv_new, None, PREC)
-        dS = tl.where(full, dS_prev + tl.exp(gL) * dSn, dS_prev + dS)
+        dv_new = dot(tl.trans(P), do, None, PREC) + dot(kd, dSn, None, PREC)
+        dS_prev = dot(tl.trans(qg), do, None, PREC) - dot(tl.trans(w), dv_new, None, PREC)
+        dS = tl.where(full, dS_prev + eL * dSn, dS_prev + dS)
     tl.store(DS0 + s_off + kv, dS, mask=mkv)
 
 
@@ -207,22 +194,29 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
         return (z(q), z(k), z(v), z(g), z(beta), None if initial_state is None
                 else (dsf.float().clone() if dsf is not None else z(initial_state, dtype=torch.float32)))
     q, k, v, do = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, do))
-    coff, cseq, cidx, NC = chunk_map(cu_seqlens, T)
+    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    dsf = dsf.float().contiguous() if dsf is not None else None
+    cfg = tile_config(Dk, Dv, exact=False)
+    BK, BV = cfg.pop("BK"), cfg.pop("BV")
+    prec = dot_precision(v)  # the forward's
+    # 1. the forward's state-independent pass, then its state pass storing each chunk's start state
+    prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg)
+    coff, cseq, cidx, NC = prep["coff"], prep["cseq"], prep["cidx"], prep["NC"]
+    wb, ub, qg, kd, pb, el = prep["buffers"]
     Hbuf = torch.empty(NC, Hv, Dk, Dv, dtype=torch.float32, device=dev)
     dH = torch.empty_like(Hbuf)
     ds0 = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=dev)
-    s0 = initial_state.float().contiguous() if initial_state is not None else None
-    dsf = dsf.float().contiguous() if dsf is not None else None
-    BK = max(16, triton.next_power_of_2(Dk))  # the forward's tiles (triton_chunk.tile_config)
-    BV = min(64, max(16, triton.next_power_of_2(Dv)))
-    prec = dot_precision(v)  # the forward's
+    state_pass_kernel[(triton.cdiv(Dv, BV), B * Hv)](
+        *prep["buffers"], cu_seqlens, coff, s0 if s0 is not None else ds0, do, ds0, Hbuf, do.stride(0),
+        do.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None, STORE_SF=False,
+        STORE_O=False, STORE_H=True, PREC=prec, **cfg)
+    # 2. the reverse walk: each chunk's dS' and d initial_state
+    _state_bwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](
+        wb, qg, kd, pb, el, cu_seqlens, coff, do, dsf if dsf is not None else ds0, dH, ds0, do.stride(0),
+        do.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_DSF=dsf is not None, PREC=prec, **cfg)
+    del wb, ub, qg, kd, pb, el, prep
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), do.stride(0), do.stride(1))
-    warps = 4 if BK * BV <= 4096 else 8
-    _state_bwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](
-        q, k, v, g, beta, cu_seqlens, coff, s0 if s0 is not None else ds0, do, dsf if dsf is not None else ds0,
-        Hbuf, dH, ds0, *strides, Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK,
-        HAS_S0=s0 is not None, HAS_DSF=dsf is not None, PREC=prec, num_warps=warps)
     dq = torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev)
     dk = torch.empty_like(dq)
     dv = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
