@@ -17,7 +17,8 @@ random model (tests/tiny_hf.py QWEN3_5: layers [linear, linear, linear, full], v
   * the engine hook: `GatedDeltaNet.forward_continue` (conv state + S_c + buffered rows)
     equals the whole-sequence forward bitwise in exact numerics;
   * the engine's paged path through the gated full-attention layers (a config of those
-    only) equals the naive generator;
+    only) equals the naive generator, and its exact-numerics rollout log-probs equal the
+    trainer's bitwise (`rlfuse check` settings);
   * SFT (the trainer's packed path) on a tiny random hybrid model lowers the loss;
     activation checkpointing leaves the update bitwise unchanged; GRPO's shared-prompt
     packing gives the unshared log-probs bitwise (exact numerics), GRPO's update runs.
@@ -38,6 +39,7 @@ from engine_helpers import random_prompts
 from tiny_hf import QWEN3_5, qwen3_5_model, rel_err
 from train_setup import tiny_cfg, tiny_session
 
+from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.data.prompts import PromptStream, build_sft_examples
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import greedy_generate_naive
@@ -472,3 +474,18 @@ def test_engine_runs_the_gated_attention_layers(kw):
     llm = LLM(model.eval(), None, EngineConfig(max_model_len=128, max_num_seqs=8, **kw))
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=8))
     assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 8)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_rollout_log_probs_equal_the_trainers_through_gated_attention(dtype):
+    """`rlfuse check`'s settings (chunked prefill; everything combined: n > 1 sharing prompts,
+    prefix cache, preemption, look-ahead) on the full-attention-only Qwen3.5 config, exact
+    numerics, torch references: every sampled token's engine log-prob equals the trainer's."""
+    model = tiny_hybrid_model(seed=0, vocab_size=128, num_hidden_layers=2, layer_types=("full_attention",) * 2)
+    model = model.to(dtype)
+    prompts = random_prompts([14, 30, 33, 7, 40, 3, 18, 9])
+    sweep = {s.name: s for s in default_sweep(8, small_pool_blocks=6, chunk_tokens=16)}
+    with use_backend("torch"):
+        for name in ("chunked prefill", "combined"):
+            r = run_setting(model, prompts, sweep[name], numerics="exact", max_tokens=8, temperature=1.0)
+            assert r.tokens > 0 and r.bitwise_frac == 1.0 and r.max_abs == 0.0, (name, r.row(), r.first_diff)
