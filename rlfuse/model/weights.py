@@ -5,6 +5,12 @@ Loading builds the module on the meta device, allocates it once on the target de
 and copies one tensor at a time out of the memory-mapped files, so host memory never
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
+
+A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`:
+Qwen3.5's multimodal folders keep the text tower under `model.language_model.`) and hold
+parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower, logged in one
+line, and the multi-token-prediction head); we save plain text-model names, which
+transformers loads for both classes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlfuse.model.arch import ARCHS
+from rlfuse.model.arch import ARCHS, ArchSpec
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
 
@@ -104,7 +110,7 @@ def checkpoint_names(model: torch.nn.Module) -> Callable[[str], str]:
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     name = checkpoint_names(model)
     params = {name(n): p for n, p in hf_parameters(model)}
-    files = _weight_files(folder)
+    files, stored = _mapped_names(_weight_files(folder), ARCHS[model.config.model_type], folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -122,12 +128,33 @@ def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
     for path, names in by_file.items():
         with _open(path, str(device) if device.type != "meta" else "cpu") as f:
             for name in names:
-                t = f.get_tensor(name)
+                t = f.get_tensor(stored[name])
                 p = params[name]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                    raise ValueError(f"{path}: tensor {stored[name]!r} has shape {tuple(t.shape)}, "
                                      f"the config expects {tuple(p.shape)}")
                 p.copy_(t)
+
+
+def _mapped_names(files: dict[str, Path], spec: ArchSpec,
+                      folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """(our tensor name -> file, our name -> the name inside the file): the checkpoint's
+    names mapped to ours; skipped parts dropped, each logged in one line."""
+    out: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    renames = spec.checkpoint_prefixes
+    skipped: dict[str, int] = {}
+    for name, path in files.items():
+        what = next((w for p, w in spec.skipped_prefixes if name.startswith(p)), None)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+            continue
+        ours = next((mine + name[len(p):] for p, mine in renames if name.startswith(p)), name)
+        out[ours], stored[ours] = path, name
+    for what, n in skipped.items():
+        note = " (images and video are not supported yet)" if what == "vision tower" else ""
+        log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
+    return out, stored
 
 
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
