@@ -12,7 +12,7 @@ file only wires it (no copy of the delta rule here). For x (T, D), cu_seqlens (B
     o = chunk_gated_delta_rule(q, k, v, g, beta)           (T, Hv, Dv), q/k l2-normed inside
     y = out_proj(gated_rmsnorm(o, z = in_proj_z(x)))       (T, D)
 
-The engine's per-sequence state (the hook; the engine integration comes later). Between
+The engine's per-sequence state (`forward_slots` over `PagedKV.linear`, a `LinearSlots`). Between
 calls a sequence keeps, per linear-attention layer, `LinearState`: the last W-1 conv
 inputs, S_c (the delta-rule state at its last 64-token chunk boundary, fp32) and the
 kernel inputs (q, k, v, g, beta after the conv) of the < 64 tokens since that boundary.
@@ -42,7 +42,7 @@ from rlfuse.kernels.backend import is_exact
 from rlfuse.kernels.gated_delta import CHUNK, causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm
 from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
-from rlfuse.model.layers.packed import Packed
+from rlfuse.model.layers.packed import TAIL, LinearSlots, Packed, PagedKV
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
@@ -204,10 +204,12 @@ class GatedDeltaNet(nn.Module):
         x (T, D) of packed sequences starting at their first token, attn a `Packed` -> (T, D).
         With a shared prefix, the re-laid rows `attn.prefix_rows` (PrefixRows.of(attn), which
         the model makes once per forward, `prepare_prefix_rows`; made here if absent)."""
+        if isinstance(attn, PagedKV):
+            if attn.linear is None:
+                raise ValueError(f"linear-attention layer {self.layer_idx}: a PagedKV step without the "
+                                 f"linear-attention state (PagedKV.linear; the engine's LinearStateCache)")
+            return self.forward_slots(x_TD, attn.linear)
         prefix_rows = getattr(attn, "prefix_rows", None)
-        if not hasattr(attn, "cu_seqlens"):
-            raise NotImplementedError(f"linear-attention layer {self.layer_idx}: runs on packed whole sequences "
-                                      f"(Packed); the engine's paged path is not wired for hybrid models yet")
         if attn.prefix is None:
             inputs, z, _ = self.project(x_TD, attn.cu_seqlens)
             return self.output(chunk_gated_delta_rule(*inputs, attn.cu_seqlens)[0], z)
@@ -215,6 +217,26 @@ class GatedDeltaNet(nn.Module):
         inputs, z, _ = self.project(x_TD, re.cu_seqlens, rows=re)
         o = chunk_gated_delta_rule(*inputs, re.cu_seqlens)[0]  # (T', Hv, Dv)
         return self.output(o.index_select(0, re.own), z)
+
+    def forward_slots(self, x_TD, st: LinearSlots):
+        """The engine's step: the sequences' states read from their slots, `forward_continue`,
+        the states after the step written back in place."""
+        t = st.layers[self.layer_idx]
+        state = LinearState(t["conv"][st.slots], t["chunk"][st.slots], tuple(t[n][st.read_at] for n in TAIL),
+                            st.tail_lens)
+        y, new = self.forward_continue(x_TD, st.new_lens, state)
+        t["conv"][st.slots] = new.conv.to(t["conv"].dtype)
+        t["chunk"][st.slots] = new.chunk_state
+        for n, rows in zip(TAIL, new.tail):
+            t[n][st.write_at] = rows
+        return y
+
+    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32")."""
+        return {"conv": ((self.conv_dim, self.width - 1), "model"), "chunk": ((self.n_v, self.dk, self.dv), "fp32"),
+                "q": ((CHUNK, self.n_k, self.dk), "model"), "k": ((CHUNK, self.n_k, self.dk), "model"),
+                "v": ((CHUNK, self.n_v, self.dv), "model"), "g": ((CHUNK, self.n_v), "fp32"),
+                "beta": ((CHUNK, self.n_v), "model")}
 
     def empty_state(self, batch: int, device, dtype) -> LinearState:
         """The state of B sequences before their first token."""
