@@ -126,3 +126,32 @@ def test_state_bookkeeping_admit_free_copy():
     with pytest.raises(RuntimeError, match="resumes at token 64 without its linear-attention state"):
         cache.free(d)
         cache.step([d], [64], [1])
+
+
+def test_check_cli_hybrid_flag(tmp_path, capsys):
+    """--hybrid builds the tiny hybrid (fast part); without --tiny it is refused in one line."""
+    import argparse
+
+    from rlfuse.cli import check, main
+
+    p = argparse.ArgumentParser()
+    check.add_arguments(p)
+    model, tok = check._model(p.parse_args(["--tiny", "--hybrid"]), "cpu")
+    assert model.config.is_hybrid and tok is None
+    assert main(["check", str(tmp_path), "--hybrid", "--out", str(tmp_path / "o")]) != 0
+    assert "--hybrid picks the tiny hybrid model" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_check_cli_tiny_hybrid_is_bitwise(tmp_path, capsys):
+    """`rlfuse check --tiny --hybrid` in exact numerics reads 100% (~150 s on one CPU core)."""
+    import json
+
+    from rlfuse.cli import main
+
+    rc = main(["check", "--tiny", "--hybrid", "--numerics", "exact", "--max-batch", "4", "--max-tokens", "6",
+               "--out", str(tmp_path)])
+    assert rc == 0, capsys.readouterr()
+    report = json.loads((tmp_path / "check.json").read_text())
+    assert len(report["settings"]) == 11
+    assert all(r["bitwise_frac"] == 1.0 and r["tokens"] > 0 for r in report["settings"])
