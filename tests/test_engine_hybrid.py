@@ -39,11 +39,27 @@ def test_generate_equals_naive_greedy(kw):
         llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, **kw))
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 40)
-    assert not llm.runner.static and not llm.block_manager.caching  # hybrid: eager decode, no prefix reuse
+    assert not llm.runner.static and llm.scheduler.group_state  # hybrid: eager decode, hits only in a group
     if "num_kv_blocks" in kw:
         assert llm.stats.preemptions > 0
     lin = llm.runner.linear
     assert lin.num_free == len(lin.tensors[next(iter(lin.tensors))]) and not lin.slot_of  # every slot freed
+
+
+@pytest.mark.parametrize("prompt_len", [70, 45])
+def test_a_group_prefills_its_prompt_once(prompt_len):
+    """n = 4 samples of a prompt: one member prefills up to the prompt's last full block before
+    its last token, the others start there from a copy of its linear-attention state (and its
+    cached K/V blocks); greedy, every sample equals the naive generator's."""
+    model = _model()
+    (p,) = random_prompts([prompt_len])
+    with use_backend("torch"):
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16))
+        outs = llm.generate([p], SamplingParams(n=4, temperature=0.0, max_tokens=24, ignore_eos=True))
+        want = greedy_generate_naive(model, [p], 24)[0]
+    assert [o.output_token_ids for o in outs] == [want] * 4
+    shared = (prompt_len - 1) // 16 * 16
+    assert sorted(o.num_cached_prompt_tokens for o in outs) == [0] + [shared] * 3
 
 
 def test_a_new_turn_continues_correctly():
@@ -123,6 +139,11 @@ def test_state_bookkeeping_admit_free_copy():
     cache.free(b)  # finish or preemption: the slot returns
     cache.step([d], [0], [1])
     assert all(t[cache.slot(d)].eq(0).all() for t in cache.tensors.values())  # a new sequence starts at zero
+    d.state_from = a  # a group member's state: copied at admission
+    cache.free(d)
+    st = cache.step([d], [16], [1])
+    assert d.state_from is None and all(torch.equal(t[cache.slot(d)], t[cache.slot(a)])
+                                        for t in cache.tensors.values())
     with pytest.raises(RuntimeError, match="resumes at token 64 without its linear-attention state"):
         cache.free(d)
         cache.step([d], [64], [1])

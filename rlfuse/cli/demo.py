@@ -33,6 +33,8 @@ def add_arguments(p):
     p.add_argument("--agent", action="store_true",
                    help="multi-turn with a tool: SFT on calculator transcripts, then GRPO on episodes that call "
                         "it (3-digit multiplication), vs a no-tool baseline")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the arithmetic demo on a tiny Qwen3.5-style hybrid model (Gated DeltaNet + gated attention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -70,8 +72,11 @@ def run(args) -> int:
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
+            if args.agent and args.hybrid:
+                raise ValueError("demo: --hybrid runs the arithmetic demo; it does not combine with --agent")
             run = run_agent_demo if args.agent else run_demo
-            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics})
+            extra = {"hybrid": True} if args.hybrid else {}
+            res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics}, **extra)
             summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
             with open(root / "demo.json", "w") as f:
                 json.dump(summary, f, indent=2)

@@ -84,14 +84,15 @@ class LLM:
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.kv = self.runner.plan_and_allocate(self.max_model_len)
         caching = cfg.enable_prefix_caching
-        if caching and self.runner.linear is not None:
-            # a cached block restores the attention layers' K/V but not the linear-attention
-            # state at that token: reusing it would silently compute from a wrong state
-            log.info("prefix caching off for this hybrid model: a cache hit cannot restore its linear-attention "
-                     "state (every sequence prefills its own prompt)")
-            caching = False
         self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
+        if caching and self.runner.linear is not None:
+            # a cached block restores the attention layers' K/V but not the linear-attention
+            # state at that token: hits only within a group, from a member holding that state
+            self.scheduler.group_state = True
+            log.info("prefix caching for this hybrid model: only a request's n samples share their prompt (the "
+                     "linear-attention state copied from the member that computed it); no reuse across requests: "
+                     "a cache hit cannot restore the linear-attention state")
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)
         self._next_id = self._next_seq = 0

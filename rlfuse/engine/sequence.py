@@ -53,7 +53,7 @@ class Completion:
 class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens", "status",
                  "block_table", "num_computed", "num_ready_blocks", "block_hashes", "logprobs", "finish_reason",
-                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total")
+                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total", "state_from")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  seed: int, stop_ids: frozenset[int]):
@@ -77,6 +77,7 @@ class Sequence:
         self.row = -1               # row in the model runner's block-table buffer
         self.row_len = 0            # block-table entries already written to that row
         self.max_total = 1 << 62    # length at which it stops ("length"): set by the engine
+        self.state_from: Sequence | None = None  # hybrid models: the group member whose state it starts from
 
     @property
     def num_tokens(self) -> int:

@@ -12,9 +12,10 @@ sequence, and exact numerics give the trainer's bits (tests/test_engine_hybrid.p
 Bookkeeping: the tail length is num_computed % 64 (chunks are aligned to a sequence's first
 token), so the host keeps no extra counters. A sequence is admitted (slot zeroed) when it
 computes its first token; preemption frees the slot and the sequence recomputes from its
-first token (prefix-cache reuse is off for hybrid models: a cached block restores the
-attention layers' K/V, not this state; the engine logs it). `copy_for_group` copies a
-prompt's state to a group's members (StateSlots).
+first token. A cached block restores the attention layers' K/V, not this state, so prefix
+hits are taken only within a GRPO group: a member admitted at a hit starts from a copy of
+the state of the member that computed those tokens (`copy_for_group`; the scheduler pairs
+them, `Scheduler.group_state`); reuse across unrelated requests is off (logged).
 Test: python -m pytest -q tests/test_engine_hybrid.py
 """
 
@@ -59,9 +60,14 @@ class LinearStateCache(StateSlots):
         starts[b]; a sequence at position 0 is admitted here (its slot zeroed)."""
         for seq, st in zip(seqs, starts):
             if seq.seq_id not in self.slot_of:
-                if st != 0:  # a prefix-cache hit or a resume without the state: never silently wrong
+                src, seq.state_from = seq.state_from, None
+                if st != 0 and (src is None or src.seq_id not in self.slot_of):
+                    # a prefix-cache hit or a resume without the state: never silently wrong
                     raise RuntimeError(f"LinearStateCache: sequence {seq.seq_id} resumes at token {st} without "
-                                       f"its linear-attention state (prefix reuse must be off for hybrid models)")
+                                       f"its linear-attention state (hybrid models take prefix hits only from "
+                                       f"a group member holding it: Scheduler.group_state)")
                 self.admit(seq)
+                if st != 0:
+                    self.copy_for_group(src, [seq])  # the member's state at the shared prompt prefix
         slots = [self.slot(s) for s in seqs]
         return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
