@@ -19,7 +19,8 @@ from rlfuse.recipes.agent_demo import run_agent_demo
 from rlfuse.recipes.demo import SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
-HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
+HELP = ("the embedded default: tiny Qwen3-style model (--hybrid: a Qwen3.5-style hybrid), SFT warm-up, GRPO on "
+        "arithmetic, eval before/after")
 log = logging.getLogger("rlfuse.cli")
 
 
@@ -57,6 +58,8 @@ def replace_previous_demo(root: Path) -> None:
 
 
 def run(args) -> int:
+    if args.agent and args.hybrid:
+        return fail(ValueError("demo: --hybrid runs the arithmetic demo; it does not combine with --agent"))
     size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
     args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
@@ -72,8 +75,6 @@ def run(args) -> int:
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
-            if args.agent and args.hybrid:
-                raise ValueError("demo: --hybrid runs the arithmetic demo; it does not combine with --agent")
             run = run_agent_demo if args.agent else run_demo
             extra = {"hybrid": True} if args.hybrid else {}
             res = run(size, args.run_dir, seed=args.seed, overrides={"engine.numerics": args.numerics}, **extra)
