@@ -176,3 +176,30 @@ def test_check_cli_tiny_hybrid_is_bitwise(tmp_path, capsys):
     report = json.loads((tmp_path / "check.json").read_text())
     assert len(report["settings"]) == 11
     assert all(r["bitwise_frac"] == 1.0 and r["tokens"] > 0 for r in report["settings"])
+
+
+def test_generate_cli_and_api_on_a_hybrid_folder(tmp_path, capsys):
+    """A saved Qwen3.5 folder (rlfuse's tiny hybrid + a byte tokenizer): `rlfuse generate`
+    runs it, and the Python API's load_model + the engine decode as the naive generator."""
+    import json
+
+    from serve_helpers import byte_tokenizer
+
+    from rlfuse.api import load_model
+    from rlfuse.cli import main
+    from rlfuse.model import save_model
+
+    folder = tmp_path / "q35"
+    save_model(tiny_hybrid_model(seed=2, vocab_size=264, eos_token_id=257), folder)
+    byte_tokenizer().save(folder)
+    assert main(["generate", str(folder), "--prompt", "12+7=", "--prompt", "hello", "--max-tokens", "6",
+                 "--n", "2", "--json"]) == 0
+    rows = [json.loads(ln) for ln in capsys.readouterr().out.splitlines() if ln.startswith("{")]
+    assert len(rows) == 4
+    model, _ = load_model(folder, device="cpu")
+    assert model.config.is_hybrid
+    prompts = random_prompts([9, 66])
+    with use_backend("torch"):
+        outs = LLM(model.eval(), None, EngineConfig(max_model_len=128, max_num_seqs=2)).generate(
+            prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 8)

@@ -468,7 +468,7 @@ def test_a_scalar_head_on_a_hybrid_trunk_is_refused():
 def test_engine_runs_the_gated_attention_layers(kw):
     """The engine's paged path through Qwen3.5's gated full attention (output gate, partial
     rotary, (1 + w) norms): a Qwen3.5 config of full-attention layers only decodes greedily as
-    the naive generator does. (Linear-attention layers are not wired into the engine yet.)"""
+    the naive generator does (the hybrid stack: tests/test_engine_hybrid.py)."""
     model = tiny_hybrid_model(seed=0, vocab_size=128, num_hidden_layers=2, layer_types=("full_attention",) * 2)
     prompts = random_prompts([5, 17, 33])
     llm = LLM(model.eval(), None, EngineConfig(max_model_len=128, max_num_seqs=8, **kw))
