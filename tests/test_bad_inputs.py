@@ -33,6 +33,7 @@ from rlfuse.data.rows import load_rows
 from rlfuse.kernels.attention.varlen import supports_head_dim as triton_attention_supports
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
+from rlfuse.model.weights import load_model as load_model_folder
 from rlfuse.rollout.rewards import RewardSet
 from rlfuse.run import checkpoint as ck
 from rlfuse.run import metrics as mt
@@ -630,6 +631,63 @@ def test_random_init_outside_its_architecture(tok, change, msg):
     spec = ModelSpec(random_init=init, device="cpu", kernel_backend="torch")
     expect_error(lambda: build_model(spec, tok, torch.device("cpu")), rf"model\.random_init: config field {msg}",
                  f"model.random_init: {init}")
+
+
+def _hybrid_folder(tmp_path, **config_change) -> Path:
+    """A tiny Qwen3.5 folder (3 linear-attention layers + 1 full) saved by rlfuse; its config.json
+    then updated with `config_change`."""
+    from tiny_hf import tiny_hybrid_model
+
+    from rlfuse.model.weights import save_model
+
+    folder = save_model(tiny_hybrid_model(seed=0), tmp_path / "q35")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, **config_change}))
+    return folder
+
+
+@pytest.mark.bad_input("model-config")
+def test_hybrid_layer_type_not_supported(tmp_path):
+    types = ["linear_attention", "linear_attention", "sliding_attention", "full_attention"]
+    folder = _hybrid_folder(tmp_path, layer_types=types)
+    expect_error(lambda: ModelConfig.from_hf(folder),
+                 r"q35/config\.json: config field 'layer_types': layer 2 has type 'sliding_attention', which rlfuse "
+                 r"does not support; supported layer types: \['full_attention', 'linear_attention'\]",
+                 f"Qwen3.5 config.json with layer_types {types}")
+
+
+@pytest.mark.bad_input("model-config")
+def test_hybrid_linear_attention_shapes_not_the_configs(tmp_path):
+    """Weights of 4 linear-attention value heads under a config.json that says 2."""
+    folder = _hybrid_folder(tmp_path, linear_num_value_heads=2)
+    expect_error(lambda: load_model_folder(folder),
+                 r"model\.safetensors: tensor 'model\.layers\.0\.linear_attn\.A_log' has shape \(4,\), the config "
+                 r"expects \(2,\)",
+                 "Qwen3.5 folder whose config.json says linear_num_value_heads 2, its weights 4")
+
+
+@pytest.mark.bad_input("model-config")
+def test_multimodal_qwen3_5_folder_loads_its_text_tower(tmp_path, caplog):
+    """A Qwen3_5ForConditionalGeneration folder (text tower under model.language_model., a vision
+    tower, an MTP head) loads as the text model; what is left out is said in one line each."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _hybrid_folder(tmp_path)
+    text = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForConditionalGeneration"],
+                                                    "model_type": "qwen3_5", "text_config": text,
+                                                    "vision_config": {"depth": 1}, "tie_word_embeddings": False}))
+    tensors = {n.replace("model.", "model.language_model.", 1): t
+               for n, t in load_file(folder / "model.safetensors").items()}
+    tensors["model.visual.patch_embed.proj.weight"] = torch.zeros(4, 3, 2, 2, 2)
+    tensors["mtp.fc.weight"] = torch.zeros(4, 4)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="rlfuse.model.weights"):
+        model = load_model_folder(folder)
+    assert model.config.model_type == "qwen3_5_text"
+    fed = "a Qwen3_5ForConditionalGeneration folder (vision tower, MTP head) loaded as a text model"
+    expect_reported(caplog, "its vision tower (1 tensors) is not loaded", fed, count=1)
+    expect_reported(caplog, "its multi-token-prediction head (1 tensors) is not loaded", fed, count=1)
 
 
 # ------------------------------------------------------------------ kernels
@@ -1800,7 +1858,7 @@ LORA_CONFIG_CASES = [
     ("model.lora.alpha=.nan", r": model\.lora\.alpha must be a positive number, got nan"),
     ("model.lora.dropout=1.0", r": model\.lora\.dropout must be a number in \[0, 1\), got 1\.0"),
     ("model.lora.targets=[q_proj, lm_head]", r": model\.lora\.targets: unknown projection\(s\) \['lm_head'\]; valid: "
-                                             r"\['q_proj', .*'down_proj'\] or 'all-linear'"),
+                                             r"\['q_proj', .*'out_proj'\] or 'all-linear'"),
     ("model.lora.targets=[]", r": model\.lora\.targets must be 'all-linear' or a non-empty list of \[.*\], got \(\)"),
     ("model.lora.targets=qkv", r": model\.lora\.targets must be 'all-linear' or a list of \[.*\], got 'qkv'"),
     ("model.lora.targets=[q_proj, q_proj]", r": model\.lora\.targets lists a projection twice: \['q_proj', 'q_proj'\]"),

@@ -62,3 +62,52 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / ||b|| in float64."""
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+# Qwen3.5 (hybrid): 3 Gated DeltaNet layers then 1 gated full-attention layer; value heads =
+# 2 x key heads; half of head_dim rotated. Not in FAMILIES (tests/test_qwen3_5.py has its own).
+QWEN3_5 = dict(vocab_size=96, hidden_size=64, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4,
+               layer_types=["linear_attention"] * 3 + ["full_attention"], max_position_embeddings=512,
+               rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+               rope_parameters={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5})
+
+
+def qwen3_5_config(**over) -> transformers.PretrainedConfig:
+    return transformers.Qwen3_5TextConfig(**{**QWEN3_5, **over})
+
+
+@torch.no_grad()
+def qwen3_5_model(seed: int = 0, **over):
+    """A float32 eager transformers Qwen3_5ForCausalLM, every parameter drawn away from its
+    init: (1 + w) norms w ~ N(0, 0.1^2), the gated norm 1 + N(0, 0.1^2), A_log and dt_bias
+    N(0, 0.5^2), the conv N(0, 0.3^2) (a conv of width 4 summing small weights would leave
+    q/k/v near zero), matrices N(0, 0.05^2)."""
+    cfg = qwen3_5_config(**over)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        r = torch.randn(p.shape, generator=g)
+        if name.endswith("linear_attn.norm.weight"):
+            p.copy_(1 + 0.1 * r)
+        elif name.endswith("norm.weight"):
+            p.copy_(0.1 * r)
+        elif name.endswith(("A_log", "dt_bias")):
+            p.copy_(0.5 * r)
+        elif name.endswith("conv1d.weight"):
+            p.copy_(0.3 * r)
+        else:
+            p.copy_(0.05 * r)
+    return model.eval()
+
+
+def tiny_hybrid_model(seed: int = 0, std: float = 0.1, **over):
+    """rlfuse's tiny Qwen3.5 (`rlfuse.model.arch.qwen3_5.tiny_hybrid_fields(**over)`), fp32,
+    weights drawn from `seed` (the family's init: std for the matrices)."""
+    from rlfuse.model import CausalLM, ModelConfig
+    from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
+
+    model = CausalLM(ModelConfig(**tiny_hybrid_fields(**over)))
+    model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
+    return model

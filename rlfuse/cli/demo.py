@@ -19,7 +19,8 @@ from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path
 
-HELP = "the embedded default: tiny Qwen3-style model, SFT warm-up, GRPO on arithmetic, eval before/after"
+HELP = ("the embedded default: tiny Qwen3-style model (--hybrid: a Qwen3.5-style hybrid), SFT warm-up, GRPO on "
+        "arithmetic, eval before/after")
 log = logging.getLogger("rlfuse.cli")
 
 
@@ -40,6 +41,8 @@ def add_arguments(p):
     p.add_argument("--moe", action="store_true",
                    help="a tiny Qwen3-MoE model (4 experts, top-2, every layer sparse) instead of the dense one "
                         "(cpu and ci sizes)")
+    p.add_argument("--hybrid", action="store_true",
+                   help="the arithmetic demo on a tiny Qwen3.5-style hybrid model (Gated DeltaNet + gated attention)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -62,6 +65,10 @@ def replace_previous_demo(root: Path) -> None:
 
 
 def run(args) -> int:
+    if args.agent and args.hybrid:
+        return fail(ValueError("demo: --hybrid runs the arithmetic demo; it does not combine with --agent"))
+    if args.moe and args.hybrid:
+        return fail(ValueError("demo: --hybrid and --moe pick two different tiny models; give one"))
     size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
     args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
@@ -87,6 +94,8 @@ def run(args) -> int:
             overrides = {"engine.numerics": args.numerics}
             if args.moe:
                 overrides["model.random_init"] = MOE_MODEL
+            if args.hybrid:
+                extra["hybrid"] = True
             res = run(size, args.run_dir, seed=args.seed, overrides=overrides, **extra)
             summary = {k: v for k, v in res.items() if k not in ("grpo_history",)}
             with open(root / "demo.json", "w") as f:

@@ -84,8 +84,16 @@ class LLM:
         self.vocab_size = mcfg.vocab_size
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.kv = self.runner.plan_and_allocate(self.max_model_len)
-        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        caching = cfg.enable_prefix_caching
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, caching)
         self.scheduler = Scheduler(cfg, self.block_manager)
+        if caching and self.runner.linear is not None:
+            # a cached block restores the attention layers' K/V but not the linear-attention
+            # state at that token: hits only within a group, from a member holding that state
+            self.scheduler.group_state = True
+            log.info("prefix caching for this hybrid model: only a request's n samples share their prompt (the "
+                     "linear-attention state copied from the member that computed it); no reuse across requests: "
+                     "a cache hit cannot restore the linear-attention state")
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)
         self._next_id = self._next_seq = 0
@@ -98,7 +106,7 @@ class LLM:
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s, decode %s, numerics %s", mcfg.architecture,
                  self.runner.device, self.max_model_len, self.kv.num_blocks, cfg.block_size, cfg.max_num_seqs,
-                 cfg.max_num_batched_tokens, "on" if cfg.enable_prefix_caching else "off",
+                 cfg.max_num_batched_tokens, "on" if caching else "off",
                  "CUDA graphs" if self.runner.use_graphs else
                  ("static buffers (no capture on CPU)" if self.runner.static else "eager"), cfg.numerics)
 

@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
+from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -95,8 +96,16 @@ class ModelRunner:
         self.free_rows = list(range(self.num_rows - 1, -1, -1))
         # block tables on the device; the extra last row is all zeros for padding rows
         self.bt = torch.zeros((self.num_rows + 1, self.max_blocks), dtype=torch.int32, device=self.device)
+        # hybrid models: the linear-attention layers' per-sequence state, one slot per running
+        # sequence (allocated before the KV pool is planned, so the plan sees it)
+        self.linear = LinearStateCache(model, self.num_rows, self.dtype, self.device) if linear_layers(model) else None
         # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
         self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows)
+        if self.linear is not None:
+            log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences; decode runs "
+                     "eagerly (the static decode path and its CUDA graphs do not carry the linear-attention "
+                     "state yet)", len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
+            self.decode = None
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         # MoE routing record (EngineConfig.record_routing): one (rows, k) buffer per MoE layer,
@@ -161,8 +170,8 @@ class ModelRunner:
         allocated cache. Slots are -1 (nothing written) and tables point at block 0 (read,
         discarded). The decode graphs compile their own variants when captured. CUDA only:
         the CPU path has nothing to compile."""
-        if (self.device.type != "cuda" and not force) or self.kv is None:
-            return
+        if (self.device.type != "cuda" and not force) or self.kv is None or self.linear is not None:
+            return  # (hybrid models: their eager steps compile on first use)
         t0 = time.perf_counter()
         n_kv = self.mcfg.num_key_value_heads
         big = -(-2 * num_sms(self.device) // n_kv)  # programs >= 2 per SM: no split
@@ -209,6 +218,8 @@ class ModelRunner:
         if seq.row >= 0:
             self.free_rows.append(seq.row)
             seq.row, seq.row_len = -1, 0
+        if self.linear is not None:
+            self.linear.free(seq)
 
     def _sync_block_tables(self, seqs: list[Sequence]) -> list[int]:
         rows, r, c, v = [], [], [], []
@@ -340,7 +351,8 @@ class ModelRunner:
         d = {k: dev[at[k]:at[k] + n] for k, n in lens.items()}
         w = -(-max(st + n for st, n in zip(starts, num_new)) // bs)
         attn = PagedKV(self.kv.kv_caches, d["slots"], d["cu"].to(torch.int32), d["seq_lens"].to(torch.int32),
-                       self.bt[d["rows"], :w], max(num_new))
+                       self.bt[d["rows"], :w], max(num_new),
+                       linear=None if self.linear is None else self.linear.step(seqs, starts, num_new))
         h = self.model(d["ids"], d["pos"], attn)
         h = h if S == T else h[d["samp"]]
         return h, (d["top_k"], d["seeds"], d["offsets"])

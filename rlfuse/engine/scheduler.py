@@ -14,6 +14,14 @@ Every step, in this order, under two limits (`max_num_batched_tokens` tokens com
      step and admitted once that prefix is ready. No admissions in a step that preempted.
 A sequence's sample is drawn in the step whose chunk reaches its last token.
 
+Hybrid models (`group_state`: linear-attention layers, whose state a cached block does not
+restore): a prefix-cache hit is taken only from a running member of the same request (a
+GRPO group) that has computed exactly the hit's tokens, and the new member starts from a copy
+of that member's state (`Sequence.state_from`, copied by the runner's LinearStateCache);
+otherwise the sequence computes its prompt itself. So that the hit point is met, a group's
+prefill pauses at its prompt's last full block before the last token (each member computes
+the rest itself; for a prompt of a multiple of block_size tokens the members do not share).
+
 Test: python -m pytest -q tests/test_scheduler.py
 """
 
@@ -52,6 +60,22 @@ class Scheduler:
         self.bm = block_manager
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.group_state = False
+        """Hybrid models: prefix hits only within a group, through a state copy (module doc)."""
+
+    def _cap(self, seq: Sequence, n: int) -> int:
+        """Tokens `seq` computes this step: a group member's prefill stops at the share point."""
+        if self.group_state and seq.params.n > 1:
+            p = (seq.num_prompt_tokens - 1) // self.bm.block_size * self.bm.block_size
+            if seq.num_computed < p:
+                return min(n, p - seq.num_computed)
+        return n
+
+    def _state_source(self, seq: Sequence, hits: list[int]) -> Sequence | None:
+        """A running member of seq's request at exactly the hit point (hybrid models)."""
+        p = len(hits) * self.bm.block_size
+        return next((s for s in self.running if s.request_id == seq.request_id and s.num_computed == p
+                     and s is not seq), None)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -79,7 +103,7 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            n = min(len(seq.token_ids) - seq.num_computed, budget)
+            n = self._cap(seq, min(len(seq.token_ids) - seq.num_computed, budget))
             if (seq.num_computed + n + bs - 1) // bs <= len(seq.block_table):  # fast path: no new block
                 batch.seqs.append(seq)
                 batch.num_new.append(n)
@@ -108,6 +132,10 @@ class Scheduler:
             if pending:
                 skipped.append(self.waiting.popleft())
                 continue
+            if self.group_state:
+                seq.state_from = self._state_source(seq, hits) if hits else None
+                if seq.state_from is None:
+                    hits = []  # nobody holds the linear-attention state at the hit: compute it
             if not self.bm.can_allocate(seq, hits):
                 break
             self.waiting.popleft()
@@ -117,7 +145,7 @@ class Scheduler:
                 batch.num_prompt_cached += seq.num_cached_prompt
             seq.status = Status.RUNNING
             self.running.append(seq)
-            n = min(seq.num_tokens - seq.num_computed, budget)
+            n = self._cap(seq, min(seq.num_tokens - seq.num_computed, budget))
             batch.seqs.append(seq)
             batch.num_new.append(n)
             budget -= n

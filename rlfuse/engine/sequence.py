@@ -57,7 +57,8 @@ class Completion:
 class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens", "status",
                  "block_table", "num_computed", "num_ready_blocks", "block_hashes", "logprobs", "finish_reason",
-                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total", "routing")
+                 "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total", "routing",
+                 "state_from")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt: list[int], params: SamplingParams,
                  seed: int, stop_ids: frozenset[int]):
@@ -82,6 +83,7 @@ class Sequence:
         self.row_len = 0            # block-table entries already written to that row
         self.max_total = 1 << 62    # length at which it stops ("length"): set by the engine
         self.routing: list[torch.Tensor] = []  # per sampled token (layers, k), when the engine records routing
+        self.state_from: Sequence | None = None  # hybrid models: the group member whose state it starts from
 
     @property
     def num_tokens(self) -> int:

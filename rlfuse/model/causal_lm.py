@@ -31,7 +31,7 @@ from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.rope.rotary import rope_cos_sin, rope_inv_freq
 from rlfuse.model.arch import ARCHS
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.layers import DecoderLayer, Linear, Packed, PagedKV, RMSNorm
+from rlfuse.model.layers import DecoderLayer, Linear, Packed, PagedKV
 
 
 def _with_kernels(settings: KernelSettings, layer, *args):
@@ -46,7 +46,7 @@ def build_layer(cfg: ModelConfig, layer_idx: int, layer_type: str) -> DecoderLay
         raise ValueError(f"{spec.hf_class}: layer {layer_idx} has layer type {layer_type!r}; this architecture "
                          f"builds {sorted(spec.mixers)}")
     name, mixer = spec.mixers[layer_type]
-    return DecoderLayer(cfg, layer_idx, name, mixer(cfg, layer_idx), spec.mlp(cfg, layer_idx))
+    return DecoderLayer(cfg, layer_idx, name, mixer(cfg, layer_idx), spec.mlp(cfg, layer_idx), spec.norm)
 
 
 class DecoderModel(nn.Module):
@@ -57,7 +57,7 @@ class DecoderModel(nn.Module):
         if len(types) != cfg.num_hidden_layers:
             raise ValueError(f"{cfg.architecture}: {len(types)} layer types for {cfg.num_hidden_layers} layers")
         self.layers = nn.ModuleList(build_layer(cfg, i, t) for i, t in enumerate(types))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = ARCHS[cfg.model_type].norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class CausalLM(nn.Module):
@@ -84,7 +84,8 @@ class CausalLM(nn.Module):
         device = torch.device(device)
         if device not in self._inv_freq:
             c = self.config
-            self._inv_freq[device] = rope_inv_freq(c.head_dim, c.rope_theta, c.rope_scaling).to(device)
+            # rotary_dim: the head dims RoPE turns (head_dim but for a partial rotary factor)
+            self._inv_freq[device] = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling).to(device)
         return self._inv_freq[device]
 
     def forward(self, input_ids, positions, attn: Packed | PagedKV):
@@ -93,6 +94,9 @@ class CausalLM(nn.Module):
             return self._forward(input_ids, positions, attn)
 
     def _forward(self, input_ids, positions, attn):
+        prepare = ARCHS[self.config.model_type].prepare
+        if prepare is not None:  # metadata the family's mixers share, once per forward
+            attn = prepare(attn)
         h, delta = self.model.embed_tokens(input_ids), None
         inv_freq = self.inv_freq(h.device)
         # every layer rotates by the same angles: their cos/sin once per forward (Triton only)
@@ -140,7 +144,12 @@ class CausalLM(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, generator: torch.Generator | None = None):
-        """Random init like `transformers` (normal(0, std) matrices, zero biases, unit norms)."""
+        """Random init like `transformers` (normal(0, std) matrices, zero biases, unit norms;
+        a family's own rule where its ArchSpec has one)."""
+        own = ARCHS[self.config.model_type].init_weights
+        if own is not None:
+            own(self, std, generator)
+            return
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)

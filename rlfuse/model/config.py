@@ -21,6 +21,8 @@ from typing import Any
 
 from rlfuse.kernels.attention.varlen import supports_head_dim
 from rlfuse.model.arch import ARCHS
+from rlfuse.model.arch.fields import flag as _flag
+from rlfuse.model.arch.fields import number as _number
 from rlfuse.model.layers.moe_config import MoEConfig, moe_config_from_hf
 
 log = logging.getLogger(__name__)
@@ -35,6 +37,13 @@ def read_json(path: Path) -> Any:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 _ARCH_TO_TYPE = {s.hf_class: k for k, s in ARCHS.items()}
+# multimodal wrappers whose text tower a family loads: wrapper model_type -> (text model_type,
+# wrapper HF class); their config.json nests the text fields under `text_config`
+TEXT_TOWERS = {w: (k, cls) for k, s in ARCHS.items() for w, cls in s.text_tower_of.items()}
+_ARCH_TO_TYPE |= {cls: w for w, (_, cls) in TEXT_TOWERS.items()}
+# the fields of hybrid families (ArchSpec.check_config reads them); None / 1.0 elsewhere
+HYBRID_FIELDS = ("layer_types", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_num_key_heads", "linear_num_value_heads")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -70,6 +79,19 @@ class ModelConfig:
     moe: MoEConfig | None = None
     """The mixture-of-experts fields, given exactly for the architectures whose spec says
     `has_moe` (qwen3_moe; `rlfuse.model.layers.moe_config`)."""
+    layer_types: tuple[str, ...] | None = None
+    """Hybrid models: each layer's mixer, e.g. "full_attention" or "linear_attention" (None
+    in a hybrid config: the family's default). Other architectures: None (all full attention)."""
+    partial_rotary_factor: float = 1.0
+    """RoPE rotates the first int(head_dim * factor) dims of each head (Qwen3.5: 0.25)."""
+    linear_conv_kernel_dim: int | None = None
+    """Hybrid models: the causal conv1d width of the linear-attention layers."""
+    linear_key_head_dim: int | None = None
+    linear_value_head_dim: int | None = None
+    linear_num_key_heads: int | None = None
+    linear_num_value_heads: int | None = None
+    """Linear-attention heads: q/k heads of linear_key_head_dim, value heads (a multiple of
+    the key heads) of linear_value_head_dim. None in a hybrid config: the family's defaults."""
 
     def __post_init__(self):
         if self.model_type not in ARCHS:
@@ -112,6 +134,33 @@ class ModelConfig:
                              f"(model_type {self.model_type!r}, moe {self.moe!r})")
         if self.moe is not None:
             self.moe.check(self.num_hidden_layers)
+        f = self.partial_rotary_factor
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
+            raise ValueError(f"config field 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
+        if self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise ValueError(f"config field 'partial_rotary_factor' ({f}) gives a rotary dim of {self.rotary_dim} "
+                             f"(head_dim {self.head_dim}); it must be even and at least 2")
+        if spec.check_config is not None:
+            spec.check_config(self)
+            return
+        given = [k for k in HYBRID_FIELDS if getattr(self, k) is not None] + (["partial_rotary_factor"] * (f != 1.0))
+        if given:
+            hybrid = [k for k, s in ARCHS.items() if s.check_config is not None]
+            raise ValueError(f"config field {given[0]!r} is set, but {self.architecture} is not a hybrid "
+                             f"architecture (hybrid: {hybrid})")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Head dims RoPE rotates (the first ones; the rest pass through), as HF rounds it."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        """Whether some layers mix tokens other than by full attention (`layer_types`)."""
+        return self.layer_types is not None
+
+    def layer_type(self, i: int) -> str:
+        return "full_attention" if self.layer_types is None else self.layer_types[i]
 
     @property
     def architecture(self) -> str:
@@ -169,36 +218,9 @@ class ModelConfig:
         d.update(spec.hf_extra)
         if self.moe is not None:
             d.update(self.moe.to_hf())
+        if spec.write_hf is not None:
+            d.update(spec.write_hf(self))
         return d
-
-
-_MISSING = object()
-
-
-def _number(d: dict, key: str, where: str, default=_MISSING, *, integer: bool = False, label: str | None = None):
-    """d[key] as a positive (finite) int or float. Absent: `default` (the HF default, when
-    the field has one) or an error; null, zero, negative or a non-number: an error naming
-    the field -- never a silent default."""
-    label = label or key
-    kind = "a positive integer" if integer else "a positive finite number"
-    if key not in d:
-        if default is _MISSING:
-            raise ValueError(f"{where}: missing required field {label!r} (expected {kind})")
-        return default
-    v = d[key]
-    if v is None:
-        raise ValueError(f"{where}: field {label!r} is null; expected {kind}")
-    ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok_type or not math.isfinite(v) or v <= 0:
-        raise ValueError(f"{where}: field {label!r} is {v!r}; expected {kind}")
-    return v if integer else float(v)
-
-
-def _flag(d: dict, key: str, where: str, default: bool) -> bool:
-    v = d.get(key, default)
-    if not isinstance(v, bool):
-        raise ValueError(f"{where}: field {key!r} is {v!r}; expected true or false")
-    return v
 
 
 def _from_hf_dict(d: dict, where: str) -> ModelConfig:
@@ -208,10 +230,13 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+    if model_type in TEXT_TOWERS:
+        d, model_type, where = _text_tower(d, model_type, where)
     if model_type not in ARCHS:
-        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports {sorted(ARCHS)} "
-                         f"(architectures {sorted(_ARCH_TO_TYPE)})")
-    fixed = ARCHS[model_type].fixed
+        raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports "
+                         f"{sorted(ARCHS) + sorted(TEXT_TOWERS)} (architectures {sorted(_ARCH_TO_TYPE)})")
+    spec = ARCHS[model_type]
+    fixed = spec.fixed
     if d.get("use_sliding_window"):
         raise ValueError(f"{where}: field 'use_sliding_window' is true; sliding-window attention is not supported")
     n_heads = _number(d, "num_attention_heads", where, integer=True)
@@ -237,7 +262,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         rope_theta = _number(rope, "rope_theta", where, label="rope_parameters.rope_theta")
     else:
         rope_theta = _number(d, "rope_theta", where, 10000.0)
-    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    extra = spec.read_hf(d, rope, where) if spec.read_hf is not None else {}
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta" and k not in spec.rope_keys}
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in ("default", "llama3"):
         raise ValueError(f"{where}: field 'rope_parameters.rope_type' is {rope_type!r}; supported: 'default', 'llama3'")
@@ -271,6 +297,7 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         eos_token_id=d.get("eos_token_id"),
         pad_token_id=d.get("pad_token_id"),
         torch_dtype=str(dtype).replace("torch.", ""),
+        **extra,
     )
     if ARCHS[model_type].has_moe:
         kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"])
@@ -278,6 +305,25 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         return ModelConfig(**kw)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
+
+
+def _text_tower(d: dict, wrapper: str, where: str) -> tuple[dict, str, str]:
+    """A multimodal config's text tower: its `text_config` fields (the outer file's
+    tie_word_embeddings and dtype win, as transformers reads them), the text model_type."""
+    text_type, cls = TEXT_TOWERS[wrapper]
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: a {cls} config needs a 'text_config' object, got {type(text).__name__}")
+    text = dict(text)
+    for k in ("tie_word_embeddings", "torch_dtype", "dtype"):
+        if k in d:
+            text[k] = d[k]
+    text_model_type = text.get("model_type", text_type)
+    if text_model_type != text_type:
+        raise ValueError(f"{where}: field 'text_config.model_type' is {text_model_type!r}; a {cls} folder "
+                         f"holds a {text_type!r} text tower")
+    text["model_type"] = text_type
+    return text, text_type, f"{where} (text_config)"
 
 
 TRITON_HEAD_DIMS = "a power of two in [16, 256]"

@@ -1,6 +1,6 @@
 """LoRA adapters on the live model: applied at every forward, never merged into the base.
 
-    attach_lora(model, LoRAConfig(rank=8))     # q/k/v/o/gate/up/down of every layer
+    attach_lora(model, LoRAConfig(rank=8))     # every projection of every layer
     opt = AdamW([p for _, p in lora_parameters(model)])   # A and B only
     with adapters_off(model): ref = forward(...)          # the base model, same weights
     ref_model = BaseModelView(model)                      # the same, called like the model
@@ -52,7 +52,9 @@ log = logging.getLogger(__name__)
 
 ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS
+# Gated DeltaNet (hybrid models' linear-attention layers, rlfuse.model.layers.gated_deltanet)
+LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS
 ALL_LINEAR = "all-linear"
 
 
@@ -66,8 +68,9 @@ class LoRAConfig:
     alpha: float = 32.0
     """The update is (alpha / rank) * B A (alpha / sqrt(rank) with rslora)."""
     targets: str | tuple[str, ...] = ALL_LINEAR
-    """'all-linear' (q/k/v/o and gate/up/down projections of every layer; never the LM
-    head) or a list of projection names, e.g. [q_proj, v_proj]."""
+    """'all-linear' (every projection of every layer: q/k/v/o, gate/up/down, and a hybrid
+    model's linear-attention in_proj_qkv/z/b/a and out_proj; never the LM head) or a list
+    of projection names, e.g. [q_proj, v_proj]."""
     dropout: float = 0.0
     """Dropout probability on the adapter branch's input in training forwards."""
     rslora: bool = False

@@ -31,6 +31,8 @@ from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import read_json
 from rlfuse.model.lora import (
     ALL_LINEAR,
+    ATTENTION_TARGETS,
+    MLP_TARGETS,
     TARGETS,
     LoRAConfig,
     attach_lora,
@@ -52,6 +54,10 @@ _DEFAULTS = LoRAConfig()
 _UNSUPPORTED = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False),
                 ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
                 ("layers_to_transform", None), ("target_parameters", None), ("trainable_token_indices", None))
+# what 'all-linear' adapts on a dense model and on a hybrid one (its linear-attention layers
+# too). A hybrid model's adapter on exactly the dense set reads as all-linear and is then
+# refused at load (its in_proj_* would lack adapters): give such a folder's targets explicitly.
+_ALL_LINEAR_SETS = (set(ATTENTION_TARGETS + MLP_TARGETS), set(TARGETS))
 _PEFT_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}  # LoRAConfig field -> PEFT key
 
 
@@ -97,7 +103,7 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
     try:
         cfg = LoRAConfig(rank=d.get("r"), alpha=d.get("lora_alpha"), dropout=d.get("lora_dropout", 0.0),
                          rslora=bool(d.get("use_rslora", False)),
-                         targets=ALL_LINEAR if leaves == set(TARGETS) else tuple(sorted(leaves)), path=str(folder),
+                         targets=ALL_LINEAR if leaves in _ALL_LINEAR_SETS else tuple(sorted(leaves)), path=str(folder),
                          experts=(folder / EXPERTS_FILE).is_file())
     except ValueError as e:
         msg = str(e)
@@ -217,14 +223,16 @@ def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or
         save_tensors_file(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
         if experts:
             save_tensors_file(experts, tmp / EXPERTS_FILE, {"format": "pt"})
-        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, base_model_name_or_path), indent=2))
+        leaves = {name.rsplit(".", 1)[-1] for name, _ in mods}  # what this model adapts, in TARGETS order
+        targets = [t for t in TARGETS if t in leaves]
+        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, targets, base_model_name_or_path), indent=2))
         copy_side_files(tokenizer_dir, tmp)
     return folder
 
 
-def _peft_config(cfg: LoRAConfig, base_model_name_or_path: str | None) -> dict:
+def _peft_config(cfg: LoRAConfig, targets: list[str], base_model_name_or_path: str | None) -> dict:
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": cfg.rank, "lora_alpha": cfg.alpha,
-            "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": list(cfg.target_names),
+            "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": targets,
             "bias": "none", "use_dora": False, "fan_in_fan_out": False, "modules_to_save": None,
             "init_lora_weights": True, "inference_mode": True, "layers_to_transform": None, "layers_pattern": None,
             "rank_pattern": {}, "alpha_pattern": {}, "base_model_name_or_path": base_model_name_or_path,

@@ -5,6 +5,12 @@ Loading builds the module on the meta device, allocates it once on the target de
 and copies one tensor at a time out of the memory-mapped files, so host memory never
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
+
+A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`:
+Qwen3.5's multimodal folders keep the text tower under `model.language_model.`) and hold
+parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower, logged in one
+line, and the multi-token-prediction head); we save plain text-model names, which
+transformers loads for both classes.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from rlfuse.model.arch import ARCHS
+from rlfuse.model.arch import ARCHS, ArchSpec
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.layers.moe import EXPERT_PARAMS, copy_expert_tensors, named_blocks, per_expert_names, published_layout
@@ -101,13 +107,13 @@ def checkpoint_names(model: torch.nn.Module) -> Callable[[str], str]:
     return ARCHS[model.config.model_type].checkpoint_name
 
 
-def _plan(model: CausalLM, folder: Path) -> tuple[dict, dict[Path, list[str]]]:
-    """(checkpoint name -> parameter, file -> names to read), with the folder's tensors
-    checked against the model's (unexpected or missing ones named)."""
+def _plan(model: CausalLM, folder: Path) -> tuple[dict, dict[Path, list[str]], dict[str, str]]:
+    """(checkpoint name -> parameter, file -> names to read, name -> its name inside the file),
+    with the folder's tensors checked against the model's (unexpected or missing ones named)."""
     name = checkpoint_names(model)
     params = {name(n): p for n, p in hf_parameters(model)}
-    files = _weight_files(folder)
-    _load_per_expert_layout(model, name, params, files, folder)
+    files, stored = _mapped_names(_weight_files(folder), ARCHS[model.config.model_type], folder)
+    _load_per_expert_layout(model, name, params, files, stored, folder)
     tied = model.lm_head is None
     unexpected = [n for n in files if n not in params and not (tied and n == "lm_head.weight")
                   and not n.endswith("rotary_emb.inv_freq")]
@@ -121,26 +127,26 @@ def _plan(model: CausalLM, folder: Path) -> tuple[dict, dict[Path, list[str]]]:
     for name, path in files.items():
         if name in params:
             by_file.setdefault(path, []).append(name)
-    return params, by_file
+    return params, by_file, stored
 
 
 @torch.no_grad()
 def load_state_dict_from_files(model: CausalLM, folder: Path) -> None:
-    params, by_file = _plan(model, folder)
+    params, by_file, stored = _plan(model, folder)
     device = next(iter(params.values())).device
     for path, names in by_file.items():
         with _open(path, str(device) if device.type != "meta" else "cpu") as f:
             for name in names:
-                t = f.get_tensor(name)
+                t = f.get_tensor(stored[name])
                 p = params[name]
                 if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(t.shape)}, "
+                    raise ValueError(f"{path}: tensor {stored[name]!r} has shape {tuple(t.shape)}, "
                                      f"the config expects {tuple(p.shape)}")
                 p.copy_(t)
 
 
 def _load_per_expert_layout(model: torch.nn.Module, name: Callable[[str], str], params: dict,
-                            files: dict[str, Path], folder: Path) -> None:
+                            files: dict[str, Path], stored: dict[str, str], folder: Path) -> None:
     """MoE blocks stored one expert per tensor (published checkpoints, transformers'
     save_pretrained): copied into the fused parameters here, then left out of `params` and
     `files` so the name checks that follow see neither."""
@@ -160,13 +166,34 @@ def _load_per_expert_layout(model: torch.nn.Module, name: Callable[[str], str], 
                 f = files[tensor_name]
                 if f not in handles:
                     handles[f] = stack.enter_context(_open(f, str(device)))
-                return handles[f].get_tensor(tensor_name)
+                return handles[f].get_tensor(stored.get(tensor_name, tensor_name))
 
             copy_expert_tensors(get, prefix, params[fused[0]], params[fused[1]], where=str(folder))
         for n in fused:
             del params[n]
         for n in names:
             del files[n]
+
+
+def _mapped_names(files: dict[str, Path], spec: ArchSpec,
+                      folder: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """(our tensor name -> file, our name -> the name inside the file): the checkpoint's
+    names mapped to ours; skipped parts dropped, each logged in one line."""
+    out: dict[str, Path] = {}
+    stored: dict[str, str] = {}
+    renames = spec.checkpoint_prefixes
+    skipped: dict[str, int] = {}
+    for name, path in files.items():
+        what = next((w for p, w in spec.skipped_prefixes if name.startswith(p)), None)
+        if what is not None:
+            skipped[what] = skipped.get(what, 0) + 1
+            continue
+        ours = next((mine + name[len(p):] for p, mine in renames if name.startswith(p)), name)
+        out[ours], stored[ours] = path, name
+    for what, n in skipped.items():
+        note = " (images and video are not supported yet)" if what == "vision tower" else ""
+        log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
+    return out, stored
 
 
 def save_model(model: CausalLM, folder: str | Path, *, tokenizer_dir: str | Path | None = None,
@@ -284,15 +311,15 @@ def load_rows_from_files(model: CausalLM, folder: str | Path, shard_of: Callable
     are read in the file's dtype, rounded to `via` when given (the run dtype: fp32 masters
     then hold the run-dtype values, as `load_model` + `shard_model` give), cast by the copy."""
     folder = Path(folder)
-    params, by_file = _plan(model, folder)
+    params, by_file, stored = _plan(model, folder)
     for path, names in by_file.items():
         with _open(path) as f:
             for name in names:
                 p = params[name]
                 local, row0 = shard_of(p)
-                sl = f.get_slice(name)
+                sl = f.get_slice(stored[name])
                 if tuple(sl.get_shape()) != tuple(p.shape):
-                    raise ValueError(f"{path}: tensor {name!r} has shape {tuple(sl.get_shape())}, "
+                    raise ValueError(f"{path}: tensor {stored[name]!r} has shape {tuple(sl.get_shape())}, "
                                      f"the config expects {tuple(p.shape)}")
                 if local.numel():
                     rows = sl[row0:row0 + local.shape[0]]

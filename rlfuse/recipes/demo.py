@@ -9,6 +9,8 @@ Sizes (`size`):
   cpu  the default on a machine without CUDA (~5 min on 2 cores)
   ci   a shortened cpu run for the CI test (< 2 min)
   gpu  the default with CUDA: a larger model and batch
+`hybrid=True` (`rlfuse demo --hybrid`): the model is a tiny Qwen3.5-style hybrid (a Gated
+DeltaNet layer and a gated full-attention layer) instead.
 Run: rlfuse demo [--size cpu|ci|gpu] [--run-dir runs/demo]
 Test: python -m pytest -q tests/test_demo.py
 """
@@ -41,6 +43,11 @@ MOE_MODEL = {
     "moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 192, "norm_topk_prob": True},
 }
 """`rlfuse demo --moe`: the cpu model with a Qwen3-MoE block in every layer (model.random_init)."""
+# `hybrid`: the cpu shape as a Qwen3.5-style hybrid, one Gated DeltaNet layer then one gated
+# full attention (value heads = 2 x key heads, half of each attention head rotated)
+_HYBRID = dict(_MODEL["cpu"], model_type="qwen3_5_text", layer_types=["linear_attention", "full_attention"],
+               partial_rotary_factor=0.5, linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16,
+               linear_num_key_heads=4, linear_num_value_heads=8)
 # max SFT steps, SFT batch, GRPO steps, prompts per step, group size, held-out problems
 _SCHEDULE = {
     "ci": (1500, 64, 30, 32, 8, 300),
@@ -52,14 +59,15 @@ SFT_TARGET = 0.4
 """SFT stops once greedy accuracy on 200 training problems reaches this (checked every 25 steps)."""
 
 
-def demo_config(size: str = "cpu", run_dir: str = "runs/demo", seed: int = 0) -> RunConfig:
-    """The GRPO-stage config; the SFT stage differs in optim (see run_demo)."""
+def demo_config(size: str = "cpu", run_dir: str = "runs/demo", seed: int = 0, hybrid: bool = False) -> RunConfig:
+    """The GRPO-stage config; the SFT stage differs in optim (see run_demo). hybrid: the
+    model is the Qwen3.5-style hybrid `_HYBRID` (any size)."""
     if size not in _SCHEDULE:
         raise ValueError(f"demo size must be one of {SIZES}, got {size!r}")
     sft_steps, sft_batch, grpo_steps, pps, group, n_eval = _SCHEDULE[size]
     return load_config({
         "seed": seed,
-        "model": {"random_init": _MODEL["gpu" if size == "gpu" else "cpu"], "tokenizer": "char",
+        "model": {"random_init": _HYBRID if hybrid else _MODEL["gpu" if size == "gpu" else "cpu"], "tokenizer": "char",
                   "dtype": "bfloat16" if size == "gpu" else "float32", "device": "auto"},
         "engine": {},
         # 2-digit operands written zero-padded: 10,000 problems, 500 held out
@@ -96,11 +104,11 @@ def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float =
 
 
 def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sampler_factory=None,
-             overrides: dict | None = None, echo=print) -> dict:
+             overrides: dict | None = None, echo=print, hybrid: bool = False) -> dict:
     """SFT warm-up then GRPO on one in-memory model; returns accuracies and timings.
     `sampler_factory(model, tokenizer)` replaces the engine (tests)."""
     t0 = time.perf_counter()
-    base = demo_config(size, run_dir, seed)
+    base = demo_config(size, run_dir, seed, hybrid)
     if overrides:
         base = replace(base, **overrides)
     # SFT: a high constant LR (the model starts from random weights); GRPO: base optim
@@ -109,7 +117,7 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     ses = open_session(sft_cfg, need_target=True)
     model, tok = ses.model, ses.tokenizer
     ses._sampler = sampler_factory(model, tok) if sampler_factory else None
-    kind = "Qwen3-MoE" if model.config.moe is not None else "Qwen3"
+    kind = "Qwen3.5-style hybrid" if hybrid else "Qwen3-MoE" if model.config.moe is not None else "Qwen3"
     echo(f"rlfuse demo ({size}): tiny {kind} model ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
          f"{model.config.num_hidden_layers} layers) on {ses.device}, 2-digit addition, run folder {run_dir}")
     t_sft = time.perf_counter()

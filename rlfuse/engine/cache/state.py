@@ -25,9 +25,11 @@ frees every kind.
 
 Status: the KV cache implements the contract through the block manager's own names
 (`can_allocate`, `allocate`, `blocks_needed`, `append_blocks`, `free_seq`); `StateSlots`
-implements it for slot state and is tested on its own, but no model uses it yet, so the
-scheduler does not call it (the Gated DeltaNet layers will; docs/architecture.md).
-Test: python -m pytest -q tests/test_block_manager.py
+implements it for slot state; `rlfuse.engine.cache.linear.LinearStateCache` is the Gated
+DeltaNet layers' (one slot per running sequence: the model runner admits a sequence when it
+computes its first token and frees it with its row, so the scheduler's running limit
+max_num_seqs = the number of slots is what bounds it).
+Test: python -m pytest -q tests/test_block_manager.py tests/test_engine_hybrid.py
 """
 
 from __future__ import annotations
@@ -61,11 +63,14 @@ class StateSlots:
     (shapes are the architecture's). A slot is zeroed when a sequence is admitted (a new
     sequence starts from the zero state) and copied for a group's members."""
 
-    def __init__(self, num_slots: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
+    def __init__(self, num_slots: int, shapes: dict[str, tuple[int, ...]], dtype: torch.dtype | dict[str, torch.dtype],
                  device: torch.device | str = "cpu"):
+        """dtype: one for every tensor, or one per name (a recurrent state in fp32 beside
+        conv inputs in the model dtype)."""
         if num_slots < 1:
             raise ValueError(f"StateSlots: num_slots must be >= 1, got {num_slots}")
-        self.tensors = {k: torch.zeros((num_slots, *s), dtype=dtype, device=device) for k, s in shapes.items()}
+        dt = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
+        self.tensors = {k: torch.zeros((num_slots, *s), dtype=dt[k], device=device) for k, s in shapes.items()}
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
 

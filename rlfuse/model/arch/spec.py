@@ -15,6 +15,13 @@ Plug-in points (docs/architecture.md, "A new architecture"):
     families, whose module tree mirrors HF's). Stacked MoE experts (one (E, ...) tensor here,
     one tensor per expert in published folders) are split and joined by `model.weights`
     for every `layers.moe.SparseMoeBlock`, whatever the family.
+    `checkpoint_prefixes` / `skipped_prefixes`: a folder's names under another prefix (a
+    multimodal wrapper's text tower) and the parts not loaded (vision tower, MTP head);
+  * `norm(dim, eps)`: the RMSNorm variant of the residual stream and the final norm;
+  * config hooks of families with more fields (hybrids): `read_hf`, `check_config`,
+    `write_hf`, `rope_keys`, `text_tower_of`;
+  * `prepare(attn)`: per-forward metadata a family's mixers share (made once per forward);
+  * `init_weights(model, std, generator)`: a family's random init, if not the dense one.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from rlfuse.model.layers.norm import RMSNorm
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
@@ -64,6 +73,26 @@ class ArchSpec:
     """config.json carries MoE fields (`ModelConfig.moe` is required, else refused)."""
     checkpoint_name: Callable[[str], str] = _same_name
     """Our state-dict name -> the checkpoint's."""
+    checkpoint_prefixes: tuple[tuple[str, str], ...] = ()
+    """(prefix in a checkpoint, ours): e.g. a multimodal folder's text tower names."""
+    skipped_prefixes: tuple[tuple[str, str], ...] = ()
+    """(prefix in a checkpoint, what it is): tensors not loaded, logged in one line each."""
+    norm: Callable[[int, float], nn.Module] = RMSNorm
+    """builder(dim, eps) of the decoder's RMSNorms (the layers' two and the final one)."""
+    read_hf: Callable[[dict, dict, str], dict] | None = None
+    """(config.json dict, its rope parameters, where) -> this family's extra ModelConfig fields."""
+    check_config: Callable[[ModelConfig], None] | None = None
+    """Validates (and fills the defaults of) those fields; None: the family has none."""
+    write_hf: Callable[[ModelConfig], dict] | None = None
+    """-> the extra config.json entries of those fields."""
+    rope_keys: tuple[str, ...] = ()
+    """rope_parameters keys `read_hf` consumes (no part of the rope type)."""
+    text_tower_of: dict[str, str] = dataclasses.field(default_factory=dict)
+    """Multimodal wrapper model_type -> its HF class, whose text_config is this family's."""
+    prepare: Callable[[Any], Any] | None = None
+    """attn metadata -> the same with what the mixers share per forward (None: as is)."""
+    init_weights: Callable[[nn.Module, float, Any], None] | None = None
+    """(model, std, generator) -> None: the family's random init (None: the dense rule)."""
     notes: str = ""
     """One line for docs/models.md."""
 

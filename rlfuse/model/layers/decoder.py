@@ -19,13 +19,15 @@ if TYPE_CHECKING:
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, mixer_name: str, mixer: nn.Module, mlp: nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, mixer_name: str, mixer: nn.Module, mlp: nn.Module,
+                 norm=RMSNorm):
+        """norm: builder(dim, eps) of the two RMSNorms (the architecture's variant)."""
         super().__init__()
         self.mixer_name = mixer_name
         setattr(self, mixer_name, mixer)  # registered first: parameter order as HF's (init draws in this order)
         self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     @property
     def mixer(self) -> nn.Module:

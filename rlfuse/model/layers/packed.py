@@ -70,3 +70,35 @@ class PagedKV:
     block_tables: torch.Tensor  # (B, max_blocks) int32
     max_seqlen_q: int
     shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
+    linear: "LinearSlots | None" = None  # hybrid models: the linear-attention layers' per-sequence state
+
+
+TAIL = ("q", "k", "v", "g", "beta")
+"""The per-token kernel inputs a linear-attention layer buffers since its last chunk boundary."""
+
+
+@dataclasses.dataclass(slots=True)
+class LinearSlots:
+    """The linear-attention layers' per-sequence state in an engine step (the tensors are
+    owned by `rlfuse.engine.cache.linear.LinearStateCache`; the layers read and update them
+    in place). Per layer: conv (R, C, W-1), chunk (R, Hv, Dk, Dv) fp32 = S_c, and the tail
+    buffer q, k (R, CHUNK, Hk, Dk), v (R, CHUNK, Hv, Dv), g (R, CHUNK, Hv) fp32,
+    beta (R, CHUNK, Hv): the rows since S_c's boundary (`tail_lens[b]` of them)."""
+    layers: dict[int, dict[str, torch.Tensor]]
+    slots: torch.Tensor          # (B,) int64 each sequence's slot
+    new_lens: list[int]          # (B,) tokens each sequence computes this step
+    tail_lens: list[int]         # (B,) buffered rows before the step: num_computed % CHUNK
+    read_at: tuple[torch.Tensor, torch.Tensor]   # (slot, row) of each buffered row, sequence order
+    write_at: tuple[torch.Tensor, torch.Tensor]  # (slot, row) of each row buffered after the step
+
+    @classmethod
+    def make(cls, layers, slots: list[int], new_lens: list[int], tail_lens: list[int], chunk: int,
+             device) -> "LinearSlots":
+        after = [(t + n) % chunk for t, n in zip(tail_lens, new_lens)]
+
+        def at(lens):
+            s = [sl for sl, n in zip(slots, lens) for _ in range(n)]
+            r = [i for n in lens for i in range(n)]
+            return (torch.tensor(s, dtype=torch.long).to(device), torch.tensor(r, dtype=torch.long).to(device))
+        return cls(layers, torch.tensor(slots, dtype=torch.long).to(device), list(new_lens), list(tail_lens),
+                   at(tail_lens), at(after))

@@ -1,0 +1,73 @@
+"""The linear-attention layers' per-sequence state (hybrid models, e.g. Qwen3.5): slot state
+(`StateSlots`) holding, per sequence and Gated DeltaNet layer, the conv state (the last W-1
+conv inputs), S_c (the delta-rule state at the sequence's last 64-token chunk boundary, fp32)
+and the tail buffer of raw kernel inputs (q, k, v, g, beta) of the < 64 tokens since that
+boundary (docs/numerics.md, "Linear attention"; notes in the kernel contract).
+
+Why S_c + tail and not the state after the last token: every continuation (a decode token,
+a prefill chunk) is ONE `chunk_gated_delta_rule` call over [tail + new] from S_c, so each
+token goes through the same chunk arithmetic as the trainer's forward over the whole
+sequence, and exact numerics give the trainer's bits (tests/test_engine_hybrid.py).
+
+Bookkeeping: the tail length is num_computed % 64 (chunks are aligned to a sequence's first
+token), so the host keeps no extra counters. A sequence is admitted (slot zeroed) when it
+computes its first token; preemption frees the slot and the sequence recomputes from its
+first token. A cached block restores the attention layers' K/V, not this state, so prefix
+hits are taken only within a GRPO group: a member admitted at a hit starts from a copy of
+the state of the member that computed those tokens (`copy_for_group`; the scheduler pairs
+them, `Scheduler.group_state`); reuse across unrelated requests is off (logged).
+Test: python -m pytest -q tests/test_engine_hybrid.py
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rlfuse.engine.cache.state import StateSlots
+from rlfuse.engine.sequence import Sequence
+from rlfuse.kernels.gated_delta import CHUNK
+from rlfuse.model import LinearSlots
+
+
+def linear_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, mixer) of every layer whose mixer keeps engine state (`state_shapes`)."""
+    return [(i, layer.mixer) for i, layer in enumerate(model.model.layers) if hasattr(layer.mixer, "state_shapes")]
+
+
+class LinearStateCache(StateSlots):
+    """One slot per running sequence for every linear-attention layer of `model`."""
+
+    def __init__(self, model: nn.Module, num_slots: int, dtype: torch.dtype, device):
+        shapes, dtypes = {}, {}
+        self.layer_ids = []
+        for i, mixer in linear_layers(model):
+            self.layer_ids.append(i)
+            for name, (shape, kind) in mixer.state_shapes().items():
+                shapes[f"{i}.{name}"] = shape
+                dtypes[f"{i}.{name}"] = torch.float32 if kind == "fp32" else dtype
+        super().__init__(num_slots, shapes, dtypes, device)
+        self.device = torch.device(device)
+        self.layers = {i: {k.split(".", 1)[1]: t for k, t in self.tensors.items() if k.split(".", 1)[0] == str(i)}
+                       for i in self.layer_ids}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def step(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> LinearSlots:
+        """The step's `LinearSlots` for sequences computing num_new tokens from position
+        starts[b]; a sequence at position 0 is admitted here (its slot zeroed)."""
+        for seq, st in zip(seqs, starts):
+            if seq.seq_id not in self.slot_of:
+                src, seq.state_from = seq.state_from, None
+                if st != 0 and (src is None or src.seq_id not in self.slot_of):
+                    # a prefix-cache hit or a resume without the state: never silently wrong
+                    raise RuntimeError(f"LinearStateCache: sequence {seq.seq_id} resumes at token {st} without "
+                                       f"its linear-attention state (hybrid models take prefix hits only from "
+                                       f"a group member holding it: Scheduler.group_state)")
+                self.admit(seq)
+                if st != 0:
+                    self.copy_for_group(src, [seq])  # the member's state at the shared prompt prefix
+        slots = [self.slot(s) for s in seqs]
+        return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
