@@ -37,6 +37,7 @@ import torch
 from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
+from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
 from rlfuse.kernels.attention import check_exact_attention
@@ -44,7 +45,6 @@ from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
-from rlfuse.model.layers.moe import moe_blocks
 
 log = logging.getLogger(__name__)
 
@@ -108,26 +108,7 @@ class ModelRunner:
             self.decode = None
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
-        # MoE routing record (EngineConfig.record_routing): one (rows, k) buffer per MoE layer,
-        # installed in the blocks only around the engine's own forwards (and graph captures)
-        blocks = moe_blocks(model)
-        record = cfg.record_routing if cfg.record_routing is not None else bool(blocks)
-        self.routing_blocks = blocks if record else []
-        self.routing_bufs = [torch.zeros(max(cfg.max_num_batched_tokens, cfg.max_num_seqs), b.top_k,
-                                         dtype=torch.int64, device=self.device) for b in self.routing_blocks]
-        if blocks:
-            log.info("engine: %s the experts of each sampled token in %d MoE layers (engine.record_routing %s)",
-                     "records" if record else "does not record", len(blocks), cfg.record_routing)
-
-    def _install_routing(self, on: bool) -> None:
-        for b, buf in zip(self.routing_blocks, self.routing_bufs):
-            b.routing_buffer = buf if on else None
-
-    def _sampled_routing(self, num_new: list[int], sampled: list[int]) -> torch.Tensor:
-        """(S, layers, k) int16: the routing of each sampled sequence's last computed row."""
-        ends = np.cumsum(num_new) - 1
-        idx = self._upload([int(ends[j]) for j in sampled], torch.int64)
-        return torch.stack([buf[idx] for buf in self.routing_bufs], 1).to(torch.int16)
+        self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -271,7 +252,7 @@ class ModelRunner:
         seeds = [s.seed for _, s in samp]
         offsets = [len(s.token_ids) + ahead for _, s in samp]  # position of the token being sampled
         decode = all(n == 1 for n in num_new)
-        self._install_routing(True)
+        self.routing.install(True)
         try:
             if decode and self.static and B <= self.max_graph_bs:
                 h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k,
@@ -280,10 +261,10 @@ class ModelRunner:
                 h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds,
                                                           offsets)
         finally:
-            self._install_routing(False)
+            self.routing.install(False)
         if S == 0:
             return Pending(sampled, None, None, None)
-        routing = self._sampled_routing(num_new, sampled) if self.routing_blocks else None
+        routing = self.routing.sampled(num_new, sampled, self._upload) if self.routing.blocks else None
         pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see static_decode._field_stride)
         fl = self._upload([[p.temperature for p, _ in samp] + pad, [p.top_p for p, _ in samp] + pad,
                            [p.min_p for p, _ in samp] + pad], torch.float32)[:, :S]
@@ -363,11 +344,11 @@ class ModelRunner:
     def capture_graphs(self, up_to: int | None = None) -> None:
         """Capture the decode CUDA graphs now (`StaticDecode.capture`)."""
         if self.decode is not None:
-            self._install_routing(True)  # the graphs then write each step's routing into the buffers
+            self.routing.install(True)  # the graphs then write each step's routing into the buffers
             try:
                 self.decode.capture(self.kv.kv_caches, up_to)
             finally:
-                self._install_routing(False)
+                self.routing.install(False)
 
     def drop_graphs(self) -> None:
         if self.decode is not None:
