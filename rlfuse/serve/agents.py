@@ -70,9 +70,10 @@ class AgentSampler:
         self.last_sessions: list[AgentSession] = []
 
     def episodes(self, prompts, *, n: int, temperature: float, top_p: float = 1.0, top_k: int = 0,
-                 seed: int) -> list[Sample]:
+                 seed: int, first_episode: int = 0) -> list[Sample]:
         """`n` episodes of the agent per Prompt (its `columns` are the row the agent gets), in
-        the multi-turn order (episode g of prompt i at i * n + g)."""
+        the multi-turn order (episode g of prompt i at i * n + g); `first_episode`: the global
+        index of the first one (for the seeds, as `MultiTurnSampler.episodes`)."""
         self.base.wake()
         self.store.sessions.clear()
         self.store.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
@@ -80,7 +81,7 @@ class AgentSampler:
         state.worker = EngineWorker(self.base.llm).start()  # a thread runs once: a fresh worker per rollout
         t0 = time.perf_counter()
         try:
-            sessions = asyncio.run(self._run_all([p.columns for p in prompts], n, seed))
+            sessions = asyncio.run(self._run_all([p.columns for p in prompts], n, seed, first_episode))
         finally:
             state.worker.stop()
         samples, trained = [], []
@@ -123,7 +124,7 @@ class AgentSampler:
                       last.finish_reason == "length", last.text, torch.tensor(seg.loss_mask, dtype=torch.float32),
                       seg.prompt_ids, ses.reward), seg
 
-    async def _run_all(self, rows: list[dict], n: int, seed: int) -> list[AgentSession]:
+    async def _run_all(self, rows: list[dict], n: int, seed: int, first: int = 0) -> list[AgentSession]:
         # the OpenAI client is the `dev` extra's, needed only when an agent runs
         import openai
         transport = httpx.ASGITransport(app=self.app)
@@ -134,7 +135,7 @@ class AgentSampler:
                 for g in range(n):
                     i = r * n + g
                     sid = f"ep{i}"
-                    ses = self.store.open(sid, episode_seed(seed, i))
+                    ses = self.store.open(sid, episode_seed(seed, first + i))
                     sessions.append(ses)
                     client = openai.AsyncOpenAI(base_url=f"http://rlfuse/sessions/{sid}/v1", api_key="rlfuse",
                                                 http_client=http, max_retries=0)
