@@ -1,7 +1,7 @@
 """Chunked gated delta rule (Gated DeltaNet, Qwen3.5's linear attention) over packed varlen
 sequences.
 
-Contract (docs: /work/notes/gdn_contract.md, kept in docs/numerics.md):
+Contract (docs/numerics.md, "Linear attention (Gated DeltaNet)"):
   o, S = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None,
                                 scale=None, output_final_state=False)
   q, k (T, Hk, Dk) raw (the op l2-normalizes them in fp32, eps 1e-6, and scales q by
