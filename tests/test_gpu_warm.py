@@ -5,13 +5,13 @@ what the workers wrote), in fast and exact numerics.
 Run: python -m pytest -q -m gpu tests/test_gpu_warm.py"""
 
 import os
-import sys
 
 import pytest
 import torch
 from train_setup import tiny_cfg
 
 from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.triton_common import forget_compiled
 from rlfuse.train.grpo import GRPOStep
 from rlfuse.train.loop import make_optimizer
 from rlfuse.train.session import open_session
@@ -21,21 +21,6 @@ pytestmark = pytest.mark.gpu
 
 MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
-
-
-def _forget_compiled_kernels() -> None:
-    """Empty Triton's in-memory kernel caches of our modules: tests run before this one (the
-    exact shape sweep) may have compiled every kernel the update needs, and then the dry run
-    records nothing to warm. The test means a cold start."""
-    from triton.runtime.jit import JITFunction
-
-    for name, mod in list(sys.modules.items()):
-        if name.startswith("rlfuse.kernels.") and mod is not None:
-            for fn in vars(mod).values():
-                if isinstance(fn, JITFunction):
-                    for cache in getattr(fn, "device_caches", {}).values():
-                        if cache and isinstance(cache[0], dict):
-                            cache[0].clear()
 
 
 def _cache_entries(path) -> int:
@@ -49,7 +34,7 @@ def _cache_entries(path) -> int:
 def test_workers_compile_what_the_update_launches(tmp_path, monkeypatch, numerics):
     cache = tmp_path / "triton_cache"
     monkeypatch.setenv("TRITON_CACHE_DIR", str(cache))  # cold, and inherited by the workers
-    _forget_compiled_kernels()
+    forget_compiled()  # a cold start: earlier tests (the exact shape sweep) compiled these kernels
     cfg = tiny_cfg(tmp_path, "model.dtype=bfloat16", "model.device=cuda", "model.kernel_backend=auto",
                    f"engine.numerics={numerics}", "grpo.warm_kernels=true", model={"random_init": MODEL},
                    engine={"gpu_memory_fraction": 0.3, "max_num_seqs": 16})

@@ -30,20 +30,30 @@ def round_to(x, DT: tl.constexpr):
         return x.to(DT).to(tl.float32)
 
 
-def compiled_variants() -> dict[str, int]:
-    """{kernel name: compiled specializations so far} over the loaded Triton modules
-    (`backend.is_triton_module`; see `backend.triton_compiles`). Reads Triton's
-    per-device kernel cache (first element of each `device_caches` entry in Triton 3.x)."""
-    out = {}
+def _kernel_caches():
+    """(module.kernel, its per-device kernel caches) over the loaded Triton modules
+    (`backend.is_triton_module`): the first element of each `device_caches` entry (Triton 3.x)."""
     for mod_name, mod in list(sys.modules.items()):
         if not is_triton_module(mod_name) or mod is None:
             continue
         for name, fn in vars(mod).items():
             if isinstance(fn, JITFunction) and getattr(fn, "device_caches", None):
-                n = sum(len(c[0]) for c in fn.device_caches.values() if c and isinstance(c[0], dict))
-                if n:
-                    out[f"{mod_name.rsplit('.', 1)[1]}.{name}"] = n
-    return out
+                caches = [c[0] for c in fn.device_caches.values() if c and isinstance(c[0], dict)]
+                yield f"{mod_name.rsplit('.', 1)[1]}.{name}", caches
+
+
+def compiled_variants() -> dict[str, int]:
+    """{kernel name: compiled specializations so far} (see `backend.triton_compiles`)."""
+    counts = ((name, sum(len(c) for c in caches)) for name, caches in _kernel_caches())
+    return {name: n for name, n in counts if n}
+
+
+def forget_compiled() -> None:
+    """Empty the in-memory kernel caches: the next launch of each kernel loads or compiles it
+    again (a test of a cold start after tests that compiled the same kernels)."""
+    for _, caches in _kernel_caches():
+        for c in caches:
+            c.clear()
 
 
 @triton.jit
