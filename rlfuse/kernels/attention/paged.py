@@ -58,7 +58,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from rlfuse.kernels.attention.varlen import attend_exact_ref, supports_head_dim
+from rlfuse.kernels.attention.varlen import attend_exact_ref, gqa_group, supports_head_dim
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
 
 
@@ -90,7 +90,7 @@ def shared_prefix_rows(group: int, exact: bool, itemsize: int) -> int:
 
 def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: int) -> int:
     """Sequences per shared-prefix chunk for this model and numerics."""
-    group = 1 << (n_heads // n_kv_heads - 1).bit_length()
+    group = gqa_group(n_heads, n_kv_heads)
     return shared_prefix_rows(group, exact, itemsize) // group
 
 

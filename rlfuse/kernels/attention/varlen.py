@@ -188,10 +188,16 @@ def exact_tile_rows(itemsize: int) -> int:
     return 32 if itemsize == 4 else 64
 
 
+def gqa_group(n_heads: int, n_kv_heads: int) -> int:
+    """Query heads per KV head rounded up to a power of two: the rows one sequence's GQA
+    group takes in a decode tile (the kernels' GROUP)."""
+    return 1 << (n_heads // n_kv_heads - 1).bit_length()
+
+
 def check_exact_attention(n_heads: int, n_kv_heads: int, dtype: torch.dtype, where: str) -> None:
     """ValueError, at engine start, where the exact Triton attention tile cannot hold a GQA
     group of query heads (issue 32: exact numerics refuses a shape rather than drift)."""
-    group = 1 << (n_heads // n_kv_heads - 1).bit_length()  # rounded up to a power of two, as the kernels do
+    group = gqa_group(n_heads, n_kv_heads)
     rows = exact_tile_rows(torch.empty((), dtype=dtype).element_size())
     if group > rows:
         raise ValueError(f"{where}: numerics 'exact' on the Triton kernels needs at most {rows} query heads per KV "
