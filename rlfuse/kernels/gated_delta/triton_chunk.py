@@ -196,7 +196,10 @@ def tile_config(Dk: int, Dv: int, exact: bool) -> dict:
     16 is the smallest `tl.dot` operand side on the GPU (smaller heads are masked up)."""
     BK = max(16, triton.next_power_of_2(Dk))
     BV = min(64, max(16, triton.next_power_of_2(Dv)))
-    cfg = dict(BK=BK, BV=BV, num_warps=4 if BK * BV <= 4096 else 8)
+    # num_stages 1: the state passes load five fp32 chunk tiles per step, and Triton's default
+    # of 3 pipelined copies needs 290-425 KB of shared memory at Dk = Dv = 128 (the H100 has
+    # 227 KB); tests/test_kernel_resources.py compiles them for sm_90 to hold this on the CPU
+    cfg = dict(BK=BK, BV=BV, num_warps=4 if BK * BV <= 4096 else 8, num_stages=1)
     if exact:
         cfg["enable_fp_fusion"] = False
     return cfg

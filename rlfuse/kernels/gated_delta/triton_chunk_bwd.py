@@ -228,7 +228,7 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     _chunk_bwd_kernel[(NC, Hv)](
         q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db, *sv,
         Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,  # 32: registers
-        num_warps=8 if dev.type == "cuda" else 4)
+        num_warps=8, num_stages=1)  # 1: shared memory, see tile_config
     rep = Hv // Hk
     dq = dq.view(T, Hk, rep, Dk).sum(2)  # a q/k head's gradient: the sum over its value heads, in order
     dk = dk.view(T, Hk, rep, Dk).sum(2)
