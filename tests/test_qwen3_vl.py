@@ -258,3 +258,53 @@ def test_config_errors():
     del d["text_config"]
     with pytest.raises(ValueError, match="config: a Qwen3VLForConditionalGeneration config needs a 'text_config'"):
         ModelConfig.from_hf(d)
+
+
+def _random_images():
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in [(30, 50), (17, 9), (90, 70)]]
+    ims.append(Image.fromarray(rng.integers(0, 256, (20, 21), dtype=np.uint8)))  # grayscale
+    ims.append(Image.fromarray(rng.integers(0, 256, (12, 40, 4), dtype=np.uint8)))  # RGBA
+    return ims
+
+
+def test_processor_matches_transformers(tmp_path):
+    """pixel_values and grids as transformers' Qwen2VL processor (PIL backend), with images
+    scaled up (min_pixels), kept, and scaled down (max_pixels); read from a folder's file."""
+    import json
+
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from rlfuse.model.vision.processor import ImageProcessor
+    ours = ImageProcessor(patch_size=4, merge_size=2, min_pixels=300, max_pixels=2048,
+                          image_mean=(0.48, 0.45, 0.4), image_std=(0.26, 0.26, 0.27))
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps(ours.to_dict()))
+    assert ImageProcessor.from_folder(tmp_path) == ours
+    theirs = Qwen2VLImageProcessorPil.from_pretrained(tmp_path)
+    ims = _random_images()
+    pix, grids = ours(ims)
+    want = theirs(ims, return_tensors="pt")
+    assert torch.equal(grids, want["image_grid_thw"])
+    torch.testing.assert_close(pix, want["pixel_values"], rtol=0, atol=1e-6)
+    assert [ours.num_image_tokens(*im.size) for im in ims] == tokens_per_image(grids, 2)
+    ImageProcessor.for_model(V).check_model(V)
+
+
+def test_processor_bad_inputs(tmp_path):
+    import json
+
+    from rlfuse.model.vision.processor import ImageProcessor
+    with pytest.raises(ValueError, match="preprocessor_config.json: no such file"):
+        ImageProcessor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 16, "do_resize": False}))
+    with pytest.raises(ValueError, match="preprocessor_config.json: field 'do_resize' is False"):
+        ImageProcessor.from_folder(tmp_path)
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 0}))
+    with pytest.raises(ValueError, match="field 'patch_size' must be a positive integer, got 0"):
+        ImageProcessor.from_folder(tmp_path)
+    with pytest.raises(ValueError, match="field 'patch_size' is 16 but the model's vision_config.patch_size is 4"):
+        ImageProcessor(patch_size=16).check_model(V)
+    with pytest.raises(ValueError, match="expected PIL images, got str"):
+        ImageProcessor.for_model(V)(["cat.png"])

@@ -4,7 +4,7 @@ PIL backend): a PIL image -> patch rows `pixel_values` and its grid `image_grid_
 For one image (W x H pixels), with factor = patch_size * merge_size:
   1. size: `smart_resize` -- both sides rounded to multiples of factor, then scaled (keeping
      the aspect ratio) into [min_pixels, max_pixels]; an aspect ratio above 200 is refused;
-  2. RGB, resized to that size with PIL bicubic, x = uint8 * rescale_factor, then
+  2. RGB (transparency composited onto white), resized to that size with PIL bicubic, x = uint8 * rescale_factor, then
      (x - mean) / std per channel, fp32;
   3. patches: grid (1, h, w) = (1, H' / P, W' / P); rows in merge-block-major order (each
      m x m block of neighbouring patches consecutive, as the merger joins them), each row
@@ -154,6 +154,9 @@ class ImageProcessor:
         return torch.cat(rows), torch.tensor(grids, dtype=torch.int64)
 
     def _one(self, im: Image.Image) -> tuple[torch.Tensor, list[int]]:
+        if "A" in im.getbands() or im.info.get("transparency") is not None:
+            # transparency composited onto white (transformers' convert_to_rgb), not dropped
+            im = Image.alpha_composite(Image.new("RGBA", im.size, (255, 255, 255, 255)), im.convert("RGBA"))
         im = im.convert("RGB")
         w, h = self.resized_size(*im.size)
         im = im.resize((w, h), resample=_RESAMPLE[self.resample])
