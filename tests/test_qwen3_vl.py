@@ -308,3 +308,44 @@ def test_processor_bad_inputs(tmp_path):
         ImageProcessor(patch_size=16).check_model(V)
     with pytest.raises(ValueError, match="expected PIL images, got str"):
         ImageProcessor.for_model(V)(["cat.png"])
+
+
+def test_lora_on_the_language_model(pair, tmp_path):
+    """LoRA adapts the text tower only (the vision tower has no target and stays frozen);
+    forwards with images train A and B; the PEFT folder names transformers' modules
+    (model.language_model.*), so PEFT applies it to Qwen3VLForConditionalGeneration."""
+    from rlfuse.model.lora import BaseModelView, LoRAConfig, attach_lora, init_lora_, lora_parameters
+    from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
+    ours, hf = pair
+    model = CausalLM(CFG).double()
+    model.load_state_dict(ours.state_dict())
+    names = attach_lora(model, LoRAConfig(rank=4, alpha=8))
+    assert names and all(n.startswith("model.layers.") for n in names)
+    init_lora_(model, seed=1, b_std=0.1)
+    assert not any(p.requires_grad for p in model.visual.parameters())
+    pix, grids = _images(torch.Generator().manual_seed(8), [[1, 4, 2]])
+    ids = _prompt(grids.tolist())
+    pos, _ = mrope_positions(ids, grids, spatial_merge_size=2, image_token_id=IMG)
+    attn = Packed.from_lengths([len(ids)])
+    feats = BaseModelView(model).encode_images(pix, grids)
+    h = model(ids, pos, attn, feats)
+    trained = dict(lora_parameters(model))
+    grads = torch.autograd.grad(model.logits(h).logsumexp(-1).sum(), list(trained.values()))
+    assert all(g.abs().sum() > 0 for g in grads)
+    with torch.no_grad():
+        base = BaseModelView(model)(ids, pos, attn, feats)
+        torch.testing.assert_close(base, ours(ids, pos, attn, feats), rtol=0, atol=0)
+    folder = save_peft_adapter(model, tmp_path / "adapter")
+    back = CausalLM(CFG).double()
+    back.load_state_dict(ours.state_dict())
+    load_peft_adapter(back, folder)
+    with torch.no_grad():
+        torch.testing.assert_close(back(ids, pos, attn, feats), h.detach(), rtol=0, atol=0)
+    peft = pytest.importorskip("peft")
+    hf_lora = peft.PeftModel.from_pretrained(hf, folder)
+    try:
+        with torch.no_grad():
+            want = _hf_rows(hf_lora, [(ids, pix, grids)])[0]
+        torch.testing.assert_close(model.logits(h.detach()).double(), want, rtol=0, atol=1e-5)
+    finally:
+        hf_lora.unload()
