@@ -349,3 +349,91 @@ def test_lora_on_the_language_model(pair, tmp_path):
         torch.testing.assert_close(model.logits(h.detach()).double(), want, rtol=0, atol=1e-5)
     finally:
         hf_lora.unload()
+
+
+def _backend_checks(cfg: ModelConfig, dev: str, dtype: torch.dtype, grids_per_row):
+    """Triton vs the references and exact-numerics batch invariance on `dev`: a packed batch
+    of image rows and a text row. (1) the Triton backend's hidden states are no further from
+    an fp32 reference-backend gold than the reference backend in `dtype` is (x2 + slack);
+    (2) in exact numerics, each row's hidden states packed with the others equal the row run
+    alone, bitwise, and the tower's features of the images encoded together equal them
+    encoded one by one; (3) a backward through the trainable tower runs and is finite."""
+    from rlfuse.kernels import use_backend, use_numerics
+    v = cfg.vision
+    gold = CausalLM(cfg)
+    gold.init_weights(std=0.05, generator=torch.Generator().manual_seed(0))
+    gold = gold.to(dev)
+    model = CausalLM(cfg).to(dev)
+    model.load_state_dict(gold.state_dict())
+    model = model.to(dtype)
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for grids in grids_per_row:
+        if not grids:
+            rows.append((torch.randint(0, v.vision_start_token_id, (23,), generator=g), None, None))
+            continue
+        gr = torch.tensor(grids)
+        ids = [1, 2]
+        for n in tokens_per_image(gr, v.spatial_merge_size):
+            ids += [v.vision_start_token_id] + [v.image_token_id] * n + [v.vision_end_token_id, 5, 6]
+        pix = torch.randn(int(gr.prod(-1).sum()), v.patch_dim, generator=g)
+        rows.append((torch.tensor(ids), pix, gr))
+
+    def run(m, sel, dt):
+        ids = torch.cat([rows[i][0] for i in sel]).to(dev)
+        pos = torch.cat([mrope_positions(rows[i][0], rows[i][2], spatial_merge_size=v.spatial_merge_size,
+                                         image_token_id=v.image_token_id)[0] for i in sel], 1).to(dev)
+        img = [i for i in sel if rows[i][1] is not None]
+        kw = {}
+        if img:
+            kw = dict(pixel_values=torch.cat([rows[i][1] for i in img]).to(dev, dt),
+                      image_grid_thw=torch.cat([rows[i][2] for i in img]))
+        return m(ids, pos, Packed.from_lengths([len(rows[i][0]) for i in sel], device=dev), **kw)
+
+    everything = list(range(len(rows)))
+    with torch.no_grad():
+        with use_backend("torch"):
+            want = run(gold, everything, torch.float32)
+            ref_err = (run(model, everything, dtype).float() - want).abs().max()
+        with use_backend("triton"):
+            tri_err = (run(model, everything, dtype).float() - want).abs().max()
+    assert tri_err <= 2 * ref_err + 1e-3, (tri_err, ref_err)
+    with use_backend("triton"), use_numerics("exact"):
+        with torch.no_grad():
+            packed = run(model, everything, dtype)
+            start = 0
+            for i in everything:
+                n = len(rows[i][0])
+                assert torch.equal(packed[start:start + n], run(model, [i], dtype)), f"row {i}"
+                start += n
+            img = [i for i in everything if rows[i][1] is not None]
+            pix = torch.cat([rows[i][1] for i in img]).to(dev, dtype)
+            grids = torch.cat([rows[i][2] for i in img])
+            together = model.encode_images(pix, grids)
+            alone = ImageFeatures.cat([model.encode_images(p, gr[None]) for p, gr in
+                                       zip(pix.split(grids.prod(-1).tolist()), grids)])
+            assert torch.equal(together.embeds, alone.embeds) and torch.equal(together.deepstack, alone.deepstack)
+        model.set_vision_trainable(True)
+        run(model, everything, dtype).float().square().mean().backward()
+        grads = [p.grad for p in model.visual.parameters()]
+        assert all(gr is not None and torch.isfinite(gr).all() for gr in grads)
+
+
+@pytest.mark.slow
+def test_backends_on_cpu_interpreter():
+    """`_backend_checks` at the tiny shape under Triton's CPU interpreter (slow)."""
+    _backend_checks(CFG, "cpu", torch.float32, [[[1, 4, 2], [1, 2, 2]], [], [[1, 2, 4]]])
+
+
+@pytest.mark.gpu
+def test_gpu_backends_and_exact_batch_invariance():
+    """On CUDA in bf16 at a small Qwen3-VL shape (text head_dim 64, vision width 256 /
+    head_dim 64, patch 16): 448 x 448-like grids and smaller ones, a text-only row."""
+    from rlfuse.model.vision import VisionConfig
+    vision = VisionConfig(depth=4, hidden_size=256, intermediate_size=512, num_heads=4, out_hidden_size=512,
+                          num_position_embeddings=256, deepstack_visual_indexes=(1, 2), image_token_id=1000,
+                          video_token_id=1001, vision_start_token_id=998, vision_end_token_id=999)
+    cfg = ModelConfig(**tiny_vl_fields(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=4, head_dim=64,
+                                       mrope_section=(12, 10, 10), vision=vision))
+    _backend_checks(cfg, "cuda", torch.bfloat16, [[[1, 28, 28], [1, 8, 12]], [], [[1, 16, 8]], [[1, 28, 28]]])
