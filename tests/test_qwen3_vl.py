@@ -214,6 +214,8 @@ def test_forward_refuses_mismatched_features(pair):
     pos, _ = mrope_positions(ids, torch.tensor([[1, 2, 2]]), spatial_merge_size=2, image_token_id=IMG)
     with pytest.raises(ValueError, match="input_ids hold 1 image placeholder tokens .* for 6 image feature rows"):
         ours(ids, pos, Packed.from_lengths([len(ids)]), pixel_values=pix, image_grid_thw=grids)
+    with pytest.raises(ValueError, match=r"positions \(8,\): a forward with images takes mRoPE positions \(3, T\)"):
+        ours(ids, pos[0], Packed.from_lengths([len(ids)]), pixel_values=pix, image_grid_thw=grids)
     with pytest.raises(ValueError, match=r"pixel_values has 24 patches; image_grid_thw \[\[1, 2, 2\]\] holds 4"):
         ours.encode_images(pix, torch.tensor([[1, 2, 2]]))
 
