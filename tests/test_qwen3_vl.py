@@ -256,6 +256,9 @@ def test_config_errors():
     with pytest.raises(ValueError, match=r"config \(vision_config\): vision config field 'deepstack_visual_indexes' "
                                          r"must list block indices in \[0, 3\)"):
         ModelConfig.from_hf(d)
+    with pytest.raises(ValueError, match=r"'image_token_id' is 509; it must be a token id below vocab_size \(300\)"):
+        ModelConfig(**{**tiny_vl_fields(), "vocab_size": 300})
+    assert ModelConfig(**tiny_vl_fields(vocab_size=300)).vision.image_token_id == 297
     d = CFG.to_hf()
     del d["text_config"]
     with pytest.raises(ValueError, match="config: a Qwen3VLForConditionalGeneration config needs a 'text_config'"):
