@@ -442,3 +442,45 @@ def test_gpu_backends_and_exact_batch_invariance():
                                        num_attention_heads=8, num_key_value_heads=4, head_dim=64,
                                        mrope_section=(12, 10, 10), vision=vision))
     _backend_checks(cfg, "cuda", torch.bfloat16, [[[1, 28, 28], [1, 8, 12]], [], [[1, 16, 8]], [[1, 28, 28]]])
+
+
+def test_paged_prefill_chunks_and_decode_equal_the_packed_forward(pair):
+    """The engine's way through the model, by hand: the prompt prefilled into a paged KV cache
+    in two chunks that split an image's tokens (each chunk gets its share of the cached
+    features, `ImageFeatures.narrow`), then decode steps at positions index + delta on all
+    rows, passed as (T,) or (3, T). In exact numerics every row equals the packed forward of
+    the whole sequence bitwise (the trainer's forward)."""
+    from rlfuse.kernels import use_backend, use_numerics
+    from rlfuse.model import PagedKV
+    ours, _ = pair
+    model = CausalLM(CFG)
+    model.load_state_dict({k: v.float() for k, v in ours.state_dict().items()})
+    pix, grids = _images(torch.Generator().manual_seed(9), [[1, 4, 6], [1, 2, 2]])
+    pix = pix.float()
+    prompt = _prompt(grids.tolist())
+    completion = torch.tensor([40, 41, 42, 43])
+    ids = torch.cat([prompt, completion])
+    P, T = len(prompt), len(ids)
+    pos_prompt, delta = mrope_positions(prompt, grids, spatial_merge_size=2, image_token_id=IMG)
+    pos = torch.cat([pos_prompt, text_positions(P, len(completion), delta)], 1)
+    block = 4
+    n_blocks = -(-T // block) + 1
+    kv = [(torch.zeros(n_blocks, block, CFG.num_key_value_heads, CFG.head_dim),
+           torch.zeros(n_blocks, block, CFG.num_key_value_heads, CFG.head_dim)) for _ in range(CFG.num_hidden_layers)]
+    table = torch.arange(n_blocks, dtype=torch.int32)[None, :]
+
+    def step(start, end, positions, feats=None):
+        attn = PagedKV(kv, torch.arange(start, end), torch.tensor([0, end - start], dtype=torch.int32),
+                       torch.tensor([end], dtype=torch.int32), table, end - start)
+        return model(ids[start:end], positions, attn, feats)
+
+    with torch.no_grad(), use_backend("torch"), use_numerics("exact"):
+        feats = model.encode_images(pix, grids)
+        want = model(ids, pos, Packed.from_lengths([T]), feats)
+        cut = 6  # inside the first image's 6 tokens (they start at index 3)
+        n_img_before = int((prompt[:cut] == IMG).sum())
+        got = [step(0, cut, pos[:, :cut], feats.narrow(0, n_img_before)),
+               step(cut, P, pos[:, cut:P], feats.narrow(n_img_before, len(feats) - n_img_before))]
+        for i in range(P, T):
+            got.append(step(i, i + 1, pos[:, i:i + 1] if i % 2 else pos[0, i:i + 1]))
+    assert torch.equal(torch.cat(got), want)
