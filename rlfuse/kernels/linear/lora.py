@@ -115,8 +115,10 @@ def _check(x, weight, lora_a, lora_b, scale, sizes, adapter):
                          f"{lora_a.dtype}, {lora_b.dtype}")
     if sizes is not None and (not 1 <= P <= 3 or sum(sizes) != N):
         raise ValueError(f"lora_linear: sizes {tuple(sizes)} must be 1 to 3 parts summing to N = {N}")
-    if bank and not (isinstance(scale, torch.Tensor) and scale.shape == (n,) and scale.dtype == torch.float32):
-        raise ValueError(f"lora_linear: a bank of {n} adapters needs scale as an ({n},) fp32 tensor")
+    if (bank or adapter is not None) != isinstance(scale, torch.Tensor) or (
+            isinstance(scale, torch.Tensor) and (scale.shape != (n,) or scale.dtype != torch.float32)):
+        raise ValueError(f"lora_linear: a bank of {n} adapter(s) (3-D A and B, or per-row adapters) takes scale as "
+                         f"an ({n},) fp32 tensor, one adapter alone a float; got {scale!r:.60}")
     if adapter is not None and (adapter.shape != (x.numel() // max(K, 1),) or adapter.dtype.is_floating_point):
         raise ValueError(f"lora_linear: adapter must be an ({x.numel() // max(K, 1)},) integer tensor (one per "
                          f"row), got {tuple(adapter.shape)} {adapter.dtype}")

@@ -1,0 +1,157 @@
+"""lora_linear with fused-projection parts and adapter banks (several adapters in one batch):
+the kernels against the float64 gold, the bitwise promises (batch invariance, a mixed batch
+equals each adapter alone, rows without an adapter equal the base linear, one adapter in a
+bank equals the same adapter alone), every launch plan, the fast in-place kernel.
+Run: python -m pytest -q tests/test_lora_bank.py   (GPU: -m gpu)
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlfuse.kernels import use_backend, use_numerics
+from rlfuse.kernels.linear import linear, linear_exact, lora_linear, lora_linear_ref
+from tests.tiny_hf import rel_err
+
+GOLD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+SIZES = (24, 8, 8)  # q, k, v of a tiny GQA attention
+
+
+def _bank(dtype, n=3, M=29, K=48, sizes=SIZES, r=4, seed=0, bias=True, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    t = lambda *s, a=0.1: (a * torch.randn(*s, generator=g)).to(dtype).to(device)  # noqa: E731
+    N = sum(sizes)
+    x, w, b = t(M, K, a=1.0), t(N, K), (t(N) if bias else None)
+    A, B = t(n, len(sizes) * r, K, a=0.3), t(n, N, r, a=0.3)
+    scale = torch.tensor([2.0, 0.5, 1.25, 3.0][:n], dtype=torch.float32, device=device)
+    adapter = torch.randint(-1, n, (M,), generator=g).to(device)
+    return x, w, b, A, B, scale, adapter
+
+
+def _gold(x, w, b, A, B, scale, adapter, sizes):
+    """float64, z rounded to x.dtype as the op rounds it."""
+    y0 = x.double() @ w.double().T + (0 if b is None else b.double())
+    out = y0.clone()
+    r = B.shape[2]
+    for m in range(x.shape[0]):
+        a = int(adapter[m])
+        if a < 0:
+            continue
+        z = (x[m].double() @ A[a].double().T).to(x.dtype).double()
+        lo = 0
+        for p, n in enumerate(sizes):
+            out[m, lo:lo + n] += float(scale[a]) * (z[p * r:(p + 1) * r] @ B[a, lo:lo + n].double().T)
+            lo += n
+    return out
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_bank_mixed_batch_equals_each_adapter_alone(backend, dtype):
+    x, w, b, A, B, s, ad = _bank(dtype)
+    with use_backend(backend), use_numerics("exact"):
+        mixed = lora_linear(x, w, b, A, B, s, sizes=SIZES, adapter=ad)
+        for a in range(A.shape[0]):
+            rows = ad == a
+            alone = lora_linear(x[rows], w, b, A, B, s, sizes=SIZES, adapter=ad[rows])
+            assert torch.equal(mixed[rows], alone), a
+            # the same adapter outside a bank (float scale, 2-D A and B): the same bits
+            single = lora_linear(x[rows], w, b, A[a], B[a], float(s[a]), sizes=SIZES)
+            assert torch.equal(single, alone), a
+        none = ad < 0
+        assert torch.equal(mixed[none], linear(x[none], w, b))  # no adapter: the base model's bits
+        for k in (1, 7, 17):  # batch-invariant: leading rows, rows moved within a tile
+            assert torch.equal(lora_linear(x[:k], w, b, A, B, s, sizes=SIZES, adapter=ad[:k]), mixed[:k])
+            assert torch.equal(lora_linear(x[k:], w, b, A, B, s, sizes=SIZES, adapter=ad[k:]), mixed[k:])
+    if backend == "torch":
+        assert torch.equal(mixed, lora_linear_ref(x, w, b, A, B, s, sizes=SIZES, adapter=ad))
+    assert rel_err(mixed, _gold(x, w, b, A, B, s, ad, SIZES)) < GOLD_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_parts_equal_the_separate_projections_under_torch(dtype):
+    """A fused q/k/v LoRA: each part's columns are the separate projection's bits (torch
+    backend; the Triton path rounds once per element either way)."""
+    x, w, b, A, B, s, _ = _bank(dtype, n=1, seed=3)
+    r = B.shape[2]
+    with use_backend("torch"), use_numerics("exact"):
+        fused = lora_linear(x, w, b, A[0], B[0], 1.5, sizes=SIZES)
+        lo = 0
+        for p, n in enumerate(SIZES):
+            sep = lora_linear(x, w[lo:lo + n], b[lo:lo + n], A[0, p * r:(p + 1) * r], B[0, lo:lo + n], 1.5)
+            assert torch.equal(fused[:, lo:lo + n], sep), p
+            lo += n
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_lora_plans_agree_bitwise_with_parts_and_bank(dtype):
+    """fused, split and split_last: the same bits, K over several chunks with a ragged tail."""
+    from rlfuse.kernels.linear.triton_lora import lora_expand_triton
+    x, w, b, A, B, s, ad = _bank(dtype, n=2, M=37, K=300, seed=5)
+    z = (x.float() @ A.reshape(-1, A.shape[-1]).float().T).to(dtype)
+    tiles = dict(CHUNK_K=128)  # 3 chunks
+    ys = {plan: lora_expand_triton(x, w, b, z, B, s, sizes=SIZES, adapter=ad, plan=plan, tiles=tiles)
+          for plan in ("fused", "split", "split_last")}
+    assert torch.equal(ys["split"], ys["fused"]) and torch.equal(ys["split_last"], ys["fused"])
+    assert rel_err(ys["fused"], _gold(x, w, b, A, B, s, ad, SIZES)) < GOLD_TOL[dtype]
+
+
+@pytest.mark.parametrize("bank", [False, True])
+def test_fast_triton_adds_the_expand_in_place(bank):
+    x, w, b, A, B, s, ad = _bank(torch.float32, n=2, seed=7)
+    args = (A, B, s) if bank else (A[1], B[1], 0.75)
+    adapter = ad if bank else None
+    with use_backend("triton"), use_numerics("fast"):
+        y = lora_linear(x, w, b, *args, sizes=SIZES, adapter=adapter)
+    with use_backend("torch"), use_numerics("fast"):
+        y_torch = lora_linear(x, w, b, *args, sizes=SIZES, adapter=adapter)
+    gold = _gold(x, w, b, A, B, s, ad, SIZES) if bank else \
+        _gold(x, w, b, A[1:], B[1:], torch.tensor([0.75]), torch.zeros_like(ad), SIZES)
+    assert rel_err(y, gold) < 1e-5 and rel_err(y_torch, gold) < 1e-5
+
+
+def test_bank_inputs_are_checked():
+    x, w, b, A, B, s, ad = _bank(torch.float32)
+    with pytest.raises(ValueError, match="fp32 tensor"):
+        lora_linear(x, w, b, A, B, 2.0, sizes=SIZES, adapter=ad)
+    with pytest.raises(ValueError, match="one per row"):
+        lora_linear(x, w, b, A, B, s, sizes=SIZES, adapter=ad[:-1])
+    with pytest.raises(ValueError, match="parts summing"):
+        lora_linear(x, w, b, A, B, s, sizes=(24, 8, 9), adapter=ad)
+    with pytest.raises(ValueError, match="for inference"), use_backend("triton"), use_numerics("exact"):
+        lora_linear(x.requires_grad_(True), w, b, A, B, s, sizes=SIZES, adapter=ad)
+
+
+# ------------------------------------------------------------------ GPU (the lead runs these on an H100)
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 8, 64, 200, 1000])
+def test_gpu_exact_bank_bitwise_and_gold(M):
+    """Decode- and prefill-sized M at the Qwen3-0.6B q/k/v shape, bf16, rank 16, 3 adapters:
+    every plan the same bits, each adapter alone equal to the mixed batch, no-adapter rows
+    equal to the base linear, close to the float64 gold."""
+    from rlfuse.kernels.linear.triton_lora import lora_expand_triton
+    sizes = (2048, 1024, 1024)
+    x, w, b, A, B, s, ad = _bank(torch.bfloat16, n=3, M=M, K=1024, sizes=sizes, r=16, bias=False, device="cuda")
+    with use_backend("triton"), use_numerics("exact"):
+        mixed = lora_linear(x, w, b, A, B, s, sizes=sizes, adapter=ad)
+        for a in range(3):
+            rows = ad == a
+            if rows.any():
+                assert torch.equal(lora_linear(x[rows], w, b, A, B, s, sizes=sizes, adapter=ad[rows]), mixed[rows])
+                assert torch.equal(lora_linear(x[rows], w, b, A[a], B[a], float(s[a]), sizes=sizes), mixed[rows])
+        if (ad < 0).any():
+            assert torch.equal(mixed[ad < 0], linear(x[ad < 0], w, b))
+        z = linear_exact(x, A.reshape(-1, 1024))
+        for plan in ("fused", "split", "split_last"):
+            assert torch.equal(lora_expand_triton(x, w, b, z, B, s, sizes=sizes, adapter=ad, plan=plan), mixed), plan
+    assert rel_err(mixed.cpu(), _gold(x.cpu(), w.cpu(), b, A.cpu(), B.cpu(), s.cpu(), ad.cpu(), sizes)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_fast_lora_add_vs_gold():
+    sizes = (2048, 1024, 1024)
+    x, w, b, A, B, s, ad = _bank(torch.bfloat16, n=2, M=96, K=1024, sizes=sizes, r=16, device="cuda")
+    with use_backend("triton"), use_numerics("fast"):
+        y = lora_linear(x, w, b, A, B, s, sizes=sizes, adapter=ad)
+    assert rel_err(y.cpu(), _gold(x.cpu(), w.cpu(), b.cpu(), A.cpu(), B.cpu(), s.cpu(), ad.cpu(), sizes)) < 2e-2
