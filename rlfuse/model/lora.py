@@ -56,6 +56,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS
 ALL_LINEAR = "all-linear"
+FUSED_GROUPS = ("qkv_fused", "gate_up_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -126,11 +127,37 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
+@dataclasses.dataclass(eq=False)
+class AdapterSlots:
+    """An adapter bank's names, in slot order, and each row's slot for the next forwards:
+    `ids` (at least M,) int32, -1 the base (written by the engine, or `lora_bank.adapter_rows`).
+    One object per model, shared by every adapted projection's `ProjectionBank`."""
+    names: tuple[str, ...]
+    ids: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ProjectionBank:
+    """One projection's adapters of a bank (`rlfuse.model.lora_bank`): A (n, r, K), B (n, N, r),
+    scale (n,) fp32, and the model's slots. Inference only (no gradients)."""
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: torch.Tensor
+    slots: AdapterSlots
+
+    def rows(self, M: int) -> torch.Tensor:
+        if self.slots.ids is None or self.slots.ids.shape[0] < M:
+            raise ValueError("the model holds an adapter bank: its forwards need each row's adapter "
+                             "(the engine sets them per request; else `rlfuse.model.lora_bank.adapter_rows`)")
+        return self.slots.ids[:M]
+
+
 class LoRALinear(Linear):
     """A target projection with its adapter: y = x W^T + b + s (x A^T) B^T through
     `rlfuse.kernels.linear.lora.lora_linear`. `weight` and `bias` are the base projection's own
     tensors (same state-dict names); `lora_A`, `lora_B` are the adapter, `cfg` the
-    LoRAConfig it was attached with."""
+    LoRAConfig it was attached with. With a `bank` (serving several adapters) each row runs
+    its own adapter of the bank instead."""
 
     adapter_params = ("lora_A", "lora_B")
     """Parameters that are no part of the HF checkpoint (`rlfuse.model.weights` skips them)."""
@@ -143,10 +170,15 @@ class LoRALinear(Linear):
         self.lora_A = nn.Parameter(torch.empty(cfg.rank, self.in_features, dtype=w.dtype, device=w.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=w.dtype, device=w.device))
         self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
+        self.bank: ProjectionBank | None = None
 
     def forward(self, x):
         if not self.enabled:
             return linear(x, self.weight, self.bias)
+        if self.bank is not None:
+            bk = self.bank
+            rows = bk.rows(x.numel() // x.shape[-1])
+            return lora_linear(x, self.weight, self.bias, bk.A, bk.B, bk.scale, adapter=rows)
         x_a = None
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
             x_a = F.dropout(x, self.dropout, training=True)
@@ -325,6 +357,9 @@ def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             setattr(parent, leaf, LoRALinear(mod, cfg))
             names.append(name)
+            for attr in FUSED_GROUPS:  # a fused group over the replaced projection: gone, not stale
+                if leaf in getattr(getattr(parent, attr, None), "names", ()):
+                    setattr(parent, attr, None)  # the engine fuses the adapted group (rlfuse.model.fuse)
     if not names:
         raise ValueError(f"attach_lora: no projection named {list(cfg.target_names)} in the model")
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]
