@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_helpers import random_prompts, tiny_model
+from tiny_hf import rel_err
 
+from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.linear import linear, linear_exact, lora_linear, lora_linear_ref
-from tests.tiny_hf import rel_err
+from rlfuse.model import Packed
+from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_
+from rlfuse.model.lora_bank import load_adapter_bank
+from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 
 GOLD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SIZES = (24, 8, 8)  # q, k, v of a tiny GQA attention
@@ -121,6 +127,64 @@ def test_bank_inputs_are_checked():
         lora_linear(x, w, b, A, B, s, sizes=(24, 8, 9), adapter=ad)
     with pytest.raises(ValueError, match="for inference"), use_backend("triton"), use_numerics("exact"):
         lora_linear(x.requires_grad_(True), w, b, A, B, s, sizes=SIZES, adapter=ad)
+
+
+# ------------------------------------------------------------------ the model and the engine
+def _adapter_folders(tmp_path, ranks=(4, 4)) -> dict:
+    """Two PEFT folders for tiny_model, different A, B and alpha."""
+    folders = {}
+    for i, (name, r) in enumerate(zip(("math", "code"), ranks)):
+        m = tiny_model()
+        attach_lora(m, LoRAConfig(rank=r, alpha=4.0 * (i + 1)))
+        init_lora_(m, seed=10 + i, b_std=0.3)
+        save_peft_adapter(m, tmp_path / name)
+        folders[name] = tmp_path / name
+    return folders
+
+
+@pytest.mark.parametrize("fuse", [False, True])
+def test_engine_mixed_adapter_batch_equals_each_adapter_alone(tmp_path, fuse):
+    """One exact engine over a bank of two adapters: the base, `math` and `code` requests
+    for the same prompts in one batch (the prefix cache keeps their K/V apart) give the
+    tokens and log-probs bitwise of an engine over the base model, or over a model holding
+    that one adapter alone."""
+    folders = _adapter_folders(tmp_path)
+    bank_model = tiny_model()
+    slots = load_adapter_bank(bank_model, folders)
+    assert slots.names == ("math", "code")
+    prompts = random_prompts([12, 20, 7, 16])
+    cfg = EngineConfig(max_num_seqs=16, numerics="exact", seed=0, fuse_projections=fuse)
+
+    def params(slot):
+        return SamplingParams(n=2, temperature=1.0, max_tokens=6, seed=3, ignore_eos=True, adapter=slot)
+
+    def rows(outs):
+        return [(list(o.output_token_ids), o.logprobs.tolist()) for o in outs]
+
+    with use_backend("torch"):
+        llm = LLM(bank_model, config=cfg)
+        mixed = rows(llm.generate(prompts * 3, [params(None)] * 4 + [params(0)] * 4 + [params(1)] * 4))
+        for k, name in enumerate((None, "math", "code")):
+            m = tiny_model()
+            if name is not None:
+                load_peft_adapter(m, folders[name])
+            alone = rows(LLM(m, config=cfg).generate(prompts, params(None)))
+            assert mixed[8 * k:8 * (k + 1)] == alone, name
+        assert mixed[:8] != mixed[8:16] != mixed[16:]  # the adapters change the samples
+        with pytest.raises(ValueError, match="bank has 2 slots"):
+            llm.generate(prompts[:1], params(2))
+
+
+def test_bank_errors_name_the_adapter(tmp_path):
+    folders = _adapter_folders(tmp_path, ranks=(4, 8))
+    with pytest.raises(ValueError, match="must share rank and targets"):
+        load_adapter_bank(tiny_model(), folders)
+    m = tiny_model()
+    load_adapter_bank(m, {"math": folders["math"]})
+    with pytest.raises(ValueError, match="each row's adapter"):
+        m(torch.tensor([1, 2]), torch.tensor([0, 1]), Packed.from_lengths([2]))
+    with pytest.raises(ValueError, match="no bank"):
+        LLM(tiny_model(), config=EngineConfig(max_num_seqs=2)).generate([[1, 2]], SamplingParams(adapter=0))
 
 
 # ------------------------------------------------------------------ GPU (the lead runs these on an H100)
