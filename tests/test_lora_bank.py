@@ -117,6 +117,26 @@ def test_fast_triton_adds_the_expand_in_place(bank):
     assert rel_err(y, gold) < 1e-5 and rel_err(y_torch, gold) < 1e-5
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fast_joined_buffer_runs_base_and_shrink_as_one_gemm(backend, bias):
+    """W and A as rows of one buffer (the bias beside zeros): the same y as the separate
+    GEMMs up to fp32 rounding, the output a view of the joined GEMM's base columns."""
+    x, w, b, A, B, _, _ = _bank(torch.float32, n=1, seed=9, bias=bias)
+    N = w.shape[0]
+    wa = torch.cat([w, A[0]])
+    ba = torch.cat([b, b.new_zeros(A.shape[1])]) if bias else None
+    w, a = wa[:N], wa[N:]
+    with use_backend(backend), use_numerics("fast"), torch.no_grad():
+        y = lora_linear(x, w, None if ba is None else ba[:N], a, B[0], 0.75, sizes=SIZES, joined=(wa, ba))
+        ref = lora_linear(x, w.clone(), None if ba is None else ba[:N].clone(), a.clone(), B[0], 0.75, sizes=SIZES)
+    if backend == "triton":
+        assert y.stride(0) == N + A.shape[1]  # added in place to the base columns of [base | z]
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    gold = _gold(x, w, None if ba is None else ba[:N], A, B, torch.tensor([0.75]), torch.zeros(x.shape[0]), SIZES)
+    assert rel_err(y, gold) < 1e-5
+
+
 def test_bank_inputs_are_checked():
     x, w, b, A, B, s, ad = _bank(torch.float32)
     with pytest.raises(ValueError, match="fp32 tensor"):

@@ -93,11 +93,22 @@ class FusedLinear:
         self.names = names
         self.mods = tuple(getattr(owner, n) for n in names)
         self.sizes = [m.out_features for m in self.mods]
-        self.weight = _join([m.weight for m in self.mods])  # (sum N_i, K)
-        self.bias = _join([m.bias for m in self.mods]) if self.mods[0].bias is not None else None
         self.adapted = type(self.mods[0]) is LoRALinear
-        if self.adapted:
-            self.lora_a = _join([m.lora_A for m in self.mods])  # (P r, K)
+        N, has_bias = sum(self.sizes), self.mods[0].bias is not None
+        if not self.adapted:
+            self.weight = _join([m.weight for m in self.mods])  # (sum N_i, K)
+            self.bias = _join([m.bias for m in self.mods]) if has_bias else None
+        else:
+            # one buffer: W's rows, then A's (P r, K), so a fast forward's shrink is part of
+            # the base GEMM (`lora_linear(joined=...)`); the bias beside P r zeros
+            wa = _join([m.weight for m in self.mods] + [m.lora_A for m in self.mods])
+            self.weight, self.lora_a = wa[:N], wa[N:]
+            ba = None
+            if has_bias:
+                zeros = self.mods[0].bias.new_zeros(wa.shape[0] - N)
+                ba = _join([m.bias for m in self.mods] + [zeros])
+            self.bias = None if ba is None else ba[:N]
+            self.joined = (wa, ba)
             self.lora_b = _join([m.lora_B for m in self.mods])  # (sum N_i, r)
             self.scale, self._bank = self.mods[0].scale, None
         # where each tensor must stay: the buffer never moves, so neither may the parts
@@ -145,7 +156,7 @@ class FusedLinear:
         b = None if self.bias is None else join(self.bias, parts[1])
         a = join(self.lora_a, [m.lora_A for m in self.mods])
         bb = join(self.lora_b, [m.lora_B for m in self.mods])
-        return lora_linear(x, w, b, a, bb, self.scale, sizes=self.sizes)
+        return lora_linear(x, w, b, a, bb, self.scale, sizes=self.sizes, joined=self.joined)
 
     def _bank_buffers(self):
         """The members' banks side by side, (n, P r, K), (n, N, r), scale: built once per bank."""
@@ -222,6 +233,11 @@ def fuse_projections(model: CausalLM) -> int:
                 continue
             setattr(module, attr, FusedLinear(module, names))
             fused += 1
+    grouped = {id(m) for module in model.modules() for kind, attr, _ in GROUPS if isinstance(module, kind)
+               and getattr(module, attr) is not None for m in getattr(module, attr).mods}
+    for m in model.modules():  # o_proj, down_proj: the shrink joins the base GEMM all the same
+        if type(m) is LoRALinear and id(m) not in grouped and m.bank is None:
+            m.join_()
     if adapted:
         log.info("projections not fused in %d groups (each keeps its own GEMM): %s%s", len(adapted),
                  ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")

@@ -127,31 +127,6 @@ class LoRAConfig:
         return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
 
 
-@dataclasses.dataclass(eq=False)
-class AdapterSlots:
-    """An adapter bank's names, in slot order, and each row's slot for the next forwards:
-    `ids` (at least M,) int32, -1 the base (written by the engine, or `lora_bank.adapter_rows`).
-    One object per model, shared by every adapted projection's `ProjectionBank`."""
-    names: tuple[str, ...]
-    ids: torch.Tensor | None = None
-
-
-@dataclasses.dataclass(eq=False)
-class ProjectionBank:
-    """One projection's adapters of a bank (`rlfuse.model.lora_bank`): A (n, r, K), B (n, N, r),
-    scale (n,) fp32, and the model's slots. Inference only (no gradients)."""
-    A: torch.Tensor
-    B: torch.Tensor
-    scale: torch.Tensor
-    slots: AdapterSlots
-
-    def rows(self, M: int) -> torch.Tensor:
-        if self.slots.ids is None or self.slots.ids.shape[0] < M:
-            raise ValueError("the model holds an adapter bank: its forwards need each row's adapter "
-                             "(the engine sets them per request; else `rlfuse.model.lora_bank.adapter_rows`)")
-        return self.slots.ids[:M]
-
-
 class LoRALinear(Linear):
     """A target projection with its adapter: y = x W^T + b + s (x A^T) B^T through
     `rlfuse.kernels.linear.lora.lora_linear`. `weight` and `bias` are the base projection's own
@@ -170,7 +145,27 @@ class LoRALinear(Linear):
         self.lora_A = nn.Parameter(torch.empty(cfg.rank, self.in_features, dtype=w.dtype, device=w.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=w.dtype, device=w.device))
         self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
-        self.bank: ProjectionBank | None = None
+        self.bank = None  # a rlfuse.model.lora_bank.ProjectionBank: each row runs its own adapter
+        self._joined = None  # (WA, bA, pointers): see join_
+
+    def join_(self) -> None:
+        """Move weight and lora_A into one buffer (rows of W, then of A; the bias beside r
+        zeros), each a view of it: a fast no-gradient forward then runs the base GEMM and the
+        shrink as one GEMM (`lora_linear(joined=...)`). `rlfuse.model.fuse.fuse_projections`
+        calls it for adapted projections outside a fused group; anything that moves the
+        tensors afterwards (`.to()`) just ends it."""
+        N = self.out_features
+        with torch.no_grad():
+            wa = torch.cat([self.weight.detach(), self.lora_A.detach()])
+            self.weight.data, self.lora_A.data = wa[:N], wa[N:]
+            ba = None
+            if self.bias is not None:
+                ba = torch.cat([self.bias.detach(), self.bias.new_zeros(self.lora_A.shape[0])])
+                self.bias.data = ba[:N]
+        self._joined = ((wa, ba), self._pointers())
+
+    def _pointers(self):
+        return tuple(t.data_ptr() for t in (self.weight, self.lora_A, self.bias) if t is not None)
 
     def forward(self, x):
         if not self.enabled:
@@ -182,7 +177,8 @@ class LoRALinear(Linear):
         x_a = None
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
             x_a = F.dropout(x, self.dropout, training=True)
-        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, x_a)
+        joined = self._joined[0] if self._joined is not None and self._joined[1] == self._pointers() else None
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, x_a, joined=joined)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"

@@ -20,16 +20,42 @@ Test: python -m pytest -q tests/test_lora_bank.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from pathlib import Path
 
 import torch
 
 from rlfuse.model.causal_lm import CausalLM
-from rlfuse.model.lora import AdapterSlots, ProjectionBank, attach_lora, has_lora, lora_modules
+from rlfuse.model.lora import attach_lora, has_lora, lora_modules
 from rlfuse.model.lora_peft import load_peft_weights, read_peft_config
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(eq=False)
+class AdapterSlots:
+    """An adapter bank's names, in slot order, and each row's slot for the next forwards:
+    `ids` (at least M,) int32, -1 the base (written by the engine, or `lora_bank.adapter_rows`).
+    One object per model, shared by every adapted projection's `ProjectionBank`."""
+    names: tuple[str, ...]
+    ids: torch.Tensor | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class ProjectionBank:
+    """One projection's adapters of a bank (`rlfuse.model.lora_bank`): A (n, r, K), B (n, N, r),
+    scale (n,) fp32, and the model's slots. Inference only (no gradients)."""
+    A: torch.Tensor
+    B: torch.Tensor
+    scale: torch.Tensor
+    slots: AdapterSlots
+
+    def rows(self, M: int) -> torch.Tensor:
+        if self.slots.ids is None or self.slots.ids.shape[0] < M:
+            raise ValueError("the model holds an adapter bank: its forwards need each row's adapter "
+                             "(the engine sets them per request; else `rlfuse.model.lora_bank.adapter_rows`)")
+        return self.slots.ids[:M]
 
 
 @torch.no_grad()

@@ -126,9 +126,17 @@ def _check(x, weight, lora_a, lora_b, scale, sizes, adapter):
 
 def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, lora_a: torch.Tensor,
                 lora_b: torch.Tensor, scale: float | torch.Tensor, x_a: torch.Tensor | None = None, *,
-                sizes: tuple[int, ...] | None = None, adapter: torch.Tensor | None = None) -> torch.Tensor:
-    """Public op: the current numerics and backend pick the path (module docstring)."""
+                sizes: tuple[int, ...] | None = None, adapter: torch.Tensor | None = None,
+                joined: tuple[torch.Tensor, torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Public op: the current numerics and backend pick the path (module docstring).
+    `joined` (one adapter): (WA, bA), a buffer whose rows are `weight` then `lora_a` (both
+    views of it) and `bias` followed by zeros (None without a bias): a fast no-gradient
+    forward runs base and shrink as ONE GEMM over it, the shrink in the base GEMM."""
     _check(x, weight, lora_a, lora_b, scale, sizes, adapter)
+    if joined is not None and x_a is None and not is_exact() and lora_a.dim() == 2 and not (
+            torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias, lora_a,
+                                                                                       lora_b))):
+        return _joined_fast(x, joined, lora_b, scale, sizes, weight.shape[0])
     x_a = x if x_a is None else x_a
     backend = resolve_backend("lora", x)
     if is_exact() and backend == "triton":
@@ -148,3 +156,17 @@ def lora_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                                                                    adapter=adapter).view(*x.shape[:-1], N)
     bw = lora_b if lora_b.dim() == 3 else lora_b.unsqueeze(0)
     return _expand_torch(base, z, bw, scale, sizes, adapter, is_exact()).view(*x.shape[:-1], N)
+
+
+def _joined_fast(x, joined, lora_b, scale, sizes, N: int):
+    """Fast numerics over a joined buffer: [base | z] = x [W; A]^T (+ [b; 0]) in one GEMM,
+    then the expand added to the base columns in place; returns the (strided) base view."""
+    wa, ba = joined
+    out = F.linear(x, wa, ba)  # (..., N + P r)
+    base, z = out[..., :N], out[..., N:]
+    if resolve_backend("lora", x) == "triton":
+        triton_ops("linear.triton_lora").lora_add_triton(base, z, lora_b, scale, sizes=sizes)
+        return base
+    flat = out.view(-1, out.shape[-1])
+    y = _expand_torch(flat[:, :N], flat[:, N:], lora_b.unsqueeze(0), scale, sizes, None, False)
+    return y.view(*x.shape[:-1], N)

@@ -211,7 +211,7 @@ def lora_add_triton(base, z, lora_b, scale, *, sizes=None, adapter=None):
     """Fast numerics: base (..., N) (x W^T + b, rounded, e.g. from cuBLAS) += s_a z B_a^T in
     place, one kernel; returns base. Arguments as `lora_expand_triton`'s."""
     N = base.shape[-1]
-    y = base.view(-1, N)
+    y = base.view(-1, N)  # may be strided: the base columns of a joined [base | z] output
     assert y.stride(-1) == 1, "lora_add_triton: the base must have unit column stride"
     M = y.shape[0]
     if M == 0:
