@@ -186,6 +186,8 @@ def test_engine_mixed_adapter_batch_equals_each_adapter_alone(tmp_path):
     with use_backend("torch"):
         llm = LLM(bank_model, config=dataclasses.replace(cfg, fuse_projections=True))
         mixed = rows(llm.generate(prompts * 3, [params(None)] * 4 + [params(0)] * 4 + [params(1)] * 4))
+        attn0 = bank_model.model.layers[0].self_attn
+        assert attn0.qkv_fused.adapted and attn0.qkv_fused.live(attn0)
         for k, name in enumerate((None, "math", "code")):
             m = tiny_model()
             if name is not None:
