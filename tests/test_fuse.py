@@ -244,7 +244,10 @@ def test_lora_fused_gradients_reach_each_adapter_and_updates_are_seen(numerics):
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     with torch.no_grad(), use_numerics(numerics):  # fast: the shrink joined to the base GEMM (W and A one buffer)
         torch.testing.assert_close(fused(ids, pos, attn), outs[0], rtol=1e-5, atol=1e-5)
-    assert fused.model.layers[0].self_attn.o_proj._joined is not None
+    o = fused.model.layers[0].self_attn.o_proj
+    ptrs = (o.weight.data_ptr(), o.lora_A.data_ptr(), fused.model.layers[0].self_attn.q_proj.lora_A.data_ptr())
+    assert o.is_joined() and fuse_projections(fused) == 0  # a second engine moves nothing the first one reads
+    assert ptrs == (o.weight.data_ptr(), o.lora_A.data_ptr(), fused.model.layers[0].self_attn.q_proj.lora_A.data_ptr())
     assert grads[0].keys() == grads[1].keys() and any("k_proj.lora_A" in n for n in grads[0])
     for n, g in grads[0].items():
         torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=n)

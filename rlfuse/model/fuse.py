@@ -111,6 +111,8 @@ class FusedLinear:
             self.joined = (wa, ba)
             self.lora_b = _join([m.lora_B for m in self.mods])  # (sum N_i, r)
             self.scale, self._bank = self.mods[0].scale, None
+            if self.mods[0].bank is not None:
+                self._bank_buffers()  # now, eagerly: never first inside a CUDA graph capture
         # where each tensor must stay: the buffer never moves, so neither may the parts
         self._ptrs = [t.data_ptr() for t in self._tensors()]
         self.stale = False
@@ -236,8 +238,8 @@ def fuse_projections(model: CausalLM) -> int:
     grouped = {id(m) for module in model.modules() for kind, attr, _ in GROUPS if isinstance(module, kind)
                and getattr(module, attr) is not None for m in getattr(module, attr).mods}
     for m in model.modules():  # o_proj, down_proj: the shrink joins the base GEMM all the same
-        if type(m) is LoRALinear and id(m) not in grouped and m.bank is None:
-            m.join_()
+        if type(m) is LoRALinear and id(m) not in grouped and m.bank is None and not m.is_joined():
+            m.join_()  # once: a second engine on the model must not move what the first one's graphs read
     if adapted:
         log.info("projections not fused in %d groups (each keeps its own GEMM): %s%s", len(adapted),
                  ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")

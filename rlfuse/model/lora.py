@@ -164,6 +164,10 @@ class LoRALinear(Linear):
                 self.bias.data = ba[:N]
         self._joined = ((wa, ba), self._pointers())
 
+    def is_joined(self) -> bool:
+        """join_ ran and nothing moved the tensors since."""
+        return self._joined is not None and self._joined[1] == self._pointers()
+
     def _pointers(self):
         return tuple(t.data_ptr() for t in (self.weight, self.lora_A, self.bias) if t is not None)
 
@@ -177,7 +181,7 @@ class LoRALinear(Linear):
         x_a = None
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
             x_a = F.dropout(x, self.dropout, training=True)
-        joined = self._joined[0] if self._joined is not None and self._joined[1] == self._pointers() else None
+        joined = self._joined[0] if self.is_joined() else None
         return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, x_a, joined=joined)
 
     def extra_repr(self) -> str:
