@@ -10,9 +10,10 @@ The epilogue (`_lora_epilogue`), per (BLOCK_M x BLOCK_N) tile:
   2. for each adapter present in the tile and each part: d = z[rows, (a, p) columns] .
      B_a[cols]^T, one `dot` over the rank padded to BLOCK_R >= 16 with zeros (a single
      k-block: an element's value does not depend on the tile's height or width, as the
-     exact linear's tile families require), kept where the row is a's and the column p's
-     (a select, never a sum: other adapters and parts add nothing, not even a zero);
-  3. y = y + s_a * d on rows with an adapter; rows without one keep the base's y.
+     exact linear's tile families require);
+  3. y = y + s_a * d where the row is a's and the column p's (a select: each element is
+     updated once, by its own adapter and part; others add nothing, not even a zero);
+     rows without an adapter keep the base's y.
 So a row's bits depend on its own x, its adapter and the weights alone: a batch mixing
 adapters gives each row what a batch of its adapter alone gives.
 
@@ -50,14 +51,15 @@ from rlfuse.kernels.triton_common import dot, dot_precision, round_to
 def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
                    HAS_ADAPTER: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
     """y (BLOCK_M, BLOCK_N) fp32 plus each row's adapter term (module docstring, steps 1-3).
-    Parts end at P1, P2, N (P1 = P2 = N for one part)."""
+    Parts end at P1, P2, N (P1 = P2 = N for one part). Each element is updated once, by its
+    own adapter and part (y + s * d); no second accumulator tile stays live (registers)."""
     rs = tl.arange(0, BLOCK_R)
     rin = rs < R
     rok = rows < M
     part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
-    term = tl.zeros_like(y)
     if HAS_ADAPTER:
         arow = tl.load(AD + rows, mask=rok, other=-1).to(tl.int32)
+        s = tl.load(SC + arow, mask=arow >= 0, other=0.0)[:, None]
         for a in range(0, NA):
             is_a = arow == a
             if tl.max(is_a.to(tl.int32), 0) > 0:  # adapters absent from the tile cost nothing
@@ -67,15 +69,16 @@ def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1,
                     inp = (part == p) & (cols < N)
                     b = tl.load(BW + a * sba + cols[:, None] * sbn + rs[None, :],
                                 mask=inp[:, None] & rin[None, :], other=0.0)
-                    term = tl.where(is_a[:, None] & inp[None, :], dot(z, tl.trans(b), None, PREC), term)
-        s = tl.load(SC + arow, mask=arow >= 0, other=0.0)
-        return tl.where((arow >= 0)[:, None], y + s[:, None] * term, y)
+                    d = dot(z, tl.trans(b), None, PREC)
+                    y = tl.where(is_a[:, None] & inp[None, :], y + s * d, y)
+        return y
     for p in tl.static_range(PARTS):
         z = tl.load(Z + rows[:, None] * szm + p * R + rs[None, :], mask=rok[:, None] & rin[None, :], other=0.0)
         inp = (part == p) & (cols < N)
         b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=inp[:, None] & rin[None, :], other=0.0)
-        term = tl.where(inp[None, :], dot(z, tl.trans(b), None, PREC), term)
-    return y + scale * term
+        d = dot(z, tl.trans(b), None, PREC)
+        y = tl.where(inp[None, :], y + scale * d, y)
+    return y
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
