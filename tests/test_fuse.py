@@ -259,6 +259,18 @@ def test_lora_fused_gradients_reach_each_adapter_and_updates_are_seen(numerics):
             assert torch.equal(sep(ids, pos, attn), fused(ids, pos, attn))
 
 
+def test_lora_adapter_saved_from_a_fused_model_loads_back(tmp_path):
+    """A and B are views of the fused / joined buffers: the PEFT folder still holds exactly them."""
+    from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
+    sep, fused = _lora_pair()
+    save_peft_adapter(fused, tmp_path / "a")
+    back = _model()
+    load_peft_adapter(back, tmp_path / "a")
+    ids, pos, attn = _inputs()
+    with torch.no_grad(), use_numerics("exact"):
+        assert torch.equal(back(ids, pos, attn), sep(ids, pos, attn))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("numerics", ["fast", "exact"])
 def test_swiglu_packed_equals_swiglu_bitwise(backend, numerics):
