@@ -146,7 +146,7 @@ class LoRALinear(Linear):
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=w.dtype, device=w.device))
         self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
         self.bank = None  # a rlfuse.model.lora_bank.ProjectionBank: each row runs its own adapter
-        self._joined = None  # (WA, bA, pointers): see join_
+        self._joined = None  # ((WA, bA), the pointers it was made at): see join_
 
     def join_(self) -> None:
         """Move weight and lora_A into one buffer (rows of W, then of A; the bias beside r
