@@ -71,13 +71,13 @@ def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1,
                                 mask=inp[:, None] & rin[None, :], other=0.0)
                     d = dot(z, tl.trans(b), None, PREC)
                     y = tl.where(is_a[:, None] & inp[None, :], y + s * d, y)
-        return y
-    for p in tl.static_range(PARTS):
-        z = tl.load(Z + rows[:, None] * szm + p * R + rs[None, :], mask=rok[:, None] & rin[None, :], other=0.0)
-        inp = (part == p) & (cols < N)
-        b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=inp[:, None] & rin[None, :], other=0.0)
-        d = dot(z, tl.trans(b), None, PREC)
-        y = tl.where(inp[None, :], y + scale * d, y)
+    else:
+        for p in tl.static_range(PARTS):
+            z = tl.load(Z + rows[:, None] * szm + p * R + rs[None, :], mask=rok[:, None] & rin[None, :], other=0.0)
+            inp = (part == p) & (cols < N)
+            b = tl.load(BW + cols[:, None] * sbn + rs[None, :], mask=inp[:, None] & rin[None, :], other=0.0)
+            d = dot(z, tl.trans(b), None, PREC)
+            y = tl.where(inp[None, :], y + scale * d, y)
     return y
 
 
