@@ -1327,6 +1327,8 @@ SAMPLING_CASES = [
     ("temperature-nan", {"temperature": float("nan")}, r"SamplingParams\.temperature must be a finite number >= 0"),
     ("stop-token-ids-an-int", {"stop_token_ids": 5},
      r"SamplingParams\.stop_token_ids must be a list of token ids \(e\.g\. \[5\]\), got int 5"),
+    ("adapter-negative", {"adapter": -1},
+     r"SamplingParams\.adapter must be None \(the base model\) or a bank slot >= 0, got -1"),
 ]
 
 
@@ -2099,6 +2101,14 @@ def test_serve_refuses_a_request_that_stopped_the_engine(serve_client, route, bo
     assert err["param"] == param and err["type"] == "invalid_request_error"
     catalog.seen(f"POST /v1/{route} {body}", f"400 {err['message']}")
     assert serve_client.get("/health").status_code == 200
+
+
+@pytest.mark.bad_input("serve")
+def test_serve_lora_wants_name_equals_path():
+    from rlfuse.cli.serve import _lora_args
+
+    expect_error(lambda: _lora_args(["adapters/math"]), r"--lora: expected NAME=PATH \(e\.g\. math=adapters/math\), "
+                 r"got 'adapters/math'", "rlfuse serve MODEL --lora adapters/math")
 
 
 # ------------------------------------------------------------------ tools, environments, the sandbox (issue 37)

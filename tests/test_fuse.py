@@ -4,7 +4,8 @@ Exact numerics: the fused forward equals the separate projections bitwise (torch
 and the Triton kernels under the CPU interpreter); fast: close. Training gradients reach
 each HF-named parameter; in-place updates of a part are seen by the fused GEMM; save/load
 keeps HF names; anything that moves the parameters after fusing falls back to separate
-GEMMs; LoRA-adapted groups stay separate. Engine-level equalities with fusion on (a CPU
+GEMMs (one warning); fully LoRA-adapted groups stay fused, with the separate projections'
+bits; partly adapted groups stay separate. Engine-level equalities with fusion on (a CPU
 engine fuses only when asked; CUDA engines by default): greedy == naive generate
 (tests/test_engine.py, the "fused" case), exact rollout == trainer log-probs
 (tests/test_exact_engine.py), the `gpu` tests here and in tests/test_exact_engine.py.
@@ -170,17 +171,20 @@ def test_moving_the_model_after_fusing_falls_back_to_separate_gemms(caplog):
     assert fuse_projections(fused) == 4  # fusing again re-groups the moved parameters
 
 
-def test_lora_groups_stay_separate_and_adapters_apply():
+def test_partly_adapted_groups_stay_separate_and_adapters_apply(caplog):
     ids, pos, attn = _inputs()
     cfg = LoRAConfig(rank=4, targets=["q_proj", "up_proj"])
-    # adapters attached before fusing: the adapted groups are skipped, the others fused
+    # adapters attached before fusing: the partly adapted groups are skipped
     a = _model()
     attach_lora(a, cfg)
     assert fuse_projections(a) == 0
-    # adapters attached after fusing: the stale groups fall back, the adapters run
+    # adapters attached after fusing: attach_lora drops the groups it adapts (no stale warning)
     b = _model()
     fuse_projections(b)
-    attach_lora(b, cfg)
+    with caplog.at_level(logging.WARNING, logger="rlfuse.model.fuse"):
+        attach_lora(b, cfg)
+        b(ids, pos, attn)
+    assert "no longer covers" not in caplog.text and b.model.layers[0].self_attn.qkv_fused is None
     for m in (a, b):
         for mod in m.modules():
             if hasattr(mod, "lora_B"):
@@ -190,6 +194,81 @@ def test_lora_groups_stay_separate_and_adapters_apply():
         ya, yb, yc = a(ids, pos, attn), b(ids, pos, attn), c(ids, pos, attn)
     assert torch.equal(ya, yb)
     assert not torch.equal(ya, yc)  # the adapters changed the output
+
+
+def _lora_pair(model_type="qwen3", dtype=torch.float32, fuse_first=False):
+    """(separate, fused) models with the same random all-linear adapters (B nonzero)."""
+    from rlfuse.model.lora import init_lora_
+    sep, fused = _model(model_type, dtype), _model(model_type, dtype)
+    if fuse_first:  # the bench's order: the engine fused the base model, then adapters came
+        fuse_projections(fused)
+    for m in (sep, fused):
+        attach_lora(m, LoRAConfig(rank=4, alpha=8.0))
+        init_lora_(m, seed=2, b_std=0.2)
+    assert fuse_projections(fused) == 4
+    return sep, fused
+
+
+@pytest.mark.parametrize("backend,model_type,dtype", [
+    ("torch", "qwen2", torch.float32),
+    # the kernels' bitwise promises run in the default suite (tests/test_lora_bank.py); the model under the
+    # interpreter takes ~9 s
+    pytest.param("triton", "qwen3", torch.bfloat16, marks=pytest.mark.slow)])
+def test_lora_groups_fused_equal_separate_bitwise_in_exact_numerics(backend, model_type, dtype):
+    sep, fused = _lora_pair(model_type, dtype, fuse_first=True)
+    ids, pos, attn = _inputs()
+    attn0 = fused.model.layers[0].self_attn
+    assert attn0.qkv_fused.adapted and attn0.qkv_fused.live(attn0)
+    with torch.no_grad(), use_backend(backend), use_numerics("exact"):
+        a, b = sep(ids, pos, attn), fused(ids, pos, attn)
+        c = _model(model_type, dtype)(ids, pos, attn)
+    assert torch.equal(a, b) and not torch.equal(a, c)  # the adapters apply, with the separate bits
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_lora_fused_gradients_reach_each_adapter_and_updates_are_seen(numerics):
+    sep, fused = _lora_pair()
+    ids, pos, attn = _inputs()
+    W = torch.randn(64, generator=torch.Generator().manual_seed(5))
+    outs, grads = [], []
+    with use_numerics(numerics):
+        for m in (sep, fused):
+            h = m(ids, pos, attn)
+            (h @ W).square().sum().backward()
+            outs.append(h.detach())
+            grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+        if numerics == "exact":
+            assert torch.equal(outs[0], outs[1])
+            with torch.no_grad():
+                assert torch.equal(fused(ids, pos, attn), outs[1])  # the engine's no-grad forward: same bits
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    with torch.no_grad(), use_numerics(numerics):  # fast: the shrink joined to the base GEMM (W and A one buffer)
+        torch.testing.assert_close(fused(ids, pos, attn), outs[0], rtol=1e-5, atol=1e-5)
+    o = fused.model.layers[0].self_attn.o_proj
+    ptrs = (o.weight.data_ptr(), o.lora_A.data_ptr(), fused.model.layers[0].self_attn.q_proj.lora_A.data_ptr())
+    assert o.is_joined() and fuse_projections(fused) == 0  # a second engine moves nothing the first one reads
+    assert ptrs == (o.weight.data_ptr(), o.lora_A.data_ptr(), fused.model.layers[0].self_attn.q_proj.lora_A.data_ptr())
+    assert grads[0].keys() == grads[1].keys() and any("k_proj.lora_A" in n for n in grads[0])
+    for n, g in grads[0].items():
+        torch.testing.assert_close(grads[1][n], g, rtol=1e-4, atol=1e-5 * g.abs().max().item(), msg=n)
+    with torch.no_grad():  # the optimizer's in-place step on one part reaches the fused buffers
+        for m in (sep, fused):
+            m.model.layers[0].self_attn.k_proj.lora_B.add_(0.1)
+            m.model.layers[1].mlp.up_proj.lora_A.mul_(1.5)
+        with use_numerics("exact"):
+            assert torch.equal(sep(ids, pos, attn), fused(ids, pos, attn))
+
+
+def test_lora_adapter_saved_from_a_fused_model_loads_back(tmp_path):
+    """A and B are views of the fused / joined buffers: the PEFT folder still holds exactly them."""
+    from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
+    sep, fused = _lora_pair()
+    save_peft_adapter(fused, tmp_path / "a")
+    back = _model()
+    load_peft_adapter(back, tmp_path / "a")
+    ids, pos, attn = _inputs()
+    with torch.no_grad(), use_numerics("exact"):
+        assert torch.equal(back(ids, pos, attn), sep(ids, pos, attn))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

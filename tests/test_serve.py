@@ -33,7 +33,7 @@ from serve_helpers import EOS, LocalServer, byte_tokenizer, write_model_folder  
 
 from rlfuse.api import load_model  # noqa: E402
 from rlfuse.cli import main  # noqa: E402
-from rlfuse.engine import LLM, EngineConfig  # noqa: E402
+from rlfuse.engine import LLM, EngineConfig, SamplingParams  # noqa: E402
 from rlfuse.engine.naive import greedy_generate_naive  # noqa: E402
 from rlfuse.serve import build_app  # noqa: E402
 from rlfuse.serve.detokenize import IncrementalText  # noqa: E402
@@ -296,6 +296,54 @@ def test_adapter_is_applied_unmerged(folder, tmp_path, capsys, monkeypatch):
     assert has_lora(llm.model)
     for (n, p), (n2, q) in zip(sorted(llm.model.state_dict().items()), sorted(model.state_dict().items())):
         assert n == n2 and torch.equal(p, q), n
+
+
+def test_several_adapters_in_one_server(folder, tmp_path, monkeypatch):
+    """--lora a=PATH b=PATH: /v1/models lists the model and both adapters; concurrent
+    requests naming each (sharing batches) get, bitwise in exact numerics, the tokens and
+    log-probs of an engine over a model holding that adapter alone (or none)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import uvicorn
+
+    from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_
+    from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
+
+    for i, name in enumerate(("a", "b")):
+        m, _ = load_model(str(folder), device="cpu")
+        attach_lora(m, LoRAConfig(rank=2, alpha=2.0 * (i + 1)))
+        init_lora_(m, seed=i, b_std=0.5)
+        save_peft_adapter(m, tmp_path / name)
+    served = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: served.update(app=app))
+    engine = ["--device", "cpu", "--max-model-len", "64", "--max-num-seqs", "8", "--numerics", "exact"]
+    assert main(["serve", str(folder), "--served-model-name", NAME, "--lora", f"a={tmp_path / 'a'}",
+                 f"b={tmp_path / 'b'}", *engine]) == 0
+    assert main(["serve", str(folder), "--lora", "a"]) == 2  # NAME=PATH expected
+    prompts = ["Hello", "2+2=", "Hi there"]
+    with LocalServer(served["app"]) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        assert [m.id for m in client.models.list().data] == [NAME, "a", "b"]
+
+        def ask(model):
+            r = client.completions.create(model=model, prompt=prompts, max_tokens=6, temperature=0, logprobs=0,
+                                          extra_body={"return_token_ids": True})
+            assert r.model == model
+            return [(c.model_dump()["token_ids"], c.logprobs.token_logprobs) for c in r.choices]
+
+        with ThreadPoolExecutor(3) as pool:
+            got = dict(zip((NAME, "a", "b"), pool.map(ask, (NAME, "a", "b"))))
+        with pytest.raises(openai.NotFoundError, match="'tiny', 'a', 'b'"):
+            client.completions.create(model="c", prompt="x", max_tokens=1)
+    tok = byte_tokenizer()
+    for name in (NAME, "a", "b"):
+        m, _ = load_model(str(folder), device="cpu")
+        if name != NAME:
+            load_peft_adapter(m, tmp_path / name)
+        llm = LLM(m, tok, EngineConfig(max_model_len=64, max_num_seqs=8, numerics="exact"))
+        outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+        assert got[name] == [(list(o.output_token_ids), o.logprobs.tolist()) for o in outs], name
+    assert got["a"] != got[NAME] and got["b"] != got["a"]
 
 
 def test_serve_command(folder):

@@ -169,6 +169,9 @@ class SamplingParams:
     batch, and prompts sharing a seed still get independent noise."""
     skip_special_tokens: bool = True
     """Drop special tokens from `Completion.text`."""
+    adapter: int | None = None
+    """With an adapter bank (`rlfuse.model.lora_bank`, `rlfuse serve --lora`): the slot of
+    the adapter this request runs under; None: the base model."""
 
     def __post_init__(self):
         o = "SamplingParams"
@@ -203,6 +206,9 @@ class SamplingParams:
             raise ValueError(f"{o}.stop must be non-empty strings, got {self.stop!r}")
         object.__setattr__(self, "stop", stop)
         object.__setattr__(self, "temperature", float(self.temperature))
+        if self.adapter is not None and (not isinstance(self.adapter, int) or isinstance(self.adapter, bool)
+                                         or self.adapter < 0):
+            raise ValueError(f"{o}.adapter must be None (the base model) or a bank slot >= 0, got {self.adapter!r}")
 
     @property
     def greedy(self) -> bool:

@@ -135,7 +135,13 @@ class LLM:
     # ------------------------------------------------------------------ requests
     def _validate(self, rid: str, prompt, params) -> list[int]:
         return validate_request(rid, prompt, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                                max_model_len=self.max_model_len, block_manager=self.block_manager)
+                                max_model_len=self.max_model_len, block_manager=self.block_manager,
+                                adapters=0 if self.runner.bank is None else len(self.runner.bank.names))
+
+    @property
+    def adapters(self) -> tuple[str, ...]:
+        """The adapter bank's names, in slot order (`SamplingParams.adapter`); () without a bank."""
+        return () if self.runner.bank is None else self.runner.bank.names
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:

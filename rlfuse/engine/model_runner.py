@@ -45,6 +45,7 @@ from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
+from rlfuse.model.lora_bank import adapter_bank
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,12 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
+        # an adapter bank (rlfuse.model.lora_bank): each row's slot, written before every step
+        # into one buffer the adapted projections (and the decode graphs) read
+        self.bank = adapter_bank(model)
+        if self.bank is not None:
+            rows = max(cfg.max_num_batched_tokens, 2 * cfg.max_num_seqs)  # the warm-up's steps too
+            self.bank.ids = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -252,6 +259,10 @@ class ModelRunner:
         seeds = [s.seed for _, s in samp]
         offsets = [len(s.token_ids) + ahead for _, s in samp]  # position of the token being sampled
         decode = all(n == 1 for n in num_new)
+        if self.bank is not None:  # each computed row's adapter slot (-1: the base model)
+            slot = [-1 if s.params.adapter is None else s.params.adapter for s in seqs]
+            per_row = slot if decode else np.repeat(slot, num_new)
+            self.bank.ids[:len(per_row)].copy_(self._upload(per_row, torch.int32))
         self.routing.install(True)
         try:
             if decode and self.static and B <= self.max_graph_bs:

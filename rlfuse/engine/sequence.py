@@ -172,7 +172,7 @@ def prompt_list(prompts, params) -> tuple[list, list[SamplingParams]]:
 
 
 def validate_request(rid: str, prompt, params, *, tokenizer, vocab_size: int, max_model_len: int,
-                     block_manager) -> list[int]:
+                     block_manager, adapters: int = 0) -> list[int]:
     """A request's prompt ids, or a ValueError naming the request and what is wrong (before
     anything is queued)."""
     def bad(msg):
@@ -196,6 +196,9 @@ def validate_request(rid: str, prompt, params, *, tokenizer, vocab_size: int, ma
                   f"for output")
     if params.stop and tokenizer is None:
         raise bad("stop strings need a tokenizer")
+    if params.adapter is not None and params.adapter >= adapters:
+        raise bad(f"adapter slot {params.adapter}: the model's adapter bank has {adapters} slots"
+                  + ("" if adapters else " (no bank: rlfuse.model.lora_bank.load_adapter_bank)"))
     need = block_manager.blocks_for(min(len(ids) + params.max_tokens, max_model_len))
     if need > block_manager.num_blocks:
         raise bad(f"needs {need} KV blocks, the pool has {block_manager.num_blocks}")

@@ -26,13 +26,22 @@ Rules.
     group more); `unfuse_gathered` points the parameters back before FSDP frees them,
     and FSDP allocates and fills its storage again at the next gather. Training forwards
     (FSDP's per-layer gathers) run the separate projections.
-  * Not fused: a group that is not all plain `Linear` (LoRA adapters add a
-    term per projection: adapted layers keep their separate GEMMs), parameters on the
-    meta device or of mixed device or dtype. Each skip is logged with its reason.
+  * LoRA (`rlfuse.model.lora`): a group whose projections all carry adapters of one rank
+    and scale stays fused, its A's and B's in two more buffers (A (P r, K): q's rows, then
+    k's, then v's; B (N, r) in the output's rows), and runs as ONE `lora_linear` over the
+    parts: the shrink of every part is one GEMM, the expand sits in the base GEMM's
+    epilogue (`rlfuse.kernels.linear.lora`). An adapter bank (serving several adapters)
+    likewise. `attach_lora` on a fused model drops the groups it adapts; the engine
+    (`fuse_projections`) fuses them again with their adapters. A forward with the group's
+    adapters switched differently, or drawing dropout, runs the projections separately.
+  * Not fused: a group partly adapted (e.g. lora.targets [q_proj, v_proj]), adapters of
+    different rank or scale, parameters on the meta device or of mixed device or dtype.
+    Each skip is logged with its reason.
   * A group checks at every forward that its modules are still the layer's and each
     weight still lies at its rows (host-side pointer compares, no sync). After anything
     that moves or replaces them (`.to()`, `float()`, `attach_lora`, sharding) the layer
-    runs its separate projections again, with a warning: slower, never wrong.
+    runs its separate projections again, with a warning (once per process): slower, never
+    wrong.
 
 Numerics. Exact: an element's K order depends on K alone (`rlfuse.kernels.linear.gemm`), so
 each slice of the fused output equals the separate projection bitwise and rollout
@@ -53,8 +62,10 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlfuse.kernels.linear.gemm import linear_fused
+from rlfuse.kernels.linear.lora import lora_linear
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.layers import MLP, Attention, Linear
+from rlfuse.model.lora import LoRALinear
 
 log = logging.getLogger(__name__)
 
@@ -63,47 +74,112 @@ GROUPS = ((Attention, "qkv_fused", ("q_proj", "k_proj", "v_proj")),
           (MLP, "gate_up_fused", ("gate_proj", "up_proj")))
 
 
+def _join(tensors, dim: int = 0):
+    """One buffer holding `tensors` side by side along `dim`; each tensor's .data becomes its view."""
+    with torch.no_grad():
+        buf = torch.cat([t.detach() for t in tensors], dim)
+        for t, v in zip(tensors, buf.split([t.shape[dim] for t in tensors], dim)):
+            t.data = v
+    return buf
+
+
 class FusedLinear:
     """Projections of one input as one GEMM over a buffer their parameters are views of.
-    `sizes`: each projection's output features, in order (split the output with them)."""
+    `sizes`: each projection's output features, in order (split the output with them).
+    LoRA-adapted projections (all of the group, one rank and scale) keep their adapters in
+    two more buffers, A (P r, K) and B (N, r), and run as one `lora_linear` over the parts."""
 
     def __init__(self, owner: nn.Module, names: tuple[str, ...]):
         self.names = names
         self.mods = tuple(getattr(owner, n) for n in names)
         self.sizes = [m.out_features for m in self.mods]
-        with torch.no_grad():
-            self.weight = torch.cat([m.weight.detach() for m in self.mods])  # (sum N_i, K)
-            has_bias = self.mods[0].bias is not None
-            self.bias = torch.cat([m.bias.detach() for m in self.mods]) if has_bias else None
-            for m, w in zip(self.mods, self.weight.split(self.sizes)):
-                m.weight.data = w
+        self.adapted = type(self.mods[0]) is LoRALinear
+        N, has_bias = sum(self.sizes), self.mods[0].bias is not None
+        if not self.adapted:
+            self.weight = _join([m.weight for m in self.mods])  # (sum N_i, K)
+            self.bias = _join([m.bias for m in self.mods]) if has_bias else None
+        else:
+            # one buffer: W's rows, then A's (P r, K), so a fast forward's shrink is part of
+            # the base GEMM (`lora_linear(joined=...)`); the bias beside P r zeros
+            wa = _join([m.weight for m in self.mods] + [m.lora_A for m in self.mods])
+            self.weight, self.lora_a = wa[:N], wa[N:]
+            ba = None
             if has_bias:
-                for m, b in zip(self.mods, self.bias.split(self.sizes)):
-                    m.bias.data = b
+                zeros = self.mods[0].bias.new_zeros(wa.shape[0] - N)
+                ba = _join([m.bias for m in self.mods] + [zeros])
+            self.bias = None if ba is None else ba[:N]
+            self.joined = (wa, ba)
+            self.lora_b = _join([m.lora_B for m in self.mods])  # (sum N_i, r)
+            self.scale, self._bank = self.mods[0].scale, None
+            if self.mods[0].bank is not None:
+                self._bank_buffers()  # now, eagerly: never first inside a CUDA graph capture
         # where each tensor must stay: the buffer never moves, so neither may the parts
         self._ptrs = [t.data_ptr() for t in self._tensors()]
         self.stale = False
 
     def _tensors(self):
-        return [t for m in self.mods for t in (m.weight, m.bias) if t is not None]
+        names = ("weight", "bias") + (LoRALinear.adapter_params if self.adapted else ())
+        return [t for m in self.mods for t in (getattr(m, n) for n in names) if t is not None]
 
     def live(self, owner: nn.Module) -> bool:
-        """The owner's projections are still these modules and their tensors still lie in
-        the buffer (else the group goes stale for good, with a warning)."""
+        """Whether this forward runs the group fused: the owner's projections are still these
+        modules and their tensors still lie in the buffers (else the group goes stale for
+        good, with a warning, once per process), and, adapted, their adapters are all on or
+        all off and draw no dropout (else the projections run separately this time)."""
         if self.stale:
             return False
         ok = all(getattr(owner, n) is m for n, m in zip(self.names, self.mods)) and all(
             t.data_ptr() == p for t, p in zip(self._tensors(), self._ptrs))
         if not ok:
             self.stale = True
-            log.warning("fused %s of %s no longer covers its parameters (moved, replaced or wrapped after "
-                        "fusing): running them as separate GEMMs", "/".join(self.names), type(owner).__name__)
-        return ok
+            _warn_stale(self, owner)
+            return False
+        if self.adapted:
+            on = {m.enabled for m in self.mods}
+            drop = any(m.dropout > 0 and m.training for m in self.mods) and torch.is_grad_enabled()
+            banks = {m.bank is None for m in self.mods}
+            return len(on) == 1 and len(banks) == 1 and not (drop and True in on)
+        return True
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (..., K) -> (..., sum N_i): the projections' outputs side by side."""
-        return linear_fused(x, self.weight, self.bias, tuple(m.weight for m in self.mods),
-                            None if self.bias is None else tuple(m.bias for m in self.mods))
+        parts = (tuple(m.weight for m in self.mods), None if self.bias is None else tuple(m.bias for m in self.mods))
+        if not self.adapted or not self.mods[0].enabled:
+            return linear_fused(x, self.weight, self.bias, *parts)
+        if self.mods[0].bank is not None:
+            A, B, scale = self._bank_buffers()
+            rows = self.mods[0].bank.rows(x.numel() // x.shape[-1])
+            return lora_linear(x, self.weight, self.bias, A, B, scale, sizes=self.sizes, adapter=rows)
+        # a training forward: the parts joined by torch.cat, so autograd hands each part its
+        # gradient (same values, same bits); a no-grad one reads the buffers
+        grad = torch.is_grad_enabled()
+        join = lambda buf, ts: torch.cat(ts) if grad and any(t.requires_grad for t in ts) else buf  # noqa: E731
+        w = join(self.weight, parts[0])
+        b = None if self.bias is None else join(self.bias, parts[1])
+        a = join(self.lora_a, [m.lora_A for m in self.mods])
+        bb = join(self.lora_b, [m.lora_B for m in self.mods])
+        return lora_linear(x, w, b, a, bb, self.scale, sizes=self.sizes, joined=self.joined)
+
+    def _bank_buffers(self):
+        """The members' banks side by side, (n, P r, K), (n, N, r), scale: built once per bank."""
+        banks = tuple(m.bank for m in self.mods)
+        if self._bank is None or self._bank[0] != tuple(map(id, banks)):
+            A = torch.cat([bk.A for bk in banks], 1)
+            B = torch.cat([bk.B for bk in banks], 1)
+            self._bank = (tuple(map(id, banks)), A, B, banks[0].scale)
+        return self._bank[1:]
+
+
+_stale_warned = [False]
+
+
+def _warn_stale(group: FusedLinear, owner: nn.Module) -> None:
+    """The first stale group of the process warns; later ones (every layer's) only debug-log."""
+    how = log.debug if _stale_warned[0] else log.warning
+    _stale_warned[0] = True
+    how("fused %s of %s no longer covers its parameters (moved, replaced or wrapped after fusing): running them "
+        "as separate GEMMs (said once; `fuse_projections(model)` fuses them again)", "/".join(group.names),
+        type(owner).__name__)
 
 
 def _skip_reason(model: nn.Module) -> str | None:
@@ -133,7 +209,7 @@ def fuse_projections(model: CausalLM) -> int:
         else:
             log.info("projections not fused: %s", reason)
         return 0
-    fused, already, adapted = 0, 0, []
+    fused, already, adapted, n_lora = 0, 0, [], 0
     for layer_name, module in model.named_modules():
         for kind, attr, names in GROUPS:
             if not isinstance(module, kind):
@@ -143,9 +219,15 @@ def fuse_projections(model: CausalLM) -> int:
                 already += 1
                 continue
             mods = [getattr(module, n) for n in names]
-            if any(type(m) is not Linear for m in mods):
-                adapted.append(f"{layer_name}.{'/'.join(names)}")
+            lora = all(type(m) is LoRALinear for m in mods)
+            if not lora and any(type(m) is not Linear for m in mods):
+                adapted.append(f"{layer_name}.{'/'.join(names)} (some adapted, some not)")
                 continue
+            if lora and (len({(m.lora_A.shape[0], m.scale, m.dropout) for m in mods}) != 1
+                         or len({m.bank is None for m in mods}) != 1):
+                adapted.append(f"{layer_name}.{'/'.join(names)} (adapters of different rank, scale or dropout)")
+                continue
+            n_lora += lora
             ps = [p for m in mods for p in m.parameters()]
             if len({(p.device, p.dtype) for p in ps}) != 1 or len({m.in_features for m in mods}) != 1 \
                     or len({m.bias is None for m in mods}) != 1:
@@ -153,12 +235,17 @@ def fuse_projections(model: CausalLM) -> int:
                 continue
             setattr(module, attr, FusedLinear(module, names))
             fused += 1
+    grouped = {id(m) for module in model.modules() for kind, attr, _ in GROUPS if isinstance(module, kind)
+               and getattr(module, attr) is not None for m in getattr(module, attr).mods}
+    for m in model.modules():  # o_proj, down_proj: the shrink joins the base GEMM all the same
+        if type(m) is LoRALinear and id(m) not in grouped and m.bank is None and not m.is_joined():
+            m.join_()  # once: a second engine on the model must not move what the first one's graphs read
     if adapted:
-        log.info("projections not fused in %d groups (not plain Linear, e.g. LoRA-adapted; each keeps its "
-                 "own GEMM): %s%s", len(adapted), ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")
+        log.info("projections not fused in %d groups (each keeps its own GEMM): %s%s", len(adapted),
+                 ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")
     if fused:
-        log.info("fused projections: %d groups (q/k/v and gate/up, one GEMM each)%s", fused,
-                 f"; {already} already fused" if already else "")
+        log.info("fused projections: %d groups (q/k/v and gate/up, one GEMM each; %d with their LoRA adapters "
+                 "in the same op)%s", fused, n_lora, f"; {already} already fused" if already else "")
     return fused
 
 

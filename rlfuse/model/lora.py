@@ -56,6 +56,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS
 ALL_LINEAR = "all-linear"
+FUSED_GROUPS = ("qkv_fused", "gate_up_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -130,7 +131,8 @@ class LoRALinear(Linear):
     """A target projection with its adapter: y = x W^T + b + s (x A^T) B^T through
     `rlfuse.kernels.linear.lora.lora_linear`. `weight` and `bias` are the base projection's own
     tensors (same state-dict names); `lora_A`, `lora_B` are the adapter, `cfg` the
-    LoRAConfig it was attached with."""
+    LoRAConfig it was attached with. With a `bank` (serving several adapters) each row runs
+    its own adapter of the bank instead."""
 
     adapter_params = ("lora_A", "lora_B")
     """Parameters that are no part of the HF checkpoint (`rlfuse.model.weights` skips them)."""
@@ -143,14 +145,44 @@ class LoRALinear(Linear):
         self.lora_A = nn.Parameter(torch.empty(cfg.rank, self.in_features, dtype=w.dtype, device=w.device))
         self.lora_B = nn.Parameter(torch.zeros(self.out_features, cfg.rank, dtype=w.dtype, device=w.device))
         self.cfg, self.scale, self.dropout, self.enabled = cfg, cfg.scale, float(cfg.dropout), True
+        self.bank = None  # a rlfuse.model.lora_bank.ProjectionBank: each row runs its own adapter
+        self._joined = None  # ((WA, bA), the pointers it was made at): see join_
+
+    def join_(self) -> None:
+        """Move weight and lora_A into one buffer (rows of W, then of A; the bias beside r
+        zeros), each a view of it: a fast no-gradient forward then runs the base GEMM and the
+        shrink as one GEMM (`lora_linear(joined=...)`). `rlfuse.model.fuse.fuse_projections`
+        calls it for adapted projections outside a fused group; anything that moves the
+        tensors afterwards (`.to()`) just ends it."""
+        N = self.out_features
+        with torch.no_grad():
+            wa = torch.cat([self.weight.detach(), self.lora_A.detach()])
+            self.weight.data, self.lora_A.data = wa[:N], wa[N:]
+            ba = None
+            if self.bias is not None:
+                ba = torch.cat([self.bias.detach(), self.bias.new_zeros(self.lora_A.shape[0])])
+                self.bias.data = ba[:N]
+        self._joined = ((wa, ba), self._pointers())
+
+    def is_joined(self) -> bool:
+        """join_ ran and nothing moved the tensors since."""
+        return self._joined is not None and self._joined[1] == self._pointers()
+
+    def _pointers(self):
+        return tuple(t.data_ptr() for t in (self.weight, self.lora_A, self.bias) if t is not None)
 
     def forward(self, x):
         if not self.enabled:
             return linear(x, self.weight, self.bias)
+        if self.bank is not None:
+            bk = self.bank
+            rows = bk.rows(x.numel() // x.shape[-1])
+            return lora_linear(x, self.weight, self.bias, bk.A, bk.B, bk.scale, adapter=rows)
         x_a = None
         if self.dropout > 0 and self.training and torch.is_grad_enabled():
             x_a = F.dropout(x, self.dropout, training=True)
-        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, x_a)
+        joined = self._joined[0] if self.is_joined() else None
+        return lora_linear(x, self.weight, self.bias, self.lora_A, self.lora_B, self.scale, x_a, joined=joined)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.lora_A.shape[0]}, scale={self.scale:g}"
@@ -328,6 +360,9 @@ def attach_lora(model: CausalLM, cfg: LoRAConfig, *, seed: int = 0) -> list[str]
             parent = model.get_submodule(name.rsplit(".", 1)[0])
             setattr(parent, leaf, LoRALinear(mod, cfg))
             names.append(name)
+            for attr in FUSED_GROUPS:  # a fused group over the replaced projection: gone, not stale
+                if leaf in getattr(getattr(parent, attr, None), "names", ()):
+                    setattr(parent, attr, None)  # the engine fuses the adapted group (rlfuse.model.fuse)
     if not names:
         raise ValueError(f"attach_lora: no projection named {list(cfg.target_names)} in the model")
     blocks = [(n, m) for n, m in model.named_modules() if isinstance(m, SparseMoeBlock)]

@@ -220,8 +220,11 @@ def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or
     tensors = {}
     hf_name = checkpoint_names(model)  # PEFT applies the folder to the transformers model: its module names
     for name, m in mods:
-        tensors[_tensor_key(hf_name(name), "lora_A")] = m.lora_A.detach().contiguous().cpu()
-        tensors[_tensor_key(hf_name(name), "lora_B")] = m.lora_B.detach().contiguous().cpu()
+        for which in ("lora_A", "lora_B"):
+            t = getattr(m, which).detach().contiguous().cpu()
+            if t.untyped_storage().nbytes() != t.numel() * t.element_size():
+                t = t.clone()  # a view into a fused or joined buffer (rlfuse.model.fuse): its own storage
+            tensors[_tensor_key(hf_name(name), which)] = t
     experts = {f"{n}.{p}": getattr(m, p).detach().contiguous().cpu()
                for n, m in expert_lora_modules(model) for p in m.adapter_params}
     if experts:  # said, not silent: PEFT's layout for 3-D expert parameters is not written yet

@@ -2,7 +2,7 @@
 
     GET  /health               200 {"status": "ok", requests, running, waiting, free/total KV blocks, step_failures
                                (engine steps that failed and were recovered from)}; 503 if the engine loop stopped
-    GET  /v1/models            the one served model
+    GET  /v1/models            the served model, and each adapter of its bank (`rlfuse serve --lora`)
     POST /v1/completions       text or token-id prompts (a list of them too)
     POST /v1/chat/completions  messages rendered by the model's chat template (`Tokenizer.chat_prompt_ids`,
                                as `rlfuse generate --chat`)
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -135,7 +136,7 @@ class _Call:
     def _envelope(self, choices: list[dict], stream: bool) -> dict:
         obj = ("chat.completion" if self.kind == "chat" else "text_completion") + (
             ".chunk" if stream and self.kind == "chat" else "")
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.app.model_name,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model,
                 "choices": choices}
 
     # ------------------------------------------------------------------ the two ways to answer
@@ -199,25 +200,37 @@ def _finish(reason: str) -> str:
 
 
 class ServeApp:
-    """The server's state: the engine worker, the model's name and tokenizer."""
+    """The server's state: the engine worker, the model's name and tokenizer, and the names
+    requests may give as `model`: the model's (the base) and each adapter of its bank (a
+    request runs under the adapter it names; requests for different adapters share batches)."""
 
     def __init__(self, llm: LLM, model_name: str):
         if llm.tokenizer is None:
             raise ValueError("rlfuse serve needs the model's tokenizer (tokenizer.json in the model folder)")
         self.llm, self.model_name, self.tok = llm, model_name, llm.tokenizer
+        self.slots: dict[str, int | None] = {model_name: None}
+        for i, name in enumerate(llm.adapters):
+            if name in self.slots:
+                raise ValueError(f"rlfuse serve: the adapter name {name!r} is taken (the served model's name or "
+                                 f"another adapter's)")
+            self.slots[name] = i
         self.worker = EngineWorker(llm)
 
     def token_text(self, token_id: int) -> str:
         return self.tok.decode([token_id])
 
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise APIError(404, f"model {name!r} is not served here; this server serves {self.model_name!r}",
+    def check_model(self, name: str) -> int | None:
+        """The adapter slot a request's `model` names (None: the base model), or a 404."""
+        if name not in self.slots:
+            served = ", ".join(map(repr, self.slots))
+            raise APIError(404, f"model {name!r} is not served here; this server serves {served}",
                            param="model", code="model_not_found")
+        return self.slots[name]
 
     def params(self, req, max_tokens: int) -> SamplingParams:
-        """The request's SamplingParams, checked against the model: a 400 naming the field."""
-        params = req.sampling_params(max_tokens)
+        """The request's SamplingParams (under the adapter its `model` names), checked against
+        the model: a 400 naming the field."""
+        params = dataclasses.replace(req.sampling_params(max_tokens), adapter=self.check_model(req.model))
         vocab = self.llm.vocab_size
         if params.top_k > vocab:
             raise APIError(400, f"top_k must be <= the vocabulary size {vocab} (or 0 / -1: off), got {params.top_k}",
@@ -289,8 +302,9 @@ def build_app(llm: LLM, model_name: str) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0,
-                                            "owned_by": "rlfuse", "max_model_len": llm.max_model_len}]}
+        return {"object": "list", "data": [
+            {"id": name, "object": "model", "created": 0, "owned_by": "rlfuse", "max_model_len": llm.max_model_len,
+             **({} if slot is None else {"parent": model_name})} for name, slot in state.slots.items()]}
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):

@@ -108,7 +108,9 @@ async def _generate(state: ServeApp, prompt: list[int], params: SamplingParams, 
 
 
 async def session_chat(state: ServeApp, store: SessionStore, sid: str, req: ChatRequest, request: Request) -> dict:
-    state.check_model(req.model)
+    if state.check_model(req.model) is not None:
+        raise APIError(400, f"a recorded session runs the policy {state.model_name!r}, not an adapter of its bank",
+                       param="model")
     ses = store.sessions.get(sid)
     if ses is None:
         raise APIError(404, f"session {sid!r} is not open", param="url", code="session_not_found")

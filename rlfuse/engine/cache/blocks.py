@@ -6,7 +6,8 @@ sequences start with the same tokens: the `n` samples of a GRPO group, or reques
 the same system prompt.
 
 Prefix caching. A FULL block i of a sequence is keyed by
-    h_i = blake2b(h_{i-1} || token_ids[i*B:(i+1)*B]),   h_{-1} = b"",
+    h_i = blake2b(h_{i-1} || token_ids[i*B:(i+1)*B]),   h_{-1} = b"" (b"adapter:<slot>"
+for a request under an adapter of a bank: its K/V differ from the base model's),
 so equal keys mean equal whole prefixes (128-bit digest; the block's own tokens are
 compared too). A new sequence reuses its longest run of cached full blocks. Two rules
 keep shared blocks safe:
@@ -75,7 +76,8 @@ class BlockManager:
         hs, B = seq.block_hashes, self.block_size
         while len(hs) < n_full:
             i = len(hs)
-            hs.append(block_hash(hs[-1] if hs else b"", seq.token_ids[i * B:(i + 1) * B]))
+            root = b"" if seq.params.adapter is None else b"adapter:%d" % seq.params.adapter
+            hs.append(block_hash(hs[-1] if hs else root, seq.token_ids[i * B:(i + 1) * B]))
         return hs
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], bool]:
