@@ -184,5 +184,5 @@ def test_gpu_qwen35_conv_and_norm(dtype):
     m = hf.Qwen3_5RMSNormGated(128, eps=1e-6).to(device="cuda", dtype=dtype)
     with torch.no_grad():
         m.weight.copy_(ws)
-    tol = dict(rtol=8e-3, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=2e-6)  # a few fp32 ulps: HF sums the square in another order
+    tol = dict(rtol=1.6e-2, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=2e-6)  # a few fp32 ulps: HF sums the square in another order
     torch.testing.assert_close(yn.float(), m(xs, zs).float(), **tol)
