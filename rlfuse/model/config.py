@@ -52,7 +52,8 @@ class ModelConfig:
     """An HF model_type registered in `rlfuse.model.arch` (docs/models.md lists them)."""
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int | None = None
+    """The dense MLP's width; None only for architectures without dense MLPs (Qwen3.5-MoE)."""
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -110,6 +111,8 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
+            if f == "intermediate_size" and v is None and not spec.dense_mlp:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"config field {f!r} must be a positive integer, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -133,7 +136,7 @@ class ModelConfig:
             raise ValueError(f"config field 'moe' must be given for model_types {moe_types} and only for them "
                              f"(model_type {self.model_type!r}, moe {self.moe!r})")
         if self.moe is not None:
-            self.moe.check(self.num_hidden_layers)
+            self.moe.check(self.num_hidden_layers, shared_expert=spec.moe_shared_expert, family=self.model_type)
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"config field 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
@@ -193,7 +196,6 @@ class ModelConfig:
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -212,6 +214,8 @@ class ModelConfig:
             "dtype": self.torch_dtype,
         }
         spec = ARCHS[self.model_type]
+        if self.intermediate_size is not None:
+            d["intermediate_size"] = self.intermediate_size
         for f in ("attention_bias", "mlp_bias"):  # the switches the HF class reads from its config
             if f not in spec.fixed:
                 d[f] = getattr(self, f)
@@ -279,7 +283,7 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         model_type=model_type,
         vocab_size=_number(d, "vocab_size", where, integer=True),
         hidden_size=hidden,
-        intermediate_size=_number(d, "intermediate_size", where, integer=True),
+        intermediate_size=_number(d, "intermediate_size", where, integer=True) if spec.dense_mlp else None,
         num_hidden_layers=_number(d, "num_hidden_layers", where, integer=True),
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
@@ -300,7 +304,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         **extra,
     )
     if ARCHS[model_type].has_moe:
-        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"])
+        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"], shared_expert=spec.moe_shared_expert,
+                                       family=model_type)
     try:
         return ModelConfig(**kw)
     except ValueError as e:

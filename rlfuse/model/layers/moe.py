@@ -1,9 +1,13 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE (and its router losses and metrics).
+"""The sparse mixture-of-experts block of Qwen3-MoE and Qwen3.5-MoE (and its router losses
+and metrics).
 
 Parameter names and layouts equal transformers 5.24's `Qwen3MoeSparseMoeBlock`:
     gate.weight               (E, D)       the router (a bias-free linear)
     experts.gate_up_proj      (E, 2I, D)   gate rows first, then up rows
     experts.down_proj         (E, D, I)
+and, with a shared expert (`Qwen3_5MoeSparseMoeBlock`, shared_expert_intermediate_size Is > 0):
+    shared_expert.{gate,up}_proj.weight (Is, D), shared_expert.down_proj.weight (D, Is)
+    shared_expert_gate.weight (1, D)
 Published checkpoints (and vLLM) store the experts one by one instead,
 `experts.{e}.gate_proj.weight` (I, D), `experts.{e}.up_proj.weight` (I, D),
 `experts.{e}.down_proj.weight` (D, I): `fuse_expert_tensors` assembles them, and
@@ -13,6 +17,8 @@ Forward, x (T, D) -> (T, D) in x.dtype (steps, each an op of `rlfuse.kernels.moe
   1. router logits = linear(x, gate.weight)   (T, E), the exact linear in exact numerics
   2. routing = route(logits, top_k, norm_topk_prob)   softmax top-k + the expert sort
   3. out = experts_mlp(x, gate_up_proj, down_proj, routing)
+  4. (shared expert) out = out + sigmoid(linear(x, shared_expert_gate.weight)) * shared_expert(x),
+     the shared expert a dense SwiGLU MLP; in that order and in x.dtype, as transformers
 In exact numerics every step is batch-invariant, so the router logits -- and with them
 the experts each token picks -- are the same bits in the engine's decode and the trainer's
 packed forward: no routing replay is needed.
@@ -40,8 +46,11 @@ import dataclasses
 import torch
 from torch import nn
 
+from rlfuse.kernels.backend import is_exact
+from rlfuse.kernels.invariant import pointwise
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.moe import experts_mlp, route
+from rlfuse.model.layers.linear import Linear
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -92,9 +101,18 @@ class Experts(nn.Module):
         return experts_mlp(x_TD, self.gate_up_proj, self.down_proj, r)
 
 
+def _sigmoid(x: torch.Tensor) -> torch.Tensor:
+    # torch's CPU sigmoid runs a SIMD body and a scalar tail that disagree in the last bit: in
+    # exact numerics every element goes through the body (`pointwise`), so a row's gate does
+    # not depend on how many rows share the batch. CUDA elementwise kernels have no tail.
+    return pointwise(torch.sigmoid, x) if is_exact() and not x.is_cuda else torch.sigmoid(x)
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, *, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False):
+                 norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False, shared_expert=None):
+        """shared_expert: the always-on expert (an `MLP`), gated per token by sigmoid(a (1, D)
+        linear), or None (Qwen3-MoE)."""
         super().__init__()
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"config field 'num_experts_per_tok' is {top_k!r}; expected an integer in "
@@ -103,6 +121,11 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx, self.record_stats = layer_idx, record_stats
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         # what the last forward routed: read by moe_metrics and the trainer's router losses
         self.last_load: torch.Tensor | None = None        # (E,) int64 (token, slot) pairs, detached
         self.last_experts: torch.Tensor | None = None     # (T, k) int64 the experts each token picked
@@ -118,6 +141,8 @@ class SparseMoeBlock(nn.Module):
         logits = linear(x_TD, self.gate.weight)  # (T, E)
         r = route(logits, self.top_k, self.norm_topk_prob)
         out = self.experts(x_TD, r)
+        if self.shared_expert is not None:
+            out = out + _sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         self.last_load = r.counts.detach()
         self.last_experts = r.experts
         if self.routing_buffer is not None:
