@@ -12,7 +12,8 @@ Qwen3_5MoeForCausalLM on a tiny random model (tests/tiny_hf.py QWEN3_5_MOE, CPU)
     honour, a missing shared_expert_intermediate_size: one line naming the field;
   * exact numerics: a sequence packed with others gives the bits it gives alone (torch and
     Triton kernels), and the engine's rollout log-probs equal the trainer's bitwise in
-    `rlfuse check`'s settings (the tiny model of `rlfuse check --tiny --moe --hybrid`).
+    `rlfuse check`'s settings (the tiny model of `rlfuse check --tiny --moe --hybrid`);
+  * LoRA on every projection and every expert exported as a PEFT folder that PEFT applies.
 Fp32 parity runs under use_backend("torch") (the readable references).
 Run: python -m pytest -q tests/test_qwen3_5_moe.py
 """
@@ -20,6 +21,7 @@ Run: python -m pytest -q tests/test_qwen3_5_moe.py
 import json
 import logging
 
+import peft
 import pytest
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,8 @@ from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.model import CausalLM, ModelConfig, Packed, load_model, save_model
 from rlfuse.model.arch.qwen3_5_moe import tiny_hybrid_moe_fields
 from rlfuse.model.layers.moe import collect_router_stats, load_balancing_loss, moe_blocks
+from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
+from rlfuse.model.lora_peft import save_peft_adapter
 
 LENS = [5, 70, 11]
 FP32_TOL = 1e-4
@@ -204,3 +208,24 @@ def test_exact_rollout_log_probs_equal_the_trainers(dtype):
         for name in ("chunked prefill", "combined"):
             r = run_setting(m, prompts, sweep[name], numerics="exact", max_tokens=6, temperature=1.0)
             assert r.tokens > 0 and r.bitwise_frac == 1.0 and r.max_abs == 0.0, (name, r.row(), r.first_diff)
+
+
+def test_lora_on_every_projection_and_expert_loads_in_peft(pair, tmp_path):
+    """Adapters on every projection (the shared expert's included) and on every routed
+    expert, exported as a PEFT folder: PEFT 0.21 + transformers apply it with our logits."""
+    _, folder, _ = pair
+    ours = load_model(folder, dtype="float32")
+    attach_lora(ours, LoRAConfig(rank=2, alpha=4.0, experts=True))
+    assert {n.rsplit(".", 2)[-2] for n, _ in lora_modules(ours) if "mlp." in n} == {"shared_expert"}
+    init_lora_(ours, seed=5, b_std=0.2)
+    save_peft_adapter(ours, tmp_path / "adapter")
+    seqs = _seqs(6, lens=[9, 30])
+    with torch.no_grad(), use_backend("torch"):
+        mine = _ours_logits(ours, seqs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base = torch.cat([hf(input_ids=s[None]).logits[0] for s in seqs])
+        pm = peft.PeftModel.from_pretrained(hf, tmp_path / "adapter")
+        theirs = torch.cat([pm(input_ids=s[None]).logits[0] for s in seqs])
+    assert rel_err(theirs, mine) < 1e-5
+    assert rel_err(base, mine) > 1e-2  # the adapters matter

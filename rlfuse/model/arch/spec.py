@@ -76,6 +76,10 @@ class ArchSpec:
     moe_shared_expert: bool = False
     """Its MoE blocks add a shared expert with a sigmoid gate (and hard-code the layer rule
     and the top-k renormalization: `layers.moe_config`)."""
+    peft_maps_mlp_targets: bool = False
+    """PEFT (>= 0.19 under transformers 5) reads target_modules gate_proj / up_proj /
+    down_proj of this family as its experts' (their transformers-v4 names) and moves them
+    to target_parameters: a PEFT folder cannot hold dense-MLP adapters beside expert ones."""
     dense_mlp: bool = True
     """Some layer may have a dense MLP of `intermediate_size` (required in config.json);
     False: every layer is an MoE block, intermediate_size is not read nor written."""
