@@ -42,6 +42,7 @@ Test: python -m pytest -q tests/test_moe_block.py
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -243,15 +244,25 @@ class RouterLoss:
         self._share += share
         return share * (self.aux_coef * aux + self.z_coef * z)
 
-    def metrics(self) -> dict[str, torch.Tensor]:
+    def metrics(self, mean_across: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The step's moe/* metrics (see the class docstring), reset. Data-parallel,
+        `mean_across` (a tensor -> its mean over the ranks, e.g. `partial(
+        rlfuse.run.distributed.mean_across_ranks, ctx)`) makes them the whole batch's: the
+        per-expert loads are averaged over the ranks before the busiest / idlest ratios are
+        taken (a ratio of the summed loads, not a mean of the ranks' ratios), and the losses
+        are the mean of the ranks' (equal shares of the batch). One collective, no host sync."""
         if not self._share:
             return {}
-        loads = [x / x.mean().clamp_min(1e-9) for x in self._load]
-        out = {"moe/aux_loss": self._aux / self._share, "moe/z_loss": self._z / self._share,
-               "moe/load_max": torch.stack([x.max() for x in loads]).max(),
-               "moe/load_min": torch.stack([x.min() for x in loads]).min()}
+        share = torch.as_tensor(self._share, dtype=torch.float32)
+        loads = torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in self._load])  # (L, E)
+        packed = torch.cat([loads.flatten(), torch.stack([torch.as_tensor(v, dtype=torch.float32).to(loads.device)
+                                                          for v in (self._aux, self._z)]) / share.to(loads.device)])
+        if mean_across is not None:
+            packed = mean_across(packed)
+        loads, (aux, z) = packed[:loads.numel()].view(loads.shape), packed[loads.numel():]
+        ratio = loads / loads.mean(1, keepdim=True).clamp_min(1e-9)
         self._reset()
-        return out
+        return {"moe/aux_loss": aux, "moe/z_loss": z, "moe/load_max": ratio.max(), "moe/load_min": ratio.min()}
 
 
 # ---------------------------------------------------------------- checkpoint layouts
