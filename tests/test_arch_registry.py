@@ -29,7 +29,10 @@ def test_models_md_is_up_to_date():
 def test_each_family_round_trips_through_its_switches(model_type):
     spec = ARCHS[model_type]
     moe = {"moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}} if spec.has_moe else {}
-    cfg = ModelConfig(model_type=model_type, **TINY, **moe)
+    if spec.moe_shared_expert:  # Qwen3.5-MoE: a shared expert, the top-k weights always renormalized
+        moe["moe"] |= {"shared_expert_intermediate_size": 8, "norm_topk_prob": True}
+    tiny = TINY if spec.dense_mlp else {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    cfg = ModelConfig(model_type=model_type, **tiny, **moe)
     for f, v in spec.fixed.items():
         assert getattr(cfg, f) is v
     back = ModelConfig.from_hf(cfg.to_hf())

@@ -84,6 +84,9 @@ def test_config_and_parameter_names_are_transformers(pair):
     assert len(moe_blocks(ours)) == QWEN3_5_MOE["num_hidden_layers"]
     assert {n: tuple(p.shape) for n, p in ours.named_parameters()} == \
         {n: tuple(p.shape) for n, p in hf.named_parameters()}
+    with pytest.raises(ValueError, match=r"config field 'intermediate_size' is 64, but Qwen3_5MoeForCausalLM has no "
+                                         r"dense MLP"):
+        ModelConfig(**tiny_hybrid_moe_fields(intermediate_size=64))
 
 
 def test_fp32_logits_loss_with_aux_and_every_grad_match_transformers(pair):

@@ -111,7 +111,11 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
-            if f == "intermediate_size" and v is None and not spec.dense_mlp:
+            if f == "intermediate_size" and not spec.dense_mlp:
+                if v is not None:
+                    raise ValueError(f"config field 'intermediate_size' is {v!r}, but {spec.hf_class} has no dense "
+                                     f"MLP (every layer is an MoE block: moe.moe_intermediate_size and "
+                                     f"moe.shared_expert_intermediate_size set the widths); leave it out")
                 continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"config field {f!r} must be a positive integer, got {v!r}")
