@@ -124,6 +124,8 @@ def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int, *, shared_ex
             continue
         if d.get(field):
             raise ValueError(f"{where}: field {field!r} is {d[field]!r}; {what} are not supported ({family} has none)")
+    if d.get("scoring_func", "softmax") != "softmax":
+        raise ValueError(f"{where}: field 'scoring_func' is {d['scoring_func']!r}; only 'softmax' routing is supported")
     if shared_expert and d.get("shared_expert_intermediate_size") is None:
         raise ValueError(f"{where}: missing required field 'shared_expert_intermediate_size' (a {family} "
                          f"config needs it)")
