@@ -47,10 +47,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from rlfuse.kernels.backend import is_exact
-from rlfuse.kernels.invariant import pointwise
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.moe import experts_mlp, route
+from rlfuse.model.layers.gated_deltanet import elementwise
 from rlfuse.model.layers.linear import Linear
 
 
@@ -102,13 +101,6 @@ class Experts(nn.Module):
         return experts_mlp(x_TD, self.gate_up_proj, self.down_proj, r)
 
 
-def _sigmoid(x: torch.Tensor) -> torch.Tensor:
-    # torch's CPU sigmoid runs a SIMD body and a scalar tail that disagree in the last bit: in
-    # exact numerics every element goes through the body (`pointwise`), so a row's gate does
-    # not depend on how many rows share the batch. CUDA elementwise kernels have no tail.
-    return pointwise(torch.sigmoid, x) if is_exact() and not x.is_cuda else torch.sigmoid(x)
-
-
 class SparseMoeBlock(nn.Module):
     def __init__(self, *, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
                  norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False, shared_expert=None):
@@ -143,7 +135,8 @@ class SparseMoeBlock(nn.Module):
         r = route(logits, self.top_k, self.norm_topk_prob)
         out = self.experts(x_TD, r)
         if self.shared_expert is not None:
-            out = out + _sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+            # elementwise: in exact numerics a row's gate does not depend on the batch (CPU sigmoid's tail)
+            out = out + elementwise(torch.sigmoid, self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         self.last_load = r.counts.detach()
         self.last_experts = r.experts
         if self.routing_buffer is not None:
