@@ -1,4 +1,6 @@
 """GRPO step on a Qwen3-shaped random model (GPU): full fine-tune or LoRA, with memory by component.
+MoE shapes too: `--shape 30b-a3b` (Qwen3-30B-A3B, 61 GB of bf16 weights: one H200) and
+`--shape 35b-a3b` (Qwen3.5-35B-A3B's text model); `--lora-experts` adds per-expert adapters.
 
 Workload (issue 23's): 8 prompts x 8 completions, prompts of 128 random ids, up to 1024 new
 tokens (a random model almost never emits EOS, so ~1024), temperature 1, dapo loss,
@@ -44,7 +46,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlfuse.engine.benchmark import QWEN3_SHAPES, random_model  # noqa: E402
+from rlfuse.engine.benchmark import MOE_SHAPES, QWEN3_SHAPES, random_model  # noqa: E402
+
+SHAPES = QWEN3_SHAPES | MOE_SHAPES
+NAMES = {"30b-a3b": "Qwen3-30B-A3B", "35b-a3b": "Qwen3.5-35B-A3B"}  # else Qwen3-<SHAPE>
 from rlfuse.kernels.backend import new_compiles, record_compiles, triton_compiles  # noqa: E402
 
 REWARD = "def even(prompts, completions, completion_ids, **kw):\n" \
@@ -98,7 +103,7 @@ def allocated(device: torch.device) -> int:
 
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
-             steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
+             lora_experts: bool = False, steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
              warm: bool = False, share: bool | None = None, log_compiles: bool = False) -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
@@ -113,7 +118,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    sh = SMALL if small else QWEN3_SHAPES[shape]
+    sh = SMALL if small else SHAPES[shape]
     P, G, new, plen = (8, 8, 1024, 128) if not small else (2, 4, 16, 16)
     case = {"shape": "tiny" if small else shape, "mode": f"LoRA r{lora}" if lora else "full FT", "numerics": numerics,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -132,7 +137,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     block = EngineConfig().block_size
     cfg = load_config({
         "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": checkpointing,
-                  **({"lora": {"rank": lora, "alpha": 2.0 * lora}} if lora else {})},
+                  **({"lora": {"rank": lora, "alpha": 2.0 * lora, "experts": lora_experts}} if lora else {})},
         "engine": {"numerics": numerics, "fuse_projections": fuse, "share_prefix_decode": share,
                    "max_num_seqs": P * G, "max_model_len": plen + new,
                    "num_kv_blocks": P * G * math.ceil((plen + new) / block)},
@@ -310,8 +315,10 @@ def demo_bench(out: Path) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--shape", choices=sorted(QWEN3_SHAPES), default="0.6b", help="Qwen3 shape (random weights)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b",
+                    help="Qwen3 shape, or an MoE one (30b-a3b, 35b-a3b); random weights")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA rank on every linear layer; 0: full FT")
+    ap.add_argument("--lora-experts", action="store_true", help="MoE shapes with --lora: per-expert adapters too")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps, the first a warm-up (default 3; 2 in --table)")
     ap.add_argument("--table", action="store_true", help="every shape, full FT and LoRA 16, one process each")
     ap.add_argument("--budget-s", type=float, default=480, help="--table: time for all cases together")
@@ -347,6 +354,7 @@ def main() -> int:
     header = f"{workload}; {gpu}, torch {torch.__version__}, commit {commit}"
     if args.case_json:
         res = run_case(out, small=args.small, numerics=args.numerics, shape=args.shape, lora=args.lora,
+                       lora_experts=args.lora_experts,
                        steps=args.steps, micro_batch_tokens=args.micro_batch_tokens,
                        checkpointing=not args.no_checkpointing)
         Path(args.case_json).write_text(json.dumps(res, indent=1))
@@ -356,7 +364,8 @@ def main() -> int:
             raise SystemExit("--table runs one numerics; give --numerics fast or exact")
         header += f", command `python benchmarks/bench_grpo_step.py --table{' --small' if args.small else ''}`"
         return run_table(out, args, header)
-    cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora, steps=args.steps,
+    cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora,
+                      lora_experts=args.lora_experts, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
                       warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles)
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
@@ -375,7 +384,8 @@ def main() -> int:
         (out / "bench_grpo_step.json").write_text(json.dumps(result, indent=2))
     mode = f"LoRA rank {args.lora} on all linear layers" if args.lora else "full fine-tune"
     flags = "".join(f" {f}" for f, on in ((f"--shape {args.shape}", args.shape != "0.6b"),
-                                           (f"--lora {args.lora}", args.lora), ("--demo", args.demo),
+                                           (f"--lora {args.lora}", args.lora),
+                                           ("--lora-experts", args.lora_experts), ("--demo", args.demo),
                                            (f"--micro-batch-tokens {args.micro_batch_tokens}",
                                             args.micro_batch_tokens != 16384),
                                            ("--no-checkpointing", args.no_checkpointing),
@@ -383,7 +393,7 @@ def main() -> int:
                                            (f"--share-prefix-decode {args.share_prefix_decode}",
                                             args.share_prefix_decode != "auto"),
                                            ("--warm-kernels", args.warm_kernels)) if on)
-    lines = [f"### GRPO step: Qwen3-{args.shape.upper()}-shaped, {mode}; {header}",
+    lines = [f"### GRPO step: {NAMES.get(args.shape, 'Qwen3-' + args.shape.upper())}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
              "| numerics | fused | shared prefix | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
              "mean new tokens | max abs dlogp | Triton compiles |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

@@ -35,7 +35,10 @@ def test_each_family_round_trips_through_its_switches(model_type):
                                      deepstack_visual_indexes=(0,), vision_start_token_id=11, vision_end_token_id=12,
                                      image_token_id=13, video_token_id=14)
         moe["mrope_section"] = (2, 1, 1)
-    cfg = ModelConfig(model_type=model_type, **TINY, **moe)
+    if spec.moe_shared_expert:  # Qwen3.5-MoE: a shared expert, the top-k weights always renormalized
+        moe["moe"] |= {"shared_expert_intermediate_size": 8, "norm_topk_prob": True}
+    tiny = TINY if spec.dense_mlp else {k: v for k, v in TINY.items() if k != "intermediate_size"}
+    cfg = ModelConfig(model_type=model_type, **tiny, **moe)
     for f, v in spec.fixed.items():
         assert getattr(cfg, f) is v
     back = ModelConfig.from_hf(cfg.to_hf())

@@ -533,6 +533,12 @@ MOE_CONFIG_CASES = [
     ("moe-shared-experts", dict(shared_expert_intermediate_size=16), r"field 'shared_expert_intermediate_size' is 16; "
                                                                      r"shared experts are not supported"),
     ("moe-scoring-sigmoid", dict(scoring_func="sigmoid"), r"field 'scoring_func' is 'sigmoid'; only 'softmax'"),
+    # Qwen3.5-MoE (a shared expert per block; transformers hard-codes the layer rule and the renormalization)
+    ("qwen3_5_moe-no-shared-size", dict(model_type="qwen3_5_moe_text", intermediate_size="DELETE"),
+     r"missing required field 'shared_expert_intermediate_size' \(a qwen3_5_moe_text config needs it\)"),
+    ("qwen3_5_moe-norm-topk-false", dict(model_type="qwen3_5_moe_text", intermediate_size="DELETE",
+                                         shared_expert_intermediate_size=8, norm_topk_prob=False),
+     r"field 'norm_topk_prob' is False; qwen3_5_moe_text always has norm_topk_prob = True"),
 ]
 
 

@@ -117,19 +117,24 @@ def test_expert_adapters_are_applied_in_the_rollout(eager):
 
 
 def test_expert_adapters_round_trip_and_merge(tmp_path):
-    """save_peft_adapter writes the expert adapters beside the PEFT files and loading puts
+    """save_peft_adapter writes the expert adapters into the PEFT folder and loading puts
     them back; the merged export equals the adapted model's output (and loads in transformers)."""
+    import json
+
     import transformers
 
-    from rlfuse.model.lora_peft import EXPERTS_FILE, load_peft_adapter, save_merged, save_peft_adapter
+    from rlfuse.model.lora_peft import EXPERT_TARGETS, load_peft_adapter, save_merged, save_peft_adapter
     m = _model()
-    attach_lora(m, LoRAConfig(rank=4, experts=True))
+    attach_lora(m, LoRAConfig(rank=4, experts=True, dropout=0.1))
     init_lora_(m, seed=3, b_std=0.2)
     save_peft_adapter(m, tmp_path / "ad")
-    assert (tmp_path / "ad" / EXPERTS_FILE).is_file()
+    peft_cfg = json.loads((tmp_path / "ad" / "adapter_config.json").read_text())
+    assert peft_cfg["target_parameters"] == list(EXPERT_TARGETS) and peft_cfg["lora_dropout"] == 0.0
     back = _model()
     eff = load_peft_adapter(back, tmp_path / "ad")
     assert eff.experts
+    for (n, a), (_, b) in zip(lora_parameters(m), lora_parameters(back)):
+        assert torch.equal(a, b), n
     ids = torch.arange(1, 10)
     with use_backend("torch"), torch.no_grad():
         want = m(ids, torch.arange(9), Packed.from_lengths([9]))
@@ -141,10 +146,70 @@ def test_expert_adapters_round_trip_and_merge(tmp_path):
         theirs = torch.log_softmax(logits, -1).gather(1, ids[1:, None])[:, 0]
     torch.testing.assert_close(theirs.float(), ours.float(), rtol=1e-4, atol=1e-4)
     dense = _model()
-    attach_lora(dense, LoRAConfig(rank=4))  # no expert adapters: the side file is refused, not ignored
-    with pytest.raises(ValueError, match=EXPERTS_FILE):
+    attach_lora(dense, LoRAConfig(rank=4))  # no expert adapters: the folder's are refused, not ignored
+    with pytest.raises(ValueError, match=r"holds expert adapters .* but the model has none \(lora.experts\)"):
         from rlfuse.model.lora_peft import load_peft_weights
         load_peft_weights(dense, tmp_path / "ad")
+
+
+def _logits(model, ids):
+    with use_backend("torch"), torch.no_grad():
+        return model.logits(model(ids, torch.arange(len(ids)), Packed.from_lengths([len(ids)])))
+
+
+def test_expert_adapters_load_in_peft_and_transformers(tmp_path):
+    """The exported folder (PEFT's target_parameters layout for the 3-D expert tensors) is
+    what PEFT 0.21 + transformers 5 apply: their logits equal ours with nonzero adapters on
+    the attention projections and on every expert (and differ from the base model's)."""
+    import peft
+    import transformers
+
+    from rlfuse.model import save_model
+    from rlfuse.model.lora_peft import save_peft_adapter
+    m = _model()
+    save_model(m, tmp_path / "base")
+    attach_lora(m, LoRAConfig(rank=3, alpha=6.0, experts=True))
+    init_lora_(m, seed=5, b_std=0.3)
+    save_peft_adapter(m, tmp_path / "ad")
+    ids = torch.arange(3, 14)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    with torch.no_grad():
+        base = hf(ids[None]).logits[0]
+        theirs = peft.PeftModel.from_pretrained(hf, tmp_path / "ad")(ids[None]).logits[0]
+    mine = _logits(m, ids)
+    assert (theirs - mine).abs().max() < 1e-4 * mine.abs().max()
+    assert (base - mine).abs().max() > 1e-2 * mine.abs().max()  # the adapters matter
+
+
+def test_a_peft_made_expert_adapter_loads_here(tmp_path):
+    """An adapter PEFT itself made (target_parameters on the experts, target_modules on the
+    attention) loads into rlfuse with PEFT's logits: the stacking and nesting conventions
+    are PEFT's, not only our own round trip."""
+    import peft
+    import transformers
+
+    from rlfuse.model import load_model, save_model
+    from rlfuse.model.lora_peft import load_peft_adapter
+    save_model(_model(), tmp_path / "base")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=torch.float32).eval()
+    torch.manual_seed(0)  # PEFT draws A and B from the global generator
+    pm = peft.get_peft_model(hf, peft.LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj", "v_proj"],
+                                                 target_parameters=["mlp.experts.gate_up_proj",
+                                                                    "mlp.experts.down_proj"],
+                                                 init_lora_weights=False))
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.mul_(0.3)
+    pm.save_pretrained(tmp_path / "ad")
+    ours = load_model(tmp_path / "base", dtype="float32")
+    cfg = load_peft_adapter(ours, tmp_path / "ad")
+    assert cfg.experts and set(cfg.targets) == {"q_proj", "v_proj"} and len(expert_lora_modules(ours)) == 2
+    ids = torch.arange(2, 12)
+    with torch.no_grad():
+        theirs = pm(ids[None]).logits[0]
+    mine = _logits(ours, ids)
+    assert (theirs - mine).abs().max() < 1e-4 * mine.abs().max()
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -86,6 +86,31 @@ def qwen3_5_model(seed: int = 0, **over):
     q/k/v near zero), matrices N(0, 0.05^2)."""
     cfg = qwen3_5_config(**over)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    return _draw_qwen3_5_(model, seed)
+
+
+# Qwen3.5-MoE: QWEN3_5's layers, each with an MoE block of 6 experts (top-2) and a shared expert.
+QWEN3_5_MOE = {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"} | dict(
+    moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6, num_experts_per_tok=2,
+    router_aux_loss_coef=0.02)
+
+
+@torch.no_grad()
+def qwen3_5_moe_model(seed: int = 0, router_std: float = 0.5, **over):
+    """A float32 eager transformers Qwen3_5MoeForCausalLM drawn as `qwen3_5_model`, the routers
+    N(0, router_std^2) (wide: which experts a token picks matters)."""
+    cfg = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_MOE, **over})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    _draw_qwen3_5_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(router_std * torch.randn(p.shape, generator=g))
+    return model
+
+
+@torch.no_grad()
+def _draw_qwen3_5_(model, seed: int):
     g = torch.Generator().manual_seed(seed)
     for name, p in model.named_parameters():
         r = torch.randn(p.shape, generator=g)

@@ -6,6 +6,7 @@
     rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
     rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
+    rlfuse check --tiny --hybrid --moe               # a small random Qwen3.5-MoE (the hybrid, MoE + shared expert)
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
@@ -35,6 +36,7 @@ from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
+from rlfuse.model.arch.qwen3_5_moe import tiny_hybrid_moe_fields
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
@@ -58,7 +60,8 @@ def add_arguments(p) -> None:
     p.add_argument("--moe", action="store_true", help="with --tiny: a small random Qwen3-MoE model (8 experts, "
                    "top-2) instead of the dense one")
     p.add_argument("--hybrid", action="store_true", help="with --tiny: a small random Qwen3.5-style hybrid "
-                   "(three Gated DeltaNet layers, one gated full attention) instead of the Qwen3-style model")
+                   "(three Gated DeltaNet layers, one gated full attention) instead of the Qwen3-style model; with "
+                   "--moe too: a Qwen3.5-MoE of those layers (8 experts, top-2, and a gated shared expert)")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -81,7 +84,9 @@ def add_arguments(p) -> None:
 def _model(args, device):
     if args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-        m = CausalLM(ModelConfig(**(_TINY_MOE if args.moe else tiny_hybrid_fields() if args.hybrid else _TINY)))
+        fields = (tiny_hybrid_moe_fields() if args.hybrid and args.moe else _TINY_MOE if args.moe
+                  else tiny_hybrid_fields() if args.hybrid else _TINY)
+        m = CausalLM(ModelConfig(**fields))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
         m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
     else:
@@ -124,8 +129,6 @@ def run(args) -> int:
     if args.hybrid and not args.tiny:
         return fail(ValueError("check: --hybrid picks the tiny hybrid model; give it with --tiny (a model folder's "
                                "config.json says whether it is a hybrid)"))
-    if args.hybrid and args.moe:
-        return fail(ValueError("check: --hybrid and --moe pick two different tiny models; give one"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)

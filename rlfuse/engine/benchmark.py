@@ -61,6 +61,23 @@ QWEN3_SHAPES = {
     "8b": _qwen3(4096, 12288, 36, 32, tied=False),
 }
 QWEN3_06B = QWEN3_SHAPES["0.6b"]
+# MoE shapes of issue 36's targets (random weights): Qwen/Qwen3-30B-A3B's published config, and
+# Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults describe it
+# (rope theta and the like do not change a step's time and are left at our defaults)
+MOE_SHAPES = {
+    "30b-a3b": dict(_qwen3(2048, 6144, 48, 32, tied=False), model_type="qwen3_moe", num_key_value_heads=4,
+                    moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
+                             norm_topk_prob=True)),
+    "35b-a3b": dict(model_type="qwen3_5_moe_text", vocab_size=248320, hidden_size=2048, num_hidden_layers=40,
+                    num_attention_heads=16, num_key_value_heads=2, head_dim=256, partial_rotary_factor=0.25,
+                    tie_word_embeddings=False, max_position_embeddings=40960,
+                    layer_types=tuple("full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                      for i in range(40)),
+                    linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                    linear_num_key_heads=16, linear_num_value_heads=32,
+                    moe=dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, norm_topk_prob=True,
+                             shared_expert_intermediate_size=512)),
+}
 TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
             tie_word_embeddings=True, max_position_embeddings=512)

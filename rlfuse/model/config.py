@@ -53,7 +53,8 @@ class ModelConfig:
     """An HF model_type registered in `rlfuse.model.arch` (docs/models.md lists them)."""
     vocab_size: int
     hidden_size: int
-    intermediate_size: int
+    intermediate_size: int | None = None
+    """The dense MLP's width; None only for architectures without dense MLPs (Qwen3.5-MoE)."""
     num_hidden_layers: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -117,6 +118,12 @@ class ModelConfig:
         for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                   "num_attention_heads", "num_key_value_heads", "head_dim"):
             v = getattr(self, f)
+            if f == "intermediate_size" and not spec.dense_mlp:
+                if v is not None:
+                    raise ValueError(f"config field 'intermediate_size' is {v!r}, but {spec.hf_class} has no dense "
+                                     f"MLP (every layer is an MoE block: moe.moe_intermediate_size and "
+                                     f"moe.shared_expert_intermediate_size set the widths); leave it out")
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
                 raise ValueError(f"config field {f!r} must be a positive integer, got {v!r}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -140,7 +147,7 @@ class ModelConfig:
             raise ValueError(f"config field 'moe' must be given for model_types {moe_types} and only for them "
                              f"(model_type {self.model_type!r}, moe {self.moe!r})")
         if self.moe is not None:
-            self.moe.check(self.num_hidden_layers)
+            self.moe.check(self.num_hidden_layers, shared_expert=spec.moe_shared_expert, family=self.model_type)
         if (self.vision is not None or self.mrope_section is not None) and not spec.has_vision:
             vl = sorted(k for k, s in ARCHS.items() if s.has_vision)
             raise ValueError(f"config field 'vision' / 'mrope_section' is set, but {self.architecture} has no vision "
@@ -204,7 +211,6 @@ class ModelConfig:
             "model_type": self.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
             "num_hidden_layers": self.num_hidden_layers,
             "num_attention_heads": self.num_attention_heads,
             "num_key_value_heads": self.num_key_value_heads,
@@ -223,6 +229,8 @@ class ModelConfig:
             "dtype": self.torch_dtype,
         }
         spec = ARCHS[self.model_type]
+        if self.intermediate_size is not None:
+            d["intermediate_size"] = self.intermediate_size
         for f in ("attention_bias", "mlp_bias"):  # the switches the HF class reads from its config
             if f not in spec.fixed:
                 d[f] = getattr(self, f)
@@ -292,7 +300,7 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         model_type=model_type,
         vocab_size=_number(d, "vocab_size", where, integer=True),
         hidden_size=hidden,
-        intermediate_size=_number(d, "intermediate_size", where, integer=True),
+        intermediate_size=_number(d, "intermediate_size", where, integer=True) if spec.dense_mlp else None,
         num_hidden_layers=_number(d, "num_hidden_layers", where, integer=True),
         num_attention_heads=n_heads,
         num_key_value_heads=n_kv,
@@ -313,7 +321,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
         **extra,
     )
     if ARCHS[model_type].has_moe:
-        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"])
+        kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"], shared_expert=spec.moe_shared_expert,
+                                       family=model_type)
     try:
         return ModelConfig(**kw)
     except ValueError as e:

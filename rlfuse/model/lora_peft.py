@@ -10,8 +10,19 @@ module names being the `transformers` ones, which are ours. So:
     load_peft_weights(model, folder)        # into adapters attached already (resume)
     save_merged(model, folder)              # an HF folder with W + s B A rounded into W
 
+MoE experts (`lora.experts`): transformers 5 stores an MoE block's experts as two 3-D
+parameters, which PEFT (>= 0.17) adapts with `target_parameters` (its `ParamWrapper`): the
+config lists "mlp.experts.down_proj" and "mlp.experts.gate_up_proj", and each block's
+adapters are two pairs of tensors, one per parameter, with the E experts' ranks stacked:
+    lora_A.weight (E r, in)   row e r + j   = our A[e, j]          (A: (E, r, in))
+    lora_B.weight (out, r E)  column j E + e = our B[e, :, j]       (B: (E, out, r))
+PEFT wraps the module once per parameter, in sorted order of the names, so the first
+(down_proj) sits at `<block>.experts.lora_*` and the second (gate_up_proj) at
+`<block>.experts.base_layer.lora_*`. PEFT's ParamWrapper refuses dropout: such a folder
+says lora_dropout 0 (dropout is a training setting; the run's own config gives it).
 Only plain LoRA is read: DoRA, adapter biases, modules_to_save, per-module rank or alpha
-patterns and per-layer subsets are refused with a ValueError naming the file and field.
+patterns, per-layer subsets and parameter targets other than the experts' are refused with
+a ValueError naming the file and field.
 The merged export rounds W + s B A (computed in fp32) to the weight's dtype, which loses
 part of a small update in bf16: the unmerged adapter is what the engine and the trainer
 run, the merged folder is for tools that cannot apply an adapter.
@@ -27,6 +38,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rlfuse.model.arch import ARCHS
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import read_json
 from rlfuse.model.lora import (
@@ -53,14 +65,16 @@ log = logging.getLogger(__name__)
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
-EXPERTS_FILE = "rlfuse_expert_adapters.safetensors"
-"""MoE models: the per-expert adapters (lora.experts), beside the PEFT files; PEFT ignores it."""
 _PREFIX = "base_model.model."
+# PEFT's target_parameters for the experts' adapters, in PEFT's (sorted) wrapping order, and
+# where each one's tensors sit under the experts module
+EXPERT_TARGETS = ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+_EXPERT_KEYS = {"": ("down_A", "down_B"), ".base_layer": ("gate_up_A", "gate_up_B")}
 _DEFAULTS = LoRAConfig()
 # adapter_config.json fields that would change the math if set: (field, the value we support)
 _UNSUPPORTED = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False), ("lora_bias", False),
                 ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
-                ("layers_to_transform", None), ("target_parameters", None), ("trainable_token_indices", None))
+                ("layers_to_transform", None), ("trainable_token_indices", None))
 # what 'all-linear' adapts on a dense model and on a hybrid one (its linear-attention layers
 # too). A hybrid model's adapter on exactly the dense set reads as all-linear and is then
 # refused at load (its in_proj_* would lack adapters): give such a folder's targets explicitly.
@@ -91,6 +105,7 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
         v = d.get(key, ok)
         if v != ok and not (ok is None and v in ([], {})) and not (ok == {} and v is None):
             raise ValueError(f"{cfg_path}: {key} = {v!r} is not supported (only plain LoRA: {key} = {ok!r})")
+    experts = _expert_targets(d.get("target_parameters"), cfg_path)
     try:
         with safe_open(w_path, framework="pt") as f:
             keys = list(f.keys())
@@ -98,6 +113,8 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
         raise ValueError(f"{w_path}: not a readable safetensors file (damaged or truncated?)") from None
     modules: dict[str, str] = {}
     for k in keys:
+        if experts and _expert_key(k) is not None:
+            continue  # read by _load_expert_adapters
         mod, _, tail = k[len(_PREFIX):].rpartition(".lora_")
         if not k.startswith(_PREFIX) or tail not in ("A.weight", "B.weight"):
             raise ValueError(f"{w_path}: unexpected tensor {k!r} (expected {_PREFIX}<module>.lora_A.weight "
@@ -111,13 +128,36 @@ def read_peft_config(folder: str | Path, what: str = "adapter") -> tuple[LoRACon
         cfg = LoRAConfig(rank=d.get("r"), alpha=d.get("lora_alpha"), dropout=d.get("lora_dropout", 0.0),
                          rslora=bool(d.get("use_rslora", False)),
                          targets=ALL_LINEAR if leaves in _ALL_LINEAR_SETS else tuple(sorted(leaves)), path=str(folder),
-                         experts=(folder / EXPERTS_FILE).is_file())
+                         experts=experts)
     except ValueError as e:
         msg = str(e)
         for ours, theirs in _PEFT_NAMES.items():  # name the key the user finds in this file
             msg = msg.replace(f"lora.{ours} ", f"{theirs} (lora.{ours}) ", 1)
         raise ValueError(f"{cfg_path}: {msg}") from None
     return cfg, modules
+
+
+def _expert_targets(targets, cfg_path: Path) -> bool:
+    """Whether the folder adapts the MoE experts (target_parameters = EXPERT_TARGETS);
+    any other parameter target is refused."""
+    if not targets:
+        return False
+    if not isinstance(targets, list) or sorted(targets) != sorted(EXPERT_TARGETS):
+        raise ValueError(f"{cfg_path}: target_parameters = {targets!r} is not supported (rlfuse adapts parameters "
+                         f"only as per-expert adapters on both of {list(EXPERT_TARGETS)})")
+    return True
+
+
+def _expert_key(key: str) -> tuple[str, str] | None:
+    """(experts module name, our adapter parameter) of a PEFT tensor name of the experts'
+    adapters, e.g. '...mlp.experts.base_layer.lora_A.weight' -> ('...mlp.experts', 'gate_up_A')."""
+    body = key[len(_PREFIX):]
+    for suffix, (a, b) in _EXPERT_KEYS.items():
+        for which, ours in (("lora_A", a), ("lora_B", b)):
+            tail = f".experts{suffix}.{which}.weight"
+            if body.endswith(tail):
+                return body[:-len(tail)] + ".experts", ours
+    return None
 
 
 def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
@@ -129,7 +169,8 @@ def _agree(asked: LoRAConfig, found: LoRAConfig, where: Path) -> LoRAConfig:
             raise ValueError(f"lora.{f} = {a!r} but the adapter at {where} has {got!r}: set lora.{f} to {got!r} "
                              f"or leave it out")
     if asked.experts and not found.experts:
-        raise ValueError(f"lora.experts is true but the adapter at {where} has no {EXPERTS_FILE} (no expert adapters)")
+        raise ValueError(f"lora.experts is true but the adapter at {where} has no expert adapters (its "
+                         f"target_parameters do not list {list(EXPERT_TARGETS)})")
     return LoRAConfig(rank=found.rank, alpha=found.alpha, targets=found.targets, rslora=found.rslora,
                       dropout=asked.dropout, path=str(where), export_merged=asked.export_merged,
                       experts=found.experts)
@@ -186,24 +227,41 @@ def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, st
 
 
 def _load_expert_adapters(model: CausalLM, folder: Path) -> None:
-    """The per-expert adapters of EXPERTS_FILE into the model's (both or neither present)."""
-    e_path = folder / EXPERTS_FILE
-    want = {f"{n}.{p}": getattr(m, p) for n, m in expert_lora_modules(model) for p in m.adapter_params}
-    if not want and not e_path.is_file():
-        return
-    if not want or not e_path.is_file():
-        raise ValueError(f"{folder}: {'holds' if e_path.is_file() else 'has no'} {EXPERTS_FILE} but the model "
-                         f"{'has no' if not want else 'has'} expert adapters (lora.experts)")
-    with safe_open(e_path, framework="pt") as f:
-        keys = set(f.keys())
-        if keys != set(want):
-            raise ValueError(f"{e_path}: tensors {sorted(keys ^ set(want))[:3]} differ from the model's expert adapters")
-        for key, p in want.items():
+    """The folder's per-expert adapters (PEFT's target_parameters layout, module docstring)
+    into the model's: both or neither must have them."""
+    w_path = folder / WEIGHTS_FILE
+    want = dict(expert_lora_modules(model))
+    with safe_open(w_path, framework="pt") as f:
+        found = {k: _expert_key(k) for k in f.keys()}
+        found = {k: v for k, v in found.items() if v is not None}
+        if bool(want) != bool(found):
+            raise ValueError(f"{w_path}: {'holds' if found else 'has no'} expert adapters (target_parameters "
+                             f"{list(EXPERT_TARGETS)}) but the model {'has none' if found else 'has'} (lora.experts)")
+        missing = {(n, p) for n, m in want.items() for p in m.adapter_params} - set(found.values())
+        if missing or len(found) != 4 * len(want):
+            extra = sorted(k for k, (n, _) in found.items() if n not in want)
+            raise ValueError(f"{w_path}: the expert adapters differ from the model's: missing {sorted(missing)[:3]}, "
+                             f"unexpected {extra[:3]}")
+        for key, (name, param) in found.items():
+            p = getattr(want[name], param)
+            E, rows, cols = p.shape  # A: (E, r, in); B: (E, out, r)
             t = f.get_tensor(key)
-            if tuple(t.shape) != tuple(p.shape) or not t.is_floating_point():
-                raise ValueError(f"{e_path}: {key} is {tuple(t.shape)} {t.dtype}; the model's adapter expects "
-                                 f"{tuple(p.shape)} floating point")
-            p.copy_(t)
+            shape = (E * rows, cols) if param.endswith("_A") else (rows, cols * E)
+            if tuple(t.shape) != shape or not t.is_floating_point():
+                raise ValueError(f"{w_path}: {key} is {tuple(t.shape)} {t.dtype}; the model's adapter expects "
+                                 f"{shape} floating point (E = {E} experts)")
+            p.copy_(t.reshape(E, rows, cols) if param.endswith("_A") else t.reshape(rows, cols, E).permute(2, 0, 1))
+
+
+def _expert_tensors(model: CausalLM) -> dict[str, torch.Tensor]:
+    """PEFT's tensors of the model's per-expert adapters (the inverse of `_load_expert_adapters`)."""
+    out = {}
+    for name, m in expert_lora_modules(model):
+        for suffix, (a, b) in _EXPERT_KEYS.items():
+            A, B = getattr(m, a).detach(), getattr(m, b).detach()
+            out[f"{_PREFIX}{name}{suffix}.lora_A.weight"] = A.reshape(-1, A.shape[2]).contiguous().cpu()
+            out[f"{_PREFIX}{name}{suffix}.lora_B.weight"] = B.permute(1, 2, 0).reshape(B.shape[1], -1).contiguous().cpu()
+    return out
 
 
 def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or_path: str | None = None,
@@ -225,19 +283,23 @@ def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or
             if t.untyped_storage().nbytes() != t.numel() * t.element_size():
                 t = t.clone()  # a view into a fused or joined buffer (rlfuse.model.fuse): its own storage
             tensors[_tensor_key(hf_name(name), which)] = t
-    experts = {f"{n}.{p}": getattr(m, p).detach().contiguous().cpu()
-               for n, m in expert_lora_modules(model) for p in m.adapter_params}
-    if experts:  # said, not silent: PEFT's layout for 3-D expert parameters is not written yet
-        log.warning("save_peft_adapter: the per-expert adapters of %d MoE layers go to %s, which PEFT does not "
-                    "read; the PEFT folder applies the projection adapters only (lora.export_merged writes a "
-                    "folder with every adapter merged)", len(expert_lora_modules(model)), EXPERTS_FILE)
+    experts = _expert_tensors(model)
+    tensors |= experts
+    leaves = {name.rsplit(".", 1)[-1] for name, _ in mods}  # what this model adapts, in TARGETS order
+    targets = [t for t in TARGETS if t in leaves]
+    if ARCHS[model.config.model_type].peft_maps_mlp_targets and set(MLP_TARGETS) & leaves:
+        # said, not silent: PEFT reads these targets as the experts' (their transformers-v4 names), drops the
+        # dense layers' adapters and adds expert adapters of another rank (measured with PEFT 0.21.2)
+        log.warning("save_peft_adapter: PEFT maps target_modules %s of a %s model onto its experts' fused "
+                    "parameters, so PEFT + transformers do not apply this folder's dense-MLP adapters (rlfuse loads "
+                    "it; lora.export_merged writes a folder with every adapter merged)",
+                    sorted(set(MLP_TARGETS) & leaves), model.config.model_type)
     with atomic_folder(folder) as tmp:
         save_tensors_file(tensors, tmp / WEIGHTS_FILE, {"format": "pt"})
-        if experts:
-            save_tensors_file(experts, tmp / EXPERTS_FILE, {"format": "pt"})
-        leaves = {name.rsplit(".", 1)[-1] for name, _ in mods}  # what this model adapts, in TARGETS order
-        targets = [t for t in TARGETS if t in leaves]
-        (tmp / CONFIG_FILE).write_text(json.dumps(_peft_config(cfg, targets, base_model_name_or_path), indent=2))
+        peft_cfg = _peft_config(cfg, targets, base_model_name_or_path)
+        if experts:  # PEFT's ParamWrapper refuses dropout (a training setting: the run's config gives it)
+            peft_cfg |= {"target_parameters": list(EXPERT_TARGETS), "lora_dropout": 0.0}
+        (tmp / CONFIG_FILE).write_text(json.dumps(peft_cfg, indent=2))
         copy_side_files(tokenizer_dir, tmp)
     return folder
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -51,7 +52,15 @@ from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import DPO_LOSSES, RunConfig
-from rlfuse.run.distributed import DistContext, full_copy, is_sharded, local_micro_batches, local_slice, reduce_metrics
+from rlfuse.run.distributed import (
+    DistContext,
+    full_copy,
+    is_sharded,
+    local_micro_batches,
+    local_slice,
+    mean_across_ranks,
+    reduce_metrics,
+)
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
 from rlfuse.train.session import Session, open_session
 
@@ -206,7 +215,9 @@ class DPOStep(StreamAndGuardState):
         if self.dist is not None:  # the sums are this rank's shares of the global means
             m = reduce_metrics(self.dist, m, ops={**{k: "sum" for k in sums}, "tokens": "sum", "tokens_per_s": "sum"},
                                default="max")
-        return {**m, **(self.router.metrics() if self.router is not None else {})}
+        if self.router is not None:  # over ranks: the loads summed, the losses averaged (RouterLoss.metrics)
+            m.update(self.router.metrics(None if self.dist is None else partial(mean_across_ranks, self.dist)))
+        return m
 
 
 def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,

@@ -33,6 +33,7 @@ Test: python -m pytest -q tests/test_grpo_trainer.py tests/test_grpo_algorithms.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
@@ -47,7 +48,14 @@ from rlfuse.model.layers.moe import RouterLoss, moe_blocks
 from rlfuse.rollout import Sample
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, shared_contexts
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import DistContext, local_micro_batches, reduce_metrics, reduce_mismatch
+from rlfuse.run.distributed import (
+    DistContext,
+    local_micro_batches,
+    mean_across_ranks,
+    reduce_metrics,
+    reduce_mismatch,
+    reduce_routing_mismatch,
+)
 from rlfuse.train.advantages import KL_IN_REWARD
 from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
 
@@ -180,9 +188,15 @@ class GRPOUpdate:
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
         out.update(extra)
         if self.router is not None:
-            out.update(self.router.metrics())
-            if self.routing_acc[1]:  # pairs compared on the first optimizer step
-                out["moe/routing_mismatch"] = self.routing_acc[0] / self.routing_acc[1]
+            out.update(self.router.metrics(None if self.dist is None else partial(mean_across_ranks, self.dist)))
+            mismatched, pairs = self.routing_acc  # token-layer pairs compared on the first optimizer step
+            frac = mismatched / pairs if pairs else 0.0
+            if self.dist is not None:  # every rank joins, compared or not: the worst rank's fraction
+                frac = reduce_routing_mismatch(self.dist, float(frac), pairs)  # host sync: a logged number
+            elif not pairs:
+                frac = None
+            if frac is not None:
+                out["moe/routing_mismatch"] = frac
             self.routing_acc = (0.0, 0)
         out["_train_tokens"] = float(n_trained)
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -26,7 +27,7 @@ from rlfuse.model.layers.moe import RouterLoss
 from rlfuse.rollout import episode_renderer
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PackedBatch, clip_grad_norm_, lr_at, pack_by_tokens, peak_memory_mb
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, reduce_metrics
+from rlfuse.run.distributed import DistContext, local_micro_batches, local_slice, mean_across_ranks, reduce_metrics
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, run_loop
 from rlfuse.train.session import Session, open_session
 
@@ -85,10 +86,12 @@ class SFTStep(StreamAndGuardState):
         dt = time.perf_counter() - t0
         m = {"loss": loss_sum, "grad_norm": grad_norm, "lr": lr, "optim/skipped_steps": self.guard.pop_skipped(),
              "tokens": float(n_tok), "target_tokens": float(total_targets), "tokens_per_s": n_tok / max(dt, 1e-9),
-             "time/step": dt, **(self.router.metrics() if self.router is not None else {})}
+             "time/step": dt}
         if self.dist is not None:  # each rank's loss is its share of the global mean
             m = reduce_metrics(self.dist, m, ops={"loss": "sum", "tokens": "sum", "tokens_per_s": "sum"},
                                default="max")
+        if self.router is not None:  # over ranks: the loads summed, the losses averaged (RouterLoss.metrics)
+            m.update(self.router.metrics(None if self.dist is None else partial(mean_across_ranks, self.dist)))
         return m
 
     def _micro_batches(self, lengths: list[int]) -> list[tuple[list[int], bool]]:

@@ -39,6 +39,7 @@ QWEN3_MOE = ArchSpec(
     fixed={"qk_norm": True, "mlp_bias": False},
     hf_extra={"use_sliding_window": False},
     has_moe=True,
+    peft_maps_mlp_targets=True,
     notes="Qwen3 attention; softmax top-k routed experts (no shared expert) on the sparse layers; "
           "sliding-window attention refused",
 )

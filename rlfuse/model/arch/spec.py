@@ -10,7 +10,9 @@ Plug-in points (docs/architecture.md, "A new architecture"):
   * `fixed` / `defaults`: config fields the HF class hard-codes or defaults;
     `hf_extra`: fields its config.json always carries;
   * `has_moe`: config.json carries the mixture-of-experts fields (`ModelConfig.moe`, a
-    `layers.moe_config.MoEConfig`), read and written back;
+    `layers.moe_config.MoEConfig`), read and written back; `moe_shared_expert`: its blocks
+    have a gated shared expert (Qwen3.5-MoE); `dense_mlp`: False where no layer has a dense
+    MLP (config.json then has no intermediate_size);
   * `checkpoint_name(name)`: our parameter name -> the checkpoint's (identity for the dense
     families, whose module tree mirrors HF's). Stacked MoE experts (one (E, ...) tensor here,
     one tensor per expert in published folders) are split and joined by `model.weights`
@@ -72,6 +74,16 @@ class ArchSpec:
     """Fields written into every config.json of this family."""
     has_moe: bool = False
     """config.json carries MoE fields (`ModelConfig.moe` is required, else refused)."""
+    moe_shared_expert: bool = False
+    """Its MoE blocks add a shared expert with a sigmoid gate (and hard-code the layer rule
+    and the top-k renormalization: `layers.moe_config`)."""
+    peft_maps_mlp_targets: bool = False
+    """PEFT (>= 0.19 under transformers 5) reads target_modules gate_proj / up_proj /
+    down_proj of this family as its experts' (their transformers-v4 names) and moves them
+    to target_parameters: a PEFT folder cannot hold dense-MLP adapters beside expert ones."""
+    dense_mlp: bool = True
+    """Some layer may have a dense MLP of `intermediate_size` (required in config.json);
+    False: every layer is an MoE block, intermediate_size is not read nor written."""
     checkpoint_name: Callable[[str], str] = _same_name
     """Our state-dict name -> the checkpoint's."""
     checkpoint_prefixes: tuple[tuple[str, str], ...] = ()

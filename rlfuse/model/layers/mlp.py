@@ -16,11 +16,13 @@ if TYPE_CHECKING:
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None):
+        """intermediate_size: the width, if not the config's (an MoE block's shared expert)."""
         super().__init__()
-        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        inter = cfg.intermediate_size if intermediate_size is None else intermediate_size
+        self.gate_proj = Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.up_proj = Linear(cfg.hidden_size, inter, bias=cfg.mlp_bias)
+        self.down_proj = Linear(inter, cfg.hidden_size, bias=cfg.mlp_bias)
         self.gate_up_fused = None  # gate/up as one GEMM: set by rlfuse.model.fuse (a plain attribute, no state)
 
     def forward(self, x):

@@ -1,9 +1,13 @@
-"""The sparse mixture-of-experts block of Qwen3-MoE (and its router losses and metrics).
+"""The sparse mixture-of-experts block of Qwen3-MoE and Qwen3.5-MoE (and its router losses
+and metrics).
 
 Parameter names and layouts equal transformers 5.24's `Qwen3MoeSparseMoeBlock`:
     gate.weight               (E, D)       the router (a bias-free linear)
     experts.gate_up_proj      (E, 2I, D)   gate rows first, then up rows
     experts.down_proj         (E, D, I)
+and, with a shared expert (`Qwen3_5MoeSparseMoeBlock`, shared_expert_intermediate_size Is > 0):
+    shared_expert.{gate,up}_proj.weight (Is, D), shared_expert.down_proj.weight (D, Is)
+    shared_expert_gate.weight (1, D)
 Published checkpoints (and vLLM) store the experts one by one instead,
 `experts.{e}.gate_proj.weight` (I, D), `experts.{e}.up_proj.weight` (I, D),
 `experts.{e}.down_proj.weight` (D, I): `fuse_expert_tensors` assembles them, and
@@ -13,6 +17,8 @@ Forward, x (T, D) -> (T, D) in x.dtype (steps, each an op of `rlfuse.kernels.moe
   1. router logits = linear(x, gate.weight)   (T, E), the exact linear in exact numerics
   2. routing = route(logits, top_k, norm_topk_prob)   softmax top-k + the expert sort
   3. out = experts_mlp(x, gate_up_proj, down_proj, routing)
+  4. (shared expert) out = out + sigmoid(linear(x, shared_expert_gate.weight)) * shared_expert(x),
+     the shared expert a dense SwiGLU MLP; in that order and in x.dtype, as transformers
 In exact numerics every step is batch-invariant, so the router logits -- and with them
 the experts each token picks -- are the same bits in the engine's decode and the trainer's
 packed forward: no routing replay is needed.
@@ -36,12 +42,15 @@ Test: python -m pytest -q tests/test_moe_block.py
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.moe import experts_mlp, route
+from rlfuse.model.layers.gated_deltanet import elementwise
+from rlfuse.model.layers.linear import Linear
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -94,7 +103,9 @@ class Experts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, *, hidden_size: int, moe_intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False):
+                 norm_topk_prob: bool, layer_idx: int = 0, record_stats: bool = False, shared_expert=None):
+        """shared_expert: the always-on expert (an `MLP`), gated per token by sigmoid(a (1, D)
+        linear), or None (Qwen3-MoE)."""
         super().__init__()
         if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= num_experts:
             raise ValueError(f"config field 'num_experts_per_tok' is {top_k!r}; expected an integer in "
@@ -103,6 +114,11 @@ class SparseMoeBlock(nn.Module):
         self.layer_idx, self.record_stats = layer_idx, record_stats
         self.gate = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = Experts(num_experts, hidden_size, moe_intermediate_size)
+        if shared_expert is not None:
+            self.shared_expert = shared_expert
+            self.shared_expert_gate = Linear(hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
         # what the last forward routed: read by moe_metrics and the trainer's router losses
         self.last_load: torch.Tensor | None = None        # (E,) int64 (token, slot) pairs, detached
         self.last_experts: torch.Tensor | None = None     # (T, k) int64 the experts each token picked
@@ -118,6 +134,9 @@ class SparseMoeBlock(nn.Module):
         logits = linear(x_TD, self.gate.weight)  # (T, E)
         r = route(logits, self.top_k, self.norm_topk_prob)
         out = self.experts(x_TD, r)
+        if self.shared_expert is not None:
+            # elementwise: in exact numerics a row's gate does not depend on the batch (CPU sigmoid's tail)
+            out = out + elementwise(torch.sigmoid, self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
         self.last_load = r.counts.detach()
         self.last_experts = r.experts
         if self.routing_buffer is not None:
@@ -218,15 +237,25 @@ class RouterLoss:
         self._share += share
         return share * (self.aux_coef * aux + self.z_coef * z)
 
-    def metrics(self) -> dict[str, torch.Tensor]:
+    def metrics(self, mean_across: Callable[[torch.Tensor], torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        """The step's moe/* metrics (see the class docstring), reset. Data-parallel,
+        `mean_across` (a tensor -> its mean over the ranks, e.g. `partial(
+        rlfuse.run.distributed.mean_across_ranks, ctx)`) makes them the whole batch's: the
+        per-expert loads are averaged over the ranks before the busiest / idlest ratios are
+        taken (a ratio of the summed loads, not a mean of the ranks' ratios), and the losses
+        are the mean of the ranks' (equal shares of the batch). One collective, no host sync."""
         if not self._share:
             return {}
-        loads = [x / x.mean().clamp_min(1e-9) for x in self._load]
-        out = {"moe/aux_loss": self._aux / self._share, "moe/z_loss": self._z / self._share,
-               "moe/load_max": torch.stack([x.max() for x in loads]).max(),
-               "moe/load_min": torch.stack([x.min() for x in loads]).min()}
+        share = torch.as_tensor(self._share, dtype=torch.float32)
+        loads = torch.stack([torch.as_tensor(x, dtype=torch.float32) for x in self._load])  # (L, E)
+        packed = torch.cat([loads.flatten(), torch.stack([torch.as_tensor(v, dtype=torch.float32).to(loads.device)
+                                                          for v in (self._aux, self._z)]) / share.to(loads.device)])
+        if mean_across is not None:
+            packed = mean_across(packed)
+        loads, (aux, z) = packed[:loads.numel()].view(loads.shape), packed[loads.numel():]
+        ratio = loads / loads.mean(1, keepdim=True).clamp_min(1e-9)
         self._reset()
-        return out
+        return {"moe/aux_loss": aux, "moe/z_loss": z, "moe/load_max": ratio.max(), "moe/load_min": ratio.min()}
 
 
 # ---------------------------------------------------------------- checkpoint layouts

@@ -1,18 +1,28 @@
-"""The mixture-of-experts part of a model config (Qwen3-MoE's `config.json` fields).
+"""The mixture-of-experts part of a model config (the `config.json` fields of Qwen3-MoE and
+of Qwen3.5-MoE's text model).
 
-`ModelConfig.moe` holds a `MoEConfig` for model_type "qwen3_moe" (None for dense models).
-Layer i is sparse (a `SparseMoeBlock`) when i is not in `mlp_only_layers`, num_experts > 0
-and (i + 1) % decoder_sparse_step == 0 -- transformers' rule; other layers keep the dense
-MLP of `intermediate_size`. Errors name the field: a top-k above the expert count, a
-non-positive size, a layer index out of range, and fields of MoE features rlfuse does not
-implement (shared experts, router jitter, other scoring functions).
-Test: python -m pytest -q tests/test_moe_model.py
+`ModelConfig.moe` holds a `MoEConfig` for the families whose ArchSpec says `has_moe` (None
+for dense models). Qwen3-MoE ("qwen3_moe"): layer i is sparse (a `SparseMoeBlock`) when i
+is not in `mlp_only_layers`, num_experts > 0 and (i + 1) % decoder_sparse_step == 0 --
+transformers' rule; other layers keep the dense MLP of `intermediate_size`. Qwen3.5-MoE
+("qwen3_5_moe_text", `shared_expert=True` below): every layer is sparse, the top-k weights
+are always renormalized, and each block adds a shared expert (a SwiGLU MLP of
+`shared_expert_intermediate_size`) scaled by a sigmoid gate; transformers' class has no
+decoder_sparse_step, mlp_only_layers or norm_topk_prob, so a config asking for other values
+is refused. Errors name the field: a top-k above the expert count, a non-positive size, a
+layer index out of range, and fields of MoE features rlfuse does not implement (shared
+experts where the family has none, router jitter, other scoring functions).
+Test: python -m pytest -q tests/test_moe_model.py tests/test_qwen3_5_moe.py
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+# What transformers' Qwen3.5-MoE hard-codes (its config class has no such fields): every
+# layer sparse, the top-k weights renormalized. A config.json asking otherwise is refused.
+_FIXED_WITH_SHARED = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -33,6 +43,9 @@ class MoEConfig:
     """Weight of the load-balancing loss where training adds it."""
     output_router_logits: bool = False
     """transformers adds the load-balancing loss to the model's loss only when this is true."""
+    shared_expert_intermediate_size: int = 0
+    """The shared expert's SwiGLU width (Qwen3.5-MoE: every token goes through it, its output
+    scaled by sigmoid(shared_expert_gate(x))); 0: no shared expert (Qwen3-MoE)."""
 
     def __post_init__(self):
         if isinstance(self.mlp_only_layers, list):  # from YAML or JSON
@@ -42,7 +55,9 @@ class MoEConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
-    def check(self, num_hidden_layers: int) -> None:
+    def check(self, num_hidden_layers: int, *, shared_expert: bool = False, family: str = "qwen3_moe") -> None:
+        """shared_expert: the family's blocks have one (Qwen3.5-MoE), with the fields
+        transformers hard-codes for it; else shared_expert_intermediate_size must be 0."""
         for f in ("moe_intermediate_size", "decoder_sparse_step", "num_experts_per_tok"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -60,6 +75,19 @@ class MoEConfig:
         for f in ("norm_topk_prob", "output_router_logits"):
             if not isinstance(getattr(self, f), bool):
                 raise ValueError(f"config field {f!r} must be true or false, got {getattr(self, f)!r}")
+        v = self.shared_expert_intermediate_size
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0 or (shared_expert and v == 0):
+            raise ValueError(f"config field 'shared_expert_intermediate_size' must be a "
+                             f"{'positive' if shared_expert else 'non-negative'} integer, got {v!r}")
+        if v and not shared_expert:
+            raise ValueError(f"config field 'shared_expert_intermediate_size' is {v}; shared experts are not "
+                             f"supported ({family} has none)")
+        if shared_expert:
+            for f, want in _FIXED_WITH_SHARED.items():
+                if getattr(self, f) != want:
+                    raise ValueError(f"config field {f!r} is {getattr(self, f)!r}; {family} always has {f} = "
+                                     f"{list(want) if isinstance(want, tuple) else want!r} (transformers has no "
+                                     f"switch for it)")
         c = self.router_aux_loss_coef
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0:
             raise ValueError(f"config field 'router_aux_loss_coef' must be a non-negative number, got {c!r}")
@@ -67,6 +95,11 @@ class MoEConfig:
     def to_hf(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
+        if self.shared_expert_intermediate_size:  # Qwen3.5-MoE's config has none of the layer-rule fields
+            for k in _FIXED_WITH_SHARED:
+                del d[k]
+        else:
+            del d["shared_expert_intermediate_size"]
         return d
 
 
@@ -81,13 +114,21 @@ _UNSUPPORTED = {
 }
 
 
-def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int) -> MoEConfig:
-    """MoEConfig from a qwen3_moe config.json dict (transformers' defaults for absent fields)."""
+def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int, *, shared_expert: bool = False,
+                       family: str = "qwen3_moe") -> MoEConfig:
+    """MoEConfig from a config.json dict (transformers' defaults for absent optional fields).
+    shared_expert: the family's blocks have a gated shared expert (Qwen3.5-MoE), whose width
+    `shared_expert_intermediate_size` is then required."""
     for field, what in _UNSUPPORTED.items():
+        if shared_expert and field == "shared_expert_intermediate_size":
+            continue
         if d.get(field):
-            raise ValueError(f"{where}: field {field!r} is {d[field]!r}; {what} are not supported (qwen3_moe has none)")
+            raise ValueError(f"{where}: field {field!r} is {d[field]!r}; {what} are not supported ({family} has none)")
     if d.get("scoring_func", "softmax") != "softmax":
         raise ValueError(f"{where}: field 'scoring_func' is {d['scoring_func']!r}; only 'softmax' routing is supported")
+    if shared_expert and d.get("shared_expert_intermediate_size") is None:
+        raise ValueError(f"{where}: missing required field 'shared_expert_intermediate_size' (a {family} "
+                         f"config needs it)")
     # published Qwen3-MoE configs say num_experts; transformers 5 saves it as num_local_experts
     if d.get("num_experts") is None and d.get("num_local_experts") is not None:
         d = {**d, "num_experts": d["num_local_experts"]}
@@ -96,11 +137,11 @@ def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int) -> MoEConfig
                          f"({d['num_local_experts']!r}) disagree")
     for field in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
         if d.get(field) is None:
-            raise ValueError(f"{where}: missing required field {field!r} (a qwen3_moe config needs it)")
+            raise ValueError(f"{where}: missing required field {field!r} (a {family} config needs it)")
     layers = d.get("mlp_only_layers") or []
     if not isinstance(layers, list):
         raise ValueError(f"{where}: field 'mlp_only_layers' must be a list of layer indices, got {layers!r}")
-    cfg = MoEConfig(
+    kw = dict(
         num_experts=d["num_experts"],
         num_experts_per_tok=d["num_experts_per_tok"],
         moe_intermediate_size=d["moe_intermediate_size"],
@@ -110,8 +151,12 @@ def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int) -> MoEConfig
         router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
         output_router_logits=d.get("output_router_logits", False),
     )
+    if shared_expert:  # an absent norm_topk_prob takes the value transformers hard-codes
+        kw["norm_topk_prob"] = d.get("norm_topk_prob", True)
+        kw["shared_expert_intermediate_size"] = d["shared_expert_intermediate_size"]
+    cfg = MoEConfig(**kw)
     try:
-        cfg.check(num_hidden_layers)
+        cfg.check(num_hidden_layers, shared_expert=shared_expert, family=family)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return cfg

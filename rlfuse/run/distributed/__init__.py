@@ -14,6 +14,7 @@ from rlfuse.run.distributed.context import (
                                             launch_env,
                                             local_slice,
                                             max_across_ranks,
+                                            mean_across_ranks,
                                             on_any_rank,
                                             on_main,
                                             quiet_non_main,
@@ -27,6 +28,7 @@ from rlfuse.run.distributed.data_parallel import (
                                             evaluate_on_ranks,
                                             local_micro_batches,
                                             reduce_mismatch,
+                                            reduce_routing_mismatch,
                                             rollout_on_ranks,
                                             step_metrics,
 )
@@ -36,5 +38,6 @@ __all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "Sharded
            "evaluate_on_ranks",
            "fail_together", "full_copy", "gather_results", "gathered_weights", "global_sums", "init_distributed",
            "is_sharded", "launch_env", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
-           "on_any_rank", "on_main", "quiet_non_main", "reduce_metrics", "reduce_mismatch", "rollout_on_ranks",
+           "mean_across_ranks", "on_any_rank", "on_main", "quiet_non_main", "reduce_metrics", "reduce_mismatch",
+           "reduce_routing_mismatch", "rollout_on_ranks",
            "shard_model", "shutdown", "step_metrics"]

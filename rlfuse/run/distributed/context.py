@@ -193,6 +193,14 @@ def on_any_rank(ctx: DistContext, flag: torch.Tensor) -> torch.Tensor:
     return t.reshape(())
 
 
+def mean_across_ranks(ctx: DistContext, t: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of a tensor of the same shape on every rank (a new tensor on t's
+    device): one all_reduce (SUM), no host sync."""
+    t = t.to(ctx.device, copy=True)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t / ctx.world_size
+
+
 _OPS = {"mean": dist.ReduceOp.SUM, "sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 

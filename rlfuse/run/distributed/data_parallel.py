@@ -140,6 +140,15 @@ def reduce_mismatch(ctx: DistContext, mm: dict) -> dict:
     return reduce_metrics(ctx, mm, ops={k: "max" for k in mm if k.endswith("max_abs") or k.endswith("ratio_max")})
 
 
+def reduce_routing_mismatch(ctx: DistContext, frac: float, pairs: int) -> float | None:
+    """moe/routing_mismatch over ranks: the largest of the ranks' fractions of mismatched
+    token-layer pairs (a rank that compared no pair counts as none), None when no rank
+    compared any. Every rank calls it (one collective per kind, whatever it compared)."""
+    r = reduce_metrics(ctx, {"frac": frac if pairs else 0.0, "pairs": float(pairs)},
+                       ops={"frac": "max", "pairs": "sum"})
+    return r["frac"] if r["pairs"] else None
+
+
 def evaluate_on_ranks(ctx: DistContext, prompts: list, run_eval: Callable[[list], dict]) -> dict:
     """Held-out evaluation split over ranks: rank r evaluates the r-th of N near-equal
     contiguous parts (any count of prompts; a part may be empty, and `run_eval` must still
