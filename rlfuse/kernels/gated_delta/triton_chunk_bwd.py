@@ -225,10 +225,15 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     # the chunk kernel writes dv with v's strides and reads do with its own: give it both contiguous
     vc, doc = v.contiguous(), do.contiguous()
     sv = strides[:4] + vc.stride()[:2] + strides[6:10] + doc.stride()[:2]
+    # The chunk kernel keeps about ten (C, BK) fp32 tiles live. At BK 128 its tensor-core (tf32)
+    # dots need 262-320 KB of shared memory for any BV / warp count, over the H100's 227 KB; fp32
+    # FMA dots ("ieee") with BV 16 need 220 KB (tests/kernel_audit.py). Correct first: splitting
+    # the kernel over Dk is the way back to tensor cores at Qwen3.5's heads (docs/benchmarks.md).
+    wide = BK >= 128
     _chunk_bwd_kernel[(NC, Hv)](
         q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db, *sv,
-        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=min(32, BV), C=CHUNK, PREC=prec,  # 32: registers
-        num_warps=8, num_stages=1)  # 1: shared memory, see tile_config
+        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=16 if wide else min(32, BV), C=CHUNK,
+        PREC="ieee" if wide and prec == "tf32" else prec, num_warps=8, num_stages=1)
     rep = Hv // Hk
     dq = dq.view(T, Hk, rep, Dk).sum(2)  # a q/k head's gradient: the sum over its value heads, in order
     dk = dk.view(T, Hk, rep, Dk).sum(2)
