@@ -39,11 +39,11 @@ def test_generate_equals_naive_greedy(kw):
         llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, **kw))
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 40)
-    assert not llm.runner.static and llm.scheduler.group_state  # hybrid: eager decode, hits only in a group
+    assert llm.runner.static and llm.scheduler.group_state  # hybrid: static decode, hits only in a group
     if "num_kv_blocks" in kw:
         assert llm.stats.preemptions > 0
     lin = llm.runner.linear
-    assert lin.num_free == len(lin.tensors[next(iter(lin.tensors))]) and not lin.slot_of  # every slot freed
+    assert lin.num_free == lin.num_slots == 4 and not lin.slot_of  # every slot freed (the scratch slot apart)
 
 
 @pytest.mark.parametrize("prompt_len", [70, 45])
@@ -74,6 +74,35 @@ def test_a_new_turn_continues_correctly():
         turn2 = p + first.output_token_ids + random_prompts([9], seed=5)[0]
         second = llm.generate([turn2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
         assert second.output_token_ids == greedy_generate_naive(model, [turn2], 20)[0]
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_static_decode_equals_eager_bitwise(numerics):
+    """The static decode path (fixed-shape buffers, the linear-attention state read and
+    written through slot indices, a 64-row chunk per row with its valid length masked: what
+    the CUDA graphs replay on a GPU) against the eager path: 3 sequences in a bucket of 4
+    (one padding row on the scratch slot), n = 2 samples of one prompt (the group state
+    copy), sampling, look-ahead; decode crosses a 64-token chunk boundary (a 58-token
+    prompt, 12 new tokens: the state moves on at position 63). Exact numerics: tokens and
+    log-probs bitwise; fast: the same tokens, log-probs within fp32 rounding."""
+    model = _model()
+    prompts = random_prompts([58, 30])
+    p = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, n=n) for n in (2, 1)]
+    outs = {}
+    with use_backend("torch"):
+        for eager in (True, False):
+            llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16, numerics=numerics,
+                                                enforce_eager=eager, cuda_graph_batch_sizes=(1, 2, 4)))
+            outs[eager] = llm.generate(prompts, p)
+            assert llm.runner.static != eager and (eager or llm.stats.look_ahead_steps > 0)
+            lin = llm.runner.linear
+            assert lin.num_free == lin.num_slots
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_token_ids == b.output_token_ids
+        if numerics == "exact":
+            assert torch.equal(a.logprobs, b.logprobs)
+        else:
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
 
 
 def _sweep():
@@ -203,3 +232,33 @@ def test_generate_cli_and_api_on_a_hybrid_folder(tmp_path, capsys):
         outs = LLM(model.eval(), None, EngineConfig(max_model_len=128, max_num_seqs=2)).generate(
             prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_hybrid_cuda_graphs_equal_eager_bitwise(dtype):
+    """The hybrid decode step captured as CUDA graphs (Triton kernels) against the eager
+    engine, exact numerics: every token and log-prob bitwise, over bucket padding (14, then
+    fewer running sequences), a group of n = 4 (state copies), look-ahead and decode
+    across 64-token chunk boundaries; then the same rollout against the trainer's log-probs
+    (`rlfuse check`'s combined setting), and the graphs still see an in-place weight update."""
+    model = _model(dtype).cuda()
+    prompts = random_prompts([58, 30, 1, 17, 64, 100])
+    params = [SamplingParams(temperature=1.0, max_tokens=90, ignore_eos=True, seed=3, n=2 if i else 4)
+              for i in range(len(prompts))]
+    kw = dict(max_model_len=512, max_num_seqs=16, numerics="exact", num_kv_blocks=256, block_size=16)
+    eager = LLM(model, None, EngineConfig(enforce_eager=True, **kw))
+    graphs = LLM(model, None, EngineConfig(**kw))
+    a, b = eager.generate(prompts, params), graphs.generate(prompts, params)
+    assert graphs.runner.use_graphs and graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
+    for x, y in zip(a, b):
+        assert x.output_token_ids == y.output_token_ids and torch.equal(x.logprobs, y.logprobs)
+    s = dataclasses.replace(_sweep()["combined"], num_prompts=2, n=4)
+    r = run_setting(model, random_prompts([70, 14]), s, numerics="exact", max_tokens=80, temperature=1.0)
+    assert r.tokens > 0 and r.bitwise_frac == 1.0 and r.max_abs == 0.0, (r.row(), r.first_diff)
+    with torch.no_grad():
+        for q in model.parameters():
+            q.mul_(1.01)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.output_token_ids for o in eager.generate(prompts, greedy)]
+    assert [o.output_token_ids for o in graphs.generate(prompts, greedy)] == want

@@ -100,12 +100,11 @@ class ModelRunner:
         # sequence (allocated before the KV pool is planned, so the plan sees it)
         self.linear = LinearStateCache(model, self.num_rows, self.dtype, self.device) if linear_layers(model) else None
         # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
-        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows)
+        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows,
+                                                                 linear=self.linear)
         if self.linear is not None:
-            log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences; decode runs "
-                     "eagerly (the static decode path and its CUDA graphs do not carry the linear-attention "
-                     "state yet)", len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
-            self.decode = None
+            log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences (+1 scratch slot)",
+                     len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token

@@ -36,7 +36,9 @@ def linear_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 
 class LinearStateCache(StateSlots):
-    """One slot per running sequence for every linear-attention layer of `model`."""
+    """One slot per running sequence for every linear-attention layer of `model`, plus one
+    scratch slot (`pad_slot`, never handed out) that the static decode path's padding rows
+    read and write, so a bucket's padding needs no branch."""
 
     def __init__(self, model: nn.Module, num_slots: int, dtype: torch.dtype, device):
         shapes, dtypes = {}, {}
@@ -46,7 +48,8 @@ class LinearStateCache(StateSlots):
             for name, (shape, kind) in mixer.state_shapes().items():
                 shapes[f"{i}.{name}"] = shape
                 dtypes[f"{i}.{name}"] = torch.float32 if kind == "fp32" else dtype
-        super().__init__(num_slots, shapes, dtypes, device)
+        super().__init__(num_slots + 1, shapes, dtypes, device)
+        self.pad_slot = self.free_slots.pop(0)  # the highest slot: pop() hands out the lowest first
         self.device = torch.device(device)
         self.layers = {i: {k.split(".", 1)[1]: t for k, t in self.tensors.items() if k.split(".", 1)[0] == str(i)}
                        for i in self.layer_ids}
@@ -55,9 +58,22 @@ class LinearStateCache(StateSlots):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    @property
+    def num_slots(self) -> int:
+        """Slots sequences can hold (the scratch slot not counted)."""
+        return next(iter(self.tensors.values())).shape[0] - 1
+
     def step(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> LinearSlots:
         """The step's `LinearSlots` for sequences computing num_new tokens from position
-        starts[b]; a sequence at position 0 is admitted here (its slot zeroed)."""
+        starts[b] (the eager path)."""
+        slots = self.admit_step(seqs, starts)
+        return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
+
+    def admit_step(self, seqs: list[Sequence], starts: list[int]) -> list[int]:
+        """Each sequence's slot for a step computing from position starts[b]; a sequence
+        new to the cache is admitted here (its slot zeroed, or, resuming at a prefix hit,
+        a copy of the group member's state). Host bookkeeping plus device copies enqueued
+        before the step: the static decode path calls it outside its CUDA graph."""
         for seq, st in zip(seqs, starts):
             if seq.seq_id not in self.slot_of:
                 src, seq.state_from = seq.state_from, None
@@ -69,5 +85,4 @@ class LinearStateCache(StateSlots):
                 self.admit(seq)
                 if st != 0:
                     self.copy_for_group(src, [seq])  # the member's state at the shared prompt prefix
-        slots = [self.slot(s) for s in seqs]
-        return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
+        return [self.slot(s) for s in seqs]
