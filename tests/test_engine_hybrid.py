@@ -17,7 +17,7 @@ from tiny_hf import tiny_hybrid_model
 
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
-from rlfuse.engine.cache import LinearStateCache
+from rlfuse.engine.cache import LinearStateCache, bytes_per_block
 from rlfuse.engine.naive import greedy_generate_naive
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels import use_backend
@@ -103,6 +103,27 @@ def test_static_decode_equals_eager_bitwise(numerics):
             assert torch.equal(a.logprobs, b.logprobs)
         else:
             torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_kv_pool_holds_the_full_attention_layers_only():
+    """3 of the tiny hybrid's 4 layers are linear attention: the paged pool holds K/V for the
+    fourth only (kv_caches indexed by layer, None for the others), and on CPU the cache
+    budget (cpu_kv_cache_gib) pays for the linear-attention state first."""
+    model = _model()
+    mc = model.config
+    with use_backend("torch"):
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16))
+        assert llm.kv.shape[1] == 1 and [i for i, c in enumerate(llm.kv.kv_caches) if c is not None] == [3]
+        per_block = bytes_per_block(mc, 16, torch.float32)
+        assert per_block == 2 * 1 * 16 * mc.num_key_value_heads * mc.head_dim * 4
+        assert llm.kv.nbytes == llm.kv.num_blocks * per_block
+        budget = (llm.runner.linear.nbytes + 5 * per_block) / 2**30
+        small = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16,
+                                              cpu_kv_cache_gib=budget))
+        assert small.kv.num_blocks == 5
+        (p,) = random_prompts([40])
+        out = small.generate([p], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+        assert out.output_token_ids == greedy_generate_naive(model, [p], 30)[0]
 
 
 def _sweep():

@@ -136,7 +136,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
-        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup)
+        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup,
+                            self.linear.nbytes if self.linear is not None else 0)
         self.kv = KVCache(self.mcfg, n, self.block_size, self.dtype, self.device)
         self._warm_paged_kernels()
         return self.kv
