@@ -15,12 +15,13 @@ import torch
 from engine_helpers import one_thread, random_prompts  # noqa: F401  (fixture)
 from tiny_hf import tiny_hybrid_model
 
-from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.cache import LinearStateCache, bytes_per_block
 from rlfuse.engine.naive import greedy_generate_naive
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels import use_backend
+from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.gated_delta import CHUNK
 
 PROMPTS = [5, 17, 70, 33]
@@ -43,7 +44,10 @@ def test_generate_equals_naive_greedy(kw):
     if "num_kv_blocks" in kw:
         assert llm.stats.preemptions > 0
     lin = llm.runner.linear
-    assert lin.num_free == lin.num_slots == 4 and not lin.slot_of  # every slot freed (the scratch slot apart)
+    parked = llm.scheduler.parked
+    assert lin.num_free + len(parked) == lin.num_slots == 4 and len(lin.slot_of) == len(parked)  # finished: parked
+    llm.reset_prefix_cache()
+    assert lin.num_free == 4 and not lin.slot_of and llm.block_manager.num_free == llm.kv.num_blocks
 
 
 @pytest.mark.parametrize("prompt_len", [70, 45])
@@ -62,18 +66,44 @@ def test_a_group_prefills_its_prompt_once(prompt_len):
     assert sorted(o.num_cached_prompt_tokens for o in outs) == [0] + [shared] * 3
 
 
-def test_a_new_turn_continues_correctly():
-    """Multi-turn: the second turn's prompt is the first turn's tokens plus new ones; the same
-    engine serves it (the state of the finished turn is freed; the turn recomputes its
-    prompt, since prefix reuse is off for hybrid models) and equals the naive generator."""
+@pytest.mark.parametrize("look_ahead", [True, False])
+def test_a_new_turn_continues_from_the_parked_state(look_ahead):
+    """Multi-turn: a finished sequence is parked with its linear-attention state and its KV
+    blocks; the next turn (its tokens + new ones, a new request) takes both over and computes
+    only the new tokens, in exact numerics with the trainer's log-probs bitwise. Turn 1 stops
+    on a token (with look-ahead, the step in flight computes that token too: the parked
+    state holds it), turn 2 ends by length; a third request that continues nothing
+    recomputes its prompt; a weight update drops the parked sequences."""
     model = _model()
-    (p,) = random_prompts([40])
+    (p,) = random_prompts([20])
     with use_backend("torch"):
-        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=2))
-        first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-        turn2 = p + first.output_token_ids + random_prompts([9], seed=5)[0]
-        second = llm.generate([turn2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
-        assert second.output_token_ids == greedy_generate_naive(model, [turn2], 20)[0]
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=2, block_size=16, numerics="exact",
+                                            look_ahead=look_ahead))
+        greedy = greedy_generate_naive(model, [p], 16)[0]
+        stop = greedy[12]  # turn 1 stops at the first occurrence of the 13th greedy token
+        first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]))[0]
+        assert first.finish_reason == "stop" and first.output_token_ids == greedy[:greedy.index(stop) + 1]
+        parked = llm.scheduler.parked
+        assert len(parked) == 1 and llm.runner.linear.num_free == 1
+        computed = len(p) + len(first.output_token_ids) - (not look_ahead)
+        turn2 = p + first.output_token_ids + random_prompts([5], seed=5)[0]
+        before = llm.stats.prompt_tokens_computed
+        second = llm.generate([turn2], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3))[0]
+        assert llm.stats.prompt_tokens_computed - before == len(turn2) - computed and parked.taken == 1
+        assert second.num_cached_prompt_tokens == computed
+        with use_numerics("exact"):
+            want = trainer_logprobs(model, [(turn2, second.output_token_ids)], 1.0)[0]
+        assert torch.equal(second.logprobs, want)
+        other = random_prompts([10], seed=9)
+        before = llm.stats.prompt_tokens_computed
+        llm.generate(other, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert llm.stats.prompt_tokens_computed - before == 10 and len(parked) == 2  # 2 slots: both parked
+        with torch.no_grad():
+            model.lm_head_weight.mul_(1.0)  # an in-place update, even one that changes no value
+        turn3 = turn2 + second.output_token_ids + [1, 2]
+        third = llm.generate([turn3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+        assert third.num_cached_prompt_tokens == 0 and parked.taken == 1
+        assert third.output_token_ids == greedy_generate_naive(model, [turn3], 3)[0]
 
 
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
@@ -96,7 +126,7 @@ def test_static_decode_equals_eager_bitwise(numerics):
             outs[eager] = llm.generate(prompts, p)
             assert llm.runner.static != eager and (eager or llm.stats.look_ahead_steps > 0)
             lin = llm.runner.linear
-            assert lin.num_free == lin.num_slots
+            assert lin.num_free + len(llm.scheduler.parked) == lin.num_slots  # finished: parked or freed
     for a, b in zip(outs[True], outs[False]):
         assert a.output_token_ids == b.output_token_ids
         if numerics == "exact":

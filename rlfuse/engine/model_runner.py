@@ -194,13 +194,20 @@ class ModelRunner:
         return self.max_blocks * self.block_size
 
     # ------------------------------------------------------------------ rows
-    def release(self, seq: Sequence) -> None:
-        """`seq` left the running set (finished, preempted, aborted): free its table row."""
+    def release(self, seq: Sequence, keep_state: bool = False) -> None:
+        """`seq` left the running set (finished, preempted, aborted): free its table row, and
+        its linear-attention state slot unless `keep_state` (a parked sequence's)."""
         if seq.row >= 0:
             self.free_rows.append(seq.row)
             seq.row, seq.row_len = -1, 0
-        if self.linear is not None:
+        if self.linear is not None and not keep_state:
             self.linear.free(seq)
+
+    def reset_state(self) -> None:
+        """Every table row and state slot free (`LLM.abort_all`)."""
+        self.free_rows = list(range(self.num_rows - 1, -1, -1))
+        if self.linear is not None:
+            self.linear.reset()
 
     def _sync_block_tables(self, seqs: list[Sequence]) -> list[int]:
         rows, r, c, v = [], [], [], []

@@ -15,7 +15,9 @@ computes its first token; preemption frees the slot and the sequence recomputes 
 first token. A cached block restores the attention layers' K/V, not this state, so prefix
 hits are taken only within a GRPO group: a member admitted at a hit starts from a copy of
 the state of the member that computed those tokens (`copy_for_group`; the scheduler pairs
-them, `Scheduler.group_state`); reuse across unrelated requests is off (logged).
+them, `Scheduler.group_state`), and by a continuation of a finished sequence, which is
+parked with its slot and blocks and hands both over (multi-turn: `cache/parked.py`);
+other reuse across requests is off (logged).
 Test: python -m pytest -q tests/test_engine_hybrid.py
 """
 
@@ -58,6 +60,11 @@ class LinearStateCache(StateSlots):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def reset(self) -> None:
+        """Every slot free (the engine's bookkeeping starts afresh: `LLM.abort_all`)."""
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+
     @property
     def num_slots(self) -> int:
         """Slots sequences can hold (the scratch slot not counted)."""
@@ -71,8 +78,9 @@ class LinearStateCache(StateSlots):
 
     def admit_step(self, seqs: list[Sequence], starts: list[int]) -> list[int]:
         """Each sequence's slot for a step computing from position starts[b]; a sequence
-        new to the cache is admitted here (its slot zeroed, or, resuming at a prefix hit,
-        a copy of the group member's state). Host bookkeeping plus device copies enqueued
+        new to the cache is admitted here: its slot zeroed; resuming at a prefix hit, a
+        copy of the running group member's state; continuing a parked (finished) sequence,
+        that sequence's slot handed over. Host bookkeeping plus device copies enqueued
         before the step: the static decode path calls it outside its CUDA graph."""
         for seq, st in zip(seqs, starts):
             if seq.seq_id not in self.slot_of:
@@ -82,6 +90,9 @@ class LinearStateCache(StateSlots):
                     raise RuntimeError(f"LinearStateCache: sequence {seq.seq_id} resumes at token {st} without "
                                        f"its linear-attention state (hybrid models take prefix hits only from "
                                        f"a group member holding it: Scheduler.group_state)")
+                if st != 0 and src.is_finished():  # a parked sequence's continuation: its slot moves
+                    self.slot_of[seq.seq_id] = self.slot_of.pop(src.seq_id)
+                    continue
                 self.admit(seq)
                 if st != 0:
                     self.copy_for_group(src, [seq])  # the member's state at the shared prompt prefix
