@@ -259,22 +259,21 @@ class GatedDeltaNet(nn.Module):
         new = self._kernel_inputs(qkv, b, a)
         z = self.in_proj_z(x_BD).view(B, self.n_v, self.dv)
         tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
-        r = torch.arange(CHUNK, device=x_BD.device)
+        valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
         rows = []
-        for n, x in zip(TAIL, new):                                       # (B, CHUNK, ...) each
-            buf = t[n].index_select(0, slots).to(x.dtype)
-            shape = (B, CHUNK) + (1,) * (x.dim() - 1)
-            keep, at = (r < tail_len[:, None]).view(shape), (r == tail_len[:, None]).view(shape)
-            rows.append(torch.where(keep, buf, torch.where(at, x.unsqueeze(1), torch.zeros_like(buf)))
-                        .flatten(0, 1))
+        for n, x in zip(TAIL, new):
+            # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
+            # once the chunk completes the tail restarts at row 0, so row 63 is never read again)
+            t[n].index_put_((slots, tail_len), x.to(t[n].dtype))
+            buf = t[n].index_select(0, slots).to(x.dtype)                 # (B, CHUNK, ...)
+            mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
+            rows.append(torch.where(mask, buf, 0.0).flatten(0, 1))
         cu = torch.arange(0, (B + 1) * CHUNK, CHUNK, device=x_BD.device, dtype=torch.int32)
         s_c = t["chunk"].index_select(0, slots)
         o, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
         o = o.view(B, CHUNK, self.n_v, self.dv)[torch.arange(B, device=x_BD.device), tail_len]  # (B, Hv, Dv)
         done = (tail_len == CHUNK - 1).view(B, 1, 1, 1)
         t["chunk"].index_copy_(0, slots, torch.where(done, s_full, s_c))
-        for n, x in zip(TAIL, new):  # the new token's row joins the tail (ignored once the chunk is done)
-            t[n].index_put_((slots, tail_len), x.to(t[n].dtype))
         return self.output(o, z)
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
