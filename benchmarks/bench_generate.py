@@ -4,6 +4,7 @@ Cases, protocol and the bound are described in `rlfuse/engine/benchmark.py`.
 
     OUT=./out python benchmarks/bench_generate.py                 # GPU, all cases + peer
     python benchmarks/bench_generate.py --small --no-peer         # CPU smoke test
+    OUT=./out python benchmarks/bench_generate.py --shape 3.5-2b --cases decode   # Qwen3.5-2B shape, B=256
     python benchmarks/bench_generate.py --append-docs docs/benchmarks.md
 Writes $OUT/bench_generate.json and $OUT/bench_generate.md; prints the table.
 """

@@ -1,12 +1,15 @@
-"""GRPO step on a Qwen3-shaped random model (GPU): full fine-tune or LoRA, with memory by component.
+"""GRPO step on a Qwen3- or Qwen3.5-shaped random model (GPU): full fine-tune or LoRA, with memory by component.
 MoE shapes too: `--shape 30b-a3b` (Qwen3-30B-A3B, 61 GB of bf16 weights: one H200) and
 `--shape 35b-a3b` (Qwen3.5-35B-A3B's text model); `--lora-experts` adds per-expert adapters.
 
 Workload (issue 23's): 8 prompts x 8 completions, prompts of 128 random ids, up to 1024 new
 tokens (a random model almost never emits EOS, so ~1024), temperature 1, dapo loss,
 gradient checkpointing, micro-batches of 16384 tokens. Reward: share of even token ids (any
-reward with variance works). Shapes: the published Qwen3-{0.6B,1.7B,4B,8B} configs
-(`rlfuse.engine.benchmark.QWEN3_SHAPES`), random bf16 weights made on the GPU. `--lora R`:
+reward with variance works). Shapes: the published Qwen3-{0.6B,1.7B,4B,8B} configs and the
+Qwen3.5-{0.8B,2B} hybrids' text towers (`--shape 3.5-0.8b / 3.5-2b`; `rlfuse.engine.benchmark.SHAPES`),
+random bf16 weights made on the GPU. `--hybrid-vs-dense`: issue 34's target, the Qwen3.5-2B
+shape (1.9 B) and the dense Qwen3-1.7B shape (1.7 B) full fine-tune, one process each, and
+the ratio of their step times (target <= 1.3). `--lora R`:
 rank R (alpha 2R) on every linear layer (q k v o gate up down), base frozen. The KV pool
 holds the whole batch (64 sequences x 1152 tokens) and no more, so its size is the batch's.
 
@@ -21,6 +24,7 @@ compilation) and is reported separately.
     OUT=out python benchmarks/bench_grpo_step.py                        # 0.6B full fine-tune, 3 steps
     OUT=out python benchmarks/bench_grpo_step.py --shape 8b --lora 16   # one case
     OUT=out python benchmarks/bench_grpo_step.py --table                # every shape, full FT and LoRA 16
+    OUT=out python benchmarks/bench_grpo_step.py --hybrid-vs-dense      # Qwen3.5-2B vs Qwen3-1.7B shapes
     OUT=out python benchmarks/bench_grpo_step.py --demo                 # + `rlfuse demo --size gpu`
     python benchmarks/bench_grpo_step.py --small [--lora 4 | --table]   # CPU smoke test (tiny model)
 `--table` runs each case in its own process (an out-of-memory case fails alone), LoRA cases
@@ -46,21 +50,23 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlfuse.engine.benchmark import MOE_SHAPES, QWEN3_SHAPES, random_model  # noqa: E402
+from rlfuse.engine.benchmark import SHAPES, random_model  # noqa: E402
 
-SHAPES = QWEN3_SHAPES | MOE_SHAPES
-NAMES = {"30b-a3b": "Qwen3-30B-A3B", "35b-a3b": "Qwen3.5-35B-A3B"}  # else Qwen3-<SHAPE>
+NAMES = {"30b-a3b": "Qwen3-30B-A3B", "35b-a3b": "Qwen3.5-35B-A3B"}  # else Qwen3-<SHAPE> / Qwen3.5-<SHAPE>
 from rlfuse.kernels.backend import new_compiles, record_compiles, triton_compiles  # noqa: E402
+from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields  # noqa: E402
 
 REWARD = "def even(prompts, completions, completion_ids, **kw):\n" \
          "    return [sum(t % 2 == 0 for t in ids) / max(len(ids), 1) for ids in completion_ids]\n"
 SMALL = dict(model_type="qwen3", qk_norm=True, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=512,
              tie_word_embeddings=True)
+SMALL_HYBRID = tiny_hybrid_fields()  # --small with a 3.5-* shape
 GIB = 2**30
 FULL_FT_BYTES = 2 + 12 + 4  # a parameter in a full fine-tune: bf16 weight, fp32 master + 2 moments, fp32 gradient
 SHARE_LABEL = {None: "auto", True: "yes", False: "no"}  # engine.share_prefix_decode in the tables
 TABLE = [("4b", 16), ("8b", 16), ("0.6b", 16), ("1.7b", 16), ("0.6b", 0), ("1.7b", 0), ("4b", 0), ("8b", 0)]
+HYBRID_VS_DENSE = [("1.7b", 0), ("3.5-2b", 0)]  # the dense shape first, then the hybrid of about its size
 
 
 class PhaseMemory:
@@ -118,7 +124,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    sh = SMALL if small else SHAPES[shape]
+    sh = (SMALL_HYBRID if shape.startswith("3.5") else SMALL) if small else SHAPES[shape]
     P, G, new, plen = (8, 8, 1024, 128) if not small else (2, 4, 16, 16)
     case = {"shape": "tiny" if small else shape, "mode": f"LoRA r{lora}" if lora else "full FT", "numerics": numerics,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
@@ -254,10 +260,11 @@ def table_md(cases: list[dict]) -> list[str]:
     return lines
 
 
-def run_table(out: Path, args, header: str) -> int:
-    """Every case of TABLE in a child process, LoRA first, within args.budget_s."""
+def run_table(out: Path, args, header: str, todo: list[tuple[str, int]] | None = None) -> int:
+    """Every case of `todo` (default TABLE) in a child process, in order, within args.budget_s."""
     deadline, cases = time.monotonic() + args.budget_s, []
-    for shape, rank in TABLE if not args.small else [("0.6b", 4), ("0.6b", 0)]:
+    todo = todo or (TABLE if not args.small else [("0.6b", 4), ("0.6b", 0)])
+    for shape, rank in todo:
         left = min(args.case_s, deadline - time.monotonic())
         base = {"shape": shape, "mode": f"LoRA r{rank}" if rank else "full FT", "params_B": float("nan")}
         if left < 30:
@@ -284,9 +291,14 @@ def run_table(out: Path, args, header: str) -> int:
             cases.append(base | {"error": "out of memory" if oom else f"exit {proc.returncode}: "
                                  + " ".join(tail.strip().splitlines()[-1:])[:200]})
         (out / "bench_grpo_table.json").write_text(json.dumps({"header": header, "cases": cases}, indent=1))
+    ratio = []
+    if todo == HYBRID_VS_DENSE and all("steps" in c for c in cases):
+        t_dense, t_hybrid = (c["steps"][-1]["time/step"] for c in cases)
+        ratio = ["", f"Qwen3.5-2B shape / Qwen3-1.7B shape step time: {t_hybrid / t_dense:.2f}x (target <= 1.3x)"]
     md = "\n".join([f"### GRPO step by shape, full fine-tune and LoRA: {header}", "",
                     "Last measured step (after a warm-up step); memory from torch.cuda.memory_allocated / "
-                    "max_memory_allocated (benchmarks/bench_grpo_step.py docstring)", "", *table_md(cases)]) + "\n"
+                    "max_memory_allocated (benchmarks/bench_grpo_step.py docstring)", "", *table_md(cases),
+                    *ratio]) + "\n"
     (out / "bench_grpo_table.md").write_text(md)
     print(md)
     return 0
@@ -316,7 +328,9 @@ def demo_bench(out: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b",
-                    help="Qwen3 shape, or an MoE one (30b-a3b, 35b-a3b); random weights")
+                    help="Qwen3 shape, Qwen3.5 (3.5-*) or an MoE one (30b-a3b, 35b-a3b); random weights")
+    ap.add_argument("--hybrid-vs-dense", action="store_true",
+                    help="the Qwen3.5-2B and Qwen3-1.7B shapes, full fine-tune, one process each, and their ratio")
     ap.add_argument("--lora", type=int, default=0, metavar="RANK", help="LoRA rank on every linear layer; 0: full FT")
     ap.add_argument("--lora-experts", action="store_true", help="MoE shapes with --lora: per-expert adapters too")
     ap.add_argument("--steps", type=int, default=None, help="GRPO steps, the first a warm-up (default 3; 2 in --table)")
@@ -345,6 +359,8 @@ def main() -> int:
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
     args = ap.parse_args()
     args.steps = args.steps or (2 if args.table else 3)
+    if args.hybrid_vs_dense:
+        args.table = True
     out = Path(os.environ.get("OUT", "./out"))
     out.mkdir(parents=True, exist_ok=True)
     gpu = gpu_name(args.small, args.table)
@@ -362,8 +378,9 @@ def main() -> int:
     if args.table:
         if args.numerics == "both":
             raise SystemExit("--table runs one numerics; give --numerics fast or exact")
-        header += f", command `python benchmarks/bench_grpo_step.py --table{' --small' if args.small else ''}`"
-        return run_table(out, args, header)
+        flag = "--hybrid-vs-dense" if args.hybrid_vs_dense else "--table"
+        header += f", command `python benchmarks/bench_grpo_step.py {flag}{' --small' if args.small else ''}`"
+        return run_table(out, args, header, HYBRID_VS_DENSE if args.hybrid_vs_dense else None)
     cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora,
                       lora_experts=args.lora_experts, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
@@ -393,7 +410,9 @@ def main() -> int:
                                            (f"--share-prefix-decode {args.share_prefix_decode}",
                                             args.share_prefix_decode != "auto"),
                                            ("--warm-kernels", args.warm_kernels)) if on)
-    lines = [f"### GRPO step: {NAMES.get(args.shape, 'Qwen3-' + args.shape.upper())}-shaped, {mode}; {header}",
+    name = NAMES.get(args.shape) or (f"Qwen{args.shape.upper()}" if args.shape.startswith("3.5")
+                                     else f"Qwen3-{args.shape.upper()}")
+    lines = [f"### GRPO step: {name}-shaped, {mode}; {header}",
              f"command `python benchmarks/bench_grpo_step.py{flags}`", "",
              "| numerics | fused | shared prefix | step | generate s | score s | train s | step s | rollout tok/s | train tok/s | peak MiB | "
              "mean new tokens | max abs dlogp | Triton compiles |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]

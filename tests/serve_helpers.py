@@ -35,14 +35,19 @@ def byte_tokenizer() -> Tokenizer:
     return Tokenizer(be, eos_token="<|im_end|>", chat_template=SMOLLM2)
 
 
-def write_model_folder(folder, seed: int = 0):
+def write_model_folder(folder, seed: int = 0, hybrid: bool = False):
     """A 1-layer Qwen3-style random model (vocab 264) + the byte tokenizer, saved as an HF
     folder. Its LM head favours printable ASCII (rows 32..126 scaled up, other bytes and
     <|im_start|> zeroed, EOS kept), so samples are mostly text that streams token by token
-    instead of invalid UTF-8 held back to the end."""
-    cfg = ModelConfig(model_type="qwen3", vocab_size=264, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
-                      qk_norm=True, tie_word_embeddings=False, max_position_embeddings=256, eos_token_id=EOS)
+    instead of invalid UTF-8 held back to the end. `hybrid`: rlfuse's tiny Qwen3.5 instead
+    (three Gated DeltaNet layers and one gated full-attention layer)."""
+    if hybrid:
+        from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
+        cfg = ModelConfig(**tiny_hybrid_fields(vocab_size=264, eos_token_id=EOS, max_position_embeddings=256))
+    else:
+        cfg = ModelConfig(model_type="qwen3", vocab_size=264, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                          qk_norm=True, tie_word_embeddings=False, max_position_embeddings=256, eos_token_id=EOS)
     model = CausalLM(cfg)
     model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
     with torch.no_grad():

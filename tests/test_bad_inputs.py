@@ -1513,8 +1513,9 @@ CLI_USAGE_CASES = [
     ("unknown-recipe", ["sft", "no_such_recipe"], r"config 'no_such_recipe': no such file and no built-in recipe of "
                                                   r"that name \(built-in recipes: .*arith_grpo, .*arith_sft"),
     ("check-without-a-model", ["check", "--out", "{tmp}"],
-     r"error: check: give either MODEL_DIR \(an HF model folder\) or --tiny \(a small random model\); got neither"),
-    ("check-with-both-models", ["check", "{tmp}", "--tiny", "--out", "{tmp}"], r"got both"),
+     r"error: check: give one of MODEL_DIR \(an HF model folder\), --tiny \(a small random model\) or --shape "
+     r"\(random weights at a published shape\); got none"),
+    ("check-with-both-models", ["check", "{tmp}", "--tiny", "--out", "{tmp}"], r"got MODEL_DIR and --tiny"),
     ("check-empty-prompts-file", ["check", "--tiny", "--prompts", "{tmp}/p.txt", "--out", "{tmp}"],
      r"p\.txt: no prompts \(expected one prompt per line\)"),
 ]

@@ -12,6 +12,8 @@ from engine_helpers import one_thread  # noqa: F401 (fixture)
 
 from rlfuse.cli import main
 from rlfuse.engine.benchmark import bound_bytes, make_cases
+from rlfuse.model import ModelConfig
+from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -32,6 +34,22 @@ def test_bound_counts_weights_per_step_and_kv_per_context_token():
     W, kv = 1000, 10
     # 15 decode steps; per sequence sum_{j=1..15} (16 + j) = 15 * 16 + 120 = 360 tokens read
     assert bound_bytes(case, W, kv) == 15 * W + 8 * 360 * kv
+
+
+def test_hybrid_decode_case_and_its_bound_count_the_linear_state(tmp_path):
+    """`--shape 3.5-2b --small`: the tiny hybrid runs the decode case; the bound adds the
+    linear-attention state read and written once per sequence and step, and counts K/V of
+    the full-attention layers only."""
+    (case,) = make_cases(True, ["decode"])        # 8 prompts of 16 tokens, 16 outputs
+    assert bound_bytes(case, 1000, 10, 7) == 15 * 1000 + 8 * 360 * 10 + 8 * 15 * 7
+    assert main(["--log-level", "WARNING", "bench", "generate", "--small", "--shape", "3.5-2b", "--cases", "decode",
+                 "--out", str(tmp_path)]) == 0
+    res = json.loads((tmp_path / "bench_generate.json").read_text())
+    mc = ModelConfig(**tiny_hybrid_fields())  # 3 Gated DeltaNet layers: 4 value heads of 16 x 16, conv 128 x 3
+    assert res["linear_state_bytes_per_seq_step"] == 2 * 3 * (4 * 16 * 16 * 4 + 128 * 3 * 4)
+    assert res["kv_bytes_per_token"] == 2 * 1 * mc.num_key_value_heads * mc.head_dim * 4
+    (r,) = res["cases"]
+    assert r["complete"] and 0 < r["pct_bound"] < 100 and "no peer on a hybrid" in res["peer_note"]
 
 
 def _profile_decode():

@@ -15,12 +15,13 @@ import torch
 from engine_helpers import one_thread, random_prompts  # noqa: F401  (fixture)
 from tiny_hf import tiny_hybrid_model
 
-from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.consistency.check import default_sweep, run_setting, trainer_logprobs
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
-from rlfuse.engine.cache import LinearStateCache
+from rlfuse.engine.cache import LinearStateCache, bytes_per_block
 from rlfuse.engine.naive import greedy_generate_naive
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels import use_backend
+from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.gated_delta import CHUNK
 
 PROMPTS = [5, 17, 70, 33]
@@ -39,11 +40,14 @@ def test_generate_equals_naive_greedy(kw):
         llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, **kw))
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
         assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 40)
-    assert not llm.runner.static and llm.scheduler.group_state  # hybrid: eager decode, hits only in a group
+    assert llm.runner.static and llm.scheduler.group_state  # hybrid: static decode, hits only in a group
     if "num_kv_blocks" in kw:
         assert llm.stats.preemptions > 0
     lin = llm.runner.linear
-    assert lin.num_free == len(lin.tensors[next(iter(lin.tensors))]) and not lin.slot_of  # every slot freed
+    parked = llm.scheduler.parked
+    assert lin.num_free + len(parked) == lin.num_slots == 4 and len(lin.slot_of) == len(parked)  # finished: parked
+    llm.reset_prefix_cache()
+    assert lin.num_free == 4 and not lin.slot_of and llm.block_manager.num_free == llm.kv.num_blocks
 
 
 @pytest.mark.parametrize("prompt_len", [70, 45])
@@ -62,18 +66,94 @@ def test_a_group_prefills_its_prompt_once(prompt_len):
     assert sorted(o.num_cached_prompt_tokens for o in outs) == [0] + [shared] * 3
 
 
-def test_a_new_turn_continues_correctly():
-    """Multi-turn: the second turn's prompt is the first turn's tokens plus new ones; the same
-    engine serves it (the state of the finished turn is freed; the turn recomputes its
-    prompt, since prefix reuse is off for hybrid models) and equals the naive generator."""
+@pytest.mark.parametrize("look_ahead", [True, False])
+def test_a_new_turn_continues_from_the_parked_state(look_ahead):
+    """Multi-turn: a finished sequence is parked with its linear-attention state and its KV
+    blocks; the next turn (its tokens + new ones, a new request) takes both over and computes
+    only the new tokens, in exact numerics with the trainer's log-probs bitwise. Turn 1 stops
+    on a token (with look-ahead, the step in flight computes that token too: the parked
+    state holds it), turn 2 ends by length; a third request that continues nothing
+    recomputes its prompt; a weight update drops the parked sequences."""
     model = _model()
-    (p,) = random_prompts([40])
+    (p,) = random_prompts([20])
     with use_backend("torch"):
-        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=2))
-        first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
-        turn2 = p + first.output_token_ids + random_prompts([9], seed=5)[0]
-        second = llm.generate([turn2], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
-        assert second.output_token_ids == greedy_generate_naive(model, [turn2], 20)[0]
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=2, block_size=16, numerics="exact",
+                                            look_ahead=look_ahead))
+        greedy = greedy_generate_naive(model, [p], 16)[0]
+        stop = greedy[12]  # turn 1 stops at the first occurrence of the 13th greedy token
+        first = llm.generate([p], SamplingParams(temperature=0.0, max_tokens=16, stop_token_ids=[stop]))[0]
+        assert first.finish_reason == "stop" and first.output_token_ids == greedy[:greedy.index(stop) + 1]
+        parked = llm.scheduler.parked
+        assert len(parked) == 1 and llm.runner.linear.num_free == 1
+        computed = len(p) + len(first.output_token_ids) - (not look_ahead)
+        turn2 = p + first.output_token_ids + random_prompts([5], seed=5)[0]
+        before = llm.stats.prompt_tokens_computed
+        second = llm.generate([turn2], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, seed=3))[0]
+        assert llm.stats.prompt_tokens_computed - before == len(turn2) - computed and parked.taken == 1
+        assert second.num_cached_prompt_tokens == computed
+        with use_numerics("exact"):
+            want = trainer_logprobs(model, [(turn2, second.output_token_ids)], 1.0)[0]
+        assert torch.equal(second.logprobs, want)
+        other = random_prompts([10], seed=9)
+        before = llm.stats.prompt_tokens_computed
+        llm.generate(other, SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        assert llm.stats.prompt_tokens_computed - before == 10 and len(parked) == 2  # 2 slots: both parked
+        with torch.no_grad():
+            model.lm_head_weight.mul_(1.0)  # an in-place update, even one that changes no value
+        turn3 = turn2 + second.output_token_ids + [1, 2]
+        third = llm.generate([turn3], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+        assert third.num_cached_prompt_tokens == 0 and parked.taken == 1
+        assert third.output_token_ids == greedy_generate_naive(model, [turn3], 3)[0]
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+def test_static_decode_equals_eager_bitwise(numerics):
+    """The static decode path (fixed-shape buffers, the linear-attention state read and
+    written through slot indices, a 64-row chunk per row with its valid length masked: what
+    the CUDA graphs replay on a GPU) against the eager path: 3 sequences in a bucket of 4
+    (one padding row on the scratch slot), n = 2 samples of one prompt (the group state
+    copy), sampling, look-ahead; decode crosses a 64-token chunk boundary (a 58-token
+    prompt, 12 new tokens: the state moves on at position 63). Exact numerics: tokens and
+    log-probs bitwise; fast: the same tokens, log-probs within fp32 rounding."""
+    model = _model()
+    prompts = random_prompts([58, 30])
+    p = [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True, seed=1, n=n) for n in (2, 1)]
+    outs = {}
+    with use_backend("torch"):
+        for eager in (True, False):
+            llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16, numerics=numerics,
+                                                enforce_eager=eager, cuda_graph_batch_sizes=(1, 2, 4)))
+            outs[eager] = llm.generate(prompts, p)
+            assert llm.runner.static != eager and (eager or llm.stats.look_ahead_steps > 0)
+            lin = llm.runner.linear
+            assert lin.num_free + len(llm.scheduler.parked) == lin.num_slots  # finished: parked or freed
+    for a, b in zip(outs[True], outs[False]):
+        assert a.output_token_ids == b.output_token_ids
+        if numerics == "exact":
+            assert torch.equal(a.logprobs, b.logprobs)
+        else:
+            torch.testing.assert_close(a.logprobs, b.logprobs, rtol=0, atol=1e-5)
+
+
+def test_kv_pool_holds_the_full_attention_layers_only():
+    """3 of the tiny hybrid's 4 layers are linear attention: the paged pool holds K/V for the
+    fourth only (kv_caches indexed by layer, None for the others), and on CPU the cache
+    budget (cpu_kv_cache_gib) pays for the linear-attention state first."""
+    model = _model()
+    mc = model.config
+    with use_backend("torch"):
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16))
+        assert llm.kv.shape[1] == 1 and [i for i, c in enumerate(llm.kv.kv_caches) if c is not None] == [3]
+        per_block = bytes_per_block(mc, 16, torch.float32)
+        assert per_block == 2 * 1 * 16 * mc.num_key_value_heads * mc.head_dim * 4
+        assert llm.kv.nbytes == llm.kv.num_blocks * per_block
+        budget = (llm.runner.linear.nbytes + 5 * per_block) / 2**30
+        small = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4, block_size=16,
+                                              cpu_kv_cache_gib=budget))
+        assert small.kv.num_blocks == 5
+        (p,) = random_prompts([40])
+        out = small.generate([p], SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True))[0]
+        assert out.output_token_ids == greedy_generate_naive(model, [p], 30)[0]
 
 
 def _sweep():
@@ -174,7 +254,8 @@ def test_check_cli_tiny_hybrid_is_bitwise(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 11
+    names = [r["name"] for r in report["settings"]]  # the sweep's 10, multi-turn, the agent row (serve extra)
+    assert len(names) == 11 + ("agent via OpenAI API" in names) and "multi-turn, scripted tool" in names
     assert all(r["bitwise_frac"] == 1.0 and r["tokens"] > 0 for r in report["settings"])
 
 
@@ -203,3 +284,33 @@ def test_generate_cli_and_api_on_a_hybrid_folder(tmp_path, capsys):
         outs = LLM(model.eval(), None, EngineConfig(max_model_len=128, max_num_seqs=2)).generate(
             prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 8)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_hybrid_cuda_graphs_equal_eager_bitwise(dtype):
+    """The hybrid decode step captured as CUDA graphs (Triton kernels) against the eager
+    engine, exact numerics: every token and log-prob bitwise, over bucket padding (14, then
+    fewer running sequences), a group of n = 4 (state copies), look-ahead and decode
+    across 64-token chunk boundaries; then the same rollout against the trainer's log-probs
+    (`rlfuse check`'s combined setting), and the graphs still see an in-place weight update."""
+    model = _model(dtype).cuda()
+    prompts = random_prompts([58, 30, 1, 17, 64, 100])
+    params = [SamplingParams(temperature=1.0, max_tokens=90, ignore_eos=True, seed=3, n=2 if i else 4)
+              for i in range(len(prompts))]
+    kw = dict(max_model_len=512, max_num_seqs=16, numerics="exact", num_kv_blocks=256, block_size=16)
+    eager = LLM(model, None, EngineConfig(enforce_eager=True, **kw))
+    graphs = LLM(model, None, EngineConfig(**kw))
+    a, b = eager.generate(prompts, params), graphs.generate(prompts, params)
+    assert graphs.runner.use_graphs and graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
+    for x, y in zip(a, b):
+        assert x.output_token_ids == y.output_token_ids and torch.equal(x.logprobs, y.logprobs)
+    s = dataclasses.replace(_sweep()["combined"], num_prompts=2, n=4)
+    r = run_setting(model, random_prompts([70, 14]), s, numerics="exact", max_tokens=80, temperature=1.0)
+    assert r.tokens > 0 and r.bitwise_frac == 1.0 and r.max_abs == 0.0, (r.row(), r.first_diff)
+    with torch.no_grad():
+        for q in model.parameters():
+            q.mul_(1.01)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want = [o.output_token_ids for o in eager.generate(prompts, greedy)]
+    assert [o.output_token_ids for o in graphs.generate(prompts, greedy)] == want

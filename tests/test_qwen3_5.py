@@ -456,11 +456,17 @@ def test_grpo_trainer_side_runs_on_a_hybrid_model(tmp_path):
         assert run_grpo(cfg, session=tiny_session(cfg))["steps"] == cfg.grpo.steps
 
 
-def test_a_scalar_head_on_a_hybrid_trunk_is_refused():
-    """Reward models and PPO critics build CausalLM's dense trunk: refused for a hybrid config
-    (it would silently be another model)."""
-    with pytest.raises(ValueError, match=r"reward models and critics on a hybrid trunk \(Qwen3_5ForCausalLM\)"):
-        ScalarHeadModel(tiny_hybrid_model().config)
+def test_a_scalar_head_on_a_hybrid_trunk_is_the_policys_trunk():
+    """A PPO critic made from a hybrid policy builds the hybrid trunk (Gated DeltaNet layers
+    included) and its hidden states equal the policy's bitwise, over a chunk boundary."""
+    policy = tiny_hybrid_model()
+    critic = ScalarHeadModel.from_causal_lm(policy)
+    assert type(critic.model.layers[0].mixer).__name__ == "GatedDeltaNet"
+    ids = torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(0))
+    pos = torch.cat([torch.arange(70), torch.arange(80)])
+    attn = Packed.from_lengths([70, 80])
+    assert torch.equal(critic(ids, pos, attn), policy(ids, pos, attn))
+    assert critic.token_values(critic(ids, pos, attn)).eq(0).all()  # the zero head
 
 
 @pytest.mark.parametrize("kw", [dict(enforce_eager=True), dict(max_num_batched_tokens=16)], ids=["eager", "chunked"])

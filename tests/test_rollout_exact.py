@@ -69,3 +69,27 @@ def test_check_row_and_fast_numerics_differs(setup):
     assert exact.bitwise_frac == 1.0 and exact.max_abs == 0.0 and exact.tokens > 50
     assert exact.engine_stats["preemptions"] > 0
     assert fast.bitwise_frac < 1.0 and fast.first_diff is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("over", [dict(), dict(max_num_batched_tokens=8, num_kv_blocks=12)],
+                         ids=["plain", "chunked-preempted"])
+def test_multi_turn_on_a_hybrid_continues_from_the_parked_state_bitwise(over):
+    """The tiny Qwen3.5 (Gated DeltaNet + gated attention): each continuation turn takes over
+    the finished turn's linear-attention state and KV blocks (rlfuse/engine/cache/parked.py)
+    and prefills only the observation (unless it was evicted: 9 episodes contend for 8 state
+    slots), and every model token's log-prob equals the trainer's (~2 min a setting on one
+    loaded core)."""
+    from tiny_hf import tiny_hybrid_model
+
+    tok = chat_tokenizer("qwen2")
+    model = tiny_hybrid_model(seed=1, std=0.05, vocab_size=tok.vocab_size)
+    with use_backend("torch"):
+        eps, m, stats = play(model, tok, numerics="exact", engine=over, seed=5)
+        assert max(e.turns for e in eps) >= 3
+        if not over:
+            assert m["rollout/continuation_cached_frac"] > 0.3, m
+        else:
+            assert stats["preemptions"] > 0
+        t, r, first = compare(model, eps, numerics="exact", micro_batch_tokens=200)
+    assert t.numel() > 100 and bool((t == r).all()) and first is None, first

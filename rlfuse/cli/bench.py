@@ -2,6 +2,7 @@
 
     rlfuse bench generate                    # on the GPU: Qwen3-0.6B-shaped, bf16, 3 cases
     rlfuse bench generate --small --no-peer  # CPU smoke test
+    rlfuse bench generate --shape 3.5-2b --cases decode   # a Qwen3.5-2B-shaped hybrid, B=256 decode
 Writes $OUT (or --out) /bench_generate.json and /bench_generate.md (a section ready to
 append to docs/benchmarks.md; --append-docs FILE appends it) and prints the table.
 The protocol and the bound are described in `rlfuse.engine.benchmark`.
@@ -17,7 +18,7 @@ import sys
 from pathlib import Path
 
 from rlfuse.cli.common import fail
-from rlfuse.engine.benchmark import BenchConfig, table
+from rlfuse.engine.benchmark import SHAPES, BenchConfig, table
 from rlfuse.engine.benchmark import run as run_bench
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.run import make_folder
@@ -28,7 +29,9 @@ HELP = "benchmarks (generate)"
 def add_arguments(p) -> None:
     p.add_argument("what", choices=["generate"], help="which benchmark")
     p.add_argument("--small", action="store_true", help="tiny fp32 model, small cases (CPU smoke test)")
-    p.add_argument("--cases", default="nanovllm,fixed,grpo", help="comma-separated: nanovllm, fixed, grpo")
+    p.add_argument("--cases", default="nanovllm,fixed,grpo", help="comma-separated: nanovllm, fixed, grpo, decode")
+    p.add_argument("--shape", choices=sorted(SHAPES), default="0.6b",
+                   help="the model's published shape, random weights (Qwen3 or the Qwen3.5 hybrids 3.5-*)")
     p.add_argument("--no-peer", action="store_true", help="skip transformers generate")
     p.add_argument("--peer-batch", type=int, default=128, help="rows per transformers generate call")
     p.add_argument("--peer-max-seqs", type=int, default=None, help="time the peer on the first N sequences only")
@@ -56,6 +59,7 @@ def _commit() -> str:
 
 def run(args) -> int:
     cfg = BenchConfig(small=args.small, cases=tuple(c for c in args.cases.split(",") if c), peer=not args.no_peer,
+                      shape=args.shape,
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
@@ -73,7 +77,8 @@ def run(args) -> int:
           f"{result['device']}, torch {result['torch']}, {result['dtype']}, numerics {args.numerics}, "
           f"commit {result['commit']}, "
           f"{datetime.date.today()}; command `{result['command']}`. Model: "
-          f"{'tiny (--small)' if args.small else 'Qwen3-0.6B-shaped, random weights'}; copy bandwidth "
+          f"{'tiny (--small)' if args.small else f'{args.shape} shape (rlfuse.engine.benchmark.SHAPES), random weights'}"
+          f"; copy bandwidth "
           f"{result['copy_bandwidth_GBps']:.0f} GB/s (read + write); {result['kv_blocks']} KV blocks. "
           f"Protocol and bound: `rlfuse/engine/benchmark.py`."
           + (f" {result['peer_note']}." if result["peer_note"] else "")

@@ -7,6 +7,7 @@
     rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
     rlfuse check --tiny --hybrid --moe               # a small random Qwen3.5-MoE (the hybrid, MoE + shared expert)
+    rlfuse check --shape 3.5-2b                      # random weights at a published shape (GPU)
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
@@ -33,6 +34,7 @@ import torch
 from rlfuse.cli.common import add_threads_argument, fail, setup_threads
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
+from rlfuse.engine.benchmark import SHAPES, random_model
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
@@ -62,6 +64,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hybrid", action="store_true", help="with --tiny: a small random Qwen3.5-style hybrid "
                    "(three Gated DeltaNet layers, one gated full attention) instead of the Qwen3-style model; with "
                    "--moe too: a Qwen3.5-MoE of those layers (8 experts, top-2, and a gated shared expert)")
+    p.add_argument("--shape", choices=sorted(SHAPES), default=None,
+                   help="a model of this published shape with random weights (rlfuse.engine.benchmark.SHAPES: "
+                        "Qwen3 0.6b..8b, the Qwen3.5 hybrids 3.5-0.8b / 3.5-2b), instead of MODEL_DIR or --tiny")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -82,7 +87,10 @@ def add_arguments(p) -> None:
 
 
 def _model(args, device):
-    if args.tiny:
+    if args.shape:
+        dtype = getattr(torch, args.dtype or ("bfloat16" if device.startswith("cuda") else "float32"))
+        m, tok = random_model(SHAPES[args.shape], torch.device(device), dtype, seed=args.seed), None
+    elif args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
         fields = (tiny_hybrid_moe_fields() if args.hybrid and args.moe else _TINY_MOE if args.moe
                   else tiny_hybrid_fields() if args.hybrid else _TINY)
@@ -123,9 +131,10 @@ def run(args) -> int:
         return fail(e)
     if args.moe and not args.tiny:
         return fail(ValueError("check: --moe picks the --tiny model's kind; a checkpoint's config.json says its own"))
-    if args.tiny == bool(args.model):
-        return fail(ValueError("check: give either MODEL_DIR (an HF model folder) or --tiny (a small random "
-                               f"model); got {'both' if args.tiny else 'neither'}"))
+    given = [x for x, on in (("MODEL_DIR", args.model), ("--tiny", args.tiny), ("--shape", args.shape)) if on]
+    if len(given) != 1:
+        return fail(ValueError("check: give one of MODEL_DIR (an HF model folder), --tiny (a small random model) or "
+                               f"--shape (random weights at a published shape); got {' and '.join(given) or 'none'}"))
     if args.hybrid and not args.tiny:
         return fail(ValueError("check: --hybrid picks the tiny hybrid model; give it with --tiny (a model folder's "
                                "config.json says whether it is a hybrid)"))
@@ -192,7 +201,7 @@ def run(args) -> int:
             except TemplateError as e:
                 print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
-                  "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
+                  "model": args.model or args.shape or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),
                   "settings": [r.row() for r in results]}
         differing = next((r for r in results if r.first_diff is not None), None)

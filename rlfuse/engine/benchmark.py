@@ -1,26 +1,35 @@
 """Generation throughput: the engine vs transformers `generate` vs the bandwidth bound.
 
 Model: Qwen3-0.6B-shaped, random weights (hidden 1024, 28 layers, 16 q / 8 kv heads of
-128, vocab 151936, tied), bf16. Cases (all temperature-sampled, ignore_eos):
+128, vocab 151936, tied), bf16; `shape` picks another published shape (`SHAPES`: Qwen3
+0.6b..8b, Qwen3.5 3.5-0.8b / 3.5-2b hybrids). Cases (all temperature-sampled, ignore_eos):
   nanovllm  the protocol nano-vllm and RL.cu publish: Python random.seed(0); 256 prompts
             of U[100, 1024] ids ~ U[0, 10000], then per sequence max_tokens ~ U[100, 1024]
             (drawn in that order), temperature 0.6; one-sequence warm-up first;
   fixed     256 prompts of 128 ids, 512 new tokens each, temperature 0.6;
   grpo      32 prompts of 250 ids x n = 8 completions of 512 tokens, temperature 1.0;
             counts prompt tokens computed vs taken from the prefix cache (each prompt
-            once + 7 x (250 mod 16) tail tokens: 32 * 250 + 32 * 7 * 10 = 10,240).
+            once + 7 x (250 mod 16) tail tokens: 32 * 250 + 32 * 7 * 10 = 10,240);
+  decode    256 prompts of 512 ids, 256 new tokens each, temperature 0.6 (issue 34's decode
+            target: B = 256 with 512-token prompts).
 Throughput = output tokens / wall time of the whole `generate` (prefill included).
 
 Bandwidth bound (an upper limit no schedule can beat): every decode step reads all
 weights once (`W` bytes: every parameter, the tied LM head once) and, for each sequence,
-the K/V of its context (`kv` bytes/token = 2 * L * Hkv * Dh * 2). With all sequences in
-one batch, sequence i (prompt P_i, O_i outputs, the first from prefill) costs decode
-steps j = 1 .. O_i - 1 reading P_i + j tokens; the batch takes max_i O_i - 1 steps:
+the K/V of its context (`kv` bytes/token = 2 * L * Hkv * Dh * 2, L = the layers keeping
+K/V: every layer of a dense model, the full-attention ones of a hybrid), and on a hybrid
+reads and writes each linear-attention layer's recurrent state once (`st` bytes a sequence
+and step = 2 * sum over those layers of (Hv Dk Dv * 4 + conv channels (W-1) * 2): the
+state a one-token recurrence must move; the engine's exact-contract step also reads the
+tail of < 64 buffered tokens, not counted). With all sequences in one batch, sequence i
+(prompt P_i, O_i outputs, the first from prefill) costs decode steps j = 1 .. O_i - 1
+reading P_i + j tokens; the batch takes max_i O_i - 1 steps:
     bytes = (max_i O_i - 1) * W + kv * sum_i [(O_i - 1) P_i + O_i (O_i - 1) / 2]
+            + st * sum_i (O_i - 1)
     bound = sum_i O_i / (bytes / BW),  BW = device-to-device copy (read + write bytes / s)
 measured in the same run. Prefill time is not in the bound, so % of bound is conservative.
 
-Peer: transformers `generate` on the same weights (our state_dict loaded into the HF
+Peer (dense shapes): transformers `generate` on the same weights (our state_dict loaded into the HF
 model built from `ModelConfig.to_hf()`; a logits check confirms they match) and the same
 prompts; the nanovllm case runs in left-padded batches of `peer_batch` to the batch's
 longest output (useful tokens only are counted); the engine sleeps meanwhile.
@@ -37,10 +46,12 @@ import time
 
 import torch
 
+from rlfuse.engine.cache import kv_layers, linear_layers
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import new_compiles, triton_compiles
 from rlfuse.model import CausalLM
+from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 from rlfuse.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
@@ -78,6 +89,26 @@ MOE_SHAPES = {
                     moe=dict(num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, norm_topk_prob=True,
                              shared_expert_intermediate_size=512)),
 }
+
+
+def _qwen3_5(hidden: int, inter: int, layers: int, heads: int, kv_heads: int, lin_k: int, lin_v: int) -> dict:
+    return dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=hidden, intermediate_size=inter,
+                num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256,
+                partial_rotary_factor=0.25, rope_theta=1e7, tie_word_embeddings=True, max_position_embeddings=262144,
+                layer_types=(("linear_attention",) * 3 + ("full_attention",)) * (layers // 4),
+                linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_num_key_heads=lin_k, linear_num_value_heads=lin_v)
+
+
+# the text towers of the published Qwen/Qwen3.5-{0.8B,2B} config.json (three Gated DeltaNet
+# layers then one gated full-attention layer, repeated), with random weights; ~0.75 B and
+# ~1.9 B parameters here (no vision tower, no MTP head). The dense shape of about the same
+# size as 3.5-2b is Qwen3-1.7B (1.7 B).
+QWEN3_5_SHAPES = {
+    "3.5-0.8b": _qwen3_5(1024, 3584, 24, 8, 2, 16, 16),
+    "3.5-2b": _qwen3_5(2048, 6144, 24, 8, 2, 16, 16),
+}
+SHAPES = {**QWEN3_SHAPES, **QWEN3_5_SHAPES, **MOE_SHAPES}
 TINY = dict(model_type="qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, head_dim=16, qk_norm=True,
             tie_word_embeddings=True, max_position_embeddings=512)
@@ -88,6 +119,8 @@ class BenchConfig:
     small: bool = False
     """Tiny fp32 model and small cases (CPU smoke test)."""
     cases: tuple[str, ...] = ("nanovllm", "fixed", "grpo")
+    shape: str = "0.6b"
+    """The model: a key of `SHAPES` (random weights)."""
     peer: bool = True
     """Also time transformers generate (skipped with a note when transformers is missing)."""
     peer_batch: int = 128
@@ -133,24 +166,38 @@ def make_cases(small: bool, names) -> list[Case]:
             n, P, O = (8, 16, 16) if small else (256, 128, 512)
             prompts = [[rng.randint(0, id_hi) for _ in range(P)] for _ in range(n)]
             params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=O)] * n
+        elif name == "decode":
+            rng = random.Random(3)
+            n, P, O = (8, 16, 16) if small else (256, 512, 256)
+            prompts = [[rng.randint(0, id_hi) for _ in range(P)] for _ in range(n)]
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=O)] * n
         elif name == "grpo":
             rng = random.Random(2)
             n, g, P, O = (4, 4, 25, 16) if small else (32, 8, 250, 512)
             prompts = [[rng.randint(0, id_hi) for _ in range(P)] for _ in range(n)]
             params = [SamplingParams(n=g, temperature=1.0, ignore_eos=True, max_tokens=O, seed=i) for i in range(n)]
         else:
-            raise ValueError(f"bench case {name!r}: expected one of nanovllm, fixed, grpo")
+            raise ValueError(f"bench case {name!r}: expected one of nanovllm, fixed, grpo, decode")
         out.append(Case(name, prompts, params))
     return out
 
 
-def bound_bytes(case: Case, weight_bytes: int, kv_per_token: int) -> int:
-    steps, kv = 0, 0
+def bound_bytes(case: Case, weight_bytes: int, kv_per_token: int, state_per_step: int = 0) -> int:
+    steps, kv, seq_steps = 0, 0, 0
     for prompt, p in zip(case.prompts, case.params):
         P, O = len(prompt), p.max_tokens
         steps = max(steps, O - 1)
         kv += p.n * ((O - 1) * P + O * (O - 1) // 2)
-    return steps * weight_bytes + kv * kv_per_token
+        seq_steps += p.n * (O - 1)
+    return steps * weight_bytes + kv * kv_per_token + seq_steps * state_per_step
+
+
+def state_bytes_per_step(model: CausalLM) -> int:
+    """Bytes of linear-attention state one sequence's decode step must read and write (the
+    module docstring's `st`; 0 for a dense model)."""
+    itemsize = model.lm_head_weight.element_size()
+    one = sum(m.n_v * m.dk * m.dv * 4 + m.conv_dim * (m.width - 1) * itemsize for _, m in linear_layers(model))
+    return 2 * one
 
 
 def copy_bandwidth(device: torch.device, nbytes: int) -> float:
@@ -184,8 +231,14 @@ def random_model(shape: dict, device: torch.device, dtype: torch.dtype, seed: in
     return model.eval()
 
 
-def build_model(small: bool, device: torch.device, seed: int) -> CausalLM:
-    return random_model(TINY if small else QWEN3_06B, device, torch.float32 if small else torch.bfloat16, seed)
+def build_model(small: bool, device: torch.device, seed: int, shape: str = "0.6b") -> CausalLM:
+    """The benchmark's model; `small`: a tiny fp32 one of the same kind (hybrid or dense)."""
+    if shape not in SHAPES:
+        raise ValueError(f"bench shape {shape!r}: expected one of {sorted(SHAPES)}")
+    hybrid = "layer_types" in SHAPES[shape]
+    if small:
+        return random_model(tiny_hybrid_fields() if hybrid else TINY, device, torch.float32, seed)
+    return random_model(SHAPES[shape], device, torch.bfloat16, seed)
 
 
 def _hf_model(model: CausalLM):
@@ -236,10 +289,11 @@ def _peer_generate(hf, case: Case, peer_batch: int, max_seqs: int | None, pad_id
 def run(cfg: BenchConfig) -> dict:
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     bw = copy_bandwidth(device, (64 if cfg.small else 1024) * 2**20)
-    model = build_model(cfg.small, device, cfg.seed)
+    model = build_model(cfg.small, device, cfg.seed, cfg.shape)
     mc = model.config
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    kv_per_token = 2 * mc.num_hidden_layers * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
+    kv_per_token = 2 * len(kv_layers(mc)) * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
+    state_step = state_bytes_per_step(model)
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_model_len=(128 if cfg.small else 2048), gpu_memory_fraction=cfg.gpu_memory_fraction,
                         enforce_eager=cfg.enforce_eager, seed=cfg.seed, numerics=cfg.numerics,
@@ -250,7 +304,9 @@ def run(cfg: BenchConfig) -> dict:
     init_s = time.perf_counter() - t0
     llm.generate([[1] * 16], SamplingParams(max_tokens=8))  # nano-vllm's one-sequence warm-up
     hf, peer_note = None, ""
-    if cfg.peer:
+    if cfg.peer and mc.is_hybrid:
+        peer_note = "no peer on a hybrid shape (transformers' Gated DeltaNet needs flash-linear-attention)"
+    elif cfg.peer:
         try:
             import transformers  # noqa: F401
         except ImportError:
@@ -258,6 +314,7 @@ def run(cfg: BenchConfig) -> dict:
     result = dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                   torch=torch.__version__, dtype=str(model.lm_head_weight.dtype).replace("torch.", ""),
                   copy_bandwidth_GBps=bw / 1e9, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
+                  linear_state_bytes_per_seq_step=state_step, shape=cfg.shape,
                   kv_blocks=llm.kv.num_blocks, engine_init_s=init_s, engine=dataclasses.asdict(ecfg),
                   bench=dataclasses.asdict(cfg), peer_note=peer_note, cases=[])
     for case in make_cases(cfg.small, cfg.cases):
@@ -272,7 +329,7 @@ def run(cfg: BenchConfig) -> dict:
         compiles = new_compiles(v0, triton_compiles())  # Triton compiles the timing paid for
         n_out = sum(len(o.output_token_ids) for o in outs)
         expect = sum(p.max_tokens * p.n for p in case.params)
-        bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token) / bw)
+        bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token, state_step) / bw)
         row = dict(case=case.name, sequences=len(outs), prompt_tokens=sum(len(p) * q.n for p, q in
                    zip(case.prompts, case.params)), output_tokens=n_out, complete=n_out == expect,
                    engine_s=dt, engine_tok_s=n_out / dt, bound_tok_s=bound, pct_bound=100 * n_out / dt / bound,

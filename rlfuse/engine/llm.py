@@ -36,6 +36,7 @@ import time
 import torch
 
 from rlfuse.engine.cache.blocks import BlockManager
+from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.model_runner import ModelRunner, Pending, param_version
 from rlfuse.engine.scheduler import Batch, Scheduler
@@ -85,15 +86,12 @@ class LLM:
         self.runner = ModelRunner(model, cfg, self.max_model_len)
         self.kv = self.runner.plan_and_allocate(self.max_model_len)
         caching = cfg.enable_prefix_caching
-        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, caching)
-        self.scheduler = Scheduler(cfg, self.block_manager)
+        self._new_scheduler()
         if caching and self.runner.linear is not None:
-            # a cached block restores the attention layers' K/V but not the linear-attention
-            # state at that token: hits only within a group, from a member holding that state
-            self.scheduler.group_state = True
-            log.info("prefix caching for this hybrid model: only a request's n samples share their prompt (the "
-                     "linear-attention state copied from the member that computed it); no reuse across requests: "
-                     "a cache hit cannot restore the linear-attention state")
+            log.info("prefix caching for this hybrid model: a request's n samples share their prompt (the "
+                     "linear-attention state copied from the member that computed it), and a request continuing "
+                     "a finished sequence (multi-turn) takes over its state and blocks; no other reuse across "
+                     "requests: a cache hit cannot restore the linear-attention state")
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)
         self._next_id = self._next_seq = 0
@@ -110,22 +108,36 @@ class LLM:
                  "CUDA graphs" if self.runner.use_graphs else
                  ("static buffers (no capture on CPU)" if self.runner.static else "eager"), cfg.numerics)
 
+    def _new_scheduler(self) -> None:
+        """A fresh block manager and scheduler over the allocated pool."""
+        cfg = self.config
+        self.block_manager = BlockManager(self.kv.num_blocks, cfg.block_size, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(cfg, self.block_manager)
+        if cfg.enable_prefix_caching and self.runner.linear is not None:
+            # a cached block restores the attention layers' K/V but not the linear-attention
+            # state at that token: hits only within a group, from a member holding that state,
+            # or by a continuation of a parked sequence (rlfuse/engine/cache/parked.py)
+            self.scheduler.group_state = True
+            self.scheduler.parked = Parked(self.block_manager, self.runner.release)
+
     # ------------------------------------------------------------------ weights
     def reset_prefix_cache(self) -> None:
         self.block_manager.reset_prefix_cache()
+        if self.scheduler.parked is not None:
+            self.scheduler.parked.clear()
 
     def _check_weights(self) -> None:
         v = param_version(self.model)
         if v != self._weights_version:
             self._weights_version = v
-            self.block_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
             log.debug("parameters changed in place: prefix cache dropped")
         switches = adapter_switches(self.model)
         if switches != self._adapters:
             # LoRA adapters attached or switched on/off: cached prefixes were computed, and
             # the decode graphs recorded, under the old forward
             self._adapters = switches
-            self.block_manager.reset_prefix_cache()
+            self.reset_prefix_cache()
             if self.runner.graphs and self.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.runner.device)  # host sync: no replay in flight when its graph goes
             self.runner.drop_graphs()
@@ -204,10 +216,8 @@ class LLM:
         (a failure may leave the bookkeeping half-written, so the block manager and the
         scheduler start afresh: all KV blocks free, prefix cache empty); the engine is idle."""
         self._pending, self._ready, self._requests = None, [], {}
-        self.runner.free_rows = list(range(self.runner.num_rows - 1, -1, -1))
-        self.block_manager = BlockManager(self.kv.num_blocks, self.config.block_size,
-                                          self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.block_manager)
+        self.runner.reset_state()
+        self._new_scheduler()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Completion]:
@@ -232,7 +242,7 @@ class LLM:
                 return out
             cur = self._launch(batch)
         nxt = self._look_ahead(cur) if self.config.look_ahead else None
-        finished = self._absorb(cur)
+        finished = self._absorb(cur, nxt)
         if nxt is not None:
             # a sequence that stopped on a token in `cur` has a void sample in `nxt`
             gone = {id(s) for s in finished}
@@ -274,9 +284,10 @@ class LLM:
         self.stats.look_ahead_steps += 1
         return self._launch(Batch(seqs, [1] * len(seqs), []), feed)
 
-    def _absorb(self, cur: _Launched) -> list[Sequence]:
+    def _absorb(self, cur: _Launched, nxt: _Launched | None = None) -> list[Sequence]:
         """Read a launched step's results and apply them to the sequences; returns the
-        sequences that finished (already released)."""
+        sequences that finished (already released, or parked: hybrid models). `nxt`: the
+        look-ahead step launched after `cur`, which computes one more token of them."""
         batch = cur.batch
         sampled, ids, lps, routing = self.runner.collect(cur.pending)
         void = cur.void or [False] * len(batch.seqs)
@@ -312,9 +323,13 @@ class LLM:
                 if reason is not None:
                     seq.status, seq.finish_reason = Status.FINISHED, reason
                     finished.append(seq)
-        self.scheduler.finish(finished)
+        park = self.scheduler.parked is not None
+        ahead = {id(s) for s in nxt.batch.seqs} if nxt is not None else set()
+        # a parked sequence's state holds num_computed tokens, + its last sampled one when
+        # the look-ahead step in flight computes it
+        self.scheduler.finish(finished, [s.num_computed + (id(s) in ahead) for s in finished] if park else None)
         for seq in finished:
-            self.runner.release(seq)
+            self.runner.release(seq, keep_state=park)
             reqs = self._requests.get(seq.request_id)
             if reqs is not None and all(s.is_finished() for s in reqs):
                 del self._requests[seq.request_id]

@@ -101,12 +101,11 @@ class ModelRunner:
         # sequence (allocated before the KV pool is planned, so the plan sees it)
         self.linear = LinearStateCache(model, self.num_rows, self.dtype, self.device) if linear_layers(model) else None
         # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
-        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows)
+        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows,
+                                                                 linear=self.linear)
         if self.linear is not None:
-            log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences; decode runs "
-                     "eagerly (the static decode path and its CUDA graphs do not carry the linear-attention "
-                     "state yet)", len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
-            self.decode = None
+            log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences (+1 scratch slot)",
+                     len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
@@ -144,7 +143,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
-        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup)
+        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup,
+                            self.linear.nbytes if self.linear is not None else 0)
         self.kv = KVCache(self.mcfg, n, self.block_size, self.dtype, self.device)
         self._warm_paged_kernels()
         return self.kv
@@ -201,13 +201,20 @@ class ModelRunner:
         return self.max_blocks * self.block_size
 
     # ------------------------------------------------------------------ rows
-    def release(self, seq: Sequence) -> None:
-        """`seq` left the running set (finished, preempted, aborted): free its table row."""
+    def release(self, seq: Sequence, keep_state: bool = False) -> None:
+        """`seq` left the running set (finished, preempted, aborted): free its table row, and
+        its linear-attention state slot unless `keep_state` (a parked sequence's)."""
         if seq.row >= 0:
             self.free_rows.append(seq.row)
             seq.row, seq.row_len = -1, 0
-        if self.linear is not None:
+        if self.linear is not None and not keep_state:
             self.linear.free(seq)
+
+    def reset_state(self) -> None:
+        """Every table row and state slot free (`LLM.abort_all`)."""
+        self.free_rows = list(range(self.num_rows - 1, -1, -1))
+        if self.linear is not None:
+            self.linear.reset()
 
     def _sync_block_tables(self, seqs: list[Sequence]) -> list[int]:
         rows, r, c, v = [], [], [], []

@@ -21,6 +21,10 @@ of that member's state (`Sequence.state_from`, copied by the runner's LinearStat
 otherwise the sequence computes its prompt itself. So that the hit point is met, a group's
 prefill pauses at its prompt's last full block before the last token (each member computes
 the rest itself; for a prompt of a multiple of block_size tokens the members do not share).
+Multi-turn on hybrid models (`parked`, rlfuse/engine/cache/parked.py): a finished sequence is
+parked with its blocks and state; a waiting sequence whose prompt continues it takes both
+over and computes only its new tokens. Parked sequences are evicted (least recent first)
+before a waiting sequence lacks a slot or blocks and before any preemption.
 
 Test: python -m pytest -q tests/test_scheduler.py
 """
@@ -31,6 +35,7 @@ import dataclasses
 from collections import deque
 
 from rlfuse.engine.cache.blocks import BlockManager
+from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence, Status
 
@@ -62,6 +67,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.group_state = False
         """Hybrid models: prefix hits only within a group, through a state copy (module doc)."""
+        self.parked: Parked | None = None
+        """Hybrid models: finished sequences kept for their continuations (module doc)."""
 
     def _cap(self, seq: Sequence, n: int) -> int:
         """Tokens `seq` computes this step: a group member's prefill stops at the share point."""
@@ -90,7 +97,10 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def preempt_all(self) -> list[Sequence]:
-        """Free every running sequence's blocks (they resume by recompute); for sleep()."""
+        """Free every running sequence's blocks (they resume by recompute) and drop the
+        parked ones; for sleep()."""
+        if self.parked is not None:
+            self.parked.clear()
         out = list(reversed(self.running))
         for seq in out:
             self._preempt(seq)
@@ -111,6 +121,8 @@ class Scheduler:
                 i += 1
                 continue
             while self.bm.blocks_needed(seq, seq.num_computed + n) > self.bm.num_free:
+                if self.parked is not None and self.parked.evict():
+                    continue
                 victim = running[-1]
                 self._preempt(victim)
                 batch.preempted.append(victim)
@@ -128,6 +140,19 @@ class Scheduler:
         skipped = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.parked is not None:
+                cont = self._continue_parked(seq)
+                if cont is False:
+                    break
+                if cont:
+                    n = min(seq.num_tokens - seq.num_computed, budget)
+                    batch.seqs.append(seq)
+                    batch.num_new.append(n)
+                    batch.num_prompt_cached += seq.num_computed
+                    budget -= n
+                    continue
+                while len(self.running) + len(self.parked) >= self.max_num_seqs and self.parked.evict():
+                    pass  # a parked sequence holds a state slot the new one needs
             hits, pending = self.bm.match_prefix(seq)
             if pending:
                 skipped.append(self.waiting.popleft())
@@ -136,6 +161,9 @@ class Scheduler:
                 seq.state_from = self._state_source(seq, hits) if hits else None
                 if seq.state_from is None:
                     hits = []  # nobody holds the linear-attention state at the hit: compute it
+            while (not self.bm.can_allocate(seq, hits) and self.parked is not None
+                   and self.parked.evict()):
+                pass
             if not self.bm.can_allocate(seq, hits):
                 break
             self.waiting.popleft()
@@ -152,11 +180,38 @@ class Scheduler:
         self.waiting.extendleft(reversed(skipped))
         return batch
 
-    def finish(self, seqs: list[Sequence]) -> None:
-        """Remove finished sequences (status already FINISHED) and free their blocks."""
+    def _continue_parked(self, seq: Sequence) -> bool | None:
+        """Admit waiting `seq` as the continuation of a parked sequence: True done, None no
+        parked sequence continues it, False one does but the pool lacks blocks for the rest
+        of seq's tokens even with every other parked sequence evicted (wait)."""
+        src = self.parked.find(seq)
+        if src is None:
+            return None
+        fresh = self.bm.blocks_for(seq.num_tokens) - len(src.block_table)
+        for other in [p for p in self.parked.seqs.values() if p is not src]:  # oldest first
+            if fresh <= self.bm.num_free:
+                break
+            self.parked.evict(other)
+        if fresh > self.bm.num_free:
+            return False
+        self.waiting.popleft()
+        self.parked.take(src, seq)
+        self.bm.append_blocks(seq, seq.num_tokens)
+        self.bm.mark_computed(seq)
+        seq.num_cached_prompt = max(seq.num_cached_prompt, min(seq.num_computed, seq.num_prompt_tokens))
+        seq.status = Status.RUNNING
+        self.running.append(seq)
+        return True
+
+    def finish(self, seqs: list[Sequence], computed: list[int] | None = None) -> None:
+        """Remove finished sequences (status already FINISHED) and free their blocks, or,
+        hybrid models, park them with `computed[i]` tokens in their state (`parked`)."""
         if not seqs:
             return
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
+            if self.parked is not None and computed is not None:
+                self.parked.park(seq, computed[i])
+                continue
             self.bm.free_seq(seq)
         self.running = [s for s in self.running if s.status is Status.RUNNING]
 

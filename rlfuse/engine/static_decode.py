@@ -8,6 +8,14 @@ step's shared-prefix plan), the forward reads them there and writes the last hid
 states into a static output. Rows past B are padding: slot -1, seq_len 0, the all-zero
 block-table row, so they write nothing and attend to nothing.
 
+Hybrid models (linear-attention layers, `rlfuse.engine.cache.linear`): each row also
+carries its state slot; the layers read and update the state in place through those
+slots with fixed shapes (`GatedDeltaNet.forward_decode`), padding rows through the
+cache's scratch slot. Admission (a slot zeroed, or a group member's state copied) is
+host bookkeeping done before the step, outside the graph. The decode body is not
+idempotent then (it advances the state), so a capture's warm-up runs its rows on the
+scratch slot.
+
 On CUDA each (bucket, shared-prefix plan or not) is captured as a CUDA graph on first
 use (or all at once by `capture`, largest first so one memory pool fits all) and
 replayed; on CPU the same buffers run without capture. The shared-prefix plan
@@ -27,18 +35,21 @@ import time
 import numpy as np
 import torch
 
+from rlfuse.engine.cache.linear import LinearStateCache
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.shared_prefix import plan_shared_prefix, shared_prefix_pays
 from rlfuse.kernels.attention.paged import SharedPrefixDecode, shared_prefix_members
 from rlfuse.kernels.backend import resolve_backend
-from rlfuse.model import CausalLM, PagedKV
+from rlfuse.model import CausalLM, LinearDecode, PagedKV
 
 log = logging.getLogger(__name__)
 # the fields of the static int64 buffer, `_field_stride(nb)` elements each
-# (the _SH_* fields: the step's SharedPrefixDecode plan)
-_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS, _SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM = range(12)
-_FIELDS = 12
+# (the _SH_* fields: the step's SharedPrefixDecode plan; _LIN_SLOT: hybrid models, each row's
+# linear-attention state slot)
+_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS, _TOP_K, _SEEDS, _OFFSETS, _SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM, _LIN_SLOT = \
+    range(13)
+_FIELDS = 13
 
 
 def _field_stride(nb: int) -> int:
@@ -64,8 +75,10 @@ class StaticDecode:
     (the module docstring). `bt`: the runner's device block tables, whose row `pad_row`
     is all zeros (padding rows read it)."""
 
-    def __init__(self, model: CausalLM, cfg: EngineConfig, bt: torch.Tensor, pad_row: int):
+    def __init__(self, model: CausalLM, cfg: EngineConfig, bt: torch.Tensor, pad_row: int,
+                 linear: LinearStateCache | None = None):
         self.model, self.cfg, self.mcfg = model, cfg, model.config
+        self.linear = linear
         W = model.lm_head_weight
         self.device, self.dtype = W.device, W.dtype
         self.bt, self.pad_row = bt, pad_row
@@ -99,6 +112,9 @@ class StaticDecode:
         fs = _field_stride(nb)
         host = np.zeros((_FIELDS, fs), dtype=np.int64)
         host[_SLOTS], host[_ROWS] = -1, self.pad_row  # padding rows: no K/V write, the zero table row
+        if self.linear is not None:
+            host[_LIN_SLOT] = self.linear.pad_slot
+            host[_LIN_SLOT, :B] = self.linear.admit_step(seqs, starts)
         if feed is None:
             host[_IDS, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
         host[_POS, :B] = starts
@@ -139,8 +155,9 @@ class StaticDecode:
         ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
         plan = SharedPrefixDecode(*(st[f * fs:f * fs + (nb // 2 if f in (_SH_FIRST, _SH_NUM) else nb)]
                                     for f in (_SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM)), self.share_members) if shared else None
+        linear = None if self.linear is None else LinearDecode(self.linear.layers, st[_LIN_SLOT * fs:_LIN_SLOT * fs + nb])
         attn = PagedKV(kv_caches, slots, self.s_cu[:nb + 1], seq_lens.to(torch.int32),
-                       self.bt.index_select(0, rows), 1, plan)
+                       self.bt.index_select(0, rows), 1, plan, linear)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))
 
     def _replay(self, kv_caches, nb: int, shared: bool = False) -> None:
@@ -155,7 +172,15 @@ class StaticDecode:
 
     def _capture(self, kv_caches, nb: int, shared: bool = False) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
+        lin = None
+        if self.linear is not None:  # the warm-up must not advance the rows' linear-attention state
+            fs = _field_stride(nb)
+            lin = self.s_i64[_LIN_SLOT * fs:_LIN_SLOT * fs + nb]
+            keep = lin.clone()
+            lin.fill_(self.linear.pad_slot)
         self._decode_body(kv_caches, nb, shared)  # warm-up: compiles kernels; rewrites the same K/V the replay writes
+        if lin is not None:
+            lin.copy_(keep)
         torch.cuda.synchronize(self.device)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.graph_pool):
@@ -183,6 +208,8 @@ class StaticDecode:
         for size, shared in todo:
             host = np.zeros((_FIELDS, _field_stride(size)), dtype=np.int64)
             host[_SLOTS], host[_ROWS] = -1, self.pad_row  # padding; the plan: no chunk
+            if self.linear is not None:
+                host[_LIN_SLOT] = self.linear.pad_slot
             self.s_i64[:host.size].copy_(torch.from_numpy(host.reshape(-1)))
             self._capture(kv_caches, size, shared)
         log.info("captured %d decode CUDA graphs (batch sizes %s) in %.1f s", len(self.graphs),

@@ -6,11 +6,11 @@ its scalar-head variant for reward models and critics, safetensors weights, toke
 from rlfuse.model.arch import ARCHS, ArchSpec
 from rlfuse.model.causal_lm import CausalLM
 from rlfuse.model.config import ModelConfig
-from rlfuse.model.layers import Linear, LinearSlots, Packed, PagedKV, pack_by_tokens
+from rlfuse.model.layers import Linear, LinearDecode, LinearSlots, Packed, PagedKV, pack_by_tokens
 from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
 from rlfuse.model.tokenizer import Tokenizer
 from rlfuse.model.weights import load_model, load_rows_from_files, save_model
 
-__all__ = ["ARCHS", "ArchSpec", "CausalLM", "Linear", "LinearSlots", "ModelConfig", "Packed", "PagedKV",
+__all__ = ["ARCHS", "ArchSpec", "CausalLM", "Linear", "LinearDecode", "LinearSlots", "ModelConfig", "Packed", "PagedKV",
            "ScalarHeadModel", "Tokenizer", "load_model", "load_rows_from_files", "load_scalar_head_model", "pack_by_tokens",
            "save_model"]

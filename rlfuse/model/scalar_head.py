@@ -36,10 +36,7 @@ class ScalarHeadModel(CausalLM):
     """Trunk + `score` head; `forward` still returns final hidden states (T, D)."""
 
     def __init__(self, cfg: ModelConfig, num_labels: int = 1):
-        if cfg.is_hybrid:  # CausalLM's trunk is the dense one; a hybrid trunk with a head is not wired yet
-            raise ValueError(f"reward models and critics on a hybrid trunk ({cfg.architecture}) are not supported "
-                             f"yet; use a Llama / Qwen2 / Qwen3 model for them")
-        super().__init__(cfg)
+        super().__init__(cfg)  # the architecture's trunk (dense or hybrid: `rlfuse.model.arch`)
         self.lm_head = None  # the head is `score` (HF *ForSequenceClassification has no lm_head)
         self.num_labels = num_labels
         self.score = Linear(cfg.hidden_size, num_labels, bias=False)

@@ -15,7 +15,9 @@ computes its first token; preemption frees the slot and the sequence recomputes 
 first token. A cached block restores the attention layers' K/V, not this state, so prefix
 hits are taken only within a GRPO group: a member admitted at a hit starts from a copy of
 the state of the member that computed those tokens (`copy_for_group`; the scheduler pairs
-them, `Scheduler.group_state`); reuse across unrelated requests is off (logged).
+them, `Scheduler.group_state`), and by a continuation of a finished sequence, which is
+parked with its slot and blocks and hands both over (multi-turn: `cache/parked.py`);
+other reuse across requests is off (logged).
 Test: python -m pytest -q tests/test_engine_hybrid.py
 """
 
@@ -36,7 +38,9 @@ def linear_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
 
 
 class LinearStateCache(StateSlots):
-    """One slot per running sequence for every linear-attention layer of `model`."""
+    """One slot per running sequence for every linear-attention layer of `model`, plus one
+    scratch slot (`pad_slot`, never handed out) that the static decode path's padding rows
+    read and write, so a bucket's padding needs no branch."""
 
     def __init__(self, model: nn.Module, num_slots: int, dtype: torch.dtype, device):
         shapes, dtypes = {}, {}
@@ -46,7 +50,8 @@ class LinearStateCache(StateSlots):
             for name, (shape, kind) in mixer.state_shapes().items():
                 shapes[f"{i}.{name}"] = shape
                 dtypes[f"{i}.{name}"] = torch.float32 if kind == "fp32" else dtype
-        super().__init__(num_slots, shapes, dtypes, device)
+        super().__init__(num_slots + 1, shapes, dtypes, device)
+        self.pad_slot = self.free_slots.pop(0)  # the highest slot: pop() hands out the lowest first
         self.device = torch.device(device)
         self.layers = {i: {k.split(".", 1)[1]: t for k, t in self.tensors.items() if k.split(".", 1)[0] == str(i)}
                        for i in self.layer_ids}
@@ -55,9 +60,28 @@ class LinearStateCache(StateSlots):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
 
+    def reset(self) -> None:
+        """Every slot free (the engine's bookkeeping starts afresh: `LLM.abort_all`)."""
+        self.slot_of.clear()
+        self.free_slots = list(range(self.num_slots - 1, -1, -1))
+
+    @property
+    def num_slots(self) -> int:
+        """Slots sequences can hold (the scratch slot not counted)."""
+        return next(iter(self.tensors.values())).shape[0] - 1
+
     def step(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> LinearSlots:
         """The step's `LinearSlots` for sequences computing num_new tokens from position
-        starts[b]; a sequence at position 0 is admitted here (its slot zeroed)."""
+        starts[b] (the eager path)."""
+        slots = self.admit_step(seqs, starts)
+        return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
+
+    def admit_step(self, seqs: list[Sequence], starts: list[int]) -> list[int]:
+        """Each sequence's slot for a step computing from position starts[b]; a sequence
+        new to the cache is admitted here: its slot zeroed; resuming at a prefix hit, a
+        copy of the running group member's state; continuing a parked (finished) sequence,
+        that sequence's slot handed over. Host bookkeeping plus device copies enqueued
+        before the step: the static decode path calls it outside its CUDA graph."""
         for seq, st in zip(seqs, starts):
             if seq.seq_id not in self.slot_of:
                 src, seq.state_from = seq.state_from, None
@@ -66,8 +90,10 @@ class LinearStateCache(StateSlots):
                     raise RuntimeError(f"LinearStateCache: sequence {seq.seq_id} resumes at token {st} without "
                                        f"its linear-attention state (hybrid models take prefix hits only from "
                                        f"a group member holding it: Scheduler.group_state)")
+                if st != 0 and src.is_finished():  # a parked sequence's continuation: its slot moves
+                    self.slot_of[seq.seq_id] = self.slot_of.pop(src.seq_id)
+                    continue
                 self.admit(seq)
                 if st != 0:
                     self.copy_for_group(src, [seq])  # the member's state at the shared prompt prefix
-        slots = [self.slot(s) for s in seqs]
-        return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
+        return [self.slot(s) for s in seqs]

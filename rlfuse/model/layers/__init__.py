@@ -7,7 +7,7 @@ from rlfuse.model.layers.gated_deltanet import GatedDeltaNet, LinearState, Prefi
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.mlp import MLP
 from rlfuse.model.layers.norm import OffsetRMSNorm, RMSNorm
-from rlfuse.model.layers.packed import LinearSlots, Packed, PagedKV, pack_by_tokens
+from rlfuse.model.layers.packed import LinearDecode, LinearSlots, Packed, PagedKV, pack_by_tokens
 
-__all__ = ["MLP", "Attention", "DecoderLayer", "GatedAttention", "GatedDeltaNet", "Linear", "LinearSlots", "LinearState",
+__all__ = ["MLP", "Attention", "DecoderLayer", "GatedAttention", "GatedDeltaNet", "Linear", "LinearDecode", "LinearSlots", "LinearState",
            "OffsetRMSNorm", "Packed", "PagedKV", "PrefixRows", "RMSNorm", "pack_by_tokens"]

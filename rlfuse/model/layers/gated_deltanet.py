@@ -22,6 +22,9 @@ from S_c, so every row goes through the same chunk arithmetic as in the trainer'
 over the whole sequence (gdn_contract: chunks aligned to the sequence's first token, the
 returned state is the one after the last FULL chunk). In exact numerics the outputs equal
 the whole-sequence forward's bitwise (tests/test_qwen3_5.py checks it on the references).
+`forward_decode` (over a `LinearDecode`) is the same step for one token per sequence with
+fixed shapes and no host values, which the engine's static decode path captures in CUDA
+graphs (tests/test_engine_hybrid.py: static == eager bitwise).
 
 Shape legend: T packed tokens, B sequences, D hidden, Hk/Hv key/value heads, Dk/Dv their
 head dims, C conv channels (2 Hk Dk + Hv Dv), W conv width.
@@ -40,10 +43,10 @@ from torch import nn
 from rlfuse.kernels.backend import is_exact
 
 # CHUNK: the kernels' chunk length; the engine keeps the state at multiples of it
-from rlfuse.kernels.gated_delta import CHUNK, causal_conv1d, chunk_gated_delta_rule, gated_rmsnorm
+from rlfuse.kernels.gated_delta import CHUNK, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm
 from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
-from rlfuse.model.layers.packed import TAIL, LinearSlots, Packed, PagedKV
+from rlfuse.model.layers.packed import TAIL, LinearDecode, LinearSlots, Packed, PagedKV
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
@@ -183,17 +186,21 @@ class GatedDeltaNet(nn.Module):
         mixed, b, a = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
         if rows is not None:
             mixed, b, a = rows.gather(mixed), rows.gather(b), rows.gather(a)
-        T = mixed.shape[0]
         qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
+        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)  # the output side: x's own rows
+        return self._kernel_inputs(qkv, b, a), z, conv_state
+
+    def _kernel_inputs(self, qkv, b, a):
+        """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs."""
+        T = qkv.shape[0]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.reshape(T, self.n_k, self.dk), k.reshape(T, self.n_k, self.dk), v.reshape(T, self.n_v, self.dv)
         beta = elementwise(torch.sigmoid, b)  # (T, Hv), in the model dtype as HF
         # HF's order: A_log and a in fp32 (A would overflow in fp16), dt_bias promoted to fp32
         decay = elementwise(torch.exp, self.A_log.float())
         g = -decay * elementwise(F.softplus, a.float() + self.dt_bias)  # (T, Hv) fp32
-        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)  # the output side: x's own rows
-        return (q, k, v, g, beta), z, conv_state
+        return q, k, v, g, beta
 
     def output(self, o_THV, z):
         """(T, Hv, Dv) kernel output -> (T, D): gated norm, then out_proj."""
@@ -209,6 +216,8 @@ class GatedDeltaNet(nn.Module):
             if attn.linear is None:
                 raise ValueError(f"linear-attention layer {self.layer_idx}: a PagedKV step without the "
                                  f"linear-attention state (PagedKV.linear; the engine's LinearStateCache)")
+            if isinstance(attn.linear, LinearDecode):
+                return self.forward_decode(x_TD, positions, attn.linear)
             return self.forward_slots(x_TD, attn.linear)
         prefix_rows = getattr(attn, "prefix_rows", None)
         if attn.prefix is None:
@@ -231,6 +240,41 @@ class GatedDeltaNet(nn.Module):
         for n, rows in zip(TAIL, new.tail):
             t[n][st.write_at] = rows
         return y
+
+    def forward_decode(self, x_BD, positions, st: LinearDecode):
+        """The static decode step (`LinearDecode`: one token per row, CUDA-graph capturable:
+        fixed shapes, no host values). The same arithmetic as `forward_continue` with
+        new_lens = 1: the conv continues from its state (the decode update, bitwise the
+        prefill conv's window), and each row's chunk [tail, new token] is laid out as a full
+        64-row chunk whose rows past the new token are exact zeros -- the rows the kernel
+        pads a shorter sequence with -- so its row at the new token has the eager call's
+        bits; the state after that full chunk is kept only when the new token completes
+        the chunk (tail = 63), else S_c stays."""
+        t, slots = st.layers[self.layer_idx], st.slots
+        B = x_BD.shape[0]
+        mixed, b, a = self.in_proj_qkv(x_BD), self.in_proj_b(x_BD), self.in_proj_a(x_BD)
+        conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
+        qkv = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu")
+        t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
+        new = self._kernel_inputs(qkv, b, a)
+        z = self.in_proj_z(x_BD).view(B, self.n_v, self.dv)
+        tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
+        valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
+        rows = []
+        for n, x in zip(TAIL, new):
+            # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
+            # once the chunk completes the tail restarts at row 0, so row 63 is never read again)
+            t[n].index_put_((slots, tail_len), x.to(t[n].dtype))
+            buf = t[n].index_select(0, slots).to(x.dtype)                 # (B, CHUNK, ...)
+            mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
+            rows.append(torch.where(mask, buf, 0.0).flatten(0, 1))
+        cu = torch.arange(0, (B + 1) * CHUNK, CHUNK, device=x_BD.device, dtype=torch.int32)
+        s_c = t["chunk"].index_select(0, slots)
+        o, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
+        o = o.view(B, CHUNK, self.n_v, self.dv)[torch.arange(B, device=x_BD.device), tail_len]  # (B, Hv, Dv)
+        done = (tail_len == CHUNK - 1).view(B, 1, 1, 1)
+        t["chunk"].index_copy_(0, slots, torch.where(done, s_full, s_c))
+        return self.output(o, z)
 
     def state_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32")."""

@@ -70,7 +70,7 @@ class PagedKV:
     block_tables: torch.Tensor  # (B, max_blocks) int32
     max_seqlen_q: int
     shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
-    linear: "LinearSlots | None" = None  # hybrid models: the linear-attention layers' per-sequence state
+    linear: "LinearSlots | LinearDecode | None" = None  # hybrid models: the linear-attention layers' state
 
 
 TAIL = ("q", "k", "v", "g", "beta")
@@ -102,3 +102,14 @@ class LinearSlots:
             return (torch.tensor(s, dtype=torch.long).to(device), torch.tensor(r, dtype=torch.long).to(device))
         return cls(layers, torch.tensor(slots, dtype=torch.long).to(device), list(new_lens), list(tail_lens),
                    at(tail_lens), at(after))
+
+
+@dataclasses.dataclass(slots=True)
+class LinearDecode:
+    """The linear-attention state in a STATIC decode step (every row computes one token;
+    CUDA-graph capturable): no host lists, only device tensors of the bucket's fixed size.
+    A row's buffered tail length is its position % CHUNK (chunks are aligned to a
+    sequence's first token), computed on the device from the step's positions. Padding
+    rows point at the cache's scratch slot (`LinearStateCache.pad_slot`)."""
+    layers: dict[int, dict[str, torch.Tensor]]
+    slots: torch.Tensor          # (B,) int64 each row's slot
