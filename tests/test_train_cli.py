@@ -49,6 +49,23 @@ def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():
     assert all(name in out for name in COMMANDS) and "consistency" not in out
 
 
+def test_version_and_help_import_no_torch():
+    """`rlfuse --version` / `--help` answer without importing torch or matplotlib (issue 37:
+    4-5 s idle, 21 s on a busy machine); each command's help line is its module's HELP."""
+    from rlfuse.cli import COMMAND_HELP
+
+    assert all(COMMAND_HELP[name] == COMMANDS[name].HELP for name in COMMANDS)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    probe = ("import runpy, sys\nsys.argv = ['rlfuse', *sys.argv[1:]]\ntry:\n"
+             "    runpy.run_module('rlfuse', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'matplotlib', 'numpy') if m in sys.modules))")
+    for flag in ("--version", "--help"):
+        out = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True, env=env, cwd=root,
+                             check=True).stdout
+        assert "HEAVY []" in out and ("rlfuse 0." in out if flag == "--version" else "COMMAND" in out), out
+
+
 def test_missing_model_folder_is_said_so(tmp_path, recipe, capsys):
     nope = tmp_path / "nope"
     assert main(["generate", str(nope), "--prompt", "1+1="]) == 2

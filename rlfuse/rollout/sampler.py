@@ -56,6 +56,11 @@ class Sample:
     routing: torch.Tensor | None = None
     """MoE models: (len(token_ids), MoE layers, k) int16, the experts the engine routed each
     sampled token's producing row to (`Completion.routing`); None when not recorded."""
+    split_parts: list["Sample"] | None = None
+    """Agent episodes whose calls split (rlfuse.rollout.agent.recording): the episode's earlier
+    samples, each with its own prompt_ids, token_ids, logprobs and loss_mask, in the order
+    they started; trained with this sample's reward and advantage, their common prefixes
+    packed once (rlfuse.run.batching). None: the episode is this one sample."""
 
 
 class Sampler(Protocol):
