@@ -2,7 +2,9 @@
 
     rlfuse serve runs/my_grpo --port 8000           # the run's final/ (else its latest checkpoint)
     rlfuse serve MODEL_DIR --numerics exact --host 0.0.0.0
-then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`.
+then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`; a recorded
+agent session (token-exact trajectory, rlfuse/serve/session.py) at base_url
+`http://127.0.0.1:8000/sessions/ID/v1`, its record at GET /sessions/ID/trajectory.
 Routes and request fields: rlfuse/serve/app.py, rlfuse/serve/protocol.py, docs/serving.md.
 Needs the `serve` extra (pip install -e '.[serve]': fastapi, uvicorn).
 """
@@ -38,7 +40,7 @@ def run(args) -> int:
         # optional dependencies (the `serve` extra): imported only by this command
         import uvicorn
 
-        from rlfuse.serve import build_app
+        from rlfuse.serve import serve_app
     except ImportError as e:
         return fail(ValueError(f"rlfuse serve needs the serve extra ({e.name} is not installed): "
                                "pip install 'rlfuse[serve]'"))
@@ -48,7 +50,7 @@ def run(args) -> int:
         model, tok = load_model(args.model, device=args.device or "auto", dtype=args.dtype,
                                 device_option="--device", adapter=args.adapter or None)
         name = args.served_model_name or Path(args.model).resolve().name
-        app = build_app(LLM(model, tok, cfg), name)
+        app = serve_app(LLM(model, tok, cfg), name)  # with the recorded agent sessions' routes
     except ValueError as e:
         return fail(e)
     print(f"rlfuse serve: {name} on http://{args.host}:{args.port}/v1 (numerics {cfg.numerics})", flush=True)

@@ -56,6 +56,9 @@ class Sample:
     routing: torch.Tensor | None = None
     """MoE models: (len(token_ids), MoE layers, k) int16, the experts the engine routed each
     sampled token's producing row to (`Completion.routing`); None when not recorded."""
+    dropped: bool = False
+    """Left out of training (rollout.failed_episode drop): its loss mask is all zeros, and the
+    GRPO step counts its reward as the mean of its group's others (`drop_rewards`)."""
     split_parts: list["Sample"] | None = None
     """Agent episodes whose calls split (rlfuse.rollout.agent.recording): the episode's earlier
     samples, each with its own prompt_ids, token_ids, logprobs and loss_mask, in the order

@@ -94,6 +94,7 @@ class AgentSampler:
         for k in sorted({k for s in sessions for k in s.info}):
             m[f"rollout/agent_{k}"] = sum(s.info.get(k, 0.0) for s in sessions) / max(len(sessions), 1)
         m["rollout/truncated_frac"] = sum(s.truncated for s in samples) / max(len(samples), 1)
+        m["rollout/agent_dropped"] = float(sum(s.dropped for s in samples))
         m["rollout/agent_wall_s"] = time.perf_counter() - t0
         self.last_metrics, self.last_sessions = m, sessions
         return samples
@@ -118,9 +119,13 @@ class AgentSampler:
             # a failed episode: reward 0; its tokens (if any) stay in, so the policy learns to avoid it
             if not segs:
                 return Sample(index, [min(self.renderer.eos_ids)], torch.zeros(1), True, "", torch.zeros(1),
-                              list(prompt.ids), 0.0), []
+                              list(prompt.ids), 0.0, dropped=self.cfg.failed_episode == "drop"), []
             s = self._piece(index, segs[-1])
             s.truncated, s.env_reward, s.split_parts = True, 0.0, parts
+            if self.cfg.failed_episode == "drop":
+                s.dropped = True
+                for p in [*(parts or []), s]:
+                    p.loss_mask = torch.zeros_like(p.loss_mask)
             return s, segs
         s, last = self._piece(index, segs[-1]), ses.calls[-1]
         s.truncated, s.text, s.env_reward, s.split_parts = last.finish_reason == "length", last.text, ses.reward, parts

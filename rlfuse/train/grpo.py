@@ -40,7 +40,7 @@ from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, rollout_on_ranks
-from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
+from rlfuse.train.advantages import KL_IN_REWARD, drop_rewards, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
@@ -108,6 +108,8 @@ class GRPOStep(StreamAndGuardState):
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer, first), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
+            if any(s.dropped for s in samples):  # rollout.failed_episode drop: out of the baseline too
+                r = drop_rewards(r, [s.dropped for s in samples], g.group_size)
             if trained is None:
                 adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)

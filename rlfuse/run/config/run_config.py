@@ -157,6 +157,7 @@ class RunConfig:
         r = self.rollout
         _check_choice("rollout.obs_truncation", r.obs_truncation, OBS_TRUNCATION)
         _check_choice("rollout.tool_call_format", r.tool_call_format, TOOL_CALL_FORMATS)
+        _check_choice("rollout.failed_episode", r.failed_episode, ("zero", "drop"))
         if not (isinstance(r.sandbox, str) and (r.sandbox in ("bwrap", "none") or
                                                 r.sandbox.startswith(("http://", "https://")))):
             raise ValueError(f"rollout.sandbox must be bwrap, none or a SandboxFusion URL (http://HOST:PORT), "

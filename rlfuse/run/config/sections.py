@@ -229,6 +229,11 @@ class RolloutConfig:
     server, instead of `tools` / `env` (docs/agents.md, "Bring your own agent")."""
     agent_timeout_s: float = 300.0
     """Longest one agent episode may run; past it the episode fails (reward 0, counted)."""
+    failed_episode: str = "zero"
+    """A failed agent episode (raised, timed out, no call, past max_turns or the token budget):
+    zero (trained with reward 0, so the policy learns to avoid what failed) | drop (left out
+    of the loss, and its group's baseline counts it as the mean reward of the others: an
+    infrastructure fault then teaches nothing). Counted in rollout/agent_failed_* either way."""
 
     @property
     def multi_turn(self) -> bool:
