@@ -74,6 +74,8 @@ GPU_PARTIAL = dict(hq=16, hkv=8, dh=128, P=300, COMPLETIONS=[1, 63, 257, 64], re
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reads", ["all", "partial"])
 def test_exact_attention_over_a_shared_prefix_is_bitwise_the_unshared(backend, dtype, reads):
+    if backend == "triton" and reads == "partial" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter is slow: partial reads run in fp32 on the CPU, both dtypes on the GPU")
     shape = (GPU_SHAPE if reads == "all" else GPU_PARTIAL) if backend == "gpu" else (
         {} if reads == "all" else PARTIAL)
     backend = "triton" if backend == "gpu" else backend
@@ -127,6 +129,8 @@ def test_shared_prefix_gradients_match_the_unshared_in_fp64(reads):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("reads", ["all", "partial"])
 def test_triton_shared_prefix_backward_vs_fp64_reference(where, dtype, reads):
+    if where == "cpu" and reads == "partial" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter is slow: partial reads run in fp32 on the CPU, both dtypes on the GPU")
     """The Triton backward (dK/dV reading the prompt's readers, each masked to the keys it
     reads; dQ the gathered key tiles) against the fp64 reference on the same layout: no worse
     than the reference in the same dtype, plus 4 u of the gold's magnitude (the rule of

@@ -26,7 +26,7 @@ import torch
 from rlfuse.engine import SamplingParams
 from rlfuse.rollout.agent.chat import ChatRenderer
 from rlfuse.rollout.agent.env import ToolEnv, ToolRunner
-from rlfuse.rollout.agent.multi_turn import run_episodes
+from rlfuse.rollout.agent.multi_turn import MAX_ENV_WORKERS, run_episodes
 from rlfuse.rollout.agent.tools import load_tools
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
@@ -194,7 +194,8 @@ class MultiTurnSampler:
             self.make_env, schemas = (lambda: env_cls(**kwargs)), env_tool_schemas(env_cls)
         else:
             tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, functions=tool_functions)
-            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
+            # tool calls of concurrent env steps: as many at once as env steps (auto: the most there can be)
+            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers or MAX_ENV_WORKERS)
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
             schemas = self.runner.schemas()
