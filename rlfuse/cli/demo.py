@@ -17,7 +17,7 @@ from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
-from rlfuse.run import RunLock, clear_run, make_folder, remove_path
+from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
 
 HELP = ("the embedded default: tiny Qwen3-style model (--hybrid: a Qwen3.5-style hybrid), SFT warm-up, GRPO on "
         "arithmetic, eval before/after")
@@ -73,14 +73,11 @@ def run(args) -> int:
     args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")
-    threads = args.threads if args.threads is not None else (None if size == "gpu" else 1)
-    if args.threads is None and threads == 1:
-        log.info("torch CPU threads: 1 (tiny model: intra-op threading costs more than it saves; --threads N to change)")
     try:
-        if threads is not None and args.threads is not None:
-            setup_threads(threads)
-        elif threads is not None:
-            torch.set_num_threads(threads)
+        if args.threads is not None or size == "gpu":
+            setup_threads(args.threads)
+        else:
+            set_threads(1, "the demo's tiny model: intra-op threading costs more than it saves")
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
