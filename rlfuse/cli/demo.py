@@ -18,6 +18,7 @@ from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
+from rlfuse.run.report import render
 
 HELP = ("the embedded default: tiny Qwen3-style model (--hybrid: a Qwen3.5-style hybrid), SFT warm-up, GRPO on "
         "arithmetic, eval before/after")
@@ -99,5 +100,10 @@ def run(args) -> int:
                 json.dump(summary, f, indent=2)
     except ValueError as e:
         return fail(e)
-    print(f"wrote {args.run_dir}/demo.json; plots: rlfuse report {args.run_dir}")
+    try:
+        index = render(args.run_dir)  # the plots too: what `rlfuse report` writes
+    except ValueError as e:  # a demo that logged no metrics (a stand-in run in tests): nothing to plot
+        print(f"wrote {args.run_dir}/demo.json; no plots ({e})")
+        return 0
+    print(f"wrote {args.run_dir}/demo.json; plots and summary: {index}")
     return 0
