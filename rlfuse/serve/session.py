@@ -29,6 +29,7 @@ import asyncio
 import itertools
 import json
 import math
+import secrets
 import time
 import uuid
 
@@ -124,8 +125,8 @@ async def _generate(state: ServeApp, prompt: list[int], params: SamplingParams, 
 async def session_chat(state: ServeApp, store: SessionStore, sid: str, req: ChatRequest, request: Request) -> dict:
     state.check_model(req.model)
     ses = store.sessions.get(sid)
-    if ses is None and store.auto_open:
-        ses = store.open(sid)
+    if ses is None and store.auto_open:  # `rlfuse serve`: a fresh seed per session (requests may give their own)
+        ses = store.open(sid, secrets.randbits(32))
     if ses is None:
         raise APIError(404, f"session {sid!r} is not open", param="url", code="session_not_found")
     if len(ses.calls) >= store.max_turns:
