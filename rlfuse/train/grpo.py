@@ -180,7 +180,7 @@ class GRPOStep(StreamAndGuardState):
         if g.advantage in KL_IN_REWARD and self.ref_model is not None:
             ref = self.update.trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
             # a split agent episode's reference log-probs cover its earlier pieces first: its own are the last
-            kl_N = torch.cat([(samples[j].logprobs - ref[j][-len(samples[j].token_ids):].float().cpu())
+            kl_N = torch.cat([(samples[j].logprobs - ref[j][len(ref[j]) - len(samples[j].token_ids):].float().cpu())
                               * GRPOUpdate.loss_mask(samples[j]) for j in range(len(samples))])
         return token_advantages(g.advantage, r, [len(s.token_ids) for s in samples], g.group_size,
                                 adv_scale=g.adv_scale, eps=g.adv_eps, kl_N=kl_N, kl_coef=g.kl_coef)
