@@ -87,6 +87,15 @@ class GRPOStep(StreamAndGuardState):
         self.update = GRPOUpdate(cfg, model, optimizer, self.guard, ref_model=self.ref_model, dist=dist)
         self.streamer = StreamStep(self) if self.g.overlap == "stream" else None
         self.last_samples: list[dict] = []
+        # A batch whose every group has equal rewards has zero policy gradient under the
+        # group-relative estimators (no KL or router term): its optimizer step would only
+        # replay Adam's momentum, moving the weights along the last informative direction
+        # with no new signal. docs/agents.md ("When GRPO does not help") measured that drift
+        # taking greedy accuracy from 0.34 to 0.055 in 6 such steps; so such a step's
+        # optimizer step is skipped (grpo.dynamic_sampling skips the whole update).
+        self._no_signal_no_step = (self.g.advantage in ("group", "rloo") and self.ref_model is None
+                                   and self.update.router is None and self.streamer is None)
+        self._no_signal_warned = 0
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -114,6 +123,10 @@ class GRPOStep(StreamAndGuardState):
                 adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
+            # nothing to learn: the forward and backward run (metrics, mismatch), the optimizer step does not
+            self.update.no_signal = bool(flat_zero.all()) and self._no_signal_no_step  # host: CPU tensor
+            if self.update.no_signal:
+                self._warn_no_signal(step, per)
         m: dict = {}
         m["reward/mean"], m["reward/std"] = r.mean(), r.std()
         for name, vals in per.items():
@@ -148,6 +161,18 @@ class GRPOStep(StreamAndGuardState):
                               "advantage": float(adv[j][0]) if len(adv[j]) else 0.0,  # the first token's
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
+
+    def _warn_no_signal(self, step: int, per: dict) -> None:
+        """Say (the first 3 times) that a step had no reward signal, and the likely fix."""
+        self._no_signal_warned += 1
+        if self._no_signal_warned > 3:
+            return
+        acc = _mean(per[self.rewards.correctness]) if self.rewards.correctness else None
+        why = (f"sampled accuracy {float(acc):.3f}: if the model's greedy accuracy is well above that, "
+               f"grpo.temperature={self.g.temperature:g} samples too far from what it learnt; try 0.6"
+               if acc is not None and float(acc) < 0.05 else "every completion scored the same")
+        log.warning("step %d: every group's rewards are equal, no signal to learn from; the optimizer step is "
+                    "skipped (%s; docs/agents.md, \"When GRPO does not help\")", step + 1, why)
 
     def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer, first_episode: int = 0):
         """Generate G completions of each prompt and score them: (samples, total rewards,

@@ -66,6 +66,8 @@ class GRPOUpdate:
         g = self.g
         self.model, self.optimizer, self.guard, self.ref_model, self.dist = model, optimizer, guard, ref_model, dist
         self.owner = None
+        self.no_signal = False
+        """Set by the step: no group has reward variance, so the optimizer steps are skipped."""
         self.device = model.lm_head_weight.device
         # REINFORCE++ folds the KL into its returns (the step's advantages); the others add it to the loss
         self.kl_in_loss = ref_model is not None and g.advantage not in KL_IN_REWARD
@@ -226,6 +228,9 @@ class GRPOUpdate:
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        if self.no_signal:  # zero gradient: Adam would only replay its momentum (rlfuse.train.grpo)
+            self.optimizer.zero_grad()
+            return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok, "skipped_update": 1.0}
         self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm,
                         where=f"grpo optimizer step {opt_step + 1}")
         self.optimizer.zero_grad()
