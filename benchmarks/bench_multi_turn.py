@@ -6,9 +6,11 @@ turn a tool sleeps `tool_ms` and answers with a ~30-token observation. The singl
 generates 64 completions of turns * turn_tokens tokens. Reported: model tokens/s, the
 engine's idle share while waiting for tools (rollout/engine_idle_frac), the prefix-cache
 share of continuation prompts, and, in exact numerics, the rollout-vs-trainer mismatch over
-every model token of every turn (rlfuse.rollout.exactness.compare).
+every model token of every turn (rlfuse.rollout.exactness.compare), and each multi-turn
+row's tokens/s over the single-turn row's (issue 38's target: >= 0.85x with 50 ms tools).
 
     OUT=out python benchmarks/bench_multi_turn.py          # GPU
+    OUT=out python benchmarks/bench_multi_turn.py --env-workers 8   # the former default: tools queue
     python benchmarks/bench_multi_turn.py --small          # CPU smoke test (tiny model)
 Writes $OUT/bench_multi_turn.json and $OUT/bench_multi_turn.md (a table for docs/benchmarks.md).
 """
@@ -55,17 +57,20 @@ class SleepTool:
                     done=self.n >= self.turns)
 
 
-def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> list[dict]:
+def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path, *, env_workers: int = 0,
+        prompts: int | None = None, group: int | None = None, numerics_list=("fast", "exact")) -> list[dict]:
     dev = "cpu" if small else "cuda"
     model = CausalLM(ModelConfig(**(SMALL if small else SHAPE)))
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
     model = model.to(device=dev, dtype=torch.float32 if small else torch.bfloat16)
     tok = char_chat_tokenizer(string.printable)
-    rows = [{"prompt": f"Problem {i}: multiply the numbers and explain."} for i in range(2 if small else 8)]
-    G = 2 if small else 8
-    cfg = RolloutConfig(max_turns=turns, max_turn_tokens=turn_tokens, max_total_tokens=turns * (turn_tokens + 64))
+    rows = [{"prompt": f"Problem {i}: multiply the numbers and explain."}
+            for i in range(prompts or (2 if small else 8))]
+    G = group or (2 if small else 8)
+    cfg = RolloutConfig(max_turns=turns, max_turn_tokens=turn_tokens, max_total_tokens=turns * (turn_tokens + 64),
+                        env_workers=env_workers)
     results = []
-    for numerics in ("fast", "exact"):
+    for numerics in numerics_list:
         llm = LLM(model, tok, EngineConfig(numerics=numerics, max_model_len=cfg.max_total_tokens + 128))
         renderer = ChatRenderer(tok)
         prompt_ids = [renderer.start([{"role": "user", "content": r["prompt"]}])[1] for r in rows]
@@ -75,8 +80,9 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> l
                                                        ignore_eos=True, seed=0))
         dt = time.perf_counter() - t0
         n = sum(len(o.output_token_ids) for o in outs)
+        single = n / dt
         results.append({"numerics": numerics, "mode": "single-turn", "tool_ms": None, "model_tokens": n,
-                        "seconds": dt, "tokens_per_s": n / dt})
+                        "seconds": dt, "tokens_per_s": single, "vs_single_turn": 1.0})
         for tool_ms in tool_ms_list:
             t0 = time.perf_counter()
             eps, m = run_episodes(llm, renderer, lambda ms=tool_ms: SleepTool(turns, ms), rows, cfg=cfg,
@@ -84,7 +90,8 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> l
             dt = time.perf_counter() - t0
             n = sum(sum(e.loss_mask) for e in eps)
             row = {"numerics": numerics, "mode": f"{turns} turns", "tool_ms": tool_ms, "model_tokens": n,
-                   "seconds": dt, "tokens_per_s": n / dt, "engine_idle_frac": m["rollout/engine_idle_frac"],
+                   "seconds": dt, "tokens_per_s": n / dt, "vs_single_turn": n / dt / single,
+                   "env_workers": env_workers or "auto", "engine_idle_frac": m["rollout/engine_idle_frac"],
                    "continuation_cached_frac": m["rollout/continuation_cached_frac"],
                    "turns_mean": m["rollout/turns_mean"]}
             if numerics == "exact" and tool_ms == tool_ms_list[-1]:
@@ -99,12 +106,13 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms_list, out: Path) -> l
         del llm
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench_multi_turn.json").write_text(json.dumps(results, indent=2))
-    lines = ["| numerics | rollout | tool sleep | model tokens | s | tok/s | engine idle | cached continuation | "
-             "exact mismatch |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| numerics | rollout | tool sleep | env workers | model tokens | s | tok/s | vs single-turn | engine idle | "
+             "cached continuation | exact mismatch |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         sleep = "" if r["tool_ms"] is None else f"{r['tool_ms']:g} ms"
-        lines.append(f"| {r['numerics']} | {r['mode']} | {sleep} "
+        lines.append(f"| {r['numerics']} | {r['mode']} | {sleep} | {r.get('env_workers', '')} "
                      f"| {r['model_tokens']} | {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | "
+                     f"{r['vs_single_turn']:.2f}x | "
                      f"{r.get('engine_idle_frac', float('nan')):.3f} | {r.get('continuation_cached_frac', float('nan')):.3f} "
                      f"| {r.get('mismatch_max_abs', '')} |")
     (out / "bench_multi_turn.md").write_text("\n".join(lines) + "\n")
@@ -118,9 +126,15 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--turn-tokens", type=int, default=None, help="tokens per turn (default 256; 8 with --small)")
     ap.add_argument("--tool-ms", type=float, nargs="+", default=[0.0, 50.0])
+    ap.add_argument("--env-workers", type=int, default=0,
+                    help="rollout.env_workers (default 0: auto, one per episode; 8 was the former default)")
+    ap.add_argument("--prompts", type=int, default=None, help="prompts (default 8; 2 with --small)")
+    ap.add_argument("--group", type=int, default=None, help="episodes per prompt (default 8; 2 with --small)")
+    ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"])
     args = ap.parse_args()
     run(args.small, args.turns, args.turn_tokens or (8 if args.small else 256), args.tool_ms,
-        Path(os.environ.get("OUT", "out")))
+        Path(os.environ.get("OUT", "out")), env_workers=args.env_workers, prompts=args.prompts, group=args.group,
+        numerics_list=args.numerics)
 
 
 if __name__ == "__main__":

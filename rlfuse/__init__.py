@@ -10,20 +10,20 @@ trainer updates in place. The Python API (docs/python-api.md):
 The command line (`rlfuse --help`) runs the same trainers; see README.md.
 """
 
-from rlfuse.api import (
-                        DPOConfig,
-                        DPOTrainer,
-                        GRPOConfig,
-                        GRPOTrainer,
-                        PPOConfig,
-                        PPOTrainer,
-                        RunConfig,
-                        SFTConfig,
-                        SFTTrainer,
-                        load_model,
-                        load_run_config,
-)
-
 __version__ = "0.1.0"
 __all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "PPOConfig", "PPOTrainer", "RunConfig", "SFTConfig",
            "SFTTrainer", "load_model", "load_run_config"]
+
+
+def __getattr__(name: str):
+    """The Python API's names, imported from rlfuse.api on first use: `import rlfuse` (and
+    `rlfuse --version`, `rlfuse --help`) must not pay for torch (issue 37, seconds per start)."""
+    if name in __all__:
+        import rlfuse.api as api  # lazy on purpose: see the docstring
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rlfuse' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted([*globals(), *__all__])

@@ -10,6 +10,7 @@ import asyncio
 
 import openai
 import pytest
+import torch
 from agent_setup import chat_tokenizer
 from engine_helpers import (
     one_thread,  # noqa: F401 (fixture)
@@ -147,3 +148,66 @@ def test_bad_requests_get_openais_errors(setup):
     assert seen["param"][0] == 400 and "temperature" in seen["param"][2]
     assert seen["long"][:2] == (400, "context_length_exceeded")
 
+
+
+def test_rlfuse_serve_mounts_sessions_with_streaming_and_n(setup):
+    """`rlfuse serve`'s app (serve_app) answers the session routes: a session opens on its
+    first call, n > 1 records every choice, a streamed answer parses in the openai client, and
+    the trajectory route returns the recorded samples, token-exact."""
+    import httpx
+
+    from rlfuse.serve import serve_app
+
+    model, tok = setup
+    with use_backend("torch"):
+        app = serve_app(LLM(model, tok, EngineConfig(max_num_seqs=8, numerics="exact", seed=0)), "tiny")
+        worker = app.state.serve.worker.start()
+
+        async def main():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), timeout=None) as http:
+                client = openai.AsyncOpenAI(base_url="http://x/sessions/s1/v1", api_key="-", http_client=http,
+                                            max_retries=0)
+                msgs = [{"role": "user", "content": "hi"}]
+                r = await client.chat.completions.create(model="tiny", messages=msgs, n=3, max_tokens=5)
+                assert [c.index for c in r.choices] == [0, 1, 2]
+                msgs.append(r.choices[1].message.model_dump(exclude_none=True))
+                msgs.append({"role": "user", "content": "again"})
+                chunks = [c async for c in await client.chat.completions.create(
+                    model="tiny", messages=msgs, max_tokens=5, stream=True)]
+                text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+                traj = (await http.get("http://x/sessions/s1/trajectory")).json()
+                missing = (await http.get("http://x/sessions/nope/trajectory")).status_code
+                return r, text, traj, missing
+
+        try:
+            r, text, traj, missing = asyncio.run(main())
+        finally:
+            worker.stop()
+    assert missing == 404 and traj["calls"] == 4 and traj["rerendered_tokens"] == 0
+    # choice 1's turn was continued: its sample holds the second call too; choices 0 and 2 stand alone
+    samples = traj["samples"]
+    assert len(samples) == 3 and sorted(sum(s["loss_mask"]) > 0 for s in samples) == [True] * 3
+    longest = max(samples, key=lambda s: len(s["token_ids"]))
+    assert longest["calls"] == 2 and all(s["calls"] == 1 for s in samples if s is not longest)
+    assert isinstance(text, str)
+
+
+def test_failed_episode_drop_leaves_it_out_of_loss_and_baseline(setup):
+    from rlfuse.train.advantages import drop_rewards
+
+    async def agent(client, row):
+        if row["prompt"] == "raise":
+            raise RuntimeError("agent bug")
+        await client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}])
+        return 1.0 if row["prompt"] == "good" else 0.0
+
+    with use_backend("torch"):
+        samples = _sampler(setup, agent, failed_episode="drop").episodes(_rows("good", "raise"), n=1,
+                                                                        temperature=1.0, seed=0)
+    assert [s.dropped for s in samples] == [False, True] and float(samples[1].loss_mask.sum()) == 0
+    r = drop_rewards(torch.tensor([1.0, 0.0, 0.5, 0.0]), [False, True, False, False], 2)
+    assert r.tolist() == [1.0, 1.0, 0.5, 0.0]  # the dropped one takes its group's mean: advantage 0 for all
+    with pytest.raises(ValueError, match="rollout.failed_episode"):
+        from rlfuse.run.config.run_config import load_config
+        load_config({"rollout": {"failed_episode": "skip"}}, [])

@@ -287,3 +287,28 @@ def test_resuming_an_api_run_whose_rows_were_in_memory(tmp_path):
     assert again.config.data.train == str(tmp_path / "sft" / "data" / "train.jsonl")
     res = again.train()
     assert res["steps"] == 2 and res["history"][-1]["step"] == 2
+
+
+@pytest.mark.slow  # ~30 s: the doc's own 80 SFT + 20 GRPO steps
+def test_python_api_doc_example_runs_as_written(tmp_path):
+    """docs/python-api.md's first code block, unchanged, in a folder that holds what the
+    block's comment says to make (the tiny model) and the repository's examples/."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    block = re.search(r"```python\n(.*?)```", (root / "docs" / "python-api.md").read_text(), re.S).group(1)
+    (tmp_path / "examples").symlink_to(root / "examples")
+    data = [str(root / "examples" / "data" / f) for f in ("reverse_train.jsonl", "reverse_eval.jsonl")]
+    assert _example("make_tiny_model").main([str(tmp_path / "runs" / "tiny-model"), "--data", *data]) == 0
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]),
+           "RLFUSE_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    before, after = (float(x) for x in r.stdout.split("\n")[0].split(" -> "))
+    assert before > 0.3 and after > 0.3, r.stdout  # SFT taught the task (held-out reward; GRPO's 20 steps move it little)
+    assert (tmp_path / "exports" / "grpo" / "config.json").exists() and "max_new_tokens=256" not in r.stderr

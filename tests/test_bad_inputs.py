@@ -2202,6 +2202,16 @@ def test_bad_sandbox_setting_names_the_choices():
                  "--set rollout.sandbox=docker")
 
 
+
+@pytest.mark.bad_input("agents")
+def test_bad_failed_episode_setting_names_the_choices():
+    from rlfuse.run.config import load_config
+
+    expect_error(lambda: load_config(None, ["rollout.failed_episode=skip"]),
+                 r"rollout\.failed_episode must be one of \['zero', 'drop'\], got 'skip'",
+                 "--set rollout.failed_episode=skip")
+
+
 # ------------------------------------------------------------------ the catalog of this corpus
 def test_the_catalog_lists_every_case(request):
     """docs/bad-inputs.md lists exactly this file's corpus cases, each under its category (the

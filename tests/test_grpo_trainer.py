@@ -193,3 +193,22 @@ def test_fast_numerics_recomputes_the_old_policy_and_applies_the_corrections(tmp
     m = tr.step(0)
     assert float(m["mismatch/full_max_abs"]) == 0.0 and float(m["mismatch/full_kl_k3"]) == 0.0
     assert "offpolicy/tis_weight" not in m
+
+
+def test_a_step_without_reward_signal_takes_no_optimizer_step(tmp_path, caplog):
+    """Every group's rewards equal (a random model never solves a problem): zero policy
+    gradient, so no optimizer step either -- AdamW would still move the weights (its momentum
+    after an informative step, its weight decay) with nothing learnt. The step is logged,
+    with the temperature hint when sampled accuracy is ~0 (docs/agents.md)."""
+    import logging
+
+    cfg = tiny_cfg(tmp_path, "optim.weight_decay=0.1", rewards=[{"name": "arithmetic"}])
+    ses = tiny_session(cfg)
+    tr = _trainer(cfg, ses)
+    before = {n: p.detach().clone() for n, p in ses.model.named_parameters()}
+    with caplog.at_level(logging.WARNING):
+        m = tr.step(0)
+    assert float(m["groups/zero_variance_frac"]) == 1.0 and float(m["skipped_update"]) == 1.0
+    assert all(torch.equal(p, before[n]) for n, p in ses.model.named_parameters())
+    assert "mismatch/max_abs" in m and "loss" in m  # the forward ran: metrics as on any step
+    assert "no signal to learn from" in caplog.text and "grpo.temperature=1 samples too far" in caplog.text

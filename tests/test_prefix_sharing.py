@@ -35,10 +35,13 @@ def _g(seed):
     return torch.Generator().manual_seed(seed)
 
 
-def _layouts(dtype, hq=4, hkv=2, dh=16, seed=0, P=P, COMPLETIONS=COMPLETIONS):
+def _layouts(dtype, hq=4, hkv=2, dh=16, seed=0, P=P, COMPLETIONS=COMPLETIONS, reads=None):
     """q, k, v of one unshared sequence before the group (length 9), then the group: as
     (unshared tensors, cu), (shared tensors, cu, SharedPrefix) and the row maps of the
-    group's rows: unshared row -> shared row, for prompt copies and completions."""
+    group's rows: unshared row -> shared row, for prompt copies and completions.
+    reads[c]: the prompt keys completion c reads (default all P: a GRPO group; fewer: split
+    agent turns whose contexts part ways inside the shared trunk)."""
+    reads = [P] * len(COMPLETIONS) if reads is None else reads
     g = _g(seed)
 
     def rnd(n, h):
@@ -47,28 +50,34 @@ def _layouts(dtype, hq=4, hkv=2, dh=16, seed=0, P=P, COMPLETIONS=COMPLETIONS):
     other = [rnd(9, h) for h in (hq, hkv, hkv)]
     prompt = [rnd(P, h) for h in (hq, hkv, hkv)]
     comps = [[rnd(c, h) for h in (hq, hkv, hkv)] for c in COMPLETIONS]
-    un = [torch.cat([other[i]] + [t for c in comps for t in (prompt[i], c[i])]) for i in range(3)]
+    un = [torch.cat([other[i]] + [t for c, r in zip(comps, reads) for t in (prompt[i][:r], c[i])]) for i in range(3)]
     sh = [torch.cat([other[i], prompt[i]] + [c[i] for c in comps]) for i in range(3)]
-    un_lens, sh_lens = [9] + [P + c for c in COMPLETIONS], [9, P] + COMPLETIONS
+    un_lens, sh_lens = [9] + [r + c for c, r in zip(COMPLETIONS, reads)], [9, P] + COMPLETIONS
     cu = [torch.tensor([0, *n]).cumsum(0).to(torch.int32).to(DEV) for n in (un_lens, sh_lens)]
-    prefix = SharedPrefix.from_groups(sh_lens, [None, None] + [1] * len(COMPLETIONS), DEV)
+    prefix = SharedPrefix.from_groups(sh_lens, [None, None] + [1] * len(COMPLETIONS), DEV, [None, None, *reads])
     comp_rows, prompt_rows, u, s = [], [], 9, 9 + P  # (unshared row, shared row)
-    for c in COMPLETIONS:
-        prompt_rows.append((torch.arange(u, u + P), torch.arange(9, 9 + P)))
-        comp_rows.append((torch.arange(u + P, u + P + c), torch.arange(s, s + c)))
-        u, s = u + P + c, s + c
+    for c, r in zip(COMPLETIONS, reads):
+        prompt_rows.append((torch.arange(u, u + r), torch.arange(9, 9 + r)))
+        comp_rows.append((torch.arange(u + r, u + r + c), torch.arange(s, s + c)))
+        u, s = u + r + c, s + c
     un = [t.to(DEV) for t in un]
     sh = [t.to(DEV) for t in sh]
     return (un, cu[0], max(un_lens)), (sh, cu[1], max(sh_lens), prefix), comp_rows, prompt_rows
 
 
 GPU_SHAPE = dict(hq=16, hkv=8, dh=128, P=300, COMPLETIONS=[1, 63, 64, 257, 0])  # Qwen3-0.6B heads
+PARTIAL = dict(COMPLETIONS=[5, 30, 66, 3], reads=[P, 40, 5, 64])  # split turns: some read part of the trunk
+GPU_PARTIAL = dict(hq=16, hkv=8, dh=128, P=300, COMPLETIONS=[1, 63, 257, 64], reads=[300, 129, 7, 64])
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_attention_over_a_shared_prefix_is_bitwise_the_unshared(backend, dtype):
-    shape = GPU_SHAPE if backend == "gpu" else {}
+@pytest.mark.parametrize("reads", ["all", "partial"])
+def test_exact_attention_over_a_shared_prefix_is_bitwise_the_unshared(backend, dtype, reads):
+    if backend == "triton" and reads == "partial" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter is slow: partial reads run in fp32 on the CPU, both dtypes on the GPU")
+    shape = (GPU_SHAPE if reads == "all" else GPU_PARTIAL) if backend == "gpu" else (
+        {} if reads == "all" else PARTIAL)
     backend = "triton" if backend == "gpu" else backend
     (un, cu_u, max_u), (sh, cu_s, max_s, prefix), comp_rows, prompt_rows = _layouts(dtype, **shape)
     with use_backend(backend), use_numerics("exact"):
@@ -100,8 +109,10 @@ def _fold(grads, n_shared, comp_rows, prompt_rows):
     return out
 
 
-def test_shared_prefix_gradients_match_the_unshared_in_fp64():
-    (un, cu_u, max_u), (sh, cu_s, max_s, prefix), comp_rows, prompt_rows = _layouts(torch.float64, seed=1)
+@pytest.mark.parametrize("reads", ["all", "partial"])
+def test_shared_prefix_gradients_match_the_unshared_in_fp64(reads):
+    (un, cu_u, max_u), (sh, cu_s, max_s, prefix), comp_rows, prompt_rows = _layouts(
+        torch.float64, seed=1, **({} if reads == "all" else PARTIAL))
     do_s = torch.randn(sh[0].shape, generator=_g(2), dtype=torch.float64)
     do_u = torch.zeros(un[0].shape, dtype=torch.float64)  # the prompt's own rows: once, in the first copy
     do_u[:9 + P] = do_s[:9 + P]
@@ -116,11 +127,16 @@ def test_shared_prefix_gradients_match_the_unshared_in_fp64():
 
 @pytest.mark.parametrize("where", ["cpu", pytest.param("gpu", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_shared_prefix_backward_vs_fp64_reference(where, dtype):
-    """The Triton backward (dK/dV reading the prompt's readers, dQ the gathered key tiles)
-    against the fp64 reference on the same layout: no worse than the reference in the same
-    dtype, plus 4 u of the gold's magnitude (the rule of tests/test_kernel_attention.py)."""
-    _, (sh, cu, max_len, prefix), _, _ = _layouts(dtype, seed=3, **(GPU_SHAPE if where == "gpu" else {}))
+@pytest.mark.parametrize("reads", ["all", "partial"])
+def test_triton_shared_prefix_backward_vs_fp64_reference(where, dtype, reads):
+    if where == "cpu" and reads == "partial" and dtype == torch.bfloat16:
+        pytest.skip("the interpreter is slow: partial reads run in fp32 on the CPU, both dtypes on the GPU")
+    """The Triton backward (dK/dV reading the prompt's readers, each masked to the keys it
+    reads; dQ the gathered key tiles) against the fp64 reference on the same layout: no worse
+    than the reference in the same dtype, plus 4 u of the gold's magnitude (the rule of
+    tests/test_kernel_attention.py)."""
+    shape = (GPU_SHAPE if reads == "all" else GPU_PARTIAL) if where == "gpu" else ({} if reads == "all" else PARTIAL)
+    _, (sh, cu, max_len, prefix), _, _ = _layouts(dtype, seed=3, **shape)
     do = torch.randn(sh[0].shape, generator=_g(4)).to(dtype).to(DEV)
     with use_backend("torch"):
         _, gold = _grads([t.double() for t in sh], cu, max_len, prefix, do.double())

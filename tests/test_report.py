@@ -55,10 +55,10 @@ def test_panels_have_units_distinct_names_and_split_scales():
     assert by_key["lr"][0] != by_key["grad_norm"][0]                 # different units: different axes
     assert by_key["time/score"][0] != by_key["time/step"][0]         # same unit, 3000x smaller: own axis
     assert by_key["time/generate"][0] == by_key["time/step"][0]      # same unit and scale: shared
-    assert report.LABELS["accuracy"] == "training-sample accuracy"
-    assert report.EVAL_LABELS["accuracy"] == "held-out accuracy"
+    assert report.LABELS["accuracy"] == "training accuracy, sampled"
+    assert report.EVAL_LABELS["accuracy"] == "held-out accuracy, greedy"
     every_title = [t for t, _, _ in axes] + [t for t, _, _ in report.EVAL_PANELS]
-    assert "held-out accuracy" in every_title and "training-sample accuracy" in every_title
+    assert "held-out accuracy" in every_title and "training accuracy, sampled" in every_title
 
 
 def test_headline_without_evaluation_uses_the_training_curve():
@@ -147,3 +147,38 @@ def test_sft_evaluates_at_step_zero(tmp_path):
     cfg = tiny_cfg(tmp_path, "sft.steps=2")
     res = run_sft(cfg, session=tiny_session(cfg, need_target=True))
     assert [e["step"] for e in res["evals"]] == [0, 2]
+
+
+def test_sparse_held_out_points_labels_and_the_demos_baseline(tmp_path, monkeypatch):
+    """Issue 37 #11: two held-out evaluations are two markers, not a line through steps
+    nobody measured; the legend says greedy held-out vs sampled (T) training accuracy; a
+    demo folder's demo.json heads the page and its no-tool baseline is on the accuracy panel."""
+    import json
+
+    _write(tmp_path / "grpo", _grpo_rows())
+    (tmp_path / "grpo" / "config.yaml").write_text("grpo:\n  temperature: 0.7\n")
+    (tmp_path / "demo.json").write_text(json.dumps({"accuracy_sft": 0.25, "accuracy_grpo": 0.625,
+                                                    "accuracy_no_tool": 0.1}))
+    drawn = []
+    real = report._figure
+
+    def spy(series, axes, xlabel, path, labels, extra=None, markers=12):
+        drawn.append((series, axes, labels, extra))
+        return real(series, axes, xlabel, path, labels, extra, markers)
+    monkeypatch.setattr(report, "_figure", spy)
+    page = report.render(tmp_path).read_text()
+    assert page.index("demo (demo.json)") < page.index("<img") and "accuracy_no_tool" in page
+    series, axes, labels, extra = next(d for d in drawn if "accuracy" in d[0] and d[3])
+    assert len(series["accuracy"][0]) < report.SPARSE and labels["accuracy"] == "held-out accuracy, greedy"
+    names = [x[0] for x in extra["held-out accuracy"]]
+    assert "training accuracy, sampled (T=0.7, grpo)" in names
+    base = next(x for x in extra["held-out accuracy"] if x[0].startswith("no-tool baseline"))
+    assert base[2] == [0.1, 0.1]
+    # the figure code: a sparse series is drawn without a connecting line
+    from matplotlib.figure import Figure
+
+    lines = []
+    monkeypatch.setattr(Figure, "savefig", lambda self, path: lines.extend(self.axes[0].get_lines()))
+    real({"accuracy": ([0, 6], [0.25, 0.625])}, [("held-out accuracy", "fraction", ["accuracy"])], "step",
+         tmp_path / "x.png", report.EVAL_LABELS)
+    assert lines[0].get_linestyle() == "None" and lines[0].get_marker() == "o"

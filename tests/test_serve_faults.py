@@ -133,27 +133,32 @@ def test_sampling_params_floor_and_int32():
 
 
 def test_engine_step_failure_fails_the_request_not_the_server(server, monkeypatch):
-    """An unforeseen failure inside a step: that request gets a 500 in OpenAI's shape, the
-    engine drops its state and keeps serving."""
+    """An unforeseen failure inside a step: the engine drops its state and re-runs the request
+    alone (probation). A failure that does not come back (here: the first launch only) costs
+    the request nothing; one that does fails that request with a 500 in OpenAI's shape. The
+    engine keeps serving either way."""
     runner = server.llm.runner
     real = runner.launch
-    calls = {"n": 0}
+    calls = {"n": 0, "fail": {1}}
 
     def failing(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 1:
+        if calls["n"] in calls["fail"]:
             raise RuntimeError("injected step failure")
         return real(*a, **k)
     monkeypatch.setattr(runner, "launch", failing)
     before = server.worker.failures
+    status, body = _post(server, "/v1/completions", {"model": NAME, "prompt": "abc", "max_tokens": 4})
+    assert status == 200 and server.worker.failures == before + 1, body  # transient: re-run and answered
+    calls["n"], calls["fail"] = 0, {1, 2}  # fails in the batch and again alone
     status, err = _post(server, "/v1/completions", {"model": NAME, "prompt": "abc", "max_tokens": 4})
     assert status == 500, err
     _is_openai_error(err, status)
     assert "injected step failure" in err["error"]["message"]
-    assert server.worker.failures == before + 1 and server.worker.alive
+    assert server.worker.failures == before + 3 and server.worker.alive
     _served(server)
     with urllib.request.urlopen(server.url + "/health", timeout=10) as r:
-        assert json.loads(r.read())["step_failures"] == before + 1
+        assert json.loads(r.read())["step_failures"] == before + 3
     bm = server.llm.block_manager
     assert bm.num_free == bm.num_blocks
 
@@ -251,3 +256,37 @@ def test_a_chat_request_without_max_tokens_is_logged(server, caplog):
                                                                "messages": [{"role": "user", "content": "hi"}]})
     assert status == 200, body
     assert any("without max_tokens: up to" in r.getMessage() for r in caplog.records)
+
+
+def test_a_failing_request_fails_alone(server, monkeypatch):
+    """A step fails whenever one request (prompt with '~') is in the engine: the requests
+    beside it re-run one at a time and are answered (the non-streamed one exactly as without
+    the failure, greedy), the culprit alone gets a 500, and the server goes on."""
+    import concurrent.futures
+    import time
+
+    llm = server.llm
+    mark = set(llm.tokenizer.encode("~"))
+    good = {"model": NAME, "prompt": "abc", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    _, want = _post(server, "/v1/completions", good)
+    real = llm.step
+
+    def step():
+        for seqs in list(llm._requests.values()):
+            if any(mark & set(s.token_ids[:s.num_prompt_tokens]) for s in seqs):
+                raise RuntimeError("injected: the culprit is in this step")
+        return real()
+    monkeypatch.setattr(llm, "step", step)
+    before = server.worker.failures
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        plain = pool.submit(_post, server, "/v1/completions", good)
+        streamed = pool.submit(_post, server, "/v1/completions", {**good, "stream": True})
+        time.sleep(0.3)  # the good ones are running when the culprit arrives
+        bad = pool.submit(_post, server, "/v1/completions", {**good, "prompt": "a~b"})
+        (s1, b1), (s2, b2), (s3, b3) = plain.result(60), streamed.result(60), bad.result(60)
+    assert s3 == 500 and "injected" in b3["error"]["message"], b3
+    assert s1 == 200 and b1["choices"][0]["text"] == want["choices"][0]["text"], b1
+    assert s2 == 200 and "[DONE]" in b2 and '"finish_reason": "length"' in b2, b2
+    assert server.worker.failures >= before + 2 and server.worker.alive  # the batch's and the culprit's solo run
+    monkeypatch.setattr(llm, "step", real)
+    _served(server)

@@ -49,6 +49,23 @@ def test_help_lists_only_commands_that_exist_and_python_m_rlfuse_runs_main():
     assert all(name in out for name in COMMANDS) and "consistency" not in out
 
 
+def test_version_and_help_import_no_torch():
+    """`rlfuse --version` / `--help` answer without importing torch or matplotlib (issue 37:
+    4-5 s idle, 21 s on a busy machine); each command's help line is its module's HELP."""
+    from rlfuse.cli import COMMAND_HELP
+
+    assert all(COMMAND_HELP[name] == COMMANDS[name].HELP for name in COMMANDS)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    probe = ("import runpy, sys\nsys.argv = ['rlfuse', *sys.argv[1:]]\ntry:\n"
+             "    runpy.run_module('rlfuse', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+             "print('HEAVY', sorted(m for m in ('torch', 'matplotlib', 'numpy') if m in sys.modules))")
+    for flag in ("--version", "--help"):
+        out = subprocess.run([sys.executable, "-c", probe, flag], capture_output=True, text=True, env=env, cwd=root,
+                             check=True).stdout
+        assert "HEAVY []" in out and ("rlfuse 0." in out if flag == "--version" else "COMMAND" in out), out
+
+
 def test_missing_model_folder_is_said_so(tmp_path, recipe, capsys):
     nope = tmp_path / "nope"
     assert main(["generate", str(nope), "--prompt", "1+1="]) == 2
@@ -72,17 +89,39 @@ def test_a_failed_start_leaves_the_runs_config_as_it_was(tmp_path, recipe, capsy
     assert (run / "config.yaml").read_text() == before
 
 
-def test_the_thread_count_is_always_logged(caplog, monkeypatch):
-    """Issue 37: speed swung up to 19x with torch's default threads, and nothing said which."""
+def test_threads_are_chosen_automatically_and_logged(caplog, monkeypatch, recipe, tmp_path):
+    """Issue 37: speed swung up to 19x with torch's default threads, and nothing said which.
+    No --threads / RLFUSE_THREADS: a command takes the idle cores (cores less the load
+    average), a trainer on the CPU 1 thread for a tiny model; each choice is logged."""
     import logging
 
     import torch
 
+    import rlfuse.run.build as build
+    from rlfuse import SFTTrainer
     from rlfuse.cli.common import setup_threads
+
+    before = torch.get_num_threads()
     monkeypatch.delenv("RLFUSE_THREADS", raising=False)
-    with caplog.at_level(logging.INFO, logger="rlfuse.cli"):
-        setup_threads(None)
-    assert f"torch CPU threads: {torch.get_num_threads()} (torch's default" in caplog.text
+    monkeypatch.setattr(build, "_threads_set_by", [])
+    monkeypatch.setattr(build.os, "getloadavg", lambda: (before - 0.6, 0.0, 0.0))  # all but ~1 core busy
+    try:
+        with caplog.at_level(logging.INFO):
+            assert build.choose_threads(400_000)[0] == 1 and build.choose_threads(10**9)[0] == 1
+            setup_threads(None, model_decides=True)  # a training command: the trainer decides
+            assert not build.threads_chosen()
+            monkeypatch.setattr(build.os, "getloadavg", lambda: (0.0, 0.0, 0.0))
+            assert build.choose_threads(10**9)[0] == before  # idle: torch's default
+            SFTTrainer(config=str(recipe), run_dir=tmp_path / "api")
+            assert torch.get_num_threads() == 1 and build.threads_chosen()
+            assert "torch CPU threads: 1 (a 0." in caplog.text and "intra-op threads" in caplog.text
+            monkeypatch.setattr(build, "_threads_set_by", [])
+            setup_threads(None)  # check, serve, generate, eval: by the load
+            assert f"torch CPU threads: {before} ({before} cores, 1-minute load average 0.0" in caplog.text
+            setup_threads(2)
+            assert "torch CPU threads: 2 (--threads" in caplog.text
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_the_tiny_char_model_trains_on_your_own_jsonl(tmp_path, recipe, capsys):

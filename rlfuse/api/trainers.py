@@ -49,7 +49,7 @@ from rlfuse.api.models import resolve_model_folder
 from rlfuse.engine import SamplingParams
 from rlfuse.model import CausalLM
 from rlfuse.rollout import PYTHON_REWARD, PYTHON_TOOL
-from rlfuse.run import RunLock, export_model, prepare_run_folder
+from rlfuse.run import RunLock, choose_threads, export_model, prepare_run_folder, set_threads, threads_chosen
 from rlfuse.run.config import DPOConfig, GRPOConfig, PPOConfig, RewardSpec, RunConfig, SFTConfig, replace
 from rlfuse.run.distributed import DistContext, fail_together, gather_results
 from rlfuse.train import Session, open_session, run_dpo, run_grpo, run_ppo, run_sft
@@ -256,6 +256,8 @@ class _Trainer:
         except BaseException:
             self._release()
             raise
+        if not threads_chosen() and self.session.device.type == "cpu":  # the commands' --threads, else by size
+            set_threads(*choose_threads(sum(p.numel() for p in self.session.model.parameters())))
         self.summary: dict | None = None
 
     def _write_datasets(self, in_memory: dict) -> None:

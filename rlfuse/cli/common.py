@@ -13,14 +13,13 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import record
 
 from rlfuse.api.config import load_run_config as api_config
 from rlfuse.api.config import recipe_names
 from rlfuse.engine import EngineConfig
 from rlfuse.kernels.backend import NUMERICS
-from rlfuse.run import Interrupted, data_lines, pick_device, read_jsonl
+from rlfuse.run import Interrupted, choose_threads, data_lines, pick_device, read_jsonl, set_threads
 from rlfuse.run.config import RunConfig, describe
 from rlfuse.run.distributed import DistContext, init_distributed, launch_env, quiet_non_main, shutdown
 
@@ -74,8 +73,8 @@ def run_flags(args) -> dict:
                 force=getattr(args, "force", False), words="cli")
 
 
-THREADS_HELP = ("torch CPU threads (default: torch's choice, one per core; RLFUSE_THREADS also sets it). On a "
-                "busy or small machine, 1-2 threads often run a small model several times faster")
+THREADS_HELP = ("torch CPU threads (default: automatic, logged: 1 for a model under 20M parameters, else the idle "
+                "cores; RLFUSE_THREADS also sets it)")
 
 
 def add_threads_argument(p: argparse.ArgumentParser) -> None:
@@ -154,12 +153,15 @@ def print_data(res: dict) -> None:
         print(f"data {line}")
 
 
-def setup_threads(threads: int | None) -> None:
-    """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer >= 1)."""
+def setup_threads(threads: int | None, *, model_decides: bool = False) -> None:
+    """torch's CPU threads from --threads, else RLFUSE_THREADS (ValueError unless an integer
+    >= 1), else the automatic choice (`rlfuse.run.choose_threads`: the idle cores), logged
+    with its reason. `model_decides`: leave the automatic choice to the trainer, which knows
+    the model's size (a tiny one takes 1 thread)."""
     what, raw = ("--threads", threads) if threads is not None else ("RLFUSE_THREADS", os.environ.get("RLFUSE_THREADS"))
-    if raw is None:  # say what torch chose: on a shared machine it can be the slowest choice
-        log.info("torch CPU threads: %d (torch's default, one per core; --threads N or RLFUSE_THREADS=N to change: "
-                 "1-2 often run a small model faster on a busy machine)", torch.get_num_threads())
+    if raw is None:
+        if not model_decides:
+            set_threads(*choose_threads())
         return
     try:
         n = int(raw)
@@ -167,8 +169,7 @@ def setup_threads(threads: int | None) -> None:
         n = 0
     if n < 1 or str(raw).strip() != str(n):
         raise ValueError(f"{what}: expected an integer >= 1 (torch CPU threads), got {raw!r}")
-    torch.set_num_threads(n)
-    log.info("torch CPU threads: %d (--threads / RLFUSE_THREADS)", n)
+    set_threads(n, what)
 
 
 def fail(e: Exception) -> int:

@@ -17,7 +17,8 @@ from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
-from rlfuse.run import RunLock, clear_run, make_folder, remove_path
+from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
+from rlfuse.run.report import render
 
 HELP = ("the embedded default: tiny Qwen3-style model (--hybrid: a Qwen3.5-style hybrid), SFT warm-up, GRPO on "
         "arithmetic, eval before/after")
@@ -73,14 +74,11 @@ def run(args) -> int:
     args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")
-    threads = args.threads if args.threads is not None else (None if size == "gpu" else 1)
-    if args.threads is None and threads == 1:
-        log.info("torch CPU threads: 1 (tiny model: intra-op threading costs more than it saves; --threads N to change)")
     try:
-        if threads is not None and args.threads is not None:
-            setup_threads(threads)
-        elif threads is not None:
-            torch.set_num_threads(threads)
+        if args.threads is not None or size == "gpu":
+            setup_threads(args.threads)
+        else:
+            set_threads(1, "the demo's tiny model: intra-op threading costs more than it saves")
         root = make_folder(args.run_dir, "--run-dir")
         with RunLock(root).acquire():
             replace_previous_demo(root)
@@ -102,5 +100,10 @@ def run(args) -> int:
                 json.dump(summary, f, indent=2)
     except ValueError as e:
         return fail(e)
-    print(f"wrote {args.run_dir}/demo.json; plots: rlfuse report {args.run_dir}")
+    try:
+        index = render(args.run_dir)  # the plots too: what `rlfuse report` writes
+    except ValueError as e:  # a demo that logged no metrics (a stand-in run in tests): nothing to plot
+        print(f"wrote {args.run_dir}/demo.json; no plots ({e})")
+        return 0
+    print(f"wrote {args.run_dir}/demo.json; plots and summary: {index}")
     return 0

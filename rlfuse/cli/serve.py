@@ -3,7 +3,9 @@
     rlfuse serve runs/my_grpo --port 8000           # the run's final/ (else its latest checkpoint)
     rlfuse serve MODEL_DIR --numerics exact --host 0.0.0.0
     rlfuse serve MODEL_DIR --lora math=adapters/math code=adapters/code   # several adapters, one batch
-then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`.
+then any OpenAI client: `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="none")`; a recorded
+agent session (token-exact trajectory, rlfuse/serve/session.py) at base_url
+`http://127.0.0.1:8000/sessions/ID/v1`, its record at GET /sessions/ID/trajectory.
 Routes and request fields: rlfuse/serve/app.py, rlfuse/serve/protocol.py, docs/serving.md.
 Needs the `serve` extra (pip install -e '.[serve]': fastapi, uvicorn).
 """
@@ -44,7 +46,7 @@ def run(args) -> int:
         # optional dependencies (the `serve` extra): imported only by this command
         import uvicorn
 
-        from rlfuse.serve import build_app
+        from rlfuse.serve import serve_app
     except ImportError as e:
         return fail(ValueError(f"rlfuse serve needs the serve extra ({e.name} is not installed): "
                                "pip install 'rlfuse[serve]'"))
@@ -60,7 +62,7 @@ def run(args) -> int:
         if loras:
             load_adapter_bank(model, loras)
         name = args.served_model_name or Path(args.model).resolve().name
-        app = build_app(LLM(model, tok, cfg), name)
+        app = serve_app(LLM(model, tok, cfg), name)  # with the recorded agent sessions' routes
     except ValueError as e:
         return fail(e)
     also = f" and adapters {', '.join(loras)}" if loras else ""

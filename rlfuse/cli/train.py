@@ -82,7 +82,7 @@ class TrainCommand:
             if not self.distributed:
                 single_process_only(self.name)
             cfg = load_run_config(args)
-            setup_threads(args.threads)
+            setup_threads(args.threads, model_decides=True)  # the trainer picks by the model's size
             if self.distributed:
                 ctx = start_distributed(args, cfg)  # None unless launched by torchrun
             with stop_on_signals():

@@ -26,7 +26,7 @@ import torch
 from rlfuse.engine import SamplingParams
 from rlfuse.rollout.agent.chat import ChatRenderer
 from rlfuse.rollout.agent.env import ToolEnv, ToolRunner
-from rlfuse.rollout.agent.multi_turn import run_episodes
+from rlfuse.rollout.agent.multi_turn import MAX_ENV_WORKERS, run_episodes
 from rlfuse.rollout.agent.tools import load_tools
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig, RolloutConfig
@@ -56,6 +56,14 @@ class Sample:
     routing: torch.Tensor | None = None
     """MoE models: (len(token_ids), MoE layers, k) int16, the experts the engine routed each
     sampled token's producing row to (`Completion.routing`); None when not recorded."""
+    dropped: bool = False
+    """Left out of training (rollout.failed_episode drop): its loss mask is all zeros, and the
+    GRPO step counts its reward as the mean of its group's others (`drop_rewards`)."""
+    split_parts: list["Sample"] | None = None
+    """Agent episodes whose calls split (rlfuse.rollout.agent.recording): the episode's earlier
+    samples, each with its own prompt_ids, token_ids, logprobs and loss_mask, in the order
+    they started; trained with this sample's reward and advantage, their common prefixes
+    packed once (rlfuse.run.batching). None: the episode is this one sample."""
 
 
 class Sampler(Protocol):
@@ -186,7 +194,8 @@ class MultiTurnSampler:
             self.make_env, schemas = (lambda: env_cls(**kwargs)), env_tool_schemas(env_cls)
         else:
             tools = load_tools(cfg.tools, timeout_s=cfg.tool_timeout_s, sandbox=cfg.sandbox, functions=tool_functions)
-            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers)
+            # tool calls of concurrent env steps: as many at once as env steps (auto: the most there can be)
+            self.runner = ToolRunner(tools, timeout_s=cfg.tool_timeout_s, workers=cfg.env_workers or MAX_ENV_WORKERS)
             system = data.system_prompt or None
             self.make_env = lambda: ToolEnv(self.runner, system=system, prompt_template=data.prompt_template)
             schemas = self.runner.schemas()

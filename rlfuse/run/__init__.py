@@ -3,7 +3,7 @@ engine, checkpoints and resume, the run folder, metrics, the optimizer, packed b
 and the distributed plumbing. `rlfuse.run.report` (plots; imports matplotlib) is imported
 by module where a report is written."""
 
-from rlfuse.run.batching import PackedBatch, pack_by_tokens, shared_contexts
+from rlfuse.run.batching import PackedBatch, pack_by_tokens, share_plan, shared_contexts
 from rlfuse.run.build import (
                               apply_lora,
                               build_engine,
@@ -13,8 +13,11 @@ from rlfuse.run.build import (
                               char_tokenizer,
                               check_model_folder,
                               check_vocab,
+                              choose_threads,
                               pick_device,
                               seed_everything,
+                              set_threads,
+                              threads_chosen,
 )
 from rlfuse.run.checkpoint import export_model, list_checkpoints, merged_folder, save_checkpoint, save_final
 from rlfuse.run.folder import RunLock, clear_run, make_folder, prepare_run_folder, remove_path
@@ -28,9 +31,9 @@ from rlfuse.utils.user_code import load_function
 __all__ = ["DATA_REASONS", "DATA_STAGE", "Interrupted", "MasterAdamW", "NonFiniteGuard", "PackedBatch", "PhaseTimer",
            "RunLock", "RunLog", "WeightNormWatch", "apply_lora", "build_engine", "build_model", "build_sharded",
            "build_tokenizer",
-           "char_tokenizer", "check_model_folder", "check_vocab", "clear_run", "clip_grad_norm_", "data_lines",
+           "char_tokenizer", "check_model_folder", "check_vocab", "choose_threads", "clear_run", "clip_grad_norm_", "data_lines",
            "export_model", "list_checkpoints", "load_checkpoint", "load_function", "load_model_folder", "lr_at",
            "make_folder", "merged_folder", "model_folder", "open_trackers", "pack_by_tokens", "peak_memory_mb",
-           "pick_device", "prepare_run_folder", "shared_contexts",
+           "pick_device", "prepare_run_folder", "share_plan", "shared_contexts",
            "read_jsonl", "remove_path", "resolve_resume", "save_checkpoint", "save_final", "seed_everything",
-           "stop_agreed", "stop_on_signals"]
+           "set_threads", "stop_agreed", "stop_on_signals", "threads_chosen"]

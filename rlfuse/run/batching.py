@@ -11,14 +11,19 @@ ids[n_ctx:], predicted from hidden rows start_b + n_ctx - 1 ... start_b + len - 
 Tensors: input_ids (T,), positions (T,), Packed(cu_seqlens, max_seqlen), rows (N,),
 targets (N,), seq_ids (N,) -- N = total target tokens.
 
-Shared prompts (`share_min=n > 0`, GRPO's `grpo.share_prefix`): consecutive sequences
-whose contexts are the same n or more token ids (a GRPO group: one prompt, G completions)
-pack as [context, completion_1, ..., completion_G], the context once. Completion g's positions
-continue from n_ctx and its attention reads the context's keys first
-(`rlfuse.kernels.attention.varlen.SharedPrefix`); its first target is predicted from the
-context's last row, the others from its own rows. The targets, seq_ids and their order are
-those of the unshared batch, and so, in exact numerics, are the log-probs, bit for bit
-(tests/test_prefix_sharing.py); the gradients agree to rounding (docs/numerics.md).
+Shared prefixes (`share_min=n > 0`, GRPO's `grpo.share_prefix`, and the split samples of one
+agent episode): a run of consecutive sequences whose contexts start with the same n or more
+token ids (a GRPO group: one prompt, G completions; an agent episode's split calls: a
+growing history) packs as [trunk, rest_1, ..., rest_k]: the trunk is the run's longest
+context that extends the others (`share_plan`), once, with no targets; sequence i keeps
+ids[p_i:], where p_i <= n_ctx_i is the length of its common prefix with the trunk, its
+positions continue from p_i and its attention reads the trunk's first p_i keys first
+(`rlfuse.kernels.attention.varlen.SharedPrefix`); a target at position p_i is predicted
+from the trunk's row p_i - 1, the others from its own rows. The targets, seq_ids and their
+order are those of the unshared batch, and so, in exact numerics, are the log-probs, bit for
+bit (tests/test_prefix_sharing.py); the gradients agree to rounding (docs/numerics.md).
+`link[i]` (optional) limits a run to sequences with equal keys: the update shares an agent
+episode's split samples with one another even where grpo.share_prefix is off.
 """
 
 from __future__ import annotations
@@ -33,15 +38,55 @@ from rlfuse.model import (
 )
 
 
-def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:
-    """shared[i] = n_ctx of sequence i when its context ids[:n_ctx] equals sequence i-1's
-    (same ids, same length, at least share_min >= 1 tokens), else 0: the tokens
-    `PackedBatch.build(share_min=...)` packs once for both. share_min 0: none shared."""
+def _common(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def share_plan(seqs: list[tuple[list[int], int]], share_min: int, link: list | None = None):
+    """The shared-prefix layout of `seqs` (the module docstring): (runs, trunks, p), runs as
+    lists of consecutive indices (a run of one shares nothing), trunks[r] the ids packed once
+    for run r (empty for a run of one), p[i] the trunk keys sequence i reads (0: none).
+    share_min 0 and no link: nothing shared. A sequence joins the run before it when its
+    context and the trunk agree on >= max(share_min, 1) ids and (with `link`) its key equals
+    the previous sequence's; where its context extends the trunk, the trunk grows to it."""
+    runs, trunks, p = [], [], [0] * len(seqs)
+    for i, (ids, n_ctx) in enumerate(seqs):
+        ctx = ids[:n_ctx]
+        join = bool(runs) and (share_min > 0 or link is not None) and (link is None or link[i] == link[i - 1])
+        if join:
+            n = _common(ctx, trunks[-1])
+            join = n >= max(share_min, 1)
+        if not join:
+            runs.append([i])
+            trunks.append(ctx)
+            continue
+        if n == len(trunks[-1]) and n_ctx > n:
+            trunks[-1] = ctx
+        runs[-1].append(i)
+    for r, run in enumerate(runs):
+        if len(run) == 1:
+            trunks[r] = []
+        for i in run if len(run) > 1 else ():
+            p[i] = min(_common(seqs[i][0][:seqs[i][1]], trunks[r]), seqs[i][1])
+    return runs, trunks, p
+
+
+def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int, link: list | None = None) -> list[int]:
+    """shared[i]: the tokens sequence i saves when packed in one micro-batch with sequence
+    i - 1 under `share_plan` (its trunk keys, less what it grows the trunk by); the first of a
+    run saves 0. `pack_by_tokens`'s discount."""
+    runs, _, p = share_plan(seqs, share_min, link)
     out = [0] * len(seqs)
-    for i in range(1, len(seqs) if share_min > 0 else 0):
-        (a, na), (b, nb) = seqs[i - 1], seqs[i]
-        if na == nb >= share_min and a[:na] == b[:nb]:
-            out[i] = nb
+    for run in runs:
+        trunk = seqs[run[0]][1] if len(run) > 1 else 0
+        for i in run[1:]:
+            grown = max(seqs[i][1] - trunk, 0) if p[i] == seqs[i][1] else 0
+            out[i] = p[i] - grown
+            trunk += grown
     return out
 
 
@@ -57,43 +102,43 @@ class PackedBatch:
     num_tokens: int          # T
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int]], device, share_min: int = 0) -> "PackedBatch":
-        """share_min > 0: pack equal contexts of at least this many tokens once (module docstring)."""
-        ids, pos, rows, tgt, sid, lens, prefix_of = [], [], [], [], [], [], []
-        shared = shared_contexts(seqs, share_min)
-        start = 0
-        ctx_seg = ctx_last = -1  # the current group's context segment and its last row
+    def build(cls, seqs: list[tuple[list[int], int]], device, share_min: int = 0, link: list | None = None,
+              seq_of: list[int] | None = None) -> "PackedBatch":
+        """share_min > 0 or link: pack shared prefixes once (module docstring, `share_plan`).
+        seq_of[b]: the loss's sequence index of sequence b (default b; several pieces of one
+        episode may count as one sequence); num_seqs is then max(seq_of) + 1."""
+        ids, pos, rows, tgt, sid, lens, prefix_of, plen = [], [], [], [], [], [], [], []
         for b, (s, n_ctx) in enumerate(seqs):
             if not 1 <= n_ctx <= len(s):
                 raise ValueError(f"sequence {b}: context length {n_ctx} must be in [1, {len(s)}]")
-            heads = b + 1 < len(seqs) and shared[b + 1] and not shared[b]
-            if heads:  # the group's context, once: a segment of its own with no targets
-                ids += s[:n_ctx]
-                pos += range(n_ctx)
-                lens.append(n_ctx)
+        runs, trunks, p = share_plan(seqs, share_min, link)
+        start = 0
+        for run, trunk in zip(runs, trunks):
+            if trunk:  # the run's trunk, once: a segment of its own with no targets
+                ids += trunk
+                pos += range(len(trunk))
+                lens.append(len(trunk))
                 prefix_of.append(None)
-                ctx_seg, ctx_last = len(lens) - 1, start + n_ctx - 1
-                start += n_ctx
-            if heads or shared[b]:  # a completion reading the context's keys
-                ids += s[n_ctx:]
-                pos += range(n_ctx, len(s))
-                if len(s) > n_ctx:
-                    rows += [ctx_last, *range(start, start + len(s) - n_ctx - 1)]
-                lens.append(len(s) - n_ctx)
-                prefix_of.append(ctx_seg)
-                start += len(s) - n_ctx
-            else:
-                ids += s
-                pos += range(len(s))
-                rows += range(start + n_ctx - 1, start + len(s) - 1)
-                lens.append(len(s))
-                prefix_of.append(None)
-                start += len(s)
-            tgt += s[n_ctx:]
-            sid += [b] * (len(s) - n_ctx)
+                plen.append(None)
+                trunk_seg, trunk_row0 = len(lens) - 1, start
+                start += len(trunk)
+            for b in run:
+                s, n_ctx = seqs[b]
+                q = p[b]  # trunk keys read first (0: an unshared sequence)
+                ids += s[q:]
+                pos += range(q, len(s))
+                if len(s) > n_ctx:  # target t at position n_ctx + k is predicted from position n_ctx + k - 1
+                    first = trunk_row0 + q - 1 if q == n_ctx else start + n_ctx - q - 1
+                    rows += [first, *range(start + n_ctx - q, start + len(s) - q - 1)]
+                lens.append(len(s) - q)
+                prefix_of.append(trunk_seg if q else None)
+                plen.append(q or None)
+                start += len(s) - q
+                tgt += s[n_ctx:]
+                sid += [b if seq_of is None else seq_of[b]] * (len(s) - n_ctx)
 
         def t(x):
             return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
 
-        return cls(t(ids), t(pos), Packed.from_lengths(lens, device, prefix_of), t(rows), t(tgt), t(sid),
-                   len(seqs), start)
+        return cls(t(ids), t(pos), Packed.from_lengths(lens, device, prefix_of, plen), t(rows), t(tgt), t(sid),
+                   len(seqs) if seq_of is None else (max(seq_of) + 1 if seq_of else 0), start)

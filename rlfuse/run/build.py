@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -34,6 +35,41 @@ from rlfuse.run.resume import load_model_folder, model_folder
 log = logging.getLogger(__name__)
 
 CHAR_SPECIALS = ("<pad>", "<eos>", "<unk>")
+
+
+SMALL_MODEL_PARAMS = 20_000_000
+"""Below this many parameters a CPU run takes 1 thread: the ops are too small to gain from
+intra-op threads (the demo's 0.4M-parameter model: 14.3 s at 2 threads on a busy 2-core box
+against 1.1 s at 1, issue 37)."""
+_threads_set_by: list[str] = []  # who set torch's CPU threads in this process (the first says it)
+
+
+def choose_threads(n_params: int | None = None) -> tuple[int, str]:
+    """torch CPU threads for a run nobody chose them for, and why: 1 for a model below
+    SMALL_MODEL_PARAMS; else the idle cores (the cores less the 1-minute load average, at
+    least 1, at most torch's default), since threads that share cores with other jobs wait
+    on each other at every op."""
+    if n_params is not None and n_params < SMALL_MODEL_PARAMS:
+        return 1, f"a {n_params / 1e6:.1f}M-parameter model gains nothing from intra-op threads"
+    cores = torch.get_num_threads()
+    try:
+        load = os.getloadavg()[0]
+    except (AttributeError, OSError):  # no load average on this platform: torch's default
+        return cores, "torch's default, one per core"
+    idle = max(1, min(cores, cores - round(load)))
+    return idle, f"{cores} cores, 1-minute load average {load:.1f}"
+
+
+def set_threads(n: int, why: str) -> None:
+    """Set torch's CPU threads and log the choice with its reason (`threads_chosen()` is then true)."""
+    torch.set_num_threads(n)
+    _threads_set_by.append(why)
+    log.info("torch CPU threads: %d (%s; --threads N or RLFUSE_THREADS=N to change)", n, why)
+
+
+def threads_chosen() -> bool:
+    """Whether this process already chose torch's CPU threads (`set_threads`)."""
+    return bool(_threads_set_by)
 
 
 def pick_device(spec: str, what: str = "model.device") -> torch.device:

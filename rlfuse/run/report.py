@@ -10,8 +10,12 @@ latest sample completions and the config.
 Plot rules: every axis has a y label with its unit; a panel holds metrics of one unit, and
 lines whose magnitudes differ by more than SCALE_RATIO get separate axes; the page heads
 each figure, the figure titles only its panels (no doubled titles). Accuracy measured on
-the sampled training completions is "training-sample accuracy"; accuracy of greedy
-completions of the held-out prompts is "held-out accuracy".
+the sampled training completions is "training accuracy, sampled (T=...)" (the run's
+grpo.temperature); accuracy of greedy completions of the held-out prompts is "held-out
+accuracy, greedy". A series of fewer than SPARSE points (held-out evaluations every many
+steps) is drawn as markers only: a straight line between two evaluations would show values
+nobody measured. A demo folder's demo.json (its before/after and the agent demo's no-tool
+baseline) heads the page, and the baseline is a dashed line on the held-out accuracy panel.
 Output: RUN_DIR/report/index.html and RUN_DIR/report/*.png.
 Test: python -m pytest -q tests/test_report.py
 """
@@ -19,9 +23,11 @@ Test: python -m pytest -q tests/test_report.py
 from __future__ import annotations
 
 import html
+import json
 import math
 from pathlib import Path
 
+import yaml
 from matplotlib.figure import Figure  # no pyplot: no global figure state or display backend
 from matplotlib.ticker import MaxNLocator
 
@@ -44,7 +50,7 @@ all fractions ("fraction ...")."""
 # group -> panels (title, y label, metric-key patterns); "x/" matches keys under x/, "x_" keys
 # starting with x_, anything else the exact key. The first panel claiming a key plots it.
 GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
-    ("reward", [("training-sample accuracy", "fraction correct", ("accuracy",)),
+    ("reward", [("training accuracy, sampled", "fraction correct (sampled completions)", ("accuracy",)),
                 ("greedy accuracy on training problems", "fraction solved", ("dev/accuracy",)),
                 ("reward (weighted total)", "reward", ("reward/mean", "reward/std")),
                 ("normalized reward", "reward / running std", ("reward/normalized_mean",)),
@@ -89,13 +95,13 @@ GROUPS: list[tuple[str, list[tuple[str, str, tuple[str, ...]]]]] = [
                 ("LoRA: trained and frozen parameters", "parameters", ("lora/trainable_params",
                                                                        "lora/frozen_params"))]),
 ]
-EVAL_PANELS = [("held-out accuracy", "fraction solved", ("accuracy",)),
+EVAL_PANELS = [("held-out accuracy", "fraction solved (greedy held-out; sampled training)", ("accuracy",)),
                ("held-out reward", "reward", ("reward",)),
                ("held-out completion length", "tokens", ("completion_len",)),
                ("truncated held-out completions", "fraction", ("truncated_frac",))]
-EVAL_LABELS = {"accuracy": "held-out accuracy", "reward": "held-out reward",
+EVAL_LABELS = {"accuracy": "held-out accuracy, greedy", "reward": "held-out reward, greedy",
                "completion_len": "held-out completion length", "truncated_frac": "held-out truncated fraction"}
-LABELS = {"accuracy": "training-sample accuracy", "dev/accuracy": "greedy accuracy on training problems"}
+LABELS = {"accuracy": "training accuracy, sampled", "dev/accuracy": "greedy accuracy on training problems"}
 """Legend names of training-stage keys that would be ambiguous next to the held-out ones."""
 _FRACTIONS = ("fraction correct", "fraction solved")
 
@@ -156,11 +162,15 @@ def _panels(series: dict, panels) -> list[tuple[str, str, list[str]]]:
     return out
 
 
+SPARSE = 8
+"""A series with fewer points is drawn as markers without a connecting line."""
+
+
 def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, path: Path, labels: dict,
             extra: dict | None = None, markers: int = 12) -> None:
     """One PNG: a grid of panels (two columns). `extra` maps a panel title to further
     (label, xs, ys, style) lines drawn on it; lines of fewer than `markers` points mark
-    each point."""
+    each point, and of fewer than SPARSE points draw no line between them."""
     n = len(axes)
     cols = 1 if n == 1 else 2
     rows = -(-n // cols)
@@ -169,7 +179,8 @@ def _figure(series: dict, axes: list[tuple[str, str, list[str]]], xlabel: str, p
     for ax, (title, ylabel, keys) in zip(grid.flat, axes):
         for k in keys:
             xs, ys = series[k]
-            ax.plot(xs, ys, label=labels.get(k, k), marker="o" if len(xs) < markers else None, markersize=4)
+            ax.plot(xs, ys, label=labels.get(k, k), marker="o" if len(xs) < markers else None, markersize=4,
+                    linestyle="none" if len(xs) < SPARSE else "-")
         for label, xs, ys, style in (extra or {}).get(title, []):
             ax.plot(xs, ys, label=label, **style)
         ax.set_title(title, fontsize=10)
@@ -252,7 +263,27 @@ def _data_section(row: dict) -> str:
             + (f"<details><summary>reasons</summary><ul>{legend}</ul></details>" if legend else ""))
 
 
-def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
+def _temperature(run: Path) -> str | None:
+    """The run's grpo.temperature as written in its config.yaml (None if it has none)."""
+    cfg = run / "config.yaml"
+    if not cfg.exists():
+        return None
+    try:
+        t = (yaml.safe_load(cfg.read_text()) or {}).get("grpo", {}).get("temperature")
+    except yaml.YAMLError:
+        return None
+    return f"{t:g}" if isinstance(t, (int, float)) else None
+
+
+def _demo(run_dir: Path) -> dict:
+    """The demo's summary (demo.json at RUN_DIR), if this is a demo folder."""
+    try:
+        return json.loads((run_dir / "demo.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _section(run: Path, name: str, rows: list[dict], out: Path, baseline: float | None = None) -> list[str]:
     parts = [f"<h2>{html.escape(name)}</h2>"]
     if line := headline(rows):
         parts.append(f"<p class='headline'>{line}</p>")
@@ -266,10 +297,15 @@ def _section(run: Path, name: str, rows: list[dict], out: Path) -> list[str]:
         parts.append("<h3>held-out evaluation (greedy completions of the held-out prompts)</h3>")
         ev = _series(rows, "eval")
         axes = _panels(ev, EVAL_PANELS)
-        # the training-sample accuracy beside the held-out one: same unit, different name
+        # the training accuracy beside the held-out one: same unit, sampled rather than greedy
         train_acc = {s: _series(rows, s).get("accuracy") for s in stages}
-        extra = {"held-out accuracy": [(f"training-sample accuracy ({s})", *xy, dict(alpha=0.45, linewidth=1))
-                                       for s, xy in train_acc.items() if xy]}
+        t = _temperature(run)
+        extra = {"held-out accuracy": [(f"training accuracy, sampled ({'T=' + t if t else 'T of the run'}, {s})",
+                                        *xy, dict(alpha=0.45, linewidth=1)) for s, xy in train_acc.items() if xy]}
+        if baseline is not None and ev.get("accuracy"):
+            xs = ev["accuracy"][0]
+            extra["held-out accuracy"].append(("no-tool baseline, greedy (demo.json)", [xs[0], xs[-1]],
+                                               [baseline, baseline], dict(linestyle="--", color="gray")))
         dev_acc = {s: _series(rows, s).get("dev/accuracy") for s in stages}
         extra["held-out accuracy"] += [(f"greedy accuracy on training problems ({s})", *xy,
                                         dict(alpha=0.6, linewidth=1, marker="s", markersize=3))
@@ -334,11 +370,16 @@ def render(run_dir: str | Path) -> Path:
     heads = [(name, headline(rows)) for name, (_, rows) in zip(names, loaded)]
     summary = "".join(f"<li><b>{html.escape(n)}</b>: {h}</li>" for n, h in heads if h)
     parts = [f"<h1>rlfuse run {html.escape(str(run_dir))}</h1>"]
+    demo = _demo(run_dir)
+    if demo:  # the demo's own comparison first: before / after, and the agent demo's no-tool baseline
+        nums = {k: v for k, v in demo.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        parts.append(f"<div class='summary'><h2>demo (demo.json)</h2>{_table(nums)}</div>")
     if summary:
         parts.append(f"<div class='summary'><h2>result</h2><ul>{summary}</ul></div>")
+    baseline = demo.get("accuracy_no_tool")
     for name, (run, rows) in zip(names, loaded):
         if rows:
-            parts += _section(run, name, rows, out)
+            parts += _section(run, name, rows, out, baseline if "grpo" in name else None)
         else:
             parts.append(f"<h2>{html.escape(name)}</h2><p>metrics.jsonl has no rows yet.</p>")
     style = ("body{font-family:sans-serif;max-width:1000px;margin:auto}table{border-collapse:collapse;margin:6px 0}"

@@ -2,8 +2,8 @@
 
 from rlfuse.serve.agents import AgentSampler, agent_sampler, open_agent_session
 from rlfuse.serve.app import build_app
-from rlfuse.serve.session import SessionStore, add_session_routes
+from rlfuse.serve.session import SessionStore, add_session_routes, serve_app
 from rlfuse.serve.worker import EngineWorker
 
 __all__ = ["AgentSampler", "EngineWorker", "SessionStore", "add_session_routes", "agent_sampler", "build_app",
-           "open_agent_session"]
+           "open_agent_session", "serve_app"]

@@ -15,8 +15,9 @@ and other numbers logged as rollout/agent_<key>), or None to let the recipe's re
 functions score the last call's text. An agent that raises, times out, makes no call or
 runs past max_turns / max_total_tokens is a failed episode: reward 0, counted by cause.
 Training samples follow the merge rule (rlfuse.rollout.agent.recording): an episode whose
-calls all extend one another is one sample; one that splits trains its last segment, the
-others are counted (rollout/agent_split_samples) and not trained yet.
+calls all extend one another is one sample; one that splits trains every segment
+(`Sample.split_parts`, counted in rollout/agent_split_samples) with the episode's reward, the
+trainer packing their common prefixes once (rlfuse.run.batching).
 Test: python -m pytest -q tests/test_agent_sessions.py
 """
 
@@ -86,14 +87,14 @@ class AgentSampler:
             state.worker.stop()
         samples, trained = [], []
         for i, ses in enumerate(sessions):
-            s, seg = self._sample(prompts[i // n], i // n, ses)
+            s, segs = self._sample(prompts[i // n], i // n, ses)
             samples.append(s)
-            if seg is not None:
-                trained.append(seg)
+            trained += segs
         m = session_metrics(sessions, trained)
         for k in sorted({k for s in sessions for k in s.info}):
             m[f"rollout/agent_{k}"] = sum(s.info.get(k, 0.0) for s in sessions) / max(len(sessions), 1)
         m["rollout/truncated_frac"] = sum(s.truncated for s in samples) / max(len(samples), 1)
+        m["rollout/agent_dropped"] = float(sum(s.dropped for s in samples))
         m["rollout/agent_wall_s"] = time.perf_counter() - t0
         self.last_metrics, self.last_sessions = m, sessions
         return samples
@@ -108,21 +109,32 @@ class AgentSampler:
         self.base.wake()
 
     def _sample(self, prompt, index: int, ses: AgentSession):
+        """(the episode's Sample, its trained segments): the last segment, the earlier ones as
+        its split_parts."""
         segs = ses.segments()
+        parts = [self._piece(index, seg) for seg in segs[:-1]] or None
         if ses.failed or not segs:
             if not segs and not ses.failed:
                 ses.failed = "no_calls"
             # a failed episode: reward 0; its tokens (if any) stay in, so the policy learns to avoid it
-            eos = min(self.renderer.eos_ids)
-            seg = segs[-1] if segs else None
-            ids = seg.token_ids if seg else [eos]
-            return Sample(index, ids, torch.tensor(seg.logprobs if seg else [0.0], dtype=torch.float32), True, "",
-                          torch.tensor(seg.loss_mask if seg else [0], dtype=torch.float32),
-                          seg.prompt_ids if seg else list(prompt.ids), 0.0), seg
-        seg, last = segs[-1], ses.calls[-1]
-        return Sample(index, seg.token_ids, torch.tensor(seg.logprobs, dtype=torch.float32),
-                      last.finish_reason == "length", last.text, torch.tensor(seg.loss_mask, dtype=torch.float32),
-                      seg.prompt_ids, ses.reward), seg
+            if not segs:
+                return Sample(index, [min(self.renderer.eos_ids)], torch.zeros(1), True, "", torch.zeros(1),
+                              list(prompt.ids), 0.0, dropped=self.cfg.failed_episode == "drop"), []
+            s = self._piece(index, segs[-1])
+            s.truncated, s.env_reward, s.split_parts = True, 0.0, parts
+            if self.cfg.failed_episode == "drop":
+                s.dropped = True
+                for p in [*(parts or []), s]:
+                    p.loss_mask = torch.zeros_like(p.loss_mask)
+            return s, segs
+        s, last = self._piece(index, segs[-1]), ses.calls[-1]
+        s.truncated, s.text, s.env_reward, s.split_parts = last.finish_reason == "length", last.text, ses.reward, parts
+        return s, segs
+
+    @staticmethod
+    def _piece(index: int, seg) -> Sample:
+        return Sample(index, seg.token_ids, torch.tensor(seg.logprobs, dtype=torch.float32), False, "",
+                      torch.tensor(seg.loss_mask, dtype=torch.float32), seg.prompt_ids)
 
     async def _run_all(self, rows: list[dict], n: int, seed: int, first: int = 0) -> list[AgentSession]:
         # the OpenAI client is the `dev` extra's, needed only when an agent runs

@@ -8,8 +8,12 @@ and publishes, per live request, the new tokens of each sample (`Delta`) and eac
 that finished (`Done`). When nothing is running it blocks on the inbox.
 
 A request the engine refuses (`add_request` raises ValueError) fails the handler's future
-with that error; a step that raises fails the requests live in it and the engine goes on
-(`_recover`); a full KV pool only makes requests wait in the engine's scheduler (it
+with that error. A step that raises fails only the request that caused it (`_recover`): the
+engine drops its state, and the requests that were live re-run one at a time (probation;
+new requests wait): a non-streamed one, or a stream with nothing sent yet, from its start;
+a stream that sent output continues after it (n = 1; a multi-sample stream that sent output
+cannot be replayed and fails). The one whose solo run fails again gets the error; then
+batching resumes. A full KV pool only makes requests wait in the engine's scheduler (it
 admits and preempts; nothing is dropped). `abort` (a client went away) frees the
 request's sequences and KV blocks. The thread runs in a copy of the starting thread's
 context, so kernel backend and numerics settings (context variables) carry over.
@@ -19,6 +23,7 @@ Test: python -m pytest -q tests/test_serve.py
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import contextvars
 import dataclasses
@@ -26,6 +31,8 @@ import logging
 import queue
 import threading
 from collections.abc import Callable
+
+import torch
 
 from rlfuse.engine import LLM, Completion, SamplingParams
 from rlfuse.serve.detokenize import IncrementalText
@@ -60,6 +67,13 @@ class _Live:
     sent: list[int]                  # per sample: output tokens already published
     text: list[IncrementalText]
     remaining: int                   # samples not finished yet
+    prompt: list[int]                # the request as submitted (a probation re-run starts from it)
+    params: SamplingParams
+    out: list[list[int]] = dataclasses.field(default_factory=list)      # streamed ids per sample
+    out_lps: list[list[float]] = dataclasses.field(default_factory=list)
+    head: tuple[list[int], list[float]] = ((), ())
+    """A continued stream (probation): the ids and log-probs sent before the re-run, which its
+    Done's completion is prefixed with."""
 
 
 class EngineWorker:
@@ -74,6 +88,9 @@ class EngineWorker:
         """The exception that ended the loop, if one did (the server then answers 503)."""
         self.failures = 0
         """Engine steps that failed and were recovered from (`_recover`)."""
+        self._probation: collections.deque[str] = collections.deque()  # live requests to re-run alone
+        self._solo: str | None = None  # the request running alone on probation
+        self._held: list[tuple] = []  # "add" commands that came in during probation
 
     def start(self) -> "EngineWorker":
         self._thread.start()
@@ -123,6 +140,14 @@ class EngineWorker:
     def _loop(self) -> None:
         try:
             while not self._stopping:
+                if self._solo is not None and self._solo not in self._live:
+                    self._solo = None  # the solo run finished (or its client went away)
+                if self._solo is None and self._probation:
+                    self._rerun(self._probation.popleft())
+                elif self._solo is None and self._held:
+                    held, self._held = self._held, []
+                    for cmd in held:
+                        self._run(cmd)
                 busy = self.llm.has_unfinished()
                 self._take_commands(block=not busy)
                 if self.llm.has_unfinished():
@@ -138,17 +163,50 @@ class EngineWorker:
             self._fail_inbox(e)
 
     def _recover(self, e: Exception) -> None:
-        """A step failed: its live requests get the error, the engine drops every request
-        and starts idle, and the loop goes on serving. The engine cannot tell which request
-        caused a failure, so all requests live at that moment fail; the request checks
-        (protocol.py, `LLM.add_request`) are what keep a bad request from getting here."""
+        """A step failed: the engine drops every request and starts idle. Run alone, the
+        request fails: it gets the error. Else the engine cannot tell which request caused it,
+        so the live ones go on probation (the module docstring); the request checks
+        (protocol.py, `LLM.add_request`) keep known bad requests from getting here."""
         self.failures += 1
-        log.error("an engine step failed (%s: %s); failing the %d live request(s), the engine goes on",
-                  type(e).__name__, e, len(self._live), exc_info=e)
-        for live in self._live.values():
-            live.publish(e)
-        self._live.clear()
         self.llm.abort_all()
+        if self._solo is not None:
+            rid, self._solo = self._solo, None
+            log.error("an engine step failed (%s: %s) running request %s alone: it fails, the engine goes on",
+                      type(e).__name__, e, rid)
+            if (live := self._live.pop(rid, None)) is not None:
+                live.publish(e)
+            return
+        log.error("an engine step failed (%s: %s); re-running its %d live request(s) one at a time to find the "
+                  "one that caused it", type(e).__name__, e, len(self._live), exc_info=e)
+        for rid, live in list(self._live.items()):
+            if live.stream and len(live.sent) > 1 and any(live.sent):  # sent output of several samples
+                self._live.pop(rid).publish(e)
+            else:
+                self._probation.append(rid)
+
+    def _rerun(self, rid: str) -> None:
+        """Re-submit a live request on probation, alone: from its start, or (a stream that sent
+        output) continuing after what its client has."""
+        live = self._live.get(rid)
+        if live is None:
+            return
+        prompt, params = live.prompt, live.params
+        if live.stream and any(live.sent):
+            done, lps = live.out[0], live.out_lps[0]
+            prompt = prompt + done
+            params = dataclasses.replace(params, max_tokens=params.max_tokens - len(done),
+                                         min_tokens=max(0, params.min_tokens - len(done)))
+            live.head = (live.head[0] + done, live.head[1] + lps)
+            live.sent, live.out, live.out_lps = [0], [[]], [[]]
+        else:
+            live.text = [IncrementalText(self.llm.tokenizer, skip_special_tokens=params.skip_special_tokens,
+                                         stop=params.stop) for _ in range(params.n)]
+        try:
+            self.llm.add_request(prompt, params, request_id=rid)
+        except Exception as e:  # noqa: BLE001 -- refused on re-submission: this request fails alone
+            self._live.pop(rid).publish(e)
+            return
+        self._solo = rid
 
     def _take_commands(self, block: bool) -> None:
         while True:
@@ -162,6 +220,9 @@ class EngineWorker:
     def _run(self, cmd: tuple) -> None:
         kind = cmd[0]
         if kind == "add":
+            if self._solo is not None or self._probation:  # admitted when the probation is over
+                self._held.append(cmd)
+                return
             _, rid, prompt, params, publish, stream, fut = cmd
             try:
                 self.llm.add_request(prompt, params, request_id=rid)
@@ -171,7 +232,8 @@ class EngineWorker:
             tok = self.llm.tokenizer
             self._live[rid] = _Live(publish, stream, [0] * params.n,
                                     [IncrementalText(tok, skip_special_tokens=params.skip_special_tokens,
-                                                     stop=params.stop) for _ in range(params.n)], params.n)
+                                                     stop=params.stop) for _ in range(params.n)], params.n,
+                                    list(prompt), params, [[] for _ in range(params.n)], [[] for _ in range(params.n)])
             fut.set_result(None)
         elif kind == "abort":
             if self._live.pop(cmd[1], None) is not None:
@@ -183,6 +245,9 @@ class EngineWorker:
                                    free_blocks=bm.num_free, total_blocks=bm.num_blocks, step_failures=self.failures))
         elif kind == "stop":
             self._stopping = True
+            for held in self._held:
+                if not held[-1].done():
+                    held[-1].set_exception(RuntimeError("the server is stopping"))
             for rid in list(self._live):
                 self.llm.abort(rid)
             self._live.clear()
@@ -195,9 +260,17 @@ class EngineWorker:
             for k, (ids, lps) in enumerate(self.llm.partial(rid, live.sent) if live.stream else ()):
                 if ids:
                     live.sent[k] += len(ids)
+                    live.out[k] += ids
+                    live.out_lps[k] += lps
                     live.publish(Delta(k, ids, lps, live.text[k].add(ids)))
             for c in done.get(rid, ()):
                 k, a = c.index, live.sent[c.index]
+                if live.head[0]:  # a continued stream: the completion as the client asked for it
+                    c = dataclasses.replace(c, prompt_token_ids=live.prompt,
+                                            output_token_ids=[*live.head[0], *c.output_token_ids],
+                                            logprobs=torch.cat([torch.tensor(live.head[1], dtype=c.logprobs.dtype),
+                                                                c.logprobs]))
+                    a += len(live.head[0])
                 live.publish(Done(k, c.output_token_ids[a:], c.logprobs[a:].tolist(),
                                   live.text[k].finish(c.text or ""), c))
                 live.remaining -= 1

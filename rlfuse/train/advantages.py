@@ -19,6 +19,7 @@ kl_t = old_t - ref_t; 0 when kl_coef == 0):
 reinforce_pp_baseline: the same with r_ij - mean_j r_ij (the group mean subtracted
     first) in place of r_i ("REINFORCE++ with baseline", the paper's version for
     reasoning tasks with several samples per prompt).
+`drop_rewards` gives dropped failed episodes their group's mean reward (rollout.failed_episode).
 `zero_variance_groups` marks groups whose rewards are all equal (DAPO dynamic sampling
 drops them: for group and rloo their advantages are 0 and they only dilute the batch).
 The losses these advantages feed are in `rlfuse.kernels.loss.policy`.
@@ -109,6 +110,17 @@ def token_advantages(estimator: str, rewards: torch.Tensor, lengths: list[int], 
     seq = group_advantages(rewards, group_size, adv_scale, eps) if estimator == "group" else \
         rloo_advantages(rewards, group_size)
     return [seq[i].expand(n) for i, n in enumerate(lengths)]
+
+
+def drop_rewards(rewards: torch.Tensor, dropped: list[bool], group_size: int) -> torch.Tensor:
+    """rewards (P*G,) with each dropped sample's (rollout.failed_episode drop) replaced by the
+    mean of its group's kept ones, so it moves neither the baseline nor the others' advantages
+    (its loss mask is zero: it trains nothing itself). A group with none kept stays as it is."""
+    r_PG = _groups(rewards, group_size).clone().float()
+    d_PG = torch.tensor(dropped, dtype=torch.bool).reshape(r_PG.shape)
+    kept = (~d_PG).sum(1, keepdim=True)
+    mean = torch.where(d_PG, 0.0, r_PG).sum(1, keepdim=True) / kept.clamp_min(1)
+    return torch.where(d_PG & (kept > 0), mean, r_PG).reshape(-1)
 
 
 def zero_variance_groups(rewards: torch.Tensor, group_size: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, rollout_on_ranks
-from rlfuse.train.advantages import KL_IN_REWARD, token_advantages, zero_variance_groups
+from rlfuse.train.advantages import KL_IN_REWARD, drop_rewards, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, StreamAndGuardState, make_optimizer, reference_model, run_loop
@@ -87,6 +87,15 @@ class GRPOStep(StreamAndGuardState):
         self.update = GRPOUpdate(cfg, model, optimizer, self.guard, ref_model=self.ref_model, dist=dist)
         self.streamer = StreamStep(self) if self.g.overlap == "stream" else None
         self.last_samples: list[dict] = []
+        # A batch whose every group has equal rewards has zero policy gradient under the
+        # group-relative estimators (no KL or router term): its optimizer step would only
+        # replay Adam's momentum, moving the weights along the last informative direction
+        # with no new signal. docs/agents.md ("When GRPO does not help") measured that drift
+        # taking greedy accuracy from 0.34 to 0.055 in 6 such steps; so such a step's
+        # optimizer step is skipped (grpo.dynamic_sampling skips the whole update).
+        self._no_signal_no_step = (self.g.advantage in ("group", "rloo") and self.ref_model is None
+                                   and self.update.router is None and self.streamer is None)
+        self._no_signal_warned = 0
 
     def samples(self) -> list[dict]:
         return self.last_samples
@@ -108,10 +117,16 @@ class GRPOStep(StreamAndGuardState):
                 self.dist, prompts, lambda mine: self._rollout(mine, step, timer, first), group_size=g.group_size)
         with timer("score"):
             r = torch.tensor(total, dtype=torch.float32)
+            if any(s.dropped for s in samples):  # rollout.failed_episode drop: out of the baseline too
+                r = drop_rewards(r, [s.dropped for s in samples], g.group_size)
             if trained is None:
                 adv = self._advantages(prompts, samples, r)  # one (n_j,) tensor per sample
             flat_zero = zero_variance_groups(r, g.group_size)
             keep = ~flat_zero if g.dynamic_sampling else torch.ones_like(flat_zero)
+            # nothing to learn: the forward and backward run (metrics, mismatch), the optimizer step does not
+            self.update.no_signal = bool(flat_zero.all()) and self._no_signal_no_step  # host: CPU tensor
+            if self.update.no_signal:
+                self._warn_no_signal(step, per)
         m: dict = {}
         m["reward/mean"], m["reward/std"] = r.mean(), r.std()
         for name, vals in per.items():
@@ -147,6 +162,18 @@ class GRPOStep(StreamAndGuardState):
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
 
+    def _warn_no_signal(self, step: int, per: dict) -> None:
+        """Say (the first 3 times) that a step had no reward signal, and the likely fix."""
+        self._no_signal_warned += 1
+        if self._no_signal_warned > 3:
+            return
+        acc = _mean(per[self.rewards.correctness]) if self.rewards.correctness else None
+        why = (f"sampled accuracy {float(acc):.3f}: if the model's greedy accuracy is well above that, "
+               f"grpo.temperature={self.g.temperature:g} samples too far from what it learnt; try 0.6"
+               if acc is not None and float(acc) < 0.05 else "every completion scored the same")
+        log.warning("step %d: every group's rewards are equal, no signal to learn from; the optimizer step is "
+                    "skipped (%s; docs/agents.md, \"When GRPO does not help\")", step + 1, why)
+
     def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer, first_episode: int = 0):
         """Generate G completions of each prompt and score them: (samples, total rewards,
         per-function rewards, this call's reward error counts). `first_episode`: the global
@@ -177,8 +204,9 @@ class GRPOStep(StreamAndGuardState):
         kl_N = None
         if g.advantage in KL_IN_REWARD and self.ref_model is not None:
             ref = self.update.trainer_logprobs(prompts, samples, list(range(len(samples))), model=self.ref_model)
-            kl_N = torch.cat([(samples[j].logprobs - ref[j].float().cpu()) * GRPOUpdate.loss_mask(samples[j])
-                              for j in range(len(samples))])
+            # a split agent episode's reference log-probs cover its earlier pieces first: its own are the last
+            kl_N = torch.cat([(samples[j].logprobs - ref[j][len(ref[j]) - len(samples[j].token_ids):].float().cpu())
+                              * GRPOUpdate.loss_mask(samples[j]) for j in range(len(samples))])
         return token_advantages(g.advantage, r, [len(s.token_ids) for s in samples], g.group_size,
                                 adv_scale=g.adv_scale, eps=g.adv_eps, kl_N=kl_N, kl_coef=g.kl_coef)
 

@@ -74,6 +74,8 @@ class GRPOUpdate:
         g = self.g
         self.model, self.optimizer, self.guard, self.ref_model, self.dist = model, optimizer, guard, ref_model, dist
         self.owner = None
+        self.no_signal = False
+        """Set by the step: no group has reward variance, so the optimizer steps are skipped."""
         self.device = model.lm_head_weight.device
         # REINFORCE++ folds the KL into its returns (the step's advantages); the others add it to the loss
         self.kl_in_loss = ref_model is not None and g.advantage not in KL_IN_REWARD
@@ -88,8 +90,10 @@ class GRPOUpdate:
         self.recompute_old = recompute_old_logprobs(g, self.numerics)
         # multi-turn episodes: the loss mask spans the whole episode (observations are context)
         self.max_loss_tokens = cfg.rollout.max_total_tokens if cfg.rollout.multi_turn else g.max_new_tokens
-        # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching)
-        self.share_min = g.share_prefix_min_tokens if g.share_prefix else 0
+        # grpo.share_prefix: a group's prompt packed once per micro-batch (rlfuse.run.batching);
+        # an agent episode's split samples share their common prefix with one another always
+        self.share_min = g.share_prefix_min_tokens
+        self.share_any = g.share_prefix
         # grpo.warm_kernels: the update's kernels compile in worker processes during the first rollout
         # MoE models: the load-balancing / z-loss terms and the moe/* metrics (None when dense)
         self.router = RouterLoss.for_run(model, cfg)
@@ -106,21 +110,45 @@ class GRPOUpdate:
         """(len(token_ids),) fp32: 1 on the model's tokens (all of a single-turn completion)."""
         return s.loss_mask if s.loss_mask is not None else torch.ones(len(s.token_ids))
 
-    def sequences(self, prompts: list[Prompt], samples: list[Sample], seq_idx: list[int]) -> list[tuple]:
-        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
-        ctx = [self.prompt_ids(prompts, samples[j]) for j in seq_idx]
-        return [(c + samples[j].token_ids, len(c)) for c, j in zip(ctx, seq_idx)]
+    @staticmethod
+    def pieces(s: Sample) -> list[Sample]:
+        """The training sequences of a sample: a split agent episode's earlier samples, then itself."""
+        return [*s.split_parts, s] if s.split_parts else [s]
 
-    def micro_batches(self, seq_idx: list[int], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
-        """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
+    def units(self, samples: list[Sample], seq_idx: list[int]) -> list[tuple[int, Sample]]:
+        """(sample index, piece) of every training sequence of samples `seq_idx`, in order."""
+        return [(j, piece) for j in seq_idx for piece in self.pieces(samples[j])]
+
+    def sequences(self, prompts: list[Prompt], units: list[tuple[int, Sample]]) -> list[tuple]:
+        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
+        ctx = [self.prompt_ids(prompts, s) for _, s in units]
+        return [(c + s.token_ids, len(c)) for c, (_, s) in zip(ctx, units)]
+
+    def link(self, units: list[tuple[int, Sample]]) -> list[int] | None:
+        """`PackedBatch.build`'s link: None shares any run of prefixes (grpo.share_prefix);
+        else only the pieces of one episode share theirs."""
+        return None if self.share_any else [j for j, _ in units]
+
+    def micro_batches(self, units: list[tuple[int, Sample]], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
+        """(positions into units, pad) per micro-batch: all of them in one process;
         data-parallel, this rank's sequences, padded with zero-weight micro-batches.
-        A shared prompt (grpo.share_prefix) counts once against the token budget."""
+        A shared prefix counts once against the token budget."""
         lengths = [len(ids) for ids, _ in seqs]
-        shared = shared_contexts(seqs, self.share_min)
+        shared = shared_contexts(seqs, self.share_min, self.link(units))
         if self.dist is None:
             return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
-        owned = [i for i, j in enumerate(seq_idx) if self.owner(j) == self.dist.rank]
+        owned = [i for i, (j, _) in enumerate(units) if self.owner(j) == self.dist.rank]
         return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned, shared)
+
+    def build(self, units, seqs, mb: list[int]) -> PackedBatch:
+        link = self.link(units)
+        return PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min,
+                                 None if link is None else [link[i] for i in mb])
+
+    def cat_pieces(self, s: Sample, field: str) -> torch.Tensor:
+        """A per-token field (logprobs, loss_mask) over all pieces of `s`, in `pieces` order."""
+        get = self.loss_mask if field == "loss_mask" else (lambda p: p.logprobs)
+        return torch.cat([get(p) for p in self.pieces(s)])
 
     def train(self, prompts: list[Prompt], samples: list[Sample], adv: list[torch.Tensor], kept_groups: list[int],
                step: int) -> dict:
@@ -164,8 +192,9 @@ class GRPOUpdate:
         logged if exact numerics disagree on a checked step)."""
         mine = [j for j in seqs if j in old]  # data-parallel: this rank's sequences
         full = logprob_mismatch(torch.cat([old[j] for j in mine] or [torch.zeros(0, device=self.device)]),
-                                torch.cat([samples[j].logprobs.to(self.device) for j in mine] or [torch.zeros(0)]),
-                                torch.cat([self.loss_mask(samples[j]).to(self.device) for j in mine]
+                                torch.cat([self.cat_pieces(samples[j], "logprobs").to(self.device) for j in mine]
+                                          or [torch.zeros(0)]),
+                                torch.cat([self.cat_pieces(samples[j], "loss_mask").to(self.device) for j in mine]
                                           or [torch.zeros(0, device=self.device)]))
         if self.dist is not None:
             full = reduce_mismatch(self.dist, full)
@@ -213,6 +242,9 @@ class GRPOUpdate:
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
         lr = lr_at(opt_step, lr=o.lr, total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps,
                    schedule=o.schedule, min_lr_ratio=o.min_lr_ratio)
+        if self.no_signal:  # zero gradient: Adam would only replay its momentum (rlfuse.train.grpo)
+            self.optimizer.zero_grad()
+            return {**sums, "grad_norm": grad_norm, "lr": lr, "_tokens": n_tok, "skipped_update": 1.0}
         self.guard.step(self.optimizer, lr, loss=sums["loss"], grad_norm=grad_norm,
                         where=f"grpo optimizer step {opt_step + 1}")
         self.optimizer.zero_grad()
@@ -230,23 +262,33 @@ class GRPOUpdate:
         g = self.g
         dev = self.device
         self.model.train()
+        # the training sequences: a split agent episode's pieces each count as a sequence; they
+        # take the episode's advantage (its first token's, the same on every token for the
+        # group-relative estimators)
+        units = self.units(samples, seq_idx)
         # per-sequence loss mask (truncated completions optionally masked) times the per-token
         # one (multi-turn: observation tokens are context)
-        live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j in seq_idx]
-        n_loss = [float(self.loss_mask(samples[j]).sum()) for j in seq_idx]  # host: CPU tensors
-        total_seqs, total_tokens = totals or (len(seq_idx), sum(n * w for n, w in zip(n_loss, live)))
-        seqs = self.sequences(prompts, samples, seq_idx)
+        live = [0.0 if (g.mask_truncated and samples[j].truncated) else 1.0 for j, _ in units]
+        n_loss = [float(self.loss_mask(s).sum()) for _, s in units]  # host: CPU tensors
+        total_seqs, total_tokens = totals or (len(units), sum(n * w for n, w in zip(n_loss, live)))
+        seqs = self.sequences(prompts, units)
+        if old is not None:  # per piece, as the units
+            old_u = [x for j in seq_idx
+                     for x in old[j].split([len(p.token_ids) for p in self.pieces(samples[j])])]
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in micro_batches if micro_batches is not None else self.micro_batches(seq_idx, seqs):
-            js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
-            old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
-            adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
-            mask_N = torch.cat([self.loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
+        for mb, pad in micro_batches if micro_batches is not None else self.micro_batches(units, seqs):
+            us = [units[i] for i in mb]
+            js = [j for j, _ in us]
+            batch = self.build(units, seqs, mb)
+            old_N = torch.cat([s.logprobs for _, s in us]).to(dev, non_blocking=True)
+            adv_N = torch.cat([adv[j].expand(len(s.token_ids)) if s is samples[j]
+                               else adv[j].reshape(-1)[:1].expand(len(s.token_ids)) for j, s in us]
+                              ).to(dev, non_blocking=True)
+            mask_N = torch.cat([self.loss_mask(s) * live[i] for i, (_, s) in zip(mb, us)]).to(dev)
             corr: dict = {}
             if old is not None:
-                rollout_N, old_N = old_N, torch.cat([old[j] for j in js])
+                rollout_N, old_N = old_N, torch.cat([old_u[i] for i in mb])
                 adv_N, mask_N, corr = off_policy_corrections(old_N - rollout_N, adv_N, mask_N, batch.seq_ids,
                                                              batch.num_seqs, tis_cap=g.tis_cap,
                                                              mis_bounds=g.mis_bounds, icepop_bounds=g.icepop_bounds)
@@ -273,7 +315,7 @@ class GRPOUpdate:
             if ent_N is not None:
                 sums["entropy"] = sums.get("entropy", 0.0) + (ent_N.detach() * mask_N).sum() / max(total_tokens, 1.0)
             if capture is not None and not pad and self.router is not None:
-                self.compare_routing(samples, js, batch)
+                self.compare_routing([s for _, s in us], batch)
             if capture is not None and not pad:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
@@ -281,20 +323,19 @@ class GRPOUpdate:
             n_tok += 0 if pad else batch.num_tokens
         return sums, n_tok
 
-    def compare_routing(self, samples, js: list[int], batch: PackedBatch) -> None:
+    def compare_routing(self, pieces: list[Sample], batch: PackedBatch) -> None:
         """Add the last forward's routing of the rows that predict the sampled tokens to the
         step's moe/routing_mismatch, against the rollout's (`Sample.routing`): on the first
         optimizer step's micro-batches, whose weights are the rollout's. Sequences without a
         record (not recorded, or multi-turn episodes, whose observation tokens were not
         sampled) are left out."""
-        have = [len(samples[j].routing) == len(samples[j].token_ids) if samples[j].routing is not None else False
-                for j in js]
+        have = [len(s.routing) == len(s.token_ids) if s.routing is not None else False for s in pieces]
         if not any(have):
             return
-        rows = batch.rows.split([len(samples[j].token_ids) for j in js])
+        rows = batch.rows.split([len(s.token_ids) for s in pieces])
         keep = torch.cat([r for r, h in zip(rows, have) if h])
         ours = torch.stack([b.last_experts[keep] for b in moe_blocks(self.model)], 1)  # (N, L, k)
-        theirs = torch.cat([samples[j].routing for j, h in zip(js, have) if h]).to(ours.device, ours.dtype)
+        theirs = torch.cat([s.routing for s, h in zip(pieces, have) if h]).to(ours.device, ours.dtype)
         n = ours.shape[0] * ours.shape[1]
         frac = routing_mismatch(ours.reshape(n, -1), theirs.reshape(n, -1))
         self.routing_acc = (self.routing_acc[0] + frac * n, self.routing_acc[1] + n)
@@ -314,18 +355,20 @@ class GRPOUpdate:
         `model` (no grad, micro-batched like the update): the recomputed old policy, an
         exact-mode check, or REINFORCE++'s reference."""
         model = self.model if model is None else model
-        out = {}
-        seqs = self.sequences(prompts, samples, seq_idx)
-        for mb, pad in self.micro_batches(seq_idx, seqs):
-            js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
+        parts: dict[int, list] = {}
+        units = self.units(samples, seq_idx)
+        seqs = self.sequences(prompts, units)
+        for mb, pad in self.micro_batches(units, seqs):
+            us = [units[i] for i in mb]
+            batch = self.build(units, seqs, mb)
             h = model(batch.input_ids, batch.positions, batch.attn)
             lp = model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
             if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
                 continue
-            for j, x in zip(js, lp.split([len(samples[j].token_ids) for j in js])):
-                out[j] = x
-        return out
+            for (j, _), x in zip(us, lp.split([len(s.token_ids) for _, s in us])):
+                parts.setdefault(j, []).append(x)
+        # a split episode: its pieces' log-probs joined in `pieces` order (micro-batches keep the order)
+        return {j: xs[0] if len(xs) == 1 else torch.cat(xs) for j, xs in parts.items()}
 
     @torch.no_grad()
     def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:

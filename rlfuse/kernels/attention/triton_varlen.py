@@ -125,8 +125,10 @@ def _attn_bwd_delta_kernel(O, DO, DELTA, sot, soh, sdt, sdh, n_tok,
 
 
 @triton.jit
-def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, offs_m, offs_n, L,
-                   sqt, sdt, qk_scale, MASK: tl.constexpr, PREC: tl.constexpr):
+def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, plen_ptr, start_m, offs_m, offs_n, L,
+                   sqt, sdt, qk_scale, MASK: tl.constexpr, READERS: tl.constexpr, PREC: tl.constexpr):
+    """MASK: causal within the segment; READERS: rows of readers of this segment as a
+    prefix, each seeing the first plen[row] keys (`SharedPrefix.row_length`)."""
     rows = start_m + offs_m
     ok = rows < L
     q = tl.load(q_ptrs + start_m * sqt, mask=ok[:, None], other=0.0)
@@ -137,6 +139,9 @@ def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
     pT = tl.exp2(dot(k, tl.trans(q), None, PREC) * qk_scale - lse[None, :])  # (N, M)
     if MASK:
         pT = tl.where(rows[None, :] >= offs_n[:, None], pT, 0.0)
+    if READERS:
+        plen = tl.load(plen_ptr + rows, mask=ok, other=0)
+        pT = tl.where(offs_n[:, None] < plen[None, :], pT, 0.0)
     dv += dot(pT.to(do.dtype), do, None, PREC)
     dpT = dot(v, tl.trans(do), None, PREC)
     dsT = pT * (dpT - delta[None, :])
@@ -145,7 +150,7 @@ def _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m, o
 
 
 @triton.jit(do_not_specialize=['n_tok'])  # row counts vary per step: one compile
-def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, sqt, sqh, skt, skh, svt, svh,
+def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, ROW_PLEN, sqt, sqh, skt, skh, svt, svh,
                           sdt, sdh, sdkt, sdkh, sdvt, sdvh, n_tok, n_rep, qk_scale, sm_scale,
                           HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           PREC: tl.constexpr, SHARED: tl.constexpr):
@@ -172,17 +177,18 @@ def _attn_bwd_dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, CU, READERS_END, sqt,
         do_ptrs = DO + (row0 + offs_m[:, None]) * sdt + hq * sdh + offs_d[None, :]
         lse_ptr = LSE + hq * n_tok + row0
         delta_ptr = DELTA + hq * n_tok + row0
+        plen_ptr = ROW_PLEN + row0
         for start_m in range(diag_lo, tl.minimum(diag_hi, L), BLOCK_M):
-            dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                    offs_m, offs_n, L, sqt, sdt, qk_scale, True, PREC)
+            dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, plen_ptr, start_m,
+                                    offs_m, offs_n, L, sqt, sdt, qk_scale, True, False, PREC)
         for start_m in range(diag_hi, L, BLOCK_M):
-            dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                    offs_m, offs_n, L, sqt, sdt, qk_scale, False, PREC)
-        if SHARED:  # the readers of this segment as a prefix: rows L..R_end (local), every key visible
+            dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, plen_ptr, start_m,
+                                    offs_m, offs_n, L, sqt, sdt, qk_scale, False, False, PREC)
+        if SHARED:  # the readers of this segment as a prefix: rows L..R_end (local), each its first keys
             r_end = tl.load(READERS_END + b) - start
             for start_m in range(L, r_end, BLOCK_M):
-                dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, start_m,
-                                        offs_m, offs_n, r_end, sqt, sdt, qk_scale, False, PREC)
+                dk, dv = _bwd_dkdv_step(dk, dv, k, v, q_ptrs, do_ptrs, lse_ptr, delta_ptr, plen_ptr, start_m,
+                                        offs_m, offs_n, r_end, sqt, sdt, qk_scale, False, True, PREC)
     tl.store(DK + (row0 + offs_n[:, None]) * sdkt + hk * sdkh + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=kv_ok)
     tl.store(DV + (row0 + offs_n[:, None]) * sdvt + hk * sdvh + offs_d[None, :],
@@ -330,11 +336,11 @@ def varlen_bwd(do, q, k, v, o, lse, cu_seqlens, max_seqlen: int, scale: float, *
                                                      do.stride(1), T, HEAD_DIM=D, BLOCK=64)
     common = dict(HEAD_DIM=D, PREC=dot_precision(q), SHARED=prefix is not None)
     # the prefix tensors where the kernels read them, else any int32 pointer (never read)
-    pstart, plen, readers_end = prefix if prefix is not None else (cu_seqlens,) * 3
+    pstart, plen, readers_end, row_plen = prefix if prefix is not None else (cu_seqlens,) * 4
     c = dict(cfgs["dkdv"])
     bm, bn = c.pop("BLOCK_M"), c.pop("BLOCK_N")
     _attn_bwd_dkdv_kernel[(triton.cdiv(max_seqlen, bn), Hkv, B)](
-        q, k, v, do, lse, delta, dk, dv, cu_seqlens, readers_end, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        q, k, v, do, lse, delta, dk, dv, cu_seqlens, readers_end, row_plen, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1), dv.stride(0),
         dv.stride(1), T, Hq // Hkv, scale * LOG2E, scale, BLOCK_M=bm, BLOCK_N=bn, **common, **c)
     c = dict(cfgs["dq"])

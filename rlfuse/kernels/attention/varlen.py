@@ -21,6 +21,9 @@ sees. readers_end[b] (the backward's index, built by `SharedPrefix.from_groups`)
 rows cu_seqlens[b+1]:readers_end[b] are the segments reading b as their prefix, all
 following b contiguously (readers_end[b] = cu_seqlens[b+1] when none does). No nesting:
 a prefix segment has no prefix itself. `max_seqlen` counts a segment's own rows only.
+A reader may read only the first P of its prefix segment's keys (length[b] = P below the
+segment's length: split agent turns whose contexts part ways inside a shared trunk); the
+prefix's dK/dV then mask each reader row by its P (`row_length`).
 
 Triton path (FlashAttention-2 scheme, Dh a power of two in [16, 256], bf16/fp16/fp32):
   forward   grid (query block, Hq, B); row block M keeps running max m, sum l, acc:
@@ -46,7 +49,8 @@ Triton path (FlashAttention-2 scheme, Dh a power of two in [16, 256], bf16/fp16/
             No atomics: the gradients are deterministic run to run.
             Shared prefix: dQ walks logical key tiles as the forward does; a prefix
             segment's dK/dV add, after its own causal query blocks, the query blocks of
-            its readers (rows cu_seqlens[b+1]:readers_end[b], all unmasked). A prefix key
+            its readers (rows cu_seqlens[b+1]:readers_end[b], each masked to its first
+            `row_length` keys). A prefix key
             thus sums the G completions' terms in one accumulator instead of G separate
             ones (added later by the K/V projections' backward): the same sum in another
             order, close but not bitwise (docs/numerics.md, "Shared prompts").
@@ -75,11 +79,14 @@ class SharedPrefix(NamedTuple):
     start: torch.Tensor        # (B,) int32 first row of the prefix segment read (any when length 0)
     length: torch.Tensor       # (B,) int32 prefix keys read before the segment's own (0 = none)
     readers_end: torch.Tensor  # (B,) int32 end row of the segments reading this one as prefix
+    row_length: torch.Tensor   # (T,) int32 per row: its segment's `length` (the dK/dV of a prefix masks by it)
 
     @classmethod
-    def from_groups(cls, lengths: list[int], prefix_of: list[int | None], device=None) -> "SharedPrefix":
-        """prefix_of[b]: the segment b reads as its prefix (None = none). Checks the layout
-        rules of the module docstring on the host (build time, before any kernel)."""
+    def from_groups(cls, lengths: list[int], prefix_of: list[int | None], device=None,
+                    prefix_len: list[int | None] | None = None) -> "SharedPrefix":
+        """prefix_of[b]: the segment b reads as its prefix (None = none); prefix_len[b]: how
+        many of its first keys b reads, 1 ... its length (None or not given: all of them).
+        Checks the layout rules of the module docstring on the host (build time, before any kernel)."""
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
@@ -92,13 +99,17 @@ class SharedPrefix(NamedTuple):
                     prefix_of[c] == p for c in range(p + 1, b)):
                 raise ValueError(f"shared prefix: segment {b} reads segment {p}; a prefix must be an earlier "
                                  "segment without a prefix, followed contiguously by all of its readers")
-            start[b], length[b] = bounds[p], lengths[p]
+            n = lengths[p] if prefix_len is None or prefix_len[b] is None else prefix_len[b]
+            if not 1 <= n <= lengths[p]:
+                raise ValueError(f"shared prefix: segment {b} reads {n} keys of segment {p}, which has {lengths[p]}")
+            start[b], length[b] = bounds[p], n
             readers_end[p] = bounds[b + 1]
+        row_length = [n for n, (s, e) in zip(length, zip(bounds, bounds[1:])) for _ in range(e - s)]
 
         def t(x):
             return torch.tensor(x, dtype=torch.int32).to(device)
 
-        return cls(t(start), t(length), t(readers_end))
+        return cls(t(start), t(length), t(readers_end), t(row_length))
 
 
 def _segments(cu_seqlens, prefix: SharedPrefix | None):

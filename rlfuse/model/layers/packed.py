@@ -26,12 +26,14 @@ class Packed:
     prefix: SharedPrefix | None = None
 
     @classmethod
-    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None) -> "Packed":
-        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none)."""
+    def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None,
+                     prefix_len: list[int | None] | None = None) -> "Packed":
+        """prefix_of[b]: the segment that segment b reads as its shared prefix (None = none);
+        prefix_len[b]: how many of its first keys (None or not given: all)."""
         cu = torch.tensor([0, *lengths], dtype=torch.int64).cumsum(0).to(torch.int32)
         prefix = None
         if prefix_of is not None and any(p is not None for p in prefix_of):
-            prefix = SharedPrefix.from_groups(lengths, prefix_of, device)
+            prefix = SharedPrefix.from_groups(lengths, prefix_of, device, prefix_len)
         return cls(cu.to(device), max(lengths) if lengths else 0, prefix)
 
 

@@ -103,6 +103,25 @@ class _Live:
     finish: str = ""
 
 
+MAX_ENV_WORKERS = 256
+"""rollout.env_workers auto: at most this many environment steps at once."""
+_said_workers: set = set()
+
+
+def env_workers(cfg: RolloutConfig, episodes: int) -> int:
+    """Threads stepping environments: rollout.env_workers, or (0, auto) one per episode up to
+    MAX_ENV_WORKERS, so a turn's tool calls run together instead of queueing while the decode
+    batch thins (the field's docstring). The auto choice is logged once per count."""
+    if cfg.env_workers:
+        return cfg.env_workers
+    n = max(1, min(episodes, MAX_ENV_WORKERS))
+    if n not in _said_workers:
+        _said_workers.add(n)
+        log.info("rollout.env_workers auto: %d threads (one per episode of the rollout, at most %d)", n,
+                 MAX_ENV_WORKERS)
+    return n
+
+
 def episode_seed(seed: int, index: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{index}".encode(), digest_size=4).digest(), "little")
 
@@ -171,7 +190,8 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
     Returns (episodes, metrics)."""
     sampling = dict(sampling or {})
     t_start = time.perf_counter()
-    pool = DaemonPool(cfg.env_workers, "rlfuse-env")  # a hung env.step never delays the process's exit
+    workers = env_workers(cfg, len(rows) * group_size)
+    pool = DaemonPool(workers, "rlfuse-env")  # a hung env.step never delays the process's exit
     live: dict[str, _Live] = {}
     futures: dict[cf.Future, tuple[_Live, float]] = {}
     episodes: list[Episode] = []
@@ -307,6 +327,7 @@ def run_episodes(engine, renderer: ChatRenderer, make_env: Callable[[], Environm
         pool.shutdown()
     wall = time.perf_counter() - t_start
     m = episode_metrics(episodes, idle_s=idle_s, wall_s=wall)
+    m["rollout/env_workers"] = float(workers)
     log.info("multi-turn rollout: %d episodes in %.2f s, %.2f turns and %.2f tool calls each, %.1f%% truncated, "
              "engine idle %.1f%% of the time (waiting for environments)", len(episodes), wall,
              m["rollout/turns_mean"], m["rollout/tool_calls_per_episode"], 100 * m["rollout/truncated_frac"],

@@ -157,6 +157,7 @@ class RunConfig:
         r = self.rollout
         _check_choice("rollout.obs_truncation", r.obs_truncation, OBS_TRUNCATION)
         _check_choice("rollout.tool_call_format", r.tool_call_format, TOOL_CALL_FORMATS)
+        _check_choice("rollout.failed_episode", r.failed_episode, ("zero", "drop"))
         if not (isinstance(r.sandbox, str) and (r.sandbox in ("bwrap", "none") or
                                                 r.sandbox.startswith(("http://", "https://")))):
             raise ValueError(f"rollout.sandbox must be bwrap, none or a SandboxFusion URL (http://HOST:PORT), "
@@ -194,7 +195,7 @@ RANGES: dict[str, str] = {
     "dpo.steps": "> 0", "dpo.batch_size": "> 0", "dpo.micro_batch_tokens": "> 0", "dpo.max_seq_len": "> 0",
     "rollout.max_turns": "> 0", "rollout.max_turn_tokens": "> 0", "rollout.max_total_tokens": "> 0",
     "rollout.max_obs_tokens": "> 0", "rollout.tool_timeout_s": "> 0", "rollout.env_timeout_s": "> 0",
-    "rollout.env_workers": "> 0", "rollout.agent_timeout_s": "> 0",
+    "rollout.env_workers": ">= 0", "rollout.agent_timeout_s": "> 0",
     "dpo.beta": "> 0", "dpo.label_smoothing": "[0, 0.5)", "dpo.eval_every": ">= 0",
     "model.lora.rank": "> 0", "model.lora.alpha": "> 0", "model.lora.dropout": "[0, 1)",
 }

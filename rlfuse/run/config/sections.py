@@ -221,14 +221,24 @@ class RolloutConfig:
     """A .jinja chat template file for the episodes; empty: the tokenizer's."""
     env_timeout_s: float = 60.0
     """Longest an environment step may take before its episode ends with an error."""
-    env_workers: int = 8
-    """Threads running environment steps (tool calls) while the engine decodes other episodes."""
+    env_workers: int = 0
+    """Threads running environment steps (tool calls) while the engine decodes other episodes.
+    0 (auto): one per episode of the rollout, at most MAX_ENV_WORKERS = 256 (tools mostly wait:
+    sleep, I/O, a sandbox's subprocess). Fewer workers than episodes queue a turn's tool calls,
+    and the decode batch thins while they wait: with 8 workers, 64 episodes and 50 ms tools,
+    benchmarks/bench_multi_turn.py --small ran at 0.87x the single-turn tokens/s, with 64 at
+    0.97x (CPU, docs/benchmarks.md)."""
     agent: str = ""
     """Your own agent `FILE.py:FUNCTION`, `async def agent(client, row) -> float | dict | None`, run
     with an openai.AsyncOpenAI client bound to one recorded session of the training process's own
     server, instead of `tools` / `env` (docs/agents.md, "Bring your own agent")."""
     agent_timeout_s: float = 300.0
     """Longest one agent episode may run; past it the episode fails (reward 0, counted)."""
+    failed_episode: str = "zero"
+    """A failed agent episode (raised, timed out, no call, past max_turns or the token budget):
+    zero (trained with reward 0, so the policy learns to avoid what failed) | drop (left out
+    of the loss, and its group's baseline counts it as the mean reward of the others: an
+    infrastructure fault then teaches nothing). Counted in rollout/agent_failed_* either way."""
 
     @property
     def multi_turn(self) -> bool:
