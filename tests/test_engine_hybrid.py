@@ -174,7 +174,7 @@ def test_check_cli_tiny_hybrid_is_bitwise(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    assert len(report["settings"]) == 11
+    assert len(report["settings"]) == 12
     assert all(r["bitwise_frac"] == 1.0 and r["tokens"] > 0 for r in report["settings"])
 
 
