@@ -171,7 +171,7 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 
 
 def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                        max_seqlen_q: int, scale: float | None = None, kv_scale=None):
+                              max_seqlen_q: int, scale: float | None = None, kv_scale=None):
     """Exact numerics: `attend_exact_ref` over the keys gathered from the cache, so a query
     row gets the bits `varlen_attention_exact_ref` gives the same row in a packed forward."""
     scale = k_cache.shape[3] ** -0.5 if scale is None else scale
