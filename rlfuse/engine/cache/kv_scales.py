@@ -3,7 +3,7 @@
 Rule (`rlfuse.kernels.kv_quant.fp8`, docs/numerics.md "FP8 KV cache"): one power-of-two
 scale per layer, K or V, and KV head, from the largest |K| (after q/k norm and RoPE, the
 values the cache stores) and |V| of a packed forward over the rollout's distinct prompts,
-times a margin, mapped to e4m3's 448. The engine calibrates before the first request
+times a margin of 2, mapped to at most e4m3's 448. The engine calibrates before the first request
 after the weights changed (and at its first request), before any K/V of the new weights
 is cached: the scales then stay fixed for the whole rollout phase, so every cached block,
 prefix-cache hits included, holds K/V quantized with the current scales (the prefix

@@ -18,8 +18,8 @@ for scales in its range), so `fake_quant_kv` rounds once, at step 4, on both sid
 Scaling rule (`scales_from_amax`): scale = 2^ceil(log2(amax * margin / 448)) per layer,
 K or V and KV head, amax the largest |K| (after norm and RoPE, as cached) or |V| the
 engine's calibration forward saw over the rollout's prompts, margin `KV_SCALE_MARGIN`:
-prompt amax lands at 1/8 to 1/4 of the range, so generated tokens up to 4x larger still
-fit; beyond, they saturate (step 3). A head that saw nothing (amax 0) keeps scale 1.
+prompt amax lands in (1/4, 1/2] of the range, so generated tokens 2x larger always fit
+(up to 4x, by the power of two's rounding); beyond, they saturate (step 3). A head that saw nothing (amax 0) keeps scale 1.
 Powers of two keep steps 2 and the dequantization exact; in floating-point fp8 the scale
 only places the range (relative precision is 2^-4 throughout the normal range), so a
 power of two costs at most a factor 2 of headroom. The scales are fixed for a rollout
