@@ -102,7 +102,8 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
                 engine=dict(share_prefix_decode=True)),  # the shared-prefix decode, even where it does not pay
         # an fp8 KV cache (the trainer reads K/V quantized with the engine's scales): prefill
         # chunks reading cached fp8 blocks, prefix-cache hits, and the shared-prefix decode
-        Setting(name="fp8 KV cache", num_prompts=groups, n=n, min_prompt_len=LONG_PROMPT,
+        # where prompts share whole attention tiles (tests/test_gpu_kv_fp8.py forces it)
+        Setting(name="fp8 KV cache", num_prompts=groups, n=n,
                 engine=dict(kv_cache_dtype="fp8_e4m3", share_prefix_decode=True, **chunk)),
         Setting(name="combined", num_prompts=groups, n=n, micro_batch_tokens=96,
                 engine=dict(**pool, **chunk, enable_prefix_caching=True, look_ahead=True)),
