@@ -109,8 +109,9 @@ def allocated(device: torch.device) -> int:
 
 
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
-             lora_experts: bool = False, steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True, fuse: bool = True,
-             warm: bool = False, share: bool | None = None, log_compiles: bool = False) -> dict:
+             lora_experts: bool = False, steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True,
+             fuse: bool = True, warm: bool = False, share: bool | None = None, log_compiles: bool = False,
+             kv: str = "auto") -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -129,7 +130,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     case = {"shape": "tiny" if small else shape, "mode": f"LoRA r{lora}" if lora else "full FT", "numerics": numerics,
             "device": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
             "micro_batch_tokens": micro_batch_tokens, "gradient_checkpointing": checkpointing, "fused": fuse,
-            "warm_kernels": warm, "share_prefix_decode": share}
+            "warm_kernels": warm, "share_prefix_decode": share, "kv_cache_dtype": kv}
     with torch.device("meta"):
         n_params = sum(p.numel() for p in CausalLM(ModelConfig(**sh)).parameters())
     case["params_B"] = n_params / 1e9
@@ -144,7 +145,7 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     cfg = load_config({
         "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": checkpointing,
                   **({"lora": {"rank": lora, "alpha": 2.0 * lora, "experts": lora_experts}} if lora else {})},
-        "engine": {"numerics": numerics, "fuse_projections": fuse, "share_prefix_decode": share,
+        "engine": {"numerics": numerics, "fuse_projections": fuse, "share_prefix_decode": share, "kv_cache_dtype": kv,
                    "max_num_seqs": P * G, "max_model_len": plen + new,
                    "num_kv_blocks": P * G * math.ceil((plen + new) / block)},
         "rewards": [{"name": f"{out}/reward_even.py:even"}],
@@ -355,6 +356,8 @@ def main() -> int:
                     help="grpo.warm_kernels true: compile the update's kernels in worker processes during the "
                          "first rollout (an A/B of the first step: run each in a fresh process on a cold "
                          "TRITON_CACHE_DIR)")
+    ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "both"), default="auto",
+                    help="engine.kv_cache_dtype; both: the model dtype's cache, then fp8 (side by side)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
     args = ap.parse_args()
@@ -384,7 +387,8 @@ def main() -> int:
     cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora,
                       lora_experts=args.lora_experts, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
-                      warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles)
+                      warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles, kv=kv)
+             for kv in (("auto", "fp8_e4m3") if args.kv_cache_dtype == "both" else (args.kv_cache_dtype,))
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
              for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
              for sh in ((False, True) if args.share_prefix_decode == "both"
@@ -407,6 +411,7 @@ def main() -> int:
                                             args.micro_batch_tokens != 16384),
                                            ("--no-checkpointing", args.no_checkpointing),
                                            (f"--fuse {args.fuse}", args.fuse != "on"),
+                                           (f"--kv-cache-dtype {args.kv_cache_dtype}", args.kv_cache_dtype != "auto"),
                                            (f"--share-prefix-decode {args.share_prefix_decode}",
                                             args.share_prefix_decode != "auto"),
                                            ("--warm-kernels", args.warm_kernels)) if on)
@@ -418,12 +423,14 @@ def main() -> int:
              "mean new tokens | max abs dlogp | Triton compiles |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in cases:
         if "skipped" in c:
-            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
+            lines.append(f"| {c['numerics']}{' + fp8 KV' if c.get('kv_cache_dtype') == 'fp8_e4m3' else ''} | "
+                         f"{'yes' if c['fused'] else 'no'} | "
                          f"{SHARE_LABEL[c.get('share_prefix_decode')]} | skipped: {c['skipped']} |" + " |" * 10)
             continue
         for r in c["steps"]:
             peak = max(r["generate_peak"], r["train_peak"]) / 2**20
-            lines.append(f"| {c['numerics']} | {'yes' if c['fused'] else 'no'} | "
+            lines.append(f"| {c['numerics']}{' + fp8 KV' if c.get('kv_cache_dtype') == 'fp8_e4m3' else ''} | "
+                         f"{'yes' if c['fused'] else 'no'} | "
                          f"{SHARE_LABEL[c.get('share_prefix_decode')]} | {r['step']}{' (warm-up)' if r['warmup'] else ''} | "
                          f"{r['time/generate']:.2f} | {r['time/score']:.2f} | {r['time/train']:.2f} | "
                          f"{r['time/step']:.2f} | {r['tokens_per_s/rollout']:.0f} | {r['tokens_per_s/train']:.0f} | "

@@ -254,8 +254,8 @@ def test_check_cli_tiny_hybrid_is_bitwise(tmp_path, capsys):
                "--out", str(tmp_path)])
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
-    names = [r["name"] for r in report["settings"]]  # the sweep's 10, multi-turn, the agent row (serve extra)
-    assert len(names) == 11 + ("agent via OpenAI API" in names) and "multi-turn, scripted tool" in names
+    names = [r["name"] for r in report["settings"]]  # the sweep's 10, fp8 KV, multi-turn, the agent row (serve extra)
+    assert len(names) == 12 + ("agent via OpenAI API" in names) and "multi-turn, scripted tool" in names
     assert all(r["bitwise_frac"] == 1.0 and r["tokens"] > 0 for r in report["settings"])
 
 

@@ -328,7 +328,7 @@ def test_check_cli_with_a_random_adapter(tmp_path, capsys):
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
     # the 8 single-turn settings and the multi-turn row, each with the adapter on
-    assert report["adapter"] == "random rank 4" and len(report["settings"]) == 12
+    assert report["adapter"] == "random rank 4" and len(report["settings"]) == 13
     assert all(row["bitwise_frac"] == 1.0 and row["tokens"] > 0 for row in report["settings"])
     assert "LoRA on 14 projections" in capsys.readouterr().out
 

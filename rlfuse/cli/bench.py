@@ -21,6 +21,7 @@ from rlfuse.cli.common import fail
 from rlfuse.engine.benchmark import SHAPES, BenchConfig, table
 from rlfuse.engine.benchmark import run as run_bench
 from rlfuse.kernels.backend import NUMERICS
+from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
 from rlfuse.run import make_folder
 
 HELP = "benchmarks (generate)"
@@ -43,6 +44,8 @@ def add_arguments(p) -> None:
     p.add_argument("--numerics", choices=NUMERICS, default="fast", help="engine numerics (docs/numerics.md)")
     p.add_argument("--no-share-prefix-decode", action="store_true",
                    help="decode reads every sequence's prompt K/V itself (EngineConfig.share_prefix_decode off)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="EngineConfig.kv_cache_dtype (fp8_e4m3: %% of bound stays against the bf16-KV bound)")
     p.add_argument("--out", default=None, help="output folder (default: $OUT or ./out)")
     p.add_argument("--append-docs", default=None, metavar="MD", help="append the markdown section to this file")
 
@@ -63,7 +66,8 @@ def run(args) -> int:
                       peer_batch=args.peer_batch, peer_max_seqs=args.peer_max_seqs, device=args.device,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       gpu_memory_fraction=args.gpu_memory_fraction, enforce_eager=args.enforce_eager,
-                      numerics=args.numerics, share_prefix_decode=False if args.no_share_prefix_decode else None)
+                      numerics=args.numerics, share_prefix_decode=False if args.no_share_prefix_decode else None,
+                      kv_cache_dtype=args.kv_cache_dtype)
     try:
         out = make_folder(args.out or os.environ.get("OUT") or "out", "--out")  # before minutes of benchmarking
         result = run_bench(cfg)
@@ -75,6 +79,7 @@ def run(args) -> int:
     tab = table(result)
     md = (f"\n## Generation throughput: engine vs transformers vs bandwidth bound\n\n"
           f"{result['device']}, torch {result['torch']}, {result['dtype']}, numerics {args.numerics}, "
+          f"KV cache {result['kv_cache_dtype']}, "
           f"commit {result['commit']}, "
           f"{datetime.date.today()}; command `{result['command']}`. Model: "
           f"{'tiny (--small)' if args.small else f'{args.shape} shape (rlfuse.engine.benchmark.SHAPES), random weights'}"

@@ -15,6 +15,7 @@ import torch
 
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
+from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
@@ -48,6 +49,9 @@ def add_arguments(p):
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
                         "(GRPO's mismatch/max_abs reads 0 at every step)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="engine.kv_cache_dtype: fp8_e4m3 stores K/V in fp8 (the trainer reads them quantized the "
+                        "same way; docs/numerics.md)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default 1 for the CPU sizes: the ops of a 0.4M-parameter model "
                         "are too small to gain from intra-op threads)")
@@ -89,7 +93,7 @@ def run(args) -> int:
                                  "--size gpu)")
             extra = {"harness": args.harness} if args.agent else {}
             run = run_agent_demo if args.agent else run_demo
-            overrides = {"engine.numerics": args.numerics}
+            overrides = {"engine.numerics": args.numerics, "engine.kv_cache_dtype": args.kv_cache_dtype}
             if args.moe:
                 overrides["model.random_init"] = MOE_MODEL
             if args.hybrid:

@@ -9,7 +9,8 @@ bitwise (`bitwise_frac` 1.0); in fast numerics the rows show the drift.
 The sweep covers what may change a rollout's arithmetic: batch size, n > 1 samples
 sharing a prompt (prefix-cache hits), prefix caching off, chunked prefill, forced
 preemption (recompute), look-ahead decode, the static/graph decode path and the eager
-one, and the trainer's micro-batch packing; `combined` turns all of it on at once.
+one, the trainer's micro-batch packing, an fp8 KV cache; `combined` turns the engine's
+settings on at once (bf16 cache).
 Test: `python -m pytest -q tests/test_exact_engine.py`.
 """
 
@@ -99,6 +100,11 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
         Setting(name="micro-batches of 1 sequence", num_prompts=groups, n=n, micro_batch_tokens=1),
         Setting(name=f"n={n} long shared prompts", num_prompts=groups, n=n, min_prompt_len=LONG_PROMPT,
                 engine=dict(share_prefix_decode=True)),  # the shared-prefix decode, even where it does not pay
+        # an fp8 KV cache (the trainer reads K/V quantized with the engine's scales): prefill
+        # chunks reading cached fp8 blocks, prefix-cache hits, and the shared-prefix decode
+        # where prompts share whole attention tiles (tests/test_gpu_kv_fp8.py forces it)
+        Setting(name="fp8 KV cache", num_prompts=groups, n=n,
+                engine=dict(kv_cache_dtype="fp8_e4m3", share_prefix_decode=True, **chunk)),
         Setting(name="combined", num_prompts=groups, n=n, micro_batch_tokens=96,
                 engine=dict(**pool, **chunk, enable_prefix_caching=True, look_ahead=True)),
     ]

@@ -20,6 +20,7 @@ import matplotlib
 import torch
 
 from rlfuse.kernels.backend import use_numerics
+from rlfuse.kernels.kv_quant import FP8_DTYPE
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import CausalLM, Packed, PagedKV
 
@@ -98,6 +99,8 @@ def _rollout_path(model: CausalLM, ids: list[int], n_prompt: int, upto: int, blo
     a time; returns the hidden state of the last decode step (1, D) and the captured ops."""
     cfg = model.config
     dev, dt = model.lm_head_weight.device, model.lm_head_weight.dtype
+    if model.kv_quant is not None:  # the last engine cached K/V in fp8: the replay does too
+        dt = FP8_DTYPE
     n_blocks = -(-upto // block_size) + 1
     kv = [(torch.zeros(n_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dt, device=dev),
            torch.zeros(n_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim, dtype=dt, device=dev))

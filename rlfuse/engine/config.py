@@ -14,6 +14,7 @@ import dataclasses
 import math
 
 from rlfuse.kernels.backend import NUMERICS
+from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
 
 _MAX_SEED = 2**32
 _MAX_TOP_K = 2**31 - 1  # the sampler holds top-k in int32
@@ -88,6 +89,12 @@ class EngineConfig:
     """"fast": cuBLAS GEMMs and split-KV decode, rollout log-probs within ~1e-2 of the
     trainer's. "exact": batch-invariant kernels, so every rollout log-prob equals the
     trainer's bitwise (`rlfuse check` proves it; docs/numerics.md lists the cost)."""
+    kv_cache_dtype: str = "auto"
+    """"auto": the KV cache in the model's dtype. "fp8_e4m3": float8_e4m3fn, half the bytes
+    (twice the tokens in the same memory, half the K/V reads per decode step), one
+    power-of-two scale per layer, K or V and KV head, calibrated on the prompts whenever the
+    weights changed; the trainer's forwards read K/V quantized with the same scales, so exact
+    numerics stay bitwise (docs/numerics.md, "FP8 KV cache")."""
     fuse_projections: bool | None = None
     """Run q/k/v and gate/up of each layer as one GEMM each (the engine fuses the model in
     place when built: the parameters become views of one buffer per group, names and
@@ -125,6 +132,8 @@ class EngineConfig:
         if self.share_prefix_decode is not None and not isinstance(self.share_prefix_decode, bool):
             raise ValueError(f"{o}.share_prefix_decode must be true, false or null (where it pays), "
                              f"got {self.share_prefix_decode!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"{o}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{o}.seed must be an int >= 0, got {self.seed!r}")
 

@@ -100,6 +100,7 @@ class LLM:
         self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
         self._weights_version = param_version(self.model)
         self._adapters = adapter_switches(model)
+        self._kv_stale = self.runner.kv_quant is not None  # fp8 scales to calibrate before the next request
         self.asleep = False
         log.info("engine: %s on %s, max_model_len %d, %d KV blocks x %d tokens, max_num_seqs %d, "
                  "max_num_batched_tokens %d, prefix caching %s, decode %s, numerics %s", mcfg.architecture,
@@ -131,6 +132,7 @@ class LLM:
         if v != self._weights_version:
             self._weights_version = v
             self.reset_prefix_cache()
+            self._kv_stale = self.runner.kv_quant is not None
             log.debug("parameters changed in place: prefix cache dropped")
         switches = adapter_switches(self.model)
         if switches != self._adapters:
@@ -138,11 +140,21 @@ class LLM:
             # the decode graphs recorded, under the old forward
             self._adapters = switches
             self.reset_prefix_cache()
+            self._kv_stale = self.runner.kv_quant is not None
             if self.runner.graphs and self.runner.device.type == "cuda":
                 torch.cuda.synchronize(self.runner.device)  # host sync: no replay in flight when its graph goes
             self.runner.drop_graphs()
             log.info("LoRA adapters changed (%d, %d on): prefix cache and decode graphs dropped", len(switches),
                      sum(switches))
+
+    def _calibrate_kv(self, prompts: list[list[int]]) -> None:
+        """fp8 cache: recalibrate the scales if the weights changed since the last time (the
+        engine is idle and the prefix cache was dropped with that change, so no cached block
+        holds K/V quantized with the old scales). `prompts`: the requests about to run."""
+        if self._kv_stale:
+            self.runner.calibrate_kv(prompts)
+            self._kv_stale = False
+            self.stats.kv_calibrations += 1
 
     # ------------------------------------------------------------------ requests
     def _validate(self, rid: str, prompt, params) -> list[int]:
@@ -173,6 +185,7 @@ class LLM:
     def _enqueue(self, rid: str, ids: list[int], params: SamplingParams) -> None:
         if not self.has_unfinished():
             self._check_weights()
+            self._calibrate_kv([ids])
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
         base = sample_key_base(seed, ids)
@@ -371,6 +384,8 @@ class LLM:
         if errors:
             raise ValueError("; ".join(errors))
         t0, out0 = time.perf_counter(), self.stats.output_tokens
+        self._check_weights()
+        self._calibrate_kv(checked)  # fp8 cache: on all the prompts, not the first one alone
         index = {}
         for i, (ids, p) in enumerate(zip(checked, plist)):
             rid = f"gen-{self._next_id}-{i}"

@@ -34,7 +34,8 @@ import time
 import numpy as np
 import torch
 
-from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
+from rlfuse.engine.cache.kv import KVCache, cache_dtype, plan_num_blocks
+from rlfuse.engine.cache.kv_scales import calibrate_kv_scales
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.routing import RoutingRecord
@@ -42,6 +43,7 @@ from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
 from rlfuse.kernels.attention import check_exact_attention
 from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
+from rlfuse.kernels.kv_quant import FP8_DTYPE, KVQuant
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
@@ -107,6 +109,17 @@ class ModelRunner:
             log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences (+1 scratch slot)",
                      len(self.linear.layer_ids), self.linear.nbytes / 2**20, self.num_rows)
         self.kv: KVCache | None = None
+        # fp8 KV cache: the scales (calibrated by `calibrate_kv`), held by the model too so its
+        # packed forwards (the trainer's) quantize K/V the same way; an engine with a cache in
+        # the model's dtype clears any an earlier engine left on the model
+        self.kv_dtype = cache_dtype(cfg, self.dtype)
+        mc = model.config
+        self.kv_quant = (KVQuant.unit(mc.num_hidden_layers, mc.num_key_value_heads, self.device)
+                         if self.kv_dtype == FP8_DTYPE else None)
+        model.kv_quant = self.kv_quant
+        if self.kv_quant is not None:
+            log.info("KV cache in fp8 (e4m3, per-layer per-KV-head power-of-two scales, calibrated on the prompts "
+                     "after each weight update): EngineConfig.kv_cache_dtype")
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
         # an adapter bank (rlfuse.model.lora_bank): each row's slot, written before every step
@@ -143,9 +156,9 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def plan_and_allocate(self, max_model_len: int) -> KVCache:
-        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.dtype, self.device, self._warmup,
+        n = plan_num_blocks(self.mcfg, self.cfg, max_model_len, self.kv_dtype, self.device, self._warmup,
                             self.linear.nbytes if self.linear is not None else 0)
-        self.kv = KVCache(self.mcfg, n, self.block_size, self.dtype, self.device)
+        self.kv = KVCache(self.mcfg, n, self.block_size, self.kv_dtype, self.device)
         self._warm_paged_kernels()
         return self.kv
 
@@ -177,6 +190,11 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
         log.info("paged-attention kernels warmed (prefill and decode, split and unsplit) in %.1f s",
                  time.perf_counter() - t0)
+
+    @_in_numerics
+    def calibrate_kv(self, prompts: list[list[int]]) -> dict:
+        """fp8 cache: set the scales from these prompts (`rlfuse.engine.cache.kv_scales`)."""
+        return calibrate_kv_scales(self.model, self.kv_quant, prompts, self.cfg.max_num_batched_tokens)
 
     @torch.no_grad()
     @_in_numerics

@@ -35,6 +35,7 @@ import time
 import numpy as np
 import torch
 
+from rlfuse.engine.cache.kv import cache_dtype
 from rlfuse.engine.cache.linear import LinearStateCache
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence
@@ -143,7 +144,7 @@ class StaticDecode:
                 [s.block_table[:s.num_prompt_tokens // bs] for s in seqs], bs, self.share_members, nb // 2)
             pays = self.cfg.share_prefix_decode or shared_prefix_pays(  # the chunk leaders' shared keys
                 n, int(share_len[perm[first[:n]]].sum()), m.num_key_value_heads,
-                2 * m.num_key_value_heads * m.head_dim * self.dtype.itemsize, self.device)
+                2 * m.num_key_value_heads * m.head_dim * cache_dtype(self.cfg, self.dtype).itemsize, self.device)
             self._share_key, self._share_arrays = key, (share_len, perm, first, count, n if pays else 0)
         share_len, perm, first, count, n = self._share_arrays
         host[_SH_LEN, :len(seqs)], host[_SH_PERM, :len(seqs)], host[_SH_FIRST, :nb // 2], host[_SH_NUM, :nb // 2] = \

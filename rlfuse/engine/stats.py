@@ -25,6 +25,8 @@ class EngineStats:
     """Decode steps launched before the previous step's results were read (look-ahead)."""
     discarded_tokens: int = 0
     """Look-ahead samples of sequences that had stopped on a token in the step before."""
+    kv_calibrations: int = 0
+    """fp8 KV cache: scale calibrations (one per weight update that a request followed)."""
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):

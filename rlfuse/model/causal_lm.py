@@ -29,12 +29,15 @@ Shape legend: T packed tokens, B sequences, D hidden, Hq/Hkv heads, Dh head dim,
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlfuse.kernels.backend import KernelSettings, current_settings, use_settings
+from rlfuse.kernels.kv_quant import KVQuant
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.rope.rotary import rope_cos_sin, rope_inv_freq
 from rlfuse.model.arch import ARCHS
@@ -81,6 +84,11 @@ class CausalLM(nn.Module):
         self.kernels: KernelSettings | None = None
         """The backend and numerics every forward and log-prob head of this model runs in
         (the run's session sets them; None: the caller's context)."""
+        self.kv_quant: KVQuant | None = None
+        """The fp8 KV scales of the engine generating from this model (`rlfuse.kernels.kv_quant`;
+        the engine sets it: its own KVQuant with an fp8 cache, None otherwise). Every forward
+        gets it in its attention metadata, so packed forwards (the trainer's, the naive
+        generator's) attend over K and V quantized with the scales the engine's cache uses."""
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
         self._mrope_axis: dict[torch.device, torch.Tensor] = {}
         self.visual = None if cfg.vision is None else VisionTower(cfg.vision)
@@ -140,6 +148,8 @@ class CausalLM(nn.Module):
         return rows
 
     def _forward(self, input_ids, positions, attn, feats=None):
+        if self.kv_quant is not None and attn.kv_quant is None:
+            attn = dataclasses.replace(attn, kv_quant=self.kv_quant)
         prepare = ARCHS[self.config.model_type].prepare
         if prepare is not None:  # metadata the family's mixers share, once per forward
             attn = prepare(attn)

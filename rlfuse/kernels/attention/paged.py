@@ -48,7 +48,15 @@ row's arithmetic independent of its tile neighbours, so the output is bitwise th
 unshared one (tested). A split suffix (small fast batches): the prefix takes split slots
 of its own and the combine merges them (rounding differs from the unshared pass, as any
 split does). The reference ignores the plan (same math).
-Tests: `python -m pytest -q tests/test_kernel_paged_attention.py`.
+FP8 cache (`engine.kv_cache_dtype: fp8_e4m3`): k_cache and v_cache in float8_e4m3fn,
+and `kv_scale` = (scale, inv), (2, Hkv) fp32 each (row 0 for K, row 1 for V: one layer of
+`rlfuse.kernels.kv_quant.KVQuant`). The store quantizes the new K/V (steps of
+`rlfuse.kernels.kv_quant.fp8`: times inv, saturate at +-448, round to nearest-even);
+attention dequantizes each K/V tile as it loads it (float(q) * scale, exact, cast to
+q.dtype) and then runs the same arithmetic as on a cache in q.dtype. So an fp8 cache
+changes which K/V values attention sees (those of `fake_quant_kv`), never how it
+reduces them: exact numerics stay bitwise against a trainer that fake-quantizes.
+Tests: `python -m pytest -q tests/test_kernel_paged_attention.py tests/test_kernel_kv_fp8.py`.
 """
 
 from __future__ import annotations
@@ -60,6 +68,7 @@ import torch.nn.functional as F
 
 from rlfuse.kernels.attention.varlen import attend_exact_ref, gqa_group, supports_head_dim
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
+from rlfuse.kernels.kv_quant import FP8_DTYPE, dequantize_kv, quantize_kv_ref
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,17 +103,42 @@ def shared_prefix_members(n_heads: int, n_kv_heads: int, exact: bool, itemsize: 
     return shared_prefix_rows(group, exact, itemsize) // group
 
 
-def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping):
+def check_kv_scale(k_cache, kv_scale, who: str):
+    """ValueError unless an fp8 cache comes with its (scale, inv) pair of (2, Hkv) fp32 tensors."""
+    if k_cache.dtype != FP8_DTYPE:
+        return
+    n_kv = k_cache.shape[2]
+    if kv_scale is None or len(kv_scale) != 2 or any(
+            t.shape != (2, n_kv) or t.dtype != torch.float32 for t in kv_scale):
+        got = None if kv_scale is None else [(tuple(t.shape), t.dtype) for t in kv_scale]
+        raise ValueError(f"{who}: an fp8 KV cache needs kv_scale = (scale, inv), (2, {n_kv}) fp32 each "
+                         f"(KVQuant.layer), got {got}")
+
+
+def _store(x, cache, slots, keep, kv_scale, row):
+    flat = cache.view(-1, *cache.shape[2:])
+    flat[slots] = x[keep].to(cache.dtype) if cache.dtype != FP8_DTYPE else quantize_kv_ref(x[keep], kv_scale[1][row])
+
+
+def store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
+    check_kv_scale(k_cache, kv_scale, "store_kvcache")
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+    _store(k, k_cache, slots, keep, kv_scale, 0)
+    _store(v, v_cache, slots, keep, kv_scale, 1)
 
 
-def _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+def _load(cache, blocks, kv_len, dtype, kv_scale, row):
+    x = cache[blocks].reshape(-1, *cache.shape[2:])[:kv_len]  # (L, Hkv, Dh)
+    return x.to(dtype) if cache.dtype != FP8_DTYPE else dequantize_kv(x, kv_scale[0][row], dtype)
+
+
+def _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out, kv_scale=None):
     """Per sequence with queries and keys: (q rows s:e, its keys and values (L, Hkv, Dh)
-    gathered from the cache, the queries' positions). Padding rows (no keys) get zeros."""
-    block_size, n_kv, dh = k_cache.shape[1:]
+    gathered from the cache (dequantized from fp8), the queries' positions). Padding rows
+    (no keys) get zeros."""
+    block_size = k_cache.shape[1]
+    check_kv_scale(k_cache, kv_scale, "paged_attention")
     bounds = cu_seqlens_q.tolist()  # host sync: reference only
     lens = seq_lens.tolist()
     for b, (s, e) in enumerate(zip(bounds[:-1], bounds[1:])):
@@ -115,17 +149,18 @@ def _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
             out[s:e] = 0
             continue
         blocks = block_tables[b, :(kv_len + block_size - 1) // block_size].long()
-        kb = k_cache[blocks].reshape(-1, n_kv, dh)[:kv_len].to(q.dtype)  # (L, Hkv, Dh)
-        vb = v_cache[blocks].reshape(-1, n_kv, dh)[:kv_len].to(q.dtype)
+        kb = _load(k_cache, blocks, kv_len, q.dtype, kv_scale, 0)
+        vb = _load(v_cache, blocks, kv_len, q.dtype, kv_scale, 1)
         yield s, e, kb, vb, torch.arange(kv_len - q_len, kv_len, device=q.device)
 
 
 def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                        max_seqlen_q: int, scale: float | None = None):
+                        max_seqlen_q: int, scale: float | None = None, kv_scale=None):
     n_rep = q.shape[1] // k_cache.shape[2]
     scale = k_cache.shape[3] ** -0.5 if scale is None else scale
     out = torch.empty_like(q)
-    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+                                           kv_scale):
         mask = torch.arange(kb.shape[0], device=q.device)[None, :] <= q_pos[:, None]  # (q_len, L)
         ob = F.scaled_dot_product_attention(q[s:e].transpose(0, 1),
                                             kb.transpose(0, 1).repeat_interleave(n_rep, dim=0),
@@ -136,12 +171,13 @@ def paged_attention_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_table
 
 
 def paged_attention_exact_ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                              max_seqlen_q: int, scale: float | None = None):
+                              max_seqlen_q: int, scale: float | None = None, kv_scale=None):
     """Exact numerics: `attend_exact_ref` over the keys gathered from the cache, so a query
     row gets the bits `varlen_attention_exact_ref` gives the same row in a packed forward."""
     scale = k_cache.shape[3] ** -0.5 if scale is None else scale
     out = torch.empty_like(q)
-    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out):
+    for s, e, kb, vb, q_pos in _sequences(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, out,
+                                           kv_scale):
         out[s:e] = attend_exact_ref(q[s:e], kb, vb, q_pos, scale)[0]
     return out
 
@@ -163,19 +199,21 @@ def _check_cache(k_cache, v_cache, who: str):
         raise ValueError(f"{who}: the KV cache's last dimension must be contiguous")
 
 
-def store_kvcache(k, v, k_cache, v_cache, slot_mapping):
+def store_kvcache(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
+    """kv_scale: (scale, inv) of an fp8 cache (module docstring); ignored otherwise."""
     if resolve_backend("store_kvcache", k) == "triton":
-        triton_ops("attention.triton_paged").store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping)
+        triton_ops("attention.triton_paged").store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scale)
         return
-    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping)
+    store_kvcache_ref(k, v, k_cache, v_cache, slot_mapping, kv_scale)
 
 
 def paged_attention(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables,
-                    max_seqlen_q: int, scale: float | None = None, shared: SharedPrefixDecode | None = None):
+                    max_seqlen_q: int, scale: float | None = None, shared: SharedPrefixDecode | None = None,
+                    kv_scale=None):
     exact = is_exact()
     if resolve_backend("paged_attention", q) == "triton":
         return triton_ops("attention.triton_paged").paged_attention_triton(
             q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, exact=exact,
-            shared=shared)
+            shared=shared, kv_scale=kv_scale)
     ref = paged_attention_exact_ref if exact else paged_attention_ref
-    return ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale)
+    return ref(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q, scale, kv_scale)

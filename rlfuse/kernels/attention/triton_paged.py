@@ -9,10 +9,11 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention.paged import SharedPrefixDecode, _check_cache, shared_prefix_rows
+from rlfuse.kernels.attention.paged import SharedPrefixDecode, _check_cache, check_kv_scale, shared_prefix_rows
 from rlfuse.kernels.attention.triton_varlen import LOG2E, attend_tile, exact_config
 from rlfuse.kernels.attention.varlen import KV_BLOCK
 from rlfuse.kernels.backend import num_sms
+from rlfuse.kernels.kv_quant.triton_fp8 import to_e4m3
 from rlfuse.kernels.triton_common import dot_precision
 
 _MIN_SPLIT_BLOCKS = 2  # keys per split >= 2 * KV_BLOCK: a guess, not yet timed (bench_attention.py: auto vs nosplit)
@@ -20,8 +21,8 @@ _MAX_SPLITS = 64
 
 
 @triton.jit
-def _store_kv_kernel(K, V, KC, VC, SLOT, skt, skh, svt, svh, skcb, skct, skch, svcb, svct, svch,
-                     n_kv, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+def _store_kv_kernel(K, V, KC, VC, SLOT, INV, skt, skh, svt, svh, skcb, skct, skch, svcb, svct, svch,
+                     n_kv, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     slot = tl.load(SLOT + t).to(tl.int64)
     if slot < 0:
@@ -32,15 +33,27 @@ def _store_kv_kernel(K, V, KC, VC, SLOT, skt, skh, svt, svh, skcb, skct, skch, s
     d = tl.arange(0, HEAD_DIM)[None, :]
     ok = h < n_kv
     k = tl.load(K + t * skt + h * skh + d, mask=ok)
-    tl.store(KC + blk * skcb + off * skct + h * skch + d, k.to(KC.dtype.element_ty), mask=ok)
     v = tl.load(V + t * svt + h * svh + d, mask=ok)
+    if FP8:  # INV (2, n_kv): row 0 K's, row 1 V's 1 / scale per kv head
+        k = to_e4m3(k.to(tl.float32), tl.load(INV + h, mask=ok, other=1.0))
+        v = to_e4m3(v.to(tl.float32), tl.load(INV + n_kv + h, mask=ok, other=1.0))
+    tl.store(KC + blk * skcb + off * skct + h * skch + d, k.to(KC.dtype.element_ty), mask=ok)
     tl.store(VC + blk * svcb + off * svct + h * svch + d, v.to(VC.dtype.element_ty), mask=ok)
 
 
 @triton.jit
+def _dequant(x, s, DT: tl.constexpr, FP8: tl.constexpr):
+    """A loaded K or V tile in DT: an fp8 cache's values times their scale s (exact), else a cast."""
+    if FP8:
+        return (x.to(tl.float32) * s).to(DT)
+    else:
+        return x.to(DT)
+
+
+@triton.jit
 def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_n, hi, pos,
-                skb, skt, svb, svt, qk_scale, PAGE: tl.constexpr, MASK: tl.constexpr,
-                PREC: tl.constexpr):
+                skb, skt, svb, svt, qk_scale, k_s, v_s, PAGE: tl.constexpr, MASK: tl.constexpr,
+                PREC: tl.constexpr, FP8: tl.constexpr):
     n = start_n + offs_n  # (N,) cache positions of this KV block
     if MASK:
         page = tl.load(bt_row + n // PAGE, mask=n < hi, other=0).to(tl.int64)
@@ -49,22 +62,33 @@ def _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, kv_off, offs_n, offs_d, start_
     k_ptrs = KC + kv_off + page[:, None] * skb + (n % PAGE)[:, None] * skt + offs_d[None, :]
     v_ptrs = VC + kv_off + page[:, None] * svb + (n % PAGE)[:, None] * svt + offs_d[None, :]
     if MASK:
-        k = tl.load(k_ptrs, mask=(n < hi)[:, None], other=0.0).to(q.dtype)
-        v = tl.load(v_ptrs, mask=(n < hi)[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_ptrs, mask=(n < hi)[:, None], other=0.0)
+        v = tl.load(v_ptrs, mask=(n < hi)[:, None], other=0.0)
     else:
-        k = tl.load(k_ptrs).to(q.dtype)
-        v = tl.load(v_ptrs).to(q.dtype)
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    k = _dequant(k, k_s, q.dtype, FP8)
+    v = _dequant(v, v_s, q.dtype, FP8)
     return attend_tile(acc, l_i, m_i, q, k, v, n, pos, hi, qk_scale, MASK, PREC)
+
+
+@triton.jit
+def _kv_scales(KV_S, hk, n_kv, FP8: tl.constexpr):
+    """An fp8 cache's K and V scales of kv head hk (KV_S (2, n_kv) fp32); 1.0 (unused) else."""
+    if FP8:
+        return tl.load(KV_S + hk), tl.load(KV_S + n_kv + hk)
+    else:
+        return 1.0, 1.0
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'sbt'])  # vary per step: one compile
 # (sbt: the eager path's block tables are (B, w) copies, w = the step's longest context in blocks)
-def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, sqt, sqh, skb, skt, skh,
+def _paged_attn_kernel(Q, KC, VC, KV_S, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, sqt, sqh, skb, skt, skh,
                        svb, svt, svh, sot, soh, sbt, n_tok, n_hq, n_rep, n_split, split_tokens, qk_scale,
                        PAGE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
                        GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        SPLIT: tl.constexpr, PREC: tl.constexpr, ALL_MASKED: tl.constexpr,
-                       CASCADE: tl.constexpr):
+                       CASCADE: tl.constexpr, FP8: tl.constexpr):
     pid, hk, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     qb = pid // n_split
     sp = pid % n_split
@@ -93,6 +117,7 @@ def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
     q = tl.load(Q + t[:, None] * sqt + hq[:, None] * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BT + b.to(tl.int64) * sbt
+    k_s, v_s = _kv_scales(KV_S, hk, n_hq // n_rep, FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
@@ -109,10 +134,10 @@ def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
         full_end = lo
     for start_n in range(lo, full_end, BLOCK_N):
         acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
-                                    pos, skb, skt, svb, svt, qk_scale, PAGE, False, PREC)
+                                    pos, skb, skt, svb, svt, qk_scale, k_s, v_s, PAGE, False, PREC, FP8)
     for start_n in range(full_end, hi, BLOCK_N):
         acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
-                                    pos, skb, skt, svb, svt, qk_scale, PAGE, True, PREC)
+                                    pos, skb, skt, svb, svt, qk_scale, k_s, v_s, PAGE, True, PREC, FP8)
     has = l_i > 0.0
     o = acc / tl.where(has, l_i, 1.0)[:, None]
     if SPLIT:
@@ -125,11 +150,12 @@ def _paged_attn_kernel(Q, KC, VC, O, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_
 
 
 @triton.jit(do_not_specialize=['n_tok', 'n_split', 'split_tokens', 'slot0'])
-def _paged_attn_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, SH_PERM, SH_FIRST,
+def _paged_attn_prefix_kernel(Q, KC, VC, KV_S, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT, SH_LEN, SH_PERM, SH_FIRST,
                               SH_NUM, sqt, sqh, skb, skt, skh, svb, svt, svh, sbt, n_tok, n_hq, n_rep, slot0,
                               n_split, split_tokens, qk_scale, PAGE: tl.constexpr, HEAD_DIM: tl.constexpr,
                               GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                              PREC: tl.constexpr, HANDOFF: tl.constexpr, MASKED: tl.constexpr):
+                              PREC: tl.constexpr, HANDOFF: tl.constexpr, MASKED: tl.constexpr,
+                              FP8: tl.constexpr):
     """Decode rows of up to BLOCK_M // GROUP sequences that share their first SH_LEN keys
     (the same cache blocks): each K/V tile of that prefix is read once for all of them.
     HANDOFF (unsplit): the online-softmax state (acc, m, l) goes to the workspace and
@@ -161,12 +187,13 @@ def _paged_attn_prefix_kernel(Q, KC, VC, O_WS, LSE_WS, L_WS, CU_Q, SEQ_LENS, BT,
     q = tl.load(Q + t[:, None] * sqt + hq[:, None] * sqh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     offs_n = tl.arange(0, BLOCK_N)
     bt_row = BT + lead * sbt  # the members' tables agree on the prefix blocks
+    k_s, v_s = _kv_scales(KV_S, hk, n_hq // n_rep, FP8)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for start_n in range(lo, hi, BLOCK_N):  # whole KV blocks: share is a multiple of BLOCK_N
         acc, l_i, m_i = _paged_step(acc, l_i, m_i, q, KC, VC, bt_row, hk * skh, offs_n, offs_d, start_n, hi,
-                                    pos, skb, skt, svb, svt, qk_scale, PAGE, MASKED, PREC)
+                                    pos, skb, skt, svb, svt, qk_scale, k_s, v_s, PAGE, MASKED, PREC, FP8)
     if HANDOFF:
         st = t * n_hq + hq
         tl.store(O_WS + st[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
@@ -206,8 +233,10 @@ def _config(head_dim: int, itemsize: int, decode: bool) -> dict:
     return dict(BLOCK_M=64 if head_dim > 128 else 128, num_warps=8, num_stages=2)
 
 
-def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping):
+def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping, kv_scale=None):
     _check_cache(k_cache, v_cache, "store_kvcache")
+    check_kv_scale(k_cache, kv_scale, "store_kvcache")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
     if k.shape != v.shape or k.shape[1:] != k_cache.shape[2:] or slot_mapping.shape != k.shape[:1]:
         raise ValueError(f"store_kvcache: k {tuple(k.shape)}, v {tuple(v.shape)}, slot_mapping "
                          f"{tuple(slot_mapping.shape)} do not match the cache {tuple(k_cache.shape)}")
@@ -216,21 +245,25 @@ def store_kvcache_triton(k, v, k_cache, v_cache, slot_mapping):
     T, n_kv, dh = k.shape
     if T == 0:
         return
-    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-                           v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], n_kv,
-                           PAGE=k_cache.shape[1], HEAD_DIM=dh, BLOCK_H=triton.next_power_of_2(n_kv))
+    _store_kv_kernel[(T,)](k, v, k_cache, v_cache, slot_mapping, kv_scale[1] if fp8 else k, k.stride(0),
+                           k.stride(1), v.stride(0), v.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3],
+                           n_kv, PAGE=k_cache.shape[1], HEAD_DIM=dh, BLOCK_H=triton.next_power_of_2(n_kv), FP8=fp8)
 
 
 def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_tables, max_seqlen_q: int,
                            scale: float | None = None, *, num_splits: int | None = None,
                            config: dict | None = None, out: torch.Tensor | None = None, exact: bool = False,
-                           shared: SharedPrefixDecode | None = None):
+                           shared: SharedPrefixDecode | None = None, kv_scale=None):
     """Launcher. `num_splits` forces the KV split count (None: heuristic, 1: no split);
     `config` overrides BLOCK_M (rows per program, prefill), num_warps, num_stages;
     `out` (T, Hq, Dh) receives the result when given (static buffers, tests); `exact`
     runs `varlen_attention`'s exact tile for prefill and decode alike, unsplit; `shared`
-    (decode only) reads each shared prefix once per chunk of sequences."""
+    (decode only) reads each shared prefix once per chunk of sequences; `kv_scale` (scale,
+    inv) of an fp8 cache, whose tiles are dequantized on load."""
     _check_cache(k_cache, v_cache, "paged_attention")
+    check_kv_scale(k_cache, kv_scale, "paged_attention")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    kv_s = kv_scale[0] if fp8 else q  # any pointer when unused
     T, Hq, dh = q.shape
     page, Hkv = k_cache.shape[1], k_cache.shape[2]
     if dh != k_cache.shape[3] or Hq % Hkv:
@@ -252,9 +285,9 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
     n_rep = Hq // Hkv
     group = triton.next_power_of_2(n_rep)
     if exact:
-        if k_cache.dtype != q.dtype:
+        if k_cache.dtype != q.dtype and not fp8:
             raise ValueError(f"paged_attention: exact numerics needs the KV cache in the compute dtype "
-                             f"({q.dtype}), got {k_cache.dtype}")
+                             f"({q.dtype}) or fp8 with scales, got {k_cache.dtype}")
         cfg = exact_config(q.element_size())
         num_splits = 1
     else:
@@ -311,17 +344,17 @@ def paged_attention_triton(q, k_cache, v_cache, cu_seqlens_q, seq_lens, block_ta
             raise ValueError(f"paged_attention: {shared.max_members} sequences a shared-prefix chunk do not fit "
                              f"its {sh_rows} rows (shared_prefix_members gives the cap)")
         _paged_attn_prefix_kernel[(shared.max_chunks * sh_splits, Hkv)](
-            q, k_cache, v_cache, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, shared.share_len,
+            q, k_cache, v_cache, kv_s, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, shared.share_len,
             shared.perm, shared.first, shared.count, q.stride(0), q.stride(1), *k_cache.stride()[:3],
             *v_cache.stride()[:3], block_tables.stride(0), T, Hq, n_rep, num_splits, sh_splits, sh_tokens,
             scale * LOG2E, PAGE=page, HEAD_DIM=dh, GROUP=group, BLOCK_M=sh_rows, BLOCK_N=KV_BLOCK,
-            PREC=dot_precision(q), HANDOFF=handoff, MASKED=exact, **cfg)
+            PREC=dot_precision(q), HANDOFF=handoff, MASKED=exact, FP8=fp8, **cfg)
     _paged_attn_kernel[(n_qblk * num_splits, Hkv, B)](
-        q, k_cache, v_cache, o, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, sh_len, q.stride(0),
+        q, k_cache, v_cache, kv_s, o, o_ws, lse_ws, l_ws, cu_seqlens_q, seq_lens, block_tables, sh_len, q.stride(0),
         q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], o.stride(0), o.stride(1),
         block_tables.stride(0), T, Hq, n_rep, num_splits, split_tokens, scale * LOG2E, PAGE=page, HEAD_DIM=dh,
         BLOCK_Q=block_q, GROUP=group, BLOCK_M=block_m, BLOCK_N=KV_BLOCK, SPLIT=split, PREC=dot_precision(q),
-        ALL_MASKED=exact, CASCADE=shared is not None, **cfg)
+        ALL_MASKED=exact, CASCADE=shared is not None, FP8=fp8, **cfg)
     if split:
         # BLOCK_S fixed (masked past num_splits): one compile whatever the split count
         _paged_attn_combine_kernel[(T, Hq)](o, o_ws, lse_ws, o.stride(0), o.stride(1), T, Hq, slots,

@@ -35,7 +35,7 @@ Fused with the per-head norms and the KV store (the decode path's small kernels)
 slot_mapping=)` is, as the reference `qk_norm_rope_ref` spells out,
     q, k = rmsnorm(q, q_weight, eps), rmsnorm(k, k_weight, eps)   (weights given: Qwen3)
     q, k = rope(q, positions, inv_freq), rope(k, positions, inv_freq)
-    store_kvcache(k, v, *kv_cache, slot_mapping)                   (kv_cache given)
+    store_kvcache(k, v, *kv_cache, slot_mapping, kv_scale)         (kv_cache given)
 in one Triton launch, bitwise equal to that sequence in both numerics: each head row is
 normalized with the RMSNorm kernel's own row reduction, tile and rounding steps
 (`rlfuse.kernels.norm.triton_rms`), then rotated with the RoPE arithmetic above. With
@@ -132,7 +132,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
-                     v=None, kv_cache=None, slot_mapping=None, cos_sin=None):
+                     v=None, kv_cache=None, slot_mapping=None, cos_sin=None, kv_scale=None):
     """The spec of `qk_norm_rope`: the unfused public ops in sequence (on the torch
     backend, the references of the current numerics)."""
     if q_weight is not None:
@@ -140,16 +140,17 @@ def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, ep
     q, k = rope(q, positions, inv_freq, cos_sin), rope(k, positions, inv_freq, cos_sin)
     if kv_cache is None:
         return q, k
-    store_kvcache(k, v, kv_cache[0], kv_cache[1], slot_mapping)
+    store_kvcache(k, v, kv_cache[0], kv_cache[1], slot_mapping, kv_scale)
     return q, None
 
 
 def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
-                 v=None, kv_cache=None, slot_mapping=None, cos_sin=None):
+                 v=None, kv_cache=None, slot_mapping=None, cos_sin=None, kv_scale=None):
     """q (T, Hq, Dh), k (T, Hkv, Dh) -> (q, k) normalized (if weights) and rotated; with
     kv_cache = (k_cache, v_cache), v (T, Hkv, Dh) and slot_mapping (T,): k and v stored,
     -> (q, None). One launch on the Triton backend outside autograd. cos_sin: the step's
-    table (`rope_cos_sin`; optional, same result)."""
+    table (`rope_cos_sin`; optional, same result). kv_scale: an fp8 cache's (scale, inv)
+    (`rlfuse.kernels.attention.paged`), K and V quantized as `store_kvcache` does."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("qk_norm_rope: give both q_weight and k_weight, or neither")
     if (kv_cache is None) != (v is None) or (kv_cache is None) != (slot_mapping is None):
@@ -158,6 +159,6 @@ def qk_norm_rope(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.
     if resolve_backend("rope", q) == "triton" and not grad:
         return triton_ops("rope.triton_rotary").qk_norm_rope_triton(q, k, positions, inv_freq, q_weight, k_weight, eps,
                                                       v=v, kv_cache=kv_cache, slot_mapping=slot_mapping,
-                                                      cos_sin=cos_sin)
+                                                      cos_sin=cos_sin, kv_scale=kv_scale)
     return qk_norm_rope_ref(q, k, positions, inv_freq, q_weight, k_weight, eps, v=v, kv_cache=kv_cache,
-                            slot_mapping=slot_mapping, cos_sin=cos_sin)
+                            slot_mapping=slot_mapping, cos_sin=cos_sin, kv_scale=kv_scale)

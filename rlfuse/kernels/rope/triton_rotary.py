@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from rlfuse.kernels.attention.paged import _check_cache
+from rlfuse.kernels.attention.paged import _check_cache, check_kv_scale
+from rlfuse.kernels.kv_quant.triton_fp8 import to_e4m3
 from rlfuse.kernels.norm.triton_rms import NO_FMA, _tile, mean_square, norm_rows
 from rlfuse.kernels.triton_common import round_to
 
@@ -203,12 +204,12 @@ def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: 
 
 
 @triton.jit(do_not_specialize=['T', 'HPP'])  # vary per step: one compile
-def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, SLOT, T, HQ, HKV, HPP,
+def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, SLOT, INV, T, HQ, HKV, HPP,
                          sqt, sqh, skt, skh, svt, svh, sot, soh, skot, skoh,
                          skcb, skct, skch, svcb, svct, svch, D, eps,
                          HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                          NORM: tl.constexpr, CACHE: tl.constexpr, PAGE: tl.constexpr,
-                         TABLE: tl.constexpr):
+                         TABLE: tl.constexpr, FP8: tl.constexpr):
     # heads [0, HQ) are q's, [HQ, HQ + HKV) k's, then (CACHE) HKV of v's, copied to the cache
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     cols = tl.arange(0, BLOCK_D)
@@ -238,7 +239,10 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, 
             y = _norm_rope_rows(K + hk * skh, skt, WK, toks, tmask, cols, cos, sin, D, eps, HALF, NORM, YT)
             if CACHE:  # as store_kvcache: k (in YT) cast to the cache's dtype, slot -1 skipped
                 KCT: tl.constexpr = KC.dtype.element_ty
-                tl.store(KC + hk * skch + crow, y.to(YT).to(KCT), mask=cmask)
+                if FP8:  # quantized from k's YT value (y holds it), as the trainer's fake_quant_kv
+                    tl.store(KC + hk * skch + crow, to_e4m3(y, tl.load(INV + hk)), mask=cmask)
+                else:
+                    tl.store(KC + hk * skch + crow, y.to(YT).to(KCT), mask=cmask)
             else:
                 tl.store(KO + hk * skoh + toks[:, None] * skot + cols[None, :], y.to(YT), mask=m)
         else:
@@ -246,7 +250,10 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, 
                 hv = h - HQ - HKV
                 VCT: tl.constexpr = VC.dtype.element_ty
                 v = tl.load(V + hv * svh + toks[:, None] * svt + cols[None, :], mask=cmask)
-                tl.store(VC + hv * svch + vrow, v.to(VCT), mask=cmask)
+                if FP8:
+                    tl.store(VC + hv * svch + vrow, to_e4m3(v.to(tl.float32), tl.load(INV + HKV + hv)), mask=cmask)
+                else:
+                    tl.store(VC + hv * svch + vrow, v.to(VCT), mask=cmask)
 
 
 def _heads(x: torch.Tensor, T: int, Dh: int, who: str) -> torch.Tensor:
@@ -256,7 +263,7 @@ def _heads(x: torch.Tensor, T: int, Dh: int, who: str) -> torch.Tensor:
 
 
 def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,
-                        v=None, kv_cache=None, slot_mapping=None, cos_sin=None):
+                        v=None, kv_cache=None, slot_mapping=None, cos_sin=None, kv_scale=None):
     if q.dim() != 3 or q.shape[-1] % 2 or inv_freq.numel() * 2 != q.shape[-1]:
         raise ValueError(f"qk_norm_rope: q must be (T, H, Dh) with Dh = 2 * len(inv_freq), got "
                          f"{tuple(q.shape)} and inv_freq {tuple(inv_freq.shape)}")
@@ -275,9 +282,11 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
     Hkv = k.shape[1]
     qo = torch.empty((T, Hq, Dh), dtype=yt, device=q.device)
     cache = kv_cache is not None
+    fp8 = cache and kv_cache[0].dtype == torch.float8_e4m3fn
     if cache:
         k_cache, v_cache = kv_cache
         _check_cache(k_cache, v_cache, "qk_norm_rope")
+        check_kv_scale(k_cache, kv_scale, "qk_norm_rope")
         v = _heads(v, T, Dh, "v")
         if v.shape[1] != Hkv or k_cache.shape[2:] != (Hkv, Dh) or slot_mapping.shape != (T,):
             raise ValueError(f"qk_norm_rope: k {tuple(k.shape)}, v {tuple(v.shape)}, cache "
@@ -301,9 +310,10 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
         kout = qo if ko is None else ko
         _qk_norm_rope_kernel[(nt, triton.cdiv(nh, hpp))](
             q, k, v, qo, kout, q_weight if norm else q, k_weight if norm else q, positions.contiguous(),
-            inv_freq.float().contiguous(), cs, k_cache, v_cache, slot_mapping, T, Hq, Hkv, hpp,
+            inv_freq.float().contiguous(), cs, k_cache, v_cache, slot_mapping, kv_scale[1] if fp8 else q, T, Hq,
+            Hkv, hpp,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             qo.stride(0), qo.stride(1), kout.stride(0), kout.stride(1), *kc_args, Dh, float(eps),
             HALF=half, BLOCK_T=rows, BLOCK_D=block_d, NORM=norm, CACHE=cache, PAGE=page, TABLE=table,
-            num_warps=warps, **NO_FMA)
+            FP8=fp8, num_warps=warps, **NO_FMA)
     return qo, ko

@@ -1,7 +1,10 @@
 """Full causal attention (a layer's token mixer, `self_attn` in HF names): q/k/v projections
 (or one fused GEMM, `rlfuse.model.fuse`), optional per-head q/k RMSNorm (Qwen3), RoPE, then
 varlen attention over `Packed` sequences or paged attention over the engine's KV cache
-(`PagedKV`), whose store of the new K/V runs in the RoPE kernel.
+(`PagedKV`), whose store of the new K/V runs in the RoPE kernel. With an fp8 KV cache
+(`attn.kv_quant`), the store quantizes K/V and paged attention dequantizes them; packed
+sequences read K and V fake-quantized with the same scales (`KVQuant.apply`), so both
+paths attend over the same values.
 
 A mixer's interface (what `DecoderLayer` calls, and what a linear-attention mixer must
 take too): forward(x (T, D), positions (T,), attn: Packed | PagedKV, inv_freq, cos_sin)
@@ -57,11 +60,14 @@ class Attention(nn.Module):
         norm = () if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         if isinstance(attn, PagedKV):
             k_cache, v_cache = attn.kv_caches[self.layer_idx]
+            kv_scale = None if attn.kv_quant is None else attn.kv_quant.layer(self.layer_idx)
             q, _ = qk_norm_rope(q, k, positions, inv_freq, *norm, v=v, kv_cache=(k_cache, v_cache),
-                                slot_mapping=attn.slot_mapping, cos_sin=cos_sin)
+                                slot_mapping=attn.slot_mapping, cos_sin=cos_sin, kv_scale=kv_scale)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens,
-                                attn.block_tables, attn.max_seqlen_q, shared=attn.shared)
+                                attn.block_tables, attn.max_seqlen_q, shared=attn.shared, kv_scale=kv_scale)
         else:
             q, k = qk_norm_rope(q, k, positions, inv_freq, *norm, cos_sin=cos_sin)
+            if attn.kv_quant is not None:
+                k, v = attn.kv_quant.apply(self.layer_idx, k, v)
             o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
         return self.o_proj(o.reshape(T, self.n_q * self.dh))

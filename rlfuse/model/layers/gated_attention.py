@@ -51,10 +51,13 @@ class GatedAttention(nn.Module):
         v = self.v_proj(x_TD).view(T, self.n_kv, self.dh)
         if isinstance(attn, PagedKV):
             k_cache, v_cache = attn.kv_caches[self.layer_idx]
-            store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping)
+            kv_scale = None if attn.kv_quant is None else attn.kv_quant.layer(self.layer_idx)
+            store_kvcache(k, v, k_cache, v_cache, attn.slot_mapping, kv_scale)
             o = paged_attention(q, k_cache, v_cache, attn.cu_seqlens_q, attn.seq_lens, attn.block_tables,
-                                attn.max_seqlen_q, shared=attn.shared)
+                                attn.max_seqlen_q, shared=attn.shared, kv_scale=kv_scale)
         else:
+            if attn.kv_quant is not None:  # the values an fp8 cache gives back (Attention's docstring)
+                k, v = attn.kv_quant.apply(self.layer_idx, k, v)
             o = varlen_attention(q, k, v, attn.cu_seqlens, attn.max_seqlen, prefix=attn.prefix)
         o = o.reshape(T, self.n_q * self.dh) * elementwise(torch.sigmoid, gate.reshape(T, self.n_q * self.dh))
         return self.o_proj(o)

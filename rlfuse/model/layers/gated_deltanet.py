@@ -125,7 +125,8 @@ def prepare_prefix_rows(attn):
     """A hybrid family's `ArchSpec.prepare`: a Packed batch with a shared prefix (GRPO's
     shared prompt) gets the linear-attention layers' re-laid rows (one host sync)."""
     if isinstance(attn, Packed) and attn.prefix is not None and not isinstance(attn, PackedWithPrefixRows):
-        return PackedWithPrefixRows(attn.cu_seqlens, attn.max_seqlen, attn.prefix, PrefixRows.of(attn))
+        return PackedWithPrefixRows(attn.cu_seqlens, attn.max_seqlen, attn.prefix, attn.kv_quant,
+                                    prefix_rows=PrefixRows.of(attn))
     return attn
 
 

@@ -15,15 +15,19 @@ import torch
 
 from rlfuse.kernels.attention.paged import SharedPrefixDecode
 from rlfuse.kernels.attention.varlen import SharedPrefix
+from rlfuse.kernels.kv_quant import KVQuant
 
 
 @dataclasses.dataclass(slots=True)
 class Packed:
     """Causal attention within packed sequences: rows cu_seqlens[b]:cu_seqlens[b+1]; with
-    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix)."""
+    `prefix`, segment b also reads a shared prefix segment first (SharedPrefix); with
+    `kv_quant`, attention reads K and V as an fp8 KV cache gives them back (`KVQuant.apply`:
+    the trainer of an engine with an fp8 cache; `CausalLM.kv_quant` fills it in)."""
     cu_seqlens: torch.Tensor  # (B+1,) int32
     max_seqlen: int
     prefix: SharedPrefix | None = None
+    kv_quant: KVQuant | None = None
 
     @classmethod
     def from_lengths(cls, lengths: list[int], device=None, prefix_of: list[int | None] | None = None,
@@ -73,6 +77,7 @@ class PagedKV:
     max_seqlen_q: int
     shared: SharedPrefixDecode | None = None  # decode: prompt prefixes read once per group
     linear: "LinearSlots | LinearDecode | None" = None  # hybrid models: the linear-attention layers' state
+    kv_quant: KVQuant | None = None  # an fp8 cache's scales (`CausalLM.kv_quant` fills it in)
 
 
 TAIL = ("q", "k", "v", "g", "beta")
