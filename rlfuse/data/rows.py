@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from rlfuse.data.hf import is_hf_source, read_hf, transform_rows
+from rlfuse.data.media import check_parts
 from rlfuse.data.tasks import make_split
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig
@@ -124,8 +125,12 @@ def _check_row(where: str, row: dict, cfg: DataConfig, need_target: bool) -> Non
         if not isinstance(msgs, list) or not msgs:
             raise ValueError(f"{where}: field {mf!r} must be a non-empty list of messages")
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content'")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                    not isinstance(m.get("content"), (str, list)):
+                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content' "
+                                 f"(a string, or a list of content parts)")
+            if isinstance(m["content"], list):
+                check_parts(where, f"{mf}[{j}].content", m["content"])
             if m["role"] not in CHAT_ROLES:
                 raise ValueError(f"{where}: field {mf}[{j}].role is {m['role']!r}; expected one of "
                                  f"{', '.join(CHAT_ROLES)}")

@@ -17,7 +17,8 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
   3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.draw.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
      log-prob from `rlfuse.kernels.loss.logprob.token_logprobs(h_last, W, ids, T)` -- the
-     trainer's function, per distinct temperature (T = 1 for greedy rows).
+     trainer's function, per distinct temperature (T = 1 for greedy rows). Vision models'
+     image-pad / vision start / end ids are -inf before sampling (never sampled).
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
      that, so the engine can enqueue the next decode step first (`launch(feed=...)`,
@@ -37,6 +38,7 @@ import torch
 from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
+from rlfuse.engine.media import never_sampled_ids
 from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -109,6 +111,9 @@ class ModelRunner:
         self.kv: KVCache | None = None
         self.out_dtype_mm = self._probe_out_dtype_mm()
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
+        # vision models: the image-pad / vision start / end ids are never sampled (rlfuse.engine.media)
+        banned = never_sampled_ids(model.config)
+        self.never_sample = torch.tensor(banned, dtype=torch.int64, device=self.device) if banned else None
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -274,6 +279,8 @@ class ModelRunner:
         if masks:
             idx = self._upload(masks, torch.int64)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
+        if self.never_sample is not None:
+            logits[:, self.never_sample] = float("-inf")
         ids, _ = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
         lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
         out = torch.stack((ids.double(), lps.double()))

@@ -102,7 +102,13 @@ class DataConfig:
     completion_field: str = "completion"
     """SFT target text for prompt/completion rows."""
     messages_field: str = "messages"
-    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows."""
+    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows. A content may be a
+    list of OpenAI-style parts: text, image_url, image (docs/vision.md)."""
+    images_field: str = "images"
+    """Column holding a row's images (a list, or one image: a path, a data: URL, a PIL image, a
+    datasets Image cell), taken in order by image_placeholder or {type: image} parts (docs/vision.md)."""
+    image_placeholder: str = "<image>"
+    """In a prompt row's text, where the next image of images_field goes."""
     prompt_template: str = "{prompt}"
     """str.format template over the row's columns, applied to prompt rows."""
     system_prompt: str = ""
