@@ -10,8 +10,14 @@ from engine_helpers import one_thread, tiny_model  # noqa: F401 -- one_thread: a
 
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.cache.blocks import BlockManager
-from rlfuse.engine.media import FeatureCache, MediaItem, check_media, decode_positions, mrope_positions, \
-    never_sampled_ids
+from rlfuse.engine.media import (
+    FeatureCache,
+    MediaItem,
+    check_media,
+    decode_positions,
+    mrope_positions,
+    never_sampled_ids,
+)
 from rlfuse.engine.sequence import Sequence, sample_key_base
 
 PAD = 9
