@@ -161,12 +161,12 @@ def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) 
                          f"or a save_to_disk folder")
     if src.startswith("builtin:"):
         task = src.removeprefix("builtin:")
-        # eval first: small and fixed, then train excluding its prompts (disjoint splits)
+        # eval first: small and fixed, then train excluding its prompts (image tasks: its layouts)
         ev = make_split(task, cfg.eval_size, seed=cfg.seed + 10007, **cfg.task)
         if split == "eval":
             rows = ev
         else:
-            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r["prompt"] for r in ev}, **cfg.task)
+            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r.get("key", r["prompt"]) for r in ev}, **cfg.task)
         pairs = [(f"{src}[{split} {i}]", r) for i, r in enumerate(rows)]
     elif is_hf_source(src):
         pairs = read_hf(src, cfg.split if split == "train" else cfg.eval_split, f"data.{split}")

@@ -74,7 +74,8 @@ class OptimConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
+    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown /
+    builtin:count_squares (images),
     a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
     written by Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
