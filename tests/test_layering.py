@@ -61,7 +61,7 @@ def test_every_package_is_a_known_layer():
 
 
 SUB_ROOMS = {
-    "model": {"arch", "layers"},  # the architecture registry; the shared blocks it assembles
+    "model": {"arch", "layers", "vision"},  # the architecture registry; the shared blocks it assembles; the vision tower
     "engine": {"cache"},  # per-sequence cache state: KV blocks, KV pool, state slots
     "run": {"config", "distributed"},
     "rollout": {"agent"},  # multi-turn: chat, tools, sandbox, environments, episodes

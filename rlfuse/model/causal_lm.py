@@ -16,6 +16,14 @@ from `rlfuse.kernels.loss.logprob` without a (T, V) tensor. Two descriptors:
 `forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
 path and scatters back, so padded and packed inputs give the same per-sequence results.
 
+Vision-language models (`cfg.vision`, Qwen3-VL): `visual` is the vision tower
+(`rlfuse.model.vision`), frozen by default (`set_vision_trainable`). `encode_images(pixels,
+grid_thw)` -> `ImageFeatures`; the forward takes them (`image_features=`, e.g. cached per
+image by the engine) or the pixels, writes the embeds into the rows where input_ids is the
+image token (in order; their count must match), adds the DeepStack features there after
+decoder layers 0..L-1, and takes positions (3, T) (mRoPE rows t, h, w) or (T,) (text only:
+the same bits as three equal rows).
+
 Shape legend: T packed tokens, B sequences, D hidden, Hq/Hkv heads, Dh head dim, V vocab.
 """
 
@@ -32,6 +40,7 @@ from rlfuse.kernels.rope.rotary import rope_cos_sin, rope_inv_freq
 from rlfuse.model.arch import ARCHS
 from rlfuse.model.config import ModelConfig
 from rlfuse.model.layers import DecoderLayer, Linear, Packed, PagedKV
+from rlfuse.model.vision import ImageFeatures, VisionTower, init_vision_weights, mrope_axis
 
 
 def _with_kernels(settings: KernelSettings, layer, *args):
@@ -73,6 +82,28 @@ class CausalLM(nn.Module):
         """The backend and numerics every forward and log-prob head of this model runs in
         (the run's session sets them; None: the caller's context)."""
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self._mrope_axis: dict[torch.device, torch.Tensor] = {}
+        self.visual = None if cfg.vision is None else VisionTower(cfg.vision)
+        self.set_vision_trainable(False)
+
+    def set_vision_trainable(self, trainable: bool) -> None:
+        """requires_grad of the vision tower's parameters (frozen by default); no-op without one."""
+        if self.visual is not None:
+            self.visual.requires_grad_(trainable)
+
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw: torch.Tensor) -> ImageFeatures:
+        """pixel_values (n_patches, C*Tp*P*P), image_grid_thw (n, 3) -> the images' features,
+        in this model's kernel settings."""
+        if self.visual is None:
+            raise ValueError(f"{self.config.architecture} has no vision tower: it takes no images")
+        with use_settings(self.kernels):
+            return self.visual(pixel_values, image_grid_thw)
+
+    def mrope_axis(self, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device not in self._mrope_axis:
+            self._mrope_axis[device] = mrope_axis(self.config.mrope_section, self.config.rotary_dim // 2).to(device)
+        return self._mrope_axis[device]
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -88,21 +119,46 @@ class CausalLM(nn.Module):
             self._inv_freq[device] = rope_inv_freq(c.rotary_dim, c.rope_theta, c.rope_scaling).to(device)
         return self._inv_freq[device]
 
-    def forward(self, input_ids, positions, attn: Packed | PagedKV):
-        """input_ids (T,), positions (T,) -> hidden (T, D), in this model's kernel settings."""
+    def forward(self, input_ids, positions, attn: Packed | PagedKV, image_features: ImageFeatures | None = None, *,
+                pixel_values: torch.Tensor | None = None, image_grid_thw: torch.Tensor | None = None):
+        """input_ids (T,), positions (T,) or (3, T) -> hidden (T, D), in this model's kernel
+        settings. Images (vision models): `image_features` or `pixel_values` + `image_grid_thw`."""
         with use_settings(self.kernels):
-            return self._forward(input_ids, positions, attn)
+            if pixel_values is not None:
+                if image_features is not None:
+                    raise ValueError("forward: give image_features or pixel_values, not both")
+                image_features = self.encode_images(pixel_values, image_grid_thw)
+            return self._forward(input_ids, positions, attn, image_features)
 
-    def _forward(self, input_ids, positions, attn):
+    def _image_rows(self, input_ids, feats: ImageFeatures) -> torch.Tensor:
+        if self.visual is None:
+            raise ValueError(f"{self.config.architecture} has no vision tower: it takes no images")
+        rows = (input_ids == self.config.vision.image_token_id).nonzero().squeeze(1)  # host sync: once per image forward
+        if rows.shape[0] != len(feats):
+            raise ValueError(f"input_ids hold {rows.shape[0]} image placeholder tokens (id "
+                             f"{self.config.vision.image_token_id}) for {len(feats)} image feature rows")
+        return rows
+
+    def _forward(self, input_ids, positions, attn, feats=None):
         prepare = ARCHS[self.config.model_type].prepare
         if prepare is not None:  # metadata the family's mixers share, once per forward
             attn = prepare(attn)
         h, delta = self.model.embed_tokens(input_ids), None
+        rows = None
+        if feats is not None:
+            rows = self._image_rows(input_ids, feats)
+            h = h.index_copy(0, rows, feats.embeds.to(h.dtype))
         inv_freq = self.inv_freq(h.device)
-        # every layer rotates by the same angles: their cos/sin once per forward (Triton only)
-        cos_sin = rope_cos_sin(positions, inv_freq)
+        if positions.dim() == 2:  # mRoPE rows (t, h, w): the table, then the ops take row 0 (for its length)
+            if self.config.mrope_section is None:
+                raise ValueError(f"positions {tuple(positions.shape)}: {self.config.architecture} takes (T,) positions")
+            cos_sin = rope_cos_sin(positions, inv_freq, self.mrope_axis(h.device))
+            positions = positions[0]
+        else:
+            # every layer rotates by the same angles: their cos/sin once per forward (Triton only)
+            cos_sin = rope_cos_sin(positions, inv_freq)
         settings = current_settings()
-        for layer in self.model.layers:
+        for i, layer in enumerate(self.model.layers):
             if self.gradient_checkpointing and torch.is_grad_enabled():
                 # The recompute runs inside backward, on autograd's device thread for CUDA,
                 # where the kernel context variables are back at their defaults: pin the
@@ -112,6 +168,9 @@ class CausalLM(nn.Module):
                                       delta, cos_sin, use_reentrant=False)
             else:
                 h, delta = layer(h, positions, attn, inv_freq, delta, cos_sin)
+            if rows is not None and i < feats.deepstack.shape[0]:
+                # DeepStack: into the layer's output not yet added (text rows untouched, bitwise)
+                delta = delta.index_add(0, rows, feats.deepstack[i].to(delta.dtype))
         return self.model.norm(h) if delta is None else self.model.norm(delta, h)[1]
 
     def token_logprobs(self, hidden_ND, targets_N, temperature=1.0, return_entropy: bool = False):
@@ -150,7 +209,11 @@ class CausalLM(nn.Module):
         if own is not None:
             own(self, std, generator)
             return
+        if self.visual is not None:
+            init_vision_weights(self.visual, std, generator)
         for name, p in self.named_parameters():
+            if name.startswith("visual."):
+                continue
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith(".bias"):

@@ -24,6 +24,7 @@ from rlfuse.model.arch import ARCHS
 from rlfuse.model.arch.fields import flag as _flag
 from rlfuse.model.arch.fields import number as _number
 from rlfuse.model.layers.moe_config import MoEConfig, moe_config_from_hf
+from rlfuse.model.vision.config import VisionConfig
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,12 @@ class ModelConfig:
     linear_num_value_heads: int | None = None
     """Linear-attention heads: q/k heads of linear_key_head_dim, value heads (a multiple of
     the key heads) of linear_value_head_dim. None in a hybrid config: the family's defaults."""
+    vision: VisionConfig | None = None
+    """Vision-language models (Qwen3-VL): the vision tower and the image token ids
+    (`rlfuse.model.vision.config`); None for text models."""
+    mrope_section: tuple[int, ...] | None = None
+    """Vision-language models: the interleaved mRoPE split (t, h, w) of the head_dim / 2
+    rotary frequencies (`rlfuse.model.vision.positions`); None: (24, 20, 20) there."""
 
     def __post_init__(self):
         if self.model_type not in ARCHS:
@@ -134,6 +141,10 @@ class ModelConfig:
                              f"(model_type {self.model_type!r}, moe {self.moe!r})")
         if self.moe is not None:
             self.moe.check(self.num_hidden_layers)
+        if (self.vision is not None or self.mrope_section is not None) and not spec.has_vision:
+            vl = sorted(k for k, s in ARCHS.items() if s.has_vision)
+            raise ValueError(f"config field 'vision' / 'mrope_section' is set, but {self.architecture} has no vision "
+                             f"tower (vision-language model_types: {vl})")
         f = self.partial_rotary_factor
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0 < f <= 1:
             raise ValueError(f"config field 'partial_rotary_factor' must be a number in (0, 1], got {f!r}")
@@ -220,7 +231,7 @@ class ModelConfig:
             d.update(self.moe.to_hf())
         if spec.write_hf is not None:
             d.update(spec.write_hf(self))
-        return d
+        return d if spec.wrap_hf is None else spec.wrap_hf(d, self)
 
 
 def _from_hf_dict(d: dict, where: str) -> ModelConfig:
@@ -230,6 +241,8 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
+    if model_type in ARCHS and ARCHS[model_type].unwrap_hf is not None:  # a nested (multimodal) config.json
+        d = ARCHS[model_type].unwrap_hf(d, where)
     if model_type in TEXT_TOWERS:
         d, model_type, where = _text_tower(d, model_type, where)
     if model_type not in ARCHS:

@@ -1,4 +1,4 @@
-"""Attention: varlen (packed sequences, training and prefill) and paged (decode over the KV cache)."""
+"""Attention: varlen (packed sequences, training and prefill), paged (decode over the KV cache), segment (bidirectional, the vision tower)."""
 
 from rlfuse.kernels.attention.paged import (
                                             SharedPrefixDecode,
@@ -9,6 +9,7 @@ from rlfuse.kernels.attention.paged import (
                                             store_kvcache,
                                             store_kvcache_ref,
 )
+from rlfuse.kernels.attention.segment import segment_attention, segment_attention_ref
 from rlfuse.kernels.attention.varlen import (
                                             KV_BLOCK,
                                             SharedPrefix,
@@ -21,6 +22,7 @@ from rlfuse.kernels.attention.varlen import (
 )
 
 __all__ = ["KV_BLOCK", "SharedPrefix", "SharedPrefixDecode", "attend_exact_ref", "check_exact_attention", "paged_attention",
-           "paged_attention_exact_ref", "paged_attention_ref", "shared_prefix_members", "store_kvcache",
+           "paged_attention_exact_ref", "paged_attention_ref", "segment_attention", "segment_attention_ref",
+           "shared_prefix_members", "store_kvcache",
            "store_kvcache_ref", "supports_head_dim", "varlen_attention", "varlen_attention_exact_ref",
            "varlen_attention_ref"]

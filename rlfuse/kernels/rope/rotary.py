@@ -24,6 +24,12 @@ bits, with libdevice sin/cos run once per token per forward instead of once per 
 layer and program. On the reference backend `rope_cos_sin` gives None and the references
 compute their own (a table is never needed for the result, only for speed).
 
+Multi-axis RoPE (Qwen3-VL's interleaved mRoPE over (t, h, w) position rows; the vision
+tower's 2-D RoPE over (h, w)): frequency f of a token turns by positions[axis[f], t] *
+inv_freq[f], `axis` (Dh/2,) naming the row. Only the table changes: `rope_cos_sin(positions
+(R, T), inv_freq, axis)` builds it (Triton kernel or reference, per backend) and every op
+then runs from the table as above. A token whose rows are equal gets the single-row bits.
+
 Fused with the per-head norms and the KV store (the decode path's small kernels):
 `qk_norm_rope(q, k, positions, inv_freq, q_weight, k_weight, eps, v=, kv_cache=,
 slot_mapping=)` is, as the reference `qk_norm_rope_ref` spells out,
@@ -76,31 +82,53 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> t
     return torch.where(is_medium, smoothed, scaled)
 
 
+def rope_angles_ref(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor | None = None) -> torch.Tensor:
+    """The fp32 angles (T, Dh/2): float(positions)[:, None] * inv_freq; with `axis` (Dh/2,)
+    and positions (R, T), frequency f reads row axis[f] (multi-axis RoPE, module docstring)."""
+    if axis is None:
+        return positions.float()[:, None] * inv_freq.float()[None, :]
+    # gathered to the layout of the single-row product (contiguous (T, Dh/2)): equal rows give its bits
+    return positions[axis.to(positions.device)].t().contiguous().float() * inv_freq.float()[None, :]
+
+
+def _cos_sin_ref(ang: torch.Tensor, exact: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    # exact: every element on one CPU code path (see rlfuse.kernels.invariant), so a token's
+    # rotation ignores T
+    return (pointwise(torch.cos, ang), pointwise(torch.sin, ang)) if exact else (ang.cos(), ang.sin())
+
+
 def rope_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor, *,
-             exact: bool = False) -> torch.Tensor:
-    # x (T, H, Dh), positions (T,), inv_freq (Dh/2,); exact: cos/sin with every element on
-    # one CPU code path (see rlfuse.kernels.invariant), so a token's rotation ignores T
-    ang = positions.float()[:, None] * inv_freq.float()[None, :]  # (T, Dh/2)
-    cos, sin = (pointwise(torch.cos, ang), pointwise(torch.sin, ang)) if exact else (ang.cos(), ang.sin())
+             exact: bool = False, cos_sin: torch.Tensor | None = None) -> torch.Tensor:
+    # x (T, H, Dh), positions (T,), inv_freq (Dh/2,); cos_sin: a (T, Dh) table to use instead
+    if cos_sin is None:
+        cos, sin = _cos_sin_ref(rope_angles_ref(positions, inv_freq), exact)
+    else:
+        cos, sin = cos_sin.chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]  # (T, 1, Dh/2)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor | None:
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor,
+                 axis: torch.Tensor | None = None) -> torch.Tensor | None:
     """positions (T,) -> the step's cos/sin table (T, Dh) fp32 for the Triton kernels, or
-    None where rope runs the reference (see the module docstring)."""
+    None where rope runs the reference (see the module docstring). Multi-axis RoPE:
+    positions (R, T) and `axis` (Dh/2,) -> always a table (the ops then need it: they take
+    the (T,) positions of one row only), by the backend's own cos/sin code."""
     if resolve_backend("rope", positions) == "triton":
-        return triton_ops("rope.triton_rotary").cos_sin_table(positions, inv_freq)
-    return None
+        return triton_ops("rope.triton_rotary").cos_sin_table(positions, inv_freq, axis)
+    if axis is None:
+        return None
+    return torch.cat(_cos_sin_ref(rope_angles_ref(positions, inv_freq, axis), is_exact()), dim=-1)
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
          cos_sin: torch.Tensor | None = None) -> torch.Tensor:
-    """cos_sin: `rope_cos_sin(positions, inv_freq)` (optional, same result)."""
+    """cos_sin: `rope_cos_sin(positions, inv_freq)` (optional, same result), or a
+    multi-axis table (required for those)."""
     if resolve_backend("rope", x) == "triton":  # elementwise: batch-invariant in both numerics
         return triton_ops("rope.triton_rotary").rope(x, positions, inv_freq, cos_sin)
-    return rope_ref(x, positions, inv_freq, exact=is_exact())
+    return rope_ref(x, positions, inv_freq, exact=is_exact(), cos_sin=cos_sin)
 
 
 def qk_norm_rope_ref(q, k, positions, inv_freq, q_weight=None, k_weight=None, eps=0.0, *,

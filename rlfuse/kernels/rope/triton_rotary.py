@@ -37,13 +37,22 @@ def _angles(P_ptr, F_ptr, CS_ptr, toks, tmask, fr, HALF: tl.constexpr, TABLE: tl
 
 
 @triton.jit(do_not_specialize=['T'])  # varies per step: one compile
-def _rope_cos_sin_kernel(P_ptr, F_ptr, CS_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_F: tl.constexpr):
+def _rope_cos_sin_kernel(P_ptr, F_ptr, CS_ptr, AX_ptr, T, HALF: tl.constexpr, BLOCK_T: tl.constexpr,
+                         BLOCK_F: tl.constexpr, MULTI: tl.constexpr):
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     fr = tl.arange(0, BLOCK_F)
     tmask = toks < T
-    cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)
     m = tmask[:, None] & (fr[None, :] < HALF)
+    if MULTI:
+        # frequency f reads position row AX[f] of the (R, T) positions: the same int -> fp32
+        # -> times inv_freq as `_cos_sin`, so equal rows give the single-row bits
+        ax = tl.load(AX_ptr + fr, mask=fr < HALF, other=0).to(tl.int64)
+        pos = tl.load(P_ptr + ax[None, :] * T + toks[:, None], mask=m, other=0).to(tl.float32)
+        inv = tl.load(F_ptr + fr, mask=fr < HALF, other=0.0)
+        ang = pos * inv[None, :]
+        cos, sin = tl.cos(ang), tl.sin(ang)
+    else:
+        cos, sin = _cos_sin(P_ptr, F_ptr, toks, tmask, fr, HALF)
     row = CS_ptr + toks[:, None] * (2 * HALF) + fr[None, :]
     tl.store(row, cos, mask=m)
     tl.store(row + HALF, sin, mask=m)
@@ -91,18 +100,22 @@ _BLOCK_T = 16        # tokens a program
 _MIN_PROGRAMS = 512  # programs to aim for (~4 per SM on an H100); a guess, not timed on its own
 
 
-def cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
+def cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor | None = None) -> torch.Tensor:
     """(T, Dh) fp32 [cos a | sin a] of a = float(positions)[:, None] * inv_freq, by the
-    kernels' own `_cos_sin`: loading it gives them the bits they would compute."""
-    if positions.dim() != 1 or inv_freq.dim() != 1:
-        raise ValueError(f"rope_cos_sin: positions (T,) and inv_freq (Dh/2,), got {tuple(positions.shape)} "
+    kernels' own `_cos_sin`: loading it gives them the bits they would compute. With `axis`
+    (Dh/2,) and positions (R, T): a[:, f] = float(positions[axis[f]]) * inv_freq[f]."""
+    multi = axis is not None
+    if positions.dim() != 1 + multi or inv_freq.dim() != 1 or (multi and axis.shape != inv_freq.shape):
+        want = "positions (R, T), axis (Dh/2,)" if multi else "positions (T,)"
+        raise ValueError(f"rope_cos_sin: {want} and inv_freq (Dh/2,), got {tuple(positions.shape)} "
                          f"and {tuple(inv_freq.shape)}")
-    T, half = positions.shape[0], inv_freq.shape[0]
+    T, half = positions.shape[-1], inv_freq.shape[0]
     cs = torch.empty((T, 2 * half), dtype=torch.float32, device=positions.device)
     if T and half:
+        ax = axis.to(device=positions.device, dtype=torch.int32).contiguous() if multi else positions
         _rope_cos_sin_kernel[(triton.cdiv(T, _BLOCK_T),)](
-            positions.contiguous(), inv_freq.float().contiguous(), cs, T, HALF=half, BLOCK_T=_BLOCK_T,
-            BLOCK_F=triton.next_power_of_2(half), num_warps=4, **NO_FMA)
+            positions.contiguous(), inv_freq.float().contiguous(), cs, ax, T, HALF=half, BLOCK_T=_BLOCK_T,
+            BLOCK_F=triton.next_power_of_2(half), MULTI=multi, num_warps=4, **NO_FMA)
     return cs
 
 

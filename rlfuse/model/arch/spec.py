@@ -19,7 +19,8 @@ Plug-in points (docs/architecture.md, "A new architecture"):
     multimodal wrapper's text tower) and the parts not loaded (vision tower, MTP head);
   * `norm(dim, eps)`: the RMSNorm variant of the residual stream and the final norm;
   * config hooks of families with more fields (hybrids): `read_hf`, `check_config`,
-    `write_hf`, `rope_keys`, `text_tower_of`;
+    `write_hf`, `rope_keys`, `text_tower_of`; a nested config.json (multimodal): `unwrap_hf`,
+    `wrap_hf`; `has_vision`: a vision tower and mRoPE (`rlfuse.model.vision`);
   * `prepare(attn)`: per-forward metadata a family's mixers share (made once per forward);
   * `init_weights(model, std, generator)`: a family's random init, if not the dense one.
 """
@@ -91,6 +92,14 @@ class ArchSpec:
     """Multimodal wrapper model_type -> its HF class, whose text_config is this family's."""
     prepare: Callable[[Any], Any] | None = None
     """attn metadata -> the same with what the mixers share per forward (None: as is)."""
+    unwrap_hf: Callable[[dict, str], dict] | None = None
+    """(config.json dict, where) -> the flat dict the shared reader reads (a multimodal
+    config's text_config, with what `read_hf` needs of the outer one); None: as is."""
+    wrap_hf: Callable[[dict, ModelConfig], dict] | None = None
+    """(the flat config.json dict written, cfg) -> the file's dict (nested); None: as is."""
+    has_vision: bool = False
+    """The model has a vision tower (`ModelConfig.vision`, `rlfuse.model.vision`) and takes
+    mRoPE positions (`ModelConfig.mrope_section`)."""
     init_weights: Callable[[nn.Module, float, Any], None] | None = None
     """(model, std, generator) -> None: the family's random init (None: the dense rule)."""
     notes: str = ""

@@ -1,0 +1,118 @@
+"""Qwen3-VL (Qwen3VLForConditionalGeneration, model_type "qwen3_vl"): Qwen3's decoder (q/k
+RMSNorm per head, no MLP bias) as the text tower, a vision tower (`rlfuse.model.vision.tower`)
+whose merged patches replace the image-placeholder tokens' embeddings and whose DeepStack
+features are added after the first decoder layers, and interleaved multimodal RoPE
+(`rlfuse.model.vision.positions`).
+
+config.json nests the text fields under `text_config` and the tower's under `vision_config`;
+the token ids (image_token_id, vision_start_token_id, ...) and tie_word_embeddings are
+outer fields. Checkpoint names: `model.language_model.*` (ours `model.*`), `model.visual.*`
+(ours `visual.*`), `lm_head.weight`; we save the same, which transformers loads back.
+Not covered: video inputs (video_token_id rows are plain text here).
+Test: python -m pytest -q tests/test_qwen3_vl.py
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rlfuse.model.arch.spec import ArchSpec
+from rlfuse.model.layers import MLP, Attention
+from rlfuse.model.vision.config import VisionConfig
+
+if TYPE_CHECKING:
+    from rlfuse.model.config import ModelConfig
+
+_ROPE_KEYS = ("mrope_section", "mrope_interleaved")
+_OUTER = ("tie_word_embeddings", "torch_dtype", "dtype")
+
+
+def _unwrap(d: dict, where: str) -> dict:
+    text = d.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{where}: a Qwen3VLForConditionalGeneration config needs a 'text_config' object, "
+                         f"got {type(text).__name__}")
+    flat = {**text, **{k: d[k] for k in _OUTER if k in d}, "model_type": "qwen3_vl", "outer_config": d}
+    return flat
+
+
+def _read_hf(d: dict, rope: dict, where: str) -> dict:
+    section = rope.get("mrope_section", [24, 20, 20])  # transformers' default
+    if not isinstance(section, (list, tuple)) or len(section) != 3 or \
+            any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in section):
+        raise ValueError(f"{where}: field 'rope_parameters.mrope_section' must be three integers, got {section!r}")
+    if rope.get("mrope_interleaved", True) is not True:
+        raise ValueError(f"{where}: field 'rope_parameters.mrope_interleaved' is {rope['mrope_interleaved']!r}; "
+                         f"Qwen3-VL's mRoPE is always interleaved")
+    return {"vision": VisionConfig.from_hf(d["outer_config"], where), "mrope_section": tuple(section)}
+
+
+def _check(cfg: ModelConfig) -> None:
+    if isinstance(cfg.vision, dict):
+        object.__setattr__(cfg, "vision", VisionConfig(**cfg.vision))
+    if not isinstance(cfg.vision, VisionConfig):
+        raise ValueError(f"config field 'vision' must be a VisionConfig for {cfg.architecture}, got {cfg.vision!r}")
+    if cfg.vision.out_hidden_size != cfg.hidden_size:
+        raise ValueError(f"vision config field 'out_hidden_size' ({cfg.vision.out_hidden_size}) must equal the text "
+                         f"model's hidden_size ({cfg.hidden_size})")
+    section = (24, 20, 20) if cfg.mrope_section is None else tuple(cfg.mrope_section)
+    if len(section) != 3 or sum(section) != cfg.head_dim // 2:
+        raise ValueError(f"config field 'mrope_section' {list(section)} must be three numbers summing to "
+                         f"head_dim / 2 = {cfg.head_dim // 2}")
+    object.__setattr__(cfg, "mrope_section", section)
+
+
+def _write_hf(cfg: ModelConfig) -> dict:
+    rope = {"rope_type": "default", **(cfg.rope_scaling or {}), "rope_theta": cfg.rope_theta,
+            "mrope_section": list(cfg.mrope_section), "mrope_interleaved": True}
+    return {"rope_parameters": rope}
+
+
+def _wrap(flat: dict[str, Any], cfg: ModelConfig) -> dict:
+    vision, tokens = cfg.vision.to_hf()
+    outer = {k: flat.pop(k) for k in ("architectures", "tie_word_embeddings") if k in flat}
+    text = {**flat, "model_type": "qwen3_vl_text"}
+    return {**outer, "model_type": "qwen3_vl", "text_config": text, "vision_config": vision, **tokens,
+            "torch_dtype": flat.get("torch_dtype"), "dtype": flat.get("dtype")}
+
+
+def _checkpoint_name(name: str) -> str:
+    if name.startswith("visual."):
+        return "model." + name
+    if name.startswith("model."):
+        return "model.language_model." + name[len("model."):]
+    return name
+
+
+QWEN3_VL = ArchSpec(
+    model_type="qwen3_vl",
+    hf_class="Qwen3VLForConditionalGeneration",
+    mixers={"full_attention": ("self_attn", Attention)},
+    mlp=lambda cfg, i: MLP(cfg),
+    defaults={"attention_bias": False},
+    fixed={"qk_norm": True, "mlp_bias": False},
+    checkpoint_name=_checkpoint_name,
+    read_hf=_read_hf,
+    check_config=_check,
+    write_hf=_write_hf,
+    rope_keys=_ROPE_KEYS,
+    unwrap_hf=_unwrap,
+    wrap_hf=_wrap,
+    has_vision=True,
+    notes="Qwen3 text tower + vision tower (2-D RoPE ViT, patch merger, DeepStack) and interleaved mRoPE; "
+          "images only (no video)",
+)
+
+
+def tiny_vl_fields(**over) -> dict:
+    """ModelConfig fields of a tiny Qwen3-VL for the CPU tests and demo: 2 text layers of
+    width 64 (head_dim 16, mrope_section (2, 3, 3)), a 3-block vision tower of width 32
+    (patch 4, merge 2, a 4 x 4 position grid) with DeepStack from blocks 0 and 1, token ids
+    at the top of a 512-token vocabulary. `over`: any ModelConfig field."""
+    vision = VisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16,
+                          deepstack_visual_indexes=(0, 1), image_token_id=509, video_token_id=510,
+                          vision_start_token_id=507, vision_end_token_id=508)
+    return dict(model_type="qwen3_vl", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                max_position_embeddings=1024, rope_theta=10000.0, mrope_section=(2, 3, 3), vision=vision) | over
