@@ -14,11 +14,11 @@ from rlfuse.engine.media import (
     FeatureCache,
     MediaItem,
     check_media,
-    decode_positions,
-    mrope_positions,
     never_sampled_ids,
+    prompt_positions,
 )
 from rlfuse.engine.sequence import Sequence, sample_key_base
+from rlfuse.model.vision import ImageFeatures
 
 PAD = 9
 
@@ -83,14 +83,16 @@ def _hf_rope_index(ids, grids, merge, image_token_id):
     [(2, (1, 6, 2)), (12, (1, 2, 8))],                        # two images of different sizes
     [(0, (1, 2, 2)), (2, (1, 4, 4))],                         # an image first, images adjacent but for 1 token
 ])
-def test_mrope_positions_equal_transformers(layout):
+def test_prompt_positions_equal_transformers(layout):
     media = tuple(_item(k + 1, off, grid) for k, (off, grid) in enumerate(layout))
     ids = _prompt(media, 24)
-    pos, delta = mrope_positions(len(ids), media, 2)
+    vision = types.SimpleNamespace(spatial_merge_size=2, image_token_id=PAD)
+    pos, delta = prompt_positions(ids, media, vision)
     want, want_delta = _hf_rope_index(ids, [list(m.grid_thw) for m in media], 2, PAD)
     assert torch.equal(pos, want) and delta == want_delta
-    # decode: position of the token at index i is i + delta on all axes, continuing the prompt's
-    assert decode_positions(len(ids), delta) == (int(pos.max()) + 1,) * 3
+    # a completion continues at index + delta on all three rows: the positions of the longer sequence
+    longer, _ = prompt_positions(ids + [1, 2, 3], media, vision)
+    assert torch.equal(longer[:, len(ids):], (torch.arange(len(ids), len(ids) + 3) + delta).expand(3, -1))
 
 
 def test_check_media_rejects_spans_that_do_not_match_the_ids():
@@ -108,8 +110,8 @@ def test_feature_cache_encodes_each_image_once_per_group_and_slices_chunks():
 
     def encode(item):
         runs.append(item.media_hash)
-        base = item.pixel_values[::4, :1].repeat(1, 3) + torch.arange(item.num_tokens).view(-1, 1)
-        return base, base * 2  # merged features and one DeepStack level
+        e = item.pixel_values[::4, :3] + torch.arange(item.num_tokens).view(-1, 1)
+        return ImageFeatures(e, torch.stack([2 * e]))  # merged features and one DeepStack level
 
     cache = FeatureCache(encode)
     a, b = _item(1, 2), _item(2, 10)
@@ -121,11 +123,10 @@ def test_feature_cache_encodes_each_image_once_per_group_and_slices_chunks():
             cache.features(m)
     assert cache.take_encodes() == 2 and runs == [a.media_hash, b.media_hash] and cache.live == 2
     # a prefill chunk of tokens [4, 12): the last 2 rows of image a (tokens 4, 5), the first 2 of b (10, 11)
-    rows, (feat, deep) = cache.chunk_features((a, b), 4, 8)
-    assert rows.tolist() == [0, 1, 6, 7]
-    fa, fb = cache.features(a)[0], cache.features(b)[0]
-    assert torch.equal(feat, torch.cat([fa[2:4], fb[0:2]])) and torch.equal(deep, 2 * feat)
-    assert cache.chunk_features((a, b), 6, 4) is None
+    part = ImageFeatures.cat(cache.chunk_features((a, b), 4, 8))
+    fa, fb = cache.features(a).embeds, cache.features(b).embeds
+    assert torch.equal(part.embeds, torch.cat([fa[2:4], fb[0:2]])) and torch.equal(part.deepstack[0], 2 * part.embeds)
+    assert cache.chunk_features((a, b), 6, 4) == []
     for media in group:
         cache.release(media)
     assert cache.live == 0 and cache.take_encodes() == 0

@@ -6,6 +6,7 @@
     rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
     rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
+    rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
@@ -28,13 +29,16 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from rlfuse.cli.common import add_threads_argument, fail, setup_threads
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
+from rlfuse.data.media import ImageProcessor, VisionData, expand_images
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
+from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
@@ -59,6 +63,8 @@ def add_arguments(p) -> None:
                    "top-2) instead of the dense one")
     p.add_argument("--hybrid", action="store_true", help="with --tiny: a small random Qwen3.5-style hybrid "
                    "(three Gated DeltaNet layers, one gated full attention) instead of the Qwen3-style model")
+    p.add_argument("--vision", action="store_true", help="with --tiny: a tiny random Qwen3-VL on image-text prompts "
+                   "(random images of several sizes, some shared between prompts, two in some, text-only rows too)")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -81,7 +87,9 @@ def add_arguments(p) -> None:
 def _model(args, device):
     if args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-        m = CausalLM(ModelConfig(**(_TINY_MOE if args.moe else tiny_hybrid_fields() if args.hybrid else _TINY)))
+        fields = (_TINY_MOE if args.moe else tiny_hybrid_fields() if args.hybrid else tiny_vl_fields() if args.vision
+                  else _TINY)
+        m = CausalLM(ModelConfig(**fields))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
         m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
     else:
@@ -111,6 +119,66 @@ def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
+def _vision_prompts(args, model, n: int) -> tuple[list[list[int]], list[tuple]]:
+    """n random image-text prompts: (text, image) 0, 1 or 2 times (random pixels, 3 sizes;
+    some images in two prompts), then text; token ids below the vision ids."""
+    v = model.config.vision
+    proc = ImageProcessor(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
+                          merge_size=v.spatial_merge_size, min_pixels=64, max_pixels=48 * 48)
+    vision = VisionData(proc, v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    top = min(v.image_token_id, v.vision_start_token_id, v.vision_end_token_id, v.video_token_id)
+    sizes = [(16, 16), (24, 16), (16, 32)]
+    pool = [Image.frombytes("RGB", sizes[i % 3], bytes(torch.randint(0, 256, (sizes[i % 3][0] * sizes[i % 3][1] * 3,),
+                                                                     generator=g).tolist())) for i in range(n)]
+    prompts, media = [], []
+    for i in range(n):
+        k = (i % 3 == 0) + (i % 3 != 2)  # 1 image, 2 images, none, in turn
+        ids, images = [], []
+        for j in range(k):
+            ids += torch.randint(0, top, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            ids += [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id]
+            # prompt 3m+1's first image is prompt 3m's: the same image in two prompts
+            images.append(("image", pool[i - 1 if i % 3 == 1 and j == 0 else (i + 3 * j) % n]))
+        ids += torch.randint(0, top, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
+        ids, items, _ = expand_images(ids, images, vision, f"prompt {i}", 1 << 20)
+        prompts.append(ids)
+        media.append(items)
+    return prompts, media
+
+
+def _agent_rows(args, model, tok, results) -> None:
+    """The multi-turn and agent rows (text models)."""
+    # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
+    # fit the model's vocabulary); a model folder uses its own chat template
+    try:
+        mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
+        r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+        results.append(r)
+        st = r.engine_stats
+        print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+              f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
+              f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
+    except TemplateError as e:
+        print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
+    try:
+        # optional dependencies (the `serve` extra and openai): the row is skipped without them
+        from rlfuse.serve.agent_check import agent_setting
+    except ImportError as e:
+        print(f"{'agent via OpenAI API':34s} skipped: {e} (pip install 'rlfuse[serve]' openai)", flush=True)
+    else:
+        try:
+            r = agent_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+            results.append(r)
+            st = r.engine_stats
+            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+                  f"{r.kl_k3:10.3g}  {st['rollout/agent_calls_per_episode']:.1f} calls per episode, "
+                  f"{100 * st['rollout/agent_merged_frac']:.0f}% merged, "
+                  f"{st['rollout/agent_split_samples']:.0f} split samples", flush=True)
+        except TemplateError as e:
+            print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
+
+
 def run(args) -> int:
     try:
         setup_threads(args.threads)
@@ -124,8 +192,11 @@ def run(args) -> int:
     if args.hybrid and not args.tiny:
         return fail(ValueError("check: --hybrid picks the tiny hybrid model; give it with --tiny (a model folder's "
                                "config.json says whether it is a hybrid)"))
-    if args.hybrid and args.moe:
-        return fail(ValueError("check: --hybrid and --moe pick two different tiny models; give one"))
+    if sum((args.hybrid, args.moe, args.vision)) > 1:
+        return fail(ValueError("check: --hybrid, --moe and --vision pick different tiny models; give one"))
+    if args.vision and (not args.tiny or args.prompts):
+        return fail(ValueError("check: --vision builds image-text prompts for the --tiny Qwen3-VL; give it with --tiny "
+                               "and without --prompts"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)
@@ -133,7 +204,11 @@ def run(args) -> int:
     try:
         out = make_folder(args.out, "--out")
         model, tok = _model(args, device)
-        prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
+        media = None
+        if args.vision:
+            prompts, media = _vision_prompts(args, model, max_batch)
+        else:
+            prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
     except (ValueError, OSError) as e:
         return fail(e)
     block = 16
@@ -142,6 +217,8 @@ def run(args) -> int:
     # forced, and at 256 sequences the GPU run is not spent recomputing them
     small_pool = (4 if cuda else 2) * -(-need // block)
     settings = default_sweep(max_batch, small_pool_blocks=small_pool, chunk_tokens=max(block, need // 3))
+    if media is not None:  # long prompts are repeats of short ones: their images would move
+        settings = [s for s in settings if not s.min_prompt_len]
     lora = f", LoRA on {len(lora_modules(model))} projections" if lora_modules(model) else ""
     print(f"rlfuse check: {model.config.architecture}{lora} on {device} ({model.lm_head_weight.dtype}), numerics "
           f"{args.numerics}, {len(settings)} settings, up to {max_batch} sequences x {max_tokens} tokens")
@@ -152,7 +229,7 @@ def run(args) -> int:
         for s in settings:
             t1 = time.perf_counter()
             r = run_setting(model, prompts, s, numerics=args.numerics, max_tokens=max_tokens,
-                            temperature=args.temperature, seed=args.seed)
+                            temperature=args.temperature, seed=args.seed, media=media)
             results.append(r)
             st = r.engine_stats
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
@@ -160,34 +237,10 @@ def run(args) -> int:
                   f"{st['shared_prefix_steps']}  ({time.perf_counter() - t1:.1f} s: " +
                   ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()) + ")",
                   flush=True)
-        # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
-        # fit the model's vocabulary); a model folder uses its own chat template
-        try:
-            mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
-            r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
-            results.append(r)
-            st = r.engine_stats
-            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
-                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
-                  f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
-        except TemplateError as e:
-            print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
-        try:
-            # optional dependencies (the `serve` extra and openai): the row is skipped without them
-            from rlfuse.serve.agent_check import agent_setting
-        except ImportError as e:
-            print(f"{'agent via OpenAI API':34s} skipped: {e} (pip install 'rlfuse[serve]' openai)", flush=True)
+        if args.vision:
+            print(f"{'multi-turn and agent rows':34s} skipped with --vision (text rows: rlfuse check --tiny)")
         else:
-            try:
-                r = agent_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
-                results.append(r)
-                st = r.engine_stats
-                print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
-                      f"{r.kl_k3:10.3g}  {st['rollout/agent_calls_per_episode']:.1f} calls per episode, "
-                      f"{100 * st['rollout/agent_merged_frac']:.0f}% merged, "
-                      f"{st['rollout/agent_split_samples']:.0f} split samples", flush=True)
-            except TemplateError as e:
-                print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
+            _agent_rows(args, model, tok, results)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),

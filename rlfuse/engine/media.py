@@ -12,11 +12,10 @@ Rules (the issue-40 bug list they prevent, in brackets):
     images whose pad run overlaps it (`block_media`), so two prompts with equal ids but
     different images never share K/V; every later block differs through the chain
     [image features that do not match the image tokens];
-  * positions (`mrope_positions`, Qwen2/3-VL's rule): text tokens advance all three axes
-    (t, h, w) together; an image of merged grid (t, h / m, w / m) takes
-    start + (t_i, h_i, w_i) and the text after it resumes at start + max(h, w) / m. They are computed once
-    at admission; a token at index i >= len(prompt) has position i + `delta` on every axis
-    (delta = max position + 1 - len(prompt)), never re-derived from the ids
+  * positions (`prompt_positions`: the model's rlfuse.model.vision.mrope_positions, Qwen3-VL's
+    rule) are computed once per request and carried by its sequences; a token at index
+    i >= len(prompt) has position i + `delta` on every axis (delta = max position + 1 -
+    len(prompt)): one integer, the image layout is never re-derived from the ids
     [the rollout emitting image-pad tokens that crash the position code];
   * sampling: the image-pad, vision-start and vision-end ids are never sampled
     (`never_sampled_ids`: their logits are -inf in the sampler; the reported log-prob is the
@@ -34,6 +33,8 @@ import hashlib
 from typing import Callable
 
 import torch
+
+from rlfuse.model.vision import ImageFeatures, mrope_positions
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -96,32 +97,27 @@ def media_key(media: tuple[MediaItem, ...]) -> bytes:
 
 
 # ---------------------------------------------------------------------- positions
-def mrope_positions(num_tokens: int, media: tuple[MediaItem, ...], merge_size: int) -> tuple[torch.Tensor, int]:
-    """((3, num_tokens) int64 positions (t, h, w) of a prompt, delta): the module docstring's
-    rule. Text-only: every axis is arange(num_tokens) and delta is 0."""
-    pos = torch.empty((3, num_tokens), dtype=torch.int64)
-    at, nxt = 0, 0  # next token index, next free position
-    for m in media:
-        n_text = m.offset - at
-        pos[:, at:m.offset] = torch.arange(nxt, nxt + n_text)
-        nxt += n_text
-        t, h, w = m.grid_thw[0], m.grid_thw[1] // merge_size, m.grid_thw[2] // merge_size
-        assert t * h * w == m.num_tokens, (m.grid_thw, merge_size, m.num_tokens)
-        ti = torch.arange(t).repeat_interleave(h * w)
-        hi = torch.arange(h).repeat_interleave(w).repeat(t)
-        wi = torch.arange(w).repeat(t * h)
-        pos[:, m.offset:m.end] = torch.stack((ti, hi, wi)) + nxt
-        nxt += max(h, w)  # transformers' rule (the t axis is 0 for an image: t = 1)
-        at = m.end
-    pos[:, at:] = torch.arange(nxt, nxt + num_tokens - at)
-    nxt += num_tokens - at
-    return pos, nxt - num_tokens
+def prompt_positions(ids: list[int], media: tuple[MediaItem, ...], vision) -> tuple[torch.Tensor, int]:
+    """((3, len(ids)) int64 mRoPE positions of a prompt, delta) by the model's rule
+    (rlfuse.model.vision.mrope_positions; `vision` is ModelConfig.vision): once per request."""
+    grids = torch.tensor([m.grid_thw for m in media], dtype=torch.int64) if media else None
+    return mrope_positions(torch.tensor(ids, dtype=torch.int64), grids, spatial_merge_size=vision.spatial_merge_size,
+                           image_token_id=vision.image_token_id)
 
 
-def decode_positions(index: int, delta: int) -> tuple[int, int, int]:
-    """(t, h, w) position of the token at `index` >= len(prompt): index + delta on each axis."""
-    p = index + delta
-    return p, p, p
+def encode_images(model, items: list[MediaItem]) -> ImageFeatures | None:
+    """The features of `items` in order, for a packed forward: each image encoded alone (as
+    the engine encodes it, so the features are the same bits), each distinct hash once.
+    Records autograd when grad is on and the tower trains."""
+    if not items:
+        return None
+    dev, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
+    done: dict[bytes, ImageFeatures] = {}
+    for m in items:
+        if m.media_hash not in done:
+            grid = torch.tensor([m.grid_thw], dtype=torch.int64, device=dev)
+            done[m.media_hash] = model.encode_images(m.pixel_values.to(dev, dtype), grid)
+    return ImageFeatures.cat([done[m.media_hash] for m in items])
 
 
 def never_sampled_ids(config) -> tuple[int, ...]:
@@ -135,21 +131,21 @@ def never_sampled_ids(config) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- features
-Encode = Callable[[MediaItem], tuple[torch.Tensor, ...]]
-"""The vision tower on one image: a tuple of (num_tokens, D) tensors (the merged features,
-then any per-layer DeepStack features), row j for the image's j-th pad token."""
+Encode = Callable[[MediaItem], ImageFeatures]
+"""The vision tower on ONE image (so its features do not depend on the other images of a
+batch: the engine and the trainer encode alike): `num_tokens` rows."""
 
 
 class FeatureCache:
     """Vision features by media hash, computed once while any sequence holds the image.
 
     `acquire(media)` for a sequence admitted with them, `release(media)` when it is freed
-    (finish, preemption, abort); `features(item)` encodes on first use. `encodes` counts
-    tower runs since the last `take_encodes()` (the step metric `vision/encodes`)."""
+    (finish, abort); `features(item)` encodes on first use. `encodes` counts tower runs
+    since the last `take_encodes()` (the step metric `vision/encodes`)."""
 
     def __init__(self, encode: Encode):
         self.encode = encode
-        self._feats: dict[bytes, tuple[torch.Tensor, ...]] = {}
+        self._feats: dict[bytes, ImageFeatures] = {}
         self._refs: dict[bytes, int] = {}
         self.encodes = 0
 
@@ -166,38 +162,29 @@ class FeatureCache:
                 del self._refs[m.media_hash]
                 self._feats.pop(m.media_hash, None)
 
-    def features(self, item: MediaItem) -> tuple[torch.Tensor, ...]:
+    def clear(self) -> None:
+        """Forget every feature (the tower's weights changed); holders stay."""
+        self._feats.clear()
+
+    def features(self, item: MediaItem) -> ImageFeatures:
         assert item.media_hash in self._refs, "features of an image no live sequence holds"
         f = self._feats.get(item.media_hash)
         if f is None:
-            f = tuple(self.encode(item))
-            assert all(x.shape[0] == item.num_tokens for x in f), ([x.shape for x in f], item.num_tokens)
+            f = self.encode(item)
+            assert len(f) == item.num_tokens, (len(f), item.num_tokens)
             self._feats[item.media_hash] = f
             self.encodes += 1
         return f
 
-    def chunk(self, media: tuple[MediaItem, ...], start: int, n: int) -> list[tuple[int, int, MediaItem]]:
-        """The image rows a prefill chunk of tokens [start, start + n) needs:
-        [(row in the chunk, first feature row, count, item)] per overlapping image."""
+    def chunk_features(self, media: tuple[MediaItem, ...], start: int, n: int) -> list[ImageFeatures]:
+        """The feature rows of the image tokens among tokens [start, start + n) (a prefill
+        chunk), in token order: one slice per overlapping image."""
         out = []
         for m in media:
             lo, hi = max(start, m.offset), min(start + n, m.end)
             if lo < hi:
-                out.append((lo - start, lo - m.offset, hi - lo, m))
+                out.append(self.features(m).narrow(lo - m.offset, hi - lo))
         return out
-
-    def chunk_features(self, media: tuple[MediaItem, ...], start: int, n: int
-                       ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
-        """(rows (k,) int64 indices into the chunk, [(k, D) features per feature kind]) for the
-        image tokens of tokens [start, start + n), or None when the chunk has none."""
-        parts = self.chunk(media, start, n)
-        if not parts:
-            return None
-        rows = torch.cat([torch.arange(r, r + c) for r, _, c, _ in parts])
-        feats = [self.features(m) for _, _, _, m in parts]
-        kinds = len(feats[0])
-        out = [torch.cat([f[k][a:a + c] for f, (_, a, c, _) in zip(feats, parts)]) for k in range(kinds)]
-        return rows, out
 
     def take_encodes(self) -> int:
         n, self.encodes = self.encodes, 0

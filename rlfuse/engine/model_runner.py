@@ -38,7 +38,14 @@ import torch
 from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.media import never_sampled_ids
+from rlfuse.engine.media import (
+    FeatureCache,
+    MediaItem,
+    check_media,
+    encode_images,
+    never_sampled_ids,
+    prompt_positions,
+)
 from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -47,6 +54,7 @@ from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
+from rlfuse.model.vision import ImageFeatures
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +122,8 @@ class ModelRunner:
         # vision models: the image-pad / vision start / end ids are never sampled (rlfuse.engine.media)
         banned = never_sampled_ids(model.config)
         self.never_sample = torch.tensor(banned, dtype=torch.int64, device=self.device) if banned else None
+        self.vision = model.config.vision
+        self.features = FeatureCache(self._encode) if self.vision is not None else None
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -199,6 +209,21 @@ class ModelRunner:
         return self.max_blocks * self.block_size
 
     # ------------------------------------------------------------------ rows
+    # ------------------------------------------------------------------ images
+    def _encode(self, item: MediaItem) -> ImageFeatures:
+        return encode_images(self.model, [item])  # one image per call, as the trainer's encodes
+
+    def admit_media(self, rid: str, ids: list[int], media: tuple[MediaItem, ...]) -> tuple[torch.Tensor, int] | None:
+        """Check a request's images against its ids; its (mRoPE positions, delta), computed once
+        for its n samples (None: a text-only model)."""
+        if self.vision is None:
+            if media:
+                raise ValueError(f"request {rid!r}: {len(media)} images given but "
+                                 f"{self.mcfg.architecture} has no vision tower")
+            return None
+        check_media(media, ids, self.vision.image_token_id, f"request {rid!r}")
+        return prompt_positions(ids, media, self.vision)
+
     def release(self, seq: Sequence) -> None:
         """`seq` left the running set (finished, preempted, aborted): free its table row."""
         if seq.row >= 0:
@@ -321,13 +346,14 @@ class ModelRunner:
         ids, pos, slots = sec["ids"], sec["pos"], sec["slots"]
         o = 0
         for seq, st, n in zip(seqs, starts, num_new):
+            d = seq.rope_delta  # 0 for text: the token's index is its position
             if n == 1:
-                ids[o], pos[o] = seq.token_ids[st], st
+                ids[o], pos[o] = seq.token_ids[st], st + d
                 slots[o] = seq.block_table[st // bs] * bs + st % bs
             else:
                 p = np.arange(st, st + n)
                 ids[o:o + n] = seq.token_ids[st:st + n]
-                pos[o:o + n] = p
+                pos[o:o + n] = p + d
                 slots[o:o + n] = np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs
             o += n
         sec["rows"][:] = rows
@@ -341,9 +367,26 @@ class ModelRunner:
         attn = PagedKV(self.kv.kv_caches, d["slots"], d["cu"].to(torch.int32), d["seq_lens"].to(torch.int32),
                        self.bt[d["rows"], :w], max(num_new),
                        linear=None if self.linear is None else self.linear.step(seqs, starts, num_new))
-        h = self.model(d["ids"], d["pos"], attn)
+        pos, feats = d["pos"], None
+        if any(s.mrope is not None and st < s.num_prompt_tokens for s, st in zip(seqs, starts)):
+            pos, feats = self._image_inputs(seqs, starts, num_new, pos)
+        h = self.model(d["ids"], pos, attn, feats)
         h = h if S == T else h[d["samp"]]
         return h, (d["top_k"], d["seeds"], d["offsets"])
+
+    def _image_inputs(self, seqs, starts, num_new, pos_T):
+        """A batch with prompt chunks of image prompts: (3, T) positions (the prompts' own
+        rows; index + delta after them, text-only sequences on all rows alike) and the
+        features of the image tokens in the chunks, in token order (None if there are none)."""
+        pos = pos_T.unsqueeze(0).repeat(3, 1)
+        feats, o = [], 0
+        for s, st, n in zip(seqs, starts, num_new):
+            if s.mrope is not None and st < s.num_prompt_tokens:
+                k = min(n, s.num_prompt_tokens - st)
+                pos[:, o:o + k] = s.mrope[0][:, st:st + k].to(pos.device)
+                feats += self.features.chunk_features(s.media, st, k)
+            o += n
+        return pos, (ImageFeatures.cat(feats) if feats else None)
 
     # ------------------------------------------------------------------ decode graphs
     @torch.no_grad()

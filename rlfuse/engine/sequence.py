@@ -91,6 +91,11 @@ class Sequence:
         self.mrope: tuple[torch.Tensor, int] | None = None  # ((3, prompt) positions, delta): at admission
 
     @property
+    def rope_delta(self) -> int:
+        """Position of the token at index i >= prompt is i + rope_delta (0 for text prompts)."""
+        return 0 if self.mrope is None else self.mrope[1]
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -25,6 +25,8 @@ class EngineStats:
     """Decode steps launched before the previous step's results were read (look-ahead)."""
     discarded_tokens: int = 0
     """Look-ahead samples of sequences that had stopped on a token in the step before."""
+    vision_encodes: int = 0
+    """Vision-tower runs (one per distinct image held by live sequences: a group's n samples share one)."""
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):

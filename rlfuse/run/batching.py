@@ -10,6 +10,11 @@ sequence goes alone; `shared` (from `shared_contexts`) discounts a shared prompt
 ids[n_ctx:], predicted from hidden rows start_b + n_ctx - 1 ... start_b + len - 2.
 Tensors: input_ids (T,), positions (T,), Packed(cu_seqlens, max_seqlen), rows (N,),
 targets (N,), seq_ids (N,) -- N = total target tokens.
+Images (`media=`, per sequence its MediaItems; vision models): positions are (3, T) mRoPE
+rows, each sequence's the engine's (`rlfuse.engine.media.prompt_positions` over its ids),
+`images` lists the image-pad runs in packed order, and `batch.forward(model)` passes their
+features, each image encoded alone as the engine does (`encode_images`): exact numerics
+holds for image prompts too.
 
 Shared prompts (`share_min=n > 0`, GRPO's `grpo.share_prefix`): consecutive sequences
 whose contexts are the same n or more token ids (a GRPO group: one prompt, G completions)
@@ -27,22 +32,27 @@ import dataclasses
 
 import torch
 
+from rlfuse.engine.media import encode_images, prompt_positions
 from rlfuse.model import (
     Packed,
     pack_by_tokens,  # noqa: F401 (the trainers' import path)
 )
 
 
-def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int) -> list[int]:
+def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int, media: list | None = None) -> list[int]:
     """shared[i] = n_ctx of sequence i when its context ids[:n_ctx] equals sequence i-1's
-    (same ids, same length, at least share_min >= 1 tokens), else 0: the tokens
-    `PackedBatch.build(share_min=...)` packs once for both. share_min 0: none shared."""
+    (same ids, same length, at least share_min >= 1 tokens, the same images), else 0: the
+    tokens `PackedBatch.build(share_min=...)` packs once for both. share_min 0: none shared."""
     out = [0] * len(seqs)
     for i in range(1, len(seqs) if share_min > 0 else 0):
         (a, na), (b, nb) = seqs[i - 1], seqs[i]
-        if na == nb >= share_min and a[:na] == b[:nb]:
+        if na == nb >= share_min and a[:na] == b[:nb] and (media is None or _hashes(media[i - 1]) == _hashes(media[i])):
             out[i] = nb
     return out
+
+
+def _hashes(media) -> list[bytes]:
+    return [m.media_hash for m in media]
 
 
 @dataclasses.dataclass(slots=True)
@@ -55,12 +65,39 @@ class PackedBatch:
     seq_ids: torch.Tensor    # (N,) int64 in [0, num_seqs)
     num_seqs: int
     num_tokens: int          # T
+    images: tuple = ()
+    """The MediaItems of the image-pad runs of input_ids, in packed order (image rows)."""
+
+    def forward(self, model):
+        """model(input_ids, positions, attn, image features): hidden (T, D). The features come
+        from `rlfuse.engine.media.encode_images`, the engine's own encode; without autograd
+        unless the vision tower trains (model.train_vision)."""
+        feats = None
+        if self.images:
+            tower_trains = any(p.requires_grad for p in model.visual.parameters())
+            with torch.set_grad_enabled(torch.is_grad_enabled() and tower_trains):
+                feats = encode_images(model, list(self.images))
+        return model(self.input_ids, self.positions, self.attn, feats)
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int]], device, share_min: int = 0) -> "PackedBatch":
-        """share_min > 0: pack equal contexts of at least this many tokens once (module docstring)."""
+    def build(cls, seqs: list[tuple[list[int], int]], device, share_min: int = 0, media: list | None = None,
+              vision=None) -> "PackedBatch":
+        """share_min > 0: pack equal contexts of at least this many tokens once (module docstring).
+        `media[b]`: sequence b's images (MediaItems, offsets into its ids), `vision` the model's
+        ModelConfig.vision: positions are then (3, T) mRoPE rows (the engine's)."""
         ids, pos, rows, tgt, sid, lens, prefix_of = [], [], [], [], [], [], []
-        shared = shared_contexts(seqs, share_min)
+        media = media if media is not None and any(media) else None
+        shared = shared_contexts(seqs, share_min, media)
+        pos3, images = [], []
+
+        def seg(b, lo, hi):  # sequence b's tokens [lo, hi) packed next: their mRoPE rows and images
+            if media is None:
+                return
+            pos3.append(_positions(seqs[b][0], media[b], vision, b)[:, lo:hi])
+            for m in media[b]:
+                if lo <= m.offset < hi:
+                    assert m.end <= hi, f"sequence {b}: a packed segment cuts image [{m.offset}, {m.end})"
+                    images.append(m)
         start = 0
         ctx_seg = ctx_last = -1  # the current group's context segment and its last row
         for b, (s, n_ctx) in enumerate(seqs):
@@ -68,6 +105,7 @@ class PackedBatch:
                 raise ValueError(f"sequence {b}: context length {n_ctx} must be in [1, {len(s)}]")
             heads = b + 1 < len(seqs) and shared[b + 1] and not shared[b]
             if heads:  # the group's context, once: a segment of its own with no targets
+                seg(b, 0, n_ctx)
                 ids += s[:n_ctx]
                 pos += range(n_ctx)
                 lens.append(n_ctx)
@@ -75,6 +113,7 @@ class PackedBatch:
                 ctx_seg, ctx_last = len(lens) - 1, start + n_ctx - 1
                 start += n_ctx
             if heads or shared[b]:  # a completion reading the context's keys
+                seg(b, n_ctx, len(s))
                 ids += s[n_ctx:]
                 pos += range(n_ctx, len(s))
                 if len(s) > n_ctx:
@@ -83,6 +122,7 @@ class PackedBatch:
                 prefix_of.append(ctx_seg)
                 start += len(s) - n_ctx
             else:
+                seg(b, 0, len(s))
                 ids += s
                 pos += range(len(s))
                 rows += range(start + n_ctx - 1, start + len(s) - 1)
@@ -95,5 +135,13 @@ class PackedBatch:
         def t(x):
             return torch.tensor(x, dtype=torch.long).to(device, non_blocking=True)
 
-        return cls(t(ids), t(pos), Packed.from_lengths(lens, device, prefix_of), t(rows), t(tgt), t(sid),
-                   len(seqs), start)
+        positions = t(pos) if media is None else torch.cat(pos3, 1).to(device, non_blocking=True)
+        return cls(t(ids), positions, Packed.from_lengths(lens, device, prefix_of), t(rows), t(tgt), t(sid),
+                   len(seqs), start, tuple(images))
+
+
+def _positions(ids: list[int], media, vision, b: int) -> torch.Tensor:
+    """(3, len(ids)) mRoPE rows of one sequence (a text one: three equal rows)."""
+    if vision is None:
+        raise ValueError(f"sequence {b}: images given for a model without a vision tower")
+    return prompt_positions(ids, tuple(media), vision)[0]
