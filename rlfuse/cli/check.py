@@ -34,7 +34,7 @@ from PIL import Image
 from rlfuse.cli.common import add_threads_argument, fail, setup_threads
 from rlfuse.consistency.check import default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
-from rlfuse.data.media import ImageProcessor, VisionData, expand_images
+from rlfuse.data import ImageProcessor, VisionData, expand_images
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields

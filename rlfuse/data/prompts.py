@@ -45,7 +45,7 @@ import logging
 import random
 
 from rlfuse.data.media import VisionData, expand_images, split_images
-from rlfuse.engine.media import MediaItem
+from rlfuse.engine import MediaItem
 from rlfuse.run import DATA_REASONS
 from rlfuse.run.config import DataConfig
 

@@ -32,7 +32,7 @@ import dataclasses
 
 import torch
 
-from rlfuse.engine.media import encode_images, prompt_positions
+from rlfuse.engine import encode_images, prompt_positions
 from rlfuse.model import (
     Packed,
     pack_by_tokens,  # noqa: F401 (the trainers' import path)
