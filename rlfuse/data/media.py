@@ -38,10 +38,7 @@ from pathlib import Path
 import torch
 from PIL import Image, UnidentifiedImageError
 
-from rlfuse.engine import MediaItem, media_hash
-
-IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
-"""Qwen2/3-VL's image markers: start, pad (one per merged patch), end."""
+from rlfuse.engine import IMAGE_TOKENS, MediaItem, media_hash
 
 
 # ---------------------------------------------------------------------- reading images

@@ -36,6 +36,9 @@ import torch
 
 from rlfuse.model.vision import ImageFeatures, mrope_positions
 
+IMAGE_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+"""Qwen2/3-VL's image markers: start, pad (one per merged patch), end."""
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class MediaItem:

@@ -89,7 +89,7 @@ def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float =
     """SFT on the session's model until greedy accuracy on 200 training problems reaches
     `target` (checked every 25 steps) or sft.steps run out: (run_sft's result, [(step, accuracy)])."""
     rewards = ses.rewards()
-    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev")
+    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev", vision=ses.vision)
     dev_acc = []
 
     def warm_enough(step):

@@ -10,7 +10,7 @@ sequence goes alone; `shared` (from `shared_contexts`) discounts a shared prompt
 ids[n_ctx:], predicted from hidden rows start_b + n_ctx - 1 ... start_b + len - 2.
 Tensors: input_ids (T,), positions (T,), Packed(cu_seqlens, max_seqlen), rows (N,),
 targets (N,), seq_ids (N,) -- N = total target tokens.
-Images (`media=`, per sequence its MediaItems; vision models): positions are (3, T) mRoPE
+Images (a sequence given as (ids, n_ctx, media): its MediaItems; vision models): positions are (3, T) mRoPE
 rows, each sequence's the engine's (`rlfuse.engine.media.prompt_positions` over its ids),
 `images` lists the image-pad runs in packed order, and `batch.forward(model)` passes their
 features, each image encoded alone as the engine does (`encode_images`): exact numerics
@@ -39,20 +39,20 @@ from rlfuse.model import (
 )
 
 
-def shared_contexts(seqs: list[tuple[list[int], int]], share_min: int, media: list | None = None) -> list[int]:
+def shared_contexts(seqs: list[tuple], share_min: int) -> list[int]:
     """shared[i] = n_ctx of sequence i when its context ids[:n_ctx] equals sequence i-1's
     (same ids, same length, at least share_min >= 1 tokens, the same images), else 0: the
     tokens `PackedBatch.build(share_min=...)` packs once for both. share_min 0: none shared."""
     out = [0] * len(seqs)
     for i in range(1, len(seqs) if share_min > 0 else 0):
-        (a, na), (b, nb) = seqs[i - 1], seqs[i]
-        if na == nb >= share_min and a[:na] == b[:nb] and (media is None or _hashes(media[i - 1]) == _hashes(media[i])):
+        (a, na), (b, nb) = seqs[i - 1][:2], seqs[i][:2]
+        if na == nb >= share_min and a[:na] == b[:nb] and _hashes(seqs[i - 1]) == _hashes(seqs[i]):
             out[i] = nb
     return out
 
 
-def _hashes(media) -> list[bytes]:
-    return [m.media_hash for m in media]
+def _hashes(seq: tuple) -> list[bytes]:
+    return [m.media_hash for m in seq[2]] if len(seq) > 2 else []
 
 
 @dataclasses.dataclass(slots=True)
@@ -80,14 +80,15 @@ class PackedBatch:
         return model(self.input_ids, self.positions, self.attn, feats)
 
     @classmethod
-    def build(cls, seqs: list[tuple[list[int], int]], device, share_min: int = 0, media: list | None = None,
-              vision=None) -> "PackedBatch":
-        """share_min > 0: pack equal contexts of at least this many tokens once (module docstring).
-        `media[b]`: sequence b's images (MediaItems, offsets into its ids), `vision` the model's
-        ModelConfig.vision: positions are then (3, T) mRoPE rows (the engine's)."""
+    def build(cls, seqs: list[tuple], device, share_min: int = 0, vision=None) -> "PackedBatch":
+        """seqs: (ids, n_ctx) or (ids, n_ctx, media): the sequence's images (MediaItems, offsets
+        into its ids). share_min > 0: pack equal contexts of at least this many tokens once
+        (module docstring). With images, `vision` (the model's ModelConfig.vision) gives the
+        positions: (3, T) mRoPE rows, the engine's."""
         ids, pos, rows, tgt, sid, lens, prefix_of = [], [], [], [], [], [], []
-        media = media if media is not None and any(media) else None
-        shared = shared_contexts(seqs, share_min, media)
+        media = [s[2] if len(s) > 2 else () for s in seqs]
+        media = media if any(media) else None
+        shared = shared_contexts(seqs, share_min)
         pos3, images = [], []
 
         def seg(b, lo, hi):  # sequence b's tokens [lo, hi) packed next: their mRoPE rows and images
@@ -100,7 +101,7 @@ class PackedBatch:
                     images.append(m)
         start = 0
         ctx_seg = ctx_last = -1  # the current group's context segment and its last row
-        for b, (s, n_ctx) in enumerate(seqs):
+        for b, (s, n_ctx, *_) in enumerate(seqs):
             if not 1 <= n_ctx <= len(s):
                 raise ValueError(f"sequence {b}: context length {n_ctx} must be in [1, {len(s)}]")
             heads = b + 1 < len(seqs) and shared[b + 1] and not shared[b]

@@ -99,15 +99,21 @@ class GRPOUpdate:
         return s.loss_mask if s.loss_mask is not None else torch.ones(len(s.token_ids))
 
     def sequences(self, prompts: list[Prompt], samples: list[Sample], seq_idx: list[int]) -> list[tuple]:
-        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
-        ctx = [self.prompt_ids(prompts, samples[j]) for j in seq_idx]
-        return [(c + samples[j].token_ids, len(c)) for c, j in zip(ctx, seq_idx)]
+        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them; (ids, n_ctx, media)
+        for a prompt with images (multi-turn episodes carry their own text-only prompt)."""
+        out = []
+        for j in seq_idx:
+            s = samples[j]
+            c = self.prompt_ids(prompts, s)
+            media = prompts[s.prompt_index].media if s.prompt_ids is None else ()
+            out.append((c + s.token_ids, len(c), media) if media else (c + s.token_ids, len(c)))
+        return out
 
     def micro_batches(self, seq_idx: list[int], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
         """(positions into seq_idx, pad) per micro-batch: all of seq_idx in one process;
         data-parallel, this rank's sequences, padded with zero-weight micro-batches.
         A shared prompt (grpo.share_prefix) counts once against the token budget."""
-        lengths = [len(ids) for ids, _ in seqs]
+        lengths = [len(s[0]) for s in seqs]
         shared = shared_contexts(seqs, self.share_min)
         if self.dist is None:
             return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
@@ -226,7 +232,7 @@ class GRPOUpdate:
         n_tok = 0
         for mb, pad in micro_batches if micro_batches is not None else self.micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min)
+            batch = PackedBatch.build([seqs[i] for i in mb], dev, self.share_min, self.model.config.vision)
             old_N = torch.cat([samples[j].logprobs for j in js]).to(dev, non_blocking=True)
             adv_N = torch.cat([adv[j].expand(len(samples[j].token_ids)) for j in js]).to(dev, non_blocking=True)
             mask_N = torch.cat([self.loss_mask(samples[j]) * live[i] for i, j in zip(mb, js)]).to(dev)
@@ -240,7 +246,7 @@ class GRPOUpdate:
                 mask_N = torch.zeros_like(mask_N)
             want_ent = g.log_entropy and capture is not None
             # the model's kernel settings carry the engine's numerics: exact makes logp_N == old_N bitwise
-            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            h_TD = batch.forward(self.model)
             out = self.model.token_logprobs(h_TD[batch.rows], batch.targets, self.logprob_t, return_entropy=want_ent)
             ref_N = self.ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
@@ -304,8 +310,8 @@ class GRPOUpdate:
         seqs = self.sequences(prompts, samples, seq_idx)
         for mb, pad in self.micro_batches(seq_idx, seqs):
             js = [seq_idx[i] for i in mb]
-            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min)
-            h = model(batch.input_ids, batch.positions, batch.attn)
+            batch = PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min, model.config.vision)
+            h = batch.forward(model)
             lp = model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
             if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
                 continue
@@ -315,7 +321,7 @@ class GRPOUpdate:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
+        h = batch.forward(self.ref_model)
         return self.ref_model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
 
 

@@ -42,6 +42,11 @@ class ModelSpec:
     """MoE models: weight of the load-balancing loss every training loss adds (SFT, GRPO, PPO,
     DPO); null = transformers' rule: config.json's router_aux_loss_coef when its
     output_router_logits is true, else 0. Logged as moe/aux_loss either way."""
+    processor: dict = dataclasses.field(default_factory=dict)
+    """Vision models: image processor settings over the checkpoint's preprocessor_config.json
+    (its keys: min_pixels, max_pixels, image_mean, image_std, ...); docs/vision.md."""
+    train_vision: bool = False
+    """Vision models: train the vision tower too (frozen by default; LoRA adapts the language model only)."""
     router_z_loss_coef: float = 0.0
     """MoE models: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2)
     added to every training loss; logged as moe/z_loss either way."""
