@@ -108,9 +108,9 @@ def test_check_media_rejects_spans_that_do_not_match_the_ids():
 def test_feature_cache_encodes_each_image_once_per_group_and_slices_chunks():
     runs = []
 
-    def encode(item):
-        runs.append(item.media_hash)
-        e = item.pixel_values[::4, :3] + torch.arange(item.num_tokens).view(-1, 1)
+    def encode(items):
+        runs.extend(m.media_hash for m in items)
+        e = torch.cat([m.pixel_values[::4, :3] + torch.arange(m.num_tokens).view(-1, 1) for m in items])
         return ImageFeatures(e, torch.stack([2 * e]))  # merged features and one DeepStack level
 
     cache = FeatureCache(encode)

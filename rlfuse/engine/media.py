@@ -109,17 +109,17 @@ def prompt_positions(ids: list[int], media: tuple[MediaItem, ...], vision) -> tu
 
 
 def encode_images(model, items: list[MediaItem]) -> ImageFeatures | None:
-    """The features of `items` in order, for a packed forward: each image encoded alone (as
-    the engine encodes it, so the features are the same bits), each distinct hash once.
-    Records autograd when grad is on and the tower trains."""
+    """The features of `items` in order, for a packed forward (the engine encodes through it
+    too): each distinct hash once, all of them in one tower call. In exact numerics the tower
+    encodes image by image (`VisionTower.forward`), so an image's features are the same bits
+    whatever else is in the call. Records autograd when grad is on and the tower trains."""
     if not items:
         return None
     dev, dtype = model.lm_head_weight.device, model.lm_head_weight.dtype
-    done: dict[bytes, ImageFeatures] = {}
-    for m in items:
-        if m.media_hash not in done:
-            grid = torch.tensor([m.grid_thw], dtype=torch.int64, device=dev)
-            done[m.media_hash] = model.encode_images(m.pixel_values.to(dev, dtype), grid)
+    distinct = list({m.media_hash: m for m in items}.values())
+    grid = torch.tensor([m.grid_thw for m in distinct], dtype=torch.int64, device=dev)
+    feats = model.encode_images(torch.cat([m.pixel_values for m in distinct]).to(dev, dtype), grid)
+    done = dict(zip((m.media_hash for m in distinct), feats.split([m.num_tokens for m in distinct])))
     return ImageFeatures.cat([done[m.media_hash] for m in items])
 
 
@@ -134,9 +134,8 @@ def never_sampled_ids(config) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------------- features
-Encode = Callable[[MediaItem], ImageFeatures]
-"""The vision tower on ONE image (so its features do not depend on the other images of a
-batch: the engine and the trainer encode alike): `num_tokens` rows."""
+Encode = Callable[[list[MediaItem]], ImageFeatures]
+"""The vision tower on some images (`encode_images`): their features in order."""
 
 
 class FeatureCache:
@@ -169,15 +168,18 @@ class FeatureCache:
         """Forget every feature (the tower's weights changed); holders stay."""
         self._feats.clear()
 
+    def prefetch(self, items) -> None:
+        """Encode the images of `items` not cached yet, in one tower call."""
+        new = list({m.media_hash: m for m in items if m.media_hash not in self._feats}.values())
+        if new:
+            for m, f in zip(new, self.encode(new).split([m.num_tokens for m in new])):
+                assert m.media_hash in self._refs, "features of an image no live sequence holds"
+                self._feats[m.media_hash] = f
+            self.encodes += len(new)
+
     def features(self, item: MediaItem) -> ImageFeatures:
-        assert item.media_hash in self._refs, "features of an image no live sequence holds"
-        f = self._feats.get(item.media_hash)
-        if f is None:
-            f = self.encode(item)
-            assert len(f) == item.num_tokens, (len(f), item.num_tokens)
-            self._feats[item.media_hash] = f
-            self.encodes += 1
-        return f
+        self.prefetch([item])
+        return self._feats[item.media_hash]
 
     def chunk_features(self, media: tuple[MediaItem, ...], start: int, n: int) -> list[ImageFeatures]:
         """The feature rows of the image tokens among tokens [start, start + n) (a prefill

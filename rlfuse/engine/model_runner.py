@@ -210,8 +210,8 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ rows
     # ------------------------------------------------------------------ images
-    def _encode(self, item: MediaItem) -> ImageFeatures:
-        return encode_images(self.model, [item])  # one image per call, as the trainer's encodes
+    def _encode(self, items: list[MediaItem]) -> ImageFeatures:
+        return encode_images(self.model, items)  # the trainer's encode
 
     def admit_media(self, rid: str, ids: list[int], media: tuple[MediaItem, ...]) -> tuple[torch.Tensor, int] | None:
         """Check a request's images against its ids; its (mRoPE positions, delta), computed once
@@ -379,6 +379,9 @@ class ModelRunner:
         rows; index + delta after them, text-only sequences on all rows alike) and the
         features of the image tokens in the chunks, in token order (None if there are none)."""
         pos = pos_T.unsqueeze(0).repeat(3, 1)
+        # every image the step's chunks need, in one tower call (image by image in exact numerics)
+        self.features.prefetch([m for s, st, n in zip(seqs, starts, num_new) if s.mrope is not None
+                                for m in s.media if m.offset < st + n and m.end > st])
         feats, o = [], 0
         for s, st, n in zip(seqs, starts, num_new):
             if s.mrope is not None and st < s.num_prompt_tokens:
