@@ -173,11 +173,14 @@ def check_processor(proc: ImageProcessor, vision: dict, source: str) -> None:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VisionData:
-    """What data needs to turn image rows into prompts: the processor and the marker ids."""
+    """What data needs to turn image rows into prompts: the processor and the marker ids.
+    `done` keeps each preprocessed image by media hash, so the SFT examples, the prompts and
+    the evaluation built from the same rows preprocess (and hold) an image once."""
     processor: ImageProcessor
     start_id: int
     pad_id: int
     end_id: int
+    done: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def for_tokenizer(cls, processor: ImageProcessor, tokenizer) -> "VisionData":
@@ -296,10 +299,13 @@ def expand_images(ids: list[int], images: list[tuple[str, object]], vision: Visi
             raise ValueError(f"{where}: field {field}: the image ({img.width}x{img.height}) needs {n} tokens, more "
                              f"than data.max_prompt_len={max_prompt_len}; shrink it or lower the processor's "
                              f"max_pixels ({proc.max_pixels})")
-        pixels, grid = proc(img)
-        grid = tuple(int(g) for g in grid[0])
+        key = media_hash(img.mode, img.size, img.tobytes())
+        if key not in vision.done:
+            pixels, grid = proc(img)
+            vision.done[key] = (pixels, tuple(int(g) for g in grid[0]))
+        pixels, grid = vision.done[key]
         out += ids[at:p]
-        media.append(MediaItem(pixels, grid, media_hash(img.mode, img.size, img.tobytes()), len(out), n))
+        media.append(MediaItem(pixels, grid, key, len(out), n))
         out += [vision.pad_id] * n
         if mask is not None:
             out_mask += mask[at:p] + [False] * n

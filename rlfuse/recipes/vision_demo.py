@@ -32,8 +32,8 @@ VLM = dict(model_type="qwen3_vl", hidden_size=128, intermediate_size=384, num_hi
                        temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=128, num_position_embeddings=16,
                        deepstack_visual_indexes=[0]))
 """The tiny VLM (model.random_init): the vision token ids come from the character tokenizer."""
-# max SFT steps, SFT batch, GRPO steps, prompts per step, group size, held-out problems
-_SCHEDULE = {"ci": (300, 32, 12, 16, 8, 200), "cpu": (600, 32, 40, 16, 8, 300)}
+# max SFT steps, SFT batch, GRPO steps, prompts per step, group size, held-out images, training images
+_SCHEDULE = {"ci": (300, 32, 12, 16, 8, 200, 3000), "cpu": (600, 32, 40, 16, 8, 300, 3000)}
 SIZES = tuple(_SCHEDULE)
 SFT_TARGET = 0.45
 """SFT stops once greedy accuracy on 200 training images reaches this (checked every 25 steps)."""
@@ -42,14 +42,14 @@ SFT_TARGET = 0.45
 def vision_demo_config(size: str = "cpu", run_dir: str = "runs/demo_vision", seed: int = 0) -> RunConfig:
     if size not in _SCHEDULE:
         raise ValueError(f"vision demo size must be one of {SIZES}, got {size!r}")
-    sft_steps, sft_batch, grpo_steps, pps, group, n_eval = _SCHEDULE[size]
+    sft_steps, sft_batch, grpo_steps, pps, group, n_eval, n_train = _SCHEDULE[size]
     return load_config({
         "seed": seed,
         "model": {"random_init": VLM, "tokenizer": "char", "dtype": "float32", "device": "cpu",
                   "train_vision": True, "processor": {"min_pixels": 1024, "max_pixels": 1024}},
         "engine": {"numerics": "fast"},
         "data": {"train": "builtin:count_squares", "task": {"max_count": 4, "distractors": 2},
-                 "train_size": 3000, "eval_size": n_eval, "max_prompt_len": 40, "seed": seed},
+                 "train_size": n_train, "eval_size": n_eval, "max_prompt_len": 40, "seed": seed},
         "rewards": [{"name": "arithmetic"}],  # the exact integer answer
         "optim": {"lr": 1e-4, "betas": [0.9, 0.99], "weight_decay": 0.0, "warmup_steps": 5,
                   "schedule": "constant", "max_grad_norm": 1.0},
