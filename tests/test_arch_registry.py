@@ -12,6 +12,7 @@ from torch import nn
 from rlfuse.model import ARCHS, ArchSpec, CausalLM, ModelConfig, Packed
 from rlfuse.model.arch.docs import render
 from rlfuse.model.layers import MLP, Attention, Linear
+from rlfuse.model.vision import VisionConfig
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "models.md"
 TINY = dict(vocab_size=16, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
@@ -29,6 +30,10 @@ def test_models_md_is_up_to_date():
 def test_each_family_round_trips_through_its_switches(model_type):
     spec = ARCHS[model_type]
     moe = {"moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}} if spec.has_moe else {}
+    if spec.has_vision:  # a vision tower writing into TINY's width, mRoPE over its head_dim / 2 = 4 frequencies
+        moe["vision"] = VisionConfig(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
+                                     deepstack_visual_indexes=(0,))
+        moe["mrope_section"] = (2, 1, 1)
     cfg = ModelConfig(model_type=model_type, **TINY, **moe)
     for f, v in spec.fixed.items():
         assert getattr(cfg, f) is v

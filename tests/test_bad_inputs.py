@@ -690,6 +690,52 @@ def test_multimodal_qwen3_5_folder_loads_its_text_tower(tmp_path, caplog):
     expect_reported(caplog, "its multi-token-prediction head (1 tensors) is not loaded", fed, count=1)
 
 
+def _vl_hf(text=None, vision=None, **outer):
+    from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
+    d = ModelConfig(**tiny_vl_fields()).to_hf()
+    d["text_config"].update(text or {})
+    d["vision_config"].update(vision or {})
+    d.update(outer)
+    return {k: v for k, v in d.items() if v != "DELETE"}
+
+
+VL_CONFIG_CASES = [
+    ("vl-no-vision-config", dict(vision_config="DELETE"), r"a Qwen3-VL config needs a 'vision_config' object"),
+    ("vl-deepstack-past-depth", dict(vision=dict(deepstack_visual_indexes=[0, 5])),
+     r"\(vision_config\): vision config field 'deepstack_visual_indexes' must list block indices in \[0, 3\), "
+     r"got \[0, 5\]"),
+    ("vl-out-hidden-not-text-width", dict(vision=dict(out_hidden_size=48)),
+     r"vision config field 'out_hidden_size' \(48\) must equal the text model's hidden_size \(64\)"),
+    ("vl-mrope-section-sum", dict(text=dict(rope_parameters={"rope_type": "default", "rope_theta": 1e4,
+                                                              "mrope_section": [4, 4, 4]})),
+     r"'mrope_section' \[4, 4, 4\] must be three numbers summing to head_dim / 2 = 8"),
+    ("vl-image-token-not-an-id", dict(image_token_id=-1), r"field 'image_token_id' is -1; expected a token id"),
+    ("vl-image-token-past-vocab", dict(image_token_id=600),
+     r"'image_token_id' is 600; it must be a token id below vocab_size \(512\)"),
+]
+
+
+@pytest.mark.bad_input("model-config")
+@pytest.mark.parametrize("change,msg", [c[1:] for c in VL_CONFIG_CASES], ids=[c[0] for c in VL_CONFIG_CASES])
+def test_bad_qwen3_vl_config(tmp_path, change, msg):
+    (tmp_path / "config.json").write_text(json.dumps(_vl_hf(**change)))
+    expect_error(lambda: ModelConfig.from_hf(tmp_path), rf"{tmp_path / 'config.json'}.*{msg}",
+                 "Qwen3-VL config.json with " + json.dumps(change))
+
+
+@pytest.mark.bad_input("model-config")
+def test_image_processor_config_not_the_models(tmp_path):
+    """A preprocessor_config.json whose patches do not fit the checkpoint's vision tower."""
+    from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
+    from rlfuse.model.vision.processor import ImageProcessor
+    (tmp_path / "preprocessor_config.json").write_text(json.dumps({"patch_size": 14, "merge_size": 2}))
+    where = str(tmp_path / "preprocessor_config.json")
+    vision = ModelConfig(**tiny_vl_fields()).vision
+    expect_error(lambda: ImageProcessor.from_folder(tmp_path).check_model(vision, where),
+                 r"preprocessor_config\.json: field 'patch_size' is 14 but the model's vision_config\.patch_size is 4",
+                 "preprocessor_config.json with patch_size 14 beside a model whose vision tower has patch_size 4")
+
+
 # ------------------------------------------------------------------ kernels
 @pytest.mark.bad_input("kernels-devices")
 @pytest.mark.parametrize("backend,device", [("triton", "cpu"), ("auto", "cuda")])

@@ -118,3 +118,34 @@ def test_cuda_table_bitwise_at_qwen3_decode():
             y = rope(x, pos, inv, table)
             outs.append((y.detach(), *torch.autograd.grad(y, x, dy)))
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+def test_multi_axis_table(backend, numerics):
+    """mRoPE / 2-D RoPE: frequency f reads position row axis[f]. Equal rows give the
+    single-row bits (the table, and RoPE forward and backward run from it); distinct rows
+    give the fp32 angles' cos/sin; a token's row ignores the others."""
+    g = torch.Generator().manual_seed(3)
+    T, Dh = 21, 24  # Dh/2 = 12 frequencies, off a power of two
+    inv = rope_inv_freq(Dh, 1e4).to(DEV)
+    axis = torch.tensor([0, 1, 2] * 3 + [0] * 3, device=DEV)  # interleaved, as Qwen3-VL's mrope_section (4, 3, 3)
+    pos = torch.randint(0, 5000, (T,), generator=g).to(DEV)
+    x = torch.randn(T, 3, Dh, generator=g).to(DEV)
+    dy = torch.randn(T, 3, Dh, generator=g).to(DEV)
+    with use_backend(backend), use_numerics(numerics):
+        same = rope_cos_sin(pos.expand(3, -1).contiguous(), inv, axis)
+        plain = rope_cos_sin(pos, inv)
+        if plain is not None:
+            assert torch.equal(same, plain)
+        outs = []
+        for table in (None, same):
+            xx = x.clone().requires_grad_()
+            y = rope(xx, pos, inv, table)
+            outs.append((y.detach(), *torch.autograd.grad(y, xx, dy)))
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+        rows = torch.randint(0, 5000, (3, T), generator=g).to(DEV)
+        cs = rope_cos_sin(rows, inv, axis)
+        ang = (rows[axis].t().float() * inv[None, :]).double()  # the fp32 angles, then exact cos/sin
+        torch.testing.assert_close(cs, torch.cat([ang.cos(), ang.sin()], -1).float(), rtol=0, atol=2e-6)
+        assert torch.equal(rope_cos_sin(rows[:, 4:9].contiguous(), inv, axis), cs[4:9])

@@ -1,6 +1,7 @@
 """Model layer: config, the architecture registry (arch/) and the shared layers it assembles
-(layers/), the causal LM (dense or hybrid, e.g. Qwen3.5) and its scalar-head variant for
-reward models and critics, safetensors weights, tokenizer."""
+(layers/), the vision side of vision-language models (vision/: tower, mRoPE positions, image
+processor), the causal LM (dense, hybrid e.g. Qwen3.5, or vision-language e.g. Qwen3-VL) and
+its scalar-head variant for reward models and critics, safetensors weights, tokenizer."""
 
 from rlfuse.model.arch import ARCHS, ArchSpec
 from rlfuse.model.causal_lm import CausalLM

@@ -146,6 +146,9 @@ class CausalLM(nn.Module):
         h, delta = self.model.embed_tokens(input_ids), None
         rows = None
         if feats is not None:
+            if positions.dim() != 2:  # image tokens at text positions: a silent mistake, refused
+                raise ValueError(f"positions {tuple(positions.shape)}: a forward with images takes mRoPE positions "
+                                 f"(3, T) (rlfuse.model.vision.mrope_positions)")
             rows = self._image_rows(input_ids, feats)
             h = h.index_copy(0, rows, feats.embeds.to(h.dtype))
         inv_freq = self.inv_freq(h.device)

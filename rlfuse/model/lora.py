@@ -262,6 +262,9 @@ class BaseModelView:
         with adapters_off(self.model):
             return self.model(*args, **kwargs)
 
+    def encode_images(self, *args, **kwargs):
+        return self.model.encode_images(*args, **kwargs)  # the vision tower carries no adapter
+
     @property
     def config(self):
         return self.model.config

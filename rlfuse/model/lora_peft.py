@@ -40,7 +40,14 @@ from rlfuse.model.lora import (
     lora_config,
     lora_modules,
 )
-from rlfuse.model.weights import atomic_folder, copy_side_files, hf_parameters, save_model, save_tensors_file
+from rlfuse.model.weights import (
+    atomic_folder,
+    checkpoint_names,
+    copy_side_files,
+    hf_parameters,
+    save_model,
+    save_tensors_file,
+)
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +159,8 @@ def load_peft_weights(model: CausalLM, folder: str | Path, modules: dict[str, st
     folder = Path(folder)
     if modules is None:
         modules = read_peft_config(folder)[1]
-    mods = dict(lora_modules(model))
+    name = checkpoint_names(model)  # the folder names modules as the HF model does (Qwen3-VL: model.language_model.)
+    mods = {name(n): m for n, m in lora_modules(model)}
     wanted = set(modules.values())
     w_path = folder / WEIGHTS_FILE
     if wanted - set(mods):
@@ -210,9 +218,10 @@ def save_peft_adapter(model: CausalLM, folder: str | Path, *, base_model_name_or
     cfg = lora_config(model)
     folder = Path(folder)
     tensors = {}
+    hf_name = checkpoint_names(model)  # PEFT applies the folder to the transformers model: its module names
     for name, m in mods:
-        tensors[_tensor_key(name, "lora_A")] = m.lora_A.detach().contiguous().cpu()
-        tensors[_tensor_key(name, "lora_B")] = m.lora_B.detach().contiguous().cpu()
+        tensors[_tensor_key(hf_name(name), "lora_A")] = m.lora_A.detach().contiguous().cpu()
+        tensors[_tensor_key(hf_name(name), "lora_B")] = m.lora_B.detach().contiguous().cpu()
     experts = {f"{n}.{p}": getattr(m, p).detach().contiguous().cpu()
                for n, m in expert_lora_modules(model) for p in m.adapter_params}
     if experts:  # said, not silent: PEFT's layout for 3-D expert parameters is not written yet

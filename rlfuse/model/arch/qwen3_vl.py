@@ -52,6 +52,10 @@ def _check(cfg: ModelConfig) -> None:
         object.__setattr__(cfg, "vision", VisionConfig(**cfg.vision))
     if not isinstance(cfg.vision, VisionConfig):
         raise ValueError(f"config field 'vision' must be a VisionConfig for {cfg.architecture}, got {cfg.vision!r}")
+    for f in ("image_token_id", "vision_start_token_id", "vision_end_token_id"):
+        if getattr(cfg.vision, f) >= cfg.vocab_size:
+            raise ValueError(f"config field {f!r} is {getattr(cfg.vision, f)}; it must be a token id below "
+                             f"vocab_size ({cfg.vocab_size})")
     if cfg.vision.out_hidden_size != cfg.hidden_size:
         raise ValueError(f"vision config field 'out_hidden_size' ({cfg.vision.out_hidden_size}) must equal the text "
                          f"model's hidden_size ({cfg.hidden_size})")
@@ -107,12 +111,14 @@ QWEN3_VL = ArchSpec(
 def tiny_vl_fields(**over) -> dict:
     """ModelConfig fields of a tiny Qwen3-VL for the CPU tests and demo: 2 text layers of
     width 64 (head_dim 16, mrope_section (2, 3, 3)), a 3-block vision tower of width 32
-    (patch 4, merge 2, a 4 x 4 position grid) with DeepStack from blocks 0 and 1, token ids
-    at the top of a 512-token vocabulary. `over`: any ModelConfig field."""
+    (patch 4, merge 2, a 4 x 4 position grid) with DeepStack from blocks 0 and 1. Token ids
+    at the top of the vocabulary V (512 unless `vocab_size` is given): vision_start V-5,
+    vision_end V-4, image V-3, video V-2. `over`: any ModelConfig field."""
+    v = over.get("vocab_size", 512)
     vision = VisionConfig(depth=3, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
-                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=64, num_position_embeddings=16,
-                          deepstack_visual_indexes=(0, 1), image_token_id=509, video_token_id=510,
-                          vision_start_token_id=507, vision_end_token_id=508)
-    return dict(model_type="qwen3_vl", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=over.get("hidden_size", 64),
+                          num_position_embeddings=16, deepstack_visual_indexes=(0, 1), image_token_id=v - 3,
+                          video_token_id=v - 2, vision_start_token_id=v - 5, vision_end_token_id=v - 4)
+    return dict(model_type="qwen3_vl", vocab_size=v, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
                 max_position_embeddings=1024, rope_theta=10000.0, mrope_section=(2, 3, 3), vision=vision) | over

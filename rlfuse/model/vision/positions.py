@@ -6,8 +6,10 @@ Positions of one sequence (`mrope_positions`, transformers' `get_rope_index` for
   * an image of grid (t, h, w) patches is t * h' * w' tokens (h' = h / merge, w' = w / merge)
     in (frame, row, col) order; its token at (f, r, c) takes (p + f, p + r, p + c); then
     p += max(h', w') (transformers' rule: the time extent is not counted);
-  * each image takes the NEXT t h' w' placeholder tokens (`image_token_id`), images in
-    order; a count that does not fit is a ValueError naming the image.
+  * each run of consecutive placeholder tokens (`image_token_id`) is the next image, in
+    order (as transformers groups them: two images always have text, e.g. <vision_end>
+    <vision_start>, between them); a run that is not t h' w' long is a ValueError naming
+    the image.
 After the prompt, token i of the sequence (prompt or generated) has position i + delta on
 all rows, delta = max position + 1 - len(prompt) (<= 0): the sequence carries that one
 integer and decode never re-derives the image layout (`text_positions`).
@@ -64,11 +66,11 @@ def mrope_positions(input_ids: torch.Tensor, image_grid_thw: torch.Tensor | None
         hh, ww = h // m, w // m
         n = t * hh * ww
         run = i
-        while run < T and run - i < n and ids[run] == image_token_id:
+        while run < T and ids[run] == image_token_id:
             run += 1
         if run - i != n:
-            raise ValueError(f"{where}: image {img} (grid ({t}, {h}, {w})) needs {n} placeholder tokens from index "
-                             f"{i}, found {run - i}")
+            raise ValueError(f"{where}: image {img} (grid ({t}, {h}, {w})) needs {n} placeholder tokens; the run of "
+                             f"them from index {i} has {run - i}")
         ft, fh, fw = torch.meshgrid(torch.arange(t), torch.arange(hh), torch.arange(ww), indexing="ij")
         rows.append(torch.stack([ft.flatten(), fh.flatten(), fw.flatten()]) + p)
         p += max(hh, ww)
