@@ -39,8 +39,8 @@ def test_builtin_splits_are_disjoint_and_become_image_prompts():
     train, ev = load_rows(cfg, "train"), load_rows(cfg, "eval")
     assert not {r["key"] for _, r in train} & {r["key"] for _, r in ev}
     tok = char_tokenizer(task_alphabet("count_squares", [r for _, r in train]), control=IMAGE_TOKENS)
-    vision = VisionData.for_tokenizer(ImageProcessor(patch_size=8, merge_size=2, min_pixels=32 * 32,
-                                                     max_pixels=32 * 32), tok)
+    vision = VisionData.for_tokenizer(ImageProcessor(patch_size=8, merge_size=2, min_pixels=1024, max_pixels=1024),
+                                      tok)
     prompts = build_prompts(ev, tok, cfg, "eval", vision=vision)
     assert len(prompts) == 40 and all(len(p.media) == 1 and p.media[0].num_tokens == 4 for p in prompts)
     assert len({p.media[0].media_hash for p in prompts}) == 40

@@ -123,8 +123,7 @@ def _vision_prompts(args, model, n: int) -> tuple[list[list[int]], list[tuple]]:
     """n random image-text prompts: (text, image) 0, 1 or 2 times (random pixels, 3 sizes;
     some images in two prompts), then text; token ids below the vision ids."""
     v = model.config.vision
-    proc = ImageProcessor(patch_size=v.patch_size, temporal_patch_size=v.temporal_patch_size,
-                          merge_size=v.spatial_merge_size, min_pixels=64, max_pixels=48 * 48)
+    proc = ImageProcessor.for_model(v, min_pixels=64, max_pixels=48 * 48)
     vision = VisionData(proc, v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
     g = torch.Generator().manual_seed(args.seed + 2)
     top = min(v.image_token_id, v.vision_start_token_id, v.vision_end_token_id, v.video_token_id)

@@ -11,7 +11,8 @@ list, or one image; a datasets `Image` column arrives as {"bytes", "path"} dicts
   * prompt rows: `data.image_placeholder` (default `<image>`) in the prompt text marks where
     the next image of the images column goes.
 An image is a PIL image, a file path (relative paths are read from the working folder), a
-`data:image/...;base64,` URL or raw encoded bytes; it is converted to RGB.
+`data:image/...;base64,` URL or raw encoded bytes. The processor is the model's
+(rlfuse.model.vision.processor: transformers' Qwen2-VL one).
 
 Expansion. Each image becomes the text `<|vision_start|><|image_pad|><|vision_end|>` before
 the chat template renders the row (so any template that takes string contents works), the
@@ -22,7 +23,7 @@ times, (t, h, w) being the processor's patch grid of the resized image. The row'
 Bad input, one ValueError line naming the row and the field: an unreadable or missing
 image; an image needing more tokens than data.max_prompt_len; more placeholders than
 images or the reverse; a row with images for a model without a vision tower; a processor
-whose patch / merge sizes differ from the model's vision config (`check_processor`).
+whose patch / merge sizes differ from the model's vision config (`ImageProcessor.check_model`).
 Test: python -m pytest -q tests/test_vision_data.py
 """
 
@@ -32,18 +33,18 @@ import base64
 import binascii
 import dataclasses
 import io
-import math
 from pathlib import Path
 
-import torch
 from PIL import Image, UnidentifiedImageError
 
 from rlfuse.engine import IMAGE_TOKENS, MediaItem, media_hash
+from rlfuse.model.vision.processor import ImageProcessor
 
 
 # ---------------------------------------------------------------------- reading images
 def load_image(value, where: str, field: str) -> Image.Image:
-    """An RGB PIL image from any accepted form; a ValueError naming `where` and `field`."""
+    """A decoded PIL image from any accepted form (the processor converts it to RGB,
+    compositing transparency onto white); a ValueError naming `where` and `field`."""
     def bad(msg):
         return ValueError(f"{where}: field {field}: {msg}")
     if isinstance(value, Image.Image):
@@ -75,10 +76,7 @@ def load_image(value, where: str, field: str) -> Image.Image:
         raise bad("the image is missing (null)")
     else:
         raise bad(f"expected an image (a PIL image, a path, a data: URL or bytes), got {type(value).__name__}")
-    try:
-        return img.convert("RGB")
-    except OSError as e:
-        raise bad(f"the image cannot be decoded ({e})") from None
+    return img
 
 
 def _open(src, bad, what: str) -> Image.Image:
@@ -91,86 +89,6 @@ def _open(src, bad, what: str) -> Image.Image:
 
 
 # ---------------------------------------------------------------------- processor
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
-class ImageProcessor:
-    """Interim, until rlfuse.model.vision's processor (the same interface: `proc(image)`,
-    `num_image_tokens(width, height)`) is merged. Qwen2/3-VL's image preprocessing: resize both sides to multiples of patch * merge
-    with the pixel count in [min_pixels, max_pixels] (aspect kept), scale to [0, 1],
-    normalize, cut into (t, h, w) patches of temporal_patch x patch x patch (a still image
-    repeated over the temporal patch), ordered merge window by merge window."""
-    patch_size: int = 16
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 65536
-    max_pixels: int = 16777216
-    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
-    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
-
-    @classmethod
-    def from_dict(cls, d: dict, source: str = "preprocessor_config.json") -> "ImageProcessor":
-        """From a checkpoint's preprocessor_config.json dict (`size` {shortest_edge,
-        longest_edge} or min_pixels / max_pixels)."""
-        size = d.get("size") or {}
-        kw = dict(min_pixels=d.get("min_pixels", size.get("shortest_edge", cls.min_pixels)),
-                  max_pixels=d.get("max_pixels", size.get("longest_edge", cls.max_pixels)))
-        for k in ("patch_size", "temporal_patch_size", "merge_size"):
-            if k in d:
-                kw[k] = d[k]
-        for k in ("image_mean", "image_std"):
-            if k in d:
-                kw[k] = tuple(float(x) for x in d[k])
-        for k in ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels"):
-            if not isinstance(kw.get(k, 1), int) or kw.get(k, 1) < 1:
-                raise ValueError(f"{source}: field {k!r} must be a positive integer, got {kw[k]!r}")
-        return cls(**kw)
-
-    @property
-    def factor(self) -> int:
-        return self.patch_size * self.merge_size
-
-    def resized(self, height: int, width: int) -> tuple[int, int]:
-        """(height, width) after the resize rule above."""
-        f = self.factor
-        h, w = max(f, round(height / f) * f), max(f, round(width / f) * f)
-        if h * w > self.max_pixels:
-            beta = math.sqrt(height * width / self.max_pixels)
-            h, w = max(f, math.floor(height / beta / f) * f), max(f, math.floor(width / beta / f) * f)
-        elif h * w < self.min_pixels:
-            beta = math.sqrt(self.min_pixels / (height * width))
-            h, w = math.ceil(height * beta / f) * f, math.ceil(width * beta / f) * f
-        return h, w
-
-    def num_image_tokens(self, width: int, height: int) -> int:
-        """Image-pad tokens of an image of this size (without resizing it)."""
-        h, w = self.resized(height, width)
-        return (h // self.patch_size) * (w // self.patch_size) // self.merge_size ** 2
-
-    def __call__(self, img: Image.Image) -> tuple[torch.Tensor, torch.Tensor]:
-        """(pixel_values (t*h*w, 3 * temporal_patch * patch^2) float32, grid_thw (1, 3) int64)."""
-        H, W = self.resized(img.height, img.width)
-        if (H, W) != (img.height, img.width):
-            img = img.resize((W, H), Image.Resampling.BICUBIC)
-        x = torch.frombuffer(bytearray(img.tobytes()), dtype=torch.uint8).view(H, W, 3).permute(2, 0, 1).float()
-        mean = torch.tensor(self.image_mean).view(3, 1, 1)
-        std = torch.tensor(self.image_std).view(3, 1, 1)
-        x = (x / 255.0 - mean) / std  # (3, H, W)
-        P, M, Tp = self.patch_size, self.merge_size, self.temporal_patch_size
-        gh, gw = H // P, W // P
-        x = x.view(3, gh // M, M, P, gw // M, M, P).permute(1, 4, 2, 5, 0, 3, 6)  # (h/M, w/M, M, M, 3, P, P)
-        x = x.unsqueeze(5).expand(-1, -1, -1, -1, -1, Tp, -1, -1)
-        return x.reshape(gh * gw, 3 * Tp * P * P).contiguous(), torch.tensor([[1, gh, gw]])
-
-
-def check_processor(proc: ImageProcessor, vision: dict, source: str) -> None:
-    """The processor's patch / temporal patch / merge sizes must be the model's vision
-    config's (patch_size, temporal_patch_size, spatial_merge_size)."""
-    for mine, theirs in (("patch_size", "patch_size"), ("temporal_patch_size", "temporal_patch_size"),
-                         ("merge_size", "spatial_merge_size")):
-        if theirs in vision and getattr(proc, mine) != vision[theirs]:
-            raise ValueError(f"{source}: field {mine!r} is {getattr(proc, mine)} but the model's vision_config."
-                             f"{theirs} is {vision[theirs]}; the processor config does not match the model")
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class VisionData:
     """What data needs to turn image rows into prompts: the processor and the marker ids.

@@ -24,7 +24,6 @@ from rlfuse.data import (
     ImageProcessor,
     VisionData,
     build_prompts,
-    check_processor,
     check_prompt_len,
     load_rows,
     rows_alphabet,
@@ -121,20 +120,17 @@ class Session:
 def vision_data(spec, vcfg, tokenizer) -> VisionData:
     """The image processor of a vision model: the checkpoint's preprocessor_config.json (if
     any) under model.processor's settings, checked against the tower's patch / merge sizes."""
-    src = "model.processor"
-    base = {"patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
-            "merge_size": vcfg.spatial_merge_size}
-    folder = Path(spec.path) if spec.path else None
-    if folder is not None and (folder / "preprocessor_config.json").is_file():
-        src = str(folder / "preprocessor_config.json")
-        base = read_json(folder / "preprocessor_config.json")
     keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std")
     bad = sorted(set(spec.processor) - set(keys))
     if bad:
         raise ValueError(f"model.processor.{bad[0]}: unknown image processor setting; valid: {list(keys)}")
+    path = Path(spec.path) / "preprocessor_config.json" if spec.path else None
+    if path is not None and path.is_file():
+        src, base = str(path), read_json(path)
+    else:  # a random-init model (or a folder without the file): the tower's own patch shapes
+        src, base = "model.processor", ImageProcessor.for_model(vcfg).to_dict()
     proc = ImageProcessor.from_dict({**base, **spec.processor}, src)
-    check_processor(proc, {"patch_size": vcfg.patch_size, "temporal_patch_size": vcfg.temporal_patch_size,
-                           "spatial_merge_size": vcfg.spatial_merge_size}, src)
+    proc.check_model(vcfg, src)
     return VisionData.for_tokenizer(proc, tokenizer)
 
 
