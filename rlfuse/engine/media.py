@@ -123,6 +123,13 @@ def encode_images(model, items: list[MediaItem]) -> ImageFeatures | None:
     return ImageFeatures.cat([done[m.media_hash] for m in items])
 
 
+def admit(rid: str, ids: list[int], media: tuple[MediaItem, ...], vision) -> tuple[torch.Tensor, int]:
+    """A request's images checked against its ids; its (mRoPE positions, delta), computed once
+    for its n samples."""
+    check_media(media, ids, vision.image_token_id, f"request {rid!r}")
+    return prompt_positions(ids, media, vision)
+
+
 def never_sampled_ids(config) -> tuple[int, ...]:
     """The vision special ids of a model config's vision tower (`ModelConfig.vision`: image
     pad, vision start / end, video pad): never sampled. Text-only configs have none."""
@@ -190,6 +197,24 @@ class FeatureCache:
             if lo < hi:
                 out.append(self.features(m).narrow(lo - m.offset, hi - lo))
         return out
+
+    def chunk_inputs(self, seqs, starts: list[int], num_new: list[int], pos_T: torch.Tensor
+                     ) -> tuple[torch.Tensor, ImageFeatures | None]:
+        """An engine step whose chunks hold image-prompt tokens: (3, T) positions (each
+        prompt's own rows; index + delta after them; text-only sequences on all rows alike,
+        from `pos_T` (T,)) and the features of the chunks' image tokens in token order (None
+        if there are none). The step's new images are encoded in one tower call."""
+        pos = pos_T.unsqueeze(0).repeat(3, 1)
+        self.prefetch([m for s, st, n in zip(seqs, starts, num_new) if s.mrope is not None
+                       for m in s.media if m.offset < st + n and m.end > st])
+        feats, o = [], 0
+        for s, st, n in zip(seqs, starts, num_new):
+            if s.mrope is not None and st < s.num_prompt_tokens:
+                k = min(n, s.num_prompt_tokens - st)
+                pos[:, o:o + k] = s.mrope[0][:, st:st + k].to(pos.device)
+                feats += self.chunk_features(s.media, st, k)
+            o += n
+        return pos, (ImageFeatures.cat(feats) if feats else None)
 
     def take_encodes(self) -> int:
         n, self.encodes = self.encodes, 0

@@ -38,14 +38,7 @@ import torch
 from rlfuse.engine.cache.kv import KVCache, plan_num_blocks
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.media import (
-    FeatureCache,
-    MediaItem,
-    check_media,
-    encode_images,
-    never_sampled_ids,
-    prompt_positions,
-)
+from rlfuse.engine.media import FeatureCache, MediaItem, admit, encode_images, never_sampled_ids
 from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -216,13 +209,10 @@ class ModelRunner:
     def admit_media(self, rid: str, ids: list[int], media: tuple[MediaItem, ...]) -> tuple[torch.Tensor, int] | None:
         """Check a request's images against its ids; its (mRoPE positions, delta), computed once
         for its n samples (None: a text-only model)."""
-        if self.vision is None:
-            if media:
-                raise ValueError(f"request {rid!r}: {len(media)} images given but "
-                                 f"{self.mcfg.architecture} has no vision tower")
-            return None
-        check_media(media, ids, self.vision.image_token_id, f"request {rid!r}")
-        return prompt_positions(ids, media, self.vision)
+        if self.vision is None and media:
+            raise ValueError(f"request {rid!r}: {len(media)} images given but {self.mcfg.architecture} has no "
+                             f"vision tower")
+        return None if self.vision is None else admit(rid, ids, media, self.vision)
 
     def release(self, seq: Sequence) -> None:
         """`seq` left the running set (finished, preempted, aborted): free its table row."""
@@ -369,27 +359,10 @@ class ModelRunner:
                        linear=None if self.linear is None else self.linear.step(seqs, starts, num_new))
         pos, feats = d["pos"], None
         if any(s.mrope is not None and st < s.num_prompt_tokens for s, st in zip(seqs, starts)):
-            pos, feats = self._image_inputs(seqs, starts, num_new, pos)
+            pos, feats = self.features.chunk_inputs(seqs, starts, num_new, pos)
         h = self.model(d["ids"], pos, attn, feats)
         h = h if S == T else h[d["samp"]]
         return h, (d["top_k"], d["seeds"], d["offsets"])
-
-    def _image_inputs(self, seqs, starts, num_new, pos_T):
-        """A batch with prompt chunks of image prompts: (3, T) positions (the prompts' own
-        rows; index + delta after them, text-only sequences on all rows alike) and the
-        features of the image tokens in the chunks, in token order (None if there are none)."""
-        pos = pos_T.unsqueeze(0).repeat(3, 1)
-        # every image the step's chunks need, in one tower call (image by image in exact numerics)
-        self.features.prefetch([m for s, st, n in zip(seqs, starts, num_new) if s.mrope is not None
-                                for m in s.media if m.offset < st + n and m.end > st])
-        feats, o = [], 0
-        for s, st, n in zip(seqs, starts, num_new):
-            if s.mrope is not None and st < s.num_prompt_tokens:
-                k = min(n, s.num_prompt_tokens - st)
-                pos[:, o:o + k] = s.mrope[0][:, st:st + k].to(pos.device)
-                feats += self.features.chunk_features(s.media, st, k)
-            o += n
-        return pos, (ImageFeatures.cat(feats) if feats else None)
 
     # ------------------------------------------------------------------ decode graphs
     @torch.no_grad()
