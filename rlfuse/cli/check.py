@@ -6,12 +6,12 @@
     rlfuse check --tiny --lora-rank 8                # a random rank-8 adapter on the tiny model
     rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
-    rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts
+    rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts (the whole sweep)
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
 scripted tool, with observations appended as ids, chunked, with preemption and prefix-cache
-hits between turns), teacher-forces the same tokens
+hits between turns; with --tiny, image-text prompts on a tiny Qwen3-VL), teacher-forces the same tokens
 through the trainer's forward and prints one row per setting: tokens, % bitwise equal,
 max and mean |delta|, k3 KL. Writes OUT/check.json. Where a setting differs, the first
 differing token is replayed along both forwards with hooks on every layer: the first
@@ -32,7 +32,7 @@ import torch
 from PIL import Image
 
 from rlfuse.cli.common import add_threads_argument, fail, setup_threads
-from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.consistency.check import Setting, default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
 from rlfuse.data import ImageProcessor, VisionData, expand_images
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
@@ -132,7 +132,7 @@ def _vision_prompts(args, model, n: int) -> tuple[list[list[int]], list[tuple]]:
                                                                      generator=g).tolist())) for i in range(n)]
     prompts, media = [], []
     for i in range(n):
-        k = (i % 3 == 0) + (i % 3 != 2)  # 1 image, 2 images, none, in turn
+        k = (i % 3 == 0) + (i % 3 != 2)  # 2 images, 1, none, in turn
         ids, images = [], []
         for j in range(k):
             ids += torch.randint(0, top, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
@@ -144,6 +144,25 @@ def _vision_prompts(args, model, n: int) -> tuple[list[list[int]], list[tuple]]:
         prompts.append(ids)
         media.append(items)
     return prompts, media
+
+
+IMAGE_ROW = "image-text prompts, tiny Qwen3-VL"
+
+
+def _image_row(args, device, dtype):
+    """The default --tiny check's image row (a few seconds): a tiny Qwen3-VL, 4 image-text
+    prompts x 2 samples, chunked prefill splitting images, prefix caching, micro-batches
+    (rlfuse check --tiny --vision runs the whole sweep on it)."""
+    vl = CausalLM(ModelConfig(**tiny_vl_fields()))
+    vl.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
+    vl = vl.to(device=device, dtype=dtype)
+    prompts, media = _vision_prompts(args, vl, 4)
+    s = Setting(name=IMAGE_ROW, num_prompts=4, n=2, micro_batch_tokens=96, engine=dict(max_num_batched_tokens=16))
+    r = run_setting(vl, prompts, s, numerics=args.numerics, max_tokens=args.max_tokens or 24,
+                    temperature=args.temperature, seed=args.seed, media=media)
+    print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+          f"{r.kl_k3:10.3g}  {r.engine_stats['vision_encodes']} tower runs for 8 samples", flush=True)
+    return r
 
 
 def _agent_rows(args, model, tok, results) -> None:
@@ -239,12 +258,16 @@ def run(args) -> int:
         if args.vision:
             print(f"{'multi-turn and agent rows':34s} skipped with --vision (text rows: rlfuse check --tiny)")
         else:
+            if args.tiny and not (args.moe or args.hybrid or args.lora_rank):
+                results.append(_image_row(args, device, model.lm_head_weight.dtype))
             _agent_rows(args, model, tok, results)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),
                   "settings": [r.row() for r in results]}
-        differing = next((r for r in results if r.first_diff is not None), None)
+        # the replay runs the text model without images: rows of image prompts are not replayed
+        differing = None if args.vision else next((r for r in results if r.first_diff is not None
+                                                   and r.name != IMAGE_ROW), None)
         if differing is not None:
             i, pos = differing.first_diff
             prompt, completion = differing.sequences[i]
