@@ -150,3 +150,41 @@ def test_vision_ids_are_never_sampled():
     assert not {t for c in got for t in c.output_token_ids} & set(banned)
     # the reported log-prob is the unfiltered policy's (the trainer's): finite, <= 0
     assert all(torch.isfinite(c.logprobs).all() and (c.logprobs <= 0).all() for c in got)
+
+
+def test_equal_ids_other_image_is_not_served_from_the_prefix_cache():
+    """The engine with a tiny Qwen3-VL: a prompt generated with image X, then the same ids with
+    image Y on the same engine (prefix cache on) give Y's own completion and log-probs (those of
+    a fresh engine), not X's cached K/V; X again hits the cache and repeats itself."""
+    from PIL import Image
+
+    from rlfuse.data import VisionData, expand_images
+    from rlfuse.model import CausalLM, ModelConfig
+    from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
+    from rlfuse.model.vision.processor import ImageProcessor
+
+    model = CausalLM(ModelConfig(**tiny_vl_fields()))
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(0))
+    v = model.config.vision
+    vision = VisionData(ImageProcessor.for_model(v, min_pixels=64, max_pixels=1024), v.vision_start_token_id,
+                        v.image_token_id, v.vision_end_token_id)
+    g = torch.Generator().manual_seed(1)
+    imgs = [Image.frombytes("RGB", (16, 16), bytes(torch.randint(0, 256, (768,), generator=g).tolist()))
+            for _ in range(2)]
+    text = [1, 2, 3, v.vision_start_token_id, v.image_token_id, v.vision_end_token_id] + list(range(10, 30))
+    prompts = [expand_images(text, [("image", im)], vision, "p", 512)[:2] for im in imgs]
+    assert prompts[0][0] == prompts[1][0]  # equal ids
+    cfg = EngineConfig(num_kv_blocks=64, block_size=8, max_num_seqs=4)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def run(llm, k):
+        (c,) = llm.generate([prompts[k][0]], params, media=[prompts[k][1]])
+        return c
+
+    llm = LLM(model, config=cfg)
+    x, y, x2 = run(llm, 0), run(llm, 1), run(llm, 0)
+    fresh_y = run(LLM(model, config=cfg), 1)
+    assert y.output_token_ids == fresh_y.output_token_ids and torch.equal(y.logprobs, fresh_y.logprobs)
+    assert y.num_cached_prompt_tokens == 0 and x2.num_cached_prompt_tokens == 24  # the image is in block 0
+    assert x2.output_token_ids == x.output_token_ids and not torch.equal(x.logprobs, y.logprobs)
+    assert llm.stats.vision_encodes == 2  # X (released when done, then a cache hit needs no encode), Y

@@ -133,7 +133,7 @@ def admit(rid: str, ids: list[int], media: tuple[MediaItem, ...], vision) -> tup
 def never_sampled_ids(config) -> tuple[int, ...]:
     """The vision special ids of a model config's vision tower (`ModelConfig.vision`: image
     pad, vision start / end, video pad): never sampled. Text-only configs have none."""
-    vision = getattr(config, "vision", None)  # ModelConfig.vision arrives with the Qwen3-VL model (vlm-model)
+    vision = config.vision
     if vision is None:
         return ()
     names = ("image_token_id", "vision_start_token_id", "vision_end_token_id", "video_token_id")
