@@ -484,3 +484,23 @@ def test_paged_prefill_chunks_and_decode_equal_the_packed_forward(pair):
         for i in range(P, T):
             got.append(step(i, i + 1, pos[:, i:i + 1] if i % 2 else pos[0, i:i + 1]))
     assert torch.equal(torch.cat(got), want)
+
+
+def test_gradient_checkpointing_with_images(pair):
+    """The trainer's recompute-in-backward path gives the same gradients (the DeepStack adds sit
+    between the checkpointed layers)."""
+    ours, _ = pair
+    pix, grids = _images(torch.Generator().manual_seed(10), [[1, 2, 4]])
+    ids = _prompt(grids.tolist())
+    pos, _ = mrope_positions(ids, grids, spatial_merge_size=2, image_token_id=IMG)
+    feats = ours.encode_images(pix, grids)
+    params = [p for p in ours.parameters() if p.requires_grad]
+    out = []
+    for ckpt in (False, True):
+        ours.gradient_checkpointing = ckpt
+        try:
+            h = ours(ids, pos, Packed.from_lengths([len(ids)]), feats)
+            out.append(torch.autograd.grad(ours.logits(h).logsumexp(-1).sum(), params))
+        finally:
+            ours.gradient_checkpointing = False
+    assert all(torch.equal(a, b) for a, b in zip(*out))

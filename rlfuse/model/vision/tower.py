@@ -7,8 +7,10 @@ merge-block-major, `rlfuse.model.vision.processor`):
     x = patch_embed(pixels)                       (N, E)   the Conv3d with stride = kernel, as a GEMM
     x = x + bilinear(pos_embed, (h, w))           (N, E)   the learned square grid resampled (align_corners)
     per block:  x = x + attn(ln1(x)),  x = x + mlp(ln2(x))
-        attn: qkv GEMM, 2-D RoPE (h rows on the first quarter of the frequencies... see
-        `_rope_table`), bidirectional attention within each frame (`segment_attention`)
+        attn: qkv GEMM, 2-D RoPE on q and k (NeoX halves of Dh; the first Dh/4 frequencies
+        turn by the patch's row, the other Dh/4 by its column, one multi-axis table,
+        `rope_cos_sin(coords, inv_freq, axis)`), bidirectional attention within each frame
+        (`segment_attention`), proj GEMM
     after block b in deepstack_visual_indexes: ds_j = merger_j(x)   post-shuffle LayerNorm
     embeds = merger(x)                            (N / m^2, D)  LayerNorm, merge m x m, MLP
 `ImageFeatures(embeds, deepstack (L, N / m^2, D))` is what the causal LM scatters into the
