@@ -74,8 +74,9 @@ class PackedBatch:
         unless the vision tower trains (model.train_vision)."""
         feats = None
         if self.images:
-            tower_trains = any(p.requires_grad for p in model.visual.parameters())
-            with torch.set_grad_enabled(torch.is_grad_enabled() and tower_trains):
+            # no-grad forwards (old / reference log-probs) may run on a LoRA base view: no .visual read
+            grad = torch.is_grad_enabled() and any(p.requires_grad for p in model.visual.parameters())
+            with torch.set_grad_enabled(grad):
                 feats = encode_images(model, list(self.images))
         return model(self.input_ids, self.positions, self.attn, feats)
 
