@@ -253,6 +253,48 @@ def test_sft_sequence_over_the_limit_is_handled_and_counted(tmp_path, tok, caplo
                                                   f"sft.overlong={overlong}", count=1)
 
 
+# image rows: (id, row written to a .jsonl, data.max_prompt_len, error pattern); {p} is the file,
+# {d} the folder holding the good image x.png (16 x 16: 4 image tokens with the test processor)
+IMAGE_CASES = [
+    ("missing-image", {"prompt": "<image>n?", "images": ["{d}/nope.png"]}, 20,
+     r"{p}:1: field images\[0\]: no image file '{d}/nope.png'"),
+    ("unreadable-image", {"prompt": "<image>n?", "images": ["{d}/bad.png"]}, 20,
+     r"{p}:1: field images\[0\]: '{d}/bad.png' is not a readable image"),
+    ("more-placeholders-than-images", {"prompt": "<image><image>n?", "images": ["{d}/x.png"]}, 20,
+     r"{p}:1: field 'prompt' has 2 <image> placeholders but field 'images' has 1 images"),
+    ("more-images-than-placeholders", {"messages": [{"role": "user", "content": [{"type": "image"}]}],
+                                       "images": ["{d}/x.png", "{d}/x.png"]}, 20,
+     r"{p}:1: field 'images' has 2 images but the row has 1 image parts"),
+    ("image-too-large-for-the-context", {"prompt": "<image>n?", "images": ["{d}/x.png"]}, 3,
+     r"{p}:1: field images\[0\]: the image \(16x16\) needs 4 tokens, more than data.max_prompt_len=3"),
+]
+
+
+@pytest.mark.bad_input("data")
+@pytest.mark.parametrize("row,max_len,msg", [c[1:] for c in IMAGE_CASES], ids=[c[0] for c in IMAGE_CASES])
+def test_bad_image_row(tmp_path, row, max_len, msg):
+    from PIL import Image
+
+    from rlfuse.data import IMAGE_TOKENS, ImageProcessor, VisionData
+    Image.new("RGB", (16, 16), "red").save(tmp_path / "x.png")
+    (tmp_path / "bad.png").write_bytes(b"not a png")
+    p = _rows(tmp_path, [json.loads(json.dumps(row).replace("{d}", str(tmp_path)))])
+    tok = char_tokenizer(ALPHA, control=IMAGE_TOKENS)
+    vision = VisionData.for_tokenizer(ImageProcessor(patch_size=4, merge_size=2, min_pixels=64, max_pixels=1024), tok)
+    cfg = DataConfig(train=str(p), max_prompt_len=max_len)
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg, vision=vision),
+                 msg.format(p=re.escape(str(p)), d=re.escape(str(tmp_path))),
+                 f"an image row: {_short(json.dumps(row))}")
+
+
+@pytest.mark.bad_input("data")
+def test_image_rows_for_a_text_model(tmp_path, tok):
+    p = _rows(tmp_path, [{"prompt": "<image>n?", "images": ["x.png"]}])
+    cfg = DataConfig(train=str(p))
+    expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg), rf"{re.escape(str(p))}:1: field images\[0\]: "
+                 r"the row has images but the model has no vision tower", "an image row for a text-only model")
+
+
 # ------------------------------------------------------------------ rewards
 def _user_rewards(tmp):
     p = tmp / "myrewards.py"

@@ -127,7 +127,9 @@ def test_check_cli_tiny(tmp_path, capsys):
     assert rc == 0, capsys.readouterr()
     report = json.loads((tmp_path / "check.json").read_text())
     names = [r["name"] for r in report["settings"]]
-    assert len(names) == 13 and "fp8 KV cache" in names and names[-2:] == ["multi-turn, scripted tool", "agent via OpenAI API"]
+    assert len(names) == 14 and "fp8 KV cache" in names and names[-3:] == [
+        "image-text prompts, tiny Qwen3-VL", "multi-turn, scripted tool", "agent via OpenAI API"]
+    assert report["settings"][-3]["engine_stats"]["vision_encodes"] == 3  # 3 distinct images (one in two prompts), 8 samples
     assert report["settings"][-2]["engine_stats"]["preemptions"] > 0
     agent = report["settings"][-1]["engine_stats"]  # a scripted openai client through the session server
     assert agent["rollout/agent_split_samples"] >= 1 and agent["rollout/agent_merged_frac"] > 0.3

@@ -8,11 +8,12 @@
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
     rlfuse check --tiny --hybrid --moe               # a small random Qwen3.5-MoE (the hybrid, MoE + shared expert)
     rlfuse check --shape 3.5-2b                      # random weights at a published shape (GPU)
+    rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts (the whole sweep)
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
 scripted tool, with observations appended as ids, chunked, with preemption and prefix-cache
-hits between turns), teacher-forces the same tokens
+hits between turns; with --tiny, image-text prompts on a tiny Qwen3-VL), teacher-forces the same tokens
 through the trainer's forward and prints one row per setting: tokens, % bitwise equal,
 max and mean |delta|, k3 KL. Writes OUT/check.json. Where a setting differs, the first
 differing token is replayed along both forwards with hooks on every layer: the first
@@ -30,15 +31,18 @@ import time
 from pathlib import Path
 
 import torch
+from PIL import Image
 
 from rlfuse.cli.common import add_threads_argument, fail, setup_threads
-from rlfuse.consistency.check import default_sweep, run_setting
+from rlfuse.consistency.check import Setting, default_sweep, run_setting
 from rlfuse.consistency.drift import layer_drift, plot_layer_drift
+from rlfuse.data import ImageProcessor, VisionData, expand_images
 from rlfuse.engine.benchmark import SHAPES, random_model
 from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 from rlfuse.model.arch.qwen3_5_moe import tiny_hybrid_moe_fields
+from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
@@ -67,6 +71,8 @@ def add_arguments(p) -> None:
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="a model of this published shape with random weights (rlfuse.engine.benchmark.SHAPES: "
                         "Qwen3 0.6b..8b, the Qwen3.5 hybrids 3.5-0.8b / 3.5-2b), instead of MODEL_DIR or --tiny")
+    p.add_argument("--vision", action="store_true", help="with --tiny: a tiny random Qwen3-VL on image-text prompts "
+                   "(random images of several sizes, some shared between prompts, two in some, text-only rows too)")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -93,7 +99,7 @@ def _model(args, device):
     elif args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
         fields = (tiny_hybrid_moe_fields() if args.hybrid and args.moe else _TINY_MOE if args.moe
-                  else tiny_hybrid_fields() if args.hybrid else _TINY)
+                  else tiny_hybrid_fields() if args.hybrid else tiny_vl_fields() if args.vision else _TINY)
         m = CausalLM(ModelConfig(**fields))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
         m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
@@ -124,6 +130,84 @@ def _prompts(args, tok, vocab: int, n: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=g).tolist() for k in lens]
 
 
+def _vision_prompts(args, model, n: int) -> tuple[list[list[int]], list[tuple]]:
+    """n random image-text prompts: (text, image) 0, 1 or 2 times (random pixels, 3 sizes;
+    some images in two prompts), then text; token ids below the vision ids."""
+    v = model.config.vision
+    proc = ImageProcessor.for_model(v, min_pixels=64, max_pixels=48 * 48)
+    vision = VisionData(proc, v.vision_start_token_id, v.image_token_id, v.vision_end_token_id)
+    g = torch.Generator().manual_seed(args.seed + 2)
+    top = min(v.image_token_id, v.vision_start_token_id, v.vision_end_token_id, v.video_token_id)
+    sizes = [(16, 16), (24, 16), (16, 32)]
+    pool = [Image.frombytes("RGB", sizes[i % 3], bytes(torch.randint(0, 256, (sizes[i % 3][0] * sizes[i % 3][1] * 3,),
+                                                                     generator=g).tolist())) for i in range(n)]
+    prompts, media = [], []
+    for i in range(n):
+        k = (i % 3 == 0) + (i % 3 != 2)  # 2 images, 1, none, in turn
+        ids, images = [], []
+        for j in range(k):
+            ids += torch.randint(0, top, (int(torch.randint(1, 12, (1,), generator=g)),), generator=g).tolist()
+            ids += [v.vision_start_token_id, v.image_token_id, v.vision_end_token_id]
+            # prompt 3m+1's first image is prompt 3m's: the same image in two prompts
+            images.append(("image", pool[i - 1 if i % 3 == 1 and j == 0 else (i + 3 * j) % n]))
+        ids += torch.randint(0, top, (int(torch.randint(3, 24, (1,), generator=g)),), generator=g).tolist()
+        ids, items, _ = expand_images(ids, images, vision, f"prompt {i}", 1 << 20)
+        prompts.append(ids)
+        media.append(items)
+    return prompts, media
+
+
+IMAGE_ROW = "image-text prompts, tiny Qwen3-VL"
+
+
+def _image_row(args, device, dtype):
+    """The default --tiny check's image row (a few seconds): a tiny Qwen3-VL, 4 image-text
+    prompts x 2 samples, chunked prefill splitting images, prefix caching, micro-batches
+    (rlfuse check --tiny --vision runs the whole sweep on it)."""
+    vl = CausalLM(ModelConfig(**tiny_vl_fields()))
+    vl.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
+    vl = vl.to(device=device, dtype=dtype)
+    prompts, media = _vision_prompts(args, vl, 4)
+    s = Setting(name=IMAGE_ROW, num_prompts=4, n=2, micro_batch_tokens=96, engine=dict(max_num_batched_tokens=16))
+    r = run_setting(vl, prompts, s, numerics=args.numerics, max_tokens=args.max_tokens or 24,
+                    temperature=args.temperature, seed=args.seed, media=media)
+    print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+          f"{r.kl_k3:10.3g}  {r.engine_stats['vision_encodes']} tower runs for 8 samples", flush=True)
+    return r
+
+
+def _agent_rows(args, model, tok, results) -> None:
+    """The multi-turn and agent rows (text models)."""
+    # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
+    # fit the model's vocabulary); a model folder uses its own chat template
+    try:
+        mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
+        r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+        results.append(r)
+        st = r.engine_stats
+        print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+              f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
+              f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
+    except TemplateError as e:
+        print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
+    try:
+        # optional dependencies (the `serve` extra and openai): the row is skipped without them
+        from rlfuse.serve.agent_check import agent_setting
+    except ImportError as e:
+        print(f"{'agent via OpenAI API':34s} skipped: {e} (pip install 'rlfuse[serve]' openai)", flush=True)
+    else:
+        try:
+            r = agent_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
+            results.append(r)
+            st = r.engine_stats
+            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
+                  f"{r.kl_k3:10.3g}  {st['rollout/agent_calls_per_episode']:.1f} calls per episode, "
+                  f"{100 * st['rollout/agent_merged_frac']:.0f}% merged, "
+                  f"{st['rollout/agent_split_samples']:.0f} split samples", flush=True)
+        except TemplateError as e:
+            print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
+
+
 def run(args) -> int:
     try:
         setup_threads(args.threads)
@@ -138,6 +222,11 @@ def run(args) -> int:
     if args.hybrid and not args.tiny:
         return fail(ValueError("check: --hybrid picks the tiny hybrid model; give it with --tiny (a model folder's "
                                "config.json says whether it is a hybrid)"))
+    if args.vision and (args.hybrid or args.moe):
+        return fail(ValueError("check: --vision picks the tiny Qwen3-VL; give it without --hybrid / --moe"))
+    if args.vision and (not args.tiny or args.prompts):
+        return fail(ValueError("check: --vision builds image-text prompts for the --tiny Qwen3-VL; give it with --tiny "
+                               "and without --prompts"))
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.startswith("cuda")
     max_batch = args.max_batch or (256 if cuda else 8)
@@ -145,7 +234,11 @@ def run(args) -> int:
     try:
         out = make_folder(args.out, "--out")
         model, tok = _model(args, device)
-        prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
+        media = None
+        if args.vision:
+            prompts, media = _vision_prompts(args, model, max_batch)
+        else:
+            prompts = _prompts(args, tok, model.config.vocab_size, max_batch)
     except (ValueError, OSError) as e:
         return fail(e)
     block = 16
@@ -154,6 +247,8 @@ def run(args) -> int:
     # forced, and at 256 sequences the GPU run is not spent recomputing them
     small_pool = (4 if cuda else 2) * -(-need // block)
     settings = default_sweep(max_batch, small_pool_blocks=small_pool, chunk_tokens=max(block, need // 3))
+    if media is not None:  # long prompts are repeats of short ones: their images would move
+        settings = [s for s in settings if not s.min_prompt_len]
     lora = f", LoRA on {len(lora_modules(model))} projections" if lora_modules(model) else ""
     print(f"rlfuse check: {model.config.architecture}{lora} on {device} ({model.lm_head_weight.dtype}), numerics "
           f"{args.numerics}, {len(settings)} settings, up to {max_batch} sequences x {max_tokens} tokens")
@@ -164,7 +259,7 @@ def run(args) -> int:
         for s in settings:
             t1 = time.perf_counter()
             r = run_setting(model, prompts, s, numerics=args.numerics, max_tokens=max_tokens,
-                            temperature=args.temperature, seed=args.seed)
+                            temperature=args.temperature, seed=args.seed, media=media)
             results.append(r)
             st = r.engine_stats
             print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
@@ -172,39 +267,19 @@ def run(args) -> int:
                   f"{st['shared_prefix_steps']}  ({time.perf_counter() - t1:.1f} s: " +
                   ", ".join(f"{k} {v:.1f}" for k, v in r.seconds.items()) + ")",
                   flush=True)
-        # multi-turn: the --tiny model gets the compact character chat tokenizer (its ids
-        # fit the model's vocabulary); a model folder uses its own chat template
-        try:
-            mt_tok = tok if tok is not None else char_chat_tokenizer(string.printable)
-            r = multi_turn_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
-            results.append(r)
-            st = r.engine_stats
-            print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
-                  f"{r.kl_k3:10.3g}  {st['preemptions']} / {st['prompt_tokens_cached']} / "
-                  f"{st['look_ahead_steps']}; {st['turns_mean']:.1f} turns per episode", flush=True)
-        except TemplateError as e:
-            print(f"{'multi-turn, scripted tool':34s} skipped: {e}", flush=True)
-        try:
-            # optional dependencies (the `serve` extra and openai): the row is skipped without them
-            from rlfuse.serve.agent_check import agent_setting
-        except ImportError as e:
-            print(f"{'agent via OpenAI API':34s} skipped: {e} (pip install 'rlfuse[serve]' openai)", flush=True)
+        if args.vision:
+            print(f"{'multi-turn and agent rows':34s} skipped with --vision (text rows: rlfuse check --tiny)")
         else:
-            try:
-                r = agent_setting(model, mt_tok, numerics=args.numerics, temperature=args.temperature, seed=args.seed)
-                results.append(r)
-                st = r.engine_stats
-                print(f"{r.name:34s} {r.tokens:7d} {100 * r.bitwise_frac:7.2f}% {r.max_abs:10.3g} {r.mean_abs:10.3g} "
-                      f"{r.kl_k3:10.3g}  {st['rollout/agent_calls_per_episode']:.1f} calls per episode, "
-                      f"{100 * st['rollout/agent_merged_frac']:.0f}% merged, "
-                      f"{st['rollout/agent_split_samples']:.0f} split samples", flush=True)
-            except TemplateError as e:
-                print(f"{'agent via OpenAI API':34s} skipped: {e}", flush=True)
+            if args.tiny and not (args.moe or args.hybrid or args.lora_rank):
+                results.append(_image_row(args, device, model.lm_head_weight.dtype))
+            _agent_rows(args, model, tok, results)
         report = {"numerics": args.numerics, "device": device, "dtype": str(model.lm_head_weight.dtype),
                   "model": args.model or args.shape or "tiny", "adapter": args.adapter or (f"random rank {args.lora_rank}"
                                                                              if args.lora_rank else None),
                   "settings": [r.row() for r in results]}
-        differing = next((r for r in results if r.first_diff is not None), None)
+        # the replay runs the text model without images: rows of image prompts are not replayed
+        differing = None if args.vision else next((r for r in results if r.first_diff is not None
+                                                   and r.name != IMAGE_ROW), None)
         if differing is not None:
             i, pos = differing.first_diff
             prompt, completion = differing.sequences[i]

@@ -1,6 +1,7 @@
 """`rlfuse demo`: the embedded default -- tiny Qwen3-style model, SFT warm-up, GRPO on
 arithmetic, held-out accuracy before and after (rlfuse.recipes.demo). `--agent`: the same
 tiny model learns to call a calculator on 3-digit multiplication (rlfuse.recipes.agent_demo).
+`--vision`: a tiny Qwen3-VL learns to count red squares in images (rlfuse.recipes.vision_demo).
 Nothing downloaded. The demo holds its folder's run lock (rlfuse.run.folder.RunLock, as the
 training commands do) from before it replaces a previous demo until demo.json is written:
 a second demo on the same folder is refused, naming the holder, with nothing removed."""
@@ -18,6 +19,7 @@ from rlfuse.kernels.backend import NUMERICS
 from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
 from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
+from rlfuse.recipes.vision_demo import run_vision_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
 from rlfuse.run.report import render
 
@@ -45,6 +47,9 @@ def add_arguments(p):
                         "(cpu and ci sizes)")
     p.add_argument("--hybrid", action="store_true",
                    help="the arithmetic demo on a tiny Qwen3.5-style hybrid model (Gated DeltaNet + gated attention)")
+    p.add_argument("--vision", action="store_true",
+                   help="a tiny Qwen3-VL learns to count the red squares in small images (cpu and ci sizes; "
+                        "exact numerics)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--numerics", choices=NUMERICS, default="fast",
                    help="engine.numerics: exact makes every rollout log-prob equal the trainer's bitwise "
@@ -72,10 +77,13 @@ def replace_previous_demo(root: Path) -> None:
 def run(args) -> int:
     if args.agent and args.hybrid:
         return fail(ValueError("demo: --hybrid runs the arithmetic demo; it does not combine with --agent"))
-    if args.moe and args.hybrid:
-        return fail(ValueError("demo: --hybrid and --moe pick two different tiny models; give one"))
-    size = args.size or ("gpu" if torch.cuda.is_available() else "cpu")
-    args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo")
+    if sum((args.moe, args.hybrid, args.vision, args.agent)) > 1:
+        return fail(ValueError("demo: --agent, --moe, --hybrid and --vision pick different demos; give one"))
+    if args.vision and args.size == "gpu":
+        return fail(ValueError("demo: --vision runs at the cpu or ci size"))
+    size = args.size or ("cpu" if args.vision or not torch.cuda.is_available() else "gpu")
+    args.run_dir = args.run_dir or ("runs/agent_demo" if args.agent else "runs/demo_vision" if args.vision
+                                    else "runs/demo")
     if args.size is None:
         log.info("demo size %s (%s)", size, "CUDA available" if size == "gpu" else "no CUDA device")
     try:
@@ -92,7 +100,7 @@ def run(args) -> int:
                 raise ValueError("demo: --moe runs the arithmetic demo at the cpu or ci size (not with --agent or "
                                  "--size gpu)")
             extra = {"harness": args.harness} if args.agent else {}
-            run = run_agent_demo if args.agent else run_demo
+            run = run_agent_demo if args.agent else run_vision_demo if args.vision else run_demo
             overrides = {"engine.numerics": args.numerics, "engine.kv_cache_dtype": args.kv_cache_dtype}
             if args.moe:
                 overrides["model.random_init"] = MOE_MODEL

@@ -111,18 +111,19 @@ def default_sweep(max_batch: int, *, small_pool_blocks: int, chunk_tokens: int) 
 
 
 def trainer_logprobs(model: CausalLM, sequences: list[tuple[list[int], list[int]]], temperature: float,
-                     *, micro_batch_tokens: int = 1 << 30) -> list[torch.Tensor]:
+                     *, micro_batch_tokens: int = 1 << 30, media: list | None = None) -> list[torch.Tensor]:
     """The trainer's log-probs of each completion token: sequences packed into micro-batches
     of at most `micro_batch_tokens`, each one packed forward in train mode with autograd
     recording (the forward that feeds the loss), `token_logprobs` at `temperature` (the
-    engine's `teacher_forced_logprobs`). Returns detached fp32 (L_i,) on the CPU."""
+    engine's `teacher_forced_logprobs`; `media[i]`: sequence i's images). Returns detached
+    fp32 (L_i,) on the CPU."""
     out: list[torch.Tensor] = [torch.empty(0)] * len(sequences)
     was_training = model.training
     model.train()
     with torch.enable_grad():
         for pack in pack_by_tokens([len(p) + len(c) for p, c in sequences], micro_batch_tokens):
             lps = teacher_forced_logprobs(model, [sequences[i][0] for i in pack], [sequences[i][1] for i in pack],
-                                          temperature)
+                                          temperature, None if media is None else [media[i] for i in pack])
             for i, lp in zip(pack, lps):
                 out[i] = lp.detach().float().cpu()
     model.train(was_training)
@@ -130,8 +131,11 @@ def trainer_logprobs(model: CausalLM, sequences: list[tuple[list[int], list[int]
 
 
 def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, numerics: str,
-                max_tokens: int, temperature: float, seed: int = 0) -> SettingResult:
-    """Generate with the engine under `setting`, teacher-force, compare."""
+                max_tokens: int, temperature: float, seed: int = 0, media: list | None = None) -> SettingResult:
+    """Generate with the engine under `setting`, teacher-force, compare. `media[i]`: prompt
+    i's images (MediaItems; vision models), used by the engine and the trainer alike."""
+    if media is not None and setting.min_prompt_len:
+        raise ValueError(f"setting {setting.name!r}: repeating prompts (min_prompt_len) would move their images")
     cfg = EngineConfig(**{"max_num_seqs": max(setting.batch, 1), **setting.engine, "numerics": numerics,
                           "seed": seed})
     t0 = time.perf_counter()
@@ -143,7 +147,8 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
               for i in range(k)]
     chosen = [list(p) * -(-setting.min_prompt_len // max(len(p), 1)) if len(p) < setting.min_prompt_len else list(p)
               for p in prompts[:setting.num_prompts]]
-    outs = llm.generate(chosen, params)
+    chosen_media = None if media is None else media[:setting.num_prompts]
+    outs = llm.generate(chosen, params, chosen_media)
     t2 = time.perf_counter()
     stats = dataclasses.asdict(llm.stats)
     llm.sleep()
@@ -152,7 +157,8 @@ def run_setting(model: CausalLM, prompts: list[list[int]], setting: Setting, *, 
     seqs = [(list(o.prompt_token_ids), list(o.output_token_ids)) for o in outs]
     lp_temp = temperature if temperature > 0 else 1.0  # greedy reports T = 1 log-probs
     with use_numerics(numerics):
-        train = trainer_logprobs(model, seqs, lp_temp, micro_batch_tokens=setting.micro_batch_tokens)
+        train = trainer_logprobs(model, seqs, lp_temp, micro_batch_tokens=setting.micro_batch_tokens,
+                                 media=None if media is None else [media[i // setting.n] for i in range(len(outs))])
     seconds = {"engine": round(t1 - t0, 2), "generate": round(t2 - t1, 2), "trainer": round(time.perf_counter() - t2, 2)}
     roll = [torch.as_tensor(o.logprobs, dtype=torch.float32) for o in outs]
     t, r = torch.cat(train), torch.cat(roll)

@@ -6,7 +6,9 @@ Sources: `.jsonl` (one object per line), `.json` (a list of objects, or {"data":
 `.parquet` (needs pyarrow), or `builtin:<task>` (rlfuse.data.tasks: a train split and a
 disjoint held-out split). A row is either
   * prompt/answer: `prompt_field` (str), optional `answer_field`, `completion_field` (SFT target);
-  * chat: `messages_field`, a list of {"role": str, "content": str}.
+  * chat: `messages_field`, a list of {"role": str, "content": str or a list of content parts}.
+Rows may carry images (content parts, or `images_field` with placeholders: rlfuse/data/media.py);
+their prompts hold the expanded image-pad runs and `media` (text-only rows: empty).
 Malformed rows raise ValueError naming `file:line` (row number for .json/.parquet) and
 the field. Other columns are kept and handed to reward functions (TRL's **columns).
 
@@ -42,6 +44,8 @@ import dataclasses
 import logging
 import random
 
+from rlfuse.data.media import VisionData, expand_images, split_images
+from rlfuse.engine import MediaItem
 from rlfuse.run import DATA_REASONS
 from rlfuse.run.config import DataConfig
 
@@ -55,14 +59,17 @@ class Prompt:
     text: str
     columns: dict
     where: str
+    media: tuple[MediaItem, ...] = ()
+    """The prompt's images (pixels, grid, hash, pad-run offset), in token order; () for text."""
 
 
 @dataclasses.dataclass(slots=True)
 class SFTExample:
     ids: list[int]
     mask: list[bool]
-    """True where the token is a training target (completion / assistant tokens)."""
+    """True where the token is a training target (completion / assistant tokens; never an image token)."""
     where: str
+    media: tuple[MediaItem, ...] = ()
 
 
 # ------------------------------------------------------------------ rendering
@@ -103,6 +110,20 @@ def check_prompt_len(cfg: DataConfig, context_len: int) -> None:
         raise ValueError(f"data.max_prompt_len ({cfg.max_prompt_len}) does not fit in the model context "
                          f"({context_len} tokens: engine.max_model_len, else the model's max_position_embeddings); "
                          f"expected at most {context_len - 1} so that a prompt leaves room for output")
+
+
+def _images(row: dict, cfg: DataConfig, where: str, vision: VisionData | None) -> tuple[dict, list]:
+    """(the row with string contents and image markers, its images [(field, value)]): rows
+    without an images column or content parts are returned as they are."""
+    msgs = row.get(cfg.messages_field)
+    parts = isinstance(msgs, list) and any(isinstance(m.get("content"), list) for m in msgs)
+    if not parts and cfg.images_field not in row:
+        return row, []
+    row, images = split_images(row, cfg, where)
+    if images and vision is None:
+        raise ValueError(f"{where}: field {images[0][0]}: the row has images but the model has no vision tower "
+                         f"(a text-only model); use an image-text model or drop the images")
+    return row, images
 
 
 def _empty_prompt(row: dict, cfg: DataConfig) -> bool:
@@ -182,29 +203,35 @@ class UnknownText:
 
 
 def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, context_len: int | None = None,
-                  counts: dict | None = None, stats: dict | None = None) -> list[Prompt]:
+                  counts: dict | None = None, stats: dict | None = None,
+                  vision: VisionData | None = None) -> list[Prompt]:
     """Tokenize every row up front. Dropped, counted and logged with `file:line` examples:
     empty prompts and prompts over data.max_prompt_len tokens. Given `context_len` (the
     model's context), max_prompt_len must leave room for output in it (so no prompt kept
     fills the context). `counts`, if given, receives {reason sentence: number dropped};
-    `stats` the data metrics of `split` (module docstring)."""
+    `stats` the data metrics of `split` (module docstring). `vision`: the image model's
+    processor and marker ids (None: a text-only model; a row with images is an error)."""
     if context_len is not None:
         check_prompt_len(cfg, context_len)
     out, drops, unknown = [], Drops(), UnknownText(tokenizer)
     for where, row in pairs:
-        if _empty_prompt(row, cfg):
+        flat, images = _images(row, cfg, where, vision)
+        if not images and _empty_prompt(flat, cfg):
             drops.add("dropped/empty_prompt", "empty", where)
             continue
-        text = render_prompt(row, tokenizer, cfg, where)
-        ids = _encode(tokenizer, text, _chat(row, cfg))
+        text = render_prompt(flat, tokenizer, cfg, where)
+        ids = _encode(tokenizer, text, _chat(flat, cfg))
         unknown.check(where, text, ids)
+        media = ()
+        if images:
+            ids, media, _ = expand_images(ids, images, vision, where, cfg.max_prompt_len)
         if not ids:
             drops.add("dropped/empty_prompt", "empty", where)
         elif len(ids) > cfg.max_prompt_len:
             drops.add("dropped/prompt_too_long", f"longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
                       f"{where} ({len(ids)} tokens)")
         else:
-            out.append(Prompt(ids, text, row, where))
+            out.append(Prompt(ids, text, row, where, media))
     unknown.report(f"data {split}", len(pairs), split=split, stats=stats)
     drops.report(f"data {split}: dropped prompts", len(pairs), len(out), split=split, counts=counts, stats=stats)
     if not out:
@@ -215,7 +242,7 @@ def build_prompts(pairs, tokenizer, cfg: DataConfig, split: str = "train", *, co
 
 def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, context_len: int | None = None,
                        overlong: str = "truncate", counts: dict | None = None, stats: dict | None = None,
-                       split: str = "train", chat_layout=None) -> list[SFTExample]:
+                       split: str = "train", chat_layout=None, vision: VisionData | None = None) -> list[SFTExample]:
     """Tokenize every row up front into (ids, target mask). Sequences longer than
     min(max_seq_len, context_len) are truncated on the completion side (overlong="truncate",
     the default: the prompt and the start of the answer still teach) or dropped
@@ -223,7 +250,8 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
     no target token left are dropped. All counted and logged; `counts` receives
     {reason sentence: rows}, `stats` the data metrics of `split` (module docstring).
     `chat_layout(messages) -> (ids, mask)`: how chat rows are laid out instead of the whole
-    template's rendering (a multi-turn recipe's: the rollout's layout, tools included)."""
+    template's rendering (a multi-turn recipe's: the rollout's layout, tools included).
+    `vision` as in build_prompts; image tokens are never targets."""
     if overlong not in ("truncate", "drop"):
         raise ValueError(f"overlong must be 'truncate' or 'drop', got {overlong!r}")
     limit = max_seq_len if context_len is None else min(max_seq_len, context_len)
@@ -233,7 +261,8 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
     eos = tokenizer.eos_token_ids[:1]
     out, drops, unknown = [], Drops(), UnknownText(tokenizer)
     for where, row in pairs:
-        if _empty_prompt(row, cfg):
+        row, images = _images(row, cfg, where, vision)
+        if not images and _empty_prompt(row, cfg):
             drops.add("dropped/empty_prompt", "dropped: empty prompt", where)
             continue
         if cfg.messages_field in row:
@@ -251,13 +280,17 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
             c_ids = tokenizer.encode(str(target), add_special_tokens=False) + eos
             ids, mask, n_prompt = p_ids + c_ids, [False] * len(p_ids) + [True] * len(c_ids), len(p_ids)
             unknown.check(where, prompt + str(target), ids)
+        media = ()
+        if images:
+            ids, media, mask = expand_images(ids, images, vision, where, cfg.max_prompt_len, mask)
+            n_prompt = mask.index(True) if True in mask else len(ids)
         if n_prompt > cfg.max_prompt_len:
             drops.add("dropped/prompt_too_long",
                       f"dropped: prompt longer than data.max_prompt_len={cfg.max_prompt_len} tokens",
                       f"{where} ({n_prompt} tokens)")
             continue
         if len(ids) > limit:
-            if overlong == "drop":
+            if overlong == "drop" or any(m.end > limit for m in media):  # never cut through an image
                 drops.add("dropped/sft_too_long", f"dropped: longer than {limit} tokens ({limit_src})",
                           f"{where} ({len(ids)} tokens)")
                 continue
@@ -265,7 +298,7 @@ def build_sft_examples(pairs, tokenizer, cfg: DataConfig, max_seq_len: int, *, c
                       f"{where} ({len(ids)} tokens)")
             ids, mask = ids[:limit], mask[:limit]
         if any(mask[1:]):  # position 0 is never a target
-            out.append(SFTExample(ids, mask, where))
+            out.append(SFTExample(ids, mask, where, media))
         else:
             drops.add("dropped/sft_no_target", f"dropped: no target token within {limit} tokens", where)
     unknown.report(f"sft data {split}", len(pairs), split=split, stats=stats)

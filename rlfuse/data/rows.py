@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 
 from rlfuse.data.hf import is_hf_source, read_hf, transform_rows
+from rlfuse.data.media import check_parts
 from rlfuse.data.tasks import make_split
 from rlfuse.run import load_function
 from rlfuse.run.config import DataConfig
@@ -124,8 +125,12 @@ def _check_row(where: str, row: dict, cfg: DataConfig, need_target: bool) -> Non
         if not isinstance(msgs, list) or not msgs:
             raise ValueError(f"{where}: field {mf!r} must be a non-empty list of messages")
         for j, m in enumerate(msgs):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content'")
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                    not isinstance(m.get("content"), (str, list)):
+                raise ValueError(f"{where}: field {mf}[{j}] must be an object with string 'role' and 'content' "
+                                 f"(a string, or a list of content parts)")
+            if isinstance(m["content"], list):
+                check_parts(where, f"{mf}[{j}].content", m["content"])
             if m["role"] not in CHAT_ROLES:
                 raise ValueError(f"{where}: field {mf}[{j}].role is {m['role']!r}; expected one of "
                                  f"{', '.join(CHAT_ROLES)}")
@@ -156,12 +161,12 @@ def load_rows(cfg: DataConfig, split: str = "train", need_target: bool = False) 
                          f"or a save_to_disk folder")
     if src.startswith("builtin:"):
         task = src.removeprefix("builtin:")
-        # eval first: small and fixed, then train excluding its prompts (disjoint splits)
+        # eval first: small and fixed, then train excluding its prompts (image tasks: its layouts)
         ev = make_split(task, cfg.eval_size, seed=cfg.seed + 10007, **cfg.task)
         if split == "eval":
             rows = ev
         else:
-            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r["prompt"] for r in ev}, **cfg.task)
+            rows = make_split(task, cfg.train_size, seed=cfg.seed, exclude={r.get("key", r["prompt"]) for r in ev}, **cfg.task)
         pairs = [(f"{src}[{split} {i}]", r) for i, r in enumerate(rows)]
     elif is_hf_source(src):
         pairs = read_hf(src, cfg.split if split == "train" else cfg.eval_split, f"data.{split}")

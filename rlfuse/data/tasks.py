@@ -16,7 +16,7 @@ countdown: reach `target` from `numbers` with + - * / and parentheses, each numb
     to the target.
 
 `make_split(task, n, seed, exclude)` returns rows {prompt, answer, completion, ...}
-that are distinct from the prompts in `exclude` (held-out eval sets are disjoint from
+that are distinct from the prompts (image tasks: the `key`s) in `exclude` (held-out eval sets are disjoint from
 training sets). Deterministic in the seed.
 Test: python -m pytest -q tests/test_data.py
 """
@@ -28,6 +28,8 @@ import random
 import re
 from collections import Counter
 from fractions import Fraction
+
+from rlfuse.data.image_tasks import IMAGE_TASKS
 
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.S)
 _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -181,7 +183,9 @@ def verify_countdown(completion: str, numbers, target, use_all: bool = True) -> 
     return ok_nums and value == Fraction(int(target))
 
 
-TASKS = {"arithmetic": arithmetic_rows, "arithmetic_pref": arithmetic_pref_rows, "countdown": countdown_rows}
+TASKS = {"arithmetic": arithmetic_rows, "arithmetic_pref": arithmetic_pref_rows, "countdown": countdown_rows,
+         **IMAGE_TASKS}
+"""Text tasks here; image tasks (rows with an images column) in rlfuse/data/image_tasks.py."""
 
 
 def task_alphabet(task: str, rows: list[dict]) -> str:
@@ -192,6 +196,8 @@ def task_alphabet(task: str, rows: list[dict]) -> str:
         chars.update(r.get("completion", ""))
     if task in ("arithmetic", "arithmetic_pref"):
         chars.update("0123456789+-*=")
+    if task in IMAGE_TASKS:
+        chars.update("0123456789")
     return "".join(sorted(chars))
 
 

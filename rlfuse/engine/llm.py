@@ -38,6 +38,7 @@ import torch
 from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig, SamplingParams
+from rlfuse.engine.media import FeatureCache
 from rlfuse.engine.model_runner import ModelRunner, Pending, param_version
 from rlfuse.engine.scheduler import Batch, Scheduler
 from rlfuse.engine.sequence import (
@@ -133,6 +134,8 @@ class LLM:
             self._weights_version = v
             self.reset_prefix_cache()
             self._kv_stale = self.runner.kv_quant is not None
+            if self.runner.features is not None:
+                self.runner.features.clear()  # image features are stale too
             log.debug("parameters changed in place: prefix cache dropped")
         switches = adapter_switches(self.model)
         if switches != self._adapters:
@@ -157,10 +160,12 @@ class LLM:
             self.stats.kv_calibrations += 1
 
     # ------------------------------------------------------------------ requests
-    def _validate(self, rid: str, prompt, params) -> list[int]:
-        return validate_request(rid, prompt, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
-                                max_model_len=self.max_model_len, block_manager=self.block_manager,
-                                adapters=0 if self.runner.bank is None else len(self.runner.bank.names))
+    def _validate(self, rid: str, prompt, params, media=()) -> tuple[list[int], tuple | None]:
+        """(prompt ids, (mRoPE positions, delta) of an image model's prompt, else None)."""
+        ids = validate_request(rid, prompt, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
+                               max_model_len=self.max_model_len, block_manager=self.block_manager,
+                               adapters=0 if self.runner.bank is None else len(self.runner.bank.names))
+        return ids, self.runner.admit_media(rid, ids, tuple(media))
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -168,9 +173,10 @@ class LLM:
         return () if self.runner.bank is None else self.runner.bank.names
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, media=()) -> str:
         """Queue a request (its `params.n` samples); returns its id. Raises ValueError naming
-        the request if it is invalid; nothing is queued then."""
+        the request if it is invalid; nothing is queued then. `media`: the prompt's images
+        (`rlfuse.engine.media.MediaItem`s, matching its image-pad runs)."""
         if request_id is None:
             request_id = f"req-{self._next_id}"
             self._next_id += 1
@@ -178,20 +184,23 @@ class LLM:
         if request_id in self._requests:
             raise ValueError(f"request {request_id!r}: the id is already in use")
         params = SamplingParams() if params is None else params
-        ids = self._validate(request_id, prompt, params)
-        self._enqueue(request_id, ids, params)
+        ids, mrope = self._validate(request_id, prompt, params, media)
+        self._enqueue(request_id, ids, params, tuple(media), mrope)
         return request_id
 
-    def _enqueue(self, rid: str, ids: list[int], params: SamplingParams) -> None:
+    def _enqueue(self, rid: str, ids: list[int], params: SamplingParams, media=(), mrope=None) -> None:
         if not self.has_unfinished():
             self._check_weights()
             self._calibrate_kv([ids])
         seed = params.seed if params.seed is not None else self._rng.getrandbits(32)
         stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-        base = sample_key_base(seed, ids)
+        base = sample_key_base(seed, ids, media)
         seqs = []
         for k in range(params.n):
-            seq = Sequence(self._next_seq, rid, k, ids, params, sample_key(base, k), stop)
+            seq = Sequence(self._next_seq, rid, k, ids, params, sample_key(base, k), stop, media)
+            seq.mrope = mrope  # shared by the group: computed once
+            if media:
+                self.runner.features.acquire(media)
             seq.max_total = min(len(ids) + params.max_tokens, self.max_model_len)
             seqs.append(seq)
             self._next_seq += 1
@@ -222,6 +231,7 @@ class LLM:
         self.scheduler.abort(seqs)
         for s in seqs:
             self.runner.release(s)
+            self._drop_media(s)
         return [completion(s, self.tokenizer) for s in seqs]
 
     def abort_all(self) -> None:
@@ -231,6 +241,8 @@ class LLM:
         self._pending, self._ready, self._requests = None, [], {}
         self.runner.reset_state()
         self._new_scheduler()
+        if self.runner.features is not None:
+            self.runner.features = FeatureCache(self.runner._encode)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[Completion]:
@@ -343,10 +355,18 @@ class LLM:
         self.scheduler.finish(finished, [s.num_computed + (id(s) in ahead) for s in finished] if park else None)
         for seq in finished:
             self.runner.release(seq, keep_state=park)
+            self._drop_media(seq)
             reqs = self._requests.get(seq.request_id)
             if reqs is not None and all(s.is_finished() for s in reqs):
                 del self._requests[seq.request_id]
         return finished
+
+    def _drop_media(self, seq: Sequence) -> None:
+        """A finished or aborted sample lets go of its images (the tower's count is logged)."""
+        if seq.media:
+            self.runner.features.release(seq.media)
+        if self.runner.features is not None:
+            self.stats.vision_encodes += self.runner.features.take_encodes()
 
     def _drain(self) -> None:
         """Read the launched look-ahead step, if any (before abort / sleep touch sequences);
@@ -356,17 +376,19 @@ class LLM:
             self._ready += [completion(s, self.tokenizer) for s in self._absorb(cur)]
 
     # ------------------------------------------------------------------ batch API
-    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None) -> list[Completion]:
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 media: list | None = None) -> list[Completion]:
         """Complete every prompt (text, or a list of token ids; a single prompt is accepted
         too). `params`: one SamplingParams for all, or one per prompt. Returns
         len(prompts) * n Completions, prompt-major (sample k of prompt i at i * n + k when
         n is shared). All requests are validated before any runs: an invalid one raises
-        ValueError naming it (request "i" is prompt i) and nothing is queued."""
+        ValueError naming it (request "i" is prompt i) and nothing is queued. `media`: per
+        prompt, its images (a tuple of MediaItems, () for text), as in `add_request`."""
         prompts, plist = prompt_list(prompts, params)
-        done = {(i, c.index): c for i, c in self.stream(prompts, plist)}
+        done = {(i, c.index): c for i, c in self.stream(prompts, plist, media)}
         return [done[(i, k)] for i, p in enumerate(plist) for k in range(p.n)]
 
-    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None):
+    def stream(self, prompts, params: SamplingParams | list[SamplingParams] | None = None, media: list | None = None):
         """`generate`, yielding (prompt index, Completion) as each sample finishes, between
         engine steps: the caller's work between two yields runs while the engine is paused
         (on CUDA, its own kernels on another stream overlap the queued decode step). The
@@ -376,9 +398,12 @@ class LLM:
         if self.has_unfinished():
             raise RuntimeError("LLM.generate needs an idle engine: finish or abort the streaming requests first")
         errors, checked = [], []
+        media = [()] * len(prompts) if media is None else [tuple(m) for m in media]
+        if len(media) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(media)} media entries")
         for i, (prompt, p) in enumerate(zip(prompts, plist)):
             try:
-                checked.append(self._validate(f"{i}", prompt, p))
+                checked.append(self._validate(f"{i}", prompt, p, media[i]))
             except ValueError as e:  # collect all, report together
                 errors.append(str(e))
         if errors:
@@ -387,9 +412,9 @@ class LLM:
         self._check_weights()
         self._calibrate_kv(checked)  # fp8 cache: on all the prompts, not the first one alone
         index = {}
-        for i, (ids, p) in enumerate(zip(checked, plist)):
+        for i, ((ids, mrope), p) in enumerate(zip(checked, plist)):
             rid = f"gen-{self._next_id}-{i}"
-            self._enqueue(rid, ids, p)
+            self._enqueue(rid, ids, p, media[i], mrope)
             index[rid] = i
         self._next_id += 1
         n_done = 0

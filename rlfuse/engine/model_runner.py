@@ -17,7 +17,8 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
   3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.draw.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
      log-prob from `rlfuse.kernels.loss.logprob.token_logprobs(h_last, W, ids, T)` -- the
-     trainer's function, per distinct temperature (T = 1 for greedy rows).
+     trainer's function, per distinct temperature (T = 1 for greedy rows). Vision models'
+     image-pad / vision start / end ids are -inf before sampling (never sampled).
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
      that, so the engine can enqueue the next decode step first (`launch(feed=...)`,
@@ -38,6 +39,7 @@ from rlfuse.engine.cache.kv import KVCache, cache_dtype, plan_num_blocks
 from rlfuse.engine.cache.kv_scales import calibrate_kv_scales
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
+from rlfuse.engine.media import FeatureCache, MediaItem, admit, encode_images, never_sampled_ids
 from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -48,6 +50,7 @@ from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
 from rlfuse.model.lora_bank import adapter_bank
+from rlfuse.model.vision import ImageFeatures
 
 log = logging.getLogger(__name__)
 
@@ -128,6 +131,11 @@ class ModelRunner:
         if self.bank is not None:
             rows = max(cfg.max_num_batched_tokens, 2 * cfg.max_num_seqs)  # the warm-up's steps too
             self.bank.ids = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
+        # vision models: the image-pad / vision start / end ids are never sampled (rlfuse.engine.media)
+        banned = never_sampled_ids(model.config)
+        self.never_sample = torch.tensor(banned, dtype=torch.int64, device=self.device) if banned else None
+        self.vision = model.config.vision
+        self.features = FeatureCache(self._encode) if self.vision is not None else None
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -219,6 +227,18 @@ class ModelRunner:
         return self.max_blocks * self.block_size
 
     # ------------------------------------------------------------------ rows
+    # ------------------------------------------------------------------ images
+    def _encode(self, items: list[MediaItem]) -> ImageFeatures:
+        return encode_images(self.model, items)  # the trainer's encode
+
+    def admit_media(self, rid: str, ids: list[int], media: tuple[MediaItem, ...]) -> tuple[torch.Tensor, int] | None:
+        """Check a request's images against its ids; its (mRoPE positions, delta), computed once
+        for its n samples (None: a text-only model)."""
+        if self.vision is None and media:
+            raise ValueError(f"request {rid!r}: {len(media)} images given but {self.mcfg.architecture} has no "
+                             f"vision tower")
+        return None if self.vision is None else admit(rid, ids, media, self.vision)
+
     def release(self, seq: Sequence, keep_state: bool = False) -> None:
         """`seq` left the running set (finished, preempted, aborted): free its table row, and
         its linear-attention state slot unless `keep_state` (a parked sequence's)."""
@@ -310,6 +330,8 @@ class ModelRunner:
         if masks:
             idx = self._upload(masks, torch.int64)
             logits[idx[:, 0], idx[:, 1]] = float("-inf")
+        if self.never_sample is not None:
+            logits[:, self.never_sample] = float("-inf")
         ids, _ = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
         lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
         out = torch.stack((ids.double(), lps.double()))
@@ -350,13 +372,14 @@ class ModelRunner:
         ids, pos, slots = sec["ids"], sec["pos"], sec["slots"]
         o = 0
         for seq, st, n in zip(seqs, starts, num_new):
+            d = seq.rope_delta  # 0 for text: the token's index is its position
             if n == 1:
-                ids[o], pos[o] = seq.token_ids[st], st
+                ids[o], pos[o] = seq.token_ids[st], st + d
                 slots[o] = seq.block_table[st // bs] * bs + st % bs
             else:
                 p = np.arange(st, st + n)
                 ids[o:o + n] = seq.token_ids[st:st + n]
-                pos[o:o + n] = p
+                pos[o:o + n] = p + d
                 slots[o:o + n] = np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs
             o += n
         sec["rows"][:] = rows
@@ -370,7 +393,10 @@ class ModelRunner:
         attn = PagedKV(self.kv.kv_caches, d["slots"], d["cu"].to(torch.int32), d["seq_lens"].to(torch.int32),
                        self.bt[d["rows"], :w], max(num_new),
                        linear=None if self.linear is None else self.linear.step(seqs, starts, num_new))
-        h = self.model(d["ids"], d["pos"], attn)
+        pos, feats = d["pos"], None
+        if any(s.mrope is not None and st < s.num_prompt_tokens for s, st in zip(seqs, starts)):
+            pos, feats = self.features.chunk_inputs(seqs, starts, num_new, pos)
+        h = self.model(d["ids"], pos, attn, feats)
         h = h if S == T else h[d["samp"]]
         return h, (d["top_k"], d["seeds"], d["offsets"])
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from rlfuse.engine.media import encode_images, prompt_positions
 from rlfuse.kernels.loss.logprob import token_logprobs
 from rlfuse.model import CausalLM, Packed
 
@@ -50,9 +51,10 @@ def greedy_generate_naive(model: CausalLM, prompt_ids: list[list[int]], max_new_
 
 
 def teacher_forced_logprobs(model: CausalLM, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                            temperature: float = 1.0) -> list[torch.Tensor]:
+                            temperature: float = 1.0, media: list | None = None) -> list[torch.Tensor]:
     """Per-sequence fp32 log-probs (len(completion_b),) of the completion tokens given the
-    prompt, in one packed forward. Differentiable when grad is enabled."""
+    prompt, in one packed forward. Differentiable when grad is enabled. `media[b]`: prompt
+    b's images (vision models): mRoPE positions and the features of each image encoded alone."""
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"{len(prompt_ids)} prompts but {len(completion_ids)} completions")
     if any(len(p) == 0 for p in prompt_ids):
@@ -61,8 +63,14 @@ def teacher_forced_logprobs(model: CausalLM, prompt_ids: list[list[int]], comple
     full = [list(p) + list(c) for p, c in zip(prompt_ids, completion_ids)]
     lens = [len(s) for s in full]
     ids_T = torch.tensor([t for s in full for t in s], dtype=torch.long, device=device)
-    pos_T = torch.cat([torch.arange(n, device=device) for n in lens])
-    h_TD = model(ids_T, pos_T, Packed.from_lengths(lens, device))
+    feats = None
+    if media is not None and any(media):
+        vision = model.config.vision
+        pos_T = torch.cat([prompt_positions(s, tuple(m), vision)[0] for s, m in zip(full, media)], 1).to(device)
+        feats = encode_images(model, [m for ms in media for m in ms])
+    else:
+        pos_T = torch.cat([torch.arange(n, device=device) for n in lens])
+    h_TD = model(ids_T, pos_T, Packed.from_lengths(lens, device), feats)
     # row (start_b + P_b - 1 + j) predicts completion token j of sequence b
     rows, start = [], 0
     for p, c, n in zip(prompt_ids, completion_ids, lens):

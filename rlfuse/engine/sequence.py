@@ -2,7 +2,9 @@
 
 A Sequence owns its token ids (prompt + output so far), its block table (KV-cache block
 ids, one per `block_size` tokens) and how many of its tokens already have K/V in the
-cache (`num_computed`). Invariant: the last sampled token is never computed before the
+cache (`num_computed`). An image-text prompt also carries its images (`media`, each with
+its pad-token run and media hash) and its multimodal RoPE positions (`mrope`: (3, prompt)
+positions and the decode delta, rlfuse.engine.media), set once at admission. Invariant: the last sampled token is never computed before the
 next step feeds it, so a running sequence always has num_computed < num_tokens.
 """
 
@@ -16,6 +18,7 @@ from array import array
 import torch
 
 from rlfuse.engine.config import SamplingParams, logprob_temperature
+from rlfuse.engine.media import MediaItem, block_media, media_key
 
 
 class Status(enum.Enum):
@@ -58,10 +61,10 @@ class Sequence:
     __slots__ = ("seq_id", "request_id", "index", "params", "token_ids", "num_prompt_tokens", "status",
                  "block_table", "num_computed", "num_ready_blocks", "block_hashes", "logprobs", "finish_reason",
                  "seed", "temperature_lp", "stop_ids", "num_cached_prompt", "row", "row_len", "max_total", "routing",
-                 "state_from")
+                 "state_from", "media", "mrope")
 
     def __init__(self, seq_id: int, request_id: str, index: int, prompt: list[int], params: SamplingParams,
-                 seed: int, stop_ids: frozenset[int]):
+                 seed: int, stop_ids: frozenset[int], media: tuple[MediaItem, ...] = ()):
         self.seq_id = seq_id
         self.request_id = request_id
         self.index = index
@@ -84,6 +87,13 @@ class Sequence:
         self.max_total = 1 << 62    # length at which it stops ("length"): set by the engine
         self.routing: list[torch.Tensor] = []  # per sampled token (layers, k), when the engine records routing
         self.state_from: Sequence | None = None  # hybrid models: the group member whose state it starts from
+        self.media = media          # the prompt's images (shared by the group's samples), in token order
+        self.mrope: tuple[torch.Tensor, int] | None = None  # ((3, prompt) positions, delta): at admission
+
+    @property
+    def rope_delta(self) -> int:
+        """Position of the token at index i >= prompt is i + rope_delta (0 for text prompts)."""
+        return 0 if self.mrope is None else self.mrope[1]
 
     @property
     def num_tokens(self) -> int:
@@ -111,12 +121,19 @@ class Sequence:
                 f"computed={self.num_computed}, blocks={self.block_table})")
 
 
-def sample_key_base(seed: int, prompt: list[int]) -> bytes:
-    return hashlib.blake2b(seed.to_bytes(8, "little") + array("q", prompt).tobytes(), digest_size=16).digest()
+def sample_key_base(seed: int, prompt: list[int], media: tuple[MediaItem, ...] = ()) -> bytes:
+    # the images' hashes join the key (b"" for text): equal ids with other images draw anew
+    return hashlib.blake2b(seed.to_bytes(8, "little") + array("q", prompt).tobytes() + media_key(media),
+                           digest_size=16).digest()
+
+
+def block_extra(seq: Sequence, block: int, block_size: int) -> bytes:
+    """The media hashes a block's prefix-cache key chains after its ids (b"" for text)."""
+    return block_media(seq.media, block, block_size) if seq.media else b""
 
 
 def sample_key(base: bytes, k: int) -> int:
-    """63-bit sampling key of sample k: a hash of (seed, prompt tokens, k), so the draws of a
+    """63-bit sampling key of sample k: a hash of (seed, prompt tokens, images, k), so the draws of a
     sequence depend on nothing else (not the batch, not other prompts sharing the seed)."""
     return int.from_bytes(hashlib.blake2b(base + k.to_bytes(8, "little"), digest_size=8).digest(), "little") >> 1
 

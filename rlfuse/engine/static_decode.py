@@ -118,10 +118,10 @@ class StaticDecode:
             host[_LIN_SLOT, :B] = self.linear.admit_step(seqs, starts)
         if feed is None:
             host[_IDS, :B] = [s.token_ids[p] for s, p in zip(seqs, starts)]
-        host[_POS, :B] = starts
+        host[_POS, :B] = [p + s.rope_delta for s, p in zip(seqs, starts)]  # image prompts: index + delta
         host[_SLOTS, :B] = [s.block_table[p // bs] * bs + p % bs for s, p in zip(seqs, starts)]
         host[_ROWS, :B] = rows
-        host[_SEQ_LENS, :B] = host[_POS, :B] + 1
+        host[_SEQ_LENS, :B] = [p + 1 for p in starts]  # the index, not the position (mRoPE: they differ)
         host[_TOP_K, :S], host[_SEEDS, :S], host[_OFFSETS, :S] = top_k, seeds, offsets
         shared = self._share_plan(seqs, host, nb)
         self.shared_steps += shared

@@ -27,6 +27,8 @@ class EngineStats:
     """Look-ahead samples of sequences that had stopped on a token in the step before."""
     kv_calibrations: int = 0
     """fp8 KV cache: scale calibrations (one per weight update that a request followed)."""
+    vision_encodes: int = 0
+    """Vision-tower runs (one per distinct image held by live sequences: a group's n samples share one)."""
 
     def reset(self) -> None:
         for f in dataclasses.fields(self):

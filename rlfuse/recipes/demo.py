@@ -85,15 +85,15 @@ def demo_config(size: str = "cpu", run_dir: str = "runs/demo", seed: int = 0, hy
     })
 
 
-def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float = SFT_TARGET):
+def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float = SFT_TARGET, every: int = 25):
     """SFT on the session's model until greedy accuracy on 200 training problems reaches
-    `target` (checked every 25 steps) or sft.steps run out: (run_sft's result, [(step, accuracy)])."""
+    `target` (checked every `every` steps) or sft.steps run out: (run_sft's result, [(step, accuracy)])."""
     rewards = ses.rewards()
-    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev")
+    dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev", vision=ses.vision)
     dev_acc = []
 
     def warm_enough(step):
-        if step % 25:
+        if step % every:
             return False
         acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=max_new_tokens)["accuracy"]
         ses.sampler.sleep()

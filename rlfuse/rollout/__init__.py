@@ -11,10 +11,18 @@ from rlfuse.rollout.evaluate import evaluate, score_samples
 from rlfuse.rollout.exactness import PROBE_ROWS, combined_engine, multi_turn_setting
 from rlfuse.rollout.exactness import compare as compare_episode_logprobs
 from rlfuse.rollout.rewards import PYTHON_REWARD, RewardSet
-from rlfuse.rollout.sampler import EngineSampler, LengthsSampler, MultiTurnSampler, Sample, Sampler, episode_renderer
+from rlfuse.rollout.sampler import (
+    EngineSampler,
+    LengthsSampler,
+    MultiTurnSampler,
+    Sample,
+    Sampler,
+    episode_renderer,
+    media_kwargs,
+)
 
 __all__ = ["PROBE_ROWS", "PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode",
            "LengthsSampler", "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall",
            "ToolEnv", "ToolError", "ToolRunner", "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "combined_engine",
-           "compare_episode_logprobs", "episode_renderer", "evaluate", "format_tool_call", "load_tools",
+           "compare_episode_logprobs", "episode_renderer", "evaluate", "format_tool_call", "load_tools", "media_kwargs",
            "multi_turn_setting", "run_episodes", "score_samples"]

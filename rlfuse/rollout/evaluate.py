@@ -13,7 +13,7 @@ import math
 
 from rlfuse.data import Prompt
 from rlfuse.rollout.rewards import RewardSet
-from rlfuse.rollout.sampler import Sampler
+from rlfuse.rollout.sampler import Sampler, media_kwargs
 
 
 def _conversational(prompts: list[Prompt], samples) -> tuple[list, list] | None:
@@ -61,7 +61,7 @@ def evaluate(sampler: Sampler, prompts: list[Prompt], rewards: RewardSet, *, max
             samples = sampler.episodes(chunk, n=1, temperature=0.0, seed=0)
         else:
             samples = sampler.generate([p.ids for p in chunk], n=1, temperature=0.0, top_p=1.0, top_k=0,
-                                       max_tokens=max_new_tokens, seed=0)
+                                       max_tokens=max_new_tokens, seed=0, **media_kwargs(chunk))
         total, per = score_samples(chunk, samples, rewards, 1)
         totals += total
         if rewards.correctness:

@@ -66,6 +66,13 @@ class Sample:
     packed once (rlfuse.run.batching). None: the episode is this one sample."""
 
 
+def media_kwargs(prompts) -> dict:
+    """{"media": [each Prompt's images]} when any prompt has images, else {}: a text-only run
+    calls a sampler as before (a test's stand-in sampler need not know images)."""
+    media = [p.media for p in prompts]
+    return {"media": media} if any(media) else {}
+
+
 class Sampler(Protocol):
     def generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float, top_p: float, top_k: int,
                  max_tokens: int, seed: int) -> list[Sample]: ...
@@ -80,20 +87,23 @@ class EngineSampler:
 
     def __init__(self, llm, tokenizer):
         self.llm, self.tokenizer = llm, tokenizer
+        self.vision_encodes = 0
+        """Vision-tower runs of the last `generate` / `groups` call (the metric vision/encodes)."""
 
-    def generate(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed) -> list[Sample]:
+    def generate(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed,
+                 media=None) -> list[Sample]:
         samples: list[Sample] = []
         for _, group in sorted(self.groups(prompt_ids, n=n, temperature=temperature, top_p=top_p, top_k=top_k,
-                                           max_tokens=max_tokens, seed=seed), key=lambda x: x[0]):
+                                           max_tokens=max_tokens, seed=seed, media=media), key=lambda x: x[0]):
             samples += group
         return samples
 
-    def groups(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed, capture=False):
+    def groups(self, prompt_ids, *, n, temperature, top_p=1.0, top_k=0, max_tokens, seed, capture=False, media=None):
         """`generate`, yielding (prompt index, its n Samples) as soon as all n completions of
         a prompt have finished (in finishing order), between engine steps: what the caller
         does with a group runs while the rest decode (grpo.overlap stream). `capture`: take
         the decode CUDA graphs first, not on first use, when the caller's work may run on
-        another thread by then."""
+        another thread by then. `media`: per prompt its images (`Prompt.media`), or None."""
         params = SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
                                 seed=seed % 2**32)
         self.llm.wake()  # no-op when awake; the KV pool must exist to generate
@@ -103,13 +113,16 @@ class EngineSampler:
         if any(sum(p.n for j, p in requests if j == i) != n for i in range(len(prompt_ids))):
             raise RuntimeError(f"request_params: a prompt's requests do not add up to n={n} samples")
         pending = {i: [] for i in range(len(prompt_ids))}
-        for r, c in self.llm.stream([prompt_ids[i] for i, _ in requests], [p for _, p in requests]):
+        req_media = None if media is None else [media[i] for i, _ in requests]
+        encodes0 = self.llm.stats.vision_encodes
+        for r, c in self.llm.stream([prompt_ids[i] for i, _ in requests], [p for _, p in requests], req_media):
             i = requests[r][0]
             text = c.text if c.text is not None else self.tokenizer.decode(c.output_token_ids,
                                                                           skip_special_tokens=True)
             pending[i].append((r, c.index, Sample(i, list(c.output_token_ids), c.logprobs.float(),
                                                   c.finish_reason == "length", text, routing=c.routing)))
             if len(pending[i]) == n:
+                self.vision_encodes = self.llm.stats.vision_encodes - encodes0
                 yield i, [s for _, _, s in sorted(pending.pop(i), key=lambda x: x[:2])]
         if pending:
             raise RuntimeError(f"engine finished with {len(pending)} of {len(prompt_ids)} prompts short of n={n} "

@@ -18,13 +18,14 @@ import torch
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as Backend
 
-from rlfuse.engine import LLM, EngineConfig
+from rlfuse.engine import IMAGE_TOKENS, LLM, EngineConfig
 from rlfuse.kernels.backend import set_backend, triton_available, triton_interpreting
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.config import check_kernel_support
 from rlfuse.model.lora import attach_lora, has_lora, lora_memory
 from rlfuse.model.lora_peft import load_peft_adapter
 from rlfuse.model.tokenizer import Tokenizer
+from rlfuse.model.vision import VisionConfig
 from rlfuse.model.weights import parse_dtype
 from rlfuse.run.config.sections import ModelSpec
 from rlfuse.run.distributed.build import build_sharded_random, init_keyed, load_sharded_folder
@@ -136,7 +137,8 @@ def build_tokenizer(spec: ModelSpec, alphabet: str = "") -> Tokenizer:
     if spec.tokenizer == "char":
         if not alphabet:
             raise ValueError("model.tokenizer: 'char' builds its alphabet from the data's text, and there is none")
-        tok = char_tokenizer(alphabet)
+        # a random vision-language model: the image markers are tokens too (rlfuse.engine.media)
+        tok = char_tokenizer(alphabet, control=IMAGE_TOKENS if (spec.random_init or {}).get("vision") else ())
         log.info("tokenizer: character-level over %d characters (model.tokenizer=char)", len(set(alphabet)))
         return tok
     folder = spec.tokenizer or spec.path
@@ -175,6 +177,10 @@ def random_model_config(spec: ModelSpec, tokenizer: Tokenizer, device: torch.dev
     kw.setdefault("eos_token_id", tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None)
     kw.setdefault("pad_token_id", tokenizer.pad_token_id)
     kw["torch_dtype"] = str(dtype).replace("torch.", "")
+    if isinstance(kw.get("vision"), dict):
+        kw["vision"] = _random_vision(kw["vision"], tokenizer)
+    if kw.get("mrope_section") is not None:
+        kw["mrope_section"] = tuple(kw["mrope_section"])
     try:
         cfg = ModelConfig(**kw)
     except (TypeError, ValueError) as e:  # ModelConfig's own messages name the field, not the recipe key
@@ -260,6 +266,23 @@ def apply_lora(model: CausalLM, spec: ModelSpec, seed: int = 0) -> None:
     log.info("LoRA: %.2fM trainable parameters, %.2fM frozen; %.2f GiB of training state (gradients, fp32 "
              "masters, Adam moments) not kept for the base, by formula", mem["lora/trainable_params"] / 1e6,
              mem["lora/frozen_params"] / 1e6, mem["lora/saved_train_state_gib"])
+
+
+def _random_vision(fields: dict, tokenizer: Tokenizer) -> VisionConfig:
+    """model.random_init.vision (VisionConfig fields) with the image-token ids the tokenizer
+    gives the markers (rlfuse.engine.media.IMAGE_TOKENS) where not set."""
+    ids = {}
+    for name, tok in zip(("vision_start_token_id", "image_token_id", "vision_end_token_id"), IMAGE_TOKENS):
+        got = tokenizer.encode(tok, add_special_tokens=False)
+        if len(got) == 1:
+            ids[name] = got[0]
+    kw = {**ids, "video_token_id": ids.get("image_token_id", 0), **fields}
+    if "deepstack_visual_indexes" in kw:
+        kw["deepstack_visual_indexes"] = tuple(kw["deepstack_visual_indexes"])
+    try:
+        return VisionConfig(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"model.random_init.vision: {e}") from None
 
 
 def check_vocab(vocab_size: int, tokenizer: Tokenizer, where: str) -> None:

@@ -36,7 +36,7 @@ import torch
 
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.model.weights import parse_dtype
-from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
+from rlfuse.rollout import RewardSet, Sample, Sampler, media_kwargs, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, rollout_on_ranks
@@ -143,6 +143,9 @@ class GRPOStep(StreamAndGuardState):
         adv_N = torch.cat(adv)
         m["adv/mean"], m["adv/std"], m["adv/abs_max"] = adv_N.mean(), adv_N.std(), adv_N.abs().max()
         m["groups/zero_variance_frac"] = flat_zero.float().mean()
+        if any(p.media for p in prompts) and hasattr(self.sampler, "vision_encodes"):
+            # vision-tower runs of the rollout: one per distinct image, not one per sample
+            m["vision/encodes"] = float(self.sampler.vision_encodes)
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):
@@ -187,7 +190,7 @@ class GRPOStep(StreamAndGuardState):
             else:
                 samples = self.sampler.generate([p.ids for p in prompts], n=g.group_size, temperature=g.temperature,
                                                 top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                                seed=g.seed + step)
+                                                seed=g.seed + step, **media_kwargs(prompts))
             self.sampler.sleep()
         with timer("score"):
             total, per = score_samples(prompts, samples, self.rewards, g.group_size)
@@ -228,7 +231,7 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
                     "%d-token context (%d)", cfg.grpo.max_new_tokens, cfg.data.max_prompt_len, ses.context_len, room)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
-                            stats=ses.data_stats)
+                            stats=ses.data_stats, vision=ses.vision)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None

@@ -73,7 +73,7 @@ import torch
 
 from rlfuse.kernels.loss.policy import TOKEN_MEAN_TYPES
 from rlfuse.model.lora import BaseModelView
-from rlfuse.rollout import score_samples
+from rlfuse.rollout import media_kwargs, score_samples
 from rlfuse.run import pack_by_tokens
 from rlfuse.train.advantages import token_advantages, zero_variance_groups
 
@@ -304,7 +304,7 @@ class StreamStep:
                 with runner.decoding():
                     for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
                                                       top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                                      seed=g.seed + step, capture=cuda):
+                                                      seed=g.seed + step, capture=cuda, **media_kwargs(prompts)):
                         take_group(i, group)
                 runner.decoded()
                 gen_end = time.perf_counter()

@@ -120,9 +120,15 @@ class GRPOUpdate:
         return [(j, piece) for j in seq_idx for piece in self.pieces(samples[j])]
 
     def sequences(self, prompts: list[Prompt], units: list[tuple[int, Sample]]) -> list[tuple]:
-        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them."""
-        ctx = [self.prompt_ids(prompts, s) for _, s in units]
-        return [(c + s.token_ids, len(c)) for c, (_, s) in zip(ctx, units)]
+        """(ids, n_ctx) of each sequence, as `PackedBatch.build` takes them; (ids, n_ctx, media)
+        for a prompt with images (multi-turn episodes and their pieces carry their own
+        text-only prompt ids)."""
+        out = []
+        for _, s in units:
+            c = self.prompt_ids(prompts, s)
+            media = prompts[s.prompt_index].media if s.prompt_ids is None else ()
+            out.append((c + s.token_ids, len(c), media) if media else (c + s.token_ids, len(c)))
+        return out
 
     def link(self, units: list[tuple[int, Sample]]) -> list[int] | None:
         """`PackedBatch.build`'s link: None shares any run of prefixes (grpo.share_prefix);
@@ -133,7 +139,7 @@ class GRPOUpdate:
         """(positions into units, pad) per micro-batch: all of them in one process;
         data-parallel, this rank's sequences, padded with zero-weight micro-batches.
         A shared prefix counts once against the token budget."""
-        lengths = [len(ids) for ids, _ in seqs]
+        lengths = [len(s[0]) for s in seqs]
         shared = shared_contexts(seqs, self.share_min, self.link(units))
         if self.dist is None:
             return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
@@ -143,7 +149,7 @@ class GRPOUpdate:
     def build(self, units, seqs, mb: list[int]) -> PackedBatch:
         link = self.link(units)
         return PackedBatch.build([seqs[i] for i in mb], self.device, self.share_min,
-                                 None if link is None else [link[i] for i in mb])
+                                 None if link is None else [link[i] for i in mb], vision=self.model.config.vision)
 
     def cat_pieces(self, s: Sample, field: str) -> torch.Tensor:
         """A per-token field (logprobs, loss_mask) over all pieces of `s`, in `pieces` order."""
@@ -296,7 +302,7 @@ class GRPOUpdate:
                 mask_N = torch.zeros_like(mask_N)
             want_ent = g.log_entropy and capture is not None
             # the model's kernel settings carry the engine's numerics: exact makes logp_N == old_N bitwise
-            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            h_TD = batch.forward(self.model)
             out = self.model.token_logprobs(h_TD[batch.rows], batch.targets, self.logprob_t, return_entropy=want_ent)
             ref_N = self.ref_logprobs(batch) if self.kl_in_loss else None
             logp_N, ent_N = out if want_ent else (out, None)
@@ -361,7 +367,7 @@ class GRPOUpdate:
         for mb, pad in self.micro_batches(units, seqs):
             us = [units[i] for i in mb]
             batch = self.build(units, seqs, mb)
-            h = model(batch.input_ids, batch.positions, batch.attn)
+            h = batch.forward(model)  # images too
             lp = model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
             if pad:  # data-parallel padding: the forward keeps the ranks' collectives in step
                 continue
@@ -372,7 +378,7 @@ class GRPOUpdate:
 
     @torch.no_grad()
     def ref_logprobs(self, batch: PackedBatch) -> torch.Tensor:
-        h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
+        h = batch.forward(self.ref_model)
         return self.ref_model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
 
 

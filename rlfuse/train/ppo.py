@@ -389,7 +389,11 @@ def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     ses = session or open_session(cfg)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
-                            stats=ses.data_stats)
+                            stats=ses.data_stats, vision=ses.vision)
+    with_images = next((p for p in prompts if p.media), None)
+    if with_images is not None:
+        raise ValueError(f"{with_images.where}: a row with images; PPO takes text rows only so far (SFT and GRPO "
+                         f"train on images: docs/vision.md)")
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     critic = build_critic(cfg, ses.model)
     trainer = PPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),

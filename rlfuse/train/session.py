@@ -20,8 +20,17 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.data import build_prompts, check_prompt_len, load_rows, rows_alphabet, task_alphabet
+from rlfuse.data import (
+    ImageProcessor,
+    VisionData,
+    build_prompts,
+    check_prompt_len,
+    load_rows,
+    rows_alphabet,
+    task_alphabet,
+)
 from rlfuse.kernels.backend import KernelSettings
+from rlfuse.model.config import read_json
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
 from rlfuse.run import (
@@ -63,6 +72,8 @@ class Session:
     resolving those names."""
     tool_functions: dict = dataclasses.field(default_factory=dict)
     """Tool callables by their rollout.tools entry (the Python API's tool functions)."""
+    vision: VisionData | None = None
+    """Vision models: the image processor and marker ids image rows are built with (None: text)."""
     data_stats: dict = dataclasses.field(default_factory=dict)
     """The data metrics (rows kept, dropped and truncated by reason, per split: the `stats=`
     of rlfuse.data.prompts's builders), filled as the run builds its data; run_loop writes
@@ -103,7 +114,24 @@ class Session:
 
     def eval_prompts(self):
         return build_prompts(self.eval_rows, self.tokenizer, self.cfg.data, "eval", context_len=self.context_len,
-                             stats=self.data_stats) if self.eval_rows else []
+                             stats=self.data_stats, vision=self.vision) if self.eval_rows else []
+
+
+def vision_data(spec, vcfg, tokenizer) -> VisionData:
+    """The image processor of a vision model: the checkpoint's preprocessor_config.json (if
+    any) under model.processor's settings, checked against the tower's patch / merge sizes."""
+    keys = ("patch_size", "temporal_patch_size", "merge_size", "min_pixels", "max_pixels", "image_mean", "image_std")
+    bad = sorted(set(spec.processor) - set(keys))
+    if bad:
+        raise ValueError(f"model.processor.{bad[0]}: unknown image processor setting; valid: {list(keys)}")
+    path = Path(spec.path) / "preprocessor_config.json" if spec.path else None
+    if path is not None and path.is_file():
+        src, base = str(path), read_json(path)
+    else:  # a random-init model (or a folder without the file): the tower's own patch shapes
+        src, base = "model.processor", ImageProcessor.for_model(vcfg).to_dict()
+    proc = ImageProcessor.from_dict({**base, **spec.processor}, src)
+    proc.check_model(vcfg, src)
+    return VisionData.for_tokenizer(proc, tokenizer)
 
 
 def kernel_settings(cfg: RunConfig, *models) -> None:
@@ -153,6 +181,14 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
         raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
                          "process or drop model.lora")
     apply_lora(model, cfg.model, seed=cfg.seed)
+    vision = None
+    if model.config.vision is not None:
+        # frozen by default (after LoRA, which freezes every base parameter); model.train_vision trains it
+        model.set_vision_trainable(cfg.model.train_vision)
+        vision = vision_data(cfg.model, model.config.vision, tokenizer)
+    elif cfg.model.train_vision or cfg.model.processor:
+        raise ValueError(f"model.{'train_vision' if cfg.model.train_vision else 'processor'}: "
+                         f"{model.config.architecture} has no vision tower")
     model.kernels = None  # the run's settings, not those of whoever built the model
     kernel_settings(cfg, model)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
@@ -163,5 +199,5 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")
     return Session(cfg, run_dir, device, tokenizer, model, train_rows, eval_rows, context_len, sampler, sampler_factory,
-                   dist=dist,
+                   dist=dist, vision=vision,
                    reward_functions=dict(reward_functions or {}), tool_functions=dict(tool_functions or {}))

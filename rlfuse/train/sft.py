@@ -64,12 +64,13 @@ class SFTStep(StreamAndGuardState):
         t0 = time.perf_counter()
         n_tok = 0
         for mb, pad in self._micro_batches([len(ex.ids) for ex in examples]):
-            batch = PackedBatch.build([(examples[i].ids, n_ctx[i]) for i in mb], self.device)
+            batch = PackedBatch.build([(examples[i].ids, n_ctx[i], examples[i].media) for i in mb], self.device,
+                                      vision=self.model.config.vision)
             w_N = torch.tensor([float(m) for i in mb for m in examples[i].mask[n_ctx[i]:]],
                                device=self.device)
             if pad:  # a zero-weight micro-batch (data-parallel padding)
                 w_N = torch.zeros_like(w_N)
-            h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
+            h_TD = batch.forward(self.model)
             logp_N = token_logprobs(h_TD[batch.rows], self.model.lm_head_weight, batch.targets)
             loss = -(logp_N * w_N).sum() / total_targets
             if self.router is not None:  # this micro-batch's share of the step's target tokens (host lists)
@@ -117,7 +118,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
         layout = episode_renderer(ses.tokenizer, cfg.rollout, tool_functions=ses.tool_functions).transcript
     examples = build_sft_examples(ses.train_rows, ses.tokenizer, cfg.data, cfg.sft.max_seq_len,
                                   context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats,
-                                  chat_layout=layout)
+                                  chat_layout=layout, vision=ses.vision)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
     evaluation = None

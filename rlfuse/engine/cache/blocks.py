@@ -6,10 +6,11 @@ sequences start with the same tokens: the `n` samples of a GRPO group, or reques
 the same system prompt.
 
 Prefix caching. A FULL block i of a sequence is keyed by
-    h_i = blake2b(h_{i-1} || token_ids[i*B:(i+1)*B]),   h_{-1} = b"" (b"adapter:<slot>"
+    h_i = blake2b(h_{i-1} || token_ids[i*B:(i+1)*B] || media_i),   h_{-1} = b"" (b"adapter:<slot>"
 for a request under an adapter of a bank: its K/V differ from the base model's),
-so equal keys mean equal whole prefixes (128-bit digest; the block's own tokens are
-compared too). A new sequence reuses its longest run of cached full blocks. Two rules
+where media_i is the media hashes of the images whose image-pad tokens overlap block i
+(b"" for text: rlfuse.engine.media), so equal keys mean equal whole prefixes, images
+included (128-bit digest; the block's own tokens are compared too). A new sequence reuses its longest run of cached full blocks. Two rules
 keep shared blocks safe:
   * a block is shareable only once its K/V is complete (`ready`); a sequence whose
     prefix hits a block still being computed by another one is told to wait (`pending`)
@@ -30,7 +31,7 @@ import hashlib
 from array import array
 from collections import OrderedDict
 
-from rlfuse.engine.sequence import Sequence
+from rlfuse.engine.sequence import Sequence, block_extra
 
 
 class Block:
@@ -44,9 +45,10 @@ class Block:
         self.ready = False                   # K/V of all its tokens written
 
 
-def block_hash(prev: bytes, token_ids) -> bytes:
+def block_hash(prev: bytes, token_ids, media: bytes = b"") -> bytes:
     h = hashlib.blake2b(prev, digest_size=16)
     h.update(array("q", token_ids).tobytes())
+    h.update(media)
     return h.digest()
 
 
@@ -77,7 +79,7 @@ class BlockManager:
         while len(hs) < n_full:
             i = len(hs)
             root = b"" if seq.params.adapter is None else b"adapter:%d" % seq.params.adapter
-            hs.append(block_hash(hs[-1] if hs else root, seq.token_ids[i * B:(i + 1) * B]))
+            hs.append(block_hash(hs[-1] if hs else root, seq.token_ids[i * B:(i + 1) * B], block_extra(seq, i, B)))
         return hs
 
     def match_prefix(self, seq: Sequence) -> tuple[list[int], bool]:

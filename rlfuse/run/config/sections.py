@@ -42,6 +42,11 @@ class ModelSpec:
     """MoE models: weight of the load-balancing loss every training loss adds (SFT, GRPO, PPO,
     DPO); null = transformers' rule: config.json's router_aux_loss_coef when its
     output_router_logits is true, else 0. Logged as moe/aux_loss either way."""
+    processor: dict = dataclasses.field(default_factory=dict)
+    """Vision models: image processor settings over the checkpoint's preprocessor_config.json
+    (its keys: min_pixels, max_pixels, image_mean, image_std, ...); docs/vision.md."""
+    train_vision: bool = False
+    """Vision models: train the vision tower too (frozen by default; LoRA adapts the language model only)."""
     router_z_loss_coef: float = 0.0
     """MoE models: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2)
     added to every training loss; logged as moe/z_loss either way."""
@@ -74,7 +79,8 @@ class OptimConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
+    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown /
+    builtin:count_squares (images),
     a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
     written by Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
@@ -102,7 +108,13 @@ class DataConfig:
     completion_field: str = "completion"
     """SFT target text for prompt/completion rows."""
     messages_field: str = "messages"
-    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows."""
+    """Column holding a chat ([{role, content}, ...]); rows with it are chat rows. A content may be a
+    list of OpenAI-style parts: text, image_url, image (docs/vision.md)."""
+    images_field: str = "images"
+    """Column holding a row's images (a list, or one image: a path, a data: URL, a PIL image, a
+    datasets Image cell), taken in order by image_placeholder or {type: image} parts (docs/vision.md)."""
+    image_placeholder: str = "<image>"
+    """In a prompt row's text, where the next image of images_field goes."""
     prompt_template: str = "{prompt}"
     """str.format template over the row's columns, applied to prompt rows."""
     system_prompt: str = ""
