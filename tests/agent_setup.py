@@ -35,6 +35,8 @@ class ScriptedEngine:
     (finish "length"). Records every request's prompt ids. Completes one request per step,
     newest first, so requests finish out of submission order."""
 
+    adapters: tuple[str, ...] = ()  # the LLM's adapter bank names (serve lists them): none here
+
     def __init__(self, tokenizer, policy, max_model_len: int = 4096, step_s: float = 0.0):
         self.tok, self.policy, self.max_model_len = tokenizer, policy, max_model_len
         self.step_s = step_s

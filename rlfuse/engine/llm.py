@@ -28,7 +28,6 @@ Test: python -m pytest -q tests/test_engine.py
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -38,9 +37,9 @@ import torch
 from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig, SamplingParams
-from rlfuse.engine.media import FeatureCache
-from rlfuse.engine.model_runner import ModelRunner, Pending, param_version
-from rlfuse.engine.scheduler import Batch, Scheduler
+from rlfuse.engine.media import FeatureCache, admit
+from rlfuse.engine.model_runner import ModelRunner, param_version
+from rlfuse.engine.scheduler import Batch, Launched, Scheduler
 from rlfuse.engine.sequence import (
     Completion,
     Sequence,
@@ -58,16 +57,6 @@ from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass(slots=True)
-class _Launched:
-    batch: Batch
-    pending: Pending
-    graph: bool
-    shared: bool = False
-    void: list[bool] | None = None
-    """Per sequence: stopped in the step before this look-ahead one (sample discarded)."""
 
 
 class LLM:
@@ -97,7 +86,7 @@ class LLM:
         self._rng = random.Random(cfg.seed)
         self._next_id = self._next_seq = 0
         self._requests: dict[str, list[Sequence]] = {}
-        self._pending: _Launched | None = None  # a look-ahead step launched, not read yet
+        self._pending: Launched | None = None  # a look-ahead step launched, not read yet
         self._ready: list[Completion] = []      # finished samples read by _drain, for the next step()
         self._weights_version = param_version(self.model)
         self._adapters = adapter_switches(model)
@@ -165,7 +154,7 @@ class LLM:
         ids = validate_request(rid, prompt, params, tokenizer=self.tokenizer, vocab_size=self.vocab_size,
                                max_model_len=self.max_model_len, block_manager=self.block_manager,
                                adapters=0 if self.runner.bank is None else len(self.runner.bank.names))
-        return ids, self.runner.admit_media(rid, ids, tuple(media))
+        return ids, admit(rid, ids, tuple(media), self.runner.vision, self.runner.mcfg.architecture)
 
     @property
     def adapters(self) -> tuple[str, ...]:
@@ -275,12 +264,12 @@ class LLM:
             self._pending = nxt
         return out + [completion(seq, self.tokenizer) for seq in finished]
 
-    def _launch(self, batch: Batch, feed: torch.Tensor | None = None) -> _Launched:
+    def _launch(self, batch: Batch, feed: torch.Tensor | None = None) -> Launched:
         g0, s0 = self.runner.graph_steps, self.runner.shared_steps
         pending = self.runner.launch(batch.seqs, batch.num_new, feed)
-        return _Launched(batch, pending, self.runner.graph_steps > g0, self.runner.shared_steps > s0)
+        return Launched(batch, pending, self.runner.graph_steps > g0, self.runner.shared_steps > s0)
 
-    def _look_ahead(self, cur: _Launched) -> _Launched | None:
+    def _look_ahead(self, cur: Launched) -> Launched | None:
         """Launch the decode step after `cur` before reading `cur`: the same sequences
         (minus those `cur` ends by length) compute the token `cur` samples, fed on the
         device. Only when the plain scheduler would schedule exactly that: `cur` is a
@@ -309,7 +298,7 @@ class LLM:
         self.stats.look_ahead_steps += 1
         return self._launch(Batch(seqs, [1] * len(seqs), []), feed)
 
-    def _absorb(self, cur: _Launched, nxt: _Launched | None = None) -> list[Sequence]:
+    def _absorb(self, cur: Launched, nxt: Launched | None = None) -> list[Sequence]:
         """Read a launched step's results and apply them to the sequences; returns the
         sequences that finished (already released, or parked: hybrid models). `nxt`: the
         look-ahead step launched after `cur`, which computes one more token of them."""
@@ -363,10 +352,8 @@ class LLM:
 
     def _drop_media(self, seq: Sequence) -> None:
         """A finished or aborted sample lets go of its images (the tower's count is logged)."""
-        if seq.media:
-            self.runner.features.release(seq.media)
         if self.runner.features is not None:
-            self.stats.vision_encodes += self.runner.features.take_encodes()
+            self.stats.vision_encodes += self.runner.features.let_go(seq.media)
 
     def _drain(self) -> None:
         """Read the launched look-ahead step, if any (before abort / sleep touch sequences);
@@ -410,7 +397,7 @@ class LLM:
             raise ValueError("; ".join(errors))
         t0, out0 = time.perf_counter(), self.stats.output_tokens
         self._check_weights()
-        self._calibrate_kv(checked)  # fp8 cache: on all the prompts, not the first one alone
+        self._calibrate_kv([ids for ids, _ in checked])  # fp8 cache: on all the prompts, not the first alone
         index = {}
         for i, ((ids, mrope), p) in enumerate(zip(checked, plist)):
             rid = f"gen-{self._next_id}-{i}"

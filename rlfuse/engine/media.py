@@ -123,9 +123,14 @@ def encode_images(model, items: list[MediaItem]) -> ImageFeatures | None:
     return ImageFeatures.cat([done[m.media_hash] for m in items])
 
 
-def admit(rid: str, ids: list[int], media: tuple[MediaItem, ...], vision) -> tuple[torch.Tensor, int]:
+def admit(rid: str, ids: list[int], media: tuple[MediaItem, ...], vision, architecture: str
+          ) -> tuple[torch.Tensor, int] | None:
     """A request's images checked against its ids; its (mRoPE positions, delta), computed once
-    for its n samples."""
+    for its n samples (None: a text-only model, `vision` None, which takes no images)."""
+    if vision is None:
+        if media:
+            raise ValueError(f"request {rid!r}: {len(media)} images given but {architecture} has no vision tower")
+        return None
     check_media(media, ids, vision.image_token_id, f"request {rid!r}")
     return prompt_positions(ids, media, vision)
 
@@ -170,6 +175,12 @@ class FeatureCache:
             else:
                 del self._refs[m.media_hash]
                 self._feats.pop(m.media_hash, None)
+
+    def let_go(self, media: tuple[MediaItem, ...]) -> int:
+        """`release(media)` (a finished or aborted sample's images), then `take_encodes()`."""
+        if media:
+            self.release(media)
+        return self.take_encodes()
 
     def clear(self) -> None:
         """Forget every feature (the tower's weights changed); holders stay."""

@@ -39,7 +39,7 @@ from rlfuse.engine.cache.kv import KVCache, cache_dtype, plan_num_blocks
 from rlfuse.engine.cache.kv_scales import calibrate_kv_scales
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.media import FeatureCache, MediaItem, admit, encode_images, never_sampled_ids
+from rlfuse.engine.media import FeatureCache, MediaItem, encode_images, never_sampled_ids
 from rlfuse.engine.routing import RoutingRecord
 from rlfuse.engine.sequence import Sequence
 from rlfuse.engine.static_decode import StaticDecode, upload
@@ -230,14 +230,6 @@ class ModelRunner:
     # ------------------------------------------------------------------ images
     def _encode(self, items: list[MediaItem]) -> ImageFeatures:
         return encode_images(self.model, items)  # the trainer's encode
-
-    def admit_media(self, rid: str, ids: list[int], media: tuple[MediaItem, ...]) -> tuple[torch.Tensor, int] | None:
-        """Check a request's images against its ids; its (mRoPE positions, delta), computed once
-        for its n samples (None: a text-only model)."""
-        if self.vision is None and media:
-            raise ValueError(f"request {rid!r}: {len(media)} images given but {self.mcfg.architecture} has no "
-                             f"vision tower")
-        return None if self.vision is None else admit(rid, ids, media, self.vision)
 
     def release(self, seq: Sequence, keep_state: bool = False) -> None:
         """`seq` left the running set (finished, preempted, aborted): free its table row, and

@@ -33,11 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import TYPE_CHECKING
 
 from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from rlfuse.engine.model_runner import Pending
 
 
 @dataclasses.dataclass(slots=True)
@@ -224,3 +228,14 @@ class Scheduler:
                 self.waiting.remove(seq)
             seq.status = Status.FINISHED
             seq.finish_reason = "abort"
+
+
+@dataclasses.dataclass(slots=True)
+class Launched:
+    """A step the engine launched (`LLM.step`'s look-ahead): its batch and pending result."""
+    batch: Batch
+    pending: Pending
+    graph: bool
+    shared: bool = False
+    void: list[bool] | None = None
+    """Per sequence: stopped in the step before this look-ahead one (sample discarded)."""
