@@ -5,7 +5,15 @@ pairs, and the built-in tasks with their exact verifiers."""
 from rlfuse.data.preference import PreferencePair, build_preference_pairs
 from rlfuse.data.prompts import Prompt, PromptStream, SFTExample, build_prompts, build_sft_examples, check_prompt_len
 from rlfuse.data.rows import load_rows
-from rlfuse.data.tasks import INT_RE, extract_answer, lookup_value, rows_alphabet, task_alphabet, verify_arithmetic, verify_countdown
+from rlfuse.data.tasks import (
+           INT_RE,
+           extract_answer,
+           lookup_value,
+           rows_alphabet,
+           task_alphabet,
+           verify_arithmetic,
+           verify_countdown,
+)
 
 __all__ = ["INT_RE", "PreferencePair", "Prompt", "PromptStream", "SFTExample", "build_preference_pairs",
            "build_prompts", "build_sft_examples", "check_prompt_len", "extract_answer", "load_rows", "rows_alphabet",
