@@ -42,7 +42,18 @@ TASKS = {
     "count": ("count", {"length": 8, "letters": "abcde"}, "count", lambda p: {"letter": p[0], "word": p[5:]}),
 }
 SFT_TARGET = 0.3
-"""The warm-up stops once greedy accuracy with tools on 100 training problems reaches this."""
+"""The warm-up stops once greedy accuracy with tools on 100 training problems is this far
+from guessing towards 1: guess + SFT_TARGET * (1 - guess) (`warm_up_target`)."""
+
+
+def warm_up_target(rows) -> tuple[float, float]:
+    """(guess, target): SFT_TARGET above guessing; `guess` is the share of rows whose answer is the most common
+    one, floored to the 100 dev problems' resolution (0 for the calculator and lookup, so
+    their target stays 0.3; 0.33 for count, where writing "1" whatever the tool returns was
+    already 0.3 and GRPO then had nothing to reinforce: docs/agents.md)."""
+    answers = [r["answer"] for _, r in rows]
+    guess = int(100 * max(answers.count(a) for a in set(answers)) / len(answers)) / 100
+    return guess, round(guess + SFT_TARGET * (1 - guess), 4)
 
 
 def agent_config(size: str = "cpu", run_dir: str = "runs/agent_demo", seed: int = 0,
@@ -121,22 +132,23 @@ def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed:
          f"params), task {task} with the {TASKS[task][2]} tool, run folder {run_dir}")
     dev = build_prompts(ses.train_rows[:100], ses.tokenizer, sft_cfg.data, "dev")
     dev_acc = []
+    guess, target = warm_up_target(ses.train_rows)
 
     def warm_enough(step):
-        # accuracy sits at 0 while the format is learnt, then climbs ~10 points a step: checked
-        # every 5 steps from step 20, every step once it left 0
-        started = bool(dev_acc) and dev_acc[-1][1] > 0
+        # accuracy sits at guessing (0 for the calculator) while the format is learnt, then climbs
+        # ~10 points a step: checked every 5 steps from step 20, every step once it left guessing
+        started = bool(dev_acc) and dev_acc[-1][1] > guess
         if step < 20 or (step % 5 and not started):
             return False
         acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=0)["accuracy"]
         ses.sampler.sleep()
         dev_acc.append((step, acc))
-        return acc >= SFT_TARGET
+        return acc >= target
 
     sft_steps = _sft(ses, sft_cfg, tool_transcripts(ses.train_rows, renderer, task=task), sft_cfg.sft.steps, warm_enough)
     t_sft = time.perf_counter() - t0
     echo(f"SFT warm-up on tool transcripts: {sft_steps} steps in {t_sft:.0f} s, accuracy with tools on training "
-         f"problems {dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")
+         f"problems {dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {target:g})")
     grpo_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "grpo")})
     if harness == "env":
         grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)

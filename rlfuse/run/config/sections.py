@@ -75,8 +75,9 @@ class OptimConfig:
 class DataConfig:
     train: str = ""
     """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
-    a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
-    written by Dataset.save_to_disk (both need the `datasets` extra)."""
+    builtin:lookup / builtin:count (the agent demo's tool tasks), a Hugging Face dataset
+    hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder written by
+    Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
     """Held-out set (same forms). For builtin tasks: a disjoint split of eval_size problems."""
     split: str = "train"
@@ -190,9 +191,10 @@ class CheckpointConfig:
 @dataclasses.dataclass(**_DC)
 class RolloutConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
-    """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`
-    and `python` (model-written code, run where `sandbox` says) or `FILE.py:FUNCTION` (a typed
-    function whose docstring describes it). docs/agents.md."""
+    """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`,
+    `lookup` and `count` (the agent demo's tool tasks) and `python` (model-written code, run
+    where `sandbox` says) or `FILE.py:FUNCTION` (a typed function whose docstring describes it).
+    docs/agents.md."""
     sandbox: str = "bwrap"
     """Where the `python` tool runs code: bwrap (isolated by bubblewrap: no network, no access
     to your files or processes; the run refuses to start if bwrap is unusable) | none (a plain
