@@ -46,6 +46,11 @@ SFT_TARGET = 0.3
 from guessing towards 1: guess + SFT_TARGET * (1 - guess) (`warm_up_target`)."""
 
 
+SAMPLED_TARGET = 0.05
+"""...and once the episodes sampled at grpo.temperature on those problems are right this much
+more often than guessing: GRPO learns only from groups holding a success and a failure."""
+
+
 def warm_up_target(rows) -> tuple[float, float]:
     """(guess, target): SFT_TARGET above guessing; `guess` is the share of rows whose answer is the most common
     one, floored to the 100 dev problems' resolution (0 for the calculator and lookup, so
@@ -131,7 +136,7 @@ def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed:
     echo(f"rlfuse demo --agent ({size}): tiny Qwen3 model ({sum(p.numel() for p in ses.model.parameters()) / 1e6:.2f}M "
          f"params), task {task} with the {TASKS[task][2]} tool, run folder {run_dir}")
     dev = build_prompts(ses.train_rows[:100], ses.tokenizer, sft_cfg.data, "dev")
-    dev_acc = []
+    dev_acc, dev_sampled = [], []
     guess, target = warm_up_target(ses.train_rows)
 
     def warm_enough(step):
@@ -143,12 +148,21 @@ def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed:
         acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=0)["accuracy"]
         ses.sampler.sleep()
         dev_acc.append((step, acc))
-        return acc >= target
+        if acc < target:
+            return False
+        # greedy accuracy says little about what GRPO will sample: lookup, seed 1, stopped at
+        # greedy 0.31 sampled 0.008 at temperature 0.6; 87% of its groups had equal rewards and
+        # GRPO did not help (docs/agents.md, "When GRPO does not help")
+        sampled = evaluate(ses.sampler, dev, rewards, max_new_tokens=0, temperature=sft_cfg.grpo.temperature)
+        ses.sampler.sleep()
+        dev_sampled.append((step, sampled["accuracy"]))
+        return sampled["accuracy"] >= guess + SAMPLED_TARGET
 
     sft_steps = _sft(ses, sft_cfg, tool_transcripts(ses.train_rows, renderer, task=task), sft_cfg.sft.steps, warm_enough)
     t_sft = time.perf_counter() - t0
     echo(f"SFT warm-up on tool transcripts: {sft_steps} steps in {t_sft:.0f} s, accuracy with tools on training "
-         f"problems {dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {target:g})")
+         f"problems {dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {target:g}), sampled at temperature {sft_cfg.grpo.temperature:g} "
+         f"{dev_sampled[-1][1] if dev_sampled else float('nan'):.3f} (stops at {guess + SAMPLED_TARGET:g})")
     grpo_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "grpo")})
     if harness == "env":
         grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)
@@ -170,6 +184,7 @@ def run_agent_demo(size: str = "cpu", run_dir: str = "runs/agent_demo", *, seed:
     out = {"task": task, "seed": seed, "accuracy_sft": before["accuracy"], "accuracy_grpo": after["accuracy"],
            "accuracy_no_tool": no_tool["accuracy"], "eval_problems": int(before["num_problems"]),
            "sft_steps": sft_steps, "grpo_steps": grpo_cfg.grpo.steps, "sft_dev_accuracy": dev_acc,
+           "sft_dev_sampled_accuracy": dev_sampled,
            "time_total_s": time.perf_counter() - t0, "grpo_history": res["history"]}
     echo(f"held-out accuracy ({out['eval_problems']} problems, greedy episodes with the tool): after SFT "
          f"{out['accuracy_sft']:.3f} -> after GRPO {out['accuracy_grpo']:.3f}; no-tool baseline "
