@@ -4,7 +4,8 @@ accuracy = mean of the correctness reward (math_accuracy / arithmetic / countdow
 first one in the list) -- 1 per solved problem; reward = mean weighted total.
 Greedy (temperature 0) so the number is a property of the weights, not of a seed. With a
 multi-turn sampler (rollout.tools / rollout.env) each problem is a greedy episode and the
-final turn is scored.
+final turn is scored. `temperature` > 0 samples instead (seed 0): what a rollout at that
+temperature would score (the agent demo's warm-up checks it before GRPO).
 """
 
 from __future__ import annotations
