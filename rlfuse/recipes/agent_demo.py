@@ -7,7 +7,8 @@ result comes back as a 'tool' observation, the model writes the answer; the rewa
 exact answer of the last turn.
   1. SFT warm-up on tool transcripts (the expert's episodes, laid out by the rollout rule
      `ChatRenderer.transcript`) until greedy accuracy with tools on 100 training problems
-     reaches `target`: the model knows the format but copies digits with errors.
+     reaches SFT_TARGET above guessing and episodes sampled at grpo.temperature beat guessing
+     by SAMPLED_TARGET: the model knows the format but copies digits with errors.
   2. GRPO on multi-turn episodes (observation tokens masked) raises held-out accuracy.
   3. The no-tool baseline: the same model size and tokenizer, SFT on the direct answers
      for as many optimizer steps as steps 1 and 2 together, then greedy (it never calls the tool).
@@ -16,7 +17,7 @@ Tasks (`task`, each with its own tool; the same model, schedule and stages): cal
 infer for a held-out key) and count ("a in cabbaced": the `count` tool's letter count).
 Sizes: ci (the learning test, ~1 min per seed on 2 cores), cpu (the default without CUDA),
 gpu (the cpu schedule on the GPU; the default with CUDA).
-Run: rlfuse demo --agent   Test: python -m pytest -q tests/test_agent_learning.py
+Run: rlfuse demo --agent [--task lookup]   Test: python -m pytest -q tests/test_agent_learning.py tests/test_tool_tasks.py
 """
 
 from __future__ import annotations
