@@ -98,3 +98,10 @@ def test_the_warm_up_target_is_above_guessing():
             assert 0.3 < guess < 0.4 and target == pytest.approx(guess + 0.3 * (1 - guess)), (guess, target)
         else:
             assert (guess, target) == (0.0, 0.3)
+
+
+def test_unknown_task_and_harness_with_another_task_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="task must be one of"):
+        agent_config("ci", task="sort")
+    with pytest.raises(ValueError, match="runs the calculator task only"):
+        run_agent_demo("ci", str(tmp_path), task="count", harness="openai_loop")
