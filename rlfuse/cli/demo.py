@@ -17,7 +17,7 @@ import torch
 from rlfuse.cli.common import fail, setup_threads
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
-from rlfuse.recipes.agent_demo import HARNESSES, run_agent_demo
+from rlfuse.recipes.agent_demo import HARNESSES, TASKS, run_agent_demo
 from rlfuse.recipes.demo import MOE_MODEL, SIZES, run_demo
 from rlfuse.recipes.vision_demo import run_vision_demo
 from rlfuse.run import RunLock, clear_run, make_folder, remove_path, set_threads
@@ -42,6 +42,9 @@ def add_arguments(p):
                    help="with --agent: env (rlfuse's own episode loop) or an agent written against the OpenAI "
                         "client (openai_loop, agents_sdk, langgraph: rlfuse.recipes.agent_harnesses), trained "
                         "through the training process's own server (rollout.agent)")
+    p.add_argument("--task", choices=tuple(TASKS), default="calculator",
+                   help="with --agent: the tool task: calculator (3-digit multiplication), lookup (a random key's "
+                        "value in the lookup tool's table) or count (a letter's count in a word, the count tool)")
     p.add_argument("--moe", action="store_true",
                    help="a tiny Qwen3-MoE model (4 experts, top-2, every layer sparse) instead of the dense one "
                         "(cpu and ci sizes)")
@@ -99,7 +102,9 @@ def run(args) -> int:
             if args.moe and (args.agent or size == "gpu"):
                 raise ValueError("demo: --moe runs the arithmetic demo at the cpu or ci size (not with --agent or "
                                  "--size gpu)")
-            extra = {"harness": args.harness} if args.agent else {}
+            if args.task != "calculator" and not args.agent:
+                raise ValueError("--task picks the tool task of --agent")
+            extra = {"harness": args.harness, "task": args.task} if args.agent else {}
             run = run_agent_demo if args.agent else run_vision_demo if args.vision else run_demo
             overrides = {"engine.numerics": args.numerics, "engine.kv_cache_dtype": args.kv_cache_dtype}
             if args.moe:

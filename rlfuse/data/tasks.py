@@ -14,6 +14,12 @@ countdown: reach `target` from `numbers` with + - * / and parentheses, each numb
     the last <answer>...</answer> (else the last line) parses to integer literals and
     + - * / only, uses an allowed multiset of numbers, and evaluates exactly (Fractions)
     to the target.
+lookup: "<key>=" with a random key of `length` letters; answer = `lookup_value(key)`, a
+    fixed pseudo-random 0..999 (a hash of the key): a held-out key's value cannot be
+    inferred from training keys, only read with the agent demo's `lookup` tool.
+count: "<letter> in <word>" with a random word of `length` letters from `letters`;
+    answer = how often the letter occurs (the agent demo's `count` tool). Both are scored by
+    the arithmetic verifier (integer answers).
 
 `make_split(task, n, seed, exclude)` returns rows {prompt, answer, completion, ...}
 that are distinct from the prompts (image tasks: the `key`s) in `exclude` (held-out eval sets are disjoint from
@@ -24,6 +30,7 @@ Test: python -m pytest -q tests/test_data.py
 from __future__ import annotations
 
 import ast
+import hashlib
 import random
 import re
 from collections import Counter
@@ -183,8 +190,46 @@ def verify_countdown(completion: str, numbers, target, use_all: bool = True) -> 
     return ok_nums and value == Fraction(int(target))
 
 
+# ------------------------------------------------------------------ tool tasks
+def lookup_value(key: str) -> int:
+    """The `lookup` table: a fixed pseudo-random value 0..999 for every key."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=4).digest(), "big") % 1000
+
+
+def _distinct(n: int, draw, space: int, seen: set, what: str) -> list[str]:
+    if n > space - len(seen):
+        raise ValueError(f"{what}: only {space} distinct problems with these options")
+    out = []
+    while len(out) < n:
+        p = draw()
+        if p not in seen:
+            seen.add(p)
+            out.append(p)
+    return out
+
+
+def lookup_rows(n: int, *, seed: int = 0, length: int = 4, letters: str = "abcdefghijklmnopqrstuvwxyz",
+                exclude=()) -> list[dict]:
+    if length < 1 or len(set(letters)) < 2:
+        raise ValueError(f"lookup task: length must be >= 1 and letters hold 2 or more, got {length}, {letters!r}")
+    rng = random.Random(seed)
+    prompts = _distinct(n, lambda: "".join(rng.choice(letters) for _ in range(length)) + "=",
+                        len(set(letters)) ** length, set(exclude), "lookup task")
+    return [{"prompt": p, "answer": str(lookup_value(p[:-1])), "completion": str(lookup_value(p[:-1]))}
+            for p in prompts]
+
+
+def count_rows(n: int, *, seed: int = 0, length: int = 8, letters: str = "abcde", exclude=()) -> list[dict]:
+    if length < 1 or len(set(letters)) < 2:
+        raise ValueError(f"count task: length must be >= 1 and letters hold 2 or more, got {length}, {letters!r}")
+    rng = random.Random(seed)
+    prompts = _distinct(n, lambda: f"{rng.choice(letters)} in {''.join(rng.choice(letters) for _ in range(length))}",
+                        len(set(letters)) ** (length + 1), set(exclude), "count task")
+    return [{"prompt": p, "answer": str(p[5:].count(p[0])), "completion": str(p[5:].count(p[0]))} for p in prompts]
+
+
 TASKS = {"arithmetic": arithmetic_rows, "arithmetic_pref": arithmetic_pref_rows, "countdown": countdown_rows,
-         **IMAGE_TASKS}
+         "lookup": lookup_rows, "count": count_rows, **IMAGE_TASKS}
 """Text tasks here; image tasks (rows with an images column) in rlfuse/data/image_tasks.py."""
 
 
@@ -194,7 +239,7 @@ def task_alphabet(task: str, rows: list[dict]) -> str:
     for r in rows:
         chars.update(r["prompt"])
         chars.update(r.get("completion", ""))
-    if task in ("arithmetic", "arithmetic_pref"):
+    if task in ("arithmetic", "arithmetic_pref", "lookup", "count"):
         chars.update("0123456789+-*=")
     if task in IMAGE_TASKS:
         chars.update("0123456789")

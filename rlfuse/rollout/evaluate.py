@@ -4,7 +4,8 @@ accuracy = mean of the correctness reward (math_accuracy / arithmetic / countdow
 first one in the list) -- 1 per solved problem; reward = mean weighted total.
 Greedy (temperature 0) so the number is a property of the weights, not of a seed. With a
 multi-turn sampler (rollout.tools / rollout.env) each problem is a greedy episode and the
-final turn is scored.
+final turn is scored. `temperature` > 0 samples instead (seed 0): what a rollout at that
+temperature would score (the agent demo's warm-up checks it before GRPO).
 """
 
 from __future__ import annotations
@@ -51,16 +52,16 @@ def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
 
 
 def evaluate(sampler: Sampler, prompts: list[Prompt], rewards: RewardSet, *, max_new_tokens: int,
-             batch_size: int = 256) -> dict:
+             batch_size: int = 256, temperature: float = 0.0) -> dict:
     totals, correct, lengths, trunc = [], [], [], []
     sampler.wake()
     multi_turn = hasattr(sampler, "episodes")
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
-        if multi_turn:  # episodes with the recipe's tools or environment, greedy
-            samples = sampler.episodes(chunk, n=1, temperature=0.0, seed=0)
+        if multi_turn:  # episodes with the recipe's tools or environment, greedy unless told
+            samples = sampler.episodes(chunk, n=1, temperature=temperature, seed=0)
         else:
-            samples = sampler.generate([p.ids for p in chunk], n=1, temperature=0.0, top_p=1.0, top_k=0,
+            samples = sampler.generate([p.ids for p in chunk], n=1, temperature=temperature, top_p=1.0, top_k=0,
                                        max_tokens=max_new_tokens, seed=0, **media_kwargs(chunk))
         total, per = score_samples(chunk, samples, rewards, 1)
         totals += total

@@ -19,7 +19,8 @@ model only knows a tool by its schema). A tool returns anything `str()` can show
 exception it raises becomes an error observation (`ToolError` for expected failures,
 `ToolTimeout` for time limits, both counted by the environment).
 Built-ins: `calculator` (safe arithmetic: an AST walk over numbers and operators, never
-`eval`) and `python` (model-written code run isolated by bubblewrap, see
+`eval`), `lookup` and `count` (the tools of the agent demo's builtin:lookup / builtin:count
+tasks) and `python` (model-written code run isolated by bubblewrap, see
 rlfuse.rollout.agent.sandbox). `load_tools(["calculator", "tools.py:fn"])`.
 Test: python -m pytest -q tests/test_rollout_tools.py
 """
@@ -37,6 +38,7 @@ import types
 import typing
 from typing import Any, Callable
 
+from rlfuse.data import lookup_value
 from rlfuse.rollout.agent.sandbox import make_sandbox
 from rlfuse.run import load_function
 
@@ -228,6 +230,30 @@ def calculator(expression: str) -> str:
     return str(r)
 
 
+def lookup(key: str) -> str:
+    """Look a key up in the table (the builtin:lookup task's values).
+
+    Args:
+        key: the key, e.g. "qzmk".
+    """
+    return str(lookup_value(key))
+
+
+def count(letter: str, word: str) -> str:
+    """Count how often a letter occurs in a word.
+
+    Args:
+        letter: one character.
+        word: the word to search.
+    """
+    if len(letter) != 1:
+        raise ToolError(f"count: letter must be one character, got {letter!r}")
+    return str(word.count(letter))
+
+
+_PURE = {"calculator": calculator, "lookup": lookup, "count": count}
+
+
 # ---------------------------------------------------------------------- python
 def python_tool(*, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True, **limits) -> Tool:
     """The `python` built-in: runs code in a sandbox (rlfuse.rollout.agent.sandbox: bubblewrap
@@ -257,11 +283,11 @@ def python_tool(*, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool 
 
 # ---------------------------------------------------------------------- loading
 def builtin_tool(name: str, *, timeout_s: float = 10.0, sandbox: str = "bwrap", check: bool = True) -> Tool:
-    if name == "calculator":
-        return Tool.from_function(calculator)
+    if name in _PURE:
+        return Tool.from_function(_PURE[name])
     if name == "python":
         return python_tool(timeout_s=timeout_s, sandbox=sandbox, check=check)
-    raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, python; or FILE.py:FUNCTION)")
+    raise ValueError(f"unknown built-in tool {name!r} (built-ins: calculator, lookup, count, python; or FILE.py:FUNCTION)")
 
 
 PYTHON_TOOL = "python:"

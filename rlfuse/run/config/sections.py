@@ -79,8 +79,8 @@ class OptimConfig:
 @dataclasses.dataclass(**_DC)
 class DataConfig:
     train: str = ""
-    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown /
-    builtin:count_squares (images),
+    """A .jsonl / .json / .parquet file, builtin:arithmetic / builtin:arithmetic_pref / builtin:countdown,
+    builtin:lookup / builtin:count (the agent demo's tool tasks), builtin:count_squares (images),
     a Hugging Face dataset hf:NAME[:CONFIG] (from the local cache, or downloaded) or a folder
     written by Dataset.save_to_disk (both need the `datasets` extra)."""
     eval: str = ""
@@ -202,9 +202,10 @@ class CheckpointConfig:
 @dataclasses.dataclass(**_DC)
 class RolloutConfig:
     tools: list[str] = dataclasses.field(default_factory=list)
-    """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`
-    and `python` (model-written code, run where `sandbox` says) or `FILE.py:FUNCTION` (a typed
-    function whose docstring describes it). docs/agents.md."""
+    """Tools the model may call, making rollouts multi-turn episodes: the built-ins `calculator`,
+    `lookup` and `count` (the agent demo's tool tasks) and `python` (model-written code, run
+    where `sandbox` says) or `FILE.py:FUNCTION` (a typed function whose docstring describes it).
+    docs/agents.md."""
     sandbox: str = "bwrap"
     """Where the `python` tool runs code: bwrap (isolated by bubblewrap: no network, no access
     to your files or processes; the run refuses to start if bwrap is unusable) | none (a plain
