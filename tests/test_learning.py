@@ -23,7 +23,8 @@ def warm(tmp_path_factory):
     return ws
 
 
-@pytest.mark.parametrize("name", ["rloo", "reinforce_pp", "lora_rloo", "dpo"])
+# REINFORCE++ (21 s) runs with the slow tests: rloo, lora_rloo and dpo keep the default suite's proof
+@pytest.mark.parametrize("name", ["rloo", pytest.param("reinforce_pp", marks=pytest.mark.slow), "lora_rloo", "dpo"])
 def test_algorithm_beats_its_starting_point(warm, tmp_path, name):
     with one_thread():
         res = run_algorithm(name, warm, tmp_path)

@@ -37,7 +37,7 @@ def test_moe_demo_smoke(tmp_path):
 def test_cli_moe_refuses_the_agent_demo(tmp_path, capsys):
     from rlfuse.cli import main
     assert main(["demo", "--moe", "--agent", "--run-dir", str(tmp_path / "d")]) != 0
-    assert "--moe runs the arithmetic demo" in capsys.readouterr().err
+    assert "pick different demos" in capsys.readouterr().err
 
 
 @pytest.mark.slow

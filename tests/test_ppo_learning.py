@@ -4,17 +4,20 @@ SFT starting point by more than run-to-run noise (rlfuse/recipes/ppo_demo.py).
 Margin as in tests/test_demo.py: n held-out problems, an accuracy near 0.5 has standard
 error sqrt(0.25 / n), the difference of two on the same problems at most sqrt(2) times
 that; we require a gain above 2 of those (0.082 for n = 300). Gains measured over seeds
-0-4 are in docs/algorithms.md, "PPO" (seed 0, the one tested, is typical).
+0-4 are in docs/algorithms.md, "PPO" (seed 0, the one tested, is typical). Slow-marked (35 s):
+the default suite keeps PPO's unit and one-step tests, and the CPU suite's 15-minute budget.
 Runs single-threaded (faster for a 0.4M-parameter model on a shared 2-core machine)."""
 
 import json
 import math
 
+import pytest
 from train_setup import one_thread
 
 from rlfuse.recipes.ppo_demo import run_ppo_demo
 
 
+@pytest.mark.slow
 def test_ppo_beats_sft_start(tmp_path):
     lines = []
     with one_thread():
