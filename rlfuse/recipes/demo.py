@@ -131,7 +131,15 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
     dev_log.close()
     echo(f"SFT warm-up: {sft['steps']} steps in {t_sft:.0f} s, training-problem accuracy "
          f"{dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")
-    grpo_ses = open_session(grpo_cfg, model=model, tokenizer=tok, sampler=ses.sampler)
+    return grpo_after_warm_up(grpo_cfg, ses, sft, dev_acc, t_sft=t_sft, t0=t0, echo=echo)
+
+
+def grpo_after_warm_up(grpo_cfg: RunConfig, ses, sft: dict, dev_acc: list, *, t_sft: float, t0: float, echo=print,
+                       items: str = "problems") -> dict:
+    """GRPO on the warmed-up model of `ses` (same tensors, same engine); returns the demo's
+    accuracies (the first and last held-out evaluation), timings and histories, and echoes
+    the summary line (`items`: what the held-out set holds)."""
+    grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)
     t_grpo = time.perf_counter()
     res = run_grpo(grpo_cfg, session=grpo_ses)
     t_grpo = time.perf_counter() - t_grpo
@@ -140,7 +148,7 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
            "eval_problems": int(before["num_problems"]), "sft_steps": sft["steps"], "grpo_steps": grpo_cfg.grpo.steps,
            "time_sft_s": t_sft, "time_grpo_s": t_grpo, "time_total_s": time.perf_counter() - t0,
            "grpo_history": res["history"], "sft_dev_accuracy": dev_acc}
-    echo(f"held-out accuracy ({out['eval_problems']} problems, greedy): after SFT {out['accuracy_sft']:.3f} -> "
+    echo(f"held-out accuracy ({out['eval_problems']} {items}, greedy): after SFT {out['accuracy_sft']:.3f} -> "
          f"after GRPO {out['accuracy_grpo']:.3f} ({out['accuracy_grpo'] - out['accuracy_sft']:+.3f}); "
          f"GRPO {grpo_cfg.grpo.steps} steps in {t_grpo:.0f} s; total {out['time_total_s']:.0f} s")
     return out

@@ -21,9 +21,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from rlfuse.recipes.demo import sft_warm_up
+from rlfuse.recipes.demo import grpo_after_warm_up, sft_warm_up
 from rlfuse.run.config import RunConfig, load_config, replace
-from rlfuse.train import open_session, run_grpo
+from rlfuse.train import open_session
 
 VLM = dict(model_type="qwen3_vl", hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=8,
            num_key_value_heads=4, head_dim=16, max_position_embeddings=64, rope_theta=10000.0,
@@ -77,7 +77,7 @@ def run_vision_demo(size: str = "cpu", run_dir: str = "runs/demo_vision", *, see
     sft_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "sft"), "optim.lr": 2e-3})
     grpo_cfg = replace(base, **{"logging.run_dir": str(Path(run_dir) / "grpo")})
     ses = open_session(sft_cfg, need_target=True)
-    model, tok = ses.model, ses.tokenizer
+    model = ses.model
     echo(f"rlfuse demo --vision ({size}): tiny Qwen3-VL ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M "
          f"params, vision tower {sum(p.numel() for p in model.visual.parameters()) / 1e6:.2f}M) on {ses.device}, "
          f"count the red squares, run folder {run_dir}")
@@ -87,16 +87,4 @@ def run_vision_demo(size: str = "cpu", run_dir: str = "runs/demo_vision", *, see
     t_sft = time.perf_counter() - t_sft
     echo(f"SFT warm-up: {sft['steps']} steps in {t_sft:.0f} s, training-image accuracy "
          f"{dev_acc[-1][1] if dev_acc else float('nan'):.3f} (stops at {SFT_TARGET})")
-    grpo_ses = open_session(grpo_cfg, model=model, tokenizer=tok, sampler=ses.sampler)
-    t_grpo = time.perf_counter()
-    res = run_grpo(grpo_cfg, session=grpo_ses)
-    t_grpo = time.perf_counter() - t_grpo
-    before, after = res["evals"][0], res["evals"][-1]
-    out = {"accuracy_sft": before["accuracy"], "accuracy_grpo": after["accuracy"],
-           "eval_problems": int(before["num_problems"]), "sft_steps": sft["steps"], "grpo_steps": grpo_cfg.grpo.steps,
-           "time_sft_s": t_sft, "time_grpo_s": t_grpo, "time_total_s": time.perf_counter() - t0,
-           "grpo_history": res["history"], "sft_dev_accuracy": dev_acc}
-    echo(f"held-out accuracy ({out['eval_problems']} images, greedy): after SFT {out['accuracy_sft']:.3f} -> "
-         f"after GRPO {out['accuracy_grpo']:.3f} ({out['accuracy_grpo'] - out['accuracy_sft']:+.3f}); "
-         f"GRPO {grpo_cfg.grpo.steps} steps in {t_grpo:.0f} s; total {out['time_total_s']:.0f} s")
-    return out
+    return grpo_after_warm_up(grpo_cfg, ses, sft, dev_acc, t_sft=t_sft, t0=t0, echo=echo, items="images")
