@@ -17,12 +17,13 @@ from rlfuse.rollout.sampler import (
     MultiTurnSampler,
     Sample,
     Sampler,
+    chat_template_text,
     episode_renderer,
     media_kwargs,
 )
 
 __all__ = ["PROBE_ROWS", "PYTHON_REWARD", "PYTHON_TOOL", "ChatRenderer", "EngineSampler", "Environment", "Episode",
            "LengthsSampler", "MultiTurnSampler", "RewardSet", "Sample", "Sampler", "Step", "TemplateError", "Tool", "ToolCall",
-           "ToolEnv", "ToolError", "ToolRunner", "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "combined_engine",
+           "ToolEnv", "ToolError", "ToolRunner", "ToolTimeout", "Turn", "calculator", "char_chat_tokenizer", "chat_template_text", "combined_engine",
            "compare_episode_logprobs", "episode_renderer", "evaluate", "format_tool_call", "load_tools", "media_kwargs",
            "multi_turn_setting", "run_episodes", "score_samples"]

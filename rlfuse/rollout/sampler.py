@@ -183,13 +183,19 @@ def episode_renderer(tokenizer, cfg: RolloutConfig, schemas: list[dict] | None =
             schemas = env_tool_schemas(load_function(cfg.env, "rollout.env"))
         elif cfg.tools:
             schemas = [t.schema() for t in load_tools(cfg.tools, check=False, functions=tool_functions)]
-    template = None
-    if cfg.chat_template:
-        try:
-            template = open(cfg.chat_template, encoding="utf-8").read()
-        except OSError as e:
-            raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
-    return ChatRenderer(tokenizer, tools=schemas, chat_template=template, tool_call_format=cfg.tool_call_format)
+    return ChatRenderer(tokenizer, tools=schemas, chat_template=chat_template_text(cfg),
+                        tool_call_format=cfg.tool_call_format)
+
+
+def chat_template_text(cfg: RolloutConfig) -> str | None:
+    """The text of rollout.chat_template (None: the tokenizer's own); an unreadable file is a
+    ValueError naming the field."""
+    if not cfg.chat_template:
+        return None
+    try:
+        return open(cfg.chat_template, encoding="utf-8").read()
+    except OSError as e:
+        raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
 
 
 class MultiTurnSampler:

@@ -30,7 +30,7 @@ import time
 import httpx
 import torch
 
-from rlfuse.rollout import Sample
+from rlfuse.rollout import Sample, chat_template_text
 from rlfuse.rollout.agent import AgentSession, ChatRenderer, episode_seed, session_metrics
 from rlfuse.run import load_function
 from rlfuse.run.config import RolloutConfig, RunConfig
@@ -182,13 +182,8 @@ def agent_sampler(session: Session) -> AgentSampler:
     """The `sampler_factory` of a session whose rollouts are cfg.rollout.agent's episodes
     (`open_session(cfg, sampler_factory=agent_sampler)`, `GRPOTrainer(..., sampler_factory=agent_sampler)`)."""
     cfg = session.cfg.rollout
-    template = None
-    if cfg.chat_template:
-        try:
-            template = open(cfg.chat_template, encoding="utf-8").read()
-        except OSError as e:
-            raise ValueError(f"rollout.chat_template: cannot read {cfg.chat_template} ({e.strerror})") from None
-    return AgentSampler(session._engine_sampler(), session.tokenizer, cfg, cfg.agent, chat_template=template)
+    return AgentSampler(session._engine_sampler(), session.tokenizer, cfg, cfg.agent,
+                        chat_template=chat_template_text(cfg))
 
 
 def open_agent_session(cfg: RunConfig, **kwargs) -> Session:
