@@ -310,11 +310,12 @@ def test_gpu_engine_bank_mixed_batch(tmp_path, numerics):
         if name is not None:
             load_peft_adapter(m, folders[name])
         alone = LLM(m, config=cfg).generate(prompts, mk(None))
-        got = [list(o.output_token_ids) for o in mixed[4 * k:4 * (k + 1)]]
+        part = mixed[8 * k:8 * (k + 1)]  # 4 prompts x n=2 samples per adapter, prompt-major
+        got = [list(o.output_token_ids) for o in part]
         want = [list(o.output_token_ids) for o in alone]
         if numerics == "exact":
             assert got == want, name
-            assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(mixed[4 * k:4 * (k + 1)], alone)), name
+            assert all(torch.equal(a.logprobs, b.logprobs) for a, b in zip(part, alone)), name
         else:
             same = sum(a[:8] == b[:8] for a, b in zip(got, want))
-            assert same >= 3, (name, same)
+            assert same >= 6, (name, same)

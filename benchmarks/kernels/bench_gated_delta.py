@@ -130,24 +130,38 @@ def prefill_rows(fla_chunk, totals, reps):
             with torch.no_grad():
                 err = (fn(*args).float() - ref).abs().max().item()
             t_fwd = timed(lambda: fn(*args), reps)
-            t_fb = timed(lambda: fwd_bwd(fn, args, do), max(3, reps // 4))
+            try:
+                t_fb = timed(lambda: fwd_bwd(fn, args, do), max(3, reps // 4))
+            except RuntimeError as e:  # FLA 0.6 refuses its backward on Hopper under Triton < 3.7.1 (fla#640)
+                print(f"{name} backward refused: {str(e).splitlines()[0][:160]}")
+                t_fb = float("nan")
             rows.append(dict(case=f"T={total} ({len(lens)} seqs)", impl=name, err=err, fwd_ms=t_fwd * 1e3,
                              fwd_bwd_ms=t_fb * 1e3))
     return rows
 
 
 def grad_check(fla_chunk):
-    """Gradients of ours (fast) against FLA's on one small batch: max abs difference per
-    input, relative to the input gradient's max."""
-    if fla_chunk is None:
-        return {}
-    args = inputs(lengths(2048, 256, 1024), seed=1)
+    """Gradients of ours (fast, bf16) on one small batch against our fp32 torch reference
+    (inputs upcast) and against FLA's: max abs difference per input, relative to the other
+    side's max. FLA's column stays empty where FLA refuses its backward."""
+    args = inputs(lengths(2048 if DEV == "cuda" else 200, 256 if DEV == "cuda" else 20, 1024), seed=1)
     do = torch.randn_like(args[2])
-    _, g_ours = fwd_bwd(ours("fast"), args, do)
-    _, g_fla = fwd_bwd(fla_fn(fla_chunk), args, do)
     names = ["q", "k", "v", "g", "beta", "s0"]
-    return {n: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
-            for n, a, b in zip(names, g_ours, g_fla)}
+    _, g_ours = fwd_bwd(ours("fast"), args, do)
+
+    def ref(q, k, v, g, beta, cu, s0):
+        return chunk_gated_delta_rule_ref(q.float(), k.float(), v.float(), g, beta.float(), cu, initial_state=s0,
+                                          exact=False)[0]
+    gap = lambda a, b: ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()  # noqa: E731
+    _, g_ref = fwd_bwd(ref, args, do.float())
+    out = {f"{n} vs fp32 ref": gap(a, b) for n, a, b in zip(names, g_ours, g_ref)}
+    if fla_chunk is not None:
+        try:
+            _, g_fla = fwd_bwd(fla_fn(fla_chunk), args, do)
+            out.update({f"{n} vs FLA": gap(a, b) for n, a, b in zip(names, g_ours, g_fla)})
+        except RuntimeError as e:
+            out["FLA backward"] = str(e).splitlines()[0][:120]
+    return out
 
 
 def decode_rows(fla_recurrent, batches, reps, bw):
@@ -207,8 +221,8 @@ def main():
              "| case | impl | max err vs fp32 ref | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['impl']} | {r['err']:.2e} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} |"
               for r in prefill]
-    lines += ["", "gradient gap ours vs FLA (max abs / max |FLA grad|): " +
-              (", ".join(f"{k} {v:.1e}" for k, v in grads.items()) or "FLA not installed"), "",
+    lines += ["", "gradient gap of ours (max abs / max |other grad|): " +
+              ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in grads.items()), "",
               "| case | impl | max err vs fp32 ref | us | state bound us |", "|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['impl']} | {r['err']:.2e} | {r['us']:.1f} | {r['bound_us']:.1f} |" for r in decode]
     table = "\n".join(lines)

@@ -102,7 +102,9 @@ def _init_weights(model, std: float, generator) -> None:
         elif name.endswith("norm.weight") or name.endswith(".bias"):
             p.zero_()
         elif name.endswith("A_log"):
-            p.copy_(torch.empty(p.shape).uniform_(0.01, 16.0, generator=generator).log())
+            # drawn on the generator's device: a CUDA generator cannot fill a CPU tensor
+            where = generator.device if generator is not None else p.device
+            p.copy_(torch.empty(p.shape, device=where).uniform_(0.01, 16.0, generator=generator).log())
         else:
             p.normal_(0.0, std, generator=generator)
 
