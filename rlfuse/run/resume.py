@@ -26,6 +26,7 @@ from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_d
 from rlfuse.run.checkpoint import CheckpointError, clean_temporary, list_checkpoints, set_rng_state
 from rlfuse.run.distributed.context import DistContext
 from rlfuse.run.distributed.dcp import load_sharded
+from rlfuse.run.distributed.fsdp import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +150,10 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | None = None) -> dict:
     """Load weights into `model` in place, the optimizer state and RNG states; returns
     the saved trainer state (step, data positions, extras). Either layout (module doc),
-    into a one-process model or, with `dist`, a sharded one."""
+    into a one-process model or, with `dist`, a sharded one. A replicated model (`dist`, not
+    sharded: LoRA) reads the one-process layout on every rank."""
     path = Path(path)
-    if (path / "dcp").is_dir() or dist is not None:
+    if (path / "dcp").is_dir() or (dist is not None and is_sharded(model)):
         return _load_resharded(path, model, optimizer, dist)
     adapter = (path / "adapter").is_dir()
     if adapter != has_lora(model):
@@ -166,7 +168,9 @@ def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | N
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=model.lm_head_weight.device,
                                              weights_only=False))
     state = torch.load(path / "state.pt", weights_only=False)
-    set_rng_state(state["rng"])
+    # each rank's own RNG states when the same number of ranks wrote them (replicated runs), else rank 0's
+    same_n = dist is not None and state.get("world_size", 1) == dist.world_size and "rng_per_rank" in state
+    set_rng_state(state["rng_per_rank"][dist.rank] if same_n else state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return state
 

@@ -1,7 +1,9 @@
 """Data-parallel plumbing on PyTorch's own stack: the process group and cross-rank
 helpers (context), FSDP2 sharding (fsdp), models built on the meta device shard by shard
 (build), DCP checkpoint I/O (dcp), and how the trainers split rollouts, micro-batches and
-evaluation over ranks (data_parallel)."""
+evaluation over ranks (data_parallel). Replicated models (LoRA: gradients all-reduced, no
+sharding) are in replicated.py, exported by rlfuse.run (it subclasses rlfuse.run.optim's
+MasterAdamW, which imports this package)."""
 
 from rlfuse.run.distributed.context import (
                                             DistContext,
