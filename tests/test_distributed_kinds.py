@@ -31,7 +31,7 @@ from spawn_ranks import free_port, spawn_ranks
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
-from rlfuse import GRPOTrainer, PPOTrainer
+from rlfuse import GRPOTrainer
 from rlfuse.model import load_model
 from rlfuse.run.distributed import context as D
 from rlfuse.run.metrics import read_metrics
@@ -159,13 +159,6 @@ def test_two_ranks_match_one_process(runs, kind):
         for r in (r for r in two if r["stage"] == "grpo"):
             assert r["rollout/turns_mean"] == 3.0 and r["rollout/obs_tokens_per_episode"] > 0
             assert r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0
-
-
-def test_ppo_refuses_data_parallel_with_one_line(tmp_path):
-    """PPO is not data-parallel yet: a dist= trainer says so before touching the run folder."""
-    with pytest.raises(ValueError, match="PPOTrainer: data-parallel ppo"):
-        PPOTrainer(config=API_CFG, run_dir=tmp_path / "r", dist=object())
-    assert not (tmp_path / "r").exists()
 
 
 # ---------------------------------------------------------------------- DPO

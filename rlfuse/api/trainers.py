@@ -374,7 +374,7 @@ class GRPOTrainer(_Trainer):
 
 class PPOTrainer(_Trainer):
     """PPO with a critic (`rlfuse ppo`): prompts, reward functions."""
-    kind, section, run, data_parallel = "ppo", PPOConfig, staticmethod(run_ppo), False
+    kind, section, run = "ppo", PPOConfig, staticmethod(run_ppo)
 
 
 class DPOTrainer(_Trainer):

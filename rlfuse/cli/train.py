@@ -106,7 +106,7 @@ TRAIN_COMMANDS = {c.name: c for c in (
     TrainCommand(name="grpo", HELP="GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)", trainer=GRPOTrainer,
                  uses=("grpo",), summary=lambda res: print_summary("grpo", res), distributed=True),
     TrainCommand(name="ppo", HELP="PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)",
-                 trainer=PPOTrainer, uses=("ppo",), summary=lambda res: print_summary("ppo", res)),
+                 trainer=PPOTrainer, uses=("ppo",), summary=lambda res: print_summary("ppo", res), distributed=True),
     TrainCommand(name="dpo", HELP="DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)",
                  trainer=DPOTrainer, uses=("dpo", "grpo.max_new_tokens"),  # held-out answers' length
                  summary=_dpo_summary, distributed=True),

@@ -39,8 +39,9 @@ def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
     fp32 DTensor shards (the master weights, upcast exactly from the model's dtype, as
     MasterAdamW does); forward computes in the model's dtype (bf16: gathered weights are
     round(fp32 master)), gradients are reduced in fp32 and SUMMED across ranks (see the
-    loss contract in the module doc). One FSDP group per decoder layer plus the root."""
-    compute = model.lm_head_weight.dtype
+    loss contract in the module doc). One FSDP group per decoder layer plus the root
+    (a ScalarHeadModel too: PPO's critic, its `score` head in the root)."""
+    compute = next(model.parameters()).dtype
     if any(p.dtype != compute for p in model.parameters()):
         raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
     model.float()
