@@ -220,7 +220,7 @@ def _load_sharded_into_one_process(folder: Path, model, optimizer) -> None:
 def _load_one_process_into_sharded(path: Path, model, optimizer) -> None:
     plain = load_model(path / "model", dtype=torch.float32)  # the rounded weights; saved masters replace them
     sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    load_full_adamw_state(model, optimizer, dict(plain.named_parameters()), sd)
+    load_full_adamw_state(model, optimizer.opt, dict(plain.named_parameters()), sd)
 
 
 def model_folder(folder: str | Path) -> Path:

@@ -76,7 +76,7 @@ def critic_state(critic, optimizer) -> dict:
     """{"critic": state dict, "critic_optimizer": MasterAdamW state}: the one-process form
     (sharded: gathered on rank 0, collective; other ranks' dicts hold None, never written)."""
     if is_sharded(critic):
-        weights, opt = full_adamw_state(critic, optimizer, optimizer.compute_dtype)
+        weights, opt = full_adamw_state(critic, optimizer.opt, optimizer.compute_dtype)
         return {"critic": weights, "critic_optimizer": opt}
     return {"critic": critic.state_dict(), "critic_optimizer": optimizer.state_dict()}
 
@@ -84,7 +84,7 @@ def critic_state(critic, optimizer) -> dict:
 def load_critic_state(critic, optimizer, state: dict) -> None:
     """`critic_state`'s dicts (written by one process or any number of ranks) into the critic."""
     if is_sharded(critic):
-        load_full_adamw_state(critic, optimizer, state["critic"], state["critic_optimizer"])
+        load_full_adamw_state(critic, optimizer.opt, state["critic"], state["critic_optimizer"])
     else:
         critic.load_state_dict(state["critic"])
         optimizer.load_state_dict(state["critic_optimizer"])

@@ -70,8 +70,9 @@ def save_hf_export(ctx: DistContext, model: CausalLM, folder: str | Path, *, dty
 
 # ---------------------------------------------------------------------- whole training state
 @torch.no_grad()
-def full_adamw_state(model, optimizer, compute_dtype: torch.dtype) -> tuple[dict, dict] | tuple[None, None]:
-    """A sharded `model` and its ShardedAdamW as one process holds them: (state dict in
+def full_adamw_state(model, optimizer: torch.optim.AdamW,
+                     compute_dtype: torch.dtype) -> tuple[dict, dict] | tuple[None, None]:
+    """A sharded `model` and its AdamW on the shards (ShardedAdamW.opt) as one process holds them: (state dict in
     `compute_dtype`, MasterAdamW.state_dict()), both on rank 0's CPU, (None, None)
     elsewhere. Collective (one all-gather per tensor, every rank calls it). For state that
     travels in the trainer state (PPO's critic), so it resumes at any number of ranks."""
@@ -79,7 +80,7 @@ def full_adamw_state(model, optimizer, compute_dtype: torch.dtype) -> tuple[dict
     weights, masters, avg, avg_sq, step = {}, [], [], [], 0
     for name, p in model.named_parameters():
         full = p.full_tensor()
-        st = optimizer.opt.state.get(p, {})
+        st = optimizer.state.get(p, {})
         if st:
             step = int(st["step"])  # host sync: a checkpoint's step count
         moments = [st[k].full_tensor() if st else torch.zeros_like(full) for k in ("exp_avg", "exp_avg_sq")]
@@ -90,21 +91,22 @@ def full_adamw_state(model, optimizer, compute_dtype: torch.dtype) -> tuple[dict
             avg_sq.append(moments[1].cpu())
     if not rank0:
         return None, None
-    group = optimizer.opt.param_groups[0]
+    group = optimizer.param_groups[0]
     return weights, {"step": step, "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"],
                      "weight_decay": group["weight_decay"], "master": masters, "exp_avg": avg, "exp_avg_sq": avg_sq}
 
 
 @torch.no_grad()
-def load_full_adamw_state(model, optimizer, weights: dict, sd: dict) -> None:
+def load_full_adamw_state(model, optimizer: torch.optim.AdamW, weights: dict, sd: dict) -> None:
     """The inverse of `full_adamw_state` (or a one-process model's state dict and its
-    MasterAdamW.state_dict()) into a sharded `model` and its ShardedAdamW: every rank keeps
-    its shard of the fp32 masters (the saved masters, else the weights upcast) and moments."""
+    MasterAdamW.state_dict()) into a sharded `model` and its AdamW (ShardedAdamW.opt): every
+    rank keeps its shard of the fp32 masters (the saved masters, else the weights upcast)
+    and moments. Collective; rank 0's tensors are the ones distributed."""
     step = torch.tensor(float(sd["step"]))
     for i, (name, p) in enumerate(model.named_parameters()):
         master = sd["master"][i] if sd["master"][i] is not None else weights[name]
         p.to_local().copy_(_shard_like(master, p).to_local())
-        optimizer.opt.state[p] = {"step": step.clone(), "exp_avg": _shard_like(sd["exp_avg"][i], p),
+        optimizer.state[p] = {"step": step.clone(), "exp_avg": _shard_like(sd["exp_avg"][i], p),
                                   "exp_avg_sq": _shard_like(sd["exp_avg_sq"][i], p)}
 
 
