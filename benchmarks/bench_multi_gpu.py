@@ -15,9 +15,10 @@ Phases (several may be given; they run in order):
           global batch and seed: per-step metric and final-weight differences, exact
           mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake);
           DPO under torchrun on the SFT rows (expected: one error line, no preference pairs)
-  kinds   PPO (policy and critic sharded) and LoRA GRPO (base and adapters replicated) in
-          bf16, exact numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed:
-          per-step metric and final-weight (LoRA: adapter) differences, exact mismatch
+  kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated) and
+          LoRA GRPO in stream mode, bf16, exact numerics, on 1 GPU and on 2 GPUs, 3 steps,
+          same global batch and seed: per-step metric and final-weight (LoRA: adapter)
+          differences, exact mismatch
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
   faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
           uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
@@ -60,7 +61,8 @@ REWARD = ("import os, signal\n"
           "            os.kill(os.getpid(), signal.SIGKILL)\n"
           "        raise RuntimeError(f'injected fault on rank {rank} at reward call {call}')\n"
           "    return even(prompts, completions, completion_ids)\n")
-NOT_COMPARED = ("time/", "tokens_per_s", "memory/")
+# stream/*: times and gradient slots, per rank by nature (each rank's groups finish in their own order)
+NOT_COMPARED = ("time/", "tokens_per_s", "memory/", "stream/")
 
 
 # ------------------------------------------------------------------ set-up
@@ -293,13 +295,18 @@ def phase_kinds(out: Path, work: Path, args) -> dict:
     ppo = recipe(work, "ppo_exact", "ppo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
     lora = recipe(work, "lora_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                   model={"lora": {"rank": 16}}, optim={"lr": 1e-4})
-    J.wait(J.start("ppo_1gpu", J.argv("ppo", ppo, work / "ppo1", 1), gpu="0", timeout=args.job_timeout),
-           J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1), gpu="1", timeout=args.job_timeout))
-    J.run("ppo_2gpu", J.argv("ppo", ppo, work / "ppo2", 2), timeout=args.job_timeout)
-    J.run("lora_2gpu", J.argv("grpo", lora, work / "lora2", 2), timeout=args.job_timeout)
+    stream = recipe(work, "lora_stream", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
+                    model={"lora": {"rank": 16}}, optim={"lr": 1e-4}, grpo={"overlap": "stream"})
+    fresh = "--overwrite"  # a rerun in the same --work replaces its run folders
+    J.wait(J.start("ppo_1gpu", J.argv("ppo", ppo, work / "ppo1", 1, fresh), gpu="0", timeout=args.job_timeout),
+           J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1, fresh), gpu="1", timeout=args.job_timeout))
+    J.run("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout)
+    for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream)):
+        J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", 2, fresh), timeout=args.job_timeout)
     eq = {name: {**metric_diff(metrics(work / f"{run}2", stage), metrics(work / f"{run}1", stage)),
                  "weights": weight_diff(work / f"{run}2" / "final", work / f"{run}1" / "final")}
-          for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"))}
+          for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"),
+                                   ("lora_stream_exact_bf16", "stream", "grpo"))}
     J.finish({"equivalence": eq})
     print("\n| job | rc | wall s |\n|---|---|---|")
     for r in J.results.values():
