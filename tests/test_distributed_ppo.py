@@ -21,7 +21,10 @@ Run: python -m pytest -q -m slow tests/test_distributed_ppo.py -s   (-s prints t
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -116,3 +119,35 @@ def test_ppo_resume_same_n_exact_and_other_n_within_tol(runs):
         d, where = _max_diff(_rows(runs / new), _rows(runs / old))
         print(f"PPO resume {what}: max |metric diff| {d:.2e} ({where})")
         assert d <= TOL, where
+
+
+RECIPE = """seed: 0
+model: {random_init: {hidden_size: 32, intermediate_size: 64, num_hidden_layers: 1, num_attention_heads: 2,
+        num_key_value_heads: 1, head_dim: 16, max_position_embeddings: 64},
+        tokenizer: char, dtype: float32, device: cpu, kernel_backend: torch}
+data: {train: "builtin:arithmetic", task: {digits: 1, ops: "+-"}, train_size: 40, eval_size: 6, max_prompt_len: 16}
+rewards: [{name: arithmetic}, {name: length_penalty, kwargs: {max_len: 3}}]
+ppo: {steps: 2, prompts_per_step: 4, samples_per_prompt: 2, max_new_tokens: 3, kl_coef: 0.1}
+checkpoint: {every: 1}
+logging: {tensorboard: false, progress: false}
+"""
+
+
+@pytest.mark.slow  # torchrun, 2 processes: ~20 s on 2 cores
+def test_torchrun_ppo_command(tmp_path):
+    """`rlfuse ppo` under torchrun (the CLI's PPOTrainer with the process group): rank 0's
+    summary only, a sharded checkpoint per step, the final weights."""
+    (tmp_path / "recipe.yaml").write_text(RECIPE)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           "--monitor_interval=0.2", "-m", "rlfuse", "ppo", str(tmp_path / "recipe.yaml"),
+           "--run-dir", str(tmp_path / "run"), "--dist-timeout", "60"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=root)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.stdout.count("ppo done") == 1, out.stdout
+    assert [r["step"] for r in read_metrics(tmp_path / "run") if r["stage"] == "ppo"] == [1, 2]
+    state = torch.load(tmp_path / "run" / "checkpoints" / "step_000002" / "state.pt", weights_only=False)
+    # the critic's optimizer state gathered on rank 0: 2 steps x mu 4 x 1 mini-batch optimizer steps
+    assert state["world_size"] == WORLD and state["critic_optimizer"]["step"] == 8
+    assert (tmp_path / "run" / "final" / "model.safetensors").exists()
