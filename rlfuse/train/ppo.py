@@ -32,14 +32,11 @@ The critic (rlfuse.train.ppo_critic) starts as a copy of the policy's trunk with
 head, or from ppo.critic_path; it holds no activations outside its own forward/backward.
 Its weights and optimizer state travel in the checkpoint's trainer state, with the KL
 coefficient and the reward statistics.
-Data-parallel (`dist`): policy and critic FSDP2-sharded (a LoRA policy replicated); each
-rank generates and scores its block of the prompts (`rollout_on_ranks`: every rank then
-holds the whole batch, so reward statistics and normalizers are global and computed
-locally); each rank runs the critic and reference forwards of its own samples and one
-all-gather gives every rank every sample's values and KL, so GAE, whitening, the adaptive
-KL coefficient and their statistics are the one-process computation on every rank; each
-rank trains its own samples of every mini-batch, padded to the same number of
-micro-batches (zero weight), and the metrics' partial sums are added across ranks.
+Data-parallel (`dist`; docs/distributed.md): policy and critic FSDP2-sharded; each rank
+rolls out its block of the prompts and runs the critic / reference forwards of its own
+samples, then all-gathers (samples, then values and KL): reward statistics, GAE, global
+whitening and the adaptive KL run on the whole batch as in one process; each rank trains
+its samples of every mini-batch, padded to the same micro-batch count (zero weight).
 `PPOStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse ppo RECIPE.yaml   Test: python -m pytest -q tests/test_ppo_trainer.py
 """
