@@ -301,19 +301,20 @@ def phase_kinds(out: Path, work: Path, args) -> dict:
     J.wait(J.start("ppo_1gpu", J.argv("ppo", ppo, work / "ppo1", 1, fresh), gpu="0", timeout=args.job_timeout),
            J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1, fresh), gpu="1", timeout=args.job_timeout))
     J.run("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout)
+    n = args.kinds_gpus  # the "2gpu" jobs and folders keep their names at any N
     for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream)):
-        J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", 2, fresh), timeout=args.job_timeout)
+        J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", n, fresh), timeout=args.job_timeout)
     eq = {name: {**metric_diff(metrics(work / f"{run}2", stage), metrics(work / f"{run}1", stage)),
                  "weights": weight_diff(work / f"{run}2" / "final", work / f"{run}1" / "final")}
           for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"),
                                    ("lora_stream_exact_bf16", "stream", "grpo"))}
-    J.finish({"equivalence": eq})
-    print("\n| job | rc | wall s |\n|---|---|---|")
+    J.finish({"equivalence": eq, "gpus": n})
+    print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
     for r in J.results.values():
         print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
     for k, e in eq.items():
         print(f"\n{k}: final weights {e['weights']}")
-        print("| step | loss 1 GPU | loss 2 GPU | max rel metric diff (which) | mismatch max 1 / 2 |")
+        print(f"| step | loss 1 GPU | loss {n} GPUs | max rel metric diff (which) | mismatch max 1 / {n} |")
         print("|---|---|---|---|---|")
         for s in e["steps"]:
             print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['max_rel_diff']:.2e} ({s['where']}) | "
@@ -430,6 +431,7 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
+    ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds: GPUs of the data-parallel jobs (2 or 4)")
     ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
