@@ -10,7 +10,9 @@ One spawned 2-rank job (`_job`) runs, through `run_ppo` with a DistContext:
     samples and pads; checkpoints at steps 2 and 4, final export on rank 0);
   * the same run stopped after step 2 and resumed (`checkpoint.resume=auto`);
   * PPO resumed from a one-process run's step-2 checkpoint (1 -> 2: the critic's
-    one-process state sharded).
+    one-process state sharded);
+  * multi-turn PPO (an environment, 3 turns an episode), 2 steps: each rank runs the
+    episodes of its own prompts, seeded by their global index.
 This process then runs the same recipe in one process, resumes the 2-rank step-2
 checkpoint in one process (2 -> 1), and checks: every logged metric within TOL of the
 one-process run's and the final weights within WEIGHT_TOL (tests/test_distributed_run.py
@@ -31,6 +33,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port, spawn_ranks
+from test_distributed_kinds import ENV, TIMED
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
@@ -62,7 +65,16 @@ def _job(rank: int, port: int, out: str) -> None:
     run_ppo(_cfg(out / "stop2"), dist=ctx, stop_after=2)
     run_ppo(_cfg(out / "stop2", "checkpoint.resume=auto"), dist=ctx)
     run_ppo(_cfg(out / "reshard2", "checkpoint.resume=auto"), dist=ctx)  # a one-process checkpoint
+    run_ppo(_episodes_cfg(out, out / "episodes2"), dist=ctx)
     D.shutdown()
+
+
+def _episodes_cfg(tmp: Path, run_dir: Path):
+    return tiny_cfg(run_dir, f"rollout.env={tmp / 'echo_env.py'}:Echo", "rollout.max_turn_tokens=4",
+                    "rollout.max_total_tokens=40", "engine.numerics=exact", "model.kernel_backend=auto",
+                    "rollout.env_workers=2",  # auto is one thread per episode: per rank by nature
+                    "data.eval_size=4", "checkpoint.save_final=true", "engine.fuse_projections=false",
+                    ppo={**PPO, "steps": 2, "mini_batches": 1})
 
 
 def _resume_from(run: Path, new: Path) -> None:
@@ -76,7 +88,9 @@ def runs(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
+        (out / "echo_env.py").write_text(ENV)
         run_ppo(_cfg(out / "ppo1"))
+        run_ppo(_episodes_cfg(out, out / "episodes1"))
         _resume_from(out / "ppo1", out / "reshard2")  # 1 -> 2, resumed in _job
         t0 = time.perf_counter()
         spawn_ranks(_job, WORLD, free_port(), str(out))
@@ -108,6 +122,19 @@ def test_ppo_two_ranks_match_one_process(runs):
     assert all(r["mismatch/max_abs"] == 0.0 for r in steps)  # exact numerics: 0 on every rank (max over ranks)
     assert any(abs(r["kl"]) > 0 for r in steps) and len({r["kl_coef"] for r in steps}) > 1  # KL and its adaptation
     assert any(r["critic/value_loss"] > 0 for r in steps)
+
+
+@pytest.mark.slow
+def test_multi_turn_ppo_two_ranks_match_one_process(runs):
+    skip = (*TIMED, "critic/update_ratio")  # per engine by nature (test_distributed_kinds.py), as above
+    two, one = ([{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(runs / f"episodes{n}")]
+                for n in (2, 1))
+    steps = [r for r in two if r["stage"] == "ppo"]
+    assert len(steps) == 2 and all(r["rollout/turns_mean"] == 3.0 for r in steps)
+    d, where = _max_diff(two, one)
+    print(f"multi-turn PPO: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where})")
+    assert d <= TOL, where
+    assert all(r["mismatch/max_abs"] == 0.0 for r in steps)
 
 
 @pytest.mark.slow
