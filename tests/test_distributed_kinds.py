@@ -122,8 +122,10 @@ def runs(tmp_path_factory):
 # environments) and the prefix-cache hit fraction (each rank's engine caches only its own
 # episodes' prefixes, so fewer are shared than in one engine); and the trained-token fraction, a
 # ratio of token sums that the ranks' mean approximates (rollout/trained_tokens_per_episode, a
-# per-episode mean, is compared)
-TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac", "rollout/trained_frac")
+# per-episode mean, is compared); and rollout/env_workers, the environment threads of each
+# rank's engine (auto: one per episode of that engine's rollout)
+TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac", "rollout/trained_frac",
+         "rollout/env_workers")
 
 
 def _rows(run_dir: Path) -> list[dict]:

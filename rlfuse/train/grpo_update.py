@@ -216,8 +216,10 @@ class GRPOUpdate:
         first optimizer step's captured (log-probs, old, mask), `extra`."""
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
-        if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
-            out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
+        if self.dist is not None:  # partial sums over the global normalizers; lr, grad norm and the
+            # no-signal skip (decided on the gathered rewards) are the same on all ranks
+            same = ("lr", "grad_norm", "skipped_update")
+            out = reduce_metrics(self.dist, out, ops={k: "max" for k in same}, default="sum")
         empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
         mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
         if self.dist is not None:

@@ -19,11 +19,13 @@ Test: python -m pytest -q tests/test_distributed_lora.py
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
 from rlfuse.run.distributed.context import DistContext, gather_results
-from rlfuse.run.distributed.fsdp import is_sharded, log_bytes
+from rlfuse.run.distributed.fsdp import log_bytes
 from rlfuse.run.optim import MasterAdamW
 
 
@@ -73,19 +75,16 @@ class ReplicatedAdamW(MasterAdamW):
         self._reduced = False
 
 
-def is_replicated(model: torch.nn.Module, ctx: DistContext | None) -> bool:
-    """True in a data-parallel run whose model is not FSDP-sharded (LoRA: replicated)."""
-    return ctx is not None and not is_sharded(model)
-
-
 @torch.no_grad()
 def check_replicas(ctx: DistContext, model: torch.nn.Module, what: str) -> None:
-    """ValueError on every rank when the ranks' trainable parameters differ (a checksum per
-    tensor, all-gathered: one small collective). Every rank calls it."""
-    sums = [(n, float(p.detach().double().sum()), float(p.detach().double().abs().sum()))
-            for n, p in model.named_parameters() if p.requires_grad]  # host sync: a save-time check
-    parts = gather_results(ctx, what, lambda: sums)
-    bad = [n for k, (n, *_s) in enumerate(parts[0]) if any(p[k] != parts[0][k] for p in parts[1:])]
+    """ValueError on every rank when the ranks' trainable parameters are not bitwise equal
+    (a hash of each tensor's bytes, all-gathered: one small collective; the tensors are
+    copied to the host, as the checkpoint that follows copies them anyway). Every rank
+    calls it."""
+    digests = [(n, hashlib.blake2b(p.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest())
+               for n, p in model.named_parameters() if p.requires_grad]
+    parts = gather_results(ctx, what, lambda: digests)
+    bad = [n for k, (n, _) in enumerate(parts[0]) if any(p[k] != parts[0][k] for p in parts[1:])]
     if bad:
         raise ValueError(f"{what}: the ranks' replicated weights differ ({len(bad)} tensors, e.g. {bad[0]}); "
                          f"the data-parallel run lost its bitwise-equal replicas, so nothing is written")
