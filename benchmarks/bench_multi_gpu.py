@@ -14,13 +14,18 @@ Phases (several may be given; they run in order):
   run     SFT (fp32) and GRPO (bf16, numerics exact) on 1 GPU and on 2 GPUs, 3 steps, same
           global batch and seed: per-step metric and final-weight differences, exact
           mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake);
-          PPO and DPO under torchrun (expected: a clean refusal)
+          DPO under torchrun on the SFT rows (expected: one error line, no preference pairs)
+  kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated) and
+          LoRA GRPO in stream mode, bf16, exact numerics, on 1 GPU and on 2 GPUs, 3 steps,
+          same global batch and seed: per-step metric and final-weight (LoRA: adapter)
+          differences, exact mismatch
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
   faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
           uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
 
     OUT=out python3 benchmarks/bench_multi_gpu.py env run
     OUT=out python3 benchmarks/bench_multi_gpu.py scale --scale-runs 0.6b:1 0.6b:2 4b:2
+    OUT=out python3 benchmarks/bench_multi_gpu.py kinds
 The subprocesses inherit this environment unchanged (the machine's NCCL settings included).
 """
 
@@ -56,7 +61,8 @@ REWARD = ("import os, signal\n"
           "            os.kill(os.getpid(), signal.SIGKILL)\n"
           "        raise RuntimeError(f'injected fault on rank {rank} at reward call {call}')\n"
           "    return even(prompts, completions, completion_ids)\n")
-NOT_COMPARED = ("time/", "tokens_per_s", "memory/")
+# stream/*: times and gradient slots, per rank by nature (each rank's groups finish in their own order)
+NOT_COMPARED = ("time/", "tokens_per_s", "memory/", "stream/")
 
 
 # ------------------------------------------------------------------ set-up
@@ -96,6 +102,10 @@ def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", 
     }
     if kind == "sft":
         cfg["sft"] = {"steps": steps, "batch_size": 8, "micro_batch_tokens": 512}
+    elif kind == "ppo":
+        cfg["ppo"] = {"steps": steps, "prompts_per_step": prompts, "samples_per_prompt": group, "max_new_tokens": new,
+                      "temperature": 1.0, "micro_batch_tokens": 16384, "sample_every": 0, "mu": 2,
+                      "mini_batches": 2, "kl_coef": 0.05}
     else:
         cfg["grpo"] = {"steps": steps, "prompts_per_step": prompts, "group_size": group, "max_new_tokens": new,
                        "temperature": 1.0, "loss_type": "dapo", "micro_batch_tokens": 16384, "sample_every": 0}
@@ -249,7 +259,6 @@ def phase_run(out: Path, work: Path, args) -> dict:
     sft = recipe(work, "sft", "sft", dtype="float32", save_final=True)
     grpo_x = recipe(work, "grpo_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
     grpo_f = recipe(work, "grpo_fast", "grpo", numerics="fast", prompts=8, group=4, new=64)
-    J.run("ppo_2gpu", J.argv("ppo", grpo_f, work / "ppo2", 2), timeout=120)
     J.run("dpo_2gpu", J.argv("dpo", sft, work / "dpo2", 2), timeout=120)
     # one-GPU references side by side (one per GPU), then the 2-GPU runs
     J.wait(J.start("sft_1gpu", J.argv("sft", sft, work / "sft1", 1), gpu="0"),
@@ -275,8 +284,41 @@ def phase_run(out: Path, work: Path, args) -> dict:
         for s in eq[k]["steps"]:
             print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['loss_abs_diff']:.2e} | "
                   f"{s['max_rel_diff']:.2e} ({s['where']}) | {s['mismatch_max_abs_1gpu']} / {s['mismatch_max_abs_2gpu']} |")
-    for k in ("ppo_2gpu", "dpo_2gpu"):
+    for k in ("dpo_2gpu",):
         print(f"{k}: rc {J.results[k]['rc']}: {J.results[k]['errors'][:1]}")
+    return eq
+
+
+def phase_kinds(out: Path, work: Path, args) -> dict:
+    """PPO and LoRA GRPO: 1 GPU vs 2 GPUs (the module docstring's `kinds`)."""
+    J = Jobs(work, out, "kinds")
+    ppo = recipe(work, "ppo_exact", "ppo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
+    lora = recipe(work, "lora_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
+                  model={"lora": {"rank": 16}}, optim={"lr": 1e-4})
+    stream = recipe(work, "lora_stream", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
+                    model={"lora": {"rank": 16}}, optim={"lr": 1e-4}, grpo={"overlap": "stream"})
+    fresh = "--overwrite"  # a rerun in the same --work replaces its run folders
+    J.wait(J.start("ppo_1gpu", J.argv("ppo", ppo, work / "ppo1", 1, fresh), gpu="0", timeout=args.job_timeout),
+           J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1, fresh), gpu="1", timeout=args.job_timeout))
+    J.run("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout)
+    n = args.kinds_gpus  # the "2gpu" jobs and folders keep their names at any N
+    for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream)):
+        J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", n, fresh), timeout=args.job_timeout)
+    eq = {name: {**metric_diff(metrics(work / f"{run}2", stage), metrics(work / f"{run}1", stage)),
+                 "weights": weight_diff(work / f"{run}2" / "final", work / f"{run}1" / "final")}
+          for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"),
+                                   ("lora_stream_exact_bf16", "stream", "grpo"))}
+    J.finish({"equivalence": eq, "gpus": n})
+    print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
+    for r in J.results.values():
+        print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
+    for k, e in eq.items():
+        print(f"\n{k}: final weights {e['weights']}")
+        print(f"| step | loss 1 GPU | loss {n} GPUs | max rel metric diff (which) | mismatch max 1 / {n} |")
+        print("|---|---|---|---|---|")
+        for s in e["steps"]:
+            print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['max_rel_diff']:.2e} ({s['where']}) | "
+                  f"{s['mismatch_max_abs_1gpu']} / {s['mismatch_max_abs_2gpu']} |")
     return eq
 
 
@@ -381,7 +423,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults"))
+    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds"))
     ap.add_argument("--work", default="/tmp/mgpu", help="run folders and logs (large: final weights)")
     ap.add_argument("--scale-runs", nargs="+", default=["0.6b:1", "0.6b:2"], metavar="SHAPE:GPUS",
                     help=f"GRPO scaling runs, shape one of {sorted(SHAPES)}")
@@ -389,6 +431,7 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
+    ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds: GPUs of the data-parallel jobs (2 or 4)")
     ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
@@ -401,7 +444,8 @@ def main() -> int:
     for ph in args.phases:
         t0 = time.perf_counter()
         {"env": lambda: phase_env(out, work), "run": lambda: phase_run(out, work, args),
-         "scale": lambda: phase_scale(out, work, args), "faults": lambda: phase_faults(out, work, args)}[ph]()
+         "scale": lambda: phase_scale(out, work, args), "faults": lambda: phase_faults(out, work, args),
+         "kinds": lambda: phase_kinds(out, work, args)}[ph]()
         print(f"=== phase {ph}: {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

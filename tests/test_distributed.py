@@ -13,7 +13,12 @@ for compute dtypes fp32 and bf16:
   * per-rank bytes of params / grads / optimizer state are half the one-process bytes
     (up to one row per tensor from uneven dim-0 shards);
   * DCP save, reload into a fresh sharded model at the same N, one more step: bitwise the
-    same as not stopping; `fail_together` raises on both ranks with rank 1's message.
+    same as not stopping; `fail_together` raises on both ranks with rank 1's message;
+  * the whole training state gathered to rank 0 in the one-process form
+    (`full_adamw_state`, PPO's critic) and sharded again into a fresh model: bitwise;
+  * ReplicatedAdamW (LoRA): `grads()` sums every rank's gradients once (a parameter only
+    one rank has a gradient for gets it, one no rank has stays None; fp32 accumulation of
+    a bf16 parameter), and `check_replicas` stops both ranks when one rank's copy differs.
 Then, in this process (no process group): the 2-rank checkpoint loads into an unsharded
 model + torch AdamW (resharding 2 -> 1) with weights and optimizer state bitwise equal to
 the 2-rank run's, and the rank-0 HF export loads with rlfuse.model.load_model.
@@ -38,6 +43,7 @@ from rlfuse.run.batching import PackedBatch, pack_by_tokens
 from rlfuse.run.distributed import context as D
 from rlfuse.run.distributed import dcp as DCP
 from rlfuse.run.distributed import fsdp as FS
+from rlfuse.run.distributed.replicated import ReplicatedAdamW, check_replicas
 from rlfuse.run.optim import MasterAdamW
 from rlfuse.run.optim import clip_grad_norm_ as clip_one_process
 
@@ -198,6 +204,7 @@ def _job(rank: int, port: int, out_dir: str):
                 pass
             for dtype in (torch.float32, torch.bfloat16):
                 report[str(dtype)] = _check_dtype(ctx, dtype, out_dir)
+            _check_replicated(ctx)
     finally:
         D.shutdown()
     if rank == 0:
@@ -277,9 +284,46 @@ def _check_dtype(ctx, dtype, out_dir: str) -> dict:
     _dp_step(ctx, model2, opt2, 2, STEPS[2])
     assert all(torch.equal(final[n], t) for n, t in _full(model2).items()), "resume at the same N is not exact"
 
+    # the whole state in the one-process form on rank 0 (PPO's critic), then sharded again
+    weights, sd = DCP.full_adamw_state(model, opt, dtype)
+    got = [weights, sd]
+    torch.distributed.broadcast_object_list(got, src=0)  # as state.pt: every rank reads the same file
+    model3 = FS.shard_model(_model(dtype), ctx)
+    opt3 = FS.sharded_adamw(model3, **ADAM)
+    DCP.load_full_adamw_state(model3, opt3, *got)
+    assert all(torch.equal(final[n], t) for n, t in _full(model3).items())
+    assert got[1]["step"] == len(STEPS) and (got[1]["master"][0] is None) == (dtype == torch.float32)
+    for p, p3 in zip(model.parameters(), model3.parameters()):
+        assert all(torch.equal(opt.state[p][k].full_tensor(), opt3.state[p3][k].full_tensor())
+                   for k in ("exp_avg", "exp_avg_sq"))
+
     _save_full(ctx, model, opt, os.path.join(out_dir, f"final_{name}.pt"))
     DCP.save_hf_export(ctx, model, os.path.join(out_dir, f"hf_{name}"), dtype=dtype)
     return rows
+
+
+def _check_replicated(ctx) -> None:
+    a, b, c = (torch.nn.Parameter(torch.zeros(n)) for n in (3, 2, 2))
+    d = torch.nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
+    opt = ReplicatedAdamW([a, b, c, d], ctx, lr=0.1)
+    a.grad = torch.tensor([1.0, 2.0, 3.0]) * (ctx.rank + 1)
+    if ctx.rank == 1:
+        b.grad = torch.tensor([5.0, 7.0])
+    (d.float() * torch.tensor([0.5, 0.25]) * (ctx.rank + 1)).sum().backward()  # hook: into the fp32 buffer
+    for _ in range(2):  # the second call must not sum again
+        grads = opt.grads()
+        assert [g.tolist() for g in grads] == [[3.0, 6.0, 9.0], [5.0, 7.0], [1.5, 0.75]], grads
+        assert c.grad is None and grads[2].dtype == torch.float32
+    opt.step()
+    opt.zero_grad()
+    lin = torch.nn.Linear(2, 2, bias=False)
+    torch.nn.init.constant_(lin.weight, 0.5)
+    check_replicas(ctx, lin, "same")  # equal: no error
+    if ctx.rank == 1:
+        with torch.no_grad():
+            lin.weight[0, 0] += 1e-7
+    with pytest.raises(ValueError, match="replicated weights differ"):
+        check_replicas(ctx, lin, "checkpoint step 3")
 
 
 def _save_full(ctx, model, opt, path: str) -> None:

@@ -31,7 +31,7 @@ from spawn_ranks import free_port, spawn_ranks
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
-from rlfuse import GRPOTrainer, PPOTrainer
+from rlfuse import GRPOTrainer
 from rlfuse.model import load_model
 from rlfuse.run.distributed import context as D
 from rlfuse.run.metrics import read_metrics
@@ -122,8 +122,10 @@ def runs(tmp_path_factory):
 # environments) and the prefix-cache hit fraction (each rank's engine caches only its own
 # episodes' prefixes, so fewer are shared than in one engine); and the trained-token fraction, a
 # ratio of token sums that the ranks' mean approximates (rollout/trained_tokens_per_episode, a
-# per-episode mean, is compared)
-TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac", "rollout/trained_frac")
+# per-episode mean, is compared); and rollout/env_workers, the environment threads of each
+# rank's engine (auto: one per episode of that engine's rollout)
+TIMED = (*NOT_COMPARED, "rollout/engine_idle_frac", "rollout/continuation_cached_frac", "rollout/trained_frac",
+         "rollout/env_workers")
 
 
 def _rows(run_dir: Path) -> list[dict]:
@@ -159,13 +161,6 @@ def test_two_ranks_match_one_process(runs, kind):
         for r in (r for r in two if r["stage"] == "grpo"):
             assert r["rollout/turns_mean"] == 3.0 and r["rollout/obs_tokens_per_episode"] > 0
             assert r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0
-
-
-def test_ppo_refuses_data_parallel_with_one_line(tmp_path):
-    """PPO is not data-parallel yet: a dist= trainer says so before touching the run folder."""
-    with pytest.raises(ValueError, match="PPOTrainer: data-parallel ppo"):
-        PPOTrainer(config=API_CFG, run_dir=tmp_path / "r", dist=object())
-    assert not (tmp_path / "r").exists()
 
 
 # ---------------------------------------------------------------------- DPO

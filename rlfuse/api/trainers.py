@@ -164,8 +164,6 @@ class _Trainer:
     section: type = object
     run: Callable = None
     need_target = False
-    data_parallel = True
-    """Runs data-parallel with `dist=` (torchrun); PPO refuses it for now."""
 
     def __init__(self, model=None, reward_funcs=None, *, args=None, config: RunConfig | dict | str | None = None,
                  overrides: list[str] = (), train_dataset=None, eval_dataset=None, reward_weights=None,
@@ -240,9 +238,6 @@ class _Trainer:
             for split, path in _saved_data(run_path).items():
                 if f"data.{split}" not in changes and not getattr(cfg.data, split):
                     changes[f"data.{split}"] = path
-        if dist is not None and not self.data_parallel:
-            raise ValueError(f"{type(self).__name__}: data-parallel {self.kind} (dist=, torchrun) is not supported "
-                             f"yet; run it in one process")
         self.config: RunConfig = replace(cfg, **changes) if changes else cfg
         self.dist = dist
         self._lock: RunLock | None = None
@@ -374,7 +369,7 @@ class GRPOTrainer(_Trainer):
 
 class PPOTrainer(_Trainer):
     """PPO with a critic (`rlfuse ppo`): prompts, reward functions."""
-    kind, section, run, data_parallel = "ppo", PPOConfig, staticmethod(run_ppo), False
+    kind, section, run = "ppo", PPOConfig, staticmethod(run_ppo)
 
 
 class DPOTrainer(_Trainer):

@@ -226,14 +226,6 @@ def start_distributed(args, cfg: RunConfig) -> DistContext | None:
     return ctx
 
 
-def single_process_only(command: str) -> None:
-    """Trainers not yet data-parallel refuse a torchrun launch instead of running N
-    independent copies into one run folder."""
-    if launch_env(os.environ) is not None:
-        raise ValueError(f"rlfuse {command} runs in one process for now (data-parallel {command} is not "
-                         f"supported yet): launch it without torchrun")
-
-
 def end_distributed(ctx: DistContext | None) -> None:
     """After a successful run: leave the process group (a failing rank just exits)."""
     if ctx is not None:

@@ -3,7 +3,8 @@
 Every training command loads a recipe (CONFIG with --set overrides), runs one trainer of the
 Python API to the end (stopping at a step on SIGINT/SIGTERM, resumable) and prints a summary.
 `TRAIN_COMMANDS` holds what differs: the help line, the config sections `--help` names, the
-trainer, whether it runs data-parallel under torchrun, and the summary.
+trainer and the summary. Under torchrun every one of them runs data-parallel
+(docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from rlfuse.cli.common import (
     run_evals,
     run_flags,
     setup_threads,
-    single_process_only,
     start_distributed,
     stopped,
 )
@@ -67,26 +67,21 @@ class TrainCommand:
     """Config sections and keys the command reads (named in its --help)."""
     trainer: type
     summary: Callable[[dict], None]
-    distributed: bool = False
-    """Runs data-parallel under torchrun; else refused there with one line."""
 
     def add_arguments(self, p) -> None:
         add_config_arguments(p, uses=self.uses)
 
     def run(self, args) -> int:
-        return as_rank(lambda: self._run(args))() if self.distributed else self._run(args)
+        return as_rank(lambda: self._run(args))()  # every trainer runs data-parallel under torchrun
 
     def _run(self, args) -> int:
         ctx = None
         try:
-            if not self.distributed:
-                single_process_only(self.name)
             cfg = load_run_config(args)
             setup_threads(args.threads, model_decides=True)  # the trainer picks by the model's size
-            if self.distributed:
-                ctx = start_distributed(args, cfg)  # None unless launched by torchrun
+            ctx = start_distributed(args, cfg)  # None unless launched by torchrun
             with stop_on_signals():
-                res = self.trainer(config=cfg, **({"dist": ctx} if self.distributed else {}), **run_flags(args),
+                res = self.trainer(config=cfg, dist=ctx, **run_flags(args),
                                    **agent_flags(cfg)).train()
         except (ValueError, RankFailed) as e:  # RankFailed: another rank's error, with its message
             return fail(e)
@@ -102,13 +97,13 @@ class TrainCommand:
 TRAIN_COMMANDS = {c.name: c for c in (
     TrainCommand(name="sft", HELP="supervised fine-tuning from a recipe (YAML)", trainer=SFTTrainer,
                  uses=("sft", "grpo.max_new_tokens"),  # held-out answers' length
-                 summary=_sft_summary, distributed=True),
+                 summary=_sft_summary),
     TrainCommand(name="grpo", HELP="GRPO / DAPO / Dr. GRPO / GSPO training from a recipe (YAML)", trainer=GRPOTrainer,
-                 uses=("grpo",), summary=lambda res: print_summary("grpo", res), distributed=True),
+                 uses=("grpo",), summary=lambda res: print_summary("grpo", res)),
     TrainCommand(name="ppo", HELP="PPO with a critic (GAE, clipped value loss, KL-shaped reward) from a recipe (YAML)",
                  trainer=PPOTrainer, uses=("ppo",), summary=lambda res: print_summary("ppo", res)),
     TrainCommand(name="dpo", HELP="DPO / IPO / conservative DPO on preference pairs from a recipe (YAML)",
                  trainer=DPOTrainer, uses=("dpo", "grpo.max_new_tokens"),  # held-out answers' length
-                 summary=_dpo_summary, distributed=True),
+                 summary=_dpo_summary),
 )}
 """Command name -> TrainCommand."""

@@ -22,6 +22,8 @@ RUN_DIR/checkpoints/step_000012/
     COMPLETE             as above
 Every rank writes its DCP shard into the shared hidden temporary folder; after they all
 finished rank 0 writes the rest, renames, rotates (ranks agree on errors: RankFailed).
+Replicated runs (LoRA data-parallel: every rank holds the same adapters) write the
+one-process layout from rank 0, plus every rank's RNG states and the world size in state.pt.
 `load_checkpoint` detects the layout: a sharded checkpoint resumes at the same N exactly,
 at another N by resharding (DCP), and in one process into a plain model + MasterAdamW; a
 one-process checkpoint loads into a sharded run too (every rank reads it, keeps its shard).
@@ -61,6 +63,8 @@ from rlfuse.model.lora_peft import save_merged, save_peft_adapter
 from rlfuse.model.weights import save_model
 from rlfuse.run.distributed.context import DistContext, gather_results, on_main
 from rlfuse.run.distributed.dcp import save_hf_export, save_sharded
+from rlfuse.run.distributed.fsdp import is_sharded
+from rlfuse.run.distributed.replicated import check_replicas
 from rlfuse.run.optim import NonFiniteError, nonfinite_tensors
 
 log = logging.getLogger(__name__)
@@ -141,8 +145,16 @@ def _manifest(folder: Path) -> str:
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, state: dict, *, tokenizer=None,
                     keep_last: int = 2, dist: DistContext | None = None) -> Path:
-    if dist is not None:
+    if dist is not None and is_sharded(model):
         return _save_sharded_checkpoint(dist, run_dir, step, model, optimizer, state, tokenizer, keep_last)
+    if dist is not None:
+        # replicated (LoRA): the one-process layout, written by rank 0, with every rank's RNG states
+        check_replicas(dist, model, f"checkpoint step {step}")
+        rngs = gather_results(dist, "checkpoint", rng_state)
+        state = {**state, "rng_per_rank": rngs, "world_size": dist.world_size}
+        on_main(dist, "checkpoint", lambda: save_checkpoint(run_dir, step, model, optimizer, state,
+                                                            tokenizer=tokenizer, keep_last=keep_last))
+        return Path(run_dir) / "checkpoints" / f"step_{step:06d}"
     ckpt_root = Path(run_dir) / "checkpoints"
     final = ckpt_root / f"step_{step:06d}"
     check_finite(model, f"checkpoint {final}")
@@ -266,6 +278,10 @@ def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext
     `merged_folder(folder)` as well. With `dist`: the full weights gathered on rank 0 and
     written there in `dtype` (the run's)."""
     final = Path(folder)
+    if dist is not None and not is_sharded(model):  # replicated (LoRA): rank 0 writes what one process writes
+        check_replicas(dist, model, str(final))
+        on_main(dist, "export", lambda: export_model(final, model, tokenizer, dtype=dtype))
+        return final
     check_finite(model, str(final), dist)
     if dist is not None:
         with tempfile.TemporaryDirectory() as tmp:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import distribute_tensor
 
 from rlfuse.model import CausalLM, ModelConfig
 from rlfuse.model.lora import has_lora
@@ -25,7 +24,8 @@ from rlfuse.model.lora_peft import load_peft_weights
 from rlfuse.model.weights import load_model, load_state_dict_from_files, parse_dtype
 from rlfuse.run.checkpoint import CheckpointError, clean_temporary, list_checkpoints, set_rng_state
 from rlfuse.run.distributed.context import DistContext
-from rlfuse.run.distributed.dcp import load_sharded
+from rlfuse.run.distributed.dcp import load_full_adamw_state, load_sharded
+from rlfuse.run.distributed.fsdp import is_sharded
 
 log = logging.getLogger(__name__)
 
@@ -149,9 +149,10 @@ def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
 def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | None = None) -> dict:
     """Load weights into `model` in place, the optimizer state and RNG states; returns
     the saved trainer state (step, data positions, extras). Either layout (module doc),
-    into a one-process model or, with `dist`, a sharded one."""
+    into a one-process model or, with `dist`, a sharded one. A replicated model (`dist`, not
+    sharded: LoRA) reads the one-process layout on every rank."""
     path = Path(path)
-    if (path / "dcp").is_dir() or dist is not None:
+    if (path / "dcp").is_dir() or (dist is not None and is_sharded(model)):
         return _load_resharded(path, model, optimizer, dist)
     adapter = (path / "adapter").is_dir()
     if adapter != has_lora(model):
@@ -166,7 +167,9 @@ def load_checkpoint(path: str | Path, model, optimizer, *, dist: DistContext | N
         optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location=model.lm_head_weight.device,
                                              weights_only=False))
     state = torch.load(path / "state.pt", weights_only=False)
-    set_rng_state(state["rng"])
+    # each rank's own RNG states when the same number of ranks wrote them (replicated runs), else rank 0's
+    same_n = dist is not None and state.get("world_size", 1) == dist.world_size and "rng_per_rank" in state
+    set_rng_state(state["rng_per_rank"][dist.rank] if same_n else state["rng"])
     log.info("resumed from %s (step %d)", path, state["step"])
     return state
 
@@ -215,18 +218,9 @@ def _load_sharded_into_one_process(folder: Path, model, optimizer) -> None:
 
 
 def _load_one_process_into_sharded(path: Path, model, optimizer) -> None:
-    plain = load_model(path / "model", dtype=torch.float32)  # the rounded weights; masters replace them below
+    plain = load_model(path / "model", dtype=torch.float32)  # the rounded weights; saved masters replace them
     sd = torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False)
-    step = torch.tensor(float(sd["step"]))
-    for i, ((n, p), (n0, p0)) in enumerate(zip(model.named_parameters(), plain.named_parameters())):
-        assert n == n0, (n, n0)
-
-        def shard(full: torch.Tensor, p=p) -> torch.Tensor:  # p bound: this iteration's parameter
-            return distribute_tensor(full.float().to(p.device), p.device_mesh, p.placements)
-
-        p.to_local().copy_(shard(sd["master"][i] if sd["master"][i] is not None else p0).to_local())
-        optimizer.opt.state[p] = {"step": step.clone(), "exp_avg": shard(sd["exp_avg"][i]),
-                                  "exp_avg_sq": shard(sd["exp_avg_sq"][i])}
+    load_full_adamw_state(model, optimizer.opt, dict(plain.named_parameters()), sd)
 
 
 def model_folder(folder: str | Path) -> Path:

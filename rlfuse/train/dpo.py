@@ -234,9 +234,9 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
         if ref_model.config.vocab_size != ses.model.config.vocab_size:
             raise ValueError(f"dpo.ref_path: the reference's vocabulary ({ref_model.config.vocab_size}) differs "
                              f"from the policy's ({ses.model.config.vocab_size})")
-    if ses.dist is not None and ref_model is None and cfg.dpo.reference == "live":
+    if is_sharded(ses.model) and ref_model is None and cfg.dpo.reference == "live":
         ref_model = full_copy(ses.model, parse_dtype(cfg.model.dtype))  # the starting weights, 2P a rank
-    trainer = DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg), pairs, ref_model=ref_model, dist=ses.dist)
+    trainer = DPOStep(cfg, ses.model, make_optimizer(ses.model, cfg, ses.dist), pairs, ref_model=ref_model, dist=ses.dist)
     d = cfg.dpo
     # held-out pairs, when the eval rows are preference rows: the policy's own pair metrics
     # at the start and the end (the reference-relative h is 0 at the start by definition)

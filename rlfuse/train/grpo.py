@@ -39,7 +39,7 @@ from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, media_kwargs, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, rollout_on_ranks
+from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, is_sharded, rollout_on_ranks
 from rlfuse.train.advantages import KL_IN_REWARD, drop_rewards, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
@@ -234,8 +234,9 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
                             stats=ses.data_stats, vision=ses.vision)
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
-    ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if ses.dist is not None and cfg.grpo.kl_coef > 0 else None
-    trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
+    # (a replicated LoRA model's reference is its base: the adapters switched off, no copy)
+    ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if is_sharded(ses.model) and cfg.grpo.kl_coef > 0 else None
+    trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg, ses.dist),
                           ref_model=ref, dist=ses.dist)
     eval_prompts = ses.eval_prompts()
     # the trainer's RewardSet: its error counts (logged per step) include the evaluations'

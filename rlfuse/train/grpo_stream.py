@@ -10,7 +10,7 @@ Equal to sync mode, and how:
   - Same advantages: the estimators allowed here (group with adv_scale group | none, rloo)
     use their group's rewards only; those needing the whole batch (adv_scale batch,
     reinforce_pp*) are refused by `check_stream`, as are mu > 1, mini_batches > 1,
-    multi-turn episodes and data-parallel runs.
+    multi-turn episodes and FSDP-sharded data-parallel runs.
   - Same micro-batches: packed within each group (`pack_by_tokens` over its G sequences),
     each weighted by its share of the step's normalizer (`accumulation_weight`). For
     grpo / gspo / dr_grpo that is the sequence count P*G, known before the rollout.
@@ -57,6 +57,15 @@ logged once at the first step and as memory/kv_pool_mb, memory/train_headroom_mb
 beside the awake pool) and memory/grad_slots_peak_mb.
 stream/overlap_frac = training time spent before the engine finished / all training time
 (stream/train_s: that time, each job from its start to its side stream's end).
+Data-parallel with a replicated model (LoRA, rlfuse.run.distributed.replicated): each rank
+streams its block of the prompts and trains its groups locally (no collective while the
+engine decodes); after its last group, one sum of (kept sequences, loss tokens) over ranks
+gives the global normalizers of the rescale, ReplicatedAdamW sums the gradients, and one
+all-gather gives every rank the whole rollout (its metrics as in one process). An
+FSDP-sharded model is refused: every forward and backward there is a collective, which
+the ranks' groups, finishing at different times on different ranks, would have to meet
+in lockstep, and a backward's reshard would free the gathered weights the engine decodes
+from (docs/distributed.md).
 Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
 """
 
@@ -64,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import logging
 import queue
 import threading
@@ -75,6 +85,7 @@ from rlfuse.kernels.loss.policy import TOKEN_MEAN_TYPES
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import media_kwargs, score_samples
 from rlfuse.run import pack_by_tokens
+from rlfuse.run.distributed import gather_results, global_sums, is_sharded, local_slice
 from rlfuse.train.advantages import token_advantages, zero_variance_groups
 
 log = logging.getLogger(__name__)
@@ -231,7 +242,8 @@ class StreamStep:
         self.logged = False  # the memory split, once
         self.threaded: bool | None = None
         """Train on a worker thread (None: on CUDA; True on CPU tests the threaded path)."""
-        why = {"data-parallel runs (torchrun)": trainer.dist is not None,
+        why = {"an FSDP-sharded data-parallel run (torchrun without LoRA: every forward and backward is a "
+               "collective the ranks' streamed groups cannot meet in lockstep)": is_sharded(trainer.model),
                f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
                    not hasattr(trainer.sampler, "groups"),
                "LoRA with grpo.kl_coef > 0 (its reference switches the adapters the engine decodes with)":
@@ -242,15 +254,35 @@ class StreamStep:
 
     def run(self, prompts, step: int, timer):
         """-> (samples, total rewards, per-function rewards, reward error counts, per-token
-        advantages, training metrics), as the sync path has them after its `_train`."""
+        advantages, training metrics), as the sync path has them after its `_train`.
+        Data-parallel (replicated model): this rank streams its block of `prompts`, then one
+        all-gather gives every rank the whole rollout in the one-process order."""
+        ctx = self.tr.dist
+        if ctx is None:
+            return self._stream(prompts, step, timer, len(prompts))
+        mine = local_slice(prompts, ctx, what="grpo.prompts_per_step")
+        *rollout, out = self._stream(mine, step, timer, len(prompts))
+        samples, total, per, errors, adv = [], [], {}, {}, []
+        for r, (s, t, p, e, a) in enumerate(gather_results(ctx, "rollout", lambda: rollout)):
+            samples += [dataclasses.replace(x, prompt_index=x.prompt_index + r * len(mine)) for x in s]
+            total += t
+            adv += a
+            for name, vals in p.items():
+                per.setdefault(name, []).extend(vals)
+            for name, n in e.items():
+                errors[name] = errors.get(name, 0) + n
+        return samples, total, per, errors, adv, out
+
+    def _stream(self, prompts, step: int, timer, num_prompts: int):
+        """`run` on this process's `prompts` (of the step's `num_prompts` over all ranks)."""
         tr, up, g = self.tr, self.tr.update, self.tr.g
         P, G = len(prompts), g.group_size
         samples: list = [None] * (P * G)
         total: list = [None] * (P * G)
         per: dict[str, list] = {}
         adv: list = [None] * (P * G)
-        # provisional normalizers (module docstring): all P*G sequences; tokens unnormalized
-        totals = (P * G, 1.0)
+        # provisional normalizers (module docstring): all sequences of the step; tokens unnormalized
+        totals = (num_prompts * G, 1.0)
         check = up.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
         grads = OrderedGradients(tr.optimizer, P)
         mb_sums: list[list[dict]] = [[] for _ in range(P)]  # per group, per micro-batch: summed in order at the end
@@ -263,8 +295,8 @@ class StreamStep:
         runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
 
         def train_group(i: int, seqs: list[int]) -> None:
-            if up.recompute_old or check:
-                old.update(up.trainer_logprobs(prompts, samples, seqs))
+            if up.recompute_old or check:  # this rank's group: no collective (a replicated model)
+                old.update(up.trainer_logprobs(prompts, samples, seqs, local=True))
             lengths = [len(up.prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
 
             def backward(mb):
@@ -314,7 +346,10 @@ class StreamStep:
             raise
         with timer("train"):
             runner.finish()
-            if not kept:
+            n_kept, n_loss = float(len(kept) * G), sum(loss_tokens)
+            if tr.dist is not None:  # the step's normalizers over every rank's groups
+                n_kept, n_loss = global_sums(tr.dist, [n_kept, n_loss])
+            if not n_kept:
                 out = {"_train_tokens": 0.0, "skipped_update": 1.0}
             else:
                 kept.sort()  # finishing order -> group order
@@ -323,8 +358,12 @@ class StreamStep:
                 for s in (s for i in kept for s in mb_sums[i]):  # sync's order: statistics equal too
                     for k, v in s.items():
                         sums[k] = sums.get(k, 0.0) + v
+                if tr.dist is not None:  # a rank that kept no group: its partial sums are 0
+                    keys = set().union(*gather_results(tr.dist, "statistics", lambda: set(sums)))
+                    sums = {k: sums.get(k, torch.zeros((), device=tr.device)) for k in sorted(keys)}
                 cap = tuple([x for i in kept for x in capture[i][c]] for c in range(3))  # sequence order, as sync's
-                out = self._update(step, sums, n_tok[0], seqs, sum(loss_tokens), cap, check, old, samples)
+                out = self._update(step, sums, n_tok[0], seqs, n_loss, n_kept, num_prompts * G, cap, check, old,
+                                   samples)
         out.update({"stream/overlap_frac": overlap_fraction(runner.spans, gen_start, gen_end),
                     "stream/train_s": sum(b - a for a, b in runner.spans),
                     "stream/grad_slots_max": float(grads.peak_held),
@@ -351,17 +390,18 @@ class StreamStep:
                      tr.sampler.kv_pool_bytes() / 2**30, free / 2**30, slot / 2**30, num_groups - 1)
         return free
 
-    def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, capture,
-                check: bool, old: dict, samples) -> dict:
-        """Rescale what was summed under the provisional normalizers (module docstring), then
-        the step's one optimizer step; its metrics as `GRPOUpdate.train` gives them."""
+    def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, kept: float,
+                provisional: int, capture, check: bool, old: dict, samples) -> dict:
+        """Rescale what was summed under the provisional normalizers (module docstring: of
+        `provisional` sequences, `kept` of them trained, `loss_tokens` loss tokens, over all
+        ranks), then the step's one optimizer step; its metrics as `GRPOUpdate.train` gives
+        them. `seqs`: this rank's kept sequences."""
         tr, up, g = self.tr, self.tr.update, self.tr.g
-        provisional = len(samples)
         stat_scale = 1.0 / max(loss_tokens, 1.0)  # statistics: token-weighted sums, unnormalized
         if g.loss_type in TOKEN_MEAN_TYPES:
             grad_scale = stat_scale
         else:  # no multiply when every group was kept: the gradient stays bitwise sync's
-            grad_scale = provisional / len(seqs) if len(seqs) != provisional else None
+            grad_scale = provisional / kept if kept != provisional else None
         if grad_scale is not None:
             for grad in tr.optimizer.grads():
                 grad.mul_(grad_scale)

@@ -135,13 +135,15 @@ class GRPOUpdate:
         else only the pieces of one episode share theirs."""
         return None if self.share_any else [j for j, _ in units]
 
-    def micro_batches(self, units: list[tuple[int, Sample]], seqs: list[tuple]) -> list[tuple[list[int], bool]]:
-        """(positions into units, pad) per micro-batch: all of them in one process;
-        data-parallel, this rank's sequences, padded with zero-weight micro-batches.
-        A shared prefix counts once against the token budget."""
+    def micro_batches(self, units: list[tuple[int, Sample]], seqs: list[tuple],
+                      local: bool = False) -> list[tuple[list[int], bool]]:
+        """(positions into units, pad) per micro-batch: all of them in one process (or
+        `local`: the caller's own samples, no collective); data-parallel, this rank's
+        sequences, padded with zero-weight micro-batches. A shared prefix counts once
+        against the token budget."""
         lengths = [len(s[0]) for s in seqs]
         shared = shared_contexts(seqs, self.share_min, self.link(units))
-        if self.dist is None:
+        if self.dist is None or local:
             return [(mb, False) for mb in pack_by_tokens(lengths, self.g.micro_batch_tokens, shared)]
         owned = [i for i, (j, _) in enumerate(units) if self.owner(j) == self.dist.rank]
         return local_micro_batches(self.dist, lengths, self.g.micro_batch_tokens, owned, shared)
@@ -214,8 +216,10 @@ class GRPOUpdate:
         first optimizer step's captured (log-probs, old, mask), `extra`."""
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
-        if self.dist is not None:  # partial sums over the global normalizers; lr and grad norm are the same on all
-            out = reduce_metrics(self.dist, out, ops={"lr": "max", "grad_norm": "max"}, default="sum")
+        if self.dist is not None:  # partial sums over the global normalizers; lr, grad norm and the
+            # no-signal skip (decided on the gathered rewards) are the same on all ranks
+            same = ("lr", "grad_norm", "skipped_update")
+            out = reduce_metrics(self.dist, out, ops={k: "max" for k in same}, default="sum")
         empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
         mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))
         if self.dist is not None:
@@ -356,15 +360,17 @@ class GRPOUpdate:
                            max_tokens=self.max_loss_tokens)
 
     @torch.no_grad()
-    def trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None) -> dict[int, torch.Tensor]:
+    def trainer_logprobs(self, prompts, samples, seq_idx: list[int], model=None,
+                         local: bool = False) -> dict[int, torch.Tensor]:
         """The trainer's log-probs of sequences `seq_idx` under the current weights, or those of
         `model` (no grad, micro-batched like the update): the recomputed old policy, an
-        exact-mode check, or REINFORCE++'s reference."""
+        exact-mode check, or REINFORCE++'s reference. `local`: all of `seq_idx` on this rank,
+        no collective (stream mode on a replicated model)."""
         model = self.model if model is None else model
         parts: dict[int, list] = {}
         units = self.units(samples, seq_idx)
         seqs = self.sequences(prompts, units)
-        for mb, pad in self.micro_batches(units, seqs):
+        for mb, pad in self.micro_batches(units, seqs, local):
             us = [units[i] for i in mb]
             batch = self.build(units, seqs, mb)
             h = batch.forward(model)  # images too

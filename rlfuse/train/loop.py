@@ -52,9 +52,11 @@ from rlfuse.run import (
     DATA_STAGE,
     Interrupted,
     MasterAdamW,
+    ReplicatedAdamW,
     RunLog,
     WeightNormWatch,
     load_checkpoint,
+    log_replicated_memory,
     open_trackers,
     resolve_resume,
     save_checkpoint,
@@ -63,6 +65,7 @@ from rlfuse.run import (
 )
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
+    DistContext,
     ShardedAdamW,
     SilentLog,
     evaluate_on_ranks,
@@ -93,16 +96,20 @@ def reference_model(model):
     return ref.requires_grad_(False).eval()
 
 
-def make_optimizer(model: torch.nn.Module, cfg: RunConfig) -> MasterAdamW:
+def make_optimizer(model: torch.nn.Module, cfg: RunConfig, dist: DistContext | None = None) -> MasterAdamW:
     """MasterAdamW over every parameter of `model` that requires grad (with LoRA: A and B
     only, so the frozen base gets no optimizer state) with the run's optim settings (the
     learning rate itself is set per step by the trainer's schedule); for an FSDP-sharded
-    model torch's AdamW on the fp32 shards behind the same interface (ShardedAdamW)."""
+    model torch's AdamW on the fp32 shards behind the same interface (ShardedAdamW); for a
+    model replicated on the ranks of `dist` (LoRA) MasterAdamW whose gradients are summed
+    across ranks before each step (ReplicatedAdamW)."""
     o = cfg.optim
+    kw = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if is_sharded(model):
-        return ShardedAdamW(model, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
-                            compute_dtype=parse_dtype(cfg.model.dtype))
-    return MasterAdamW(model.parameters(), lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
+        return ShardedAdamW(model, **kw, compute_dtype=parse_dtype(cfg.model.dtype))
+    if dist is not None:
+        return ReplicatedAdamW(model.parameters(), dist, **kw)
+    return MasterAdamW(model.parameters(), **kw)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -172,6 +179,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     start = 0
     ckpt = (resolve_resume(cfg.checkpoint.resume, session.run_dir) if dist is None else
             on_main(dist, "resume", resolve_resume, cfg.checkpoint.resume, session.run_dir))
+    sharded = dist if is_sharded(trainer.model) else None  # else one process, or a replicated model (LoRA)
     if ckpt is not None:
         state = load_checkpoint(ckpt, trainer.model, trainer.optimizer, dist=dist)
         trainer.load_state_dict(state)
@@ -183,7 +191,7 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     else:
         runlog = SilentLog()
     history, evals = [], []
-    watch = WeightNormWatch(trainer.model.parameters(), dist=dist)
+    watch = WeightNormWatch(trainer.model.parameters(), dist=sharded)  # a replica's norm is the whole norm
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)
     # LoRA: parameter counts and the training state the frozen base does not need, in every row
@@ -234,8 +242,10 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
             if done % cfg.logging.log_every == 0 or done == sched.steps:
                 watch.check(done)
                 if dist is not None:  # the same row on every rank, with each rank's memory (max over ranks)
-                    m = {**step_metrics(dist, m), **log_memory(dist, trainer.model, trainer.optimizer.opt,
-                                                               compute_dtype=trainer.optimizer.compute_dtype)}
+                    m = {**step_metrics(dist, m), **(
+                        log_memory(dist, trainer.model, trainer.optimizer.opt,
+                                   compute_dtype=trainer.optimizer.compute_dtype) if sharded is not None else
+                        log_replicated_memory(dist, trainer.model, trainer.optimizer))}
                 row = runlog.log(done, {**m, **lora_rows}, stage=trainer.stage)
                 history.append(row)
                 runlog.progress(1, **{sched.headline: row.get(sched.headline)}, s_per_step=row.get("time/step"))

@@ -28,10 +28,15 @@ token; when the environment gives per-turn rewards instead of reward(), each tur
 Step.reward sits on that turn's last model token and the rest of the episode's reward
 (the reward functions', and with ppo.reward_norm the normalization's shift) on the
 last model token. The token rewards of a sequence always sum to its (normalized) reward.
-The critic (rlfuse.model.ScalarHeadModel) starts as a copy of the policy's trunk with a
-zero head, or from ppo.critic_path; it lives in this process and holds no activations
-outside its own forward/backward. Its weights and optimizer state travel in the
-checkpoint's trainer state, with the KL coefficient and the reward statistics.
+The critic (rlfuse.train.ppo_critic) starts as a copy of the policy's trunk with a zero
+head, or from ppo.critic_path; it holds no activations outside its own forward/backward.
+Its weights and optimizer state travel in the checkpoint's trainer state, with the KL
+coefficient and the reward statistics.
+Data-parallel (`dist`; docs/distributed.md): policy and critic FSDP2-sharded; each rank
+rolls out its block of the prompts and runs the critic / reference forwards of its own
+samples, then all-gathers (samples, then values and KL): reward statistics, GAE, global
+whitening and the adaptive KL run on the whole batch as in one process; each rank trains
+its samples of every mini-batch, padded to the same micro-batch count (zero weight).
 `PPOStep` supplies the step and its state; `rlfuse.train.loop` runs it.
 Run: rlfuse ppo RECIPE.yaml   Test: python -m pytest -q tests/test_ppo_trainer.py
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import logging
 import math
+from functools import partial
 
 import torch
 from torch.nn.utils.rnn import pad_sequence
@@ -49,7 +55,7 @@ from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.engine.config import logprob_temperature
 from rlfuse.kernels.loss.policy import accumulation_weight, policy_loss
 from rlfuse.model.layers.moe import RouterLoss
-from rlfuse.model.scalar_head import ScalarHeadModel, load_scalar_head_model
+from rlfuse.model.scalar_head import ScalarHeadModel
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, score_samples
 from rlfuse.run import (
@@ -63,8 +69,21 @@ from rlfuse.run import (
     peak_memory_mb,
 )
 from rlfuse.run.config import RunConfig
+from rlfuse.run.distributed import (
+    DistContext,
+    episode_metrics_on_ranks,
+    full_copy,
+    gather_results,
+    is_sharded,
+    local_micro_batches,
+    mean_across_ranks,
+    reduce_metrics,
+    reduce_mismatch,
+    rollout_on_ranks,
+)
 from rlfuse.train.grpo_update import GRPOUpdate
 from rlfuse.train.loop import Evaluation, Schedule, make_optimizer, reference_model, run_loop
+from rlfuse.train.ppo_critic import build_critic, critic_state, load_critic_state, make_critic_optimizer
 from rlfuse.train.ppo_math import (
     RunningMoments,
     adaptive_kl_coef,
@@ -84,33 +103,6 @@ _prompt_ids = GRPOUpdate.prompt_ids
 _loss_mask = GRPOUpdate.loss_mask
 
 
-def build_critic(cfg: RunConfig, policy) -> ScalarHeadModel:
-    """The value model: ppo.critic_path's checkpoint, or a copy of the policy's trunk (zero head)."""
-    p = cfg.ppo
-    dev = policy.lm_head_weight.device
-    if p.critic_path:
-        critic = load_scalar_head_model(p.critic_path, device=dev, dtype=parse_dtype(cfg.model.dtype), head="zero")
-        if critic.num_labels != 1:
-            raise ValueError(f"ppo.critic_path: {p.critic_path} has num_labels {critic.num_labels}; a critic "
-                             f"needs a single output")
-        if critic.config.vocab_size < policy.config.vocab_size:
-            raise ValueError(f"ppo.critic_path: {p.critic_path} has vocab_size {critic.config.vocab_size}, fewer "
-                             f"than the policy's {policy.config.vocab_size}; the critic reads the policy's tokens")
-        log.info("critic: from %s", p.critic_path)
-    else:
-        critic = ScalarHeadModel.from_causal_lm(policy)
-        log.info("critic: a copy of the policy's trunk with a zero value head (ppo.critic_path empty)")
-    critic.gradient_checkpointing = cfg.model.gradient_checkpointing
-    critic.kernels = policy.kernels
-    return critic
-
-
-def make_critic_optimizer(critic: ScalarHeadModel, cfg: RunConfig) -> MasterAdamW:
-    o = cfg.optim
-    return MasterAdamW(critic.parameters(), lr=cfg.ppo.critic_lr, betas=o.betas, eps=o.eps,
-                       weight_decay=o.weight_decay)
-
-
 def _mean(xs):
     xs = [x for x in xs if not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
@@ -124,13 +116,15 @@ class PPOStep:
     stage = "ppo"
 
     def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
-                 optimizer: MasterAdamW, critic: ScalarHeadModel, critic_optimizer: MasterAdamW, ref_model=None):
-        self.cfg, self.p = cfg, cfg.ppo
+                 optimizer: MasterAdamW, critic: ScalarHeadModel, critic_optimizer: MasterAdamW, ref_model=None,
+                 dist: DistContext | None = None):
+        self.cfg, self.p, self.dist = cfg, cfg.ppo, dist
+        self.owner = None  # data-parallel: global sample index -> the rank holding it (rollout_on_ranks)
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer, self.critic, self.critic_optimizer = optimizer, critic, critic_optimizer
         # a non-finite policy or value step is skipped (weights and moments untouched), each on its own
-        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
-        self.critic_guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps)
+        self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
+        self.critic_guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
         self.router = RouterLoss.for_run(model, cfg)  # MoE: the router losses and moe/* metrics (None: dense)
         self.device = model.lm_head_weight.device
         self.schedule = Schedule(steps=self.p.steps, eval_every=self.p.eval_every, eval_at_start=True,
@@ -154,16 +148,15 @@ class PPOStep:
 
     def state_dict(self) -> dict:
         return {"data": self.stream.state_dict(), "kl_coef": self.kl_coef,
-                "reward_stats": self.reward_stats.state_dict(), "critic": self.critic.state_dict(),
-                "critic_optimizer": self.critic_optimizer.state_dict(), "nonfinite": self.guard.state_dict(),
+                "reward_stats": self.reward_stats.state_dict(), **critic_state(self.critic, self.critic_optimizer),
+                "nonfinite": self.guard.state_dict(),
                 "critic_nonfinite": self.critic_guard.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
         self.stream.load_state_dict(state["data"])
         self.kl_coef = float(state["kl_coef"])
         self.reward_stats.load_state_dict(state["reward_stats"])
-        self.critic.load_state_dict(state["critic"])
-        self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        load_critic_state(self.critic, self.critic_optimizer, state)
         if "nonfinite" in state:  # checkpoints written before the guards have none
             self.guard.load_state_dict(state["nonfinite"])
             self.critic_guard.load_state_dict(state["critic_nonfinite"])
@@ -176,18 +169,14 @@ class PPOStep:
         p = self.p
         timer = PhaseTimer(self.device)
         prompts: list[Prompt] = self.stream.take(p.prompts_per_step)
-        with timer("generate"):
-            self.sampler.wake()
-            if self.multi_turn:
-                samples = self.sampler.episodes(prompts, n=p.samples_per_prompt, temperature=p.temperature,
-                                                top_p=p.top_p, top_k=p.top_k, seed=p.seed + step)
-            else:
-                samples = self.sampler.generate([q.ids for q in prompts], n=p.samples_per_prompt,
-                                                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
-                                                max_tokens=p.max_new_tokens, seed=p.seed + step)
-            self.sampler.sleep()
+        if self.dist is None:
+            samples, total, per, errors = self._rollout(prompts, step, timer)
+        else:  # rank r's episodes are numbered (seeded) from its first prompt's global place
+            first = self.dist.rank * (p.prompts_per_step // self.dist.world_size) * p.samples_per_prompt
+            samples, total, per, errors, self.owner = rollout_on_ranks(
+                self.dist, prompts, lambda mine: self._rollout(mine, step, timer, first), group_size=p.samples_per_prompt,
+                what="ppo.prompts_per_step")
         with timer("score"):
-            total, per = score_samples(prompts, samples, self.rewards, p.samples_per_prompt)
             r = torch.tensor(total, dtype=torch.float32)
             if p.reward_norm:
                 self.reward_stats.update(r)
@@ -197,14 +186,14 @@ class PPOStep:
         m: dict = {"reward/mean": r.mean(), "reward/std": r.std() if len(total) > 1 else r.new_zeros(())}
         for name, vals in per.items():
             m[f"reward/{name}"] = _mean(vals)
-            if self.rewards.error_counts.get(name):
-                m[f"reward_errors/{name}"] = float(self.rewards.error_counts[name])
+            if errors.get(name):
+                m[f"reward_errors/{name}"] = float(errors[name])
         if self.rewards.correctness:
             m["accuracy"] = _mean(per[self.rewards.correctness])
         m["reward/normalized_mean"] = r_used.mean()
         lens = [len(s.token_ids) for s in samples]
         if self.multi_turn:  # turns, tool calls, tool errors and timeouts, observation tokens, truncation
-            m.update(self.sampler.last_metrics)
+            m.update(self.sampler.last_metrics if self.dist is None else episode_metrics_on_ranks(self.dist, self.sampler))
         m["completion_len/mean"], m["completion_len/max"] = sum(lens) / len(lens), float(max(lens))
         m["truncated_frac"] = sum(s.truncated for s in samples) / len(samples)
         with timer("prepare"):
@@ -214,7 +203,8 @@ class PPOStep:
             m.update(self._train(prompts, samples, adv, ret, old_v, step))
         m["optim/skipped_steps"] = self.guard.pop_skipped()  # this rollout step's, over mu x mini-batches
         m["critic/skipped_steps"] = self.critic_guard.pop_skipped()
-        if (ratio := self.critic_optimizer.pop_update_ratio()) is not None:  # the policy's: the run loop
+        pop = getattr(self.critic_optimizer, "pop_update_ratio", None)  # not measured by FSDP2's ShardedAdamW
+        if pop is not None and (ratio := pop()) is not None:  # the policy's: the run loop
             m["critic/update_ratio"] = ratio
         t = timer.times
         for k in ("generate", "score", "prepare", "train"):
@@ -231,13 +221,40 @@ class PPOStep:
                               "truncated": s.truncated} for j, s in enumerate(samples)]
         return m
 
+    def _rollout(self, prompts: list[Prompt], step: int, timer: PhaseTimer, first_episode: int = 0):
+        """Generate and score `prompts`' samples: (samples, total rewards, per-function
+        rewards, reward error counts). `first_episode`: the global index of the first
+        multi-turn episode (data-parallel ranks)."""
+        p = self.p
+        with timer("generate"):
+            self.sampler.wake()
+            if self.multi_turn:
+                samples = self.sampler.episodes(prompts, n=p.samples_per_prompt, temperature=p.temperature,
+                                                top_p=p.top_p, top_k=p.top_k, seed=p.seed + step,
+                                                first_episode=first_episode)
+            else:
+                samples = self.sampler.generate([q.ids for q in prompts], n=p.samples_per_prompt,
+                                                temperature=p.temperature, top_p=p.top_p, top_k=p.top_k,
+                                                max_tokens=p.max_new_tokens, seed=p.seed + step)
+            self.sampler.sleep()
+        with timer("score"):
+            total, per = score_samples(prompts, samples, self.rewards, p.samples_per_prompt)
+        return samples, total, per, dict(self.rewards.error_counts)
+
     def _batches(self, prompts, samples, seq_idx: list[int]):
-        """(sample indices, PackedBatch) micro-batches of sequences `seq_idx`."""
+        """(sample indices, PackedBatch, pad) micro-batches of sequences `seq_idx`: all of
+        them in one process; data-parallel, this rank's, then zero-weight padding ones up to
+        the most any rank has (every FSDP forward is a collective)."""
         lengths = [len(_prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seq_idx]
-        for mb in pack_by_tokens(lengths, self.p.micro_batch_tokens):
+        if self.dist is None:
+            mbs = [(mb, False) for mb in pack_by_tokens(lengths, self.p.micro_batch_tokens)]
+        else:
+            owned = [i for i, j in enumerate(seq_idx) if self.owner(j) == self.dist.rank]
+            mbs = local_micro_batches(self.dist, lengths, self.p.micro_batch_tokens, owned)
+        for mb, pad in mbs:
             js = [seq_idx[i] for i in mb]
             yield js, PackedBatch.build([(_prompt_ids(prompts, samples[j]) + samples[j].token_ids,
-                                          len(_prompt_ids(prompts, samples[j]))) for j in js], self.device)
+                                          len(_prompt_ids(prompts, samples[j]))) for j in js], self.device), pad
 
     # ------------------------------------------------------------------ values, KL, GAE
     @torch.no_grad()
@@ -247,9 +264,12 @@ class PPOStep:
         values: list[torch.Tensor] = [None] * n
         kl: list[torch.Tensor] = [None] * n
         self.critic.eval()
-        for js, batch in self._batches(prompts, samples, list(range(n))):
+        for js, batch, pad in self._batches(prompts, samples, list(range(n))):
             sizes = [len(samples[j].token_ids) for j in js]
-            v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
+            h_TD = self.critic(batch.input_ids, batch.positions, batch.attn)
+            if pad:  # a collective every rank runs as often; nothing to keep
+                continue
+            v_N = self.critic.token_values(h_TD[batch.rows])
             if self.ref_model is not None:
                 h = self.ref_model(batch.input_ids, batch.positions, batch.attn)
                 ref_N = self.ref_model.token_logprobs(h[batch.rows], batch.targets, self.logprob_t)
@@ -258,6 +278,15 @@ class PPOStep:
             kl_N = (old_N - ref_N) * m_N if self.ref_model is not None else torch.zeros_like(old_N)  # k1 estimator
             for j, v, k, mk in zip(js, v_N.split(sizes), kl_N.split(sizes), m_N.split(sizes)):
                 values[j], kl[j] = v * mk, k  # 0 at observation tokens: context, not states
+        if is_sharded(self.critic):
+            self.critic.reshard()  # FSDP2's root stays gathered after a forward without backward
+        if self.dist is not None:
+            # every rank gets every sample's values and KL: GAE, whitening and statistics run
+            # on the whole batch as in one process (host tensors, one all-gather)
+            mine = {j: (values[j].cpu(), kl[j].cpu()) for j in range(n) if values[j] is not None}
+            for part in gather_results(self.dist, "values", lambda: mine):
+                for j, (v, k) in part.items():
+                    values[j], kl[j] = v.to(self.device), k.to(self.device)
         mask_BT = pad_sequence([_loss_mask(s) for s in samples], batch_first=True).to(self.device)
         values_BT = pad_sequence(values, batch_first=True)
         kl_BT = pad_sequence(kl, batch_first=True)
@@ -314,9 +343,16 @@ class PPOStep:
                     acc.setdefault(key, []).append(v)
         out = {key: torch.stack([torch.as_tensor(x, dtype=torch.float32, device=self.device) for x in v]).mean()
                for key, v in acc.items()}
-        mm = logprob_mismatch(*(torch.cat(c) for c in capture))  # over the model's tokens
+        if self.dist is not None:  # partial sums over the global normalizers; lr and grad norms equal on all
+            out = reduce_metrics(self.dist, out, ops={k: "max" for k in ("lr", "grad_norm", "critic/grad_norm")},
+                                 default="sum")
+        empty = [torch.zeros(0, device=self.device)]  # data-parallel: this rank may hold none of mini-batch 0
+        mm = logprob_mismatch(*(torch.cat(c or empty) for c in capture))  # over the model's tokens
+        if self.dist is not None:
+            mm = reduce_mismatch(self.dist, mm)
         out.update({f"mismatch/{key}": v for key, v in mm.items()})
-        out.update(self.router.metrics() if self.router is not None else {})
+        if self.router is not None:
+            out.update(self.router.metrics(None if self.dist is None else partial(mean_across_ranks, self.dist)))
         out["_train_tokens"] = float(n_trained)
         return out
 
@@ -329,12 +365,13 @@ class PPOStep:
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
         want_ent = p.entropy_coef > 0 or capture is not None
-        for js, batch in self._batches(prompts, samples, seq_idx):
+        for js, batch, pad in self._batches(prompts, samples, seq_idx):
+            live = 0.0 if pad else 1.0  # a padding micro-batch: a real forward/backward with weight 0
             old_N = torch.cat([samples[j].logprobs for j in js]).to(self.device, non_blocking=True)
             adv_N = torch.cat([adv[j] for j in js])
             mask_N = torch.cat([_loss_mask(samples[j]) for j in js]).to(self.device)
             mb_tokens = float(sum(_loss_mask(samples[j]).sum() for j in js))  # host: CPU masks
-            tw = mb_tokens / max(total_tokens, 1.0)  # this micro-batch's share of the mini-batch's tokens
+            tw = live * mb_tokens / max(total_tokens, 1.0)  # this micro-batch's share of the mini-batch's tokens
             h_TD = self.model(batch.input_ids, batch.positions, batch.attn)
             out = self.model.token_logprobs(h_TD[batch.rows], batch.targets, self.logprob_t, return_entropy=want_ent)
             logp_N, ent_N = out if want_ent else (out, None)
@@ -342,11 +379,11 @@ class PPOStep:
                                    loss_type=p.loss_type, clip_low=p.clip_low, clip_high=p.clip_high,
                                    max_tokens=self.max_loss_tokens)
             st.pop("kl")  # no KL in the loss: it is in the reward (logged as "kl")
-            w = accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
+            w = live * accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             # MoE: plus the router losses' share of this micro-batch (tw: its share of the mini-batch's tokens)
             obj = loss * w + (self.router.term(tw) if self.router is not None else 0.0)
             if ent_N is not None:
-                ent_mean = (ent_N * mask_N).sum() / max(total_tokens, 1.0)  # this micro-batch's part of the token mean
+                ent_mean = live * (ent_N * mask_N).sum() / max(total_tokens, 1.0)  # its part of the token mean
                 if p.entropy_coef > 0:
                     obj = obj - p.entropy_coef * ent_mean
                 sums["entropy"] = sums.get("entropy", 0.0) + ent_mean.detach()
@@ -354,7 +391,7 @@ class PPOStep:
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() * w
             for key, v in st.items():
                 sums[key] = sums.get(key, 0.0) + v.detach() * tw
-            if capture is not None:
+            if capture is not None and not pad:
                 capture[0].append(logp_N.detach())
                 capture[1].append(old_N)
                 capture[2].append(mask_N)
@@ -362,11 +399,11 @@ class PPOStep:
             v_N = self.critic.token_values(self.critic(batch.input_ids, batch.positions, batch.attn)[batch.rows])
             vl_N, vclip = value_loss(v_N, torch.cat([old_v[j] for j in js]), torch.cat([ret[j] for j in js]),
                                      mask_N, p.value_clip)
-            vloss = vl_N.sum() / max(total_tokens, 1.0)
+            vloss = live * vl_N.sum() / max(total_tokens, 1.0)
             vloss.backward()
             sums["critic/value_loss"] = sums.get("critic/value_loss", 0.0) + vloss.detach()
             sums["critic/value_clip_frac"] = sums.get("critic/value_clip_frac", 0.0) + vclip * tw
-            n_tok += batch.num_tokens
+            n_tok += 0 if pad else batch.num_tokens
         kw = dict(total_steps=self.opt_steps_total, warmup_steps=o.warmup_steps, schedule=o.schedule,
                   min_lr_ratio=o.min_lr_ratio)
         grad_norm = clip_grad_norm_(self.optimizer.grads(), o.max_grad_norm)
@@ -383,10 +420,12 @@ class PPOStep:
 
 
 # ---------------------------------------------------------------------- the run
-def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None) -> dict:
+def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int | None = None,
+            dist: DistContext | None = None) -> dict:
     """PPO for cfg.ppo.steps (resuming per cfg.checkpoint.resume), evaluated on the held-out
-    prompts before the first step, every ppo.eval_every and at the end."""
-    ses = session or open_session(cfg)
+    prompts before the first step, every ppo.eval_every and at the end. `dist`:
+    data-parallel (the CLI under torchrun), ignored when `session` is given."""
+    ses = session or open_session(cfg, dist=dist)
     rewards = ses.rewards()
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data, "train", context_len=ses.context_len,
                             stats=ses.data_stats, vision=ses.vision)
@@ -395,9 +434,11 @@ def run_ppo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
         raise ValueError(f"{with_images.where}: a row with images; PPO takes text rows only so far (SFT and GRPO "
                          f"train on images: docs/vision.md)")
     stream = PromptStream(prompts, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    critic = build_critic(cfg, ses.model)
-    trainer = PPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg),
-                         critic, make_critic_optimizer(critic, cfg))
+    critic = build_critic(cfg, ses.model, ses.dist)
+    # a sharded policy's KL reference: a full frozen copy in the run dtype on every rank (2P, as GRPO's)
+    ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if is_sharded(ses.model) and cfg.ppo.kl_coef > 0 else None
+    trainer = PPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg, ses.dist),
+                      critic, make_critic_optimizer(critic, cfg), ref_model=ref, dist=ses.dist)
     eval_prompts = ses.eval_prompts()
     evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,
                             max_new_tokens=cfg.ppo.max_new_tokens) if eval_prompts else None

@@ -74,7 +74,11 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     plain = (values - returns) ** 2
     if clip is None:
         return 0.5 * plain * mask, values.new_zeros(())
-    v_clip = old_values + (values - old_values).clamp(-clip, clip)
+    delta = values - old_values
+    # V itself where the clamp does not bite: old + (V - old) rounds to a neighbour of V, and
+    # the clip fraction would count such rounding ties as clipped (seen as 1 token in 44
+    # flipping between 1 process and 2 ranks, tests/test_distributed_ppo.py)
+    v_clip = torch.where(delta.abs() > clip, old_values + delta.clamp(-clip, clip), values)
     clipped = (v_clip - returns) ** 2
     with torch.no_grad():
         frac = masked_mean((clipped > plain).to(values.dtype), mask)

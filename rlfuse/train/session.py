@@ -9,7 +9,9 @@ With `dist` (a DistContext: the CLI under torchrun) the model is built on the ra
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
 and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
 With model.lora the adapters go onto the model (built or passed in) before the engine or
-an optimizer is built on it (`rlfuse.run.build.apply_lora`).
+an optimizer is built on it (`rlfuse.run.build.apply_lora`); data-parallel, such a model is
+not sharded: every rank holds the whole base and the adapters, and each rank's engine runs
+on its own replica (rlfuse.run.distributed.replicated).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from rlfuse.data import (
 )
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.config import read_json
-from rlfuse.model.lora import BaseModelView
+from rlfuse.model.lora import BaseModelView, has_lora
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
 from rlfuse.run import (
     apply_lora,
@@ -44,7 +46,7 @@ from rlfuse.run import (
     seed_everything,
 )
 from rlfuse.run.config import RunConfig, save_config
-from rlfuse.run.distributed import DistContext, GatheredSampler, shard_model
+from rlfuse.run.distributed import DistContext, GatheredSampler, is_sharded, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +95,7 @@ class Session:
         if self._sampler is None:
             # data-parallel: the engine runs on the gathered weights; each rank runs the
             # episodes of its own prompts (multi-turn wraps the gathering sampler)
-            if self.dist is None:
+            if self.dist is None or not is_sharded(self.model):  # one process, or a replica (LoRA)
                 self._sampler = self._engine_sampler()
             else:  # fused projections on the gathered weights where the engine would fuse (CUDA by default)
                 fuse = self.cfg.engine.fuse_projections
@@ -177,9 +179,6 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
             model = build_model(cfg.model, tokenizer, device, seed=cfg.seed)
     else:
         device = model.lm_head_weight.device
-    if cfg.model.lora is not None and dist is not None:
-        raise ValueError("model.lora: LoRA is not supported in data-parallel (torchrun) runs yet; run in one "
-                         "process or drop model.lora")
     apply_lora(model, cfg.model, seed=cfg.seed)
     vision = None
     if model.config.vision is not None:
@@ -193,8 +192,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
     kernel_settings(cfg, model)
     context_len = cfg.engine.max_model_len or model.config.max_position_embeddings
     check_prompt_len(cfg.data, context_len)
-    if dist is not None and not sharded:
-        model = shard_model(model, dist)
+    if dist is not None and not sharded and not has_lora(model):
+        model = shard_model(model, dist)  # with LoRA the model stays whole on every rank (replicated)
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")

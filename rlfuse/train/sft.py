@@ -120,7 +120,7 @@ def run_sft(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
                                   context_len=ses.context_len, overlong=cfg.sft.overlong, stats=ses.data_stats,
                                   chat_layout=layout, vision=ses.vision)
     stream = PromptStream(examples, seed=cfg.data.seed, shuffle=cfg.data.shuffle)
-    trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg), stream, dist=ses.dist)
+    trainer = SFTStep(cfg, ses.model, make_optimizer(ses.model, cfg, ses.dist), stream, dist=ses.dist)
     evaluation = None
     if cfg.rewards:
         prompts = ses.eval_prompts()

@@ -85,15 +85,16 @@ class GatheredSampler:
         return self.inner.generate(prompt_ids, **kw)
 
 
-def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, group_size: int):
+def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, group_size: int,
+                     what: str = "grpo.prompts_per_step"):
     """GRPO's data-parallel rollout. `rollout(local_prompts)` -> (samples, totals,
     per-function rewards, reward error counts) runs on this rank's contiguous block of
     `prompts` (generated and scored where the samples are; a group's G completions stay
     on one rank); then one all-gather gives every rank the global lists in the
     one-process order (sample prompt indices shifted to the global batch; error counts
     summed). Sample j of the global list belongs to rank `owner(j) = j // (G k)`, k =
-    prompts per rank."""
-    mine = local_slice(prompts, ctx, what="grpo.prompts_per_step")
+    prompts per rank. `what` names the config field of the prompt count (its error)."""
+    mine = local_slice(prompts, ctx, what=what)
     parts = gather_results(ctx, "rollout", rollout, mine)
     samples, totals, per, errors = [], [], {}, {}
     for r, (s, t, p, e) in enumerate(parts):

@@ -1,7 +1,8 @@
 """Checkpoint I/O of a sharded run through torch.distributed.checkpoint (DCP): every
 rank writes and reads its own shard (`save_sharded`, `load_sharded`, resharding to any
-number of ranks), and `save_hf_export` gathers the full weights on rank 0 into an HF
-folder that `transformers` loads.
+number of ranks), `save_hf_export` gathers the full weights on rank 0 into an HF
+folder that `transformers` loads, and `full_adamw_state` / `load_full_adamw_state` move a
+sharded model's whole training state to and from the one-process form.
 Test: python -m pytest -q tests/test_distributed.py
 """
 
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 from rlfuse.model import CausalLM
 from rlfuse.model.weights import save_model
@@ -64,3 +66,50 @@ def save_hf_export(ctx: DistContext, model: CausalLM, folder: str | Path, *, dty
     return out
 
 
+
+
+# ---------------------------------------------------------------------- whole training state
+@torch.no_grad()
+def full_adamw_state(model, optimizer: torch.optim.AdamW,
+                     compute_dtype: torch.dtype) -> tuple[dict, dict] | tuple[None, None]:
+    """A sharded `model` and its AdamW on the shards (ShardedAdamW.opt) as one process holds them: (state dict in
+    `compute_dtype`, MasterAdamW.state_dict()), both on rank 0's CPU, (None, None)
+    elsewhere. Collective (one all-gather per tensor, every rank calls it). For state that
+    travels in the trainer state (PPO's critic), so it resumes at any number of ranks."""
+    rank0 = torch.distributed.get_rank() == 0
+    weights, masters, avg, avg_sq, step = {}, [], [], [], 0
+    for name, p in model.named_parameters():
+        full = p.full_tensor()
+        st = optimizer.state.get(p, {})
+        if st:
+            step = int(st["step"])  # host sync: a checkpoint's step count
+        moments = [st[k].full_tensor() if st else torch.zeros_like(full) for k in ("exp_avg", "exp_avg_sq")]
+        if rank0:
+            weights[name] = full.to(compute_dtype).cpu()
+            masters.append(None if compute_dtype == torch.float32 else full.cpu())
+            avg.append(moments[0].cpu())
+            avg_sq.append(moments[1].cpu())
+    if not rank0:
+        return None, None
+    group = optimizer.param_groups[0]
+    return weights, {"step": step, "lr": group["lr"], "betas": list(group["betas"]), "eps": group["eps"],
+                     "weight_decay": group["weight_decay"], "master": masters, "exp_avg": avg, "exp_avg_sq": avg_sq}
+
+
+@torch.no_grad()
+def load_full_adamw_state(model, optimizer: torch.optim.AdamW, weights: dict, sd: dict) -> None:
+    """The inverse of `full_adamw_state` (or a one-process model's state dict and its
+    MasterAdamW.state_dict()) into a sharded `model` and its AdamW (ShardedAdamW.opt): every
+    rank keeps its shard of the fp32 masters (the saved masters, else the weights upcast)
+    and moments. Collective; rank 0's tensors are the ones distributed."""
+    step = torch.tensor(float(sd["step"]))
+    for i, (name, p) in enumerate(model.named_parameters()):
+        master = sd["master"][i] if sd["master"][i] is not None else weights[name]
+        p.to_local().copy_(_shard_like(master, p).to_local())
+        optimizer.state[p] = {"step": step.clone(), "exp_avg": _shard_like(sd["exp_avg"][i], p),
+                                  "exp_avg_sq": _shard_like(sd["exp_avg_sq"][i], p)}
+
+
+def _shard_like(full: torch.Tensor, p: DTensor) -> DTensor:
+    """`full` (every rank holds it) in fp32, sharded as parameter `p`."""
+    return distribute_tensor(full.float().to(p.device), p.device_mesh, p.placements)

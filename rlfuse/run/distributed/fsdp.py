@@ -39,8 +39,9 @@ def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
     fp32 DTensor shards (the master weights, upcast exactly from the model's dtype, as
     MasterAdamW does); forward computes in the model's dtype (bf16: gathered weights are
     round(fp32 master)), gradients are reduced in fp32 and SUMMED across ranks (see the
-    loss contract in the module doc). One FSDP group per decoder layer plus the root."""
-    compute = model.lm_head_weight.dtype
+    loss contract in the module doc). One FSDP group per decoder layer plus the root
+    (a ScalarHeadModel too: PPO's critic, its `score` head in the root)."""
+    compute = next(model.parameters()).dtype
     if any(p.dtype != compute for p in model.parameters()):
         raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
     model.float()
@@ -102,9 +103,13 @@ def memory_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
 
 def log_memory(ctx: DistContext, model, optimizer=None, *, compute_dtype: torch.dtype) -> dict[str, float]:
     """memory_bytes in MiB as metrics (`memory/params_mib`, ...), max over ranks; rank 0 logs them."""
-    mib = {f"memory/{k}_mib": v / 2**20
-           for k, v in memory_bytes(model, optimizer, compute_dtype=compute_dtype).items()}
-    mib = reduce_metrics(ctx, mib, default="max")
+    return log_bytes(ctx, memory_bytes(model, optimizer, compute_dtype=compute_dtype))
+
+
+def log_bytes(ctx: DistContext, nbytes: dict[str, int]) -> dict[str, float]:
+    """This rank's bytes by kind -> `memory/<kind>_mib` metrics, max over ranks (collective);
+    rank 0 logs them."""
+    mib = reduce_metrics(ctx, {f"memory/{k}_mib": v / 2**20 for k, v in nbytes.items()}, default="max")
     if ctx.is_main:
         log.info("per-rank memory (max over %d ranks, MiB): %s", ctx.world_size,
                  ", ".join(f"{k.split('/')[1].removesuffix('_mib')} {v:.1f}" for k, v in mib.items()))
