@@ -174,24 +174,8 @@ def test_norm_topk_prob_true_gives_transformers_logits(tmp_path):
 
 
 def test_bf16_logits_loss_and_grads_no_worse_than_transformers(pair):
-    hf, folder, _ = pair
-    seqs = _seqs(2)
-    hf.zero_grad(set_to_none=True)
-    gold = _hf_logits(hf, seqs)
-    _ce(gold, seqs).backward()
-    hf16 = type(hf).from_pretrained(folder, dtype=torch.bfloat16, attn_implementation="eager").eval()
-    ours16 = load_model(folder, dtype="bfloat16")
-    theirs = _hf_logits(hf16, seqs)
-    _ce(theirs, seqs).backward()
-    mine = _ours_logits(ours16, seqs)
-    _ce(mine, seqs).backward()
-    err_hf, err_ours = rel_err(theirs, gold), rel_err(mine, gold)
-    assert err_ours <= BF16_VS_GOLD_FACTOR * err_hf + 2 ** -8, (err_ours, err_hf)
-    gold_grads, hf_grads = dict(hf.named_parameters()), dict(hf16.named_parameters())
-    for name, p in ours16.named_parameters():
-        g_gold = gold_grads[name].grad
-        err_hf, err_ours = rel_err(hf_grads[name].grad, g_gold), rel_err(p.grad, g_gold)
-        assert err_ours <= BF16_VS_GOLD_FACTOR * err_hf + 2 ** -8, (name, err_ours, err_hf)
+    _, folder, _ = pair
+    bf16_no_worse_than_transformers(folder, "cpu", _seqs(2))
 
 
 def test_saved_folder_loads_in_transformers_with_the_same_logits(pair, tmp_path):
@@ -343,3 +327,42 @@ def test_a_published_config_reads(tmp_path):
     assert all(c.moe.is_sparse(i) for i in range(48))
     back = transformers.AutoConfig.for_model(**c.to_hf())
     assert back.layer_types == list(c.layer_types) and back.rope_parameters["partial_rotary_factor"] == 0.25
+
+
+def bf16_no_worse_than_transformers(folder, device: str, seqs) -> None:
+    """The bf16 rule of `test_bf16_logits_loss_and_grads_no_worse_than_transformers` for the
+    folder's model on `device` (our kernels: the device's default backend)."""
+    seqs = [s.to(device) for s in seqs]
+    load = lambda dt: transformers.Qwen3NextForCausalLM.from_pretrained(  # noqa: E731
+        folder, dtype=dt, attn_implementation="eager").to(device).eval()
+    gold_model, hf16 = load(torch.float32), load(torch.bfloat16)
+    ours16 = load_model(folder, device=device, dtype="bfloat16")
+    gold, theirs, mine = _hf_logits(gold_model, seqs), _hf_logits(hf16, seqs), _ours_logits(ours16, seqs).float()
+    for logits in (gold, theirs, mine):
+        _ce(logits, seqs).backward()
+    err_hf, err_ours = rel_err(theirs, gold), rel_err(mine, gold)
+    assert err_ours <= BF16_VS_GOLD_FACTOR * err_hf + 2 ** -8, (err_ours, err_hf)
+    gold_grads, hf_grads = dict(gold_model.named_parameters()), dict(hf16.named_parameters())
+    for name, p in ours16.named_parameters():
+        g_gold = gold_grads[name].grad
+        err_hf, err_ours = rel_err(hf_grads[name].grad, g_gold), rel_err(p.grad, g_gold)
+        assert err_ours <= BF16_VS_GOLD_FACTOR * err_hf + 2 ** -8, (name, err_ours, err_hf)
+
+
+# the 80B-A3B's widths, two layers, 16 of its 512 experts (top-4 of them)
+WIDE = dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=16,
+            num_key_value_heads=2, head_dim=256, linear_key_head_dim=128, linear_value_head_dim=128,
+            linear_num_key_heads=16, linear_num_value_heads=32, layer_types=["linear_attention", "full_attention"],
+            moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts=16, num_experts_per_tok=4,
+            mlp_only_layers=[], norm_topk_prob=True)
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_at_qwen3_next_widths_no_worse_than_transformers(tmp_path):
+    """A 2-layer Qwen3-Next at the 80B-A3B's widths (`WIDE`: D 2048, 16 key / 32 value heads
+    of 128 in the Gated DeltaNet, 16 query / 2 KV heads of 256 in the gated attention),
+    bf16 on the GPU with the compiled Triton kernels: logits and every gradient no worse
+    than transformers' own bf16 against its fp32 run, over sequences crossing 64-token
+    chunk boundaries."""
+    qwen3_next_model(seed=7, router_std=0.05, **WIDE).save_pretrained(tmp_path)
+    bf16_no_worse_than_transformers(tmp_path, "cuda", _seqs(8, lens=[5, 300, 70]))

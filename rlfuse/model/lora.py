@@ -56,7 +56,7 @@ MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
 # Qwen3-Next's fused input projections (layers.FusedGatedDeltaNet; transformers' and PEFT's names)
 FUSED_LINEAR_ATTENTION_TARGETS = ("in_proj_qkvz", "in_proj_ba")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS + FUSED_LINEAR_ATTENTION_TARGETS
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS[:-1] + FUSED_LINEAR_ATTENTION_TARGETS + ("out_proj",)
 ALL_LINEAR = "all-linear"
 FUSED_GROUPS = ("qkv_fused", "gate_up_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
 
