@@ -3,8 +3,9 @@
 Parameter names and shapes equal transformers' `Qwen3_5GatedDeltaNet` (in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a, conv1d.weight (C, 1, W), dt_bias, A_log, norm.weight,
 out_proj), so checkpoints map 1:1; `FusedGatedDeltaNet` is Qwen3-Next's (in_proj_qkvz,
-in_proj_ba, interleaved per key head), the same mixer past its input projections. The math lives in `rlfuse.kernels.gated_delta`; this
-file only wires it (no copy of the delta rule here). For x (T, D), cu_seqlens (B+1,):
+in_proj_ba, interleaved per key head), the same mixer past its input projections. The math
+lives in `rlfuse.kernels.gated_delta`; this file only wires it (no copy of the delta rule
+here). For x (T, D), cu_seqlens (B+1,):
 
     qkv = silu(causal_conv1d(in_proj_qkv(x)))            (T, 2 Hk Dk + Hv Dv), per sequence
     q, k, v = split(qkv)                                   (T, Hk, Dk), (T, Hk, Dk), (T, Hv, Dv)
@@ -343,8 +344,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     the GEMM's outputs: no arithmetic), so every later step is GatedDeltaNet's."""
 
     def __init__(self, cfg: ModelConfig, layer_idx: int):
-        super().__init__(cfg, layer_idx)
-        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a
+        super().__init__(cfg, layer_idx)  # the shapes and every other parameter; its four projections
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a  # give way to the two fused ones
         D = cfg.hidden_size
         self.in_proj_qkvz = Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
         self.in_proj_ba = Linear(D, 2 * self.n_v, bias=False)
