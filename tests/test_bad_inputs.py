@@ -581,6 +581,12 @@ MOE_CONFIG_CASES = [
     ("qwen3_5_moe-norm-topk-false", dict(model_type="qwen3_5_moe_text", intermediate_size="DELETE",
                                          shared_expert_intermediate_size=8, norm_topk_prob=False),
      r"field 'norm_topk_prob' is False; qwen3_5_moe_text always has norm_topk_prob = True"),
+    # Qwen3-Next (a shared expert per MoE block; the layer rule and norm_topk_prob read as Qwen3-MoE's)
+    ("qwen3_next-no-shared-size", dict(model_type="qwen3_next"),
+     r"missing required field 'shared_expert_intermediate_size' \(a qwen3_next config needs it\)"),
+    ("qwen3_next-sparse-step-zero", dict(model_type="qwen3_next", shared_expert_intermediate_size=8,
+                                         decoder_sparse_step=0),
+     r"field 'decoder_sparse_step' must be a positive integer, got 0"),
 ]
 
 

@@ -169,7 +169,7 @@ def test_model_config_from_plain_dicts():
                            "mlp_only_layers": [0]})
     assert cfg.moe.mlp_only_layers == (0,) and not cfg.moe.is_sparse(0) and cfg.moe.is_sparse(1)
     assert ModelConfig.from_hf(cfg.to_hf()) == cfg
-    with pytest.raises(ValueError, match=r"config field 'moe' must be given for model_types \['qwen3_5_moe_text', 'qwen3_moe'\] and only"):
+    with pytest.raises(ValueError, match=r"config field 'moe' must be given for model_types \['qwen3_5_moe_text', 'qwen3_moe', 'qwen3_next'\] and only"):
         ModelConfig(model_type="qwen3", vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                     num_attention_heads=2, num_key_value_heads=1, head_dim=16, moe=cfg.moe)
 

@@ -136,3 +136,23 @@ def tiny_hybrid_model(seed: int = 0, std: float = 0.1, **over):
     model = CausalLM(ModelConfig(**tiny_hybrid_fields(**over)))
     model.init_weights(std=std, generator=torch.Generator().manual_seed(seed))
     return model
+
+
+# Qwen3-Next: QWEN3_5's layers with fused in_proj_qkvz / in_proj_ba; MoE blocks of 6 experts
+# (top-2) with a shared expert on layers 0, 2 and 3, layer 1 a dense MLP (mlp_only_layers).
+QWEN3_NEXT = QWEN3_5 | dict(moe_intermediate_size=24, shared_expert_intermediate_size=40, num_experts=6,
+                            num_experts_per_tok=2, router_aux_loss_coef=0.02, mlp_only_layers=[1],
+                            decoder_sparse_step=1, norm_topk_prob=False)
+
+
+@torch.no_grad()
+def qwen3_next_model(seed: int = 0, router_std: float = 0.5, **over):
+    """A float32 eager transformers Qwen3NextForCausalLM drawn as `qwen3_5_moe_model`."""
+    cfg = transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **over})
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    _draw_qwen3_5_(model, seed)
+    g = torch.Generator().manual_seed(seed + 1000)
+    for name, p in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            p.copy_(router_std * torch.randn(p.shape, generator=g))
+    return model

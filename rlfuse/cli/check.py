@@ -7,6 +7,7 @@
     rlfuse check --tiny --moe                        # a tiny Qwen3-MoE (8 experts, top-2): exact routing
     rlfuse check --tiny --hybrid                     # a small random Qwen3.5 (Gated DeltaNet + attention)
     rlfuse check --tiny --hybrid --moe               # a small random Qwen3.5-MoE (the hybrid, MoE + shared expert)
+    rlfuse check --tiny --next                       # a small random Qwen3-Next (fused in_proj, MoE and dense layers)
     rlfuse check --shape 3.5-2b                      # random weights at a published shape (GPU)
     rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts (the whole sweep)
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
@@ -42,6 +43,7 @@ from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 from rlfuse.model.arch.qwen3_5_moe import tiny_hybrid_moe_fields
+from rlfuse.model.arch.qwen3_next import tiny_next_fields
 from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import load_peft_adapter
@@ -68,6 +70,9 @@ def add_arguments(p) -> None:
     p.add_argument("--hybrid", action="store_true", help="with --tiny: a small random Qwen3.5-style hybrid "
                    "(three Gated DeltaNet layers, one gated full attention) instead of the Qwen3-style model; with "
                    "--moe too: a Qwen3.5-MoE of those layers (8 experts, top-2, and a gated shared expert)")
+    p.add_argument("--next", action="store_true", help="with --tiny: a small random Qwen3-Next (the hybrid's layers "
+                   "with fused in_proj_qkvz / in_proj_ba; MoE blocks with a shared expert on layers 0, 2, 3, a "
+                   "dense MLP on layer 1)")
     p.add_argument("--shape", choices=sorted(SHAPES), default=None,
                    help="a model of this published shape with random weights (rlfuse.engine.benchmark.SHAPES: "
                         "Qwen3 0.6b..8b, the Qwen3.5 hybrids 3.5-0.8b / 3.5-2b), instead of MODEL_DIR or --tiny")
@@ -98,8 +103,9 @@ def _model(args, device):
         m, tok = random_model(SHAPES[args.shape], torch.device(device), dtype, seed=args.seed), None
     elif args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
-        fields = (tiny_hybrid_moe_fields() if args.hybrid and args.moe else _TINY_MOE if args.moe
-                  else tiny_hybrid_fields() if args.hybrid else tiny_vl_fields() if args.vision else _TINY)
+        fields = (tiny_next_fields() if args.next else tiny_hybrid_moe_fields() if args.hybrid and args.moe
+                  else _TINY_MOE if args.moe else tiny_hybrid_fields() if args.hybrid
+                  else tiny_vl_fields() if args.vision else _TINY)
         m = CausalLM(ModelConfig(**fields))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
         m, tok = m.to(device=device, dtype=getattr(torch, dtype)), None
@@ -222,6 +228,9 @@ def run(args) -> int:
     if args.hybrid and not args.tiny:
         return fail(ValueError("check: --hybrid picks the tiny hybrid model; give it with --tiny (a model folder's "
                                "config.json says whether it is a hybrid)"))
+    if args.next and (not args.tiny or args.hybrid or args.moe or args.vision):
+        return fail(ValueError("check: --next picks the tiny Qwen3-Next; give it with --tiny and without --hybrid / "
+                               "--moe / --vision (a model folder's config.json says its own kind)"))
     if args.vision and (args.hybrid or args.moe):
         return fail(ValueError("check: --vision picks the tiny Qwen3-VL; give it without --hybrid / --moe"))
     if args.vision and (not args.tiny or args.prompts):

@@ -147,7 +147,8 @@ class ModelConfig:
             raise ValueError(f"config field 'moe' must be given for model_types {moe_types} and only for them "
                              f"(model_type {self.model_type!r}, moe {self.moe!r})")
         if self.moe is not None:
-            self.moe.check(self.num_hidden_layers, shared_expert=spec.moe_shared_expert, family=self.model_type)
+            self.moe.check(self.num_hidden_layers, shared_expert=spec.moe_shared_expert, fixed=spec.moe_fixed,
+                           family=self.model_type)
         if (self.vision is not None or self.mrope_section is not None) and not spec.has_vision:
             vl = sorted(k for k, s in ARCHS.items() if s.has_vision)
             raise ValueError(f"config field 'vision' / 'mrope_section' is set, but {self.architecture} has no vision "
@@ -236,7 +237,7 @@ class ModelConfig:
                 d[f] = getattr(self, f)
         d.update(spec.hf_extra)
         if self.moe is not None:
-            d.update(self.moe.to_hf())
+            d.update(self.moe.to_hf(spec.moe_fixed))
         if spec.write_hf is not None:
             d.update(spec.write_hf(self))
         return d if spec.wrap_hf is None else spec.wrap_hf(d, self)
@@ -322,7 +323,7 @@ def _from_hf_dict(d: dict, where: str) -> ModelConfig:
     )
     if ARCHS[model_type].has_moe:
         kw["moe"] = moe_config_from_hf(d, where, kw["num_hidden_layers"], shared_expert=spec.moe_shared_expert,
-                                       family=model_type)
+                                       fixed=spec.moe_fixed, family=model_type)
     try:
         return ModelConfig(**kw)
     except ValueError as e:

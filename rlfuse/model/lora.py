@@ -54,7 +54,9 @@ ATTENTION_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_TARGETS = ("gate_proj", "up_proj", "down_proj")
 # Gated DeltaNet (hybrid models' linear-attention layers, rlfuse.model.layers.gated_deltanet)
 LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")
-TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS
+# Qwen3-Next's fused input projections (layers.FusedGatedDeltaNet; transformers' and PEFT's names)
+FUSED_LINEAR_ATTENTION_TARGETS = ("in_proj_qkvz", "in_proj_ba")
+TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS[:-1] + FUSED_LINEAR_ATTENTION_TARGETS + ("out_proj",)
 ALL_LINEAR = "all-linear"
 FUSED_GROUPS = ("qkv_fused", "gate_up_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
 
@@ -70,8 +72,8 @@ class LoRAConfig:
     """The update is (alpha / rank) * B A (alpha / sqrt(rank) with rslora)."""
     targets: str | tuple[str, ...] = ALL_LINEAR
     """'all-linear' (every projection of every layer: q/k/v/o, gate/up/down, and a hybrid
-    model's linear-attention in_proj_qkv/z/b/a and out_proj; never the LM head) or a list
-    of projection names, e.g. [q_proj, v_proj]."""
+    model's linear-attention in_proj_qkv/z/b/a (Qwen3-Next: in_proj_qkvz/ba) and out_proj;
+    never the LM head) or a list of projection names, e.g. [q_proj, v_proj]."""
     dropout: float = 0.0
     """Dropout probability on the adapter branch's input in training forwards."""
     rslora: bool = False

@@ -44,6 +44,8 @@ from rlfuse.model.config import read_json
 from rlfuse.model.lora import (
     ALL_LINEAR,
     ATTENTION_TARGETS,
+    FUSED_LINEAR_ATTENTION_TARGETS,
+    LINEAR_ATTENTION_TARGETS,
     MLP_TARGETS,
     TARGETS,
     LoRAConfig,
@@ -76,9 +78,11 @@ _UNSUPPORTED = (("use_dora", False), ("bias", "none"), ("fan_in_fan_out", False)
                 ("modules_to_save", None), ("rank_pattern", {}), ("alpha_pattern", {}),
                 ("layers_to_transform", None), ("trainable_token_indices", None))
 # what 'all-linear' adapts on a dense model and on a hybrid one (its linear-attention layers
-# too). A hybrid model's adapter on exactly the dense set reads as all-linear and is then
+# too, their input projections unfused (Qwen3.5) or fused (Qwen3-Next)). A hybrid model's adapter on exactly the dense set reads as all-linear and is then
 # refused at load (its in_proj_* would lack adapters): give such a folder's targets explicitly.
-_ALL_LINEAR_SETS = (set(ATTENTION_TARGETS + MLP_TARGETS), set(TARGETS))
+_DENSE = ATTENTION_TARGETS + MLP_TARGETS
+_ALL_LINEAR_SETS = (set(_DENSE), set(_DENSE + LINEAR_ATTENTION_TARGETS),
+                    set(_DENSE + FUSED_LINEAR_ATTENTION_TARGETS) | {"out_proj"})
 _PEFT_NAMES = {"rank": "r", "alpha": "lora_alpha", "dropout": "lora_dropout"}  # LoRAConfig field -> PEFT key
 
 

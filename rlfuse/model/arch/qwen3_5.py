@@ -11,8 +11,8 @@ attention, `full_attention_interval`), the linear-attention shapes, partial_rota
 (in rope_parameters; the multimodal rope's sections are plain RoPE for text: its three
 position streams are all the text position).
 
-Not covered: Qwen3-Next ("qwen3_next"): the same mixers, but MoE MLPs and the linear-attention
-projections fused as in_proj_qkvz / in_proj_ba, interleaved per key head.
+Qwen3-Next ("qwen3_next", `arch.qwen3_next`) is this stack with the linear-attention input
+projections fused and MoE / dense MLPs by Qwen3-MoE's layer rule.
 Test: python -m pytest -q tests/test_qwen3_5.py
 """
 

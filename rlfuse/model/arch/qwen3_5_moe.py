@@ -8,9 +8,9 @@ scaled per token by sigmoid(shared_expert_gate(x)) (`layers.moe.SparseMoeBlock` 
 
 Checkpoints: the experts as fused (E, 2I, D) / (E, D, I) tensors or one tensor per expert
 (`model.weights` reads both, writes the per-expert layout transformers' conversion reads).
-Not covered: Qwen3-Next ("qwen3_next"): the same MoE block, but its linear-attention
-projections are fused (in_proj_qkvz / in_proj_ba, interleaved per key head) and its config
-keeps decoder_sparse_step / mlp_only_layers.
+Qwen3-Next ("qwen3_next", `arch.qwen3_next`) uses the same MoE block on the layers its
+decoder_sparse_step / mlp_only_layers make sparse (norm_topk_prob read from config.json),
+with the linear-attention input projections fused.
 Test: python -m pytest -q tests/test_qwen3_5_moe.py
 """
 
@@ -24,6 +24,7 @@ from torch import nn
 from rlfuse.model.arch.qwen3_5 import QWEN3_5, tiny_hybrid_fields
 from rlfuse.model.layers import MLP
 from rlfuse.model.layers.moe import SparseMoeBlock
+from rlfuse.model.layers.moe_config import QWEN3_5_MOE_FIXED
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
@@ -45,6 +46,7 @@ QWEN3_5_MOE = dataclasses.replace(
     mlp=moe_with_shared_expert,
     has_moe=True,
     moe_shared_expert=True,
+    moe_fixed=QWEN3_5_MOE_FIXED,
     dense_mlp=False,
     text_tower_of={"qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration"},
     notes="Qwen3.5's hybrid layers; every MLP an MoE block: softmax top-k (renormalized) routed experts plus "

@@ -75,8 +75,10 @@ class ArchSpec:
     has_moe: bool = False
     """config.json carries MoE fields (`ModelConfig.moe` is required, else refused)."""
     moe_shared_expert: bool = False
-    """Its MoE blocks add a shared expert with a sigmoid gate (and hard-code the layer rule
-    and the top-k renormalization: `layers.moe_config`)."""
+    """Its MoE blocks add a shared expert with a sigmoid gate (`layers.moe_config`)."""
+    moe_fixed: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """MoE fields the HF class hard-codes (its config has no such field), e.g. Qwen3.5-MoE's
+    layer rule and top-k renormalization: not written to config.json, another value refused."""
     peft_maps_mlp_targets: bool = False
     """PEFT (>= 0.19 under transformers 5) reads target_modules gate_proj / up_proj /
     down_proj of this family as its experts' (their transformers-v4 names) and moves them

@@ -2,8 +2,10 @@
 
 Parameter names and shapes equal transformers' `Qwen3_5GatedDeltaNet` (in_proj_qkv,
 in_proj_z, in_proj_b, in_proj_a, conv1d.weight (C, 1, W), dt_bias, A_log, norm.weight,
-out_proj), so checkpoints map 1:1. The math lives in `rlfuse.kernels.gated_delta`; this
-file only wires it (no copy of the delta rule here). For x (T, D), cu_seqlens (B+1,):
+out_proj), so checkpoints map 1:1; `FusedGatedDeltaNet` is Qwen3-Next's (in_proj_qkvz,
+in_proj_ba, interleaved per key head), the same mixer past its input projections. The math
+lives in `rlfuse.kernels.gated_delta`; this file only wires it (no copy of the delta rule
+here). For x (T, D), cu_seqlens (B+1,):
 
     qkv = silu(causal_conv1d(in_proj_qkv(x)))            (T, 2 Hk Dk + Hv Dv), per sequence
     q, k, v = split(qkv)                                   (T, Hk, Dk), (T, Hk, Dk), (T, Hv, Dv)
@@ -184,13 +186,17 @@ class GatedDeltaNet(nn.Module):
         """-> (q, k, v, g, beta), z (T, Hv, Dv), conv_state (B, C, W-1): the kernel's inputs
         for the rows of x (or x re-laid by `rows`, a PrefixRows, as `cu_seqlens`), the conv
         continuing from `conv_state` (None: zeros)."""
-        mixed, b, a = self.in_proj_qkv(x_TD), self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+        mixed, z, b, a = self.in_projections(x_TD)  # z: the output side, x's own rows
         if rows is not None:
             mixed, b, a = rows.gather(mixed), rows.gather(b), rows.gather(a)
         qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
-        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)  # the output side: x's own rows
         return self._kernel_inputs(qkv, b, a), z, conv_state
+
+    def in_projections(self, x_TD):
+        """x (T, D) -> mixed (T, C) = [q | k | v] (the conv's input), z (T, Hv, Dv), b, a (T, Hv)."""
+        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)
+        return self.in_proj_qkv(x_TD), z, self.in_proj_b(x_TD), self.in_proj_a(x_TD)
 
     def _kernel_inputs(self, qkv, b, a):
         """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs."""
@@ -253,12 +259,11 @@ class GatedDeltaNet(nn.Module):
         the chunk (tail = 63), else S_c stays."""
         t, slots = st.layers[self.layer_idx], st.slots
         B = x_BD.shape[0]
-        mixed, b, a = self.in_proj_qkv(x_BD), self.in_proj_b(x_BD), self.in_proj_a(x_BD)
+        mixed, z, b, a = self.in_projections(x_BD)
         conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
         qkv = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu")
         t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
         new = self._kernel_inputs(qkv, b, a)
-        z = self.in_proj_z(x_BD).view(B, self.n_v, self.dv)
         tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
         valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
         rows = []
@@ -325,3 +330,30 @@ class GatedDeltaNet(nn.Module):
         tail_idx_t = torch.tensor(tail_idx, device=device, dtype=torch.long)
         tail = tuple(r.index_select(0, tail_idx_t) for r in rows)
         return self.output(o, z), LinearState(conv, chunk_state, tail, tail_lens)
+
+
+class FusedGatedDeltaNet(GatedDeltaNet):
+    """Qwen3-Next's Gated DeltaNet (`Qwen3NextGatedDeltaNet`): the same mixer with the input
+    projections fused as transformers stores them, so checkpoints, LoRA targets and PEFT
+    names map 1:1 (in_proj_qkvz (Hk (2 Dk + 2 r Dv), D), in_proj_ba (2 Hv, D), r = Hv / Hk).
+    Their output rows are interleaved per key head h:
+        qkvz[h] = [q_h (Dk) | k_h (Dk) | v of value heads h r .. h r + r-1 (r Dv) | z of the same (r Dv)]
+        ba[h]   = [b of value heads h r .. (r) | a of the same (r)]
+    `in_projections` runs the two fused GEMMs and de-interleaves their outputs into
+    GatedDeltaNet's [q | k | v], z, b, a by views and one concatenation (a permutation of
+    the GEMM's outputs: no arithmetic), so every later step is GatedDeltaNet's."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
+        super().__init__(cfg, layer_idx)  # the shapes and every other parameter; its four projections
+        del self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a  # give way to the two fused ones
+        D = cfg.hidden_size
+        self.in_proj_qkvz = Linear(D, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = Linear(D, 2 * self.n_v, bias=False)
+
+    def in_projections(self, x_TD):
+        T, r = x_TD.shape[0], self.n_v // self.n_k
+        qkvz = self.in_proj_qkvz(x_TD).view(T, self.n_k, 2 * self.dk + 2 * r * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)  # each (T, Hk, .)
+        mixed = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim), v.reshape(T, self.value_dim)), -1)
+        b, a = self.in_proj_ba(x_TD).view(T, self.n_k, 2 * r).split([r, r], -1)  # each (T, Hk, r)
+        return mixed, z.reshape(T, self.n_v, self.dv), b.reshape(T, self.n_v), a.reshape(T, self.n_v)

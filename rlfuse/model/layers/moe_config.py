@@ -8,11 +8,13 @@ transformers' rule; other layers keep the dense MLP of `intermediate_size`. Qwen
 ("qwen3_5_moe_text", `shared_expert=True` below): every layer is sparse, the top-k weights
 are always renormalized, and each block adds a shared expert (a SwiGLU MLP of
 `shared_expert_intermediate_size`) scaled by a sigmoid gate; transformers' class has no
-decoder_sparse_step, mlp_only_layers or norm_topk_prob, so a config asking for other values
-is refused. Errors name the field: a top-k above the expert count, a non-positive size, a
+decoder_sparse_step, mlp_only_layers or norm_topk_prob (`QWEN3_5_MOE_FIXED`, the family's
+`ArchSpec.moe_fixed`), so a config asking for other values is refused. Qwen3-Next
+("qwen3_next"): the same shared expert, with Qwen3-MoE's layer rule and norm_topk_prob
+read from config.json. Errors name the field: a top-k above the expert count, a non-positive size, a
 layer index out of range, and fields of MoE features rlfuse does not implement (shared
 experts where the family has none, router jitter, other scoring functions).
-Test: python -m pytest -q tests/test_moe_model.py tests/test_qwen3_5_moe.py
+Test: python -m pytest -q tests/test_moe_model.py tests/test_qwen3_5_moe.py tests/test_qwen3_next.py
 """
 
 from __future__ import annotations
@@ -20,9 +22,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-# What transformers' Qwen3.5-MoE hard-codes (its config class has no such fields): every
-# layer sparse, the top-k weights renormalized. A config.json asking otherwise is refused.
-_FIXED_WITH_SHARED = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+QWEN3_5_MOE_FIXED = {"norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": ()}
+"""What transformers' Qwen3.5-MoE hard-codes (its config class has no such fields): every
+layer sparse, the top-k weights renormalized. A config.json asking otherwise is refused."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -55,9 +57,11 @@ class MoEConfig:
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
-    def check(self, num_hidden_layers: int, *, shared_expert: bool = False, family: str = "qwen3_moe") -> None:
-        """shared_expert: the family's blocks have one (Qwen3.5-MoE), with the fields
-        transformers hard-codes for it; else shared_expert_intermediate_size must be 0."""
+    def check(self, num_hidden_layers: int, *, shared_expert: bool = False, fixed: dict | None = None,
+              family: str = "qwen3_moe") -> None:
+        """shared_expert: the family's blocks have one (Qwen3.5-MoE, Qwen3-Next); else
+        shared_expert_intermediate_size must be 0. fixed: field -> the value the family's HF
+        class hard-codes (`ArchSpec.moe_fixed`); another value is refused."""
         for f in ("moe_intermediate_size", "decoder_sparse_step", "num_experts_per_tok"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -82,23 +86,23 @@ class MoEConfig:
         if v and not shared_expert:
             raise ValueError(f"config field 'shared_expert_intermediate_size' is {v}; shared experts are not "
                              f"supported ({family} has none)")
-        if shared_expert:
-            for f, want in _FIXED_WITH_SHARED.items():
-                if getattr(self, f) != want:
-                    raise ValueError(f"config field {f!r} is {getattr(self, f)!r}; {family} always has {f} = "
-                                     f"{list(want) if isinstance(want, tuple) else want!r} (transformers has no "
-                                     f"switch for it)")
+        for f, want in (fixed or {}).items():
+            if getattr(self, f) != want:
+                raise ValueError(f"config field {f!r} is {getattr(self, f)!r}; {family} always has {f} = "
+                                 f"{list(want) if isinstance(want, tuple) else want!r} (transformers has no "
+                                 f"switch for it)")
         c = self.router_aux_loss_coef
         if isinstance(c, bool) or not isinstance(c, (int, float)) or not c >= 0:
             raise ValueError(f"config field 'router_aux_loss_coef' must be a non-negative number, got {c!r}")
 
-    def to_hf(self) -> dict[str, Any]:
+    def to_hf(self, fixed: dict | None = None) -> dict[str, Any]:
+        """The config.json fields; those in `fixed` (hard-coded by the HF class: it has no
+        such field) are left out, as is a zero shared-expert width (the family has none)."""
         d = dataclasses.asdict(self)
         d["mlp_only_layers"] = list(self.mlp_only_layers)
-        if self.shared_expert_intermediate_size:  # Qwen3.5-MoE's config has none of the layer-rule fields
-            for k in _FIXED_WITH_SHARED:
-                del d[k]
-        else:
+        for k in fixed or {}:
+            del d[k]
+        if not self.shared_expert_intermediate_size:
             del d["shared_expert_intermediate_size"]
         return d
 
@@ -115,10 +119,10 @@ _UNSUPPORTED = {
 
 
 def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int, *, shared_expert: bool = False,
-                       family: str = "qwen3_moe") -> MoEConfig:
+                       fixed: dict | None = None, family: str = "qwen3_moe") -> MoEConfig:
     """MoEConfig from a config.json dict (transformers' defaults for absent optional fields).
-    shared_expert: the family's blocks have a gated shared expert (Qwen3.5-MoE), whose width
-    `shared_expert_intermediate_size` is then required."""
+    shared_expert: the family's blocks have a gated shared expert (Qwen3.5-MoE, Qwen3-Next),
+    whose width `shared_expert_intermediate_size` is then required; fixed: as `MoEConfig.check`."""
     for field, what in _UNSUPPORTED.items():
         if shared_expert and field == "shared_expert_intermediate_size":
             continue
@@ -151,12 +155,12 @@ def moe_config_from_hf(d: dict, where: str, num_hidden_layers: int, *, shared_ex
         router_aux_loss_coef=d.get("router_aux_loss_coef", 0.001),
         output_router_logits=d.get("output_router_logits", False),
     )
-    if shared_expert:  # an absent norm_topk_prob takes the value transformers hard-codes
+    if shared_expert:  # an absent norm_topk_prob: True, both shared-expert families' default (or fixed value)
         kw["norm_topk_prob"] = d.get("norm_topk_prob", True)
         kw["shared_expert_intermediate_size"] = d["shared_expert_intermediate_size"]
     cfg = MoEConfig(**kw)
     try:
-        cfg.check(num_hidden_layers, shared_expert=shared_expert, family=family)
+        cfg.check(num_hidden_layers, shared_expert=shared_expert, fixed=fixed, family=family)
     except ValueError as e:
         raise ValueError(f"{where}: {e}") from None
     return cfg
