@@ -43,7 +43,14 @@ from torch import nn
 from rlfuse.kernels.backend import is_exact
 
 # CHUNK: the kernels' chunk length; the engine keeps the state at multiples of it
-from rlfuse.kernels.gated_delta import CHUNK, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm
+from rlfuse.kernels.gated_delta import (
+                                        CHUNK,
+                                        causal_conv1d,
+                                        causal_conv1d_update,
+                                        chunk_gated_delta_rule,
+                                        fused_recurrent_gated_delta_rule,
+                                        gated_rmsnorm,
+)
 from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.packed import TAIL, LinearDecode, LinearSlots, Packed, PagedKV
@@ -230,11 +237,17 @@ class GatedDeltaNet(nn.Module):
         return self.output(o.index_select(0, re.own), z)
 
     def forward_slots(self, x_TD, st: LinearSlots):
-        """The engine's step: the sequences' states read from their slots, `forward_continue`,
-        the states after the step written back in place."""
-        t = st.layers[self.layer_idx]
-        state = LinearState(t["conv"][st.slots], t["chunk"][st.slots], tuple(t[n][st.read_at] for n in TAIL),
-                            st.tail_lens)
+        """The engine's step: the sequences' states read from their slots, `forward_continue`
+        (exact numerics) or `forward_recurrent` (fast), the states after the step written
+        back in place."""
+        t = self._engine_state(st.layers)
+        conv = t["conv"][st.slots]
+        if "recurrent" in t:
+            y, conv, t["recurrent"][st.slots] = self.forward_recurrent(x_TD, st.new_lens, conv,
+                                                                        t["recurrent"][st.slots])
+            t["conv"][st.slots] = conv.to(t["conv"].dtype)
+            return y
+        state = LinearState(conv, t["chunk"][st.slots], tuple(t[n][st.read_at] for n in TAIL), st.tail_lens)
         y, new = self.forward_continue(x_TD, st.new_lens, state)
         t["conv"][st.slots] = new.conv.to(t["conv"].dtype)
         t["chunk"][st.slots] = new.chunk_state
@@ -242,16 +255,30 @@ class GatedDeltaNet(nn.Module):
             t[n][st.write_at] = rows
         return y
 
+    def _engine_state(self, layers: dict) -> dict[str, torch.Tensor]:
+        """This layer's engine state, checked against the numerics the step runs in: the
+        layouts differ (`state_shapes`), and decoding one layout in the other numerics would
+        be silently wrong (exact) or read tensors that are not there (fast)."""
+        t = layers[self.layer_idx]
+        if ("recurrent" in t) == is_exact():
+            have, now = ("fast", "exact") if "recurrent" in t else ("exact", "fast")
+            raise ValueError(f"linear-attention layer {self.layer_idx}: the engine's state is laid out for {have} "
+                             f"numerics but the step runs in {now} numerics (LinearStateCache(exact=...) must "
+                             f"follow EngineConfig.numerics)")
+        return t
+
     def forward_decode(self, x_BD, positions, st: LinearDecode):
         """The static decode step (`LinearDecode`: one token per row, CUDA-graph capturable:
-        fixed shapes, no host values). The same arithmetic as `forward_continue` with
-        new_lens = 1: the conv continues from its state (the decode update, bitwise the
-        prefill conv's window), and each row's chunk [tail, new token] is laid out as a full
-        64-row chunk whose rows past the new token are exact zeros -- the rows the kernel
-        pads a shorter sequence with -- so its row at the new token has the eager call's
-        bits; the state after that full chunk is kept only when the new token completes
-        the chunk (tail = 63), else S_c stays."""
-        t, slots = st.layers[self.layer_idx], st.slots
+        fixed shapes, no host values). The conv continues from its state (the decode
+        update, bitwise the prefill conv's window). Then:
+        fast numerics: the recurrent kernel advances each row's running state in place in
+        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head;
+        exact numerics: the same arithmetic as `forward_continue` with new_lens = 1: each
+        row's chunk [tail, new token] is laid out as a full 64-row chunk whose rows past the
+        new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
+        its row at the new token has the eager call's bits; the state after that full chunk
+        is kept only when the new token completes the chunk (tail = 63), else S_c stays."""
+        t, slots = self._engine_state(st.layers), st.slots
         B = x_BD.shape[0]
         mixed, b, a = self.in_proj_qkv(x_BD), self.in_proj_b(x_BD), self.in_proj_a(x_BD)
         conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
@@ -259,6 +286,10 @@ class GatedDeltaNet(nn.Module):
         t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
         new = self._kernel_inputs(qkv, b, a)
         z = self.in_proj_z(x_BD).view(B, self.n_v, self.dv)
+        if "recurrent" in t:
+            cu = torch.arange(B + 1, device=x_BD.device, dtype=torch.int32)
+            o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
+            return self.output(o, z)
         tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
         valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
         rows = []
@@ -277,12 +308,18 @@ class GatedDeltaNet(nn.Module):
         t["chunk"].index_copy_(0, slots, torch.where(done, s_full, s_c))
         return self.output(o, z)
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32")."""
-        return {"conv": ((self.conv_dim, self.width - 1), "model"), "chunk": ((self.n_v, self.dk, self.dv), "fp32"),
-                "q": ((CHUNK, self.n_k, self.dk), "model"), "k": ((CHUNK, self.n_k, self.dk), "model"),
-                "v": ((CHUNK, self.n_v, self.dv), "model"), "g": ((CHUNK, self.n_v), "fp32"),
-                "beta": ((CHUNK, self.n_v), "model")}
+    def state_shapes(self, exact: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32").
+        Both keep the conv inputs; exact numerics S_c ("chunk") and the tail buffer (module
+        doc), fast numerics the state after the sequence's last token ("recurrent"), which
+        the decode step advances in place: a third of exact's bytes at Qwen3.5's shapes."""
+        conv = {"conv": ((self.conv_dim, self.width - 1), "model")}
+        if not exact:
+            return conv | {"recurrent": ((self.n_v, self.dk, self.dv), "fp32")}
+        return conv | {"chunk": ((self.n_v, self.dk, self.dv), "fp32"),
+                       "q": ((CHUNK, self.n_k, self.dk), "model"), "k": ((CHUNK, self.n_k, self.dk), "model"),
+                       "v": ((CHUNK, self.n_v, self.dv), "model"), "g": ((CHUNK, self.n_v), "fp32"),
+                       "beta": ((CHUNK, self.n_v), "model")}
 
     def empty_state(self, batch: int, device, dtype) -> LinearState:
         """The state of B sequences before their first token."""
@@ -325,3 +362,32 @@ class GatedDeltaNet(nn.Module):
         tail_idx_t = torch.tensor(tail_idx, device=device, dtype=torch.long)
         tail = tuple(r.index_select(0, tail_idx_t) for r in rows)
         return self.output(o, z), LinearState(conv, chunk_state, tail, tail_lens)
+
+    def forward_recurrent(self, x_TD, new_lens: list[int], conv_state, state):
+        """Fast numerics: new tokens of B sequences (x packed in sequence order, new_lens[b]
+        rows each) from their conv states (B, C, W-1) and running states (B, Hv, Dk, Dv) fp32
+        (after each sequence's last token) -> (y (T, D), conv states, running states after the
+        new tokens). Whole 64-row chunks of the new rows (from each sequence's first new
+        row) go through the chunk kernel; the rows past them through the recurrent kernel
+        from the chunk kernel's state, which leaves the state after the last token and gives
+        those rows the decode step's arithmetic (a one-token step here is bitwise the static
+        decode's on the same rows: the same kernels, the same inputs)."""
+        device = x_TD.device
+        cu = torch.tensor([0, *new_lens], device=device).cumsum(0).to(torch.int32)
+        inputs, z, conv_state = self.project(x_TD, cu, conv_state)
+        if max(new_lens, default=0) < CHUNK:  # no whole chunk: token by token (every eager decode step)
+            o, state = fused_recurrent_gated_delta_rule(*inputs, cu, initial_state=state)
+            return self.output(o, z), conv_state, state
+        o, state = chunk_gated_delta_rule(*inputs, cu, initial_state=state, output_final_state=True)
+        rest = [n % CHUNK for n in new_lens]
+        if any(rest):
+            idx, start = [], 0
+            for n, r in zip(new_lens, rest):
+                idx.extend(range(start + n - r, start + n))
+                start += n
+            idx_t = torch.tensor(idx, device=device, dtype=torch.long)
+            cu_r = torch.tensor([0, *rest], device=device).cumsum(0).to(torch.int32)
+            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs), cu_r,
+                                                          initial_state=state)
+            o = o.index_copy(0, idx_t, o_r)
+        return self.output(o, z), conv_state, state
