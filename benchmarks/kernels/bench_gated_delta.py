@@ -5,7 +5,8 @@ forward+backward over packed varlen batches, and the decode step.
 Shapes: Qwen3.5 linear attention (Hk = 16, Hv = 32, Dk = Dv = 128), bf16 q/k/v/beta,
 fp32 g; packed batches of 4k / 16k tokens with lengths ~ U[256, 2048] (seed 0), initial
 states given. Decode: B = 1 / 32 / 256 sequences, one token each from a state:
-  ours fast   fused_recurrent_gated_delta_rule (state updated in place)
+  ours fast   fused_recurrent_gated_delta_rule (state updated in place); "slot pool": the
+              engine's call, states read and written at each row's slot of a pool
   ours exact  chunk_gated_delta_rule over [buffer + 1 token] from the chunk-boundary
               state (the exact-numerics decode), buffers of 0 / 32 / 63 tokens
   fla         fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule
@@ -176,7 +177,18 @@ def decode_rows(fla_recurrent, batches, reps, bw):
             with use_backend("triton"), use_numerics("fast"):
                 return fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=state, state_out=state)[0]
 
-        impls = {"ours fast (recurrent)": fast}
+        # the engine's static decode call: states in a pool of slots (B + 1: the scratch slot),
+        # read and written in place at each row's slot (here reversed, as slots come unordered)
+        pool = torch.cat([s0, s0[:1]]).contiguous()
+        slots = torch.arange(B - 1, -1, -1, device=s0.device)
+        pool[slots] = s0
+
+        def fast_pool():
+            with use_backend("triton"), use_numerics("fast"):
+                return fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=pool,
+                                                        state_slots=slots)[0]
+
+        impls = {"ours fast (recurrent)": fast, "ours fast (recurrent, slot pool)": fast_pool}
         if fla_recurrent is not None:
             impls["fla (recurrent)"] = lambda: fla_recurrent(
                 q[None], k[None], v[None], g[None], beta[None], initial_state=s0, output_final_state=True,
@@ -184,6 +196,7 @@ def decode_rows(fla_recurrent, batches, reps, bw):
         bound = 2 * B * HV * DK * DV * 4 / bw
         for name, fn in impls.items():
             state.copy_(s0)
+            pool[slots] = s0
             err = (fn().float() - ref).abs().max().item()
             t = timed(fn, reps)
             rows.append(dict(case=f"decode B={B}", impl=name, err=err, us=t * 1e6, bound_us=bound * 1e6))
