@@ -178,13 +178,16 @@ def test_fast_cache_holds_the_running_state_only():
 
 # ------------------------------------------------------------------ the engine
 
-def test_fast_rollout_log_probs_follow_the_trainers():
-    """`rlfuse check`'s combined setting (n = 2 samples of each prompt: group state copies,
-    chunked prefill, look-ahead decode, micro-batch packing) in fast numerics: every rollout
-    log-prob within fp32 rounding of the trainer's; decode crosses the 64-token boundary (a
+@pytest.mark.parametrize("name", ["combined", "fp8 KV cache"])
+def test_fast_rollout_log_probs_follow_the_trainers(name):
+    """`rlfuse check`'s settings in fast numerics: "combined" (n = 2 samples of each prompt:
+    group state copies, chunked prefill, look-ahead decode, micro-batch packing) and the
+    fp8 KV cache (the full-attention layer's K/V in fp8 beside the linear-attention state;
+    the trainer reads K/V quantized with the engine's scales): every rollout log-prob
+    within fp32 rounding of the trainer's; decode crosses the 64-token boundary (a
     70-token prompt)."""
     model = _model()
-    s = dataclasses.replace({x.name: x for x in default_sweep(8, small_pool_blocks=10, chunk_tokens=16)}["combined"],
+    s = dataclasses.replace({x.name: x for x in default_sweep(8, small_pool_blocks=10, chunk_tokens=16)}[name],
                             num_prompts=2, n=2)
     with use_backend("torch"):
         r = run_setting(model, random_prompts([70, 14]), s, numerics="fast", max_tokens=10, temperature=1.0)

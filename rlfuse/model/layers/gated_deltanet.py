@@ -12,23 +12,31 @@ file only wires it (no copy of the delta rule here). For x (T, D), cu_seqlens (B
     o = chunk_gated_delta_rule(q, k, v, g, beta)           (T, Hv, Dv), q/k l2-normed inside
     y = out_proj(gated_rmsnorm(o, z = in_proj_z(x)))       (T, D)
 
-The engine's per-sequence state (`forward_slots` over `PagedKV.linear`, a `LinearSlots`). Between
-calls a sequence keeps, per linear-attention layer, `LinearState`: the last W-1 conv
-inputs, S_c (the delta-rule state at its last 64-token chunk boundary, fp32) and the
-kernel inputs (q, k, v, g, beta after the conv) of the < 64 tokens since that boundary.
-`GatedDeltaNet.forward_continue` runs new tokens of a batch of sequences from such states:
-the conv continues from its state, and the kernel runs ONCE over [buffered rows + new rows]
-from S_c, so every row goes through the same chunk arithmetic as in the trainer's forward
-over the whole sequence (gdn_contract: chunks aligned to the sequence's first token, the
-returned state is the one after the last FULL chunk). In exact numerics the outputs equal
-the whole-sequence forward's bitwise (tests/test_qwen3_5.py checks it on the references).
-`forward_decode` (over a `LinearDecode`) is the same step for one token per sequence with
-fixed shapes and no host values, which the engine's static decode path captures in CUDA
-graphs (tests/test_engine_hybrid.py: static == eager bitwise).
+The engine's per-sequence state (`forward_slots` over `PagedKV.linear`, a `LinearSlots`), in
+one of two layouts picked by the engine's numerics (`state_shapes`):
+  exact: between calls a sequence keeps, per linear-attention layer, `LinearState`: the last
+    W-1 conv inputs, S_c (the delta-rule state at its last 64-token chunk boundary, fp32) and
+    the kernel inputs (q, k, v, g, beta after the conv) of the < 64 tokens since that
+    boundary. `GatedDeltaNet.forward_continue` runs new tokens of a batch of sequences from
+    such states: the conv continues from its state, and the kernel runs ONCE over [buffered
+    rows + new rows] from S_c, so every row goes through the same chunk arithmetic as in the
+    trainer's forward over the whole sequence (gdn_contract: chunks aligned to the
+    sequence's first token, the returned state is the one after the last FULL chunk). The
+    outputs equal the whole-sequence forward's bitwise (tests/test_qwen3_5.py checks it on
+    the references).
+  fast: the conv inputs and the running state after the sequence's last token ("recurrent",
+    fp32). `forward_recurrent` runs whole 64-row chunks of the new rows through the chunk
+    kernel and the rest through the recurrent kernel, which leaves the state after the last
+    token; a decode step is one recurrent step, O(Dk Dv) a head instead of a 64-row chunk
+    (tests/test_hybrid_fast_decode.py).
+`forward_decode` (over a `LinearDecode`) is the step for one token per sequence with fixed
+shapes and no host values, which the engine's static decode path captures in CUDA graphs
+(tests/test_engine_hybrid.py: static == eager, bitwise in exact numerics; in fast numerics
+bitwise on the same rows, tests/test_hybrid_fast_decode.py).
 
 Shape legend: T packed tokens, B sequences, D hidden, Hk/Hv key/value heads, Dk/Dv their
 head dims, C conv channels (2 Hk Dk + Hv Dv), W conv width.
-Test: python -m pytest -q tests/test_qwen3_5.py
+Test: python -m pytest -q tests/test_qwen3_5.py tests/test_hybrid_fast_decode.py
 """
 
 from __future__ import annotations
