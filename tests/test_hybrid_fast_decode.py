@@ -245,8 +245,9 @@ def test_gpu_fast_hybrid_decode_with_cuda_graphs(dtype):
     """On CUDA (Triton kernels), fast numerics: the decode CUDA graphs (the recurrent kernel
     on the slot pool, in place) against the eager engine and against the trainer, over
     bucket padding, a group of n = 4, look-ahead and decode across 64-token chunk
-    boundaries; greedy tokens equal across graph / eager; log-probs within the dtype's
-    rounding of the trainer's; the graphs see an in-place weight update."""
+    boundaries; greedy tokens equal across graph / eager (fp32; bf16 up to a near-tie),
+    log-probs within the dtype's rounding of each other and of the trainer's, also after an
+    in-place weight update."""
     model = _model(dtype).cuda()
     prompts = random_prompts([58, 30, 1, 17, 64, 100])
     kw = dict(max_model_len=512, max_num_seqs=16, numerics="fast", num_kv_blocks=256, block_size=16)
@@ -256,7 +257,7 @@ def test_gpu_fast_hybrid_decode_with_cuda_graphs(dtype):
     a, b = eager.generate(prompts, greedy), graphs.generate(prompts, greedy)
     assert graphs.runner.use_graphs and graphs.stats.graph_steps > 0 and eager.stats.graph_steps == 0
     assert "recurrent" in graphs.runner.linear.layers[0]
-    tol = 1e-4 if dtype == torch.float32 else 0.1
+    tol = 1e-4 if dtype == torch.float32 else 5e-2  # bf16: max 1.2e-2 measured on the CPU's torch path
     for x, y in zip(a, b):
         agree = next((i for i, (s, t) in enumerate(zip(x.output_token_ids, y.output_token_ids)) if s != t), None)
         # a near-tie may flip a greedy token under different rounding; up to there they agree
@@ -275,9 +276,9 @@ def test_gpu_fast_hybrid_decode_with_cuda_graphs(dtype):
     with torch.no_grad():
         for q in model.parameters():
             q.mul_(1.01)
-    want = [o.output_token_ids for o in eager.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=20,
-                                                                                    ignore_eos=True))]
-    got = [o.output_token_ids for o in graphs.generate(prompts[:2], SamplingParams(temperature=0.0, max_tokens=20,
-                                                                                   ignore_eos=True))]
-    if dtype == torch.float32:
-        assert got == want
+    outs = graphs.generate(prompts[:2], params[:2])
+    seqs = [(list(o.prompt_token_ids), list(o.output_token_ids)) for o in outs]
+    with use_numerics("fast"):
+        want = trainer_logprobs(model, seqs, 1.0)  # the updated weights: the graphs read them too
+    for o, w in zip(outs, want):
+        torch.testing.assert_close(o.logprobs.to(w.device), w, rtol=0, atol=tol)
