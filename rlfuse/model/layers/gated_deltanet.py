@@ -320,7 +320,7 @@ class GatedDeltaNet(nn.Module):
         """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32").
         Both keep the conv inputs; exact numerics S_c ("chunk") and the tail buffer (module
         doc), fast numerics the state after the sequence's last token ("recurrent"), which
-        the decode step advances in place: a third of exact's bytes at Qwen3.5's shapes."""
+        the decode step advances in place: two thirds of exact's bytes at Qwen3.5's shapes."""
         conv = {"conv": ((self.conv_dim, self.width - 1), "model")}
         if not exact:
             return conv | {"recurrent": ((self.n_v, self.dk, self.dv), "fp32")}
