@@ -391,6 +391,43 @@ def check_engine_procedure_gpu(dtype):
     assert torch.equal(torch.cat(outs), whole)
 
 
+def check_decode_slots(backend, numerics, dims=(1, 2, 16, 8), device="cpu", dtype=torch.float32):
+    """The engine's exact decode layout (each row's [tail + token] as one 64-row chunk, zeros
+    past the token) with S_c in a slot pool (`state_slots`, moved on only where the token
+    completes the chunk: `state_lens`) against the gather / call / select / scatter it
+    replaces: the same outputs and pool, bitwise."""
+    Hk, Hv, Dk, Dv = dims
+    tails = [63, 10, 0, 62]  # rows before the token; 63: the token completes the chunk
+    q, k, v, g, beta, _, _ = _inputs([CHUNK] * len(tails), Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=21)
+    valid = (torch.arange(CHUNK)[None, :] <= torch.tensor(tails)[:, None]).reshape(-1)
+    rows = [torch.where(valid.view(-1, *[1] * (x.dim() - 1)), x, 0.0).to(device) for x in (q, k, v, g, beta)]
+    cu = _cu([CHUNK] * len(tails)).to(device)
+    pool = (torch.randn(6, Hv, Dk, Dv, generator=torch.Generator().manual_seed(4)) * 0.3).to(device)
+    slots = torch.tensor([4, 0, 2, 5], device=device)
+    lens = torch.tensor(tails, device=device) + 1
+    with use_backend(backend), use_numerics(numerics):
+        s_c = pool.index_select(0, slots)
+        o_want, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
+        want = pool.clone()
+        want.index_copy_(0, slots, torch.where((lens == CHUNK).view(-1, 1, 1, 1), s_full, s_c))
+        got = pool.clone()
+        o, S = chunk_gated_delta_rule(*rows, cu, initial_state=got, output_final_state=True, state_slots=slots,
+                                      state_lens=lens)
+    assert S is got and torch.equal(o[valid.to(device)], o_want[valid.to(device)])
+    assert torch.equal(got, want) and not torch.equal(got[4], pool[4]) and torch.equal(got[0], pool[0])
+
+
+@pytest.mark.parametrize("backend,numerics", [("torch", "exact"), ("triton", "exact"), ("triton", "fast")])
+def test_decode_state_slots_equal_the_gathered_call_bitwise(backend, numerics):
+    check_decode_slots(backend, numerics)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_state_slots_equal_the_gathered_call_bitwise(dtype):
+    check_decode_slots("triton", "exact", dims=(16, 32, 128, 128), device="cuda", dtype=dtype)
+
+
 # ------------------------------------------------------------ the fast-numerics decode path
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

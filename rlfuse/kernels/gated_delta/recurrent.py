@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
-from rlfuse.kernels.gated_delta.chunk import check_inputs, recurrent_gated_delta_rule_ref
+from rlfuse.kernels.gated_delta.chunk import check_inputs, check_state_pool, recurrent_gated_delta_rule_ref
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
@@ -42,7 +42,10 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_st
                          "decodes through chunk_gated_delta_rule from the chunk-boundary state + buffer")
     B, Hv, Dk, Dv = cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
     if state_slots is not None:
-        _check_pool(initial_state, state_slots, state_out, B, (Hv, Dk, Dv))
+        check_state_pool("fused_recurrent_gated_delta_rule", initial_state, state_slots, B, (Hv, Dk, Dv))
+        if state_out is not None:
+            raise ValueError("fused_recurrent_gated_delta_rule: state_slots writes the states back into the pool "
+                             "(initial_state); pass no state_out")
         check_inputs(q, k, v, g, beta, cu_seqlens, None)
     else:
         check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
@@ -68,17 +71,3 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_st
         state_out.copy_(state)
         state = state_out
     return o, state
-
-
-def _check_pool(pool, slots, state_out, B: int, per_slot: tuple[int, int, int]) -> None:
-    if pool is None or pool.dim() != 4 or tuple(pool.shape[1:]) != per_slot or pool.dtype != torch.float32 \
-            or not pool.is_contiguous():
-        got = None if pool is None else (tuple(pool.shape), pool.dtype)
-        raise ValueError(f"fused_recurrent_gated_delta_rule: with state_slots, initial_state must be a contiguous "
-                         f"fp32 pool (N, Hv, Dk, Dv) with (Hv, Dk, Dv) = {per_slot}, got {got}")
-    if slots.shape != (B,) or slots.dtype != torch.int64:
-        raise ValueError(f"fused_recurrent_gated_delta_rule: state_slots must be (B,) = ({B},) int64, got "
-                         f"{tuple(slots.shape)} {slots.dtype}")
-    if state_out is not None:
-        raise ValueError("fused_recurrent_gated_delta_rule: state_slots writes the states back into the pool "
-                         "(initial_state); pass no state_out")

@@ -123,13 +123,16 @@ def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
 
 
 @triton.jit(do_not_specialize=["Hv"])
-def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h, Hv,
+def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, SLOT, SLEN, so_t, so_h, Hv,
                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, STORE_O: tl.constexpr,
-                      STORE_H: tl.constexpr, PREC: tl.constexpr):
+                      STORE_H: tl.constexpr, PREC: tl.constexpr, HAS_SLOT: tl.constexpr = False):
     """The state pass, one program per (Dv block, sequence x value head), chunks in order:
     v_new = u - w S, o = (q exp(gc)) S + P v_new, S <- exp(gL) S + kd^T v_new (full chunks).
-    The backward runs it again with STORE_H (each chunk's start state into H) and no o."""
+    The backward runs it again with STORE_H (each chunk's start state into H) and no o.
+    HAS_SLOT (the engine's decode step): S0 = SF is a pool of states, sequence b's at slot
+    SLOT[b], read and written back in place; a chunk counts as full within the first SLEN[b]
+    rows only, and the slot is written only when one was (else it keeps its state)."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // Hv
     h = pid_bh % Hv
@@ -141,7 +144,13 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h
     offs_v = pid_v * BV + tl.arange(0, BV)
     mk = offs_k < DK
     mv = offs_v < DV
-    s_ptrs = (b * Hv + h).to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if HAS_SLOT:
+        s_row = tl.load(SLOT + b).to(tl.int64)
+        n_state = tl.load(SLEN + b).to(tl.int64)
+    else:
+        s_row = b.to(tl.int64)
+        n_state = n
+    s_ptrs = (s_row * Hv + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     if HAS_S0:
         S = tl.load(S0 + s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
     else:
@@ -171,9 +180,13 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h
             tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
         S_new = eL * S + dot(tl.trans(kd), v_new, None, PREC)
-        S = tl.where((c + 1) * C <= n, S_new, S)
+        S = tl.where((c + 1) * C <= n_state, S_new, S)
     if STORE_SF:
-        tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
+        if HAS_SLOT:
+            if n_state >= C:  # else no full chunk: the slot already holds the state
+                tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
+        else:
+            tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
 
 
 def chunk_map(cu_seqlens: torch.Tensor, T: int):
@@ -206,25 +219,35 @@ def tile_config(Dk: int, Dv: int, exact: bool) -> dict:
 
 
 def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, output_final_state: bool,
-                    exact: bool):
+                    exact: bool, state_slots=None, state_lens=None):
     """Launch the forward: o (T, Hv, Dv) in v.dtype, and the final state (B, Hv, Dk, Dv)
-    fp32 (None unless output_final_state). No host sync."""
+    fp32 (None unless output_final_state). With `state_slots` (the public op's slot pool:
+    `initial_state` is the pool, checked fp32 and contiguous there) the final states go
+    back into the pool in place and the pool is returned. No host sync."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
     B = cu_seqlens.shape[0] - 1
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     o = torch.empty(T, Hv, Dv, dtype=v.dtype, device=v.device)
-    sf = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device) if output_final_state else None
-    s0 = initial_state.float().contiguous() if initial_state is not None else None
+    if state_slots is not None:
+        s0 = sf = initial_state
+        output_final_state = True
+    else:
+        sf = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device) if output_final_state else None
+        s0 = initial_state.float().contiguous() if initial_state is not None else None
     if B == 0:
         return o, sf
     cfg = tile_config(Dk, Dv, exact)
     BK, BV = cfg.pop("BK"), cfg.pop("BV")
     prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg)
+    slot = state_slots if state_slots is not None else cu_seqlens
+    slen = (state_lens if state_lens is not None else cu_seqlens[1:] - cu_seqlens[:-1]) \
+        if state_slots is not None else cu_seqlens
     state_pass_kernel[(triton.cdiv(Dv, BV), B * Hv)](
         *prep["buffers"], cu_seqlens, prep["coff"], s0 if s0 is not None else o, o, sf if sf is not None else o, o,
-        o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, STORE_O=True, STORE_H=False, PREC=dot_precision(v), **cfg)
+        slot, slen, o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
+        STORE_SF=output_final_state, STORE_O=True, STORE_H=False, PREC=dot_precision(v),
+        HAS_SLOT=state_slots is not None, **cfg)
     return o, sf
 
 
@@ -264,8 +287,11 @@ class _ChunkGatedDelta(torch.autograd.Function):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale: float,
-                           output_final_state=False, exact=False):
+                           output_final_state=False, exact=False, state_slots=None, state_lens=None):
     """The Triton path of `rlfuse.kernels.gated_delta.chunk.chunk_gated_delta_rule`."""
+    if state_slots is not None:  # the engine's decode step: inference only, no autograd
+        return gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, True, exact, state_slots,
+                               state_lens)
     o, sf = _ChunkGatedDelta.apply(q, k, v, g, beta, initial_state, cu_seqlens, scale, output_final_state,
                                    exact)
     return o, sf

@@ -285,7 +285,8 @@ class GatedDeltaNet(nn.Module):
         row's chunk [tail, new token] is laid out as a full 64-row chunk whose rows past the
         new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
         its row at the new token has the eager call's bits; the state after that full chunk
-        is kept only when the new token completes the chunk (tail = 63), else S_c stays."""
+        is kept only when the new token completes the chunk (tail = 63), else S_c stays
+        (in the kernel: S_c is read from and written to its slot in place)."""
         t, slots = self._engine_state(st.layers), st.slots
         B = x_BD.shape[0]
         mixed, b, a = self.in_proj_qkv(x_BD), self.in_proj_b(x_BD), self.in_proj_a(x_BD)
@@ -309,11 +310,11 @@ class GatedDeltaNet(nn.Module):
             mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
             rows.append(torch.where(mask, buf, 0.0).flatten(0, 1))
         cu = torch.arange(0, (B + 1) * CHUNK, CHUNK, device=x_BD.device, dtype=torch.int32)
-        s_c = t["chunk"].index_select(0, slots)
-        o, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
+        # S_c read from and written back to its slot in place, moving on only when the token
+        # completes the chunk (state_lens = tail + 1 rows: full at 64)
+        o, _ = chunk_gated_delta_rule(*rows, cu, initial_state=t["chunk"], output_final_state=True, state_slots=slots,
+                                      state_lens=tail_len + 1)
         o = o.view(B, CHUNK, self.n_v, self.dv)[torch.arange(B, device=x_BD.device), tail_len]  # (B, Hv, Dv)
-        done = (tail_len == CHUNK - 1).view(B, 1, 1, 1)
-        t["chunk"].index_copy_(0, slots, torch.where(done, s_full, s_c))
         return self.output(o, z)
 
     def state_shapes(self, exact: bool) -> dict[str, tuple[tuple[int, ...], str]]:
