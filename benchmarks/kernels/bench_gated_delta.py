@@ -8,7 +8,8 @@ states given. Decode: B = 1 / 32 / 256 sequences, one token each from a state:
   ours fast   fused_recurrent_gated_delta_rule (state updated in place); "slot pool": the
               engine's call, states read and written at each row's slot of a pool
   ours exact  chunk_gated_delta_rule over [buffer + 1 token] from the chunk-boundary
-              state (the exact-numerics decode), buffers of 0 / 32 / 63 tokens
+              state (the exact-numerics decode), buffers of 0 / 32 / 63 tokens; "engine":
+              the engine's call, [buffer + token] as one 64-row chunk, S_c in a slot pool
   fla         fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule
 bound = state read + write (B Hv Dk Dv 4 bytes x 2) at the in-run copy bandwidth.
 
@@ -39,6 +40,7 @@ from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script'
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
+    CHUNK,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
@@ -205,6 +207,20 @@ def decode_rows(fla_recurrent, batches, reps, bw):
             t = timed(lambda: ours("exact")(*bargs), reps)
             rows.append(dict(case=f"decode B={B}", impl=f"ours exact (chunk, buffer {buf})", err=float("nan"),
                              us=t * 1e6, bound_us=bound * 1e6))
+        # the engine's exact decode call: each row's [tail + token] as one 64-row chunk (the
+        # engine zeros the rows past the token; their values do not change the time), S_c read
+        # from and written to its slot of a pool in place, moved on where the token ends a chunk
+        eq, ek, ev, eg, eb, ecu, _ = inputs([CHUNK] * B, seed=4)
+        tail = torch.arange(B, device=DEV) % CHUNK
+        lens = tail + 1
+
+        def exact_slots():
+            with use_backend("triton"), use_numerics("exact"):
+                return chunk_gated_delta_rule(eq, ek, ev, eg, eb, ecu, initial_state=pool, output_final_state=True,
+                                              state_slots=slots, state_lens=lens)[0]
+        t = timed(exact_slots, reps)
+        rows.append(dict(case=f"decode B={B}", impl="ours exact (engine: 64-row chunk, slot pool)", err=float("nan"),
+                         us=t * 1e6, bound_us=bound * 1e6))
     return rows
 
 
