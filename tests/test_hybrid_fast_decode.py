@@ -46,9 +46,9 @@ def _model(dtype=torch.float32, **over):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_recurrent_state_slots_update_the_pool_in_place(backend):
-    """Sequences read their states from pool slots (any order, one of them twice across two
-    calls) and write them back in place: the same bits as passing the gathered states, the
-    other slots untouched, and both against the float64 oracle."""
+    """Sequences (one of them 3 tokens long) read their states from pool slots in any order
+    and write them back in place: the same bits as passing the gathered states, the other
+    slots untouched, and both against the float64 oracle."""
     gen = torch.Generator().manual_seed(3)
     Hk, Hv, Dk, Dv, lens = 1, 2, 12, 40, [1, 3, 1]
     T = sum(lens)
