@@ -227,13 +227,13 @@ def test_preempted_sequences_recompute_their_running_state():
     kw = dict(max_model_len=256, max_num_seqs=4, num_kv_blocks=12, block_size=16)
     with use_backend("torch"):
         llm = LLM(model, None, EngineConfig(**kw))
-        outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=2))
+        outs = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=28, ignore_eos=True, seed=2))
         assert llm.stats.preemptions > 0
         with use_numerics("fast"):
             want = trainer_logprobs(model, [(p, o.output_token_ids) for p, o in zip(prompts, outs)], 1.0)
         greedy = LLM(model, None, EngineConfig(**kw)).generate(
-            prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
-        assert [o.output_token_ids for o in greedy] == greedy_generate_naive(model, prompts, 40)
+            prompts, SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True))
+        assert [o.output_token_ids for o in greedy] == greedy_generate_naive(model, prompts, 28)
     for o, w in zip(outs, want):
         torch.testing.assert_close(o.logprobs, w, rtol=0, atol=ATOL_FP32)
 
