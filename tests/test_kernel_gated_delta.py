@@ -15,6 +15,7 @@ import torch
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
                                         CHUNK,
+                                        chunk_gated_delta_decode,
                                         chunk_gated_delta_rule,
                                         chunk_gated_delta_rule_ref,
                                         fused_recurrent_gated_delta_rule,
@@ -392,29 +393,30 @@ def check_engine_procedure_gpu(dtype):
 
 
 def check_decode_slots(backend, numerics, dims=(1, 2, 16, 8), device="cpu", dtype=torch.float32):
-    """The engine's exact decode layout (each row's [tail + token] as one 64-row chunk, zeros
-    past the token) with S_c in a slot pool (`state_slots`, moved on only where the token
-    completes the chunk: `state_lens`) against the gather / call / select / scatter it
-    replaces: the same outputs and pool, bitwise."""
+    """`chunk_gated_delta_decode` (the engine's exact decode step: the tails and S_c read in
+    their slots, S_c written back in place only where the token completes the chunk) against
+    the gather / mask / chunk call / select / scatter it replaces: the same outputs and the
+    same pool, bitwise; the slots not stepped are untouched."""
     Hk, Hv, Dk, Dv = dims
-    tails = [63, 10, 0, 62]  # rows before the token; 63: the token completes the chunk
-    q, k, v, g, beta, _, _ = _inputs([CHUNK] * len(tails), Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=21)
-    valid = (torch.arange(CHUNK)[None, :] <= torch.tensor(tails)[:, None]).reshape(-1)
-    rows = [torch.where(valid.view(-1, *[1] * (x.dim() - 1)), x, 0.0).to(device) for x in (q, k, v, g, beta)]
-    cu = _cu([CHUNK] * len(tails)).to(device)
-    pool = (torch.randn(6, Hv, Dk, Dv, generator=torch.Generator().manual_seed(4)) * 0.3).to(device)
+    tails = torch.tensor([63, 10, 0, 62], device=device)  # rows before the token; 63: it completes the chunk
     slots = torch.tensor([4, 0, 2, 5], device=device)
-    lens = torch.tensor(tails, device=device) + 1
+    N = 6
+    q, k, v, g, beta, _, _ = _inputs([CHUNK] * N, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=21)
+    tail = [x.reshape(N, CHUNK, *x.shape[1:]).to(device).contiguous() for x in (q, k, v, g, beta)]
+    pool = (torch.randn(N, Hv, Dk, Dv, generator=torch.Generator().manual_seed(4)) * 0.3).to(device)
+    B = len(slots)
     with use_backend(backend), use_numerics(numerics):
-        s_c = pool.index_select(0, slots)
-        o_want, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
+        valid = torch.arange(CHUNK, device=device)[None, :] <= tails[:, None]
+        rows = [torch.where(valid.view(B, CHUNK, *[1] * (x.dim() - 2)), x[slots], 0.0).flatten(0, 1) for x in tail]
+        o_all, s_full = chunk_gated_delta_rule(*rows, _cu([CHUNK] * B).to(device), initial_state=pool[slots],
+                                               output_final_state=True)
+        o_want = o_all.view(B, CHUNK, Hv, Dv)[torch.arange(B, device=device), tails]
         want = pool.clone()
-        want.index_copy_(0, slots, torch.where((lens == CHUNK).view(-1, 1, 1, 1), s_full, s_c))
+        want[slots] = torch.where((tails == CHUNK - 1).view(-1, 1, 1, 1), s_full, pool[slots])
         got = pool.clone()
-        o, S = chunk_gated_delta_rule(*rows, cu, initial_state=got, output_final_state=True, state_slots=slots,
-                                      state_lens=lens)
-    assert S is got and torch.equal(o[valid.to(device)], o_want[valid.to(device)])
-    assert torch.equal(got, want) and not torch.equal(got[4], pool[4]) and torch.equal(got[0], pool[0])
+        o = chunk_gated_delta_decode(tail, got, slots, tails)
+    assert torch.equal(o, o_want) and torch.equal(got, want)
+    assert not torch.equal(got[4], pool[4]) and torch.equal(got[0], pool[0]) and torch.equal(got[1], pool[1])
 
 
 @pytest.mark.parametrize("backend,numerics", [("torch", "exact"), ("triton", "exact"), ("triton", "fast")])

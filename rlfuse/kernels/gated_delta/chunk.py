@@ -3,22 +3,13 @@ sequences.
 
 Contract (docs/numerics.md, "Linear attention (Gated DeltaNet)"):
   o, S = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None,
-                                scale=None, output_final_state=False, state_slots=None,
-                                state_lens=None)
+                                scale=None, output_final_state=False)
   q, k (T, Hk, Dk) raw (the op l2-normalizes them in fp32, eps 1e-6, and scales q by
   `scale`, default Dk**-0.5); v (T, Hv, Dv), Hv % Hk == 0, value head h reads q/k head
   h // (Hv // Hk); g (T, Hv) fp32 log decay (<= 0); beta (T, Hv); cu_seqlens (B+1,) int32;
   initial_state (B, Hv, Dk, Dv) fp32 or None. o (T, Hv, Dv) in v.dtype; S (B, Hv, Dk, Dv)
   fp32 is the state after the LAST FULL CHUNK of each sequence (after its first
   64 * floor(n / 64) tokens; the initial state when n < 64), not after the last token.
-  The engine's exact decode step (inference only, no autograd): with `state_slots` (B,)
-  int64, `initial_state` is a POOL of states (N, Hv, Dk, Dv) fp32, sequence b starts from
-  initial_state[state_slots[b]] and its S is written back into that slot in place (the
-  pool is returned as S; sequences sharing a slot leave it undefined); `state_lens` (B,)
-  int: S is the state after the last full chunk of the segment's first state_lens[b]
-  rows (default: all of them) -- the decode step lays [tail + token] out as one 64-row
-  chunk whose rows past the token are zeros, and the state moves on only when the token
-  completes the chunk. The outputs do not depend on either.
 
 Math, per sequence and value head, state S (Dk, Dv), per token t:
   S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,  o_t = S_t^T q_t
@@ -128,12 +119,10 @@ def recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_stat
     return o.to(out_dtype), torch.stack(states) if states else None
 
 
-def _chunk_layout(cu_seqlens: torch.Tensor, T: int, state_lens=None):
+def _chunk_layout(cu_seqlens: torch.Tensor, T: int):
     """Per-chunk token indices (NC, CHUNK) with T for rows past a sequence's end, each
-    chunk's sequence (list), whether it is full (list; within the first state_lens[b]
-    rows when given), and the chunk count per sequence."""
+    chunk's sequence (list), whether it is full (list), and the chunk count per sequence."""
     cu = cu_seqlens.tolist()  # host sync: the reference sizes its loops from the lengths
-    n_state = None if state_lens is None else state_lens.tolist()
     seq_of, full, idx = [], [], []
     nchunks = []
     for b in range(len(cu) - 1):
@@ -145,7 +134,7 @@ def _chunk_layout(cu_seqlens: torch.Tensor, T: int, state_lens=None):
             rows = torch.arange(lo, lo + CHUNK)
             idx.append(torch.where(rows < cu[b + 1], rows, T))
             seq_of.append(b)
-            full.append((c + 1) * CHUNK <= (n if n_state is None else n_state[b]))
+            full.append((c + 1) * CHUNK <= n)
     idx = torch.stack(idx) if idx else torch.zeros(0, CHUNK, dtype=torch.long)
     return idx, seq_of, full, nchunks
 
@@ -174,11 +163,10 @@ def _unit_lower_inverse(A: torch.Tensor, exact: bool) -> torch.Tensor:
 
 
 def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
-                               output_final_state=False, exact=None, state_lens=None):
+                               output_final_state=False, exact=None):
     """The chunked algorithm in torch (module docstring steps 1-5), differentiable by
     autograd. `exact` (default: the current numerics) uses the batch-invariant building
-    blocks, so a row's bits never depend on the rows after it or on other sequences.
-    `state_lens`: the contract's (full chunks counted within those rows)."""
+    blocks, so a row's bits never depend on the rows after it or on other sequences."""
     exact = is_exact() if exact is None else exact
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
@@ -187,7 +175,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_state=No
     dev = v.device
     B = cu_seqlens.shape[0] - 1
     qn, kn = _prepare_qk(q, k, Hv, scale, exact)
-    idx, seq_of, full, nchunks = _chunk_layout(cu_seqlens, T, state_lens)
+    idx, seq_of, full, nchunks = _chunk_layout(cu_seqlens, T)
     idx = idx.to(dev)
     NC = idx.shape[0]
 
@@ -244,7 +232,7 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_state=No
 
 
 def check_state_pool(op: str, pool, slots, B: int, per_slot: tuple[int, int, int]) -> None:
-    """A slot pool of states (`state_slots` of the chunked and the recurrent op)."""
+    """A slot pool of states (the decode op's, the recurrent op's `state_slots`)."""
     if pool is None or pool.dim() != 4 or tuple(pool.shape[1:]) != per_slot or pool.dtype != torch.float32 \
             or not pool.is_contiguous():
         got = None if pool is None else (tuple(pool.shape), pool.dtype)
@@ -275,31 +263,17 @@ def check_inputs(q, k, v, g, beta, cu_seqlens, initial_state):
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
-                           output_final_state=False, state_slots=None, state_lens=None):
+                           output_final_state=False):
     """Public op (contract in the module docstring): picks the backend. Both backends
     honour the current numerics; in exact numerics the result of a row is independent of
     the rows after it, of T and of the other sequences."""
-    B = cu_seqlens.shape[0] - 1
-    if state_slots is not None:
-        check_state_pool("chunk_gated_delta_rule", initial_state, state_slots, B, (v.shape[1], q.shape[2], v.shape[2]))
-        check_inputs(q, k, v, g, beta, cu_seqlens, None)
-    else:
-        check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
-    if state_lens is not None and (state_slots is None or state_lens.shape != (B,)):
-        raise ValueError(f"chunk_gated_delta_rule: state_lens must be (B,) = ({B},) and comes with state_slots, got "
-                         f"{tuple(state_lens.shape)} (state_slots {'given' if state_slots is not None else 'None'})")
+    check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):
         raise ValueError(f"chunk_gated_delta_rule: scale must be finite, got {scale}")
     if resolve_backend("chunk_gated_delta_rule", v) == "triton":
         return triton_ops("gated_delta.triton_chunk").chunk_gated_delta_rule(
             q, k, v, g, beta, cu_seqlens, initial_state=initial_state, scale=scale,
-            output_final_state=output_final_state, exact=is_exact(), state_slots=state_slots, state_lens=state_lens)
-    if state_slots is not None:  # the reference gathers the slots' states and scatters the results back
-        o, S = chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens,
-                                          initial_state=initial_state.index_select(0, state_slots), scale=scale,
-                                          output_final_state=True, exact=is_exact(), state_lens=state_lens)
-        initial_state.index_copy_(0, state_slots, S.float())
-        return o, initial_state
+            output_final_state=output_final_state, exact=is_exact())
     return chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, initial_state=initial_state, scale=scale,
                                       output_final_state=output_final_state, exact=is_exact())

@@ -55,6 +55,7 @@ from rlfuse.kernels.gated_delta import (
                                         CHUNK,
                                         causal_conv1d,
                                         causal_conv1d_update,
+                                        chunk_gated_delta_decode,
                                         chunk_gated_delta_rule,
                                         fused_recurrent_gated_delta_rule,
                                         gated_rmsnorm,
@@ -286,7 +287,8 @@ class GatedDeltaNet(nn.Module):
         new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
         its row at the new token has the eager call's bits; the state after that full chunk
         is kept only when the new token completes the chunk (tail = 63), else S_c stays
-        (in the kernel: S_c is read from and written to its slot in place)."""
+        (`chunk_gated_delta_decode`: the tails and S_c read in their slots, S_c written back
+        in place)."""
         t, slots = self._engine_state(st.layers), st.slots
         B = x_BD.shape[0]
         mixed, b, a = self.in_proj_qkv(x_BD), self.in_proj_b(x_BD), self.in_proj_a(x_BD)
@@ -300,21 +302,11 @@ class GatedDeltaNet(nn.Module):
             o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
             return self.output(o, z)
         tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
-        valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
-        rows = []
         for n, x in zip(TAIL, new):
             # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
             # once the chunk completes the tail restarts at row 0, so row 63 is never read again)
             t[n].index_put_((slots, tail_len), x.to(t[n].dtype))
-            buf = t[n].index_select(0, slots).to(x.dtype)                 # (B, CHUNK, ...)
-            mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
-            rows.append(torch.where(mask, buf, 0.0).flatten(0, 1))
-        cu = torch.arange(0, (B + 1) * CHUNK, CHUNK, device=x_BD.device, dtype=torch.int32)
-        # S_c read from and written back to its slot in place, moving on only when the token
-        # completes the chunk (state_lens = tail + 1 rows: full at 64)
-        o, _ = chunk_gated_delta_rule(*rows, cu, initial_state=t["chunk"], output_final_state=True, state_slots=slots,
-                                      state_lens=tail_len + 1)
-        o = o.view(B, CHUNK, self.n_v, self.dv)[torch.arange(B, device=x_BD.device), tail_len]  # (B, Hv, Dv)
+        o = chunk_gated_delta_decode(tuple(t[n] for n in TAIL), t["chunk"], slots, tail_len)  # (B, Hv, Dv)
         return self.output(o, z)
 
     def state_shapes(self, exact: bool) -> dict[str, tuple[tuple[int, ...], str]]:
