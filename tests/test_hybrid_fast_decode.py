@@ -78,7 +78,7 @@ def test_recurrent_state_slots_refuse_a_wrong_pool():
     with pytest.raises(ValueError, match="contiguous fp32 pool"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=torch.zeros(3, 2, 4, 4).double(),
                                          state_slots=torch.tensor([0, 1]))
-    with pytest.raises(ValueError, match=r"state_slots must be \(B,\) = \(2,\) int64"):
+    with pytest.raises(ValueError, match=r"slots must be \(B,\) = \(2,\) int64"):
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=torch.zeros(3, 2, 4, 4),
                                          state_slots=torch.tensor([0, 1], dtype=torch.int32))
 

@@ -41,6 +41,7 @@ from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
     CHUNK,
+    chunk_gated_delta_decode,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
@@ -207,17 +208,17 @@ def decode_rows(fla_recurrent, batches, reps, bw):
             t = timed(lambda: ours("exact")(*bargs), reps)
             rows.append(dict(case=f"decode B={B}", impl=f"ours exact (chunk, buffer {buf})", err=float("nan"),
                              us=t * 1e6, bound_us=bound * 1e6))
-        # the engine's exact decode call: each row's [tail + token] as one 64-row chunk (the
-        # engine zeros the rows past the token; their values do not change the time), S_c read
-        # from and written to its slot of a pool in place, moved on where the token ends a chunk
-        eq, ek, ev, eg, eb, ecu, _ = inputs([CHUNK] * B, seed=4)
-        tail = torch.arange(B, device=DEV) % CHUNK
-        lens = tail + 1
+        # the engine's exact decode call (chunk_gated_delta_decode): each row's [tail + token]
+        # as one 64-row chunk read in its slot's tail, S_c read from and written to its slot in
+        # place, moved on where the token ends a chunk; tails of 0..63 rows across the batch
+        tails = [torch.zeros(B + 1, CHUNK, *x.shape[1:], dtype=x.dtype, device=DEV) for x in (q, k, v, g, beta)]
+        for x, src in zip(tails, inputs([CHUNK] * (B + 1), seed=4)[:5]):
+            x.copy_(src.view(x.shape))
+        tail_lens = torch.arange(B, device=DEV) % CHUNK
 
         def exact_slots():
             with use_backend("triton"), use_numerics("exact"):
-                return chunk_gated_delta_rule(eq, ek, ev, eg, eb, ecu, initial_state=pool, output_final_state=True,
-                                              state_slots=slots, state_lens=lens)[0]
+                return chunk_gated_delta_decode(tails, pool, slots, tail_lens)
         t = timed(exact_slots, reps)
         rows.append(dict(case=f"decode B={B}", impl="ours exact (engine: 64-row chunk, slot pool)", err=float("nan"),
                          us=t * 1e6, bound_us=bound * 1e6))

@@ -236,10 +236,10 @@ def check_state_pool(op: str, pool, slots, B: int, per_slot: tuple[int, int, int
     if pool is None or pool.dim() != 4 or tuple(pool.shape[1:]) != per_slot or pool.dtype != torch.float32 \
             or not pool.is_contiguous():
         got = None if pool is None else (tuple(pool.shape), pool.dtype)
-        raise ValueError(f"{op}: with state_slots, initial_state must be a contiguous fp32 pool (N, Hv, Dk, Dv) "
-                         f"with (Hv, Dk, Dv) = {per_slot}, got {got}")
+        raise ValueError(f"{op}: the states must be a contiguous fp32 pool (N, Hv, Dk, Dv) with (Hv, Dk, Dv) = "
+                         f"{per_slot}, got {got}")
     if slots.shape != (B,) or slots.dtype != torch.int64:
-        raise ValueError(f"{op}: state_slots must be (B,) = ({B},) int64, got {tuple(slots.shape)} {slots.dtype}")
+        raise ValueError(f"{op}: the slots must be (B,) = ({B},) int64, got {tuple(slots.shape)} {slots.dtype}")
 
 
 def check_inputs(q, k, v, g, beta, cu_seqlens, initial_state):
