@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5 linear attention): the chunked gated delta rule, its causal conv1d and gated RMSNorm."""
+"""Gated DeltaNet (Qwen3.5 linear attention): the chunked gated delta rule and its decode steps, its causal conv1d and gated RMSNorm."""
 
 from rlfuse.kernels.gated_delta.chunk import (
                                               CHUNK,

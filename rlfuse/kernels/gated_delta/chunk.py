@@ -27,7 +27,7 @@ Rows past a sequence's end are exact zeros (k = v = q = beta = g = 0).
 Exactness (how the engine's decode equals the trainer's packed forward bitwise): the
 engine keeps, per sequence, the state S_c at its last chunk boundary and the raw inputs
 of the <= 63 tokens since; every continuation is one call over [buffered + new tokens]
-from S_c. That call runs the same chunk arithmetic as the trainer's whole-sequence call
+from S_c (the static decode step: `chunk_decode`, the same kernels on the engine's slots). That call runs the same chunk arithmetic as the trainer's whole-sequence call
 because: (a) a row's output depends only on its own chunk's rows at or before it and the
 chunk's start state: every sum over chunk rows j has zero terms for j > i whether those
 rows exist or are padding (the masks), and is reduced in an order fixed by the tile shape
