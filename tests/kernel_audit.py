@@ -64,7 +64,8 @@ def _gpu_precision(x: torch.Tensor) -> str:
 
 
 def _gated_delta(dtype: torch.dtype, Hk=16, Hv=32, D=128, T=200):
-    """Qwen3.5's linear attention (16 q/k heads, 32 value heads of 128): forward and backward."""
+    """Qwen3.5's linear attention (16 q/k heads, 32 value heads of 128): forward and backward,
+    and the engine's two decode steps."""
     from rlfuse.kernels import gated_delta as gd
     q, k = (torch.randn(T, Hk, D, dtype=dtype, requires_grad=True) for _ in range(2))
     v = torch.randn(T, Hv, D, dtype=dtype, requires_grad=True)
@@ -74,6 +75,19 @@ def _gated_delta(dtype: torch.dtype, Hk=16, Hv=32, D=128, T=200):
     o, _ = gd.chunk_gated_delta_rule(q, k, v, g, beta, cu, initial_state=torch.zeros(2, Hv, D, D),
                                      output_final_state=True)
     o.float().sum().backward()
+    # the engine's decode steps on its slot pools: exact (the two kernels slot-addressed), fast (recurrent)
+    B, N = 4, 6
+    pool = torch.zeros(N, Hv, D, D)
+    slots, tails = torch.arange(B), torch.arange(B) * 20
+    with torch.no_grad():
+        tail = (torch.zeros(N, gd.CHUNK, Hk, D, dtype=dtype), torch.zeros(N, gd.CHUNK, Hk, D, dtype=dtype),
+                torch.zeros(N, gd.CHUNK, Hv, D, dtype=dtype), torch.zeros(N, gd.CHUNK, Hv),
+                torch.zeros(N, gd.CHUNK, Hv, dtype=dtype))
+        with backend.use_numerics("exact"):
+            gd.chunk_gated_delta_decode(tail, pool, slots, tails)
+        one = (q[:B].detach(), k[:B].detach(), v[:B].detach(), g[:B].detach(), beta[:B].detach())
+        gd.fused_recurrent_gated_delta_rule(*one, torch.arange(B + 1, dtype=torch.int32), initial_state=pool,
+                                            state_slots=slots)
 
 
 CASES = {"gated_delta_bf16": lambda: _gated_delta(torch.bfloat16),

@@ -109,8 +109,9 @@ def test_a_new_turn_continues_from_the_parked_state(look_ahead):
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
 def test_static_decode_equals_eager_bitwise(numerics):
     """The static decode path (fixed-shape buffers, the linear-attention state read and
-    written through slot indices, a 64-row chunk per row with its valid length masked: what
-    the CUDA graphs replay on a GPU) against the eager path: 3 sequences in a bucket of 4
+    written through slot indices; exact: a 64-row chunk per row with its valid length
+    masked, fast: the recurrent kernel on the slots in place: what the CUDA graphs replay
+    on a GPU) against the eager path: 3 sequences in a bucket of 4
     (one padding row on the scratch slot), n = 2 samples of one prompt (the group state
     copy), sampling, look-ahead; decode crosses a 64-token chunk boundary (a 58-token
     prompt, 12 new tokens: the state moves on at position 63). Exact numerics: tokens and
@@ -204,7 +205,7 @@ def _seq(i: int) -> Sequence:
 
 def test_state_bookkeeping_admit_free_copy():
     model = _model()
-    cache = LinearStateCache(model, 3, torch.float32, "cpu")
+    cache = LinearStateCache(model, 3, torch.float32, "cpu", exact=True)
     assert cache.layer_ids == [0, 1, 2] and set(cache.layers[0]) == {"conv", "chunk", "q", "k", "v", "g", "beta"}
     a, b, c, d = (_seq(i) for i in range(4))
     st = cache.step([a, b], [0, 0], [5, 70])  # admitted at their first token

@@ -15,6 +15,7 @@ import torch
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
                                         CHUNK,
+                                        chunk_gated_delta_decode,
                                         chunk_gated_delta_rule,
                                         chunk_gated_delta_rule_ref,
                                         fused_recurrent_gated_delta_rule,
@@ -389,6 +390,44 @@ def check_engine_procedure_gpu(dtype):
             p += s
     assert p == n
     assert torch.equal(torch.cat(outs), whole)
+
+
+def check_decode_slots(backend, numerics, dims=(1, 2, 16, 8), device="cpu", dtype=torch.float32):
+    """`chunk_gated_delta_decode` (the engine's exact decode step: the tails and S_c read in
+    their slots, S_c written back in place only where the token completes the chunk) against
+    the gather / mask / chunk call / select / scatter it replaces: the same outputs and the
+    same pool, bitwise; the slots not stepped are untouched."""
+    Hk, Hv, Dk, Dv = dims
+    tails = torch.tensor([63, 10, 0, 62], device=device)  # rows before the token; 63: it completes the chunk
+    slots = torch.tensor([4, 0, 2, 5], device=device)
+    N = 6
+    q, k, v, g, beta, _, _ = _inputs([CHUNK] * N, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, dtype=dtype, seed=21)
+    tail = [x.reshape(N, CHUNK, *x.shape[1:]).to(device).contiguous() for x in (q, k, v, g, beta)]
+    pool = (torch.randn(N, Hv, Dk, Dv, generator=torch.Generator().manual_seed(4)) * 0.3).to(device)
+    B = len(slots)
+    with use_backend(backend), use_numerics(numerics):
+        valid = torch.arange(CHUNK, device=device)[None, :] <= tails[:, None]
+        rows = [torch.where(valid.view(B, CHUNK, *[1] * (x.dim() - 2)), x[slots], 0.0).flatten(0, 1) for x in tail]
+        o_all, s_full = chunk_gated_delta_rule(*rows, _cu([CHUNK] * B).to(device), initial_state=pool[slots],
+                                               output_final_state=True)
+        o_want = o_all.view(B, CHUNK, Hv, Dv)[torch.arange(B, device=device), tails]
+        want = pool.clone()
+        want[slots] = torch.where((tails == CHUNK - 1).view(-1, 1, 1, 1), s_full, pool[slots])
+        got = pool.clone()
+        o = chunk_gated_delta_decode(tail, got, slots, tails)
+    assert torch.equal(o, o_want) and torch.equal(got, want)
+    assert not torch.equal(got[4], pool[4]) and torch.equal(got[0], pool[0]) and torch.equal(got[1], pool[1])
+
+
+@pytest.mark.parametrize("backend,numerics", [("torch", "exact"), ("triton", "exact"), ("triton", "fast")])
+def test_decode_state_slots_equal_the_gathered_call_bitwise(backend, numerics):
+    check_decode_slots(backend, numerics)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_decode_state_slots_equal_the_gathered_call_bitwise(dtype):
+    check_decode_slots("triton", "exact", dims=(16, 32, 128, 128), device="cuda", dtype=dtype)
 
 
 # ------------------------------------------------------------ the fast-numerics decode path

@@ -5,9 +5,11 @@ forward+backward over packed varlen batches, and the decode step.
 Shapes: Qwen3.5 linear attention (Hk = 16, Hv = 32, Dk = Dv = 128), bf16 q/k/v/beta,
 fp32 g; packed batches of 4k / 16k tokens with lengths ~ U[256, 2048] (seed 0), initial
 states given. Decode: B = 1 / 32 / 256 sequences, one token each from a state:
-  ours fast   fused_recurrent_gated_delta_rule (state updated in place)
+  ours fast   fused_recurrent_gated_delta_rule (state updated in place); "slot pool": the
+              engine's call, states read and written at each row's slot of a pool
   ours exact  chunk_gated_delta_rule over [buffer + 1 token] from the chunk-boundary
-              state (the exact-numerics decode), buffers of 0 / 32 / 63 tokens
+              state (the exact-numerics decode), buffers of 0 / 32 / 63 tokens; "engine":
+              the engine's call, [buffer + token] as one 64-row chunk, S_c in a slot pool
   fla         fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule
 bound = state read + write (B Hv Dk Dv 4 bytes x 2) at the in-run copy bandwidth.
 
@@ -38,6 +40,8 @@ from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script'
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import (
+    CHUNK,
+    chunk_gated_delta_decode,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_ref,
     fused_recurrent_gated_delta_rule,
@@ -176,7 +180,18 @@ def decode_rows(fla_recurrent, batches, reps, bw):
             with use_backend("triton"), use_numerics("fast"):
                 return fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=state, state_out=state)[0]
 
-        impls = {"ours fast (recurrent)": fast}
+        # the engine's static decode call: states in a pool of slots (B + 1: the scratch slot),
+        # read and written in place at each row's slot (here reversed, as slots come unordered)
+        pool = torch.cat([s0, s0[:1]]).contiguous()
+        slots = torch.arange(B - 1, -1, -1, device=s0.device)
+        pool[slots] = s0
+
+        def fast_pool():
+            with use_backend("triton"), use_numerics("fast"):
+                return fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=pool,
+                                                        state_slots=slots)[0]
+
+        impls = {"ours fast (recurrent)": fast, "ours fast (recurrent, slot pool)": fast_pool}
         if fla_recurrent is not None:
             impls["fla (recurrent)"] = lambda: fla_recurrent(
                 q[None], k[None], v[None], g[None], beta[None], initial_state=s0, output_final_state=True,
@@ -184,6 +199,7 @@ def decode_rows(fla_recurrent, batches, reps, bw):
         bound = 2 * B * HV * DK * DV * 4 / bw
         for name, fn in impls.items():
             state.copy_(s0)
+            pool[slots] = s0
             err = (fn().float() - ref).abs().max().item()
             t = timed(fn, reps)
             rows.append(dict(case=f"decode B={B}", impl=name, err=err, us=t * 1e6, bound_us=bound * 1e6))
@@ -192,6 +208,20 @@ def decode_rows(fla_recurrent, batches, reps, bw):
             t = timed(lambda: ours("exact")(*bargs), reps)
             rows.append(dict(case=f"decode B={B}", impl=f"ours exact (chunk, buffer {buf})", err=float("nan"),
                              us=t * 1e6, bound_us=bound * 1e6))
+        # the engine's exact decode call (chunk_gated_delta_decode): each row's [tail + token]
+        # as one 64-row chunk read in its slot's tail, S_c read from and written to its slot in
+        # place, moved on where the token ends a chunk; tails of 0..63 rows across the batch
+        tails = [torch.zeros(B + 1, CHUNK, *x.shape[1:], dtype=x.dtype, device=DEV) for x in (q, k, v, g, beta)]
+        for x, src in zip(tails, inputs([CHUNK] * (B + 1), seed=4)[:5]):
+            x.copy_(src.view(x.shape))
+        tail_lens = torch.arange(B, device=DEV) % CHUNK
+
+        def exact_slots():
+            with use_backend("triton"), use_numerics("exact"):
+                return chunk_gated_delta_decode(tails, pool, slots, tail_lens)
+        t = timed(exact_slots, reps)
+        rows.append(dict(case=f"decode B={B}", impl="ours exact (engine: 64-row chunk, slot pool)", err=float("nan"),
+                         us=t * 1e6, bound_us=bound * 1e6))
     return rows
 
 

@@ -104,7 +104,8 @@ class ModelRunner:
         self.bt = torch.zeros((self.num_rows + 1, self.max_blocks), dtype=torch.int32, device=self.device)
         # hybrid models: the linear-attention layers' per-sequence state, one slot per running
         # sequence (allocated before the KV pool is planned, so the plan sees it)
-        self.linear = LinearStateCache(model, self.num_rows, self.dtype, self.device) if linear_layers(model) else None
+        self.linear = (LinearStateCache(model, self.num_rows, self.dtype, self.device, exact=cfg.numerics == "exact")
+                       if linear_layers(model) else None)
         # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
         self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows,
                                                                  linear=self.linear)

@@ -1,13 +1,19 @@
 """The linear-attention layers' per-sequence state (hybrid models, e.g. Qwen3.5): slot state
 (`StateSlots`) holding, per sequence and Gated DeltaNet layer, the conv state (the last W-1
-conv inputs), S_c (the delta-rule state at the sequence's last 64-token chunk boundary, fp32)
-and the tail buffer of raw kernel inputs (q, k, v, g, beta) of the < 64 tokens since that
-boundary (docs/numerics.md, "Linear attention"; notes in the kernel contract).
+conv inputs) and, by the engine's numerics (docs/numerics.md, "Linear attention"):
+  exact: S_c (the delta-rule state at the sequence's last 64-token chunk boundary, fp32) and
+         the tail buffer of raw kernel inputs (q, k, v, g, beta) of the < 64 tokens since;
+  fast:  the state after the sequence's last token (fp32, "recurrent"), which the decode
+         step advances in place with the recurrent kernel, one token at O(Dk Dv) a head.
 
-Why S_c + tail and not the state after the last token: every continuation (a decode token,
-a prefill chunk) is ONE `chunk_gated_delta_rule` call over [tail + new] from S_c, so each
-token goes through the same chunk arithmetic as the trainer's forward over the whole
-sequence, and exact numerics give the trainer's bits (tests/test_engine_hybrid.py).
+Why exact keeps S_c + tail and not the state after the last token: every continuation (a
+decode token, a prefill chunk) is ONE `chunk_gated_delta_rule` call over [tail + new] from
+S_c, so each token goes through the same chunk arithmetic as the trainer's forward over the
+whole sequence, and exact numerics give the trainer's bits (tests/test_engine_hybrid.py).
+That costs a 64-row chunk per decoded token; fast numerics round differently from the
+trainer anyway, so they decode recurrently (`GatedDeltaNet.forward_recurrent` /
+`forward_decode`). Either layout means "the state after the sequence's computed tokens",
+so admission, group copies, parking and preemption below are the same for both.
 
 Bookkeeping: the tail length is num_computed % 64 (chunks are aligned to a sequence's first
 token), so the host keeps no extra counters. A sequence is admitted (slot zeroed) when it
@@ -42,12 +48,13 @@ class LinearStateCache(StateSlots):
     scratch slot (`pad_slot`, never handed out) that the static decode path's padding rows
     read and write, so a bucket's padding needs no branch."""
 
-    def __init__(self, model: nn.Module, num_slots: int, dtype: torch.dtype, device):
+    def __init__(self, model: nn.Module, num_slots: int, dtype: torch.dtype, device, *, exact: bool):
+        """exact: the engine's numerics, which pick the layout (`GatedDeltaNet.state_shapes`)."""
         shapes, dtypes = {}, {}
-        self.layer_ids = []
+        self.layer_ids, self.exact = [], exact
         for i, mixer in linear_layers(model):
             self.layer_ids.append(i)
-            for name, (shape, kind) in mixer.state_shapes().items():
+            for name, (shape, kind) in mixer.state_shapes(exact).items():
                 shapes[f"{i}.{name}"] = shape
                 dtypes[f"{i}.{name}"] = torch.float32 if kind == "fp32" else dtype
         super().__init__(num_slots + 1, shapes, dtypes, device)
@@ -74,6 +81,8 @@ class LinearStateCache(StateSlots):
         """The step's `LinearSlots` for sequences computing num_new tokens from position
         starts[b] (the eager path)."""
         slots = self.admit_step(seqs, starts)
+        if not self.exact:  # the running state after the last token: no tail buffer
+            return LinearSlots.make(self.layers, slots, num_new, [0] * len(seqs), 0, self.device)
         return LinearSlots.make(self.layers, slots, num_new, [st % CHUNK for st in starts], CHUNK, self.device)
 
     def admit_step(self, seqs: list[Sequence], starts: list[int]) -> list[int]:

@@ -1,4 +1,4 @@
-"""Gated DeltaNet (Qwen3.5 linear attention): the chunked gated delta rule, its causal conv1d and gated RMSNorm."""
+"""Gated DeltaNet (Qwen3.5 linear attention): the chunked gated delta rule and its decode steps, its causal conv1d and gated RMSNorm."""
 
 from rlfuse.kernels.gated_delta.chunk import (
                                               CHUNK,
@@ -6,6 +6,7 @@ from rlfuse.kernels.gated_delta.chunk import (
                                               chunk_gated_delta_rule_ref,
                                               recurrent_gated_delta_rule_ref,
 )
+from rlfuse.kernels.gated_delta.chunk_decode import chunk_gated_delta_decode, chunk_gated_delta_decode_ref
 from rlfuse.kernels.gated_delta.conv import (
                                              causal_conv1d,
                                              causal_conv1d_ref,
@@ -16,5 +17,6 @@ from rlfuse.kernels.gated_delta.gated_norm import gated_rmsnorm, gated_rmsnorm_r
 from rlfuse.kernels.gated_delta.recurrent import fused_recurrent_gated_delta_rule
 
 __all__ = ["CHUNK", "causal_conv1d", "causal_conv1d_ref", "causal_conv1d_update", "causal_conv1d_update_ref",
-           "chunk_gated_delta_rule", "chunk_gated_delta_rule_ref", "fused_recurrent_gated_delta_rule",
+           "chunk_gated_delta_decode", "chunk_gated_delta_decode_ref", "chunk_gated_delta_rule",
+           "chunk_gated_delta_rule_ref", "fused_recurrent_gated_delta_rule",
            "gated_rmsnorm", "gated_rmsnorm_ref", "recurrent_gated_delta_rule_ref"]

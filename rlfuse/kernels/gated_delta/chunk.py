@@ -27,7 +27,7 @@ Rows past a sequence's end are exact zeros (k = v = q = beta = g = 0).
 Exactness (how the engine's decode equals the trainer's packed forward bitwise): the
 engine keeps, per sequence, the state S_c at its last chunk boundary and the raw inputs
 of the <= 63 tokens since; every continuation is one call over [buffered + new tokens]
-from S_c. That call runs the same chunk arithmetic as the trainer's whole-sequence call
+from S_c (the static decode step: `chunk_decode`, the same kernels on the engine's slots). That call runs the same chunk arithmetic as the trainer's whole-sequence call
 because: (a) a row's output depends only on its own chunk's rows at or before it and the
 chunk's start state: every sum over chunk rows j has zero terms for j > i whether those
 rows exist or are padding (the masks), and is reduced in an order fixed by the tile shape
@@ -229,6 +229,17 @@ def chunk_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, *, initial_state=No
     o = o.to(v.dtype)
     state = (torch.stack(S) if B else v.new_zeros(0, Hv, Dk, Dv, dtype=ct)) if output_final_state else None
     return o, state
+
+
+def check_state_pool(op: str, pool, slots, B: int, per_slot: tuple[int, int, int]) -> None:
+    """A slot pool of states (the decode op's, the recurrent op's `state_slots`)."""
+    if pool is None or pool.dim() != 4 or tuple(pool.shape[1:]) != per_slot or pool.dtype != torch.float32 \
+            or not pool.is_contiguous():
+        got = None if pool is None else (tuple(pool.shape), pool.dtype)
+        raise ValueError(f"{op}: the states must be a contiguous fp32 pool (N, Hv, Dk, Dv) with (Hv, Dk, Dv) = "
+                         f"{per_slot}, got {got}")
+    if slots.shape != (B,) or slots.dtype != torch.int64:
+        raise ValueError(f"{op}: the slots must be (B,) = ({B},) int64, got {tuple(slots.shape)} {slots.dtype}")
 
 
 def check_inputs(q, k, v, g, beta, cu_seqlens, initial_state):

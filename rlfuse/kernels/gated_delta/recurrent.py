@@ -2,11 +2,19 @@
 
 Contract:
   o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *,
-                                              initial_state=None, scale=None, state_out=None)
+                                              initial_state=None, scale=None, state_out=None,
+                                              state_slots=None)
 inputs as `chunk_gated_delta_rule`'s (raw q, k: l2-normalized and scaled inside; packed
 varlen sequences); returns o (T, Hv, Dv) in v.dtype and the state after the LAST token of
 each sequence (B, Hv, Dk, Dv) fp32, written into `state_out` when given (it may be
 `initial_state` itself: an in-place decode step, CUDA-graph friendly).
+With `state_slots` (B,) int64, `initial_state` is a POOL of per-slot states (N, Hv, Dk, Dv)
+fp32 (the engine's, one slot per running sequence): sequence b starts from
+initial_state[state_slots[b]] and its final state is written back into that slot in place
+(no gather / scatter copies of the states; fixed shapes, no host values: the engine's
+static decode step, captured in CUDA graphs); the pool is returned as `state`. Sequences
+sharing a slot (the decode step's padding rows on the engine's scratch slot) leave that
+slot's contents undefined.
 
 Math, per token: S = exp(g) S; S += k (beta (v - S^T k))^T; o = S^T q (HF's
 `torch_recurrent_gated_delta_rule` order). One token costs O(Dk Dv) per head, against the
@@ -23,24 +31,39 @@ from __future__ import annotations
 import torch
 
 from rlfuse.kernels.backend import is_exact, resolve_backend, triton_ops
-from rlfuse.kernels.gated_delta.chunk import check_inputs, recurrent_gated_delta_rule_ref
+from rlfuse.kernels.gated_delta.chunk import check_inputs, check_state_pool, recurrent_gated_delta_rule_ref
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale=None,
-                                     state_out=None):
+                                     state_out=None, state_slots=None):
     """Public op (contract in the module docstring): picks the backend; fast numerics only."""
     if is_exact():
         raise ValueError("fused_recurrent_gated_delta_rule is the fast-numerics decode path; exact numerics "
                          "decodes through chunk_gated_delta_rule from the chunk-boundary state + buffer")
-    check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     B, Hv, Dk, Dv = cu_seqlens.shape[0] - 1, v.shape[1], q.shape[2], v.shape[2]
+    if state_slots is not None:
+        check_state_pool("fused_recurrent_gated_delta_rule", initial_state, state_slots, B, (Hv, Dk, Dv))
+        if state_out is not None:
+            raise ValueError("fused_recurrent_gated_delta_rule: state_slots writes the states back into the pool "
+                             "(initial_state); pass no state_out")
+        check_inputs(q, k, v, g, beta, cu_seqlens, None)
+    else:
+        check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     if state_out is not None and (state_out.shape != (B, Hv, Dk, Dv) or state_out.dtype != torch.float32):
         raise ValueError(f"fused_recurrent_gated_delta_rule: state_out must be fp32 (B, Hv, Dk, Dv) = "
                          f"{(B, Hv, Dk, Dv)}, got {tuple(state_out.shape)} {state_out.dtype}")
     scale = Dk ** -0.5 if scale is None else float(scale)
     if resolve_backend("fused_recurrent_gated_delta_rule", v) == "triton":
         return triton_ops("gated_delta.triton_recurrent").fused_recurrent_gated_delta_rule(
-            q, k, v, g, beta, cu_seqlens, initial_state=initial_state, scale=scale, state_out=state_out)
+            q, k, v, g, beta, cu_seqlens, initial_state=initial_state, scale=scale, state_out=state_out,
+            state_slots=state_slots)
+    if state_slots is not None:  # the reference gathers the slots' states and scatters the results back
+        o, state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens,
+                                                  initial_state=initial_state.index_select(0, state_slots),
+                                                  scale=scale)
+        if state is not None:
+            initial_state.index_copy_(0, state_slots, state.float())
+        return o, initial_state
     o, state = recurrent_gated_delta_rule_ref(q, k, v, g, beta, cu_seqlens, initial_state=initial_state,
                                               scale=scale)
     state = state.float() if state is not None else torch.zeros(0, Hv, Dk, Dv, device=v.device)

@@ -82,13 +82,16 @@ def chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
-def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
+def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL, SLOT, SLEN,
                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                        Hv, n_rep, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr):
+                       BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, HAS_SLOT: tl.constexpr = False):
     """Everything of a chunk that does not depend on its start state, one program per
     (chunk, value head), all chunks at once: w, u = T (beta v), q exp(gc), k exp(gL - gc)
-    (rows of the chunk, fp32), P (C, C) and exp(gL)."""
+    (rows of the chunk, fp32), P (C, C) and exp(gL). HAS_SLOT (the engine's exact decode
+    step, one C-row segment per sequence): the inputs are per-slot tails (N, C, ...), the
+    segment's rows are read from slot SLOT[b], its first SLEN[b] rows (the others load as
+    the zeros a shorter sequence is padded with); the outputs stay at the segment's rows."""
     ci, h = tl.program_id(0), tl.program_id(1)
     b = tl.load(CSEQ + ci).to(tl.int64)
     if b < 0:  # past the last chunk (the grid is sized by an upper bound: no host sync)
@@ -103,8 +106,14 @@ def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
     rows = c * C + offs_c
     rm = rows < n
     t = start + rows
+    if HAS_SLOT:  # where the inputs are read: the slot's tail rows
+        src = tl.load(SLOT + b).to(tl.int64) * C + rows
+        rm_src = rows < tl.load(SLEN + b).to(tl.int64)
+    else:
+        src = t
+        rm_src = rm
     _, _, _, _, q, k, beta, gc, decay, egc, kk, Tm, bek, w, qk, P, ekd, gL = chunk_common(
-        Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
+        Q, K, G, BETA, src, rm_src, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h, sb_t, sb_h, scale, eps,
         offs_c, offs_k, mk, C, PREC)
     rk = (t[:, None] * Hv + h) * DK + offs_k[None, :]
     m2 = rm[:, None] & mk[None, :]
@@ -116,20 +125,24 @@ def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
     for v0 in range(0, DV, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < DV
-        v = tl.load(V + t[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm[:, None] & mv[None, :],
+        v = tl.load(V + src[:, None] * sv_t + h * sv_h + offs_v[None, :], mask=rm_src[:, None] & mv[None, :],
                     other=0.0).to(tl.float32)
         u = dot(Tm, beta[:, None] * v, None, PREC)                     # 2. u = T (beta v)
         tl.store(UB + (t[:, None] * Hv + h) * DV + offs_v[None, :], u, mask=rm[:, None] & mv[None, :])
 
 
 @triton.jit(do_not_specialize=["Hv"])
-def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h, Hv,
+def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, SLOT, SLEN, so_t, so_h, Hv,
                       DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       C: tl.constexpr, HAS_S0: tl.constexpr, STORE_SF: tl.constexpr, STORE_O: tl.constexpr,
-                      STORE_H: tl.constexpr, PREC: tl.constexpr):
+                      STORE_H: tl.constexpr, PREC: tl.constexpr, HAS_SLOT: tl.constexpr = False):
     """The state pass, one program per (Dv block, sequence x value head), chunks in order:
     v_new = u - w S, o = (q exp(gc)) S + P v_new, S <- exp(gL) S + kd^T v_new (full chunks).
-    The backward runs it again with STORE_H (each chunk's start state into H) and no o."""
+    The backward runs it again with STORE_H (each chunk's start state into H) and no o.
+    HAS_SLOT (the engine's exact decode step, `triton_chunk_decode`): S0 = SF is a pool of
+    states, sequence b's at slot SLOT[b], read and written back in place; a chunk counts as
+    full within the first SLEN[b] rows only, and the slot is written only when one was (else
+    it keeps its state)."""
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // Hv
     h = pid_bh % Hv
@@ -141,7 +154,13 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h
     offs_v = pid_v * BV + tl.arange(0, BV)
     mk = offs_k < DK
     mv = offs_v < DV
-    s_ptrs = (b * Hv + h).to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if HAS_SLOT:
+        s_row = tl.load(SLOT + b).to(tl.int64)
+        n_state = tl.load(SLEN + b).to(tl.int64)
+    else:
+        s_row = b.to(tl.int64)
+        n_state = n
+    s_ptrs = (s_row * Hv + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     if HAS_S0:
         S = tl.load(S0 + s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
     else:
@@ -171,9 +190,13 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, so_t, so_h
             tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
         # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
         S_new = eL * S + dot(tl.trans(kd), v_new, None, PREC)
-        S = tl.where((c + 1) * C <= n, S_new, S)
+        S = tl.where((c + 1) * C <= n_state, S_new, S)
     if STORE_SF:
-        tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
+        if HAS_SLOT:
+            if n_state >= C:  # else no full chunk: the slot already holds the state
+                tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
+        else:
+            tl.store(SF + s_ptrs, S, mask=mk[:, None] & mv[None, :])
 
 
 def chunk_map(cu_seqlens: torch.Tensor, T: int):
@@ -223,16 +246,22 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
     prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg)
     state_pass_kernel[(triton.cdiv(Dv, BV), B * Hv)](
         *prep["buffers"], cu_seqlens, prep["coff"], s0 if s0 is not None else o, o, sf if sf is not None else o, o,
-        o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None,
-        STORE_SF=output_final_state, STORE_O=True, STORE_H=False, PREC=dot_precision(v), **cfg)
+        cu_seqlens, cu_seqlens, o.stride(0), o.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK,
+        HAS_S0=s0 is not None, STORE_SF=output_final_state, STORE_O=True, STORE_H=False, PREC=dot_precision(v),
+        **cfg)
     return o, sf
 
 
-def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg: dict) -> dict:
+def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg: dict, slots=None,
+               slot_lens=None) -> dict:
     """Launch `_chunk_prep_kernel`: {"buffers": (w, u, q exp(gc), k exp(gL - gc), P,
-    exp(gL)) fp32, "coff", "cseq", "cidx", "NC"} (see `chunk_map`)."""
-    T, Hk, Dk = q.shape
-    Hv, Dv = v.shape[1:]
+    exp(gL)) fp32, "coff", "cseq", "cidx", "NC"} (see `chunk_map`). With `slots`: q..beta
+    are per-slot tails (N, C, ...), segment b (C rows) reads slot slots[b]'s first
+    slot_lens[b] rows."""
+    r = 0 if slots is None else 1  # the row dimension of the inputs
+    Hk, Dk = q.shape[r + 1:]
+    Hv, Dv = v.shape[r + 1:]
+    T = q.shape[0] if slots is None else (cu_seqlens.shape[0] - 1) * CHUNK
     coff, cseq, cidx, NC = chunk_map(cu_seqlens, T)
     dev = v.device
     wb, qg, kd = (torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev) for _ in range(3))
@@ -241,9 +270,11 @@ def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg
     el = torch.empty(NC, Hv, dtype=torch.float32, device=dev)
     _chunk_prep_kernel[(NC, Hv)](
         q, k, v, g, beta, cu_seqlens, cseq, cidx, wb, ub, qg, kd, pb, el,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1),
-        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=dot_precision(v), **cfg)
+        slots if slots is not None else cu_seqlens, slot_lens if slot_lens is not None else cu_seqlens,
+        q.stride(r), q.stride(r + 1), k.stride(r), k.stride(r + 1), v.stride(r), v.stride(r + 1),
+        g.stride(r), g.stride(r + 1), beta.stride(r), beta.stride(r + 1),
+        Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=dot_precision(v),
+        HAS_SLOT=slots is not None, **cfg)
     return dict(buffers=(wb, ub, qg, kd, pb, el), coff=coff, cseq=cseq, cidx=cidx, NC=NC)
 
 

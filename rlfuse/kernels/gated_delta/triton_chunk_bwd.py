@@ -207,8 +207,8 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     dH = torch.empty_like(Hbuf)
     ds0 = torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=dev)
     state_pass_kernel[(triton.cdiv(Dv, BV), B * Hv)](
-        *prep["buffers"], cu_seqlens, coff, s0 if s0 is not None else ds0, do, ds0, Hbuf, do.stride(0),
-        do.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None, STORE_SF=False,
+        *prep["buffers"], cu_seqlens, coff, s0 if s0 is not None else ds0, do, ds0, Hbuf, cu_seqlens, cu_seqlens,
+        do.stride(0), do.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_S0=s0 is not None, STORE_SF=False,
         STORE_O=False, STORE_H=True, PREC=prec, **cfg)
     # 2. the reverse walk: each chunk's dS' and d initial_state
     _state_bwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](

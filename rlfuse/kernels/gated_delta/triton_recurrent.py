@@ -16,9 +16,10 @@ BV_DECODE = 32  # Dv block per program: B x Hv x Dv/32 programs fill an H100 at 
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
-def _recurrent_kernel(Q, K, V, G, BETA, CU, S0, O, SF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t,
+def _recurrent_kernel(Q, K, V, G, BETA, CU, SLOT, S0, O, SF, sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t,
                       sb_h, so_t, so_h, Hv, n_rep, scale, eps, DK: tl.constexpr, DV: tl.constexpr,
-                      BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr):
+                      BK: tl.constexpr, BV: tl.constexpr, HAS_S0: tl.constexpr,
+                      HAS_SLOT: tl.constexpr):
     pid_v, pid_bh = tl.program_id(0), tl.program_id(1)
     b = pid_bh // Hv
     h = pid_bh % Hv
@@ -29,7 +30,11 @@ def _recurrent_kernel(Q, K, V, G, BETA, CU, S0, O, SF, sq_t, sq_h, sk_t, sk_h, s
     offs_v = pid_v * BV + tl.arange(0, BV)
     mk = offs_k < DK
     mv = offs_v < DV
-    s_ptrs = (b * Hv + h).to(tl.int64) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
+    if HAS_SLOT:  # the state lives in a pool: slot SLOT[b] is read and written back
+        s_row = tl.load(SLOT + b).to(tl.int64)
+    else:
+        s_row = b.to(tl.int64)
+    s_ptrs = (s_row * Hv + h) * DK * DV + offs_k[:, None] * DV + offs_v[None, :]
     if HAS_S0:
         S = tl.load(S0 + s_ptrs, mask=mk[:, None] & mv[None, :], other=0.0)
     else:
@@ -51,7 +56,7 @@ def _recurrent_kernel(Q, K, V, G, BETA, CU, S0, O, SF, sq_t, sq_h, sk_t, sk_h, s
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, scale: float,
-                                     state_out=None):
+                                     state_out=None, state_slots=None):
     """The Triton path of `rlfuse.kernels.gated_delta.recurrent.fused_recurrent_gated_delta_rule`."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
@@ -62,14 +67,17 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_st
     if initial_state is not None:
         s0 = initial_state if initial_state.dtype == torch.float32 and initial_state.is_contiguous() \
             else initial_state.float().contiguous()
+    if state_slots is not None:  # in place in the pool (the public op checked it is fp32 and contiguous)
+        s0 = state_out = initial_state
     sf = state_out if state_out is not None else torch.empty(B, Hv, Dk, Dv, dtype=torch.float32, device=v.device)
     assert sf.is_contiguous(), "state_out must be contiguous"
     if B:
         BV = min(BV_DECODE, triton.next_power_of_2(Dv))
         _recurrent_kernel[(triton.cdiv(Dv, BV), B * Hv)](
-            q, k, v, g, beta, cu_seqlens, s0 if s0 is not None else sf, o, sf,
+            q, k, v, g, beta, cu_seqlens, state_slots if state_slots is not None else cu_seqlens,
+            s0 if s0 is not None else sf, o, sf,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1),
             Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=triton.next_power_of_2(Dk), BV=BV,
-            HAS_S0=s0 is not None, num_warps=4)
+            HAS_S0=s0 is not None, HAS_SLOT=state_slots is not None, num_warps=4)
     return o, sf

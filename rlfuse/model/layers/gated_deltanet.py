@@ -14,23 +14,31 @@ here). For x (T, D), cu_seqlens (B+1,):
     o = chunk_gated_delta_rule(q, k, v, g, beta)           (T, Hv, Dv), q/k l2-normed inside
     y = out_proj(gated_rmsnorm(o, z = in_proj_z(x)))       (T, D)
 
-The engine's per-sequence state (`forward_slots` over `PagedKV.linear`, a `LinearSlots`). Between
-calls a sequence keeps, per linear-attention layer, `LinearState`: the last W-1 conv
-inputs, S_c (the delta-rule state at its last 64-token chunk boundary, fp32) and the
-kernel inputs (q, k, v, g, beta after the conv) of the < 64 tokens since that boundary.
-`GatedDeltaNet.forward_continue` runs new tokens of a batch of sequences from such states:
-the conv continues from its state, and the kernel runs ONCE over [buffered rows + new rows]
-from S_c, so every row goes through the same chunk arithmetic as in the trainer's forward
-over the whole sequence (gdn_contract: chunks aligned to the sequence's first token, the
-returned state is the one after the last FULL chunk). In exact numerics the outputs equal
-the whole-sequence forward's bitwise (tests/test_qwen3_5.py checks it on the references).
-`forward_decode` (over a `LinearDecode`) is the same step for one token per sequence with
-fixed shapes and no host values, which the engine's static decode path captures in CUDA
-graphs (tests/test_engine_hybrid.py: static == eager bitwise).
+The engine's per-sequence state (`forward_slots` over `PagedKV.linear`, a `LinearSlots`), in
+one of two layouts picked by the engine's numerics (`state_shapes`):
+  exact: between calls a sequence keeps, per linear-attention layer, `LinearState`: the last
+    W-1 conv inputs, S_c (the delta-rule state at its last 64-token chunk boundary, fp32) and
+    the kernel inputs (q, k, v, g, beta after the conv) of the < 64 tokens since that
+    boundary. `GatedDeltaNet.forward_continue` runs new tokens of a batch of sequences from
+    such states: the conv continues from its state, and the kernel runs ONCE over [buffered
+    rows + new rows] from S_c, so every row goes through the same chunk arithmetic as in the
+    trainer's forward over the whole sequence (gdn_contract: chunks aligned to the
+    sequence's first token, the returned state is the one after the last FULL chunk). The
+    outputs equal the whole-sequence forward's bitwise (tests/test_qwen3_5.py checks it on
+    the references).
+  fast: the conv inputs and the running state after the sequence's last token ("recurrent",
+    fp32). `forward_recurrent` runs whole 64-row chunks of the new rows through the chunk
+    kernel and the rest through the recurrent kernel, which leaves the state after the last
+    token; a decode step is one recurrent step, O(Dk Dv) a head instead of a 64-row chunk
+    (tests/test_hybrid_fast_decode.py).
+`forward_decode` (over a `LinearDecode`) is the step for one token per sequence with fixed
+shapes and no host values, which the engine's static decode path captures in CUDA graphs
+(tests/test_engine_hybrid.py: static == eager, bitwise in exact numerics; in fast numerics
+bitwise on the same rows, tests/test_hybrid_fast_decode.py).
 
 Shape legend: T packed tokens, B sequences, D hidden, Hk/Hv key/value heads, Dk/Dv their
 head dims, C conv channels (2 Hk Dk + Hv Dv), W conv width.
-Test: python -m pytest -q tests/test_qwen3_5.py
+Test: python -m pytest -q tests/test_qwen3_5.py tests/test_hybrid_fast_decode.py
 """
 
 from __future__ import annotations
@@ -45,7 +53,15 @@ from torch import nn
 from rlfuse.kernels.backend import is_exact
 
 # CHUNK: the kernels' chunk length; the engine keeps the state at multiples of it
-from rlfuse.kernels.gated_delta import CHUNK, causal_conv1d, causal_conv1d_update, chunk_gated_delta_rule, gated_rmsnorm
+from rlfuse.kernels.gated_delta import (
+                                        CHUNK,
+                                        causal_conv1d,
+                                        causal_conv1d_update,
+                                        chunk_gated_delta_decode,
+                                        chunk_gated_delta_rule,
+                                        fused_recurrent_gated_delta_rule,
+                                        gated_rmsnorm,
+)
 from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.packed import TAIL, LinearDecode, LinearSlots, Packed, PagedKV
@@ -236,11 +252,17 @@ class GatedDeltaNet(nn.Module):
         return self.output(o.index_select(0, re.own), z)
 
     def forward_slots(self, x_TD, st: LinearSlots):
-        """The engine's step: the sequences' states read from their slots, `forward_continue`,
-        the states after the step written back in place."""
-        t = st.layers[self.layer_idx]
-        state = LinearState(t["conv"][st.slots], t["chunk"][st.slots], tuple(t[n][st.read_at] for n in TAIL),
-                            st.tail_lens)
+        """The engine's step: the sequences' states read from their slots, `forward_continue`
+        (exact numerics) or `forward_recurrent` (fast), the states after the step written
+        back in place."""
+        t = self._engine_state(st.layers)
+        conv = t["conv"][st.slots]
+        if "recurrent" in t:
+            y, conv, t["recurrent"][st.slots] = self.forward_recurrent(x_TD, st.new_lens, conv,
+                                                                        t["recurrent"][st.slots])
+            t["conv"][st.slots] = conv.to(t["conv"].dtype)
+            return y
+        state = LinearState(conv, t["chunk"][st.slots], tuple(t[n][st.read_at] for n in TAIL), st.tail_lens)
         y, new = self.forward_continue(x_TD, st.new_lens, state)
         t["conv"][st.slots] = new.conv.to(t["conv"].dtype)
         t["chunk"][st.slots] = new.chunk_state
@@ -248,46 +270,62 @@ class GatedDeltaNet(nn.Module):
             t[n][st.write_at] = rows
         return y
 
+    def _engine_state(self, layers: dict) -> dict[str, torch.Tensor]:
+        """This layer's engine state, checked against the numerics the step runs in: the
+        layouts differ (`state_shapes`), and decoding one layout in the other numerics would
+        be silently wrong (exact) or read tensors that are not there (fast)."""
+        t = layers[self.layer_idx]
+        if ("recurrent" in t) == is_exact():
+            have, now = ("fast", "exact") if "recurrent" in t else ("exact", "fast")
+            raise ValueError(f"linear-attention layer {self.layer_idx}: the engine's state is laid out for {have} "
+                             f"numerics but the step runs in {now} numerics (LinearStateCache(exact=...) must "
+                             f"follow EngineConfig.numerics)")
+        return t
+
     def forward_decode(self, x_BD, positions, st: LinearDecode):
         """The static decode step (`LinearDecode`: one token per row, CUDA-graph capturable:
-        fixed shapes, no host values). The same arithmetic as `forward_continue` with
-        new_lens = 1: the conv continues from its state (the decode update, bitwise the
-        prefill conv's window), and each row's chunk [tail, new token] is laid out as a full
-        64-row chunk whose rows past the new token are exact zeros -- the rows the kernel
-        pads a shorter sequence with -- so its row at the new token has the eager call's
-        bits; the state after that full chunk is kept only when the new token completes
-        the chunk (tail = 63), else S_c stays."""
-        t, slots = st.layers[self.layer_idx], st.slots
+        fixed shapes, no host values). The conv continues from its state (the decode
+        update, bitwise the prefill conv's window). Then:
+        fast numerics: the recurrent kernel advances each row's running state in place in
+        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head;
+        exact numerics: the same arithmetic as `forward_continue` with new_lens = 1: each
+        row's chunk [tail, new token] is laid out as a full 64-row chunk whose rows past the
+        new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
+        its row at the new token has the eager call's bits; the state after that full chunk
+        is kept only when the new token completes the chunk (tail = 63), else S_c stays
+        (`chunk_gated_delta_decode`: the tails and S_c read in their slots, S_c written back
+        in place)."""
+        t, slots = self._engine_state(st.layers), st.slots
         B = x_BD.shape[0]
         mixed, z, b, a = self.in_projections(x_BD)
         conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
         qkv = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu")
         t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
         new = self._kernel_inputs(qkv, b, a)
+        if "recurrent" in t:
+            cu = torch.arange(B + 1, device=x_BD.device, dtype=torch.int32)
+            o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
+            return self.output(o, z)
         tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
-        valid = torch.arange(CHUNK, device=x_BD.device) <= tail_len[:, None]  # (B, CHUNK): tail + the token
-        rows = []
         for n, x in zip(TAIL, new):
             # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
             # once the chunk completes the tail restarts at row 0, so row 63 is never read again)
             t[n].index_put_((slots, tail_len), x.to(t[n].dtype))
-            buf = t[n].index_select(0, slots).to(x.dtype)                 # (B, CHUNK, ...)
-            mask = valid.view(valid.shape + (1,) * (x.dim() - 1))
-            rows.append(torch.where(mask, buf, 0.0).flatten(0, 1))
-        cu = torch.arange(0, (B + 1) * CHUNK, CHUNK, device=x_BD.device, dtype=torch.int32)
-        s_c = t["chunk"].index_select(0, slots)
-        o, s_full = chunk_gated_delta_rule(*rows, cu, initial_state=s_c, output_final_state=True)
-        o = o.view(B, CHUNK, self.n_v, self.dv)[torch.arange(B, device=x_BD.device), tail_len]  # (B, Hv, Dv)
-        done = (tail_len == CHUNK - 1).view(B, 1, 1, 1)
-        t["chunk"].index_copy_(0, slots, torch.where(done, s_full, s_c))
+        o = chunk_gated_delta_decode(tuple(t[n] for n in TAIL), t["chunk"], slots, tail_len)  # (B, Hv, Dv)
         return self.output(o, z)
 
-    def state_shapes(self) -> dict[str, tuple[tuple[int, ...], str]]:
-        """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32")."""
-        return {"conv": ((self.conv_dim, self.width - 1), "model"), "chunk": ((self.n_v, self.dk, self.dv), "fp32"),
-                "q": ((CHUNK, self.n_k, self.dk), "model"), "k": ((CHUNK, self.n_k, self.dk), "model"),
-                "v": ((CHUNK, self.n_v, self.dv), "model"), "g": ((CHUNK, self.n_v), "fp32"),
-                "beta": ((CHUNK, self.n_v), "model")}
+    def state_shapes(self, exact: bool) -> dict[str, tuple[tuple[int, ...], str]]:
+        """Per-slot shapes of this layer's engine state and their dtype ("model" or "fp32").
+        Both keep the conv inputs; exact numerics S_c ("chunk") and the tail buffer (module
+        doc), fast numerics the state after the sequence's last token ("recurrent"), which
+        the decode step advances in place: two thirds of exact's bytes at Qwen3.5's shapes."""
+        conv = {"conv": ((self.conv_dim, self.width - 1), "model")}
+        if not exact:
+            return conv | {"recurrent": ((self.n_v, self.dk, self.dv), "fp32")}
+        return conv | {"chunk": ((self.n_v, self.dk, self.dv), "fp32"),
+                       "q": ((CHUNK, self.n_k, self.dk), "model"), "k": ((CHUNK, self.n_k, self.dk), "model"),
+                       "v": ((CHUNK, self.n_v, self.dv), "model"), "g": ((CHUNK, self.n_v), "fp32"),
+                       "beta": ((CHUNK, self.n_v), "model")}
 
     def empty_state(self, batch: int, device, dtype) -> LinearState:
         """The state of B sequences before their first token."""
@@ -330,6 +368,35 @@ class GatedDeltaNet(nn.Module):
         tail_idx_t = torch.tensor(tail_idx, device=device, dtype=torch.long)
         tail = tuple(r.index_select(0, tail_idx_t) for r in rows)
         return self.output(o, z), LinearState(conv, chunk_state, tail, tail_lens)
+
+    def forward_recurrent(self, x_TD, new_lens: list[int], conv_state, state):
+        """Fast numerics: new tokens of B sequences (x packed in sequence order, new_lens[b]
+        rows each) from their conv states (B, C, W-1) and running states (B, Hv, Dk, Dv) fp32
+        (after each sequence's last token) -> (y (T, D), conv states, running states after the
+        new tokens). Whole 64-row chunks of the new rows (from each sequence's first new
+        row) go through the chunk kernel; the rows past them through the recurrent kernel
+        from the chunk kernel's state, which leaves the state after the last token and gives
+        those rows the decode step's arithmetic (a one-token step here is bitwise the static
+        decode's on the same rows: the same kernels, the same inputs)."""
+        device = x_TD.device
+        cu = torch.tensor([0, *new_lens], device=device).cumsum(0).to(torch.int32)
+        inputs, z, conv_state = self.project(x_TD, cu, conv_state)
+        if max(new_lens, default=0) < CHUNK:  # no whole chunk: token by token (every eager decode step)
+            o, state = fused_recurrent_gated_delta_rule(*inputs, cu, initial_state=state)
+            return self.output(o, z), conv_state, state
+        o, state = chunk_gated_delta_rule(*inputs, cu, initial_state=state, output_final_state=True)
+        rest = [n % CHUNK for n in new_lens]
+        if any(rest):
+            idx, start = [], 0
+            for n, r in zip(new_lens, rest):
+                idx.extend(range(start + n - r, start + n))
+                start += n
+            idx_t = torch.tensor(idx, device=device, dtype=torch.long)
+            cu_r = torch.tensor([0, *rest], device=device).cumsum(0).to(torch.int32)
+            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs), cu_r,
+                                                          initial_state=state)
+            o = o.index_copy(0, idx_t, o_r)
+        return self.output(o, z), conv_state, state
 
 
 class FusedGatedDeltaNet(GatedDeltaNet):

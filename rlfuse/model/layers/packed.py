@@ -88,9 +88,11 @@ TAIL = ("q", "k", "v", "g", "beta")
 class LinearSlots:
     """The linear-attention layers' per-sequence state in an engine step (the tensors are
     owned by `rlfuse.engine.cache.linear.LinearStateCache`; the layers read and update them
-    in place). Per layer: conv (R, C, W-1), chunk (R, Hv, Dk, Dv) fp32 = S_c, and the tail
-    buffer q, k (R, CHUNK, Hk, Dk), v (R, CHUNK, Hv, Dv), g (R, CHUNK, Hv) fp32,
-    beta (R, CHUNK, Hv): the rows since S_c's boundary (`tail_lens[b]` of them)."""
+    in place). Per layer: conv (R, C, W-1), and in exact numerics chunk (R, Hv, Dk, Dv) fp32
+    = S_c and the tail buffer q, k (R, CHUNK, Hk, Dk), v (R, CHUNK, Hv, Dv), g (R, CHUNK, Hv)
+    fp32, beta (R, CHUNK, Hv): the rows since S_c's boundary (`tail_lens[b]` of them); in
+    fast numerics recurrent (R, Hv, Dk, Dv) fp32, the state after the last token (no tail:
+    tail_lens are 0 and read_at / write_at empty)."""
     layers: dict[int, dict[str, torch.Tensor]]
     slots: torch.Tensor          # (B,) int64 each sequence's slot
     new_lens: list[int]          # (B,) tokens each sequence computes this step
@@ -101,7 +103,8 @@ class LinearSlots:
     @classmethod
     def make(cls, layers, slots: list[int], new_lens: list[int], tail_lens: list[int], chunk: int,
              device) -> "LinearSlots":
-        after = [(t + n) % chunk for t, n in zip(tail_lens, new_lens)]
+        """chunk: the tail buffer's length (exact numerics), 0 for none (fast)."""
+        after = [(t + n) % chunk if chunk else 0 for t, n in zip(tail_lens, new_lens)]
 
         def at(lens):
             s = [sl for sl, n in zip(slots, lens) for _ in range(n)]
@@ -115,8 +118,8 @@ class LinearSlots:
 class LinearDecode:
     """The linear-attention state in a STATIC decode step (every row computes one token;
     CUDA-graph capturable): no host lists, only device tensors of the bucket's fixed size.
-    A row's buffered tail length is its position % CHUNK (chunks are aligned to a
-    sequence's first token), computed on the device from the step's positions. Padding
+    Exact numerics: a row's buffered tail length is its position % CHUNK (chunks are aligned
+    to a sequence's first token), computed on the device from the step's positions. Padding
     rows point at the cache's scratch slot (`LinearStateCache.pad_slot`)."""
     layers: dict[int, dict[str, torch.Tensor]]
     slots: torch.Tensor          # (B,) int64 each row's slot
