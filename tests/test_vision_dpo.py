@@ -1,7 +1,7 @@
 """DPO on image rows (a tiny Qwen3-VL, CPU): preference rows with an images column become
 pairs whose two sequences carry the prompt's images; the pair log-probs see the image (a
 different image, different log-probs) and do not depend on how pairs are packed; `rlfuse dpo`'s
-trainer trains on them, the vision tower only with model.train_vision.
+trainer trains on them (cached or live reference), the vision tower only with model.train_vision.
 
     python -m pytest -q tests/test_vision_dpo.py
 """
@@ -15,6 +15,7 @@ from engine_helpers import one_thread  # noqa: F401 -- an autouse fixture
 from rlfuse.data.image_tasks import render_layout
 from rlfuse.data.preference import build_preference_pairs
 from rlfuse.recipes.vision_demo import VLM
+from rlfuse.run.config import replace
 from rlfuse.run.config.run_config import load_config
 from rlfuse.train import open_session
 from rlfuse.train.dpo import run_dpo, sequence_logprobs
@@ -72,10 +73,10 @@ def test_image_pairs_carry_the_prompts_images_and_their_logprobs_see_them(tmp_pa
     assert not torch.allclose(sequence_logprobs(ses.model, [swapped], 4096, "cpu"), lp[:1])
 
 
-@pytest.mark.parametrize("train_vision", [False, True])
-def test_dpo_trains_on_image_pairs(tmp_path, train_vision):
+@pytest.mark.parametrize("train_vision,reference", [(False, "precompute"), (True, "precompute"), (True, "live")])
+def test_dpo_trains_on_image_pairs(tmp_path, train_vision, reference):
     _rows(tmp_path)
-    ses = open_session(_cfg(tmp_path, train_vision=train_vision))
+    ses = open_session(replace(_cfg(tmp_path, train_vision=train_vision), **{"dpo.reference": reference}))
     tower0 = [p.detach().clone() for p in ses.model.visual.parameters()]
     lm0 = ses.model.lm_head_weight.detach().clone()
     res = run_dpo(ses.cfg, session=ses)

@@ -49,8 +49,9 @@ knife edge here (the count's distribution is still flat and greedy reads its arg
 at a random point or after the count was learnt."""
 GRPO_LR = 5e-4
 """GRPO's peak learning rate, decayed to 0 (cosine) so the last steps settle: at 1e-4, 12 steps
-barely moved the sampled reward; at 1e-3 (constant, 60 steps) greedy accuracy collapsed to 0.26-0.53 over
-seeds 0-2; at 5e-4, 40 steps left seed 0 at greedy 0.73, 60 steps reach 0.61-1.0 (docs/vision.md)."""
+barely moved the sampled reward; at 1e-3 (constant, 60 steps) greedy accuracy collapsed to
+0.26-0.53 over seeds 0-2; at 5e-4, 40 steps left seed 0 at greedy 0.73, 60 steps reach 0.61-1.0
+(docs/vision.md, "The demo")."""
 SAMPLED_EVAL = 4
 """Held-out samples per image for the sampled accuracy (what GRPO maximizes), printed beside the greedy one."""
 
