@@ -28,6 +28,7 @@ import torch
 import yaml
 
 from rlfuse.cli.common import fail
+from rlfuse.data.preference import build_preference_pairs
 from rlfuse.data.prompts import build_prompts, build_sft_examples
 from rlfuse.data.rows import load_rows
 from rlfuse.kernels.attention.varlen import supports_head_dim as triton_attention_supports
@@ -39,6 +40,7 @@ from rlfuse.run import checkpoint as ck
 from rlfuse.run import metrics as mt
 from rlfuse.run import resume as rs
 from rlfuse.run.build import char_tokenizer
+from rlfuse.run.config.algorithms import DPOConfig
 from rlfuse.run.config.sections import DataConfig, RewardSpec
 from rlfuse.run.optim import MasterAdamW, NonFiniteError, NonFiniteGuard
 from rlfuse.run.report import render
@@ -293,6 +295,15 @@ def test_image_rows_for_a_text_model(tmp_path, tok):
     cfg = DataConfig(train=str(p))
     expect_error(lambda: build_prompts(load_rows(cfg), tok, cfg), rf"{re.escape(str(p))}:1: field images\[0\]: "
                  r"the row has images but the model has no vision tower", "an image row for a text-only model")
+
+
+@pytest.mark.bad_input("data")
+def test_image_preference_rows_for_a_text_model(tmp_path, tok):
+    p = _rows(tmp_path, [{"prompt": "<image>n?", "images": ["x.png"], "chosen": "1", "rejected": "2"}])
+    cfg = DataConfig(train=str(p))
+    expect_error(lambda: build_preference_pairs(load_rows(cfg), tok, cfg, DPOConfig()),
+                 rf"{re.escape(str(p))}:1: field images\[0\]: the row has images but the model has no vision tower",
+                 "a DPO image row for a text-only model")
 
 
 # ------------------------------------------------------------------ rewards

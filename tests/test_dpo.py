@@ -81,8 +81,8 @@ def test_prompt_rows_and_chat_rows(tmp_path):
     c = pairs[1]
     assert tok.decode(c.prompt) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(c.chosen) == "yes<|im_end|>\n" and tok.decode(c.rejected) == "no<|im_end|>\n"
-    (seq_c, n), (seq_r, n2) = c.sequences()
-    assert n == n2 == len(c.prompt) and seq_c[n:] == c.chosen and seq_r[n:] == c.rejected
+    (seq_c, n, m), (seq_r, n2, m2) = c.sequences()
+    assert m == m2 == () and n == n2 == len(c.prompt) and seq_c[n:] == c.chosen and seq_r[n:] == c.rejected
     # truncation on the response side
     short = build_preference_pairs(load_rows(data), tok, data, DPOConfig(max_seq_len=len(c.prompt) + 2))
     assert [len(x.chosen) for x in short] == [2, 2]

@@ -14,6 +14,10 @@ Checked before training: wrong types name `file:line` and the field. Dropped, co
 logged: an empty prompt, a prompt over data.max_prompt_len, chosen == rejected (no
 preference: zero gradient), and pairs with no response token within dpo.max_seq_len.
 Longer sequences are truncated on the response side.
+Image rows (an images column or OpenAI-style image parts, as for SFT and GRPO; `vision` given):
+the prompt's image markers are expanded to the model's image-pad runs and both sequences of
+the pair carry the prompt's images (`PreferencePair.media`); image tokens are never response
+tokens.
 Test: python -m pytest -q tests/test_dpo.py
 """
 
@@ -21,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlfuse.data.prompts import Drops, _chat, _empty_prompt, _encode, render_prompt
+from rlfuse.data.media import VisionData, expand_images
+from rlfuse.data.prompts import Drops, _chat, _empty_prompt, _encode, _images, render_prompt
+from rlfuse.engine import MediaItem
 from rlfuse.run.config import DataConfig, DPOConfig
 
 
@@ -32,11 +38,13 @@ class PreferencePair:
     """Response tokens (after the prompt) of the preferred answer."""
     rejected: list[int]
     where: str
+    media: tuple[MediaItem, ...] = ()
+    """The prompt's images (offsets into `prompt`), shared by both sequences; () for text."""
 
-    def sequences(self) -> list[tuple[list[int], int]]:
-        """[(ids, n_ctx)] of the chosen then the rejected sequence, as `PackedBatch.build` takes them."""
+    def sequences(self) -> list[tuple[list[int], int, tuple[MediaItem, ...]]]:
+        """[(ids, n_ctx, media)] of the chosen then the rejected sequence, as `PackedBatch.build` takes them."""
         n = len(self.prompt)
-        return [(self.prompt + self.chosen, n), (self.prompt + self.rejected, n)]
+        return [(self.prompt + self.chosen, n, self.media), (self.prompt + self.rejected, n, self.media)]
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +74,10 @@ def _chat_response(context: list[dict], reply: list[dict], prompt_ids: list[int]
 
 
 def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *, counts: dict | None = None,
-                           stats: dict | None = None, split: str = "train") -> list[PreferencePair]:
+                           stats: dict | None = None, split: str = "train",
+                           vision: VisionData | None = None) -> list[PreferencePair]:
     """Tokenize every (where, row) up front (module docstring); `counts` receives {reason: dropped},
-    `stats` the data metrics of `split` (rlfuse.data.prompts)."""
+    `stats` the data metrics of `split` (rlfuse.data.prompts); `vision` as in build_prompts."""
     eos = tokenizer.eos_token_ids[:1]
     out: list[PreferencePair] = []
     drops = Drops()
@@ -77,6 +86,7 @@ def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
             if f not in row:
                 raise ValueError(f"{where}: missing field {f!r} (a preference row needs {dpo.chosen_field!r} and "
                                  f"{dpo.rejected_field!r}); the row has fields {sorted(row)}")
+        row, images = _images(row, data, where, vision)
         prompt_text = render_prompt(row, tokenizer, data, where)
         p_ids = _encode(tokenizer, prompt_text, _chat(row, data))
         resp = []
@@ -95,8 +105,11 @@ def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
                     raise ValueError(f"{where}: field {f!r} must be a string (prompt rows), got "
                                      f"{type(row[f]).__name__}")
                 resp.append(tokenizer.encode(str(row[f]), add_special_tokens=False) + eos)
+        media = ()
+        if images:  # after the responses: a chat response is located against the unexpanded prompt
+            p_ids, media, _ = expand_images(p_ids, images, vision, where, data.max_prompt_len)
         reason = None
-        if _empty_prompt(row, data):
+        if not images and _empty_prompt(row, data):
             reason = ("dropped/empty_prompt", "empty prompt")
         elif len(p_ids) > data.max_prompt_len:
             reason = ("dropped/prompt_too_long", f"prompt longer than data.max_prompt_len={data.max_prompt_len} tokens")
@@ -108,7 +121,7 @@ def build_preference_pairs(rows, tokenizer, data: DataConfig, dpo: DPOConfig, *,
             drops.add(*reason, where)
             continue
         room = dpo.max_seq_len - len(p_ids)
-        out.append(PreferencePair(p_ids, resp[0][:room], resp[1][:room], where))
+        out.append(PreferencePair(p_ids, resp[0][:room], resp[1][:room], where, media))
     drops.report("preference data: dropped pairs", len(rows), len(out), split=split, counts=counts, stats=stats)
     if not out:
         raise ValueError(f"preference data: no pairs left of {len(rows)} rows after the checks above")

@@ -85,9 +85,11 @@ def demo_config(size: str = "cpu", run_dir: str = "runs/demo", seed: int = 0, hy
     })
 
 
-def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float = SFT_TARGET, every: int = 25):
-    """SFT on the session's model until greedy accuracy on 200 training problems reaches
-    `target` (checked every `every` steps) or sft.steps run out: (run_sft's result, [(step, accuracy)])."""
+def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float = SFT_TARGET, every: int = 25,
+                temperature: float = 0.0):
+    """SFT on the session's model until accuracy on 200 training problems (greedy, or sampled at
+    `temperature` with a fixed seed) reaches `target` (checked every `every` steps) or sft.steps
+    run out: (run_sft's result, [(step, accuracy)])."""
     rewards = ses.rewards()
     dev = build_prompts(ses.train_rows[:200], ses.tokenizer, sft_cfg.data, "dev", vision=ses.vision)
     dev_acc = []
@@ -95,7 +97,7 @@ def sft_warm_up(ses, sft_cfg: RunConfig, *, max_new_tokens: int, target: float =
     def warm_enough(step):
         if step % every:
             return False
-        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=max_new_tokens)["accuracy"]
+        acc = evaluate(ses.sampler, dev, rewards, max_new_tokens=max_new_tokens, temperature=temperature)["accuracy"]
         ses.sampler.sleep()
         dev_acc.append((step, acc))
         return acc >= target
@@ -135,19 +137,38 @@ def run_demo(size: str = "cpu", run_dir: str = "runs/demo", *, seed: int = 0, sa
 
 
 def grpo_after_warm_up(grpo_cfg: RunConfig, ses, sft: dict, dev_acc: list, *, t_sft: float, t0: float, echo=print,
-                       items: str = "problems") -> dict:
+                       items: str = "problems", sampled_eval: int = 0) -> dict:
     """GRPO on the warmed-up model of `ses` (same tensors, same engine); returns the demo's
     accuracies (the first and last held-out evaluation), timings and histories, and echoes
-    the summary line (`items`: what the held-out set holds)."""
+    the summary line (`items`: what the held-out set holds). `sampled_eval` > 0: the held-out
+    accuracy is also measured before and after GRPO at grpo.temperature, that many samples
+    per problem (`accuracy_sampled_sft`, `accuracy_sampled_grpo`): the expected reward GRPO
+    maximizes, where greedy accuracy is a knife edge (docs/vision.md, "The demo")."""
     grpo_ses = open_session(grpo_cfg, model=ses.model, tokenizer=ses.tokenizer, sampler=ses.sampler)
+
+    def sampled_accuracy():
+        acc = evaluate(grpo_ses.sampler, grpo_ses.eval_prompts(), grpo_ses.rewards(),
+                       max_new_tokens=grpo_cfg.grpo.max_new_tokens, temperature=grpo_cfg.grpo.temperature,
+                       samples=sampled_eval)["accuracy"]
+        grpo_ses.sampler.sleep()
+        return acc
+
+    sampled_before = sampled_accuracy() if sampled_eval else None
     t_grpo = time.perf_counter()
     res = run_grpo(grpo_cfg, session=grpo_ses)
     t_grpo = time.perf_counter() - t_grpo
+    sampled_after = sampled_accuracy() if sampled_eval else None
     before, after = res["evals"][0], res["evals"][-1]
     out = {"accuracy_sft": before["accuracy"], "accuracy_grpo": after["accuracy"],
            "eval_problems": int(before["num_problems"]), "sft_steps": sft["steps"], "grpo_steps": grpo_cfg.grpo.steps,
            "time_sft_s": t_sft, "time_grpo_s": t_grpo, "time_total_s": time.perf_counter() - t0,
            "grpo_history": res["history"], "sft_dev_accuracy": dev_acc}
+    if sampled_eval:
+        out.update(accuracy_sampled_sft=sampled_before, accuracy_sampled_grpo=sampled_after,
+                   sampled_eval=sampled_eval)
+        echo(f"held-out accuracy ({out['eval_problems']} {items}, {sampled_eval} samples each at temperature "
+             f"{grpo_cfg.grpo.temperature:g}): after SFT {sampled_before:.3f} -> after GRPO "
+             f"{out['accuracy_sampled_grpo']:.3f} ({out['accuracy_sampled_grpo'] - sampled_before:+.3f})")
     echo(f"held-out accuracy ({out['eval_problems']} {items}, greedy): after SFT {out['accuracy_sft']:.3f} -> "
          f"after GRPO {out['accuracy_grpo']:.3f} ({out['accuracy_grpo'] - out['accuracy_sft']:+.3f}); "
          f"GRPO {grpo_cfg.grpo.steps} steps in {t_grpo:.0f} s; total {out['time_total_s']:.0f} s")

@@ -5,7 +5,9 @@ first one in the list) -- 1 per solved problem; reward = mean weighted total.
 Greedy (temperature 0) so the number is a property of the weights, not of a seed. With a
 multi-turn sampler (rollout.tools / rollout.env) each problem is a greedy episode and the
 final turn is scored. `temperature` > 0 samples instead (seed 0): what a rollout at that
-temperature would score (the agent demo's warm-up checks it before GRPO).
+temperature would score (the agent demo's warm-up checks it before GRPO); `samples` > 1
+draws that many per problem and averages them (a tighter estimate of the expected reward,
+the quantity GRPO maximizes).
 """
 
 from __future__ import annotations
@@ -52,26 +54,29 @@ def score_samples(prompts: list[Prompt], samples, rewards: RewardSet, n: int):
 
 
 def evaluate(sampler: Sampler, prompts: list[Prompt], rewards: RewardSet, *, max_new_tokens: int,
-             batch_size: int = 256, temperature: float = 0.0) -> dict:
+             batch_size: int = 256, temperature: float = 0.0, samples: int = 1) -> dict:
+    if samples < 1 or (samples > 1 and temperature == 0.0):
+        raise ValueError(f"evaluate: samples must be >= 1, and 1 when greedy (temperature 0); got samples={samples}, "
+                         f"temperature={temperature}")
     totals, correct, lengths, trunc = [], [], [], []
     sampler.wake()
     multi_turn = hasattr(sampler, "episodes")
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i:i + batch_size]
         if multi_turn:  # episodes with the recipe's tools or environment, greedy unless told
-            samples = sampler.episodes(chunk, n=1, temperature=temperature, seed=0)
+            drawn = sampler.episodes(chunk, n=samples, temperature=temperature, seed=0)
         else:
-            samples = sampler.generate([p.ids for p in chunk], n=1, temperature=temperature, top_p=1.0, top_k=0,
-                                       max_tokens=max_new_tokens, seed=0, **media_kwargs(chunk))
-        total, per = score_samples(chunk, samples, rewards, 1)
+            drawn = sampler.generate([p.ids for p in chunk], n=samples, temperature=temperature, top_p=1.0, top_k=0,
+                                     max_tokens=max_new_tokens, seed=0, **media_kwargs(chunk))
+        total, per = score_samples(chunk, drawn, rewards, samples)
         totals += total
         if rewards.correctness:
             correct += [0.0 if math.isnan(v) else v for v in per[rewards.correctness]]
-        lengths += [len(s.token_ids) for s in samples]
-        trunc += [float(s.truncated) for s in samples]
-    n = max(len(totals), 1)
+        lengths += [len(s.token_ids) for s in drawn]
+        trunc += [float(s.truncated) for s in drawn]
+    n = max(len(totals), 1)  # every problem has the same number of samples: the mean over samples is over problems too
     out = {"reward": sum(totals) / n, "completion_len": sum(lengths) / n, "truncated_frac": sum(trunc) / n,
-           "num_problems": float(len(totals))}
+           "num_problems": float(len(totals) // samples)}
     if correct:
         out["accuracy"] = sum(correct) / n
     return out

@@ -87,8 +87,8 @@ def pair_logprobs(model, pairs: list[PreferencePair], micro_batch_tokens: int, d
     if micro_batches is None:
         micro_batches = pack_by_tokens([p.num_tokens for p in pairs], micro_batch_tokens)
     for mb in micro_batches:
-        batch = PackedBatch.build([s for i in mb for s in pairs[i].sequences()], device)
-        h_TD = model(batch.input_ids, batch.positions, batch.attn)
+        batch = PackedBatch.build([s for i in mb for s in pairs[i].sequences()], device, vision=model.config.vision)
+        h_TD = batch.forward(model)  # image pairs: each distinct image encoded once (a pair shares its prompt's)
         logp_N = token_logprobs(h_TD[batch.rows], model.lm_head_weight, batch.targets)
         seq_2b = logp_N.new_zeros(batch.num_seqs).index_add(0, batch.seq_ids, logp_N)  # chosen, rejected, ...
         yield mb, seq_2b[0::2], seq_2b[1::2], batch.num_tokens
@@ -227,7 +227,8 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     `stop_after` as in `run_loop` (tests of resume); `dist`: data-parallel (ignored when
     `session` is given: its own `dist` counts)."""
     ses = session or open_session(cfg, dist=dist)
-    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo, stats=ses.data_stats)
+    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, cfg.data, cfg.dpo, stats=ses.data_stats,
+                                   vision=ses.vision)
     ref_model = None
     if cfg.dpo.ref_path:
         ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=parse_dtype(cfg.model.dtype))
@@ -243,7 +244,7 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
     held_out = []
     if ses.eval_rows and all(d.chosen_field in r and d.rejected_field in r for _, r in ses.eval_rows):
         held_out = build_preference_pairs(ses.eval_rows, ses.tokenizer, cfg.data, d, stats=ses.data_stats,
-                                          split="eval_pairs")
+                                          split="eval_pairs", vision=ses.vision)
         before = pair_metrics(sequence_logprobs(ses.model, held_out, d.micro_batch_tokens, ses.device))
     evaluation = None
     if cfg.rewards:
