@@ -12,6 +12,7 @@ import os
 import socket
 import sys
 
+import torch
 import torch.multiprocessing as mp
 
 
@@ -26,6 +27,20 @@ def _run_then_exit(rank: int, job, args: tuple) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def gloo_rank(rank: int, world: int, port: int, timeout_s: float = 120):
+    """Inside a spawned job: join the gloo group on localhost as `rank` of `world`, one
+    torch thread (the ranks share the CI machine's cores), non-main ranks' logs quieted ->
+    the DistContext the trainers take as `dist`."""
+    from rlfuse.run.distributed import context as D
+
+    torch.set_num_threads(1)
+    env = {"WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=timeout_s)
+    D.quiet_non_main(ctx)
+    return ctx
 
 
 def spawn_ranks(job, nprocs: int, *args) -> None:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 from serve_helpers import write_model_folder
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, gloo_rank, spawn_ranks
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
@@ -88,11 +88,7 @@ def _episodes_cfg(tmp: Path, run_dir: Path):
 
 
 def _job(rank: int, port: int, out: str, folder: str) -> None:
-    torch.set_num_threads(1)
-    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=120)
-    D.quiet_non_main(ctx)
+    ctx = gloo_rank(rank, WORLD, port)
     out = Path(out)
     texts = _api(Path(folder), out / "api2", ctx)
     (out / f"texts2_rank{rank}.json").write_text(json.dumps(texts))
@@ -173,11 +169,7 @@ def _dpo_cfg(run_dir: Path, reference: str):
 
 
 def _dpo_job(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=120)
-    D.quiet_non_main(ctx)
+    ctx = gloo_rank(rank, WORLD, port)
     for ref in ("precompute", "live"):
         run_dpo(_dpo_cfg(Path(out) / f"dpo_{ref}2", ref), dist=ctx)
     D.shutdown()

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, gloo_rank, spawn_ranks
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
@@ -90,11 +90,7 @@ def _run(out: Path, name: str, kind: str, *over: str, ctx=None, **kw) -> None:
 
 
 def _job(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=120)
-    D.quiet_non_main(ctx)
+    ctx = gloo_rank(rank, WORLD, port)
     out = Path(out)
     for kind in RUNS:
         _run(out, f"{kind}2", kind, ctx=ctx)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, gloo_rank, spawn_ranks
 from train_setup import tiny_cfg
 
 from rlfuse.cli import main
@@ -77,11 +77,7 @@ def _sft(run_dir, *over):
 
 
 def _job(rank: int, port: int, out: str) -> None:
-    torch.set_num_threads(1)
-    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": str(port)}
-    ctx = D.init_distributed(D.launch_env(env), device_type="cpu", timeout_s=120)
-    D.quiet_non_main(ctx)
+    ctx = gloo_rank(rank, WORLD, port)
     out = Path(out)
     run_grpo(_grpo(out / "grpo2"), dist=ctx)
     run_grpo(_grpo(out / "stop2"), dist=ctx, stop_after=2)
