@@ -192,9 +192,10 @@ def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: 
     x2 = tl.load(xo + HALF + fr[None, :], mask=m, other=0.0).to(tl.float32)
     if NORM:
         # 1. the RMSNorm kernel's steps on the whole row (same tile: same reduction order),
-        # then applied to each half (elementwise: the halves get the row's bits)
+        # then applied to each half (elementwise: the halves get the row's bits); PIN keeps
+        # this kernel's tiles in their own layout under Triton 3.6 (mean_square says why)
         x = tl.load(xo + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        r = tl.math.rsqrt(mean_square(x, D) + eps)
+        r = tl.math.rsqrt(mean_square(x, D, PIN=True) + eps)
         XT: tl.constexpr = X.dtype.element_ty
         x1 = norm_rows(x1, r, tl.load(W + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
         x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
