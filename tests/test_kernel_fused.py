@@ -104,6 +104,9 @@ def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm, mo
             monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)
             a, b = qk_norm_rope(q, k, pos, inv, *ws)
             assert torch.equal(a, qo) and torch.equal(b, ko)
+            monkeypatch.setattr(R, "_PIN_ROWS", not R._PIN_ROWS)  # mean_square's PIN moves, never changes
+            a, b = qk_norm_rope(q, k, pos, inv, *ws)
+            assert torch.equal(a, qo) and torch.equal(b, ko)
             caches[0].fill_(7.0), caches[1].fill_(7.0)
             qk_norm_rope(q, k, pos, inv, *ws, v=v, kv_cache=caches[:2], slot_mapping=slots)
             assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
