@@ -104,6 +104,9 @@ def test_qk_norm_rope_is_the_unfused_sequence(backend, numerics, dtype, norm, mo
             monkeypatch.setattr(R, "_MIN_PROGRAMS", 1)
             a, b = qk_norm_rope(q, k, pos, inv, *ws)
             assert torch.equal(a, qo) and torch.equal(b, ko)
+            monkeypatch.setattr(R, "_PIN_ROWS", not R._PIN_ROWS)  # mean_square's PIN moves, never changes
+            a, b = qk_norm_rope(q, k, pos, inv, *ws)
+            assert torch.equal(a, qo) and torch.equal(b, ko)
             caches[0].fill_(7.0), caches[1].fill_(7.0)
             qk_norm_rope(q, k, pos, inv, *ws, v=v, kv_cache=caches[:2], slot_mapping=slots)
             assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
@@ -204,3 +207,32 @@ def test_cuda_fused_bitwise_at_qwen3_shapes(dtype, T):
                 qk_norm_rope(q, k, pos, inv, *ws, v=v, kv_cache=caches[:2], slot_mapping=slots)
                 qk_norm_rope_ref(q, k, pos, inv, *ws, v=v, kv_cache=caches[2:], slot_mapping=slots)
                 assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_cuda_qk_norm_rope_decode_launch_with_table(cache_dtype):
+    """The engine's decode launch (64 tokens, Qwen3-0.6B heads, the cos/sin table, KV store):
+    the reference's bits. Its speed (Triton 3.6 once held whole (16, 128) k tiles per thread
+    here: ~130 us a launch on an H200, issue 38, docs/perf-log.md 2026-11-28) is measured by
+    benchmarks/profile_decode.py under graph replay, not here: an eager launch's time is mostly
+    the host's."""
+    from rlfuse.kernels.rope.rotary import rope_cos_sin
+    g = torch.Generator().manual_seed(5)
+    T, Hkv, Dh, page = 64, 8, 128, 256
+    q, k, v, wqk, pos = _qk_inputs(g, T, 16, Hkv, Dh, torch.bfloat16)
+    inv = rope_inv_freq(Dh, 1e6).to(DEV)
+    slots = (torch.randperm(32, generator=g)[:T // 2].repeat_interleave(2) * page
+             + torch.arange(T) % 2).to(DEV)
+    fp8 = cache_dtype == torch.float8_e4m3fn
+    scale = (torch.full((2, Hkv), 0.05, device=DEV), torch.full((2, Hkv), 20.0, device=DEV)) if fp8 else None
+    caches = [torch.zeros((32, page, Hkv, Dh), dtype=cache_dtype, device=DEV) for _ in range(4)]
+    with use_backend("triton"), torch.no_grad():
+        cs = rope_cos_sin(pos, inv)
+        qo, _ = qk_norm_rope(q, k, pos, inv, *wqk, 1e-6, v=v, kv_cache=caches[:2], slot_mapping=slots,
+                             cos_sin=cs, kv_scale=scale)
+        q_ref, _ = qk_norm_rope_ref(q, k, pos, inv, *wqk, 1e-6, v=v, kv_cache=caches[2:], slot_mapping=slots,
+                                    cos_sin=cs, kv_scale=scale)
+        assert torch.equal(qo, q_ref)
+        assert torch.equal(caches[0].view(torch.uint8), caches[2].view(torch.uint8))
+        assert torch.equal(caches[1].view(torch.uint8), caches[3].view(torch.uint8))

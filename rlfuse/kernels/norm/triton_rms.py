@@ -25,19 +25,34 @@ def _halve(s):
 
 
 @triton.jit
-def mean_square(x, D):
+def mean_square(x, D, PIN: tl.constexpr = False):
     """x (ROWS, BLOCK_D) fp32 -> mean of squares per row (ROWS,): the one row reduction every
     RMSNorm kernel runs (the fused ones too). The sum is the fixed pairwise tree of
     `rlfuse.kernels.invariant.pairwise_sum` (x[j] + x[j + n/2], halving), spelled out with
     reshapes: `tl.sum` over a whole row reduces in the order of the register layout, which
     the compiler picks per kernel, and kernels with different surroundings (the fused q/k
     norm + RoPE + KV store against the plain norm) rounded some rows differently at head
-    dims <= 64 in bf16. BLOCK_D <= 2**14."""
+    dims <= 64 in bf16. BLOCK_D <= 2**14.
+
+    PIN: return the tree's value, bit for bit, in the row layout of x's own tile. Triton
+    (3.6) takes each reshape as a layout anchor and may carry the tree's last layout (rows in
+    registers, columns broadcast) forward into the caller's tiles: in the fused q/k norm +
+    RoPE + KV-store kernel it chose it for the k heads, each thread held whole (16, 128)
+    tiles and the compile did not finish (issue 38; docs/perf-log.md). A select against a
+    `tl.sum` of the same squares (never < 0: a sum of values >= 0, or NaN) makes the compiler
+    move the ROWS results instead. Costs one more row reduction, so only callers whose
+    tiles were taken over set it (the plain norms' were not)."""
     s = x * x
+    if PIN:  # before the tree: the layout pass meets this reduction first (the other order failed)
+        u = tl.sum(s, axis=1)
+    t = s
     for _ in tl.static_range(14):  # unrolled; each level halves the columns until one is left
-        if s.shape[1] > 1:
-            s = _halve(s)
-    return tl.math.div_rn(tl.sum(s, axis=1), D.to(tl.float32))
+        if t.shape[1] > 1:
+            t = _halve(t)
+    t = tl.sum(t, axis=1)
+    if PIN:
+        t = tl.where(u < 0, u, t)
+    return tl.math.div_rn(t, D.to(tl.float32))
 
 
 @triton.jit

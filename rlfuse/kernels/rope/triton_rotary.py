@@ -101,6 +101,12 @@ _BLOCK_T = 16        # tokens a program
 _MIN_PROGRAMS = 512  # programs to aim for (~4 per SM on an H100); a guess, not timed on its own
 
 
+# mean_square's PIN in the fused q/k kernel: Triton 3.6 (the device's) needs it, 3.9 does not
+# and compiles it into ~1,100 more instructions (sm_90 compiles: docs/perf-log.md, 2026-11-28).
+# The bits are the same either way.
+_PIN_ROWS = tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9)
+
+
 def cos_sin_table(positions: torch.Tensor, inv_freq: torch.Tensor, axis: torch.Tensor | None = None) -> torch.Tensor:
     """(T, Dh) fp32 [cos a | sin a] of a = float(positions)[:, None] * inv_freq, by the
     kernels' own `_cos_sin`: loading it gives them the bits they would compute. With `axis`
@@ -177,7 +183,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,
 
 
 @triton.jit
-def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: tl.constexpr,
+def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: tl.constexpr, PIN: tl.constexpr,
                     NORM: tl.constexpr, YT: tl.constexpr):
     """One head of BLOCK_T tokens as whole rows (BLOCK_T, BLOCK_D) -> the rotated rows (fp32
     holding YT values). Column c works on angle c mod HALF (cos, sin hold it there): x1 and
@@ -192,9 +198,10 @@ def _norm_rope_rows(X, stride_xt, W, toks, tmask, cols, cos, sin, D, eps, HALF: 
     x2 = tl.load(xo + HALF + fr[None, :], mask=m, other=0.0).to(tl.float32)
     if NORM:
         # 1. the RMSNorm kernel's steps on the whole row (same tile: same reduction order),
-        # then applied to each half (elementwise: the halves get the row's bits)
+        # then applied to each half (elementwise: the halves get the row's bits); PIN keeps
+        # this kernel's tiles in their own layout under Triton 3.6 (mean_square says why)
         x = tl.load(xo + cols[None, :], mask=m, other=0.0).to(tl.float32)
-        r = tl.math.rsqrt(mean_square(x, D) + eps)
+        r = tl.math.rsqrt(mean_square(x, D, PIN) + eps)
         XT: tl.constexpr = X.dtype.element_ty
         x1 = norm_rows(x1, r, tl.load(W + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
         x2 = norm_rows(x2, r, tl.load(W + HALF + fr, mask=cols < D, other=0.0).to(tl.float32), XT, YT)
@@ -209,7 +216,7 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, 
                          skcb, skct, skch, svcb, svct, svch, D, eps,
                          HALF: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
                          NORM: tl.constexpr, CACHE: tl.constexpr, PAGE: tl.constexpr,
-                         TABLE: tl.constexpr, FP8: tl.constexpr):
+                         TABLE: tl.constexpr, FP8: tl.constexpr, PIN: tl.constexpr):
     # heads [0, HQ) are q's, [HQ, HQ + HKV) k's, then (CACHE) HKV of v's, copied to the cache
     toks = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # (BLOCK_T,)
     cols = tl.arange(0, BLOCK_D)
@@ -232,11 +239,11 @@ def _qk_norm_rope_kernel(Q, K, V, QO, KO, WQ, WK, P_ptr, F_ptr, CS_ptr, KC, VC, 
         NH = HQ + HKV
     for h in range(h0, tl.minimum(h0 + HPP, NH)):
         if h < HQ:
-            y = _norm_rope_rows(Q + h * sqh, sqt, WQ, toks, tmask, cols, cos, sin, D, eps, HALF, NORM, YT)
+            y = _norm_rope_rows(Q + h * sqh, sqt, WQ, toks, tmask, cols, cos, sin, D, eps, HALF, PIN, NORM, YT)
             tl.store(QO + h * soh + toks[:, None] * sot + cols[None, :], y.to(YT), mask=m)
         elif h < HQ + HKV:
             hk = h - HQ
-            y = _norm_rope_rows(K + hk * skh, skt, WK, toks, tmask, cols, cos, sin, D, eps, HALF, NORM, YT)
+            y = _norm_rope_rows(K + hk * skh, skt, WK, toks, tmask, cols, cos, sin, D, eps, HALF, PIN, NORM, YT)
             if CACHE:  # as store_kvcache: k (in YT) cast to the cache's dtype, slot -1 skipped
                 KCT: tl.constexpr = KC.dtype.element_ty
                 if FP8:  # quantized from k's YT value (y holds it), as the trainer's fake_quant_kv
@@ -315,5 +322,5 @@ def qk_norm_rope_triton(q, k, positions, inv_freq, q_weight=None, k_weight=None,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             qo.stride(0), qo.stride(1), kout.stride(0), kout.stride(1), *kc_args, Dh, float(eps),
             HALF=half, BLOCK_T=rows, BLOCK_D=block_d, NORM=norm, CACHE=cache, PAGE=page, TABLE=table,
-            FP8=fp8, num_warps=warps, **NO_FMA)
+            FP8=fp8, PIN=_PIN_ROWS, num_warps=warps, **NO_FMA)
     return qo, ko
