@@ -7,7 +7,7 @@ prebuilt ReAct agent over langchain-openai.
     `tool_calls`, the result comes back, the second call reuses the sampled ids and merges;
   * one GRPO step on the tiny random model per harness: every sampled token is trained,
     none re-rendered, the trainer's log-probs equal the rollout's (exact numerics);
-  * (slow) the plain loop learns the calculator task over 3 seeds, as `rlfuse demo --agent`.
+  * (slow) each harness learns the calculator task over 3 seeds, as `rlfuse demo --agent`.
 Run: python -m pytest -q tests/test_agent_harnesses.py   (slow: -m slow)
 """
 
@@ -113,10 +113,13 @@ def test_one_grpo_step_through_a_harness(tmp_path, name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_a_plain_openai_agent_learns_the_calculator(tmp_path, seed):
-    """As tests/test_agent_learning.py, GRPO through the plain openai loop (~3.5 min a seed on 2 cores)."""
+@pytest.mark.parametrize("name", HARNESSES)
+def test_each_harness_learns_the_calculator(tmp_path, name, seed):
+    """As tests/test_agent_learning.py, GRPO through each harness, unchanged (1.5-3.5 min a
+    seed on 2 cores)."""
+    _harness(name)  # skips when the harness's library is absent
     with one_thread():
-        res = run_agent_demo("ci", str(tmp_path), seed=seed, echo=lambda s: None, harness="openai_loop")
+        res = run_agent_demo("ci", str(tmp_path), seed=seed, echo=lambda s: None, harness=name)
     summary = json.dumps({k: v for k, v in res.items() if k != "grpo_history"})
     margin = 2 * math.sqrt(2) * math.sqrt(0.25 / res["eval_problems"])
     assert res["accuracy_grpo"] - res["accuracy_sft"] > margin, summary
@@ -124,7 +127,11 @@ def test_a_plain_openai_agent_learns_the_calculator(tmp_path, seed):
     hist = res["grpo_history"]
     assert all(float(h["rollout/agent_calls_per_episode"]) > 1.5 for h in hist), summary  # episodes call the tool
     assert all(float(h["rollout/agent_tokens_trained"]) == float(h["rollout/agent_tokens_sampled"]) for h in hist)
-    assert max(float(h["mismatch/max_abs"]) for h in hist) == 0.0, summary
+    # the demo runs fast numerics: the SDK's and LangGraph's re-rendered turns split an episode into
+    # samples whose shared trunk the trainer packs once (other GEMM shapes than the engine's), so the
+    # log-probs agree to rounding (6e-6..9e-6 seen); bitwise in exact numerics is what
+    # test_one_grpo_step_through_a_harness checks for each harness
+    assert max(float(h["mismatch/max_abs"]) for h in hist) < 1e-4, summary
 
 
 def test_one_ppo_step_through_the_plain_loop(tmp_path):
