@@ -14,7 +14,9 @@ Run: python -m pytest -q tests/test_model.py
 
 import pytest
 import torch
-import torch.nn.functional as F
+from parity import hf_logits as _hf_logits
+from parity import next_token_ce as _loss
+from parity import packed_logits as _ours_logits
 from tiny_hf import FAMILIES, hf_model, rel_err
 
 from rlfuse.kernels import use_backend
@@ -44,25 +46,6 @@ def pair(request, tmp_path_factory):
 def _seqs(vocab, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in LENS]
-
-
-def _ours_logits(model, seqs):
-    ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    return model.logits(model(ids, pos, Packed.from_lengths([len(s) for s in seqs])))
-
-
-def _hf_logits(hf, seqs):
-    return torch.cat([hf(input_ids=s[None]).logits[0].float() for s in seqs])
-
-
-def _loss(logits, seqs):
-    """Next-token cross-entropy over all sequences of a packed (T, V) logits tensor."""
-    parts, start = [], 0
-    for s in seqs:
-        parts.append(F.cross_entropy(logits[start:start + len(s) - 1], s[1:], reduction="sum"))
-        start += len(s)
-    return torch.stack(parts).sum() / sum(len(s) - 1 for s in seqs)
 
 
 def test_config_read_from_transformers_checkpoint(pair):

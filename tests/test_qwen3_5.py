@@ -32,9 +32,11 @@ import logging
 import peft
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from engine_helpers import random_prompts
+from parity import hf_logits as _hf_logits
+from parity import next_token_ce as _loss
+from parity import packed_logits as _ours_logits
 from safetensors.torch import load_file, save_file
 from tiny_hf import QWEN3_5, qwen3_5_model, rel_err, tiny_hybrid_model
 from train_setup import tiny_cfg, tiny_session
@@ -72,24 +74,6 @@ def pair(tmp_path_factory):
 def _seqs(vocab, seed=0, lens=LENS):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g) for n in lens]
-
-
-def _ours_logits(model, seqs):
-    ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    return model.logits(model(ids, pos, Packed.from_lengths([len(s) for s in seqs])))
-
-
-def _hf_logits(hf, seqs):
-    return torch.cat([hf(input_ids=s[None]).logits[0].float() for s in seqs])
-
-
-def _loss(logits, seqs):
-    parts, start = [], 0
-    for s in seqs:
-        parts.append(F.cross_entropy(logits[start:start + len(s) - 1], s[1:], reduction="sum"))
-        start += len(s)
-    return torch.stack(parts).sum() / sum(len(s) - 1 for s in seqs)
 
 
 def test_config_and_parameter_names_are_transformers(pair):

@@ -32,9 +32,11 @@ import logging
 import peft
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
 from engine_helpers import random_prompts
+from parity import hf_logits as _hf_logits
+from parity import next_token_ce as _ce
+from parity import packed_logits as _ours_logits
 from safetensors.torch import load_file, save_file
 from tiny_hf import QWEN3_NEXT, qwen3_next_model, rel_err
 
@@ -69,24 +71,6 @@ def pair(tmp_path_factory):
 def _seqs(seed, lens=LENS):
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, QWEN3_NEXT["vocab_size"], (n,), generator=g) for n in lens]
-
-
-def _ours_logits(model, seqs):
-    ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    return model.logits(model(ids, pos, Packed.from_lengths([len(s) for s in seqs])))
-
-
-def _hf_logits(hf, seqs):
-    return torch.cat([hf(input_ids=s[None]).logits[0].float() for s in seqs])
-
-
-def _ce(logits, seqs):
-    parts, start = [], 0
-    for s in seqs:
-        parts.append(F.cross_entropy(logits[start:start + len(s) - 1], s[1:], reduction="sum"))
-        start += len(s)
-    return torch.stack(parts).sum() / sum(len(s) - 1 for s in seqs)
 
 
 def test_config_and_parameter_names_are_transformers(pair):
