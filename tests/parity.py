@@ -26,3 +26,32 @@ def next_token_ce(logits, seqs):
         parts.append(F.cross_entropy(logits[start:start + len(s) - 1], s[1:], reduction="sum"))
         start += len(s)
     return torch.stack(parts).sum() / sum(len(s) - 1 for s in seqs)
+
+
+def check_routed_grads(hf, ours, seqs, aux_coef: float, num_experts: int, tol: float):
+    """One batch of same-length rows through transformers (its aux loss counts every row), the
+    same rows packed through ours: logits, the load-balancing loss, the total loss and every
+    parameter's gradient (each nonzero, relative error < tol)."""
+    from tiny_hf import rel_err
+
+    from rlfuse.kernels import use_backend
+    from rlfuse.model.layers.moe import collect_router_stats, load_balancing_loss
+
+    ids = torch.stack(seqs)
+    hf.zero_grad(set_to_none=True)
+    ours.zero_grad(set_to_none=True)
+    out = hf(input_ids=ids, labels=ids, output_router_logits=True)
+    out.loss.backward()
+    with use_backend("torch"):
+        mine = packed_logits(ours, seqs)
+        aux = load_balancing_loss(collect_router_stats(ours), num_experts)
+        loss = next_token_ce(mine, seqs) + aux_coef * aux
+    loss.backward()
+    assert rel_err(mine.detach(), out.logits.detach().reshape(mine.shape)) < 1e-5
+    torch.testing.assert_close(aux, out.aux_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
+    theirs = dict(hf.named_parameters())
+    for name, p in ours.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name}: no gradient"
+        err = rel_err(p.grad, theirs[name].grad)
+        assert err < tol, f"{name}: rel err {err:.2e}"

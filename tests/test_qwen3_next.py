@@ -34,6 +34,7 @@ import pytest
 import torch
 import transformers
 from engine_helpers import random_prompts
+from parity import check_routed_grads
 from parity import hf_logits as _hf_logits
 from parity import next_token_ce as _ce
 from parity import packed_logits as _ours_logits
@@ -47,7 +48,7 @@ from rlfuse.model import CausalLM, ModelConfig, Packed, load_model, save_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 from rlfuse.model.arch.qwen3_next import tiny_next_fields
 from rlfuse.model.layers import MLP, FusedGatedDeltaNet, GatedDeltaNet
-from rlfuse.model.layers.moe import SparseMoeBlock, collect_router_stats, load_balancing_loss, moe_blocks
+from rlfuse.model.layers.moe import SparseMoeBlock, moe_blocks
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
 from rlfuse.model.lora_peft import read_peft_config, save_peft_adapter
 
@@ -127,25 +128,7 @@ def test_fp32_logits_loss_with_aux_and_every_grad_match_transformers(pair):
     """One batch of same-length rows through transformers (its aux loss counts every row),
     the same rows packed through ours."""
     hf, _, ours = pair
-    seqs = _seqs(1, lens=[33, 33])
-    ids = torch.stack(seqs)
-    hf.zero_grad(set_to_none=True)
-    ours.zero_grad(set_to_none=True)
-    out = hf(input_ids=ids, labels=ids, output_router_logits=True)
-    out.loss.backward()
-    with use_backend("torch"):
-        mine = _ours_logits(ours, seqs)
-        aux = load_balancing_loss(collect_router_stats(ours), E)
-        loss = _ce(mine, seqs) + QWEN3_NEXT["router_aux_loss_coef"] * aux
-    loss.backward()
-    assert rel_err(mine.detach(), out.logits.detach().reshape(mine.shape)) < 1e-5
-    torch.testing.assert_close(aux, out.aux_loss, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(loss, out.loss, rtol=1e-5, atol=1e-6)
-    theirs = dict(hf.named_parameters())
-    for name, p in ours.named_parameters():
-        assert p.grad is not None and p.grad.abs().sum() > 0, f"{name}: no gradient"
-        err = rel_err(p.grad, theirs[name].grad)
-        assert err < FP32_TOL, f"{name}: rel err {err:.2e}"
+    check_routed_grads(hf, ours, _seqs(1, lens=[33, 33]), QWEN3_NEXT["router_aux_loss_coef"], E, FP32_TOL)
 
 
 def test_norm_topk_prob_true_gives_transformers_logits(tmp_path):

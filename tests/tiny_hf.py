@@ -99,7 +99,13 @@ QWEN3_5_MOE = {k: v for k, v in QWEN3_5.items() if k != "intermediate_size"} | d
 def qwen3_5_moe_model(seed: int = 0, router_std: float = 0.5, **over):
     """A float32 eager transformers Qwen3_5MoeForCausalLM drawn as `qwen3_5_model`, the routers
     N(0, router_std^2) (wide: which experts a token picks matters)."""
-    cfg = transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_MOE, **over})
+    return _routed_hybrid(transformers.Qwen3_5MoeTextConfig(**{**QWEN3_5_MOE, **over}), seed, router_std)
+
+
+@torch.no_grad()
+def _routed_hybrid(cfg, seed: int, router_std: float):
+    """A float32 eager transformers hybrid MoE from `cfg`, drawn as `_draw_qwen3_5_`, then its
+    routers N(0, router_std^2) from seed + 1000."""
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
     _draw_qwen3_5_(model, seed)
     g = torch.Generator().manual_seed(seed + 1000)
@@ -148,11 +154,4 @@ QWEN3_NEXT = QWEN3_5 | dict(moe_intermediate_size=24, shared_expert_intermediate
 @torch.no_grad()
 def qwen3_next_model(seed: int = 0, router_std: float = 0.5, **over):
     """A float32 eager transformers Qwen3NextForCausalLM drawn as `qwen3_5_moe_model`."""
-    cfg = transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **over})
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
-    _draw_qwen3_5_(model, seed)
-    g = torch.Generator().manual_seed(seed + 1000)
-    for name, p in model.named_parameters():
-        if name.endswith("mlp.gate.weight"):
-            p.copy_(router_std * torch.randn(p.shape, generator=g))
-    return model
+    return _routed_hybrid(transformers.Qwen3NextConfig(**{**QWEN3_NEXT, **over}), seed, router_std)
