@@ -139,6 +139,20 @@ class PackedWithPrefixRows(Packed):
     prefix_rows: PrefixRows | None = None
 
 
+def _cu(lens: list[int], device) -> torch.Tensor:
+    """Sequence lengths -> (B + 1,) int32 offsets of their packed rows."""
+    return torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+
+
+def _last_rows(lens: list[int], counts: list[int], device) -> torch.Tensor:
+    """Row indices, in a packing of sequences of `lens` rows, of each sequence's last counts[b] rows."""
+    idx, start = [], 0
+    for n, c in zip(lens, counts):
+        idx.extend(range(start + n - c, start + n))
+        start += n
+    return torch.tensor(idx, device=device, dtype=torch.long)
+
+
 def prepare_prefix_rows(attn):
     """A hybrid family's `ArchSpec.prepare`: a Packed batch with a shared prefix (GRPO's
     shared prompt) gets the linear-attention layers' re-laid rows (one host sync)."""
@@ -343,8 +357,7 @@ class GatedDeltaNet(nn.Module):
         dropped (they were returned by earlier calls), the state after the last full chunk
         becomes S_c and the rows past it the new buffer (see module doc)."""
         device = x_TD.device
-        new = torch.tensor([0, *new_lens], device=device).cumsum(0).to(torch.int32)
-        inputs, z, conv = self.project(x_TD, new, state.conv)
+        inputs, z, conv = self.project(x_TD, _cu(new_lens, device), state.conv)
         # rows of [tail_b, new_b] for each b, gathered from cat(tail, new)
         n_tail = sum(state.tail_lens)
         idx, keep, t0, n0 = [], [], 0, n_tail
@@ -356,17 +369,13 @@ class GatedDeltaNet(nn.Module):
         idx_t = torch.tensor(idx, device=device, dtype=torch.long)
         rows = [torch.cat((t.to(x.dtype), x)).index_select(0, idx_t) for t, x in zip(state.tail, inputs)]
         lens = [lt + ln for lt, ln in zip(state.tail_lens, new_lens)]
-        cu = torch.tensor([0, *lens], device=device).cumsum(0).to(torch.int32)
+        cu = _cu(lens, device)
         o, chunk_state = chunk_gated_delta_rule(*rows, cu, initial_state=state.chunk_state, output_final_state=True)
         o = o.index_select(0, torch.tensor(keep, device=device, dtype=torch.long))
         # the new buffer: each sequence's rows past its last full chunk
         tail_lens = [n % CHUNK for n in lens]
-        tail_idx, start = [], 0
-        for n, lt in zip(lens, tail_lens):
-            tail_idx.extend(range(start + n - lt, start + n))
-            start += n
-        tail_idx_t = torch.tensor(tail_idx, device=device, dtype=torch.long)
-        tail = tuple(r.index_select(0, tail_idx_t) for r in rows)
+        tail_idx = _last_rows(lens, tail_lens, device)
+        tail = tuple(r.index_select(0, tail_idx) for r in rows)
         return self.output(o, z), LinearState(conv, chunk_state, tail, tail_lens)
 
     def forward_recurrent(self, x_TD, new_lens: list[int], conv_state, state):
@@ -379,7 +388,7 @@ class GatedDeltaNet(nn.Module):
         those rows the decode step's arithmetic (a one-token step here is bitwise the static
         decode's on the same rows: the same kernels, the same inputs)."""
         device = x_TD.device
-        cu = torch.tensor([0, *new_lens], device=device).cumsum(0).to(torch.int32)
+        cu = _cu(new_lens, device)
         inputs, z, conv_state = self.project(x_TD, cu, conv_state)
         if max(new_lens, default=0) < CHUNK:  # no whole chunk: token by token (every eager decode step)
             o, state = fused_recurrent_gated_delta_rule(*inputs, cu, initial_state=state)
@@ -387,14 +396,9 @@ class GatedDeltaNet(nn.Module):
         o, state = chunk_gated_delta_rule(*inputs, cu, initial_state=state, output_final_state=True)
         rest = [n % CHUNK for n in new_lens]
         if any(rest):
-            idx, start = [], 0
-            for n, r in zip(new_lens, rest):
-                idx.extend(range(start + n - r, start + n))
-                start += n
-            idx_t = torch.tensor(idx, device=device, dtype=torch.long)
-            cu_r = torch.tensor([0, *rest], device=device).cumsum(0).to(torch.int32)
-            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs), cu_r,
-                                                          initial_state=state)
+            idx_t = _last_rows(new_lens, rest, device)
+            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs),
+                                                          _cu(rest, device), initial_state=state)
             o = o.index_copy(0, idx_t, o_r)
         return self.output(o, z), conv_state, state
 
