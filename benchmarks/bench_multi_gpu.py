@@ -137,8 +137,9 @@ class Jobs:
         env = dict(os.environ)  # the machine's NCCL / multicast settings pass through unchanged
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
         env["PYTHONUNBUFFERED"] = "1"
-        if gpu is not None:
-            env["CUDA_VISIBLE_DEVICES"] = gpu
+        if gpu is not None:  # an index among the GPUs this script was given, not a physical id
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(gpu)] if visible else gpu
         log = open(self.logs / f"{name}.log", "w")
         log.write(" ".join(argv) + "\n")
         log.flush()

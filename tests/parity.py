@@ -10,8 +10,8 @@ from rlfuse.model import Packed
 def packed_logits(model, seqs):
     """Our model on the sequences packed into one (T,) batch, each from position 0 -> (T, V)."""
     ids = torch.cat(seqs)
-    pos = torch.cat([torch.arange(len(s)) for s in seqs])
-    return model.logits(model(ids, pos, Packed.from_lengths([len(s) for s in seqs])))
+    pos = torch.cat([torch.arange(len(s), device=ids.device) for s in seqs])
+    return model.logits(model(ids, pos, Packed.from_lengths([len(s) for s in seqs], device=ids.device)))
 
 
 def hf_logits(hf, seqs):
