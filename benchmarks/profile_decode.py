@@ -1,7 +1,8 @@
 """Where a decode step's time goes: GEMMs per projection, attention, norms and rope, the LM
 head, sampling, the rest, and the host gaps between kernels.
 
-Model: the Qwen3-0.6B shape of `rlfuse bench generate` (random bf16 weights). Workload: B
+Model: a shape of `rlfuse bench generate` (`--shape`, default Qwen3-0.6B; the Qwen3.5 hybrids
+and the MoE shapes too), random bf16 weights. Workload: B
 sequences in steady decode (prompts of P random ids, every sequence decoding at once, CUDA
 graphs and look-ahead as in a real run). Two measurements, per numerics:
 
@@ -22,6 +23,8 @@ graphs and look-ahead as in a real run). Two measurements, per numerics:
     OUT=out python benchmarks/profile_decode.py                # B 256, P 512, fast and exact
     OUT=out python benchmarks/profile_decode.py --fuse off on  # unfused vs fused projections
     OUT=out python benchmarks/profile_decode.py --group 8 --prompt 256 --share off on  # GRPO groups
+    OUT=out python benchmarks/profile_decode.py --shape 3.5-2b --numerics fast  # a Qwen3.5 hybrid
+    OUT=out python benchmarks/profile_decode.py --kv-cache-dtype fp8_e4m3         # the fp8 KV cache
     python benchmarks/profile_decode.py --small                # CPU smoke test (no profile)
 Writes $OUT/profile_decode.json and $OUT/profile_decode.md.
 """
@@ -42,7 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent / "kernels"))
 from _timing import graphed, median_seconds  # noqa: E402 -- benchmarks/kernels/_timing.py
 
-from rlfuse.engine.benchmark import build_model, copy_bandwidth
+from rlfuse.engine.benchmark import SHAPES, build_model, copy_bandwidth
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import use_numerics
@@ -65,6 +68,7 @@ CATEGORIES = [
     ("copy/index", r"copy|index|gather|scatter|fill|cat|elementwise|vectorized|reduce"),
 ]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LINEAR_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
 FUSED = ("qkv", "gate_up")
 HEADS = ("lm_head", "logprob")
 
@@ -83,10 +87,10 @@ def _sync(dev):
 
 
 def steady_engine(model, numerics: str, B: int, P: int, max_new: int, seed: int, fuse: bool = True,
-                  group: int = 1, share: bool = True) -> LLM:
+                  group: int = 1, share: bool = True, kv_cache_dtype: str = "auto") -> LLM:
     ecfg = EngineConfig(max_num_seqs=B, max_num_batched_tokens=16384, max_model_len=P + max_new + 64,
                         gpu_memory_fraction=0.85, seed=seed, numerics=numerics, fuse_projections=fuse,
-                        share_prefix_decode=share)
+                        share_prefix_decode=share, kv_cache_dtype=kv_cache_dtype)
     llm = LLM(model, None, ecfg)
     llm.capture_graphs()
     g = torch.Generator().manual_seed(seed)
@@ -170,13 +174,22 @@ def profile_steps(llm: LLM, n: int, dev) -> dict:
 
 
 def _groups(model) -> dict[str, list]:
-    """Projection name -> that projection (or fused group) of every layer, in layer order."""
+    """Projection name -> that projection (or fused group) of every layer that has it, in
+    layer order: full-attention and dense-MLP projections, a hybrid's linear-attention ones
+    (`linear.<name>`); an MoE block's experts are not timed here (they are not one Linear)."""
     out: dict[str, list] = {}
     for layer in model.model.layers:
+        mixer, mlp = layer.mixer, layer.mlp
         for n in PROJ:
-            out.setdefault(n, []).append(getattr(layer.self_attn if n[0] in "qkvo" else layer.mlp, n))
-        for name, owner, attr in (("qkv", layer.self_attn, "qkv_fused"), ("gate_up", layer.mlp, "gate_up_fused")):
-            group = getattr(owner, attr)
+            m = getattr(mixer if n[0] in "qkvo" else mlp, n, None)
+            if isinstance(m, torch.nn.Module) and hasattr(m, "weight"):
+                out.setdefault(n, []).append(m)
+        for n in LINEAR_PROJ:
+            m = getattr(mixer, n, None) if layer.mixer_name == "linear_attn" else None
+            if isinstance(m, torch.nn.Module) and hasattr(m, "weight"):
+                out.setdefault(f"linear.{n}", []).append(m)
+        for name, owner, attr in (("qkv", mixer, "qkv_fused"), ("gate_up", mlp, "gate_up_fused")):
+            group = getattr(owner, attr, None)
             if group is not None and group.live(owner):
                 out.setdefault(name, []).append(group)
     return out
@@ -229,16 +242,21 @@ def main() -> None:
     ap.add_argument("--share", nargs="+", choices=["off", "auto", "on"], default=["auto"],
                     help="EngineConfig.share_prefix_decode: false, null (where it pays), true (matters with "
                          "--group > 1); 'off on' runs both")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="0.6b",
+                    help="the model (random weights), as `rlfuse bench generate --shape`")
+    ap.add_argument("--kv-cache-dtype", choices=["auto", "fp8_e4m3"], default="auto",
+                    help="EngineConfig.kv_cache_dtype (the weight-read bound ignores the KV cache either way)")
     ap.add_argument("--fuse", nargs="+", choices=["off", "on"], default=["on"],
                     help="fused q/k/v and gate/up GEMMs (EngineConfig.fuse_projections); 'off on' runs both")
     args = ap.parse_args()
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     B, P, N = (8, 16, 3) if args.small else (args.batch, args.prompt, args.steps)
     bw = copy_bandwidth(dev, (64 if args.small else 1024) * 2**20)
-    model = build_model(args.small, dev, 0)
+    model = build_model(args.small, dev, 0, args.shape)
     wbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     res = dict(device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu", torch=torch.__version__,
                commit=os.environ.get("RLFUSE_COMMIT", "unknown"), batch=B, prompt=P, steps=N, group=args.group,
+               shape=args.shape, kv_cache_dtype=args.kv_cache_dtype,
                copy_bandwidth_GBps=bw / 1e9, weight_bytes=wbytes, runs={})
     # fusing re-points the model's parameters for good: the unfused runs go first
     runs = [(fuse, num, sh) for fuse in sorted(set(args.fuse), key=["off", "on"].index) for num in args.numerics
@@ -247,7 +265,8 @@ def main() -> None:
         key = num + ("" if len(set(args.fuse)) == 1 else f" {'fused' if fuse == 'on' else 'unfused'}") \
             + ("" if len(set(args.share)) == 1 else f" share {sh}")
         llm = steady_engine(model, num, B, P, max_new=3 * N + 64, seed=0, fuse=fuse == "on",
-                            group=args.group if not args.small else 2, share={"off": False, "auto": None, "on": True}[sh])
+                            group=args.group if not args.small else 2, share={"off": False, "auto": None, "on": True}[sh],
+                            kv_cache_dtype=args.kv_cache_dtype)
         step_s = time_steps(llm, N, dev)
         r = dict(step_s=step_s, weight_read_bound_s=wbytes / bw)
         if args.host:
@@ -282,7 +301,8 @@ def main() -> None:
 def table(res: dict) -> str:
     nums = list(res["runs"])
     cats = sorted({c for r in res["runs"].values() for c in r.get("by_category_s_per_step", {})})
-    lines = [f"Decode step breakdown, {res['device']}, B={res['batch']}, prompt {res['prompt']} "
+    lines = [f"Decode step breakdown, {res['device']}, shape {res.get('shape', '0.6b')}, KV cache "
+             f"{res.get('kv_cache_dtype', 'auto')}, B={res['batch']}, prompt {res['prompt']} "
              f"(x{res.get('group', 1)} sequences each), {res['steps']} steady steps, commit {res['commit']} (ms per step)", "",
              "| item | " + " | ".join(nums) + " |", "|---|" + "---|" * len(nums)]
 
@@ -299,7 +319,9 @@ def table(res: dict) -> str:
     def proj(r, p):
         hit = [q for q in r["projections"] if q["proj"] == p]
         return f"{hit[0]['ms_per_step']:.3f} ({hit[0]['pct_bound']:.0f}%)" if hit else "-"
-    for p in PROJ + FUSED + HEADS:
+    for p in PROJ + FUSED + tuple(f"linear.{n}" for n in LINEAR_PROJ) + HEADS:
+        if not any(q["proj"] == p for r in res["runs"].values() for q in r["projections"]):
+            continue
         row(f"{p} alone x layers (% of its bound)", lambda r, p=p: proj(r, p))
     return "\n".join(lines) + "\n"
 
