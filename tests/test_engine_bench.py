@@ -98,3 +98,20 @@ def test_benchmarks_import_the_engine_benchmarks_helpers():
     assert "copy_bandwidth" in ours
     again = {str(p.relative_to(REPO)): sorted(_functions(p) & ours) for p in (REPO / "benchmarks").rglob("*.py")}
     assert not {p: names for p, names in again.items() if names}
+
+
+def test_moe_bound_reads_the_experts_the_running_batch_touches():
+    """An MoE step reads the dense weights and, per layer, the experts its b running
+    sequences touch: 1 - (1 - k/E)^b of them under uniform routing. One sequence of 4 decode
+    steps with E = 4, k = 2 reads half the experts a step; 8 sequences read nearly all."""
+    from rlfuse.engine import SamplingParams
+    from rlfuse.engine.benchmark import Case
+
+    one = Case("one", [[1] * 16], [SamplingParams(max_tokens=5)])
+    assert bound_bytes(one, 1000, 10, 0, (800, 4, 2)) == 4 * (200 + 400) + (4 * 16 + 10) * 10
+    (case,) = make_cases(True, ["fixed"])  # 8 sequences all running for 15 steps
+    touched = 1 - (1 - 2 / 4) ** 8
+    assert bound_bytes(case, 1000, 10, 0, (800, 4, 2)) == round(15 * (200 + 800 * touched)) + 8 * 360 * 10
+    # sequences that finish early stop touching experts: fewer bytes than all running to the end
+    ragged = Case("ragged", [[1] * 16] * 2, [SamplingParams(max_tokens=2), SamplingParams(max_tokens=9)])
+    assert bound_bytes(ragged, 1000, 0, 0, (800, 4, 2)) == round(200 + 800 * 0.75 + 7 * 600)

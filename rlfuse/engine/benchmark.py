@@ -31,6 +31,9 @@ reading P_i + j tokens; the batch takes max_i O_i - 1 steps:
             + st * sum_i (O_i - 1)
     bound = sum_i O_i / (bytes / BW),  BW = device-to-device copy (read + write bytes / s)
 measured in the same run. Prefill time is not in the bound, so % of bound is conservative.
+On an MoE shape `W` counts the routed experts a step touches, not all of them (`bound_bytes`:
+uniform routing, b running sequences touch 1 - (1 - k/E)^b of a layer's E experts; at
+30B-A3B's E = 128, k = 8 that is 98% at b = 64: the bound matters at small batches).
 
 Peer (dense shapes): transformers `generate` on the same weights (our state_dict loaded into the HF
 model built from `ModelConfig.to_hf()`; a logits check confirms they match) and the same
@@ -189,14 +192,40 @@ def make_cases(small: bool, names) -> list[Case]:
     return out
 
 
-def bound_bytes(case: Case, weight_bytes: int, kv_per_token: int, state_per_step: int = 0) -> int:
-    steps, kv, seq_steps = 0, 0, 0
+def bound_bytes(case: Case, weight_bytes: int, kv_per_token: int, state_per_step: int = 0,
+                experts: tuple[int, int, int] | None = None) -> int:
+    """experts: (bytes of the routed experts' weights, E, top-k) of an MoE model. A step then
+    reads the dense weights and the experts its running sequences touch; under uniform
+    routing a layer's expert is touched by one of b tokens with probability 1 - (1 - k/E)^b
+    (an estimate: trained routers are skewed, which touches fewer)."""
+    steps, kv, seq_steps, ends = 0, 0, 0, []
     for prompt, p in zip(case.prompts, case.params):
         P, O = len(prompt), p.max_tokens
         steps = max(steps, O - 1)
         kv += p.n * ((O - 1) * P + O * (O - 1) // 2)
         seq_steps += p.n * (O - 1)
-    return steps * weight_bytes + kv * kv_per_token + seq_steps * state_per_step
+        ends += [O - 1] * p.n
+    if experts is None:
+        return steps * weight_bytes + kv * kv_per_token + seq_steps * state_per_step
+    eb, E, k = experts
+    ends.sort()
+    w, i = 0.0, 0
+    for step in range(steps):  # a sequence with O - 1 decode steps runs in steps 0 .. O - 2
+        while i < len(ends) and ends[i] <= step:
+            i += 1
+        w += weight_bytes - eb + eb * (1 - (1 - k / E) ** (len(ends) - i))
+    return round(w) + kv * kv_per_token + seq_steps * state_per_step
+
+
+def routed_expert_bytes(model: CausalLM) -> tuple[int, int, int] | None:
+    """(bytes of every MoE layer's routed experts, E, top-k), or None for a dense model. The
+    shared experts and routers are dense: read every step."""
+    moe = getattr(model.config, "moe", None)
+    if moe is None:
+        return None
+    eb = sum(t.numel() * t.element_size() for n, t in model.named_parameters()
+             if ".experts." in f".{n}." and "shared_expert" not in n)
+    return (eb, moe.num_experts, moe.num_experts_per_tok) if eb else None
 
 
 def state_bytes_per_step(model: CausalLM) -> int:
@@ -301,6 +330,7 @@ def run(cfg: BenchConfig) -> dict:
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_per_token = 2 * len(kv_layers(mc)) * mc.num_key_value_heads * mc.head_dim * model.lm_head_weight.element_size()
     state_step = state_bytes_per_step(model)
+    experts = routed_expert_bytes(model)  # MoE: a step reads the experts its batch touches
     ecfg = EngineConfig(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         max_model_len=(128 if cfg.small else 2048), gpu_memory_fraction=cfg.gpu_memory_fraction,
                         enforce_eager=cfg.enforce_eager, seed=cfg.seed, numerics=cfg.numerics,
@@ -338,8 +368,8 @@ def run(cfg: BenchConfig) -> dict:
         compiles = new_compiles(v0, triton_compiles())  # Triton compiles the timing paid for
         n_out = sum(len(o.output_token_ids) for o in outs)
         expect = sum(p.max_tokens * p.n for p in case.params)
-        bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token, state_step) / bw)
-        own = n_out / (bound_bytes(case, weight_bytes, kv_own, state_step) / bw)
+        bound = n_out / (bound_bytes(case, weight_bytes, kv_per_token, state_step, experts) / bw)
+        own = n_out / (bound_bytes(case, weight_bytes, kv_own, state_step, experts) / bw)
         row = dict(case=case.name, sequences=len(outs), prompt_tokens=sum(len(p) * q.n for p, q in
                    zip(case.prompts, case.params)), output_tokens=n_out, complete=n_out == expect,
                    engine_s=dt, engine_tok_s=n_out / dt, bound_tok_s=bound, pct_bound=100 * n_out / dt / bound,
