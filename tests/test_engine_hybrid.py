@@ -50,6 +50,27 @@ def test_generate_equals_naive_greedy(kw):
     assert lin.num_free == 4 and not lin.slot_of and llm.block_manager.num_free == llm.kv.num_blocks
 
 
+def test_sleep_frees_the_linear_state_and_wake_restores_it():
+    """sleep() releases the linear-attention state with the KV pool (parked sequences give
+    their slots back first); after wake() it is zeroed, every slot free, and generation
+    equals the naive generator again."""
+    model = _model()
+    prompts = random_prompts(PROMPTS)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    with use_backend("torch"):
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=4))
+        llm.generate(prompts, params)
+        lin = llm.runner.linear
+        assert lin.slot_of and len(llm.scheduler.parked)  # finished sequences parked with their slots
+        llm.sleep()
+        assert not lin.tensors and not lin.layers and not lin.slot_of and not len(llm.scheduler.parked)
+        llm.wake()
+        assert lin.num_free == lin.num_slots == 4
+        assert all(t.count_nonzero() == 0 for t in lin.tensors.values())
+        outs = llm.generate(prompts, params)
+    assert [o.output_token_ids for o in outs] == greedy_generate_naive(model, prompts, 16)
+
+
 @pytest.mark.parametrize("prompt_len", [70, 45])
 def test_a_group_prefills_its_prompt_once(prompt_len):
     """n = 4 samples of a prompt: one member prefills up to the prompt's last full block before

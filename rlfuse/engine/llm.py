@@ -16,10 +16,9 @@ off/on between requests drops the prefix cache and the decode graphs too.
 Streaming: `add_request` (validates, names the request in any ValueError, leaves the
 other requests untouched), `step()` (one scheduler step; returns the completions that
 finished in it), `abort(request_id)`, `has_unfinished()`, `partial(request_id, start)`
-(the tokens running samples have so far: what a streaming server sends). `sleep()` frees
-the KV pool and the graphs' memory for training (running requests are preempted and
-resume by recompute after `wake()`), `wake()` re-creates the pool with the same number
-of blocks.
+(the tokens running samples have so far: what a streaming server sends). `sleep()` frees the
+KV pool, a hybrid's linear-attention state and the graphs' memory for training (running
+requests are preempted, resumed by recompute after `wake()`, which re-creates them).
 
 Log-probs: see `Completion` -- log softmax(logits / T) of the sampled token before any
 filtering, from `rlfuse.kernels.loss.logprob.token_logprobs`, the function the trainer uses.
@@ -78,10 +77,9 @@ class LLM:
         caching = cfg.enable_prefix_caching
         self._new_scheduler()
         if caching and self.runner.linear is not None:
-            log.info("prefix caching for this hybrid model: a request's n samples share their prompt (the "
-                     "linear-attention state copied from the member that computed it), and a request continuing "
-                     "a finished sequence (multi-turn) takes over its state and blocks; no other reuse across "
-                     "requests: a cache hit cannot restore the linear-attention state")
+            log.info("prefix caching for this hybrid model: a request's n samples share their prompt (the linear-"
+                     "attention state copied from the member that computed it), and a request continuing a finished "
+                     "sequence (multi-turn) takes over its state and blocks; no other reuse across requests")
         self.stats = EngineStats()
         self._rng = random.Random(cfg.seed)
         self._next_id = self._next_seq = 0
@@ -422,9 +420,11 @@ class LLM:
         self._drain()
         for s in self.scheduler.preempt_all():
             self.runner.release(s)
-        self.block_manager.reset_prefix_cache()
+        self.reset_prefix_cache()  # parked sequences (hybrids) give back their state slots too
         self.runner.drop_graphs()
         self.kv.release()
+        if (lin := self.runner.linear) is not None:  # a hybrid's linear-attention state (GiBs at 2B)
+            lin.release()
         if self.runner.device.type == "cuda":
             torch.cuda.empty_cache()
         self.asleep = True
@@ -435,6 +435,8 @@ class LLM:
         if not self.asleep:
             return
         self.kv.allocate()
+        if self.runner.linear is not None:  # zeroed, every slot free
+            self.runner.linear.allocate()
         self.block_manager.reset_prefix_cache()
         self.asleep = False
         log.info("engine awake: KV pool of %.2f GiB allocated", self.kv.nbytes / 1024**3)

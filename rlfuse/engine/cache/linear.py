@@ -60,12 +60,23 @@ class LinearStateCache(StateSlots):
         super().__init__(num_slots + 1, shapes, dtypes, device)
         self.pad_slot = self.free_slots.pop(0)  # the highest slot: pop() hands out the lowest first
         self.device = torch.device(device)
+        self._views()
+
+    def _views(self) -> None:
         self.layers = {i: {k.split(".", 1)[1]: t for k, t in self.tensors.items() if k.split(".", 1)[0] == str(i)}
                        for i in self.layer_ids}
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+    def allocate(self) -> None:
+        """The state again after `release` (zeroed; every slot free)."""
+        super().allocate()
+        self._views()
+        self.reset()
+
+    def release(self) -> None:
+        """Free the state while the engine sleeps (`LLM.sleep`: every sequence released first).
+        The decode graphs that read it are dropped with it and recaptured after `allocate`."""
+        super().release()
+        self.layers = {}
 
     def reset(self) -> None:
         """Every slot free (the engine's bookkeeping starts afresh: `LLM.abort_all`)."""
@@ -75,7 +86,7 @@ class LinearStateCache(StateSlots):
     @property
     def num_slots(self) -> int:
         """Slots sequences can hold (the scratch slot not counted)."""
-        return next(iter(self.tensors.values())).shape[0] - 1
+        return next(iter(self.spec.values()))[0][0] - 1
 
     def step(self, seqs: list[Sequence], starts: list[int], num_new: list[int]) -> LinearSlots:
         """The step's `LinearSlots` for sequences computing num_new tokens from position

@@ -34,6 +34,7 @@ Test: python -m pytest -q tests/test_block_manager.py tests/test_engine_hybrid.p
 
 from __future__ import annotations
 
+import math
 from typing import Protocol
 
 import torch
@@ -70,9 +71,29 @@ class StateSlots:
         if num_slots < 1:
             raise ValueError(f"StateSlots: num_slots must be >= 1, got {num_slots}")
         dt = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
-        self.tensors = {k: torch.zeros((num_slots, *s), dtype=dt[k], device=device) for k, s in shapes.items()}
+        self.spec = {k: ((num_slots, *s), dt[k]) for k, s in shapes.items()}
+        self.state_device = torch.device(device)
+        self.tensors: dict[str, torch.Tensor] = {}
+        StateSlots.allocate(self)  # not a subclass's: its views are not set up yet
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
         self.slot_of: dict[int, int] = {}  # seq_id -> slot
+
+    def allocate(self) -> None:
+        """The slots' tensors, zeroed (no-op while allocated)."""
+        if not self.tensors:
+            self.tensors = {k: torch.zeros(shape, dtype=dt, device=self.state_device)
+                            for k, (shape, dt) in self.spec.items()}
+
+    def release(self) -> None:
+        """Drop the tensors (the engine asleep); no sequence may hold a slot."""
+        if self.slot_of:
+            raise RuntimeError(f"StateSlots.release: {len(self.slot_of)} sequences still hold slots")
+        self.tensors = {}
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the slots' tensors when allocated."""
+        return sum(math.prod(shape) * dt.itemsize for shape, dt in self.spec.values())
 
     @property
     def num_free(self) -> int:
