@@ -17,11 +17,13 @@ One spawned 2-rank job (`_job`) runs:
     checked every step, 3 steps, a DCP checkpoint at step 2, the final HF export;
   * the same run stopped after step 2 and resumed from its DCP checkpoint;
   * `run_sft`, 3 steps.
-This process runs GRPO and SFT in one process and checks: every logged metric within TOL
+This process runs GRPO and SFT in one process, and GRPO resumed in one process from the
+2-rank step-2 checkpoint (resharding 2 -> 1), and checks: every logged metric within TOL
 of the one-process run (but the router losses, below), the final weights within
 WEIGHT_TOL (tests/test_distributed_run.py explains both bounds), the mismatch and the
 routing mismatch 0 at every step (the logged values are the max over ranks), the resumed
-run bitwise the uninterrupted one, and the DCP checkpoint's experts equal the export's.
+run bitwise the uninterrupted one, the 2 -> 1 resume within TOL of the 2-rank run, and the
+DCP checkpoint holds all E experts of every layer.
 
 Not compared: moe/aux_loss and moe/z_loss are share-weighted means over micro-batches
 (rlfuse.model.layers.moe.RouterLoss): the load-balancing loss is a product of batch means
@@ -42,7 +44,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port, gloo_rank, spawn_ranks
-from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
+from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff, _resume_from
 from train_setup import TINY_MODEL, tiny_cfg
 
 from rlfuse.kernels import use_backend
@@ -128,6 +130,8 @@ def runs(tmp_path_factory):
         t0 = time.perf_counter()
         spawn_ranks(_job, WORLD, free_port(), str(out))
         print(f"\n2-rank MoE runs: {time.perf_counter() - t0:.1f} s")
+        _resume_from(out / "grpo2", out / "reshard1")  # 2 -> 1: the sharded experts into one process
+        run_grpo(_grpo(out / "reshard1", "checkpoint.resume=auto"))
     finally:
         torch.set_num_threads(n)
     return out
@@ -192,3 +196,6 @@ def test_moe_checkpoint_resumes_bitwise_and_holds_the_experts(runs):
         assert torch.equal(ckpt[n], resumed[n])
     final = dict(load_model(runs / "grpo2" / "final", dtype=torch.float32).named_parameters())
     assert any(not torch.equal(ckpt[n], final[n]) for n in experts)  # step 3 trained the experts
+    d, where = _max_diff(_rows(runs / "reshard1"), _rows(runs / "grpo2"))  # 2 -> 1 continues the 2-rank run
+    print(f"MoE resume 2 -> 1: max |metric diff| {d:.2e} ({where})")
+    assert d <= TOL, where
