@@ -23,8 +23,8 @@ Phases (several may be given; they run in order):
   faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
           uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
   moe     full fine-tuning GRPO (bf16, numerics exact) of a Qwen3-MoE shape (--moe-shape,
-          default moe-3b: 2.9 B parameters, 64 experts top-8), experts FSDP2-sharded, on 1 GPU
-          and on each of --moe-gpus (2, 4), 3 steps, same global batch and seed: per-step
+          default moe-3b: 2.9 B parameters, 64 experts top-8), experts FSDP2-sharded, on each
+          of --moe-gpus (1 2 4), 3 steps, same global batch and seed: per-step
           metric differences against 1 GPU (the router losses apart: split-dependent), the
           log-prob mismatch and moe/routing_mismatch (max over ranks: 0 = 0 on every rank),
           step time and peak memory (the fullest GPU), final-weight differences
@@ -32,7 +32,7 @@ Phases (several may be given; they run in order):
     OUT=out python3 benchmarks/bench_multi_gpu.py env run
     OUT=out python3 benchmarks/bench_multi_gpu.py scale --scale-runs 0.6b:1 0.6b:2 4b:2
     OUT=out python3 benchmarks/bench_multi_gpu.py kinds
-    OUT=out python3 benchmarks/bench_multi_gpu.py moe --moe-gpus 2 4 --job-timeout 900
+    OUT=out python3 benchmarks/bench_multi_gpu.py moe --moe-gpus 1 2 4 --job-timeout 900
 The subprocesses inherit this environment unchanged (the machine's NCCL settings included).
 """
 
@@ -343,26 +343,28 @@ ROUTER_LOSSES = ("moe/aux_loss", "moe/z_loss")
 
 
 def phase_moe(out: Path, work: Path, args) -> dict:
-    """Full fine-tuning GRPO of an MoE shape under FSDP2: 1 GPU vs each of --moe-gpus
-    (the module docstring's `moe`). model.init keyed: each rank draws only its shards,
-    and every run starts from the same weights."""
+    """Full fine-tuning GRPO of an MoE shape under FSDP2 on each of --moe-gpus GPU counts
+    (the module docstring's `moe`), compared with the 1-GPU run of this call or of an
+    earlier call in the same --work (so `--moe-gpus 1 2` then `--moe-gpus 4` fit two device
+    calls). model.init keyed: each rank draws only its shards; every run starts from the
+    same weights."""
     J = Jobs(work, out, "moe")
     cfg = recipe(work, "moe_exact", "grpo", shape=args.moe_shape, numerics="exact", prompts=8, group=4, new=64,
                  save_final=True, model={"init": "keyed"}, engine={"numerics": "exact"})
-    fresh = "--overwrite"
-    J.run("moe_1gpu", J.argv("grpo", cfg, work / "moe1", 1, fresh), gpu="0", timeout=args.job_timeout)
-    for n in args.moe_gpus:
-        J.run(f"moe_{n}gpu", J.argv("grpo", cfg, work / f"moe{n}", n, fresh), timeout=args.job_timeout)
+    for n in args.moe_gpus:  # --overwrite: a rerun in the same --work replaces its run folder
+        J.run(f"moe_{n}gpu", J.argv("grpo", cfg, work / f"moe{n}", n, "--overwrite"), gpu="0" if n == 1 else None,
+              timeout=args.job_timeout)
     one = metrics(work / "moe1", "grpo")
     res = {"shape": args.moe_shape, "runs": {}}
-    for n in (1, *args.moe_gpus):
+    for n in sorted({*args.moe_gpus, *(int(d.name[3:]) for d in work.glob("moe[0-9]*") if metrics(d, "grpo"))}):
         rows = metrics(work / f"moe{n}", "grpo")
-        r = {"rc": J.results[f"moe_{n}gpu"]["rc"], "errors": J.results[f"moe_{n}gpu"]["errors"],
+        job = J.results.get(f"moe_{n}gpu", {"rc": "earlier call", "errors": []})
+        r = {"rc": job["rc"], "errors": job["errors"],
              "steps": [{k: row.get(k) for k in ("step", "loss", "time/step", "time/generate", "time/train",
                                                "memory/peak_mb", "mismatch/max_abs", "mismatch/full_max_abs",
                                                "moe/routing_mismatch", "moe/load_max")} for row in rows],
              "memory": {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("memory/")}}
-        if n > 1:
+        if n > 1 and one:
             r["vs_1gpu"] = {**metric_diff(rows, one, skip=ROUTER_LOSSES),
                             "weights": weight_diff(work / f"moe{n}" / "final", work / "moe1" / "final")}
         res["runs"][n] = r
@@ -497,7 +499,8 @@ def main() -> int:
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
     ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds: GPUs of the data-parallel jobs (2 or 4)")
     ap.add_argument("--moe-shape", default="moe-3b", help=f"moe: the MoE shape, one of {sorted(MOE_SHAPES)}")
-    ap.add_argument("--moe-gpus", type=int, nargs="+", default=[2], help="moe: GPU counts to run beside 1 GPU (2 4)")
+    ap.add_argument("--moe-gpus", type=int, nargs="+", default=[1, 2],
+                    help="moe: the GPU counts to run (1 is the reference; e.g. 1 2, then 4 in a second call)")
     ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
