@@ -22,10 +22,17 @@ Phases (several may be given; they run in order):
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
   faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
           uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
+  moe     full fine-tuning GRPO (bf16, numerics exact) of a Qwen3-MoE shape (--moe-shape,
+          default moe-3b: 2.9 B parameters, 64 experts top-8), experts FSDP2-sharded, on each
+          of --moe-gpus (1 2 4), 3 steps, same global batch and seed: per-step
+          metric differences against 1 GPU (the router losses apart: split-dependent), the
+          log-prob mismatch and moe/routing_mismatch (max over ranks: 0 = 0 on every rank),
+          step time and peak memory (the fullest GPU), final-weight differences
 
     OUT=out python3 benchmarks/bench_multi_gpu.py env run
     OUT=out python3 benchmarks/bench_multi_gpu.py scale --scale-runs 0.6b:1 0.6b:2 4b:2
     OUT=out python3 benchmarks/bench_multi_gpu.py kinds
+    OUT=out python3 benchmarks/bench_multi_gpu.py moe --moe-gpus 1 2 4 --job-timeout 900
 The subprocesses inherit this environment unchanged (the machine's NCCL settings included).
 """
 
@@ -42,12 +49,16 @@ import tarfile
 import time
 from pathlib import Path
 
-from rlfuse.engine.benchmark import QWEN3_SHAPES as SHAPES
+from rlfuse.engine.benchmark import MOE_SHAPES, QWEN3_SHAPES
+
+SHAPES = {**QWEN3_SHAPES, **MOE_SHAPES}
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON_SHAPE = dict(max_position_embeddings=4096)  # over the published 40960: these runs stay short
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
             head_dim=16, vocab_size=64, max_position_embeddings=1024)  # --small: CPU smoke test of this script
+TINY_MOE = dict(TINY, model_type="qwen3_moe",  # --small for MoE shapes; 5 experts shard unevenly on 2 ranks
+                moe=dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True))
 SMALL = [False]
 DEADLINE = [float("inf")]
 REWARD = ("import os, signal\n"
@@ -89,7 +100,8 @@ def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", 
 
     cfg = {
         "seed": 0,
-        "model": {"random_init": TINY if SMALL[0] else SHAPES[shape] | COMMON_SHAPE, "tokenizer": str(work / "tok"),
+        "model": {"random_init": ((TINY_MOE if "moe" in SHAPES[shape] else TINY) if SMALL[0]
+                                  else SHAPES[shape] | COMMON_SHAPE), "tokenizer": str(work / "tok"),
                   "dtype": "float32" if SMALL[0] else dtype, "gradient_checkpointing": True},
         "data": {"train": str(work / "prompts.jsonl"), "max_prompt_len": 256},
         "rewards": rewards or [{"name": f"{work}/reward.py:even"}],
@@ -188,13 +200,14 @@ def metrics(run_dir: Path, stage: str) -> list[dict]:
     return [r for r in map(json.loads, p.read_text().splitlines()) if r.get("stage") == stage]
 
 
-def metric_diff(a: list[dict], b: list[dict]) -> dict:
-    """Per step: max |a - b| / max(1, |b|) over the compared metrics, and the loss pair."""
+def metric_diff(a: list[dict], b: list[dict], skip: tuple[str, ...] = ()) -> dict:
+    """Per step: max |a - b| / max(1, |b|) over the compared metrics (NOT_COMPARED and the
+    prefixes in `skip` left out), and the loss pair."""
     out = []
     for x, y in zip(a, b):
         worst, where = 0.0, ""
         for k, v in x.items():
-            if k in ("step", "stage") or k.startswith(NOT_COMPARED) or not isinstance(v, (int, float)):
+            if k in ("step", "stage") or k.startswith((*NOT_COMPARED, *skip)) or not isinstance(v, (int, float)):
                 continue
             w = y.get(k)
             if not isinstance(w, (int, float)):
@@ -323,6 +336,58 @@ def phase_kinds(out: Path, work: Path, args) -> dict:
     return eq
 
 
+# moe/aux_loss, moe/z_loss: share-weighted means over each rank's micro-batches, so another
+# split of the batch gives other values by design (rlfuse.model.layers.moe.RouterLoss); their
+# coefficients are 0 in these runs, so they do not enter the gradient
+ROUTER_LOSSES = ("moe/aux_loss", "moe/z_loss")
+
+
+def phase_moe(out: Path, work: Path, args) -> dict:
+    """Full fine-tuning GRPO of an MoE shape under FSDP2 on each of --moe-gpus GPU counts
+    (the module docstring's `moe`), compared with the 1-GPU run of this call or of an
+    earlier call in the same --work (so `--moe-gpus 1 2` then `--moe-gpus 4` fit two device
+    calls). model.init keyed: each rank draws only its shards; every run starts from the
+    same weights."""
+    J = Jobs(work, out, "moe")
+    cfg = recipe(work, "moe_exact", "grpo", shape=args.moe_shape, numerics="exact", prompts=8, group=4, new=64,
+                 save_final=True, model={"init": "keyed"}, engine={"numerics": "exact"})
+    for n in args.moe_gpus:  # --overwrite: a rerun in the same --work replaces its run folder
+        J.run(f"moe_{n}gpu", J.argv("grpo", cfg, work / f"moe{n}", n, "--overwrite"), gpu="0" if n == 1 else None,
+              timeout=args.job_timeout)
+    one = metrics(work / "moe1", "grpo")
+    res = {"shape": args.moe_shape, "runs": {}}
+    for n in sorted({*args.moe_gpus, *(int(d.name[3:]) for d in work.glob("moe[0-9]*") if metrics(d, "grpo"))}):
+        rows = metrics(work / f"moe{n}", "grpo")
+        job = J.results.get(f"moe_{n}gpu", {"rc": "earlier call", "errors": []})
+        r = {"rc": job["rc"], "errors": job["errors"],
+             "steps": [{k: row.get(k) for k in ("step", "loss", "time/step", "time/generate", "time/train",
+                                               "memory/peak_mb", "mismatch/max_abs", "mismatch/full_max_abs",
+                                               "moe/routing_mismatch", "moe/load_max")} for row in rows],
+             "memory": {k: v for k, v in (rows[-1] if rows else {}).items() if k.startswith("memory/")}}
+        if n > 1 and one:
+            r["vs_1gpu"] = {**metric_diff(rows, one, skip=ROUTER_LOSSES),
+                            "weights": weight_diff(work / f"moe{n}" / "final", work / "moe1" / "final")}
+        res["runs"][n] = r
+    J.finish({"moe": res})
+    print(f"\nMoE full fine-tuning GRPO, shape {args.moe_shape}, exact numerics\n| job | rc | wall s |\n|---|---|---|")
+    for r in J.results.values():
+        print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
+    print("\n| GPUs | step | loss | step s | peak MiB (fullest GPU) | mismatch max | routing mismatch | "
+          "max rel metric diff vs 1 GPU (which) |\n|---|---|---|---|---|---|---|---|")
+    for n, r in res["runs"].items():
+        diffs = {s["step"]: s for s in r.get("vs_1gpu", {}).get("steps", [])}
+        for st in r["steps"]:
+            d = diffs.get(st["step"])
+            dtxt = f"{d['max_rel_diff']:.2e} ({d['where']})" if d else "-"
+            print(f"| {n} | {st['step']} | {st['loss']} | {st['time/step']} | {st['memory/peak_mb']} | "
+                  f"{st['mismatch/max_abs']} | {st['moe/routing_mismatch']} | {dtxt} |")
+    for n, r in res["runs"].items():
+        if "vs_1gpu" in r:
+            print(f"{n} GPUs vs 1: final weights {r['vs_1gpu']['weights']}")
+        print(f"{n} GPU(s) memory (MiB, fullest rank): {r['memory']}")
+    return res
+
+
 def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: int) -> dict:
     timed = [r for r in rows if r.get("step", 0) > 1] or rows[1:]  # step 1 captures graphs and compiles
     mean = lambda k: sum(r.get(k, 0.0) for r in timed) / max(len(timed), 1)  # noqa: E731
@@ -424,7 +489,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds"))
+    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds", "moe"))
     ap.add_argument("--work", default="/tmp/mgpu", help="run folders and logs (large: final weights)")
     ap.add_argument("--scale-runs", nargs="+", default=["0.6b:1", "0.6b:2"], metavar="SHAPE:GPUS",
                     help=f"GRPO scaling runs, shape one of {sorted(SHAPES)}")
@@ -433,6 +498,9 @@ def main() -> int:
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
     ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds: GPUs of the data-parallel jobs (2 or 4)")
+    ap.add_argument("--moe-shape", default="moe-3b", help=f"moe: the MoE shape, one of {sorted(MOE_SHAPES)}")
+    ap.add_argument("--moe-gpus", type=int, nargs="+", default=[1, 2],
+                    help="moe: the GPU counts to run (1 is the reference; e.g. 1 2, then 4 in a second call)")
     ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
@@ -446,7 +514,7 @@ def main() -> int:
         t0 = time.perf_counter()
         {"env": lambda: phase_env(out, work), "run": lambda: phase_run(out, work, args),
          "scale": lambda: phase_scale(out, work, args), "faults": lambda: phase_faults(out, work, args),
-         "kinds": lambda: phase_kinds(out, work, args)}[ph]()
+         "kinds": lambda: phase_kinds(out, work, args), "moe": lambda: phase_moe(out, work, args)}[ph]()
         print(f"=== phase {ph}: {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

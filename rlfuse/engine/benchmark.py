@@ -1,8 +1,9 @@
 """Generation throughput: the engine vs transformers `generate` vs the bandwidth bound.
 
 Model: Qwen3-0.6B-shaped, random weights (hidden 1024, 28 layers, 16 q / 8 kv heads of
-128, vocab 151936, tied), bf16; `shape` picks another published shape (`SHAPES`: Qwen3
-0.6b..8b, Qwen3.5 3.5-0.8b / 3.5-2b hybrids). Cases (all temperature-sampled, ignore_eos):
+128, vocab 151936, tied), bf16; `shape` picks another shape (`SHAPES`: Qwen3 0.6b..8b,
+Qwen3.5 3.5-0.8b / 3.5-2b hybrids, the MoE 30b-a3b / 35b-a3b and the unpublished moe-3b).
+Cases (all temperature-sampled, ignore_eos):
   nanovllm  the protocol nano-vllm and RL.cu publish: Python random.seed(0); 256 prompts
             of U[100, 1024] ids ~ U[0, 10000], then per sequence max_tokens ~ U[100, 1024]
             (drawn in that order), temperature 0.6; one-sequence warm-up first;
@@ -78,10 +79,15 @@ QWEN3_SHAPES = {
     "8b": _qwen3(4096, 12288, 36, 32, tied=False),
 }
 QWEN3_06B = QWEN3_SHAPES["0.6b"]
-# MoE shapes of issue 36's targets (random weights): Qwen/Qwen3-30B-A3B's published config, and
+# MoE shapes of issue 36's targets (random weights): Qwen/Qwen3-30B-A3B's published config,
 # Qwen3.5-35B-A3B's text model as transformers' Qwen3_5MoeTextConfig defaults describe it
-# (rope theta and the like do not change a step's time and are left at our defaults)
+# (rope theta and the like do not change a step's time and are left at our defaults), and
+# "moe-3b", no published model: Qwen3-30B-A3B's layer scaled down (hidden 1024, 24 layers, 64
+# experts of width 512, top-8) to 2.9 B parameters (0.74 B active), small enough for full
+# fine-tuning on one GPU, the 1-GPU reference of the FSDP2 runs (bench_multi_gpu.py moe)
 MOE_SHAPES = {
+    "moe-3b": dict(_qwen3(1024, 3072, 24, 16, tied=False), model_type="qwen3_moe", num_key_value_heads=4,
+                   moe=dict(num_experts=64, num_experts_per_tok=8, moe_intermediate_size=512, norm_topk_prob=True)),
     "30b-a3b": dict(_qwen3(2048, 6144, 48, 32, tied=False), model_type="qwen3_moe", num_key_value_heads=4,
                     moe=dict(num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768,
                              norm_topk_prob=True)),

@@ -143,7 +143,9 @@ class SparseMoeBlock(nn.Module):
             self.routing_buffer[:x_TD.shape[0]].copy_(r.experts)
         self.last_router_logits = logits.detach()  # values only: a graph tensor on a module would pin the graph
         self.last_stats = router_stats(logits, self.top_k) if self.record_stats and torch.is_grad_enabled() else None
-        return out.view(shape)
+        # not a view when x is already (T, D): FSDP2 hooks a decoder layer's outputs for backward,
+        # and a view output would lose that hook to any later in-place op (torch warns)
+        return out if out.shape == shape else out.view(shape)
 
 
 def moe_blocks(model: nn.Module) -> list[SparseMoeBlock]:
