@@ -22,7 +22,9 @@ Two more agent rows use a Qwen3-style thinking template (THINK_TEMPLATE) that st
 append-only, merged) and "think/user" (observations sent as user turns: every call starts a
 new sample of the episode, whose history the template re-renders).
 Reported per row: model tokens/s, agent/env (target >= 0.90), wall s, the engine's idle share
-(1 - time inside LLM.step / wall, measured alike for both paths); from the agent rows'
+(1 - time inside LLM.step / wall, measured alike for both paths) and its steps; for the agent
+rows the CPU time of the asyncio thread per call (the agents, the OpenAI client, the app and
+the recording: what the engine thread competes with for the GIL); from the agent rows'
 recorded sessions: calls per episode, merged share, split samples, re-tokenized trained
 tokens (trained ids that are not the sampled ids at their place; target 0), re-rendered
 context tokens (earlier turns written into a fresh render's context -- only a split does
@@ -186,6 +188,7 @@ def _mismatch(model, eps, numerics: str) -> dict:
 
 def _env_row(llm, model, tok, rows, cfg, G, turns, tool_ms, numerics, sampling) -> tuple[dict, list[Episode]]:
     renderer = ChatRenderer(tok)
+    llm.stats.reset()
     with StepClock(llm) as clock:
         t0 = time.perf_counter()
         eps, m = run_episodes(llm, renderer, lambda: SleepEnv(turns, tool_ms), rows, cfg=cfg, group_size=G,
@@ -194,7 +197,8 @@ def _env_row(llm, model, tok, rows, cfg, G, turns, tool_ms, numerics, sampling) 
     n = sum(sum(e.loss_mask) for e in eps)
     row = {"numerics": numerics, "path": "env", "template": "plain", "observations": "tool", "sessions": len(eps),
            "model_tokens": n, "seconds": dt, "tokens_per_s": n / dt, "engine_idle_frac": 1 - clock.busy / dt,
-           "env_loop_idle_frac": m["rollout/engine_idle_frac"], "turns_mean": m["rollout/turns_mean"],
+           "engine_steps": llm.stats.steps, "env_loop_idle_frac": m["rollout/engine_idle_frac"],
+           "turns_mean": m["rollout/turns_mean"],
            "continuation_cached_frac": m["rollout/continuation_cached_frac"]}
     return row, eps
 
@@ -203,15 +207,17 @@ def _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, *, template: st
     sampler = AgentSampler(_Base(llm), tok, cfg, SleepAgent(turns, tool_ms, role),
                            chat_template=THINK_TEMPLATE if template == "think" else None)
     prompts = [Prompt(ids=[], text=r["prompt"], columns=dict(r), where="bench") for r in rows]
+    llm.stats.reset()
     with StepClock(llm) as clock:
-        t0 = time.perf_counter()
-        sampler.episodes(prompts, n=G, temperature=1.0, seed=0)
-        dt = time.perf_counter() - t0
+        t0, cpu0 = time.perf_counter(), time.thread_time()
+        sampler.episodes(prompts, n=G, temperature=1.0, seed=0)  # asyncio in this thread, the engine in another
+        dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
     m, sessions = sampler.last_metrics, sampler.last_sessions
     sampled, found = trained_vs_sampled(sessions)
     row = {"numerics": numerics, "path": "agent", "template": template, "observations": role,
            "sessions": len(sessions), "model_tokens": sampled, "seconds": dt, "tokens_per_s": sampled / dt,
-           "engine_idle_frac": 1 - clock.busy / dt,
+           "engine_idle_frac": 1 - clock.busy / dt, "engine_steps": llm.stats.steps,
+           "host_ms_per_call": 1000 * cpu / max(sum(len(s.calls) for s in sessions), 1),
            "calls_per_episode": m["rollout/agent_calls_per_episode"], "merged_frac": m["rollout/agent_merged_frac"],
            "split_samples": int(m["rollout/agent_split_samples"]), "failed_frac": m["rollout/agent_failed_frac"],
            "retokenized_trained_tokens": sampled - found,
@@ -286,16 +292,18 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms: float, out: Path, *,
     (out / "bench_agent.json").write_text(json.dumps(result, indent=2))
     lines = [f"GPU {gpu}, torch {torch.__version__}, commit {commit}; {episodes} episodes of {turns} turns x "
              f"{turn_tokens} tokens, {tool_ms:g} ms tools", "",
-             "| numerics | path | template / observations | model tokens | s | tok/s | vs env | engine idle | "
+             "| numerics | path | template / observations | model tokens | s | tok/s | vs env | engine idle | engine steps "
+             "| host ms/call | "
              "calls/ep | merged | split samples | re-tokenized | re-rendered ctx | trained = sampled | same ids as env "
-             "| exact mismatch |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exact mismatch |", "|---" * 18 + "|"]
 
     def cell(r, k, fmt):
         return format(r[k], fmt) if k in r else ""
     for r in results:
         lines.append(f"| {r['numerics']} | {r['path']} | {r['template']} / {r['observations']} | {r['model_tokens']} "
                      f"| {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['vs_env']:.2f}x "
-                     f"| {r['engine_idle_frac']:.3f} | {cell(r, 'calls_per_episode', '.2f')} "
+                     f"| {r['engine_idle_frac']:.3f} | {r['engine_steps']} | {cell(r, 'host_ms_per_call', '.2f')} "
+                     f"| {cell(r, 'calls_per_episode', '.2f')} "
                      f"| {cell(r, 'merged_frac', '.2f')} | {cell(r, 'split_samples', 'd')} "
                      f"| {cell(r, 'retokenized_trained_tokens', 'd')} | {cell(r, 'rerendered_context_tokens', 'd')} "
                      f"| {cell(r, 'trained_eq_sampled_frac', '.2%')} | {cell(r, 'same_ids_as_env_frac', '.2%')} "
