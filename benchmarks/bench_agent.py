@@ -30,9 +30,13 @@ tokens (trained ids that are not the sampled ids at their place; target 0), re-r
 context tokens (earlier turns written into a fresh render's context -- only a split does
 that; never trained), tokens trained == sampled; in exact numerics the rollout-vs-trainer
 log-prob mismatch over every model token (rlfuse.rollout.exactness.compare; target 0).
+`--gil-switch-ms` adds plain agent rows run at other GIL switch intervals: the agents, the
+client and the app share the GIL with the engine thread, which waits up to the interval
+(Python's default 5 ms) for it whenever the asyncio thread is busy.
 
     OUT=out python benchmarks/bench_agent.py                  # GPU: fast and exact numerics
     OUT=out python benchmarks/bench_agent.py --numerics exact
+    OUT=out python benchmarks/bench_agent.py --gil-switch-ms 0.5   # + a plain agent row at a 0.5 ms GIL switch
     python benchmarks/bench_agent.py --small                  # CPU smoke test (tiny fp32 model)
 Writes $OUT/bench_agent.json and $OUT/bench_agent.md (a table for docs/benchmarks.md).
 """
@@ -203,19 +207,29 @@ def _env_row(llm, model, tok, rows, cfg, G, turns, tool_ms, numerics, sampling) 
     return row, eps
 
 
-def _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, *, template: str, role: str):
+def _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, *, template: str, role: str,
+               switch_ms: float | None = None):
+    """One agent row; `switch_ms`: the interpreter's GIL switch interval during the rollout
+    (None: as it is, Python's 5 ms unless changed): how long the asyncio thread may hold the
+    GIL while the engine thread waits for it."""
     sampler = AgentSampler(_Base(llm), tok, cfg, SleepAgent(turns, tool_ms, role),
                            chat_template=THINK_TEMPLATE if template == "think" else None)
     prompts = [Prompt(ids=[], text=r["prompt"], columns=dict(r), where="bench") for r in rows]
     llm.stats.reset()
-    with StepClock(llm) as clock:
-        t0, cpu0 = time.perf_counter(), time.thread_time()
-        sampler.episodes(prompts, n=G, temperature=1.0, seed=0)  # asyncio in this thread, the engine in another
-        dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(before if switch_ms is None else switch_ms / 1000)
+    try:
+        with StepClock(llm) as clock:
+            t0, cpu0 = time.perf_counter(), time.thread_time()
+            sampler.episodes(prompts, n=G, temperature=1.0, seed=0)  # asyncio in this thread, the engine in another
+            dt, cpu = time.perf_counter() - t0, time.thread_time() - cpu0
+        switch = sys.getswitchinterval() * 1000
+    finally:
+        sys.setswitchinterval(before)
     m, sessions = sampler.last_metrics, sampler.last_sessions
     sampled, found = trained_vs_sampled(sessions)
     row = {"numerics": numerics, "path": "agent", "template": template, "observations": role,
-           "sessions": len(sessions), "model_tokens": sampled, "seconds": dt, "tokens_per_s": sampled / dt,
+           "gil_switch_ms": switch, "sessions": len(sessions), "model_tokens": sampled, "seconds": dt, "tokens_per_s": sampled / dt,
            "engine_idle_frac": 1 - clock.busy / dt, "engine_steps": llm.stats.steps,
            "host_ms_per_call": 1000 * cpu / max(sum(len(s.calls) for s in sessions), 1),
            "calls_per_episode": m["rollout/agent_calls_per_episode"], "merged_frac": m["rollout/agent_merged_frac"],
@@ -228,7 +242,8 @@ def _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, *, template: st
 
 
 def run(small: bool, turns: int, turn_tokens: int, tool_ms: float, out: Path, *, prompts: int | None = None,
-        group: int | None = None, numerics_list=("fast", "exact"), think: bool = True) -> dict:
+        group: int | None = None, numerics_list=("fast", "exact"), think: bool = True,
+        switch_ms: tuple[float, ...] = ()) -> dict:
     dev = "cpu" if small else "cuda"
     model = CausalLM(ModelConfig(**(SMALL if small else SHAPE)))
     model.init_weights(std=0.02, generator=torch.Generator().manual_seed(0))
@@ -252,19 +267,21 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms: float, out: Path, *,
         short = RolloutConfig(max_turns=2, max_turn_tokens=4, max_total_tokens=200, agent=cfg.agent)
         run_episodes(llm, renderer, lambda: SleepEnv(2, 0), rows[:1], cfg=short, sampling=sampling, seed=0)
         _agent_row(llm, tok, rows[:1], short, 1, 2, 0, numerics, template="plain", role="tool")
-        plan = [("plain", "tool")] + ([("think", "tool"), ("think", "user")] if think else [])
+        plan = [("plain", "tool", None)] + [("plain", "tool", ms) for ms in switch_ms]
+        plan += [("think", "tool", None), ("think", "user", None)] if think else []
         llm.reset_prefix_cache()
         env, eps = _env_row(llm, model, tok, rows, cfg, G, turns, tool_ms, numerics, sampling)
-        sessions_of = {}
+        sessions_of = []
         agent_rows = []
-        for template, role in plan:
+        for template, role, ms in plan:
             llm.reset_prefix_cache()  # each row computes its own K/V (the env row's would be hits here)
-            r, sessions_of[(template, role)] = _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics,
-                                                          template=template, role=role)
+            r, sessions = _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, template=template, role=role,
+                                     switch_ms=ms)
             r["vs_env"] = r["tokens_per_s"] / env["tokens_per_s"]
             agent_rows.append(r)
+            sessions_of.append(sessions)
         env["vs_env"] = 1.0
-        plain = sessions_of[("plain", "tool")]
+        plain = sessions_of[0]
         # the same episodes, id for id: one merged sample each, equal to the env episode's sequence
         same = sum(len(segs := s.segments()) == 1 and segs[0].prompt_ids == e.prompt_ids
                    and segs[0].token_ids == e.token_ids and segs[0].loss_mask == e.loss_mask
@@ -273,8 +290,8 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms: float, out: Path, *,
         if numerics == "exact":
             llm.sleep()  # the KV pool's memory back for the trainer's forward
             env.update(_mismatch(model, eps, numerics))
-            for r, key in zip(agent_rows, plan):
-                segs = [g for s in sessions_of[key] for g in s.segments()]
+            for r, sessions in zip(agent_rows, sessions_of):
+                segs = [g for s in sessions for g in s.segments()]
                 r.update(_mismatch(model, [Episode(i, 0, g.prompt_ids, g.token_ids, g.loss_mask, g.logprobs)
                                            for i, g in enumerate(segs)], numerics))
         for r in (env, *agent_rows):
@@ -300,7 +317,9 @@ def run(small: bool, turns: int, turn_tokens: int, tool_ms: float, out: Path, *,
     def cell(r, k, fmt):
         return format(r[k], fmt) if k in r else ""
     for r in results:
-        lines.append(f"| {r['numerics']} | {r['path']} | {r['template']} / {r['observations']} | {r['model_tokens']} "
+        switch = f", GIL switch {r['gil_switch_ms']:g} ms" if r.get("gil_switch_ms", 5.0) != 5.0 else ""
+        lines.append(f"| {r['numerics']} | {r['path']} | {r['template']} / {r['observations']}{switch} "
+                     f"| {r['model_tokens']} "
                      f"| {r['seconds']:.2f} | {r['tokens_per_s']:.0f} | {r['vs_env']:.2f}x "
                      f"| {r['engine_idle_frac']:.3f} | {r['engine_steps']} | {cell(r, 'host_ms_per_call', '.2f')} "
                      f"| {cell(r, 'calls_per_episode', '.2f')} "
@@ -323,10 +342,13 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=None, help="episodes per prompt (default 8; 2 with --small)")
     ap.add_argument("--numerics", nargs="+", default=["fast", "exact"], choices=["fast", "exact"])
     ap.add_argument("--no-think", action="store_true", help="skip the two thinking-template agent rows")
+    ap.add_argument("--gil-switch-ms", type=float, nargs="*", default=[],
+                    help="extra plain agent rows, each run with this GIL switch interval (sys.setswitchinterval; "
+                         "Python's default is 5 ms): whether the engine thread waits on the asyncio thread")
     args = ap.parse_args()
     run(args.small, args.turns, args.turn_tokens or (8 if args.small else 256), args.tool_ms,
         Path(os.environ.get("OUT", "out")), prompts=args.prompts, group=args.group, numerics_list=args.numerics,
-        think=not args.no_think)
+        think=not args.no_think, switch_ms=tuple(args.gil_switch_ms))
 
 
 if __name__ == "__main__":

@@ -61,12 +61,17 @@ def _run(out: Path, *args: str) -> dict:
     return json.loads((out / "bench_agent.json").read_text())
 
 
-def _check(result: dict, numerics: list[str]) -> None:
+def _check(result: dict, numerics: list[str], switch_ms: tuple[float, ...] = ()) -> None:
     rows = result["rows"]
     for n in numerics:
         env = [r for r in rows if r["numerics"] == n and r["path"] == "env"]
-        agents = {(r["template"], r["observations"]): r for r in rows if r["numerics"] == n and r["path"] == "agent"}
-        assert len(env) == 1 and set(agents) == {("plain", "tool"), ("think", "tool"), ("think", "user")}, rows
+        agents = {(r["template"], r["observations"], r["gil_switch_ms"]): r for r in rows
+                  if r["numerics"] == n and r["path"] == "agent"}
+        default = 1000 * sys.getswitchinterval()
+        assert len(env) == 1 and set(agents) == {("plain", "tool", default), ("think", "tool", default),
+                                                 ("think", "user", default),
+                                                 *(("plain", "tool", ms) for ms in switch_ms)}, rows
+        agents = {k[:2] if k[2] == default else k: r for k, r in agents.items()}
         env = env[0]
         assert env["tokens_per_s"] > 0 and env["turns_mean"] == result["turns"]
         for key, r in agents.items():
@@ -75,7 +80,8 @@ def _check(result: dict, numerics: list[str]) -> None:
             assert r["retokenized_trained_tokens"] == 0 and r["trained_eq_sampled_frac"] == 1.0, r
             assert r["tokens_trained"] == r["tokens_sampled"] == r["model_tokens"], r
             assert r["calls_per_episode"] == result["turns"], r
-        for key in (("plain", "tool"), ("think", "tool")):  # append-only: one merged sample per episode
+        for key in (("plain", "tool"), ("think", "tool"), *(("plain", "tool", ms) for ms in switch_ms)):
+            # append-only: one merged sample per episode
             assert agents[key]["split_samples"] == 0 and agents[key]["rerendered_context_tokens"] == 0
         split = agents[("think", "user")]  # the template strips earlier reasoning: every call its own sample
         assert split["split_samples"] == env["sessions"] * (result["turns"] - 1) and split["merged_frac"] == 0
@@ -87,9 +93,9 @@ def _check(result: dict, numerics: list[str]) -> None:
 
 @pytest.mark.slow
 def test_small_run_records_both_paths_token_exact(tmp_path):
-    result = _run(tmp_path, "--small")
+    result = _run(tmp_path, "--small", "--gil-switch-ms", "1")
     assert result["small"] and result["episodes"] == "4 prompts x 2"
-    _check(result, ["fast", "exact"])
+    _check(result, ["fast", "exact"], (1.0,))
 
 
 @pytest.mark.gpu
