@@ -1,6 +1,6 @@
 """An agent through the OpenAI API vs the in-process environment path, same episodes (Qwen3-0.6B shape, GPU).
 
-Issue 35's target: 256 concurrent sessions of a 4-turn agent with 50 ms tools train at >= 90%
+Issue 35's target: 256 concurrent sessions of a 4-turn agent with 50 ms tools reach >= 90%
 of the tokens per second of the same episodes run through the in-process environment path,
 in the same run; with 0 re-tokenized tokens and every trained token a sampled one.
 
@@ -20,7 +20,9 @@ numerics the agent's episodes are the env's, id for id ("same ids as env").
 Two more agent rows use a Qwen3-style thinking template (THINK_TEMPLATE) that strips earlier
 <think> blocks once a new user message follows: "think/tool" (tool results between calls:
 append-only, merged) and "think/user" (observations sent as user turns: every call starts a
-new sample of the episode, whose history the template re-renders).
+new sample of the episode, whose history the template re-renders). A random model writes no
+<think> block, so there the template changes the structure only; tests/test_agent_thinking.py
+has a model that reasons every turn.
 Reported per row: model tokens/s, agent/env (target >= 0.90), wall s, the engine's idle share
 (1 - time inside LLM.step / wall, measured alike for both paths) and its steps; for the agent
 rows the CPU time of the asyncio thread per call (the agents, the OpenAI client, the app and
