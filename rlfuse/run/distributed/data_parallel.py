@@ -79,6 +79,11 @@ class GatheredSampler:
             raise RuntimeError("GatheredSampler.llm: call wake() first (it gathers the weights on every rank)")
         return self.inner.llm
 
+    @property
+    def vision_encodes(self) -> int:
+        """The engine's vision-tower runs in the last `generate` (EngineSampler's count)."""
+        return 0 if self.inner is None else self.inner.vision_encodes
+
     def generate(self, prompt_ids, **kw):
         if self._gathered is None:  # the weights are shards: gathering is a collective every rank must join
             raise RuntimeError("GatheredSampler.generate: call wake() first (it gathers the weights on every rank)")
