@@ -1,5 +1,5 @@
-"""Server-recorded agents (rollout.agent) data-parallel on CPU (gloo, 2 processes) against
-one process.
+"""Server-recorded agents (rollout.agent), and tool episodes (rollout.tools), data-parallel
+on CPU (gloo, 2 processes) against one process.
 
 The agent (AGENT, a module file each rank imports) makes two chat calls through the
 training process's OpenAI-compatible server: the second sends the first answer back plus
@@ -14,8 +14,9 @@ One spawned 2-rank job (`_job`) runs, with a DistContext and `sampler_factory=ag
     every step, 2 steps, the held-out evaluation through the agent before and after;
   * GRPO with LoRA (a replica of the model on every rank), 2 steps; each rank then checks
     the replicas are bitwise equal (`check_replicas`) and writes its adapters;
-  * PPO, full fine-tune (policy and critic sharded), exact numerics, 2 steps.
-This process runs the same three in one process and checks: every logged metric within
+  * PPO, full fine-tune (policy and critic sharded), exact numerics, 2 steps;
+  * and, without an agent, GRPO on rlfuse's own tool episodes (rollout.tools: the calculator).
+This process runs the same four in one process and checks: every logged metric within
 TOL (tests/test_distributed_run.py explains the bound; the agent's token and failure
 totals are summed over ranks, so they equal the one-process totals); the final weights
 within WEIGHT_TOL; exact numerics' mismatch 0 at every step (the logged value is the max
@@ -68,13 +69,19 @@ RUNS = {  # name -> (trainer, overrides)
     "ppo": (run_ppo, ("ppo.steps=2", "ppo.prompts_per_step=4", "ppo.samples_per_prompt=2", "ppo.max_new_tokens=4",
                       "ppo.mu=1", "ppo.critic_lr=1e-2", "engine.fuse_projections=false")),
 }
-STAGE = {"lora": "grpo"}
+STAGE = {"lora": "grpo", "tools": "grpo"}
+# rlfuse's own episode loop with a tool (rollout.tools), no agent: the random model calls the
+# calculator in some episodes (a malformed call is a tool error, the observation says so)
+TOOLS = (run_grpo, ("rollout.tools=[calculator]", "rollout.max_turn_tokens=6", "grpo.steps=2", "grpo.group_size=2",
+                    "grpo.check_every=1", "engine.fuse_projections=false"))
 
 
 def _run(out: Path, name: str, ctx=None) -> None:
     n = 1 if ctx is None else ctx.world_size
-    cfg = tiny_cfg(out / f"{name}{n}", f"rollout.agent={out / 'agent.py'}:twice", *COMMON, *RUNS[name][1])
-    res = RUNS[name][0](cfg, session=open_session(cfg, dist=ctx, sampler_factory=agent_sampler))
+    trainer, over = TOOLS if name == "tools" else RUNS[name]
+    agent = () if name == "tools" else (f"rollout.agent={out / 'agent.py'}:twice",)
+    cfg = tiny_cfg(out / f"{name}{n}", *agent, *COMMON, *over)
+    res = trainer(cfg, session=open_session(cfg, dist=ctx, sampler_factory=agent_sampler if agent else None))
     if name == "lora":
         if ctx is not None:  # a ValueError on every rank when the replicas are not bitwise equal
             check_replicas(ctx, res["model"], "lora replicas")
@@ -84,7 +91,7 @@ def _run(out: Path, name: str, ctx=None) -> None:
 
 def _job(rank: int, port: int, out: str) -> None:
     ctx = gloo_rank(rank, WORLD, port)
-    for name in RUNS:
+    for name in (*RUNS, "tools"):
         _run(Path(out), name, ctx)
     D.shutdown()
 
@@ -96,7 +103,7 @@ def runs(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in RUNS:
+        for name in (*RUNS, "tools"):
             _run(out, name)
         t0 = time.perf_counter()
         spawn_ranks(_job, WORLD, free_port(), str(out))
@@ -113,7 +120,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(run_dir)]
 
 
-@pytest.mark.slow  # one 2-rank job (3 runs) and three one-process runs
+@pytest.mark.slow  # one 2-rank job (4 runs) and four one-process runs: ~30 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS))
 def test_agents_on_two_ranks_match_one_process(runs, name):
     two, one = _rows(runs / f"{name}2"), _rows(runs / f"{name}1")
@@ -136,3 +143,16 @@ def test_agents_on_two_ranks_match_one_process(runs, name):
         assert 0 < r["rollout/agent_merged_frac"] < 0.5 and r["rollout/agent_split_samples"] > 0, r  # both kinds
         assert r["mismatch/max_abs"] == 0.0, r  # exact numerics: 0 on every rank (the max over ranks)
         assert r["grad_norm"] > 0, r  # it trained
+
+
+@pytest.mark.slow
+def test_tool_episodes_on_two_ranks_match_one_process(runs):
+    two, one = _rows(runs / "tools2"), _rows(runs / "tools1")
+    steps = [r for r in two if r["stage"] == "grpo"]
+    assert len(steps) == 2 and sum(r["rollout/tool_calls_per_episode"] for r in steps) > 0  # a tool ran
+    d, where = _max_diff(two, one)
+    dw = _weights_diff(runs / "tools2", runs / "tools1")
+    print(f"tools: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
+    assert d <= TOL, where
+    assert dw <= WEIGHT_TOL
+    assert all(r["mismatch/max_abs"] == 0.0 and r["grad_norm"] > 0 for r in steps)
