@@ -7,7 +7,8 @@ model object. Callers may pass `model`, `tokenizer` and `sampler` in (the demo c
 and GRPO on one model; tests use a tiny sampler).
 With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
-and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
+and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel);
+multi-turn and agent samplers wrap that per-rank sampler (`Session.base_sampler`).
 With model.lora the adapters go onto the model (built or passed in) before the engine or
 an optimizer is built on it (`rlfuse.run.build.apply_lora`); data-parallel, such a model is
 not sharded: every rank holds the whole base and the adapters, and each rank's engine runs
