@@ -15,8 +15,9 @@ One spawned 2-rank job (`_job`) runs, with a DistContext and `sampler_factory=ag
   * GRPO with LoRA (a replica of the model on every rank), 2 steps; each rank then checks
     the replicas are bitwise equal (`check_replicas`) and writes its adapters;
   * PPO, full fine-tune (policy and critic sharded), exact numerics, 2 steps;
-  * and, without an agent, GRPO on rlfuse's own tool episodes (rollout.tools: the calculator).
-This process runs the same four in one process and checks: every logged metric within
+  * and, without an agent, GRPO on rlfuse's own tool episodes (rollout.tools: the calculator),
+    full fine-tune and LoRA.
+This process runs the same five in one process and checks: every logged metric within
 TOL (tests/test_distributed_run.py explains the bound; the agent's token and failure
 totals are summed over ranks, so they equal the one-process totals); the final weights
 within WEIGHT_TOL; exact numerics' mismatch 0 at every step (the logged value is the max
@@ -74,24 +75,27 @@ STAGE = {"lora": "grpo", "tools": "grpo"}
 # calculator in some episodes (a malformed call is a tool error, the observation says so)
 TOOLS = (run_grpo, ("rollout.tools=[calculator]", "rollout.max_turn_tokens=6", "grpo.steps=2", "grpo.group_size=2",
                     "grpo.check_every=1", "engine.fuse_projections=false"))
+TOOL_RUNS = ("tools", "tools_lora")  # full fine-tune, and LoRA (replicas)
 
 
 def _run(out: Path, name: str, ctx=None) -> None:
     n = 1 if ctx is None else ctx.world_size
-    trainer, over = TOOLS if name == "tools" else RUNS[name]
-    agent = () if name == "tools" else (f"rollout.agent={out / 'agent.py'}:twice",)
-    cfg = tiny_cfg(out / f"{name}{n}", *agent, *COMMON, *over)
+    tools = name.startswith("tools")
+    trainer, over = TOOLS if tools else RUNS[name]
+    agent = () if tools else (f"rollout.agent={out / 'agent.py'}:twice",)
+    lora = ("model.lora={rank: 4, alpha: 8}",) if name == "tools_lora" else ()
+    cfg = tiny_cfg(out / f"{name}{n}", *agent, *COMMON, *over, *lora)
     res = trainer(cfg, session=open_session(cfg, dist=ctx, sampler_factory=agent_sampler if agent else None))
-    if name == "lora":
+    if name in ("lora", "tools_lora"):
         if ctx is not None:  # a ValueError on every rank when the replicas are not bitwise equal
             check_replicas(ctx, res["model"], "lora replicas")
         rank = 0 if ctx is None else ctx.rank
-        torch.save({k: p.detach().clone() for k, p in lora_parameters(res["model"])}, out / f"lora{n}_rank{rank}.pt")
+        torch.save({k: p.detach().clone() for k, p in lora_parameters(res["model"])}, out / f"{name}{n}_rank{rank}.pt")
 
 
 def _job(rank: int, port: int, out: str) -> None:
     ctx = gloo_rank(rank, WORLD, port)
-    for name in (*RUNS, "tools"):
+    for name in (*RUNS, *TOOL_RUNS):
         _run(Path(out), name, ctx)
     D.shutdown()
 
@@ -103,7 +107,7 @@ def runs(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        for name in (*RUNS, "tools"):
+        for name in (*RUNS, *TOOL_RUNS):
             _run(out, name)
         t0 = time.perf_counter()
         spawn_ranks(_job, WORLD, free_port(), str(out))
@@ -120,7 +124,7 @@ def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(skip)} for r in read_metrics(run_dir)]
 
 
-@pytest.mark.slow  # one 2-rank job (4 runs) and four one-process runs: ~30 s on 2 cores
+@pytest.mark.slow  # one 2-rank job (5 runs) and five one-process runs: ~35 s on 2 cores
 @pytest.mark.parametrize("name", list(RUNS))
 def test_agents_on_two_ranks_match_one_process(runs, name):
     two, one = _rows(runs / f"{name}2"), _rows(runs / f"{name}1")
@@ -128,9 +132,7 @@ def test_agents_on_two_ranks_match_one_process(runs, name):
     assert len(steps) == 2
     d, where = _max_diff(two, one)
     if name == "lora":
-        a1 = torch.load(runs / "lora1_rank0.pt")
-        a2 = [torch.load(runs / f"lora2_rank{r}.pt") for r in range(WORLD)]
-        assert all(torch.equal(a2[0][k], a2[1][k]) for k in a1)  # check_replicas passed too
+        a1, a2 = _adapters(runs, name)
         dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
     else:
         dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
@@ -145,14 +147,27 @@ def test_agents_on_two_ranks_match_one_process(runs, name):
         assert r["grad_norm"] > 0, r  # it trained
 
 
+def _adapters(runs: Path, name: str) -> tuple[dict, list[dict]]:
+    """(one process's adapters, each rank's); the ranks' bitwise equal (check_replicas passed too)."""
+    a1 = torch.load(runs / f"{name}1_rank0.pt")
+    a2 = [torch.load(runs / f"{name}2_rank{r}.pt") for r in range(WORLD)]
+    assert all(torch.equal(a2[0][k], a2[1][k]) for k in a1)
+    return a1, a2
+
+
 @pytest.mark.slow
-def test_tool_episodes_on_two_ranks_match_one_process(runs):
-    two, one = _rows(runs / "tools2"), _rows(runs / "tools1")
+@pytest.mark.parametrize("name", TOOL_RUNS)
+def test_tool_episodes_on_two_ranks_match_one_process(runs, name):
+    two, one = _rows(runs / f"{name}2"), _rows(runs / f"{name}1")
     steps = [r for r in two if r["stage"] == "grpo"]
     assert len(steps) == 2 and sum(r["rollout/tool_calls_per_episode"] for r in steps) > 0  # a tool ran
     d, where = _max_diff(two, one)
-    dw = _weights_diff(runs / "tools2", runs / "tools1")
-    print(f"tools: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
+    if name == "tools_lora":
+        a1, a2 = _adapters(runs, name)
+        dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
+    else:
+        dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
+    print(f"{name}: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
     assert d <= TOL, where
     assert dw <= WEIGHT_TOL
     assert all(r["mismatch/max_abs"] == 0.0 and r["grad_norm"] > 0 for r in steps)
