@@ -15,10 +15,11 @@ Phases (several may be given; they run in order):
           global batch and seed: per-step metric and final-weight differences, exact
           mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake);
           DPO under torchrun on the SFT rows (expected: one error line, no preference pairs)
-  kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated) and
-          LoRA GRPO in stream mode, bf16, exact numerics, on 1 GPU and on 2 GPUs, 3 steps,
-          same global batch and seed: per-step metric and final-weight (LoRA: adapter)
-          differences, exact mismatch
+  kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated),
+          LoRA GRPO in stream mode and GRPO through a server-recorded agent (rollout.agent:
+          two chat calls an episode, each rank its own server and engine), bf16, exact
+          numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed: per-step
+          metric and final-weight (LoRA: adapter) differences, exact mismatch
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
   faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
           uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
@@ -72,25 +73,35 @@ REWARD = ("import os, signal\n"
           "            os.kill(os.getpid(), signal.SIGKILL)\n"
           "        raise RuntimeError(f'injected fault on rank {rank} at reward call {call}')\n"
           "    return even(prompts, completions, completion_ids)\n")
+AGENT = ("async def twice(client, row):\n"  # kinds: the second call extends the first (one merged sample)
+         "    msgs = [{'role': 'user', 'content': row['prompt']}]\n"
+         "    r = await client.chat.completions.create(model='rlfuse-policy', messages=msgs)\n"
+         "    msgs += [{'role': 'assistant', 'content': r.choices[0].message.content or ''},\n"
+         "             {'role': 'user', 'content': row['prompt'][:16]}]\n"
+         "    await client.chat.completions.create(model='rlfuse-policy', messages=msgs)\n"
+         "    return None  # the recipe's reward scores the last call's completion\n")
 # stream/*: times and gradient slots, per rank by nature (each rank's groups finish in their own order)
-NOT_COMPARED = ("time/", "tokens_per_s", "memory/", "stream/")
+NOT_COMPARED = ("time/", "tokens_per_s", "memory/", "stream/", "rollout/agent_wall_s")
 
 
 # ------------------------------------------------------------------ set-up
 def setup(work: Path) -> None:
     """The tokenizer folder, the prompt file and the reward file (same seed every time)."""
     sys.path.insert(0, str(ROOT))
+    from rlfuse.rollout import char_chat_tokenizer
     from rlfuse.run.build import char_tokenizer
 
     work.mkdir(parents=True, exist_ok=True)
     letters = "abcdefghijklmnopqrstuvwxyz"
     char_tokenizer(letters).save(work / "tok")
+    char_chat_tokenizer(letters).save(work / "tok_chat")  # with the compact chat template (kinds: the agent)
     rng = random.Random(0)
     with open(work / "prompts.jsonl", "w") as f:
         for _ in range(512):
             f.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(128)),
                                 "completion": "".join(rng.choice(letters) for _ in range(64)), "answer": ""}) + "\n")
     (work / "reward.py").write_text(REWARD)
+    (work / "agent.py").write_text(AGENT)
 
 
 def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", numerics="fast", steps=3,
@@ -304,24 +315,29 @@ def phase_run(out: Path, work: Path, args) -> dict:
 
 
 def phase_kinds(out: Path, work: Path, args) -> dict:
-    """PPO and LoRA GRPO: 1 GPU vs 2 GPUs (the module docstring's `kinds`)."""
+    """PPO, LoRA GRPO, LoRA stream mode and an agent: 1 GPU vs 2 GPUs (the module docstring's `kinds`)."""
     J = Jobs(work, out, "kinds")
     ppo = recipe(work, "ppo_exact", "ppo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
     lora = recipe(work, "lora_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                   model={"lora": {"rank": 16}}, optim={"lr": 1e-4})
     stream = recipe(work, "lora_stream", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                     model={"lora": {"rank": 16}}, optim={"lr": 1e-4}, grpo={"overlap": "stream"})
+    agent = recipe(work, "agent_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
+                   model={"tokenizer": str(work / "tok_chat")},
+                   rollout={"agent": f"{work}/agent.py:twice", "max_turn_tokens": 64, "max_total_tokens": 512})
     fresh = "--overwrite"  # a rerun in the same --work replaces its run folders
     J.wait(J.start("ppo_1gpu", J.argv("ppo", ppo, work / "ppo1", 1, fresh), gpu="0", timeout=args.job_timeout),
            J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1, fresh), gpu="1", timeout=args.job_timeout))
-    J.run("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout)
+    J.wait(J.start("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout),
+           J.start("agent_1gpu", J.argv("grpo", agent, work / "agent1", 1, fresh), gpu="1", timeout=args.job_timeout))
     n = args.kinds_gpus  # the "2gpu" jobs and folders keep their names at any N
-    for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream)):
+    for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream),
+                          ("agent", "grpo", agent)):
         J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", n, fresh), timeout=args.job_timeout)
     eq = {name: {**metric_diff(metrics(work / f"{run}2", stage), metrics(work / f"{run}1", stage)),
                  "weights": weight_diff(work / f"{run}2" / "final", work / f"{run}1" / "final")}
           for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"),
-                                   ("lora_stream_exact_bf16", "stream", "grpo"))}
+                                   ("lora_stream_exact_bf16", "stream", "grpo"), ("agent_grpo_exact_bf16", "agent", "grpo"))}
     J.finish({"equivalence": eq, "gpus": n})
     print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
     for r in J.results.values():

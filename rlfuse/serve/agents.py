@@ -18,7 +18,12 @@ Training samples follow the merge rule (rlfuse.rollout.agent.recording): an epis
 calls all extend one another is one sample; one that splits trains every segment
 (`Sample.split_parts`, counted in rollout/agent_split_samples) with the episode's reward, the
 trainer packing their common prefixes once (rlfuse.run.batching).
-Test: python -m pytest -q tests/test_agent_sessions.py
+Data-parallel (torchrun): every rank holds its own AgentSampler, app and engine worker over its
+own engine (`Session.base_sampler`: the gathered weights of an FSDP-sharded model, or a LoRA
+replica) and runs the episodes of its block of the step's prompts, seeded by their global
+index; the transport is in-process, so ranks share no port. `rank_ops` says which rollout
+metrics the ranks sum (counts) or take the maximum of (wall time).
+Test: python -m pytest -q tests/test_agent_sessions.py   (torchrun: -m slow tests/test_distributed_agents.py)
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import httpx
 import torch
 
 from rlfuse.rollout import Sample, chat_template_text
-from rlfuse.rollout.agent import AgentSession, ChatRenderer, episode_seed, session_metrics
+from rlfuse.rollout.agent import COUNTED_METRICS, AgentSession, ChatRenderer, episode_seed, session_metrics
 from rlfuse.run import load_function
 from rlfuse.run.config import RolloutConfig, RunConfig
 from rlfuse.serve.app import build_app
@@ -57,15 +62,20 @@ def load_agent(spec):
 
 class AgentSampler:
     """A multi-turn sampler (`episodes`) whose episodes are the user's agent; `generate` stays
-    the engine's single-turn one. `last_metrics`: the last rollout's rollout/agent_* metrics."""
+    the engine's single-turn one. `last_metrics`: the last rollout's rollout/agent_* metrics.
+    `base`: a sampler with `wake()`, `sleep()`, `generate` and `llm` (the engine; read after
+    the first `wake()`, as a data-parallel `GatheredSampler` builds its engine there)."""
+
+    rank_ops = {**dict.fromkeys((*COUNTED_METRICS, "rollout/agent_dropped"), "sum"), "rollout/agent_wall_s": "max"}
+    """How data-parallel ranks combine `last_metrics` (rlfuse.run.distributed.episode_metrics_on_ranks):
+    totals are summed, the wall time is the slowest rank's; the rest are per-episode means."""
 
     def __init__(self, base, tokenizer, cfg: RolloutConfig, agent, *, chat_template: str | None = None):
         self.base, self.cfg, self.agent = base, cfg, load_agent(agent)
         self.store = SessionStore(tokenizer, tool_call_format=cfg.tool_call_format, chat_template=chat_template,
                                   max_turns=cfg.max_turns, max_turn_tokens=cfg.max_turn_tokens,
                                   max_total_tokens=cfg.max_total_tokens)
-        self.app = build_app(base.llm, MODEL_NAME)
-        add_session_routes(self.app, self.store)
+        self.app = None  # built on the engine at the first rollout (after the base's first wake)
         self.renderer = ChatRenderer(tokenizer, chat_template=chat_template, tool_call_format=cfg.tool_call_format)
         self.last_metrics: dict = {}
         self.last_sessions: list[AgentSession] = []
@@ -76,6 +86,9 @@ class AgentSampler:
         the multi-turn order (episode g of prompt i at i * n + g); `first_episode`: the global
         index of the first one (for the seeds, as `MultiTurnSampler.episodes`)."""
         self.base.wake()
+        if self.app is None:
+            self.app = build_app(self.base.llm, MODEL_NAME)
+            add_session_routes(self.app, self.store)
         self.store.sessions.clear()
         self.store.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         state = self.app.state.serve
@@ -182,7 +195,7 @@ def agent_sampler(session: Session) -> AgentSampler:
     """The `sampler_factory` of a session whose rollouts are cfg.rollout.agent's episodes
     (`open_session(cfg, sampler_factory=agent_sampler)`, `GRPOTrainer(..., sampler_factory=agent_sampler)`)."""
     cfg = session.cfg.rollout
-    return AgentSampler(session._engine_sampler(), session.tokenizer, cfg, cfg.agent,
+    return AgentSampler(session.base_sampler(), session.tokenizer, cfg, cfg.agent,
                         chat_template=chat_template_text(cfg))
 
 

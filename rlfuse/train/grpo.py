@@ -39,7 +39,14 @@ from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, media_kwargs, score_samples
 from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
 from rlfuse.run.config import RunConfig
-from rlfuse.run.distributed import DistContext, episode_metrics_on_ranks, full_copy, is_sharded, rollout_on_ranks
+from rlfuse.run.distributed import (
+    DistContext,
+    episode_metrics_on_ranks,
+    full_copy,
+    global_sums,
+    is_sharded,
+    rollout_on_ranks,
+)
 from rlfuse.train.advantages import KL_IN_REWARD, drop_rewards, token_advantages, zero_variance_groups
 from rlfuse.train.grpo_stream import StreamStep
 from rlfuse.train.grpo_update import GRPOUpdate
@@ -144,8 +151,10 @@ class GRPOStep(StreamAndGuardState):
         m["adv/mean"], m["adv/std"], m["adv/abs_max"] = adv_N.mean(), adv_N.std(), adv_N.abs().max()
         m["groups/zero_variance_frac"] = flat_zero.float().mean()
         if any(p.media for p in prompts) and hasattr(self.sampler, "vision_encodes"):
-            # vision-tower runs of the rollout: one per distinct image, not one per sample
-            m["vision/encodes"] = float(self.sampler.vision_encodes)
+            # vision-tower runs of the rollout: one per distinct image, not one per sample (data-parallel:
+            # each rank's engine encodes its own prompts' images; the condition is global, so every rank sums)
+            enc = float(self.sampler.vision_encodes)
+            m["vision/encodes"] = enc if self.dist is None else global_sums(self.dist, [enc])[0]
         kept_groups = [i for i in range(len(prompts)) if bool(keep[i])]  # host: CPU tensors from the reward lists
         m["groups/kept"] = float(len(kept_groups))
         with timer("train"):

@@ -7,7 +7,8 @@ model object. Callers may pass `model`, `tokenizer` and `sampler` in (the demo c
 and GRPO on one model; tests use a tiny sampler).
 With `dist` (a DistContext: the CLI under torchrun) the model is built on the rank's
 device and FSDP2-sharded before any optimizer exists, only rank 0 writes config.yaml,
-and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel).
+and the sampler gathers the weights around each rollout (rlfuse.run.distributed.data_parallel);
+multi-turn and agent samplers wrap that per-rank sampler (`Session.base_sampler`).
 With model.lora the adapters go onto the model (built or passed in) before the engine or
 an optimizer is built on it (`rlfuse.run.build.apply_lora`); data-parallel, such a model is
 not sharded: every rank holds the whole base and the adapters, and each rank's engine runs
@@ -84,27 +85,30 @@ class Session:
     @property
     def sampler(self):
         if self._sampler is None and self.sampler_factory is not None:
-            if self.dist is not None:
-                raise ValueError("rollout.agent: agents through the server run in one process; data-parallel "
-                                 "(torchrun) is not supported for them yet")
             self._sampler = self.sampler_factory(self)
         if self._sampler is None and self.cfg.rollout.agent:
             raise ValueError("rollout.agent: your agent runs against the training process's own server, which "
                              "rlfuse.serve builds: pass sampler_factory=rlfuse.serve.agent_sampler to the trainer "
                              "or open_session (the CLI does)")
         if self._sampler is None:
-            # data-parallel: the engine runs on the gathered weights; each rank runs the
-            # episodes of its own prompts (multi-turn wraps the gathering sampler)
-            if self.dist is None or not is_sharded(self.model):  # one process, or a replica (LoRA)
-                self._sampler = self._engine_sampler()
-            else:  # fused projections on the gathered weights where the engine would fuse (CUDA by default)
-                fuse = self.cfg.engine.fuse_projections
-                fuse = self.dist.device.type == "cuda" if fuse is None else fuse
-                self._sampler = GatheredSampler(self.model, self._engine_sampler, fuse=fuse)
+            # data-parallel: each rank runs the episodes of its own prompts (multi-turn wraps the base sampler)
+            self._sampler = self.base_sampler()
             if self.cfg.rollout.multi_turn:
                 self._sampler = MultiTurnSampler(self._sampler, self.tokenizer, self.cfg.rollout, self.cfg.data,
                                                  tool_functions=self.tool_functions)
         return self._sampler
+
+    def base_sampler(self):
+        """A new single-turn sampler on this process's model: the engine on the model itself
+        (one process, or a data-parallel replica: LoRA), or, on an FSDP-sharded model, a
+        `GatheredSampler` whose engine runs on the weights gathered at each `wake()`. What
+        multi-turn and agent samplers wrap (`sampler_factory` builders call it too)."""
+        if self.dist is None or not is_sharded(self.model):
+            return self._engine_sampler()
+        # fused projections on the gathered weights where the engine would fuse (CUDA by default)
+        fuse = self.cfg.engine.fuse_projections
+        fuse = self.dist.device.type == "cuda" if fuse is None else fuse
+        return GatheredSampler(self.model, self._engine_sampler, fuse=fuse)
 
     def _engine_sampler(self) -> EngineSampler:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)

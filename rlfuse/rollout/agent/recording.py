@@ -176,6 +176,12 @@ class AgentSession:
         return segs
 
 
+COUNTED_METRICS = ("rollout/agent_split_samples", "rollout/agent_rerendered_tokens", "rollout/agent_tokens_sampled",
+                   "rollout/agent_tokens_trained", *(f"rollout/agent_failed_{why}" for why in FAILURES))
+"""The keys of `session_metrics` that are a rollout's totals, not per-episode means or
+fractions: data-parallel ranks sum them (rlfuse.run.distributed.episode_metrics_on_ranks)."""
+
+
 def session_metrics(sessions: list[AgentSession], trained: list[Segment]) -> dict:
     """rollout/agent_* metrics of a rollout: calls per episode, the share of calls merged into
     an earlier call's sample, split samples (segments beyond one per episode), failures,

@@ -79,6 +79,11 @@ class GatheredSampler:
             raise RuntimeError("GatheredSampler.llm: call wake() first (it gathers the weights on every rank)")
         return self.inner.llm
 
+    @property
+    def vision_encodes(self) -> int:
+        """The engine's vision-tower runs in the last `generate` (EngineSampler's count)."""
+        return 0 if self.inner is None else self.inner.vision_encodes
+
     def generate(self, prompt_ids, **kw):
         if self._gathered is None:  # the weights are shards: gathering is a collective every rank must join
             raise RuntimeError("GatheredSampler.generate: call wake() first (it gathers the weights on every rank)")
@@ -112,11 +117,18 @@ def episode_metrics_on_ranks(ctx: DistContext, sampler) -> dict:
     """A multi-turn sampler's `last_metrics` (rollout/*: per-episode means over this rank's
     episodes) -> over all ranks: the mean of the ranks' values (ranks run equal numbers of
     episodes, so a per-episode mean is exact; ratios such as the cached fraction and the
-    engine's idle fraction are the ranks' mean). A key some rank lacks (a counter no
-    episode of it raised) counts 0 there. One all-gather of the dicts."""
+    engine's idle fraction are the ranks' mean). A sampler's `rank_ops` ({key: "sum" or
+    "max"}) names the exceptions: totals (an agent rollout's token and failure counts) are
+    summed, wall times take the slowest rank. A key some rank lacks (a counter no episode
+    of it raised) counts 0 there. One all-gather of the dicts."""
     parts = gather_results(ctx, "rollout metrics", lambda: dict(sampler.last_metrics))
-    keys = sorted({k for p in parts for k in p})
-    return {k: sum(float(p.get(k, 0.0)) for p in parts) / len(parts) for k in keys}
+    ops = getattr(sampler, "rank_ops", {})
+    out = {}
+    for k in sorted({k for p in parts for k in p}):
+        vals = [float(p.get(k, 0.0)) for p in parts]
+        op = ops.get(k, "mean")
+        out[k] = sum(vals) if op == "sum" else max(vals) if op == "max" else sum(vals) / len(vals)
+    return out
 
 
 def local_micro_batches(ctx: DistContext, lengths: list[int], budget: int, owned: list[int],

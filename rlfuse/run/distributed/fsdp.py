@@ -39,8 +39,8 @@ def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
     fp32 DTensor shards (the master weights, upcast exactly from the model's dtype, as
     MasterAdamW does); forward computes in the model's dtype (bf16: gathered weights are
     round(fp32 master)), gradients are reduced in fp32 and SUMMED across ranks (see the
-    loss contract in the module doc). One FSDP group per decoder layer plus the root
-    (a ScalarHeadModel too: PPO's critic, its `score` head in the root)."""
+    loss contract in the module doc). One FSDP group per decoder layer, one for a vision
+    tower, plus the root (a ScalarHeadModel too: PPO's critic, its `score` head in the root)."""
     compute = next(model.parameters()).dtype
     if any(p.dtype != compute for p in model.parameters()):
         raise ValueError("shard_model: all parameters must share one dtype (the compute dtype)")
@@ -58,6 +58,10 @@ def wrap_fsdp(model: CausalLM, ctx: DistContext, compute: torch.dtype) -> None:
                                   reduce_dtype=torch.float32, cast_forward_inputs=False)
     for layer in model.model.layers:
         fully_shard(layer, mesh=ctx.mesh, mp_policy=policy)
+    if getattr(model, "visual", None) is not None:
+        # its own group: the trainer encodes images through `model.encode_images` before the
+        # root's forward, so the tower's weights must gather on the tower's own call
+        fully_shard(model.visual, mesh=ctx.mesh, mp_policy=policy)
     fully_shard(model, mesh=ctx.mesh, mp_policy=policy)
     _apply_reshard_policy(model)
 
