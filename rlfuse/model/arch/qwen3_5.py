@@ -95,8 +95,11 @@ def _write_hf(cfg: ModelConfig) -> dict:
 @torch.no_grad()
 def _init_weights(model, std: float, generator) -> None:
     """transformers' init: matrices N(0, std), (1 + w) norms at w = 0, the gated norm and
-    dt_bias at 1, A = exp(A_log) uniform in [0.01, 16)."""
+    dt_bias at 1, A = exp(A_log) uniform in [0.01, 16). The text model's parameters only
+    (a vision tower, `arch.qwen3_5_vl`, has its own rule)."""
     for name, p in model.named_parameters():
+        if name.startswith("visual."):
+            continue
         if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
             p.fill_(1.0)
         elif name.endswith("norm.weight") or name.endswith(".bias"):
