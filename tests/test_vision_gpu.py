@@ -1,6 +1,6 @@
 """GPU: image-text prompts on the fused kernels (auto backend, CUDA graphs, bf16).
 
-* `rlfuse check --tiny --vision` in exact numerics: every engine setting (batch sizes, n
+* `rlfuse check --tiny --vision` (and `--hybrid`: the tiny Qwen3.5-VL) in exact numerics: every engine setting (batch sizes, n
   sharing a prompt, prefix cache off, chunked prefill splitting images, preemption,
   look-ahead and graph decode, micro-batching) gives rollout == trainer log-probs bitwise;
   fast numerics shows a difference (the comparison can fail);
@@ -20,10 +20,11 @@ from rlfuse.train import open_session, run_grpo
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3_vl", "qwen3_5_vl"])
 @pytest.mark.parametrize("numerics", ["exact", "fast"])
-def test_check_tiny_vision_cuda(tmp_path, numerics):
-    rc = main(["check", "--tiny", "--vision", "--device", "cuda", "--numerics", numerics, "--max-batch", "32",
-               "--max-tokens", "48", "--out", str(tmp_path)])
+def test_check_tiny_vision_cuda(tmp_path, numerics, hybrid):
+    rc = main(["check", "--tiny", "--vision", *(["--hybrid"] if hybrid else []), "--device", "cuda", "--numerics",
+               numerics, "--max-batch", "32", "--max-tokens", "48", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "check.json").read_text())["settings"]
     assert rows and all(r["tokens"] > 0 for r in rows)
     if numerics == "exact":
