@@ -239,3 +239,19 @@ def test_checkpoint_round_trips_with_transformers(pair, tmp_path, caplog):
     with torch.no_grad(), use_backend("torch"):
         assert torch.equal(text(ids, torch.arange(30), Packed.from_lengths([30])),
                            vl(ids, torch.arange(30), Packed.from_lengths([30])))
+
+
+def test_run_config_text_only(tmp_path):
+    """model.text_only loads a folder's text tower (run layer); with random_init it is refused."""
+    from rlfuse.run.build import build_model, char_tokenizer
+    from rlfuse.run.config.sections import ModelSpec
+
+    folder = save_model(CausalLM(CFG), tmp_path / "vl", dtype="float32")
+    tok = char_tokenizer("abc")
+    model = build_model(ModelSpec(path=str(folder), text_only=True, kernel_backend="torch"), tok, torch.device("cpu"))
+    assert model.config.model_type == "qwen3_5_text" and model.visual is None
+    model = build_model(ModelSpec(path=str(folder), kernel_backend="torch"), tok, torch.device("cpu"))
+    assert model.config.model_type == "qwen3_5" and model.visual is not None
+    with pytest.raises(ValueError, match="model.text_only: loads a folder's text tower"):
+        build_model(ModelSpec(random_init=tiny_hybrid_vl_fields(), text_only=True, kernel_backend="torch"), tok,
+                    torch.device("cpu"))
