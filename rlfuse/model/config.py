@@ -95,11 +95,12 @@ class ModelConfig:
     """Linear-attention heads: q/k heads of linear_key_head_dim, value heads (a multiple of
     the key heads) of linear_value_head_dim. None in a hybrid config: the family's defaults."""
     vision: VisionConfig | None = None
-    """Vision-language models (Qwen3-VL): the vision tower and the image token ids
+    """Vision-language models (Qwen3-VL, Qwen3.5): the vision tower and the image token ids
     (`rlfuse.model.vision.config`); None for text models."""
     mrope_section: tuple[int, ...] | None = None
-    """Vision-language models: the interleaved mRoPE split (t, h, w) of the head_dim / 2
-    rotary frequencies (`rlfuse.model.vision.positions`); None: (24, 20, 20) there."""
+    """Vision-language models: the interleaved mRoPE split (t, h, w) of the rotary_dim / 2
+    rotary frequencies (`rlfuse.model.vision.positions`); None: the family's default
+    (Qwen3-VL (24, 20, 20), Qwen3.5 (11, 11, 10))."""
 
     def __post_init__(self):
         if self.model_type not in ARCHS:

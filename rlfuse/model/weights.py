@@ -6,11 +6,13 @@ and copies one tensor at a time out of the memory-mapped files, so host memory n
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
 
-A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`:
-Qwen3.5's multimodal folders keep the text tower under `model.language_model.`) and hold
-parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower, logged in one
-line, and the multi-token-prediction head); we save plain text-model names, which
-transformers loads for both classes.
+A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`: a
+Qwen3.5 multimodal folder loaded `text_only` keeps the text tower under `model.language_model.`)
+and hold parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower when
+`text_only`, and the multi-token-prediction head, each logged in one line); a text model is
+saved under plain text-model names, which transformers loads for both classes. Without
+`text_only` a Qwen3.5 multimodal folder loads as the vision-language model
+(`arch.qwen3_5_vl`), vision tower included, said in one line.
 """
 
 from __future__ import annotations
