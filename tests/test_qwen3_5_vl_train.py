@@ -94,3 +94,27 @@ def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
             outs.append(ses.model.token_logprobs(b.forward(ses.model)[b.rows], b.targets))
             assert len(b.images) == (2 if share else 3)  # the group's image once when shared
     assert torch.equal(outs[0], outs[1])
+
+
+def test_dpo_trains_on_image_pairs(tmp_path):
+    """DPO preference rows with images (tests/test_vision_dpo.py's rows) on the hybrid VLM: the
+    pairs' log-probs do not depend on how pairs are packed, and two steps train on them."""
+    from test_vision_dpo import _rows
+
+    from rlfuse.data.preference import build_preference_pairs
+    from rlfuse.run.config import replace
+    from rlfuse.train.dpo import run_dpo, sequence_logprobs
+
+    _rows(tmp_path)
+    cfg = replace(_cfg(tmp_path / "run"), **{
+        "data.train": str(tmp_path / "pref.jsonl"), "data.eval": "", "rewards": [],
+        "dpo.steps": 2, "dpo.batch_size": 10, "dpo.max_seq_len": 48, "dpo.micro_batch_tokens": 4096})
+    ses = open_session(cfg)
+    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, ses.cfg.data, ses.cfg.dpo, vision=ses.vision)
+    lp = sequence_logprobs(ses.model, pairs, 4096, "cpu")
+    one_by_one = torch.cat([sequence_logprobs(ses.model, [p], 4096, "cpu") for p in pairs])
+    torch.testing.assert_close(lp, one_by_one, rtol=0, atol=1e-5)
+    lm0 = ses.model.lm_head_weight.detach().clone()
+    res = run_dpo(ses.cfg, session=ses)
+    assert res["steps"] == 2 and res["history"][0]["rewards/margin"] == 0 < res["history"][-1]["rewards/margin"]
+    assert not torch.equal(lm0, ses.model.lm_head_weight)
