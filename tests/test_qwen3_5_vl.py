@@ -255,3 +255,15 @@ def test_run_config_text_only(tmp_path):
     with pytest.raises(ValueError, match="model.text_only: loads a folder's text tower"):
         build_model(ModelSpec(random_init=tiny_hybrid_vl_fields(), text_only=True, kernel_backend="torch"), tok,
                     torch.device("cpu"))
+
+
+def test_a_critic_from_a_vlm_folder_is_its_text_trunk(pair, tmp_path):
+    """A PPO critic / reward trunk (text prompts) from a Qwen3.5 VLM folder: the text tower alone."""
+    from rlfuse.model.scalar_head import load_scalar_head_model
+
+    ours, hf = pair
+    hf.save_pretrained(tmp_path / "theirs")
+    critic = load_scalar_head_model(tmp_path / "theirs", dtype="float32", head="zero")
+    assert critic.config.model_type == "qwen3_5_text" and critic.visual is None
+    for n, p in critic.model.state_dict().items():
+        assert torch.equal(p, ours.model.state_dict()[n]), n
