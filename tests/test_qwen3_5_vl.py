@@ -104,6 +104,8 @@ def test_config_round_trip_and_text_only():
         ModelConfig(**tiny_hybrid_vl_fields(vision={**_fields(V), "deepstack_visual_indexes": (0,)}))
     with pytest.raises(ValueError, match=r"text_only: a 'qwen3_vl' folder has no text tower loadable alone"):
         ModelConfig.from_hf({"model_type": "qwen3_vl"}, text_only=True)
+    # a text model's folder (e.g. a checkpoint of a text_only run) reads as it is
+    assert ModelConfig.from_hf(text.to_hf(), text_only=True) == text
 
 
 def _fields(v):

@@ -196,7 +196,8 @@ class ModelConfig:
         """Build from a `config.json` dict, the file, or the checkpoint folder holding it.
         text_only: a multimodal folder whose text tower is a family of its own (Qwen3.5's
         `qwen3_5` -> `qwen3_5_text`) gives that text model; without it, the folder's own
-        model (vision tower included). A folder with no such text tower refuses it."""
+        model (vision tower included). A text model's folder is read as it is; a vision-language
+        folder with no such text tower (Qwen3-VL) refuses it."""
         where = "config"
         if not isinstance(src, dict):
             path = Path(src)
@@ -254,7 +255,8 @@ def _from_hf_dict(d: dict, where: str, text_only: bool = False) -> ModelConfig:
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
-    if text_only and model_type not in TEXT_TOWERS:
+    if text_only and model_type not in TEXT_TOWERS and model_type in ARCHS and ARCHS[model_type].has_vision:
+        # (a text model's folder is its text tower already: text_only changes nothing there)
         towers = sorted(cls for _, cls in TEXT_TOWERS.values())
         raise ValueError(f"{where}: text_only: a {model_type!r} folder has no text tower loadable alone (the "
                          f"multimodal classes that have one: {towers})")
