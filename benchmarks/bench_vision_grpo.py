@@ -1,4 +1,4 @@
-"""GRPO step with images (issue 40's targets) on a Qwen3-VL-shaped random model (GPU).
+"""GRPO step with images (issue 40's targets) on a Qwen3-VL- or Qwen3.5-shaped random model (GPU).
 
 Workload: 8 prompts x 8 completions, each prompt 64 random text ids + one 448 x 448 image
 (784 patches, 196 image tokens) + 32 text ids, up to 1024 new tokens (a random model almost
@@ -6,6 +6,10 @@ never emits EOS), temperature 1, dapo loss, gradient checkpointing, micro-batche
 tokens, vision tower frozen. Reward: share of even token ids. Shape `2b`: the text tower of
 Qwen3-VL-2B (hidden 2048, 28 layers, 16 q / 8 kv heads of 128, MLP 6144, mRoPE section
 (24, 20, 20), tied) and bench_vision_tower.py's 2b tower; random bf16 weights on the GPU.
+Shape `3.5-2b` (`--shape 3.5-2b`): the Qwen3.5-2B text tower (rlfuse.engine.benchmark's
+3.5-2b: 24 hybrid layers, Gated DeltaNet x 3 + gated attention, head_dim 256 a quarter rotated,
+mRoPE section (11, 11, 10)) with the same 24-block tower and no DeepStack (the tower's width is
+Qwen3-VL-2B's, assumed, not read from a released Qwen3.5 config).
 Baseline: the same step with the image block replaced by as many random text ids (same
 sequence lengths, no tower). Each case runs `--steps` steps; the first (CUDA graphs,
 Triton compiles) is left out of the medians.
@@ -17,7 +21,8 @@ numerics costs <= 15% of the fast step.
 
     OUT=out python benchmarks/bench_vision_grpo.py                 # fast and exact, images and text
     OUT=out python benchmarks/bench_vision_grpo.py --numerics exact
-    python benchmarks/bench_vision_grpo.py --small                 # CPU smoke test (tiny VLM)
+    OUT=out python benchmarks/bench_vision_grpo.py --shape 3.5-2b  # the Qwen3.5 hybrid VLM
+    python benchmarks/bench_vision_grpo.py --small [--shape 3.5-2b] # CPU smoke test (tiny VLM)
 Writes $OUT/bench_vision_grpo.json and .md.
 """
 
@@ -36,8 +41,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlfuse.engine.benchmark import random_model  # noqa: E402
+from rlfuse.engine.benchmark import QWEN3_5_SHAPES, random_model  # noqa: E402
 from rlfuse.kernels.backend import new_compiles, triton_compiles  # noqa: E402
+from rlfuse.model.arch.qwen3_5_vl import tiny_hybrid_vl_fields  # noqa: E402
 from rlfuse.model.arch.qwen3_vl import tiny_vl_fields  # noqa: E402
 from rlfuse.model.vision import VisionConfig  # noqa: E402
 
@@ -51,10 +57,13 @@ SHAPES = {
                num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, qk_norm=True,
                tie_word_embeddings=True, max_position_embeddings=8192, rope_theta=5000000.0,
                mrope_section=(24, 20, 20), vision=VisionConfig(**VISION_2B)),
+    "3.5-2b": dict(QWEN3_5_SHAPES["3.5-2b"], model_type="qwen3_5", max_position_embeddings=8192,
+                   mrope_section=(11, 11, 10), vision=VisionConfig(**{**VISION_2B, "deepstack_visual_indexes": ()})),
 }
+TINY = {"2b": tiny_vl_fields, "3.5-2b": tiny_hybrid_vl_fields}
 
 
-def _case(out: Path, *, small: bool, numerics: str, images: bool, steps: int) -> dict:
+def _case(out: Path, *, small: bool, numerics: str, images: bool, steps: int, shape: str = "2b") -> dict:
     from PIL import Image
 
     from rlfuse.data import VisionData, expand_images
@@ -71,7 +80,7 @@ def _case(out: Path, *, small: bool, numerics: str, images: bool, steps: int) ->
 
     dev = torch.device("cuda" if torch.cuda.is_available() and not small else "cpu")
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    sh = tiny_vl_fields() if small else SHAPES["2b"]
+    sh = TINY[shape]() if small else SHAPES[shape]
     P, G, new, side = (8, 8, 1024, 448) if not small else (2, 4, 8, 16)
     v = ModelConfig(**sh).vision
     proc = ImageProcessor.for_model(v, min_pixels=side * side, max_pixels=side * side)
@@ -147,18 +156,22 @@ def main() -> int:
     ap.add_argument("--small", action="store_true", help="tiny VLM on the CPU (smoke test)")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="both")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="2b",
+                    help="2b: Qwen3-VL-2B; 3.5-2b: Qwen3.5-2B's hybrid text tower with a vision tower (no DeepStack)")
     args = ap.parse_args()
     out = Path(os.environ.get("OUT", "runs/bench_vision_grpo"))
     out.mkdir(parents=True, exist_ok=True)
     cases = []
     for numerics in (("fast", "exact") if args.numerics == "both" else (args.numerics,)):
         for images in (True, False):
-            cases.append(_case(out, small=args.small, numerics=numerics, images=images, steps=args.steps))
+            cases.append(_case(out, small=args.small, numerics=numerics, images=images, steps=args.steps,
+                               shape=args.shape))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() and not args.small else "cpu"
-    lines = [f"GRPO step with images, {gpu}, {'tiny VLM' if args.small else 'Qwen3-VL-2B shape'}, "
-             f"8 x 8, <= 1024 new tokens (`python benchmarks/bench_vision_grpo.py`)", "",
+    what = {"2b": "Qwen3-VL-2B shape", "3.5-2b": "Qwen3.5-2B hybrid shape + a 24-block tower"}[args.shape]
+    lines = [f"GRPO step with images, {gpu}, {'tiny VLM' if args.small else what}, 8 x 8, <= 1024 new tokens "
+             f"(`python benchmarks/bench_vision_grpo.py --shape {args.shape}`)", "",
              "| numerics | prompts | step s | generate s | train s | tower runs / step | tower encode s | "
              "mismatch max | Triton compiles in the timed steps |", "|---|---|---|---|---|---|---|---|---|"]
     for c in cases:

@@ -32,7 +32,8 @@ def test_each_family_round_trips_through_its_switches(model_type):
     moe = {"moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}} if spec.has_moe else {}
     if spec.has_vision:  # a vision tower writing into TINY's width, mRoPE over its head_dim / 2 = 4 frequencies
         moe["vision"] = VisionConfig(depth=2, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
-                                     deepstack_visual_indexes=(0,), vision_start_token_id=11, vision_end_token_id=12,
+                                     deepstack_visual_indexes=(0,) if model_type == "qwen3_vl" else (),  # Qwen3.5: none
+                                     vision_start_token_id=11, vision_end_token_id=12,
                                      image_token_id=13, video_token_id=14)
         moe["mrope_section"] = (2, 1, 1)
     if spec.moe_shared_expert:  # Qwen3.5-MoE: a shared expert, the top-k weights always renormalized

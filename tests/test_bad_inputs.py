@@ -748,7 +748,7 @@ def test_multimodal_qwen3_5_folder_loads_its_text_tower(tmp_path, caplog):
     tensors["mtp.fc.weight"] = torch.zeros(4, 4)
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="rlfuse.model.weights"):
-        model = load_model_folder(folder)
+        model = load_model_folder(folder, text_only=True)
     assert model.config.model_type == "qwen3_5_text"
     fed = "a Qwen3_5ForConditionalGeneration folder (vision tower, MTP head) loaded as a text model"
     expect_reported(caplog, "its vision tower (1 tensors) is not loaded", fed, count=1)

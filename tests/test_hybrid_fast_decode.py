@@ -114,7 +114,7 @@ def test_static_decode_step_equals_the_eager_step_bitwise(backend):
         for _ in range(2):
             x = torch.randn(3, 64, generator=gen)
             y_eager = layer.forward_slots(x, LinearSlots.make(states, slots, [1, 1, 1], [0] * 3, 0, "cpu"))
-            y_static = layer.forward_decode(x, pos, LinearDecode(other, torch.tensor(slots)))
+            y_static = layer.forward_decode(x, pos, LinearDecode(other, torch.tensor(slots), pos))
             assert torch.equal(y_eager, y_static)
             for n in states[0]:
                 assert torch.equal(states[0][n], other[0][n]), n
@@ -164,7 +164,7 @@ def test_a_layout_for_the_other_numerics_is_refused():
     states = _fast_state(layer, 2)
     with use_numerics("exact"), torch.no_grad(), pytest.raises(ValueError, match="laid out for fast numerics"):
         layer.forward_decode(torch.randn(1, 64), torch.zeros(1, dtype=torch.long),
-                             LinearDecode(states, torch.tensor([0])))
+                             LinearDecode(states, torch.tensor([0]), torch.zeros(1, dtype=torch.long)))
 
 
 def test_fast_cache_holds_the_running_state_only():

@@ -184,7 +184,7 @@ def test_text_tower_of_a_multimodal_folder(pair, tmp_path, caplog):
     tensors["mtp.fc.weight"] = torch.zeros(8, 8)  # the released checkpoints' MTP head: loaded and ignored
     save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
     with caplog.at_level(logging.INFO, logger="rlfuse.model.weights"):
-        ours = load_model(folder, dtype="float32")
+        ours = load_model(folder, dtype="float32", text_only=True)
     vision_lines = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
     assert len(vision_lines) == 1 and "loading the text model only" in vision_lines[0], caplog.text
     assert any("multi-token-prediction head (1 tensors) is not loaded" in r.getMessage() for r in caplog.records)
@@ -328,7 +328,7 @@ def _released_config(**text_over):
 
 
 def test_released_config_reads_as_its_text_model():
-    c = ModelConfig.from_hf(_released_config())
+    c = ModelConfig.from_hf(_released_config(), text_only=True)
     assert (c.model_type, c.architecture, c.tie_word_embeddings) == ("qwen3_5_text", "Qwen3_5ForCausalLM", True)
     assert c.layer_types == ("linear_attention",) * 3 + ("full_attention",) + ("linear_attention",) * 3 + (
         "full_attention",)
@@ -337,7 +337,7 @@ def test_released_config_reads_as_its_text_model():
     back = ModelConfig.from_hf(c.to_hf())
     assert back == c
     with pytest.raises(ValueError, match=r"'attn_output_gate' is False; Qwen3.5's attention always has"):
-        ModelConfig.from_hf(_released_config(attn_output_gate=False))
+        ModelConfig.from_hf(_released_config(attn_output_gate=False), text_only=True)
     with pytest.raises(ValueError, match=r"text_config.model_type' is 'qwen3_5_moe_text'"):
         ModelConfig.from_hf(_released_config(model_type="qwen3_5_moe_text"))
     with pytest.raises(ValueError, match=r"'linear_num_value_heads' \(24\) must be a multiple of "

@@ -10,11 +10,13 @@
     rlfuse check --tiny --next                       # a small random Qwen3-Next (fused in_proj, MoE and dense layers)
     rlfuse check --shape 3.5-2b                      # random weights at a published shape (GPU)
     rlfuse check --tiny --vision                     # a tiny Qwen3-VL on image-text prompts (the whole sweep)
+    rlfuse check --tiny --vision --hybrid            # a tiny Qwen3.5-VL (hybrid text tower) on the same prompts
 Generates with the engine over a sweep of settings (batch sizes, n > 1 sharing a
 prompt, prefix cache off, chunked prefill, forced preemption, eager vs static/graph
 decode, look-ahead, micro-batch packing, all combined; then multi-turn episodes against a
 scripted tool, with observations appended as ids, chunked, with preemption and prefix-cache
-hits between turns; with --tiny, image-text prompts on a tiny Qwen3-VL), teacher-forces the same tokens
+hits between turns; with --tiny, image-text prompts on a tiny Qwen3-VL, or with --vision
+--hybrid on a tiny Qwen3.5-VL), teacher-forces the same tokens
 through the trainer's forward and prints one row per setting: tokens, % bitwise equal,
 max and mean |delta|, k3 KL. Writes OUT/check.json. Where a setting differs, the first
 differing token is replayed along both forwards with hooks on every layer: the first
@@ -43,6 +45,7 @@ from rlfuse.kernels.backend import BACKENDS, NUMERICS, use_backend
 from rlfuse.model import CausalLM, ModelConfig, load_model
 from rlfuse.model.arch.qwen3_5 import tiny_hybrid_fields
 from rlfuse.model.arch.qwen3_5_moe import tiny_hybrid_moe_fields
+from rlfuse.model.arch.qwen3_5_vl import tiny_hybrid_vl_fields
 from rlfuse.model.arch.qwen3_next import tiny_next_fields
 from rlfuse.model.arch.qwen3_vl import tiny_vl_fields
 from rlfuse.model.lora import LoRAConfig, attach_lora, init_lora_, lora_modules
@@ -77,7 +80,9 @@ def add_arguments(p) -> None:
                    help="a model of this published shape with random weights (rlfuse.engine.benchmark.SHAPES: "
                         "Qwen3 0.6b..8b, the Qwen3.5 hybrids 3.5-0.8b / 3.5-2b), instead of MODEL_DIR or --tiny")
     p.add_argument("--vision", action="store_true", help="with --tiny: a tiny random Qwen3-VL on image-text prompts "
-                   "(random images of several sizes, some shared between prompts, two in some, text-only rows too)")
+                   "(random images of several sizes, some shared between prompts, two in some, text-only rows too); "
+                   "with --hybrid too: a tiny Qwen3.5-VL (one Gated DeltaNet layer, one gated attention, a vision "
+                   "tower without DeepStack)")
     p.add_argument("--prompts", help="text file, one prompt per line (default: random token prompts)")
     p.add_argument("--numerics", choices=NUMERICS, default="exact")
     p.add_argument("--out", default="runs/check", help="folder for check.json and layer_drift.png")
@@ -104,7 +109,8 @@ def _model(args, device):
     elif args.tiny:
         dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
         fields = (tiny_next_fields() if args.next else tiny_hybrid_moe_fields() if args.hybrid and args.moe
-                  else _TINY_MOE if args.moe else tiny_hybrid_fields() if args.hybrid
+                  else _TINY_MOE if args.moe else tiny_hybrid_vl_fields() if args.hybrid and args.vision
+                  else tiny_hybrid_fields() if args.hybrid
                   else tiny_vl_fields() if args.vision else _TINY)
         m = CausalLM(ModelConfig(**fields))
         m.init_weights(std=0.1, generator=torch.Generator().manual_seed(args.seed))
@@ -231,8 +237,9 @@ def run(args) -> int:
     if args.next and (not args.tiny or args.hybrid or args.moe or args.vision):
         return fail(ValueError("check: --next picks the tiny Qwen3-Next; give it with --tiny and without --hybrid / "
                                "--moe / --vision (a model folder's config.json says its own kind)"))
-    if args.vision and (args.hybrid or args.moe):
-        return fail(ValueError("check: --vision picks the tiny Qwen3-VL; give it without --hybrid / --moe"))
+    if args.vision and args.moe:
+        return fail(ValueError("check: --vision picks the tiny Qwen3-VL (with --hybrid: Qwen3.5-VL); give it without "
+                               "--moe"))
     if args.vision and (not args.tiny or args.prompts):
         return fail(ValueError("check: --vision builds image-text prompts for the --tiny Qwen3-VL; give it with --tiny "
                                "and without --prompts"))

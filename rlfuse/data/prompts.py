@@ -122,7 +122,8 @@ def _images(row: dict, cfg: DataConfig, where: str, vision: VisionData | None) -
     row, images = split_images(row, cfg, where)
     if images and vision is None:
         raise ValueError(f"{where}: field {images[0][0]}: the row has images but the model has no vision tower "
-                         f"(a text-only model); use an image-text model or drop the images")
+                         f"(a text-only model); use an image-text model (a Qwen3.5 folder loads its vision tower "
+                         f"unless model.text_only is set) or drop the images")
     return row, images
 
 

@@ -156,7 +156,9 @@ class StaticDecode:
         ids, pos, slots, rows, seq_lens = (st[f * fs:f * fs + nb] for f in (_IDS, _POS, _SLOTS, _ROWS, _SEQ_LENS))
         plan = SharedPrefixDecode(*(st[f * fs:f * fs + (nb // 2 if f in (_SH_FIRST, _SH_NUM) else nb)]
                                     for f in (_SH_LEN, _SH_PERM, _SH_FIRST, _SH_NUM)), self.share_members) if shared else None
-        linear = None if self.linear is None else LinearDecode(self.linear.layers, st[_LIN_SLOT * fs:_LIN_SLOT * fs + nb])
+        # each row's token index (seq_len - 1; padding rows 0): mRoPE positions are index + delta
+        linear = None if self.linear is None else LinearDecode(self.linear.layers, st[_LIN_SLOT * fs:_LIN_SLOT * fs + nb],
+                                                               (seq_lens - 1).clamp_min(0))
         attn = PagedKV(kv_caches, slots, self.s_cu[:nb + 1], seq_lens.to(torch.int32),
                        self.bt.index_select(0, rows), 1, plan, linear)
         self.s_out[:nb].copy_(self.model(ids, pos, attn))

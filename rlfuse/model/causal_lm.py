@@ -16,7 +16,7 @@ from `rlfuse.kernels.loss.logprob` without a (T, V) tensor. Two descriptors:
 `forward_padded(input_ids (B, S), attention_mask)` packs a padded batch, runs the same
 path and scatters back, so padded and packed inputs give the same per-sequence results.
 
-Vision-language models (`cfg.vision`, Qwen3-VL): `visual` is the vision tower
+Vision-language models (`cfg.vision`, Qwen3-VL, Qwen3.5): `visual` is the vision tower
 (`rlfuse.model.vision`), frozen by default (`set_vision_trainable`). `encode_images(pixels,
 grid_thw)` -> `ImageFeatures`; the forward takes them (`image_features=`, e.g. cached per
 image by the engine) or the pixels, writes the embeds into the rows where input_ids is the

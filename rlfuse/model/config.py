@@ -95,11 +95,12 @@ class ModelConfig:
     """Linear-attention heads: q/k heads of linear_key_head_dim, value heads (a multiple of
     the key heads) of linear_value_head_dim. None in a hybrid config: the family's defaults."""
     vision: VisionConfig | None = None
-    """Vision-language models (Qwen3-VL): the vision tower and the image token ids
+    """Vision-language models (Qwen3-VL, Qwen3.5): the vision tower and the image token ids
     (`rlfuse.model.vision.config`); None for text models."""
     mrope_section: tuple[int, ...] | None = None
-    """Vision-language models: the interleaved mRoPE split (t, h, w) of the head_dim / 2
-    rotary frequencies (`rlfuse.model.vision.positions`); None: (24, 20, 20) there."""
+    """Vision-language models: the interleaved mRoPE split (t, h, w) of the rotary_dim / 2
+    rotary frequencies (`rlfuse.model.vision.positions`); None: the family's default
+    (Qwen3-VL (24, 20, 20), Qwen3.5 (11, 11, 10))."""
 
     def __post_init__(self):
         if self.model_type not in ARCHS:
@@ -191,8 +192,12 @@ class ModelConfig:
         return [] if e is None else ([e] if isinstance(e, int) else list(e))
 
     @classmethod
-    def from_hf(cls, src: dict | str | Path) -> "ModelConfig":
-        """Build from a `config.json` dict, the file, or the checkpoint folder holding it."""
+    def from_hf(cls, src: dict | str | Path, *, text_only: bool = False) -> "ModelConfig":
+        """Build from a `config.json` dict, the file, or the checkpoint folder holding it.
+        text_only: a multimodal folder whose text tower is a family of its own (Qwen3.5's
+        `qwen3_5` -> `qwen3_5_text`) gives that text model; without it, the folder's own
+        model (vision tower included). A text model's folder is read as it is; a vision-language
+        folder with no such text tower (Qwen3-VL) refuses it."""
         where = "config"
         if not isinstance(src, dict):
             path = Path(src)
@@ -202,7 +207,7 @@ class ModelConfig:
             if not path.exists():
                 raise ValueError(f"{where}: no such file (expected a config.json, or an HF model folder holding one)")
             src = read_json(path)
-        return _from_hf_dict(src, where)
+        return _from_hf_dict(src, where, text_only)
 
     def to_hf(self) -> dict[str, Any]:
         """A config.json dict that `transformers.AutoConfig.for_model` accepts."""
@@ -243,20 +248,25 @@ class ModelConfig:
         return d if spec.wrap_hf is None else spec.wrap_hf(d, self)
 
 
-def _from_hf_dict(d: dict, where: str) -> ModelConfig:
+def _from_hf_dict(d: dict, where: str, text_only: bool = False) -> ModelConfig:
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected a JSON object of config fields, got {type(d).__name__}")
     model_type = d.get("model_type")
     if model_type is None:
         archs = d.get("architectures") or []
         model_type = next((_ARCH_TO_TYPE[a] for a in archs if a in _ARCH_TO_TYPE), None)
-    if model_type in ARCHS and ARCHS[model_type].unwrap_hf is not None:  # a nested (multimodal) config.json
-        d = ARCHS[model_type].unwrap_hf(d, where)
-    if model_type in TEXT_TOWERS:
+    if text_only and model_type not in TEXT_TOWERS and model_type in ARCHS and ARCHS[model_type].has_vision:
+        # (a text model's folder is its text tower already: text_only changes nothing there)
+        towers = sorted(cls for _, cls in TEXT_TOWERS.values())
+        raise ValueError(f"{where}: text_only: a {model_type!r} folder has no text tower loadable alone (the "
+                         f"multimodal classes that have one: {towers})")
+    if model_type in TEXT_TOWERS and (text_only or model_type not in ARCHS):
         d, model_type, where = _text_tower(d, model_type, where)
+    elif model_type in ARCHS and ARCHS[model_type].unwrap_hf is not None:  # a nested (multimodal) config.json
+        d = ARCHS[model_type].unwrap_hf(d, where)
     if model_type not in ARCHS:
         raise ValueError(f"{where}: field 'model_type' is {model_type!r}; rlfuse supports "
-                         f"{sorted(ARCHS) + sorted(TEXT_TOWERS)} (architectures {sorted(_ARCH_TO_TYPE)})")
+                         f"{sorted(set(ARCHS) | set(TEXT_TOWERS))} (architectures {sorted(_ARCH_TO_TYPE)})")
     spec = ARCHS[model_type]
     fixed = spec.fixed
     if d.get("use_sliding_window"):

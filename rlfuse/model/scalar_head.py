@@ -25,7 +25,7 @@ import torch
 
 from rlfuse.kernels.backend import use_settings
 from rlfuse.model.causal_lm import CausalLM
-from rlfuse.model.config import ModelConfig
+from rlfuse.model.config import TEXT_TOWERS, ModelConfig
 from rlfuse.model.layers import Linear, Packed
 from rlfuse.model.weights import hf_parameters, load_state_dict_from_files, parse_dtype
 
@@ -132,6 +132,9 @@ def load_scalar_head_model(folder: str | Path, *, device: str | torch.device = "
     folder = Path(folder)
     cfg = ModelConfig.from_hf(folder)
     raw = json.loads((folder / "config.json").read_text())
+    if cfg.vision is not None and raw.get("model_type") in TEXT_TOWERS:
+        # scores and values read text (PPO's prompts are text): a Qwen3.5 VLM folder's text tower alone
+        cfg = ModelConfig.from_hf(folder, text_only=True)
     where = str(folder / "config.json")
     archs = raw.get("architectures") or []
     is_cls = any(str(a).endswith("ForSequenceClassification") for a in archs)

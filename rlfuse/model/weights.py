@@ -6,11 +6,13 @@ and copies one tensor at a time out of the memory-mapped files, so host memory n
 holds a second full copy. Missing or unexpected tensors and shape mismatches raise
 ValueError naming the tensor and file.
 
-A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`:
-Qwen3.5's multimodal folders keep the text tower under `model.language_model.`) and hold
-parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower, logged in one
-line, and the multi-token-prediction head); we save plain text-model names, which
-transformers loads for both classes.
+A checkpoint's names may differ from ours by a prefix (`ArchSpec.checkpoint_prefixes`: a
+Qwen3.5 multimodal folder loaded `text_only` keeps the text tower under `model.language_model.`)
+and hold parts rlfuse does not load (`ArchSpec.skipped_prefixes`: the vision tower when
+`text_only`, and the multi-token-prediction head, each logged in one line); a text model is
+saved under plain text-model names, which transformers loads for both classes. Without
+`text_only` a Qwen3.5 multimodal folder loads as the vision-language model
+(`arch.qwen3_5_vl`), vision tower included, said in one line.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from safetensors.torch import save_file
 
 from rlfuse.model.arch import ARCHS, ArchSpec
 from rlfuse.model.causal_lm import CausalLM
-from rlfuse.model.config import ModelConfig
+from rlfuse.model.config import TEXT_TOWERS, ModelConfig
 from rlfuse.model.layers.moe import EXPERT_PARAMS, copy_expert_tensors, named_blocks, per_expert_names, published_layout
 
 log = logging.getLogger(__name__)
@@ -80,10 +82,14 @@ def _weight_files(folder: Path) -> dict[str, Path]:
 
 
 def load_model(folder: str | Path, *, device: str | torch.device = "cpu",
-               dtype: str | torch.dtype | None = None) -> CausalLM:
-    """Load an HF checkpoint folder. dtype defaults to the config's torch_dtype."""
+               dtype: str | torch.dtype | None = None, text_only: bool = False) -> CausalLM:
+    """Load an HF checkpoint folder. dtype defaults to the config's torch_dtype. text_only:
+    a multimodal folder's text tower alone (`ModelConfig.from_hf`)."""
     folder = Path(folder)
-    cfg = ModelConfig.from_hf(folder)
+    cfg = ModelConfig.from_hf(folder, text_only=text_only)
+    if cfg.model_type in TEXT_TOWERS:  # the one line saying which of the two this folder gave
+        log.info("%s: loading %s with its vision tower (text_only loads the text tower alone)", folder,
+                 cfg.architecture)
     dtype = parse_dtype(dtype or cfg.torch_dtype)
     with torch.device("meta"):
         model = CausalLM(cfg).to(dtype)
@@ -191,8 +197,13 @@ def _mapped_names(files: dict[str, Path], spec: ArchSpec,
         ours = next((mine + name[len(p):] for p, mine in renames if name.startswith(p)), name)
         out[ours], stored[ours] = path, name
     for what, n in skipped.items():
-        note = " (images and video are not supported yet)" if what == "vision tower" else ""
-        log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
+        if spec.has_vision:
+            log.info("%s: its %s (%d tensors) is not loaded", folder, what, n)
+        else:
+            vl = any(w in ARCHS for w in spec.text_tower_of)  # the wrapper loads as a VL model without text_only
+            note = ("" if what != "vision tower" else " (text_only)" if vl else
+                    " (images and video are not supported yet)")
+            log.info("%s: loading the text model only; its %s (%d tensors) is not loaded%s", folder, what, n, note)
     return out, stored
 
 

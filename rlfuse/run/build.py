@@ -198,10 +198,14 @@ def build_model(spec: ModelSpec, tokenizer: Tokenizer, device: torch.device, see
         raise ValueError("model: give either model.path or model.random_init, not both")
     if spec.path:
         check_model_folder(spec.path)
-        model = load_model_folder(spec.path, device=device, dtype=dtype)  # HF folder or a checkpoint
+        # HF folder or a checkpoint
+        model = load_model_folder(spec.path, device=device, dtype=dtype, text_only=spec.text_only)
         config_json = model_folder(spec.path) / "config.json"
         check_kernel_support(model.config, spec.kernel_backend, device.type, str(config_json))
         check_vocab(model.config.vocab_size, tokenizer, str(config_json))
+    elif spec.text_only:
+        raise ValueError("model.text_only: loads a folder's text tower (model.path); with model.random_init give "
+                         "the text model's fields instead")
     elif spec.random_init:
         cfg = random_model_config(spec, tokenizer, device)
         if spec.init == "keyed":  # drawn on `device`, as each rank of a sharded build draws its rows
@@ -241,10 +245,10 @@ def build_sharded(spec: ModelSpec, tokenizer: Tokenizer, ctx: DistContext, seed:
     if folder is not None:
         check_model_folder(spec.path)
         config_json = folder / "config.json"
-        cfg = ModelConfig.from_hf(folder)
+        cfg = ModelConfig.from_hf(folder, text_only=spec.text_only)
         check_kernel_support(cfg, spec.kernel_backend, ctx.device.type, str(config_json))
         check_vocab(cfg.vocab_size, tokenizer, str(config_json))
-        model = load_sharded_folder(folder, ctx, dtype=dtype)
+        model = load_sharded_folder(folder, ctx, dtype=dtype, text_only=spec.text_only)
     else:
         model = build_sharded_random(random_model_config(spec, tokenizer, ctx.device), ctx, dtype=dtype, seed=seed)
     model.gradient_checkpointing = spec.gradient_checkpointing

@@ -232,14 +232,14 @@ def model_folder(folder: str | Path) -> Path:
 
 
 def load_model_folder(folder: str | Path, *, device: str | torch.device = "cpu",
-                      dtype: str | torch.dtype | None = None) -> CausalLM:
+                      dtype: str | torch.dtype | None = None, text_only: bool = False) -> CausalLM:
     """A model from an HF folder, a checkpoint folder (its model/), or a sharded
     checkpoint folder (config.json + dcp/, read without a process group). dtype defaults
-    to the config's torch_dtype."""
+    to the config's torch_dtype; text_only: a multimodal folder's text tower alone."""
     folder = model_folder(folder)
     if not (folder / "dcp").is_dir():
-        return load_model(folder, device=device, dtype=dtype)
-    cfg = ModelConfig.from_hf(folder)
+        return load_model(folder, device=device, dtype=dtype, text_only=text_only)
+    cfg = ModelConfig.from_hf(folder, text_only=text_only)
     with torch.device("meta"):
         model = CausalLM(cfg)
     model = model.to_empty(device=device)

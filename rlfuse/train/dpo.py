@@ -231,7 +231,9 @@ def run_dpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int |
                                    vision=ses.vision)
     ref_model = None
     if cfg.dpo.ref_path:
-        ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=parse_dtype(cfg.model.dtype))
+        # the reference is the policy's kind: a Qwen3.5 VLM folder's text tower alone with model.text_only
+        ref_model = load_model(cfg.dpo.ref_path, device=ses.device, dtype=parse_dtype(cfg.model.dtype),
+                               text_only=cfg.model.text_only)
         if ref_model.config.vocab_size != ses.model.config.vocab_size:
             raise ValueError(f"dpo.ref_path: the reference's vocabulary ({ref_model.config.vocab_size}) differs "
                              f"from the policy's ({ses.model.config.vocab_size})")

@@ -3,8 +3,9 @@ Qwen3_5ForConditionalGeneration, "qwen3_5"): a hybrid stack whose `layer_types` 
 layer a Gated DeltaNet (`linear_attn`, rlfuse.model.layers.gated_deltanet) or a gated full
 attention (`self_attn`, rlfuse.model.layers.gated_attention: output gate, q/k norms, partial
 RoPE); Qwen3's SwiGLU MLP; every RMSNorm but the gated one scales by (1 + w) and rounds once
-(`OffsetRMSNorm`). A multimodal folder keeps the text tower under `model.language_model.`;
-its vision tower and multi-token-prediction head are not loaded.
+(`OffsetRMSNorm`). A multimodal folder read with `text_only` (`ModelConfig.from_hf`) gives
+this text model from its `model.language_model.` tensors, its vision tower and
+multi-token-prediction head not loaded; without it, the folder is `arch.qwen3_5_vl`.
 
 Config fields beyond the dense ones: layer_types (HF default: every 4th layer full
 attention, `full_attention_interval`), the linear-attention shapes, partial_rotary_factor
@@ -95,8 +96,11 @@ def _write_hf(cfg: ModelConfig) -> dict:
 @torch.no_grad()
 def _init_weights(model, std: float, generator) -> None:
     """transformers' init: matrices N(0, std), (1 + w) norms at w = 0, the gated norm and
-    dt_bias at 1, A = exp(A_log) uniform in [0.01, 16)."""
+    dt_bias at 1, A = exp(A_log) uniform in [0.01, 16). The text model's parameters only
+    (a vision tower, `arch.qwen3_5_vl`, has its own rule)."""
     for name, p in model.named_parameters():
+        if name.startswith("visual."):
+            continue
         if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
             p.fill_(1.0)
         elif name.endswith("norm.weight") or name.endswith(".bias"):
@@ -127,8 +131,8 @@ QWEN3_5 = ArchSpec(
     text_tower_of={"qwen3_5": "Qwen3_5ForConditionalGeneration"},
     prepare=prepare_prefix_rows,
     init_weights=_init_weights,
-    notes="hybrid: Gated DeltaNet + gated attention (partial RoPE, (1 + w) norms); text tower of "
-          "`qwen3_5` (Qwen3_5ForConditionalGeneration) folders, vision and MTP weights not loaded",
+    notes="hybrid: Gated DeltaNet + gated attention (partial RoPE, (1 + w) norms); also the text tower of "
+          "`qwen3_5` (Qwen3_5ForConditionalGeneration) folders loaded `text_only` (vision and MTP weights not loaded)",
 )
 
 

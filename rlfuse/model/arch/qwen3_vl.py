@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlfuse.model.arch.spec import ArchSpec
 from rlfuse.model.layers import MLP, Attention
-from rlfuse.model.vision.config import VisionConfig
+from rlfuse.model.vision.config import QWEN3_VL_VISION, VisionConfig, VisionFamily
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
@@ -27,27 +27,42 @@ _ROPE_KEYS = ("mrope_section", "mrope_interleaved")
 _OUTER = ("tie_word_embeddings", "torch_dtype", "dtype")
 
 
-def _unwrap(d: dict, where: str) -> dict:
+def unwrap_vl(d: dict, where: str, model_type: str, cls: str, text_type: str) -> dict:
+    """The flat dict the shared reader reads: text_config (of model_type `text_type`), the
+    outer fields it needs, and the outer dict itself (`outer_config`, for the vision fields)."""
     text = d.get("text_config")
     if not isinstance(text, dict):
-        raise ValueError(f"{where}: a Qwen3VLForConditionalGeneration config needs a 'text_config' object, "
-                         f"got {type(text).__name__}")
-    flat = {**text, **{k: d[k] for k in _OUTER if k in d}, "model_type": "qwen3_vl", "outer_config": d}
-    return flat
+        raise ValueError(f"{where}: a {cls} config needs a 'text_config' object, got {type(text).__name__}")
+    if text.get("model_type", text_type) != text_type:
+        raise ValueError(f"{where}: field 'text_config.model_type' is {text['model_type']!r}; a {cls} folder "
+                         f"holds a {text_type!r} text tower")
+    return {**text, **{k: d[k] for k in _OUTER if k in d}, "model_type": model_type, "outer_config": d}
 
 
-def _read_hf(d: dict, rope: dict, where: str) -> dict:
-    section = rope.get("mrope_section", [24, 20, 20])  # transformers' default
+def _unwrap(d: dict, where: str) -> dict:
+    return unwrap_vl(d, where, "qwen3_vl", "Qwen3VLForConditionalGeneration", "qwen3_vl_text")
+
+
+def read_mrope_section(rope: dict, where: str, default: list[int]) -> tuple[int, ...]:
+    section = rope.get("mrope_section", default)  # transformers' default when absent
     if not isinstance(section, (list, tuple)) or len(section) != 3 or \
             any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in section):
         raise ValueError(f"{where}: field 'rope_parameters.mrope_section' must be three integers, got {section!r}")
+    return tuple(section)
+
+
+def _read_hf(d: dict, rope: dict, where: str) -> dict:
+    section = read_mrope_section(rope, where, [24, 20, 20])
     if rope.get("mrope_interleaved", True) is not True:
         raise ValueError(f"{where}: field 'rope_parameters.mrope_interleaved' is {rope['mrope_interleaved']!r}; "
                          f"Qwen3-VL's mRoPE is always interleaved")
-    return {"vision": VisionConfig.from_hf(d["outer_config"], where), "mrope_section": tuple(section)}
+    return {"vision": VisionConfig.from_hf(d["outer_config"], where), "mrope_section": section}
 
 
-def _check(cfg: ModelConfig) -> None:
+def check_vision(cfg: ModelConfig, default_section: tuple[int, int, int]) -> None:
+    """The vision fields of a vision-language config (shared by the VL families): the tower's
+    config, its token ids below the vocabulary, its output width, and mrope_section (None:
+    `default_section`) summing to the rotary frequencies (rotary_dim / 2)."""
     if isinstance(cfg.vision, dict):
         object.__setattr__(cfg, "vision", VisionConfig(**cfg.vision))
     if not isinstance(cfg.vision, VisionConfig):
@@ -59,11 +74,16 @@ def _check(cfg: ModelConfig) -> None:
     if cfg.vision.out_hidden_size != cfg.hidden_size:
         raise ValueError(f"vision config field 'out_hidden_size' ({cfg.vision.out_hidden_size}) must equal the text "
                          f"model's hidden_size ({cfg.hidden_size})")
-    section = (24, 20, 20) if cfg.mrope_section is None else tuple(cfg.mrope_section)
-    if len(section) != 3 or sum(section) != cfg.head_dim // 2:
+    section = default_section if cfg.mrope_section is None else tuple(cfg.mrope_section)
+    if len(section) != 3 or sum(section) != cfg.rotary_dim // 2:
+        half = "head_dim / 2" if cfg.rotary_dim == cfg.head_dim else "head_dim * partial_rotary_factor / 2"
         raise ValueError(f"config field 'mrope_section' {list(section)} must be three numbers summing to "
-                         f"head_dim / 2 = {cfg.head_dim // 2}")
+                         f"{half} = {cfg.rotary_dim // 2}")
     object.__setattr__(cfg, "mrope_section", section)
+
+
+def _check(cfg: ModelConfig) -> None:
+    check_vision(cfg, (24, 20, 20))
 
 
 def _write_hf(cfg: ModelConfig) -> dict:
@@ -72,15 +92,22 @@ def _write_hf(cfg: ModelConfig) -> dict:
     return {"rope_parameters": rope}
 
 
-def _wrap(flat: dict[str, Any], cfg: ModelConfig) -> dict:
-    vision, tokens = cfg.vision.to_hf()
+def wrap_vl(flat: dict[str, Any], cfg: ModelConfig, model_type: str, text_type: str,
+            family: VisionFamily) -> dict:
+    """The nested config.json of a VL model from the flat dict the shared writer made."""
+    vision, tokens = cfg.vision.to_hf(family)
     outer = {k: flat.pop(k) for k in ("architectures", "tie_word_embeddings") if k in flat}
-    text = {**flat, "model_type": "qwen3_vl_text"}
-    return {**outer, "model_type": "qwen3_vl", "text_config": text, "vision_config": vision, **tokens,
+    text = {**flat, "model_type": text_type}
+    return {**outer, "model_type": model_type, "text_config": text, "vision_config": vision, **tokens,
             "torch_dtype": flat.get("torch_dtype"), "dtype": flat.get("dtype")}
 
 
-def _checkpoint_name(name: str) -> str:
+def _wrap(flat: dict[str, Any], cfg: ModelConfig) -> dict:
+    return wrap_vl(flat, cfg, "qwen3_vl", "qwen3_vl_text", QWEN3_VL_VISION)
+
+
+def vl_checkpoint_name(name: str) -> str:
+    """Ours -> a VL checkpoint's: `visual.*` under `model.`, the text model under `model.language_model.`."""
     if name.startswith("visual."):
         return "model." + name
     if name.startswith("model."):
@@ -95,7 +122,7 @@ QWEN3_VL = ArchSpec(
     mlp=lambda cfg, i: MLP(cfg),
     defaults={"attention_bias": False},
     fixed={"qk_norm": True, "mlp_bias": False},
-    checkpoint_name=_checkpoint_name,
+    checkpoint_name=vl_checkpoint_name,
     read_hf=_read_hf,
     check_config=_check,
     write_hf=_write_hf,

@@ -320,7 +320,7 @@ class GatedDeltaNet(nn.Module):
             cu = torch.arange(B + 1, device=x_BD.device, dtype=torch.int32)
             o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
             return self.output(o, z)
-        tail_len = positions.remainder(CHUNK)                             # (B,) buffered rows before
+        tail_len = st.index.remainder(CHUNK)                              # (B,) buffered rows before
         for n, x in zip(TAIL, new):
             # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
             # once the chunk completes the tail restarts at row 0, so row 63 is never read again)

@@ -118,8 +118,10 @@ class LinearSlots:
 class LinearDecode:
     """The linear-attention state in a STATIC decode step (every row computes one token;
     CUDA-graph capturable): no host lists, only device tensors of the bucket's fixed size.
-    Exact numerics: a row's buffered tail length is its position % CHUNK (chunks are aligned
-    to a sequence's first token), computed on the device from the step's positions. Padding
-    rows point at the cache's scratch slot (`LinearStateCache.pad_slot`)."""
+    Exact numerics: a row's buffered tail length is its token's index % CHUNK (chunks are
+    aligned to a sequence's first token), computed on the device from `index` -- the index,
+    not the RoPE position: an image prompt's mRoPE positions are index + delta (delta < 0).
+    Padding rows point at the cache's scratch slot (`LinearStateCache.pad_slot`)."""
     layers: dict[int, dict[str, torch.Tensor]]
     slots: torch.Tensor          # (B,) int64 each row's slot
+    index: torch.Tensor          # (B,) int64 each row's token index in its sequence (padding rows: 0)

@@ -1,4 +1,4 @@
-"""Vision: the image side of vision-language models (Qwen3-VL): the tower's config, the tower (ViT + merger + DeepStack), mRoPE positions, the image processor."""
+"""Vision: the image side of vision-language models (Qwen3-VL, Qwen3.5): the tower's config, the tower (ViT + merger + DeepStack where the family has it), mRoPE positions, the image processor."""
 
 from rlfuse.model.vision.config import VisionConfig
 from rlfuse.model.vision.positions import mrope_axis, mrope_positions, text_positions

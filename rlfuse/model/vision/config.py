@@ -1,9 +1,12 @@
-"""The vision tower's configuration (`ModelConfig.vision`): Qwen3-VL's `vision_config`, plus
-the token ids the outer config.json holds (image placeholder, vision start / end).
+"""The vision tower's configuration (`ModelConfig.vision`): Qwen3-VL's or Qwen3.5's
+`vision_config`, plus the token ids the outer config.json holds (image placeholder, vision
+start / end).
 
-`VisionConfig.from_hf(outer config.json dict, where)` reads and checks it (ValueError naming
-the file and field); `to_hf()` gives (vision_config dict, outer token-id fields) back.
-Test: python -m pytest -q tests/test_qwen3_vl.py
+`VisionConfig.from_hf(outer config.json dict, where, family)` reads and checks it (ValueError
+naming the file and field); `to_hf(family)` gives (vision_config dict, outer token-id fields)
+back. The two families' towers differ only in what `VisionFamily` holds: Qwen3.5's has no
+DeepStack (no `deepstack_visual_indexes` in its config) and other default token ids.
+Test: python -m pytest -q tests/test_qwen3_vl.py tests/test_qwen3_5_vl.py
 """
 
 from __future__ import annotations
@@ -19,6 +22,26 @@ _INT_DEFAULTS = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "n
                  "num_position_embeddings": 2304}
 _TOKEN_DEFAULTS = {"image_token_id": 151655, "video_token_id": 151656, "vision_start_token_id": 151652,
                    "vision_end_token_id": 151653}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class VisionFamily:
+    """What a family's vision_config looks like in config.json (the tower itself is shared)."""
+    name: str
+    """The outer config's class, for errors."""
+    model_type: str
+    """vision_config.model_type written back."""
+    deepstack: bool
+    """The config has `deepstack_visual_indexes` (Qwen3-VL); False: never DeepStack (Qwen3.5)."""
+    token_defaults: dict
+    """transformers' defaults of the outer config's token ids."""
+
+
+QWEN3_VL_VISION = VisionFamily(name="Qwen3-VL", model_type="qwen3_vl_vision", deepstack=True,
+                               token_defaults=_TOKEN_DEFAULTS)
+QWEN3_5_VISION = VisionFamily(name="Qwen3.5", model_type="qwen3_5_vision", deepstack=False,
+                              token_defaults={"image_token_id": 248056, "video_token_id": 248057,
+                                              "vision_start_token_id": 248053, "vision_end_token_id": 248054})
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -84,15 +107,15 @@ class VisionConfig:
         return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
 
     @classmethod
-    def from_hf(cls, d: dict, where: str) -> VisionConfig:
-        """From the OUTER Qwen3-VL config.json dict (its vision_config and token ids)."""
+    def from_hf(cls, d: dict, where: str, family: VisionFamily = QWEN3_VL_VISION) -> VisionConfig:
+        """From the OUTER config.json dict (its vision_config and token ids) of `family`."""
         v = d.get("vision_config")
         if not isinstance(v, dict):
-            raise ValueError(f"{where}: a Qwen3-VL config needs a 'vision_config' object, got {type(v).__name__}")
+            raise ValueError(f"{where}: a {family.name} config needs a 'vision_config' object, got {type(v).__name__}")
         vw = f"{where} (vision_config)"
         # absent: transformers' default; present: checked by __post_init__ (errors name the field)
         kw: dict[str, Any] = {k: v.get(k, default) for k, default in _INT_DEFAULTS.items()}
-        for k, default in _TOKEN_DEFAULTS.items():
+        for k, default in family.token_defaults.items():
             t = d.get(k, default)
             if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                 raise ValueError(f"{where}: field {k!r} is {t!r}; expected a token id")
@@ -101,7 +124,8 @@ class VisionConfig:
         kw["rope_theta"] = rope.get("rope_theta", 10000.0)
         if rope.get("rope_type", "axial") != "axial":
             raise ValueError(f"{vw}: field 'rope_parameters.rope_type' is {rope['rope_type']!r}; expected 'axial'")
-        ds = v.get("deepstack_visual_indexes", [8, 16, 24])
+        # Qwen3.5's tower has no DeepStack: transformers never reads the field there
+        ds = v.get("deepstack_visual_indexes", [8, 16, 24]) if family.deepstack else []
         if not isinstance(ds, (list, tuple)):
             raise ValueError(f"{vw}: field 'deepstack_visual_indexes' must be a list of block indices, got {ds!r}")
         try:
@@ -109,10 +133,14 @@ class VisionConfig:
         except ValueError as e:
             raise ValueError(f"{vw}: {e}") from None
 
-    def to_hf(self) -> tuple[dict, dict]:
-        """(the vision_config dict, the outer config's token-id fields)."""
+    def to_hf(self, family: VisionFamily = QWEN3_VL_VISION) -> tuple[dict, dict]:
+        """(the vision_config dict, the outer config's token-id fields) of `family`."""
+        if self.deepstack_visual_indexes and not family.deepstack:
+            raise ValueError(f"vision config field 'deepstack_visual_indexes' is {list(self.deepstack_visual_indexes)}"
+                             f"; a {family.name} vision tower has no DeepStack (give ())")
         v = {k: getattr(self, k) for k in _INT_DEFAULTS}
-        v.update(model_type="qwen3_vl_vision", depth=self.depth, hidden_act=self.hidden_act,
-                 deepstack_visual_indexes=list(self.deepstack_visual_indexes),
+        v.update(model_type=family.model_type, depth=self.depth, hidden_act=self.hidden_act,
                  rope_parameters={"rope_type": "axial", "rope_theta": self.rope_theta})
+        if family.deepstack:
+            v["deepstack_visual_indexes"] = list(self.deepstack_visual_indexes)
         return v, {k: getattr(self, k) for k in _TOKEN_DEFAULTS}

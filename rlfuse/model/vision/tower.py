@@ -1,6 +1,7 @@
 """Qwen3-VL's vision tower: patches -> ViT blocks -> merged image tokens, plus DeepStack
 features (transformers' `Qwen3VLVisionModel`; parameter names and shapes equal its, under
-`visual.` here and `model.visual.` in a checkpoint).
+`visual.` here and `model.visual.` in a checkpoint). Qwen3.5's (`Qwen3_5VisionModel`) is the
+same tower with `deepstack_visual_indexes` = (): no DeepStack mergers, an empty `deepstack`.
 
 For one image of grid (t, h, w) patches (pixel_values rows in the processor's order:
 merge-block-major, `rlfuse.model.vision.processor`):

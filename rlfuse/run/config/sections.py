@@ -47,6 +47,9 @@ class ModelSpec:
     (its keys: min_pixels, max_pixels, image_mean, image_std, ...); docs/vision.md."""
     train_vision: bool = False
     """Vision models: train the vision tower too (frozen by default; LoRA adapts the language model only)."""
+    text_only: bool = False
+    """Qwen3.5 folders (Qwen3_5ForConditionalGeneration): load the text tower alone (Qwen3_5ForCausalLM: no
+    vision tower, no images); false: the folder's vision-language model, vision tower included."""
     router_z_loss_coef: float = 0.0
     """MoE models: weight of the router z-loss (ST-MoE: mean logsumexp(router logits)^2)
     added to every training loss; logged as moe/z_loss either way."""

@@ -96,12 +96,12 @@ def _shard_of(ctx: DistContext):
     return lambda p: (p.to_local(), _row0(p, ctx))
 
 
-def load_sharded_folder(folder, ctx: DistContext, *, dtype: torch.dtype) -> CausalLM:
+def load_sharded_folder(folder, ctx: DistContext, *, dtype: torch.dtype, text_only: bool = False) -> CausalLM:
     """An HF folder's model, FSDP2-sharded across ctx, each rank reading only its rows of
     every tensor (safetensors slices), rounded to `dtype` (the run dtype) and held as fp32
     masters: the masters of `shard_model(load_model(folder, dtype=dtype))`, without any
-    rank holding the whole model. Collective."""
-    cfg = ModelConfig.from_hf(folder)
+    rank holding the whole model. Collective. text_only: a multimodal folder's text tower alone."""
+    cfg = ModelConfig.from_hf(folder, text_only=text_only)
     with torch.device("meta"):
         model = CausalLM(cfg)
     model.to(dtype)

@@ -1,0 +1,120 @@
+"""SFT and GRPO on image rows with the real engine and a tiny Qwen3.5-VL (hybrid text tower:
+one Gated DeltaNet layer, one gated attention; a vision tower without DeepStack) on
+builtin:count_squares -- a smoke test, not a learning curve: exact numerics holds on image
+prompts at every GRPO step (rollout == trainer log-probs, bitwise), the tower runs once per
+distinct image per rollout, the vision tower stays frozen by default and trains with
+model.train_vision (LoRA adapts the language model only), and the packed trainer forward that reads a group's shared prompt (and its
+images) once gives the unshared forward's bits through the linear-attention layer.
+
+    python -m pytest -q tests/test_qwen3_5_vl_train.py
+"""
+
+import pytest
+import torch
+from engine_helpers import one_thread  # noqa: F401 -- an autouse fixture
+
+from rlfuse.data import build_prompts
+from rlfuse.run import PackedBatch
+from rlfuse.run.config.run_config import load_config
+from rlfuse.train import open_session, run_grpo, run_sft
+
+TINY_Q35_VL = dict(model_type="qwen3_5", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, partial_rotary_factor=0.5,
+                   layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
+                   linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=1,
+                   linear_num_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+                   mrope_section=[1, 2, 1],
+                   vision=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32,
+                               num_position_embeddings=16, deepstack_visual_indexes=[]))
+
+
+def _cfg(tmp_path, **model):
+    return load_config({
+        "seed": 0,
+        "model": {"random_init": TINY_Q35_VL, "tokenizer": "char", "dtype": "float32", "device": "cpu",
+                  "processor": {"min_pixels": 1024, "max_pixels": 1024}, **model},
+        "engine": {"numerics": "exact", "max_num_seqs": 32},
+        "data": {"train": "builtin:count_squares", "train_size": 40, "eval_size": 8, "max_prompt_len": 40},
+        "rewards": [{"name": "arithmetic"}, {"name": "parity"}],  # parity: reward variance in every group
+        "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
+        "sft": {"steps": 2, "batch_size": 8, "max_seq_len": 48},
+        "grpo": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 3, "temperature": 1.0,
+                 "check_every": 1},
+        "logging": {"run_dir": str(tmp_path), "tensorboard": False, "progress": False},
+        "checkpoint": {"every": 0, "save_final": False},
+    })
+
+
+def _parity(prompts, completions, completion_ids, **_):
+    return [float(ids[0] % 2) for ids in completion_ids]
+
+
+def _tower(model):
+    return [p.detach().clone() for p in model.visual.parameters()]
+
+
+def test_grpo_on_images_is_exact_and_encodes_once_per_image(tmp_path):
+    ses = open_session(_cfg(tmp_path / "g"), reward_functions={"parity": _parity})
+    assert ses.model.config.architecture == "Qwen3_5ForConditionalGeneration" and ses.model.config.is_hybrid
+    tower0, lm0 = _tower(ses.model), ses.model.lm_head_weight.detach().clone()
+    res = run_grpo(ses.cfg, session=ses)
+    assert len(res["history"]) == 2
+    for h in res["history"]:
+        assert h["vision/encodes"] == 4.0  # 4 prompts x 4 samples: the tower ran 4 times, not 16
+        assert h["mismatch/max_abs"] == 0.0  # rollout == trainer log-probs, bitwise, on image prompts
+    assert all(torch.equal(a, b) for a, b in zip(tower0, _tower(ses.model)))  # frozen by default
+    assert not torch.equal(lm0, ses.model.lm_head_weight)
+
+
+@pytest.mark.parametrize("how", ["train_vision", "lora"])
+def test_sft_on_images_trains_the_tower_on_request_and_lora_the_language_model(tmp_path, how):
+    model = {"train_vision": True} if how == "train_vision" else {"lora": {"rank": 4}}
+    ses = open_session(_cfg(tmp_path / how, **model), need_target=True, reward_functions={"parity": _parity})
+    tower0 = _tower(ses.model)
+    lm0 = {n: p.detach().clone() for n, p in ses.model.named_parameters() if p.requires_grad}
+    res = run_sft(ses.cfg, session=ses)
+    assert res["steps"] == 2
+    changed = [not torch.equal(a, b) for a, b in zip(tower0, _tower(ses.model))]
+    assert all(changed) if how == "train_vision" else not any(changed)
+    trained = dict(ses.model.named_parameters())
+    assert any(not torch.equal(p, trained[n]) for n, p in lm0.items() if not n.startswith("visual."))
+
+
+def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
+    ses = open_session(_cfg(tmp_path / "p"), reward_functions={"parity": _parity})
+    p = build_prompts(ses.train_rows[:2], ses.tokenizer, ses.cfg.data, vision=ses.vision)
+    seqs = [(p[0].ids + [5, 6], len(p[0].ids), p[0].media), (p[0].ids + [7], len(p[0].ids), p[0].media),
+            (p[1].ids + [5, 6], len(p[1].ids), p[1].media)]
+    vis = ses.model.config.vision
+    with torch.no_grad():
+        outs = []
+        for share in (0, 1):
+            b = PackedBatch.build(seqs, "cpu", share, vision=vis)
+            outs.append(ses.model.token_logprobs(b.forward(ses.model)[b.rows], b.targets))
+            assert len(b.images) == (2 if share else 3)  # the group's image once when shared
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_dpo_trains_on_image_pairs(tmp_path):
+    """DPO preference rows with images (tests/test_vision_dpo.py's rows) on the hybrid VLM: the
+    pairs' log-probs do not depend on how pairs are packed, and two steps train on them."""
+    from test_vision_dpo import _rows
+
+    from rlfuse.data.preference import build_preference_pairs
+    from rlfuse.run.config import replace
+    from rlfuse.train.dpo import run_dpo, sequence_logprobs
+
+    _rows(tmp_path)
+    cfg = replace(_cfg(tmp_path / "run"), **{
+        "data.train": str(tmp_path / "pref.jsonl"), "data.eval": "", "rewards": [],
+        "dpo.steps": 2, "dpo.batch_size": 10, "dpo.max_seq_len": 48, "dpo.micro_batch_tokens": 4096})
+    ses = open_session(cfg)
+    pairs = build_preference_pairs(ses.train_rows, ses.tokenizer, ses.cfg.data, ses.cfg.dpo, vision=ses.vision)
+    lp = sequence_logprobs(ses.model, pairs, 4096, "cpu")
+    one_by_one = torch.cat([sequence_logprobs(ses.model, [p], 4096, "cpu") for p in pairs])
+    torch.testing.assert_close(lp, one_by_one, rtol=0, atol=1e-5)
+    lm0 = ses.model.lm_head_weight.detach().clone()
+    res = run_dpo(ses.cfg, session=ses)
+    assert res["steps"] == 2 and res["history"][0]["rewards/margin"] == 0 < res["history"][-1]["rewards/margin"]
+    assert not torch.equal(lm0, ses.model.lm_head_weight)
