@@ -277,9 +277,13 @@ def build_model(small: bool, device: torch.device, seed: int, shape: str = "0.6b
     """The benchmark's model; `small`: a tiny fp32 one of the same kind (hybrid or dense)."""
     if shape not in SHAPES:
         raise ValueError(f"bench shape {shape!r}: expected one of {sorted(SHAPES)}")
-    hybrid = "layer_types" in SHAPES[shape]
-    if small:
-        return random_model(tiny_hybrid_fields() if hybrid else TINY, device, torch.float32, seed)
+    hybrid, moe = "layer_types" in SHAPES[shape], "moe" in SHAPES[shape]
+    if small:  # an MoE shape: the tiny dense model with 4 routed experts (top-2), so the MoE bound runs
+        tiny = tiny_hybrid_fields() if hybrid else TINY
+        if moe and not hybrid:
+            tiny = dict(TINY, model_type="qwen3_moe", moe=dict(num_experts=4, num_experts_per_tok=2,
+                                                               moe_intermediate_size=32, norm_topk_prob=True))
+        return random_model(tiny, device, torch.float32, seed)
     return random_model(SHAPES[shape], device, torch.bfloat16, seed)
 
 
@@ -359,6 +363,7 @@ def run(cfg: BenchConfig) -> dict:
                   torch=torch.__version__, dtype=str(model.lm_head_weight.dtype).replace("torch.", ""),
                   copy_bandwidth_GBps=bw / 1e9, weight_bytes=weight_bytes, kv_bytes_per_token=kv_per_token,
                   linear_state_bytes_per_seq_step=state_step, shape=cfg.shape,
+                  routed_expert_bytes=experts[0] if experts else 0,
                   kv_blocks=llm.kv.num_blocks, kv_cache_dtype=str(llm.kv.dtype).replace("torch.", ""),
                   engine_init_s=init_s, engine=dataclasses.asdict(ecfg),
                   bench=dataclasses.asdict(cfg), peer_note=peer_note, cases=[])
