@@ -66,7 +66,7 @@ from rlfuse.model import CausalLM, ModelConfig  # noqa: E402
 from rlfuse.rollout import ChatRenderer, Episode, Step, char_chat_tokenizer, run_episodes  # noqa: E402
 from rlfuse.rollout.exactness import compare  # noqa: E402
 from rlfuse.run.config import RolloutConfig  # noqa: E402
-from rlfuse.serve.agents import MODEL_NAME, AgentSampler  # noqa: E402
+from rlfuse.serve.agents import MODEL_NAME, AgentSampler, EngineBase  # noqa: E402
 
 THINK_TEMPLATE = (
     "{% set ns = namespace(last_query=-1) %}"
@@ -126,16 +126,6 @@ class SleepAgent:
             await asyncio.sleep(self.delay)
             messages.append({"role": self.role, "content": observation(k)})
         return 0.0
-
-
-class _Base:
-    """The sampler's engine side: the benchmark's LLM (already awake)."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def wake(self):
-        self.llm.wake()
 
 
 class StepClock:
@@ -214,7 +204,7 @@ def _agent_row(llm, tok, rows, cfg, G, turns, tool_ms, numerics, *, template: st
     """One agent row; `switch_ms`: the interpreter's GIL switch interval during the rollout
     (None: as it is, Python's 5 ms unless changed): how long the asyncio thread may hold the
     GIL while the engine thread waits for it."""
-    sampler = AgentSampler(_Base(llm), tok, cfg, SleepAgent(turns, tool_ms, role),
+    sampler = AgentSampler(EngineBase(llm), tok, cfg, SleepAgent(turns, tool_ms, role),
                            chat_template=THINK_TEMPLATE if template == "think" else None)
     prompts = [Prompt(ids=[], text=r["prompt"], columns=dict(r), where="bench") for r in rows]
     llm.stats.reset()

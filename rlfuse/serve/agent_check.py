@@ -22,7 +22,7 @@ from rlfuse.rollout import PROBE_ROWS, combined_engine
 from rlfuse.rollout import compare_episode_logprobs as compare
 from rlfuse.rollout.agent import Episode
 from rlfuse.run.config import RolloutConfig
-from rlfuse.serve.agents import MODEL_NAME, AgentSampler
+from rlfuse.serve.agents import MODEL_NAME, AgentSampler, EngineBase
 
 _WORDS = ("408", "error: try again", "the tool says 17 and 25", "ok")
 CHECK_ROLLOUT = RolloutConfig(max_turns=4, max_turn_tokens=24, max_total_tokens=150, agent="scripted")
@@ -52,22 +52,12 @@ class ScriptedAgent:
         return 0.0
 
 
-class _Base:
-    """The sampler's engine side for the check: a fresh LLM, no sleep."""
-
-    def __init__(self, llm):
-        self.llm = llm
-
-    def wake(self):
-        self.llm.wake()
-
-
 def agent_setting(model, tokenizer, *, numerics: str, engine: dict | None = None, temperature: float = 1.0,
                   seed: int = 0, name: str = "agent via OpenAI API") -> SettingResult:
     """One `rlfuse check` row: the scripted agent's episodes (3 rows x 3), every segment compared."""
     engine = combined_engine(tokenizer, CHECK_ROLLOUT) if engine is None else engine
     llm = LLM(model, tokenizer, EngineConfig(**{"max_num_seqs": 8, "numerics": numerics, "seed": seed, **engine}))
-    sampler = AgentSampler(_Base(llm), tokenizer, CHECK_ROLLOUT, ScriptedAgent())
+    sampler = AgentSampler(EngineBase(llm), tokenizer, CHECK_ROLLOUT, ScriptedAgent())
     rows = [Prompt(ids=[], text=r["prompt"], columns=dict(r), where="check") for r in PROBE_ROWS]
     sampler.episodes(rows, n=3, temperature=temperature, seed=seed)
     llm.sleep()

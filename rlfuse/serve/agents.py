@@ -60,6 +60,17 @@ def load_agent(spec):
     return fn
 
 
+class EngineBase:
+    """An `LLM` built by hand as an AgentSampler's `base` (`rlfuse check`'s agent row, the
+    benchmarks): `llm` and `wake()`; it never sleeps."""
+
+    def __init__(self, llm):
+        self.llm = llm
+
+    def wake(self):
+        self.llm.wake()
+
+
 class AgentSampler:
     """A multi-turn sampler (`episodes`) whose episodes are the user's agent; `generate` stays
     the engine's single-turn one. `last_metrics`: the last rollout's rollout/agent_* metrics.
