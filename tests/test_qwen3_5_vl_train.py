@@ -12,10 +12,11 @@ images) once gives the unshared forward's bits through the linear-attention laye
 import pytest
 import torch
 from engine_helpers import one_thread  # noqa: F401 -- an autouse fixture
+from test_vision_train import _cfg as vision_cfg
+from test_vision_train import _parity, _tower
 
 from rlfuse.data import build_prompts
 from rlfuse.run import PackedBatch
-from rlfuse.run.config.run_config import load_config
 from rlfuse.train import open_session, run_grpo, run_sft
 
 TINY_Q35_VL = dict(model_type="qwen3_5", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -30,28 +31,7 @@ TINY_Q35_VL = dict(model_type="qwen3_5", hidden_size=32, intermediate_size=64, n
 
 
 def _cfg(tmp_path, **model):
-    return load_config({
-        "seed": 0,
-        "model": {"random_init": TINY_Q35_VL, "tokenizer": "char", "dtype": "float32", "device": "cpu",
-                  "processor": {"min_pixels": 1024, "max_pixels": 1024}, **model},
-        "engine": {"numerics": "exact", "max_num_seqs": 32},
-        "data": {"train": "builtin:count_squares", "train_size": 40, "eval_size": 8, "max_prompt_len": 40},
-        "rewards": [{"name": "arithmetic"}, {"name": "parity"}],  # parity: reward variance in every group
-        "optim": {"lr": 1e-2, "warmup_steps": 0, "schedule": "constant"},
-        "sft": {"steps": 2, "batch_size": 8, "max_seq_len": 48},
-        "grpo": {"steps": 2, "prompts_per_step": 4, "group_size": 4, "max_new_tokens": 3, "temperature": 1.0,
-                 "check_every": 1},
-        "logging": {"run_dir": str(tmp_path), "tensorboard": False, "progress": False},
-        "checkpoint": {"every": 0, "save_final": False},
-    })
-
-
-def _parity(prompts, completions, completion_ids, **_):
-    return [float(ids[0] % 2) for ids in completion_ids]
-
-
-def _tower(model):
-    return [p.detach().clone() for p in model.visual.parameters()]
+    return vision_cfg(tmp_path, TINY_Q35_VL, **model)
 
 
 def test_grpo_on_images_is_exact_and_encodes_once_per_image(tmp_path):

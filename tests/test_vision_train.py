@@ -19,10 +19,11 @@ SMALL_VLM = dict(VLM, hidden_size=32, intermediate_size=64, num_attention_heads=
                              out_hidden_size=32))
 
 
-def _cfg(tmp_path, **model):
+def _cfg(tmp_path, random_init=None, **model):
+    """random_init: the tiny VLM's fields (default SMALL_VLM, a Qwen3-VL)."""
     return load_config({
         "seed": 0,
-        "model": {"random_init": SMALL_VLM, "tokenizer": "char", "dtype": "float32", "device": "cpu",
+        "model": {"random_init": random_init or SMALL_VLM, "tokenizer": "char", "dtype": "float32", "device": "cpu",
                   "processor": {"min_pixels": 1024, "max_pixels": 1024}, **model},
         "engine": {"numerics": "exact", "max_num_seqs": 32},
         "data": {"train": "builtin:count_squares", "train_size": 40, "eval_size": 8, "max_prompt_len": 40},
