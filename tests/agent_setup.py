@@ -69,3 +69,18 @@ class ScriptedEngine:
         lps = -torch.arange(1, len(out) + 1, dtype=torch.float32) / 8  # distinct, recognisable values
         return [Completion(rid, 0, ids, out, lps, reason,
                            self.tok.decode(out, skip_special_tokens=True))]
+
+
+class WorkerEngine(ScriptedEngine):
+    """ScriptedEngine as the serve worker drives it (an AgentSampler's engine: `tokenizer`,
+    `abort`, `wake`)."""
+
+    def __init__(self, tok, policy):
+        super().__init__(tok, policy)
+        self.tokenizer = tok
+
+    def abort(self, rid):
+        self.queue = [q for q in self.queue if q[0] != rid]
+
+    def wake(self):
+        pass

@@ -17,7 +17,7 @@ import string
 
 import pytest
 import torch
-from agent_setup import ScriptedEngine
+from agent_setup import WorkerEngine
 from train_setup import one_thread
 
 from rlfuse.data import Prompt
@@ -25,7 +25,7 @@ from rlfuse.recipes.agent_demo import agent_config, run_agent_demo
 from rlfuse.recipes.agent_harnesses import CALCULATOR
 from rlfuse.rollout import char_chat_tokenizer
 from rlfuse.run.config import RolloutConfig, replace
-from rlfuse.serve import AgentSampler, agent_sampler
+from rlfuse.serve import AgentSampler, EngineBase, agent_sampler
 from rlfuse.train import open_session, run_grpo, run_ppo
 
 HARNESSES = ["openai_loop", "agents_sdk", "langgraph"]
@@ -36,28 +36,6 @@ def _harness(name):
     if name in NEEDS:
         pytest.importorskip(NEEDS[name])
     return f"rlfuse.recipes.agent_harnesses:{name}"
-
-
-class _Engine(ScriptedEngine):
-    """ScriptedEngine as the server's worker drives it."""
-
-    def __init__(self, tok, policy):
-        super().__init__(tok, policy)
-        self.tokenizer = tok
-
-    def abort(self, rid):
-        self.queue = [q for q in self.queue if q[0] != rid]
-
-    def wake(self):
-        pass
-
-
-class _Base:
-    def __init__(self, llm):
-        self.llm = llm
-
-    def wake(self):
-        pass
 
 
 def _policy(tok):
@@ -75,7 +53,7 @@ def test_harness_round_trip_is_recorded_token_exact(name):
     spec = _harness(name)
     tok = char_chat_tokenizer(string.printable, [CALCULATOR])
     cfg = RolloutConfig(max_turns=4, max_turn_tokens=64, max_total_tokens=256, agent=spec)
-    sampler = AgentSampler(_Base(_Engine(tok, _policy(tok))), tok, cfg, spec)
+    sampler = AgentSampler(EngineBase(WorkerEngine(tok, _policy(tok))), tok, cfg, spec)
     rows = [Prompt([], p, {"prompt": p, "answer": str(eval(p[:-1]))}, "t") for p in ("12*34=", "7*8=")]
     samples = sampler.episodes(rows, n=2, temperature=1.0, seed=0)
     m = sampler.last_metrics

@@ -23,21 +23,13 @@ from rlfuse.kernels import use_backend
 from rlfuse.rollout.agent.recording import AgentSession, Call, Segment
 from rlfuse.run.config import RolloutConfig
 from rlfuse.serve.agent_check import agent_setting
-from rlfuse.serve.agents import MODEL_NAME, AgentSampler
+from rlfuse.serve.agents import MODEL_NAME, AgentSampler, EngineBase
 
 
 @pytest.fixture(scope="module")
 def setup():
     tok = chat_tokenizer("qwen2")
     return tiny_model(vocab=tok.vocab_size, std=0.05), tok
-
-
-class _Base:
-    def __init__(self, llm):
-        self.llm = llm
-
-    def wake(self):
-        self.llm.wake()
 
 
 def _rows(*texts):
@@ -49,7 +41,7 @@ def _sampler(setup, agent, numerics="exact", **rollout):
     llm = LLM(model, tok, EngineConfig(max_num_seqs=8, numerics=numerics, seed=0))
     cfg = RolloutConfig(**{"max_turns": 4, "max_turn_tokens": 12, "max_total_tokens": 200, "agent": "x",
                            **rollout})
-    return AgentSampler(_Base(llm), tok, cfg, agent)
+    return AgentSampler(EngineBase(llm), tok, cfg, agent)
 
 
 def _call(prompt, out):

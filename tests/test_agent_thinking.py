@@ -11,37 +11,15 @@ Run: python -m pytest -q tests/test_agent_thinking.py
 """
 
 import pytest
-from agent_setup import ScriptedEngine, chat_tokenizer
+from agent_setup import WorkerEngine, chat_tokenizer
 
 from rlfuse.data import Prompt
 from rlfuse.run.config import RolloutConfig
 from rlfuse.serve import AgentSampler
-from rlfuse.serve.agents import MODEL_NAME
+from rlfuse.serve.agents import MODEL_NAME, EngineBase
 
 REASONING = "I should multiply the numbers first."
 ANSWER = "The answer is 408."
-
-
-class _Engine(ScriptedEngine):
-    """ScriptedEngine as the server's worker drives it."""
-
-    def __init__(self, tok, policy):
-        super().__init__(tok, policy)
-        self.tokenizer = tok
-
-    def abort(self, rid):
-        self.queue = [q for q in self.queue if q[0] != rid]
-
-    def wake(self):
-        pass
-
-
-class _Base:
-    def __init__(self, llm):
-        self.llm = llm
-
-    def wake(self):
-        pass
 
 
 def _agent(role):
@@ -58,9 +36,9 @@ def _agent(role):
 @pytest.mark.parametrize("role", ["tool", "user"])
 def test_thinking_template_trains_exactly_the_sampled_ids(role):
     tok = chat_tokenizer("qwen3")
-    engine = _Engine(tok, lambda ids, k: f"<think>\n{REASONING}\n</think>\n\n{ANSWER}")
+    engine = WorkerEngine(tok, lambda ids, k: f"<think>\n{REASONING}\n</think>\n\n{ANSWER}")
     cfg = RolloutConfig(max_turns=4, max_turn_tokens=64, max_total_tokens=1024, agent="x")
-    sampler = AgentSampler(_Base(engine), tok, cfg, _agent(role))
+    sampler = AgentSampler(EngineBase(engine), tok, cfg, _agent(role))
     samples = sampler.episodes([Prompt([], "What is 12 * 34?", {"prompt": "What is 12 * 34?"}, "t")], n=2,
                                temperature=1.0, seed=0)
     m = sampler.last_metrics
