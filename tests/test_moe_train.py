@@ -62,6 +62,24 @@ def test_router_loss_term_is_the_weighted_losses_of_the_last_forward():
     assert rl.metrics() == {}  # reset
 
 
+def test_a_padding_micro_batch_adds_no_load():
+    """Data-parallel padding micro-batches repeat real rows at zero weight: `term(pad=True)`
+    consumes their stats but leaves the loads (moe/load_max, moe/load_min) to the real ones,
+    or the ranks' summed loads would count those rows twice (PPO on 2 ranks: 4e-2 off)."""
+    m = _model()
+    with use_backend("torch"):
+        rl = RouterLoss(m, aux_coef=0.0, z_coef=0.0)
+        _forward(m, seed=1)
+        rl.term(1.0)
+        want = rl.metrics()
+        for seed, pad in ((1, False), (2, True)):
+            _forward(m, seed=seed)
+            rl.term(0.0 if pad else 1.0, pad=pad)
+        got = rl.metrics()
+    assert torch.equal(got["moe/load_max"], want["moe/load_max"])
+    assert torch.equal(got["moe/load_min"], want["moe/load_min"])
+
+
 def test_router_loss_follows_transformers_switch_and_skips_dense_models():
     assert RouterLoss.for_model(_model()).aux_coef == 0.0  # output_router_logits false: transformers adds nothing
     on = RouterLoss.for_model(_model(output_router_logits=True, router_aux_loss_coef=0.02))

@@ -9,6 +9,8 @@ images) once gives the unshared forward's bits through the linear-attention laye
     python -m pytest -q tests/test_qwen3_5_vl_train.py
 """
 
+import json
+
 import pytest
 import torch
 from engine_helpers import one_thread  # noqa: F401 -- an autouse fixture
@@ -17,6 +19,7 @@ from test_vision_train import _parity, _tower
 
 from rlfuse.data import build_prompts
 from rlfuse.run import PackedBatch
+from rlfuse.run.config import replace
 from rlfuse.train import open_session, run_grpo, run_sft
 
 TINY_Q35_VL = dict(model_type="qwen3_5", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -98,3 +101,50 @@ def test_dpo_trains_on_image_pairs(tmp_path):
     res = run_dpo(ses.cfg, session=ses)
     assert res["steps"] == 2 and res["history"][0]["rewards/margin"] == 0 < res["history"][-1]["rewards/margin"]
     assert not torch.equal(lm0, ses.model.lm_head_weight)
+
+
+def test_a_trained_lora_exports_a_peft_folder_for_transformers(tmp_path):
+    """A LoRA trained by `rlfuse sft` on image rows (one step): RUN_DIR/final (PEFT) applied by PEFT to
+    transformers' Qwen3_5ForConditionalGeneration holding the base, and final_merged (plain
+    transformers), give our trained model's logits on an image row (fp32; the tower frozen,
+    the adapters on the hybrid text tower: Gated DeltaNet and gated attention projections)."""
+    import peft
+    import transformers
+    from tiny_hf import rel_err
+
+    from rlfuse.kernels import use_backend
+    from rlfuse.model import Packed
+    from rlfuse.model.lora import BaseModelView, adapters_off
+    from rlfuse.model.vision import mrope_positions, tokens_per_image
+    from rlfuse.model.weights import save_model
+
+    cfg = _cfg(tmp_path / "run", lora={"rank": 4, "alpha": 8, "export_merged": True})
+    ses = open_session(replace(cfg, **{"checkpoint.save_final": True, "sft.steps": 1}), need_target=True,
+                       reward_functions={"parity": _parity})
+    model = run_sft(ses.cfg, session=ses)["model"].eval()
+    final, merged = tmp_path / "run" / "final", tmp_path / "run" / "final_merged"
+    peft_cfg = json.loads((final / "adapter_config.json").read_text())
+    assert {"in_proj_qkv", "q_proj", "down_proj"} <= set(peft_cfg["target_modules"]), peft_cfg
+    save_model(model, tmp_path / "base", dtype="float32")  # the frozen base alone
+    v = model.config.vision
+    g = torch.Generator().manual_seed(4)
+    grids = torch.tensor([[1, 4, 2]])
+    pix = torch.randn(int(grids.prod(-1).sum()), v.patch_dim, generator=g)
+    ids = torch.tensor([1, 2, v.vision_start_token_id, *[v.image_token_id] * int(tokens_per_image(grids, 2)[0]),
+                        v.vision_end_token_id, 3, 4])
+    pos, _ = mrope_positions(ids, grids, spatial_merge_size=v.spatial_merge_size, image_token_id=v.image_token_id)
+    attn = Packed.from_lengths([len(ids)])
+    with torch.no_grad(), use_backend("torch"):
+        feats = BaseModelView(model).encode_images(pix, grids)
+        ours = model.logits(model(ids, pos, attn, feats))
+        with adapters_off(model):
+            base = model.logits(model(ids, pos, attn, feats))
+    load = transformers.Qwen3_5ForConditionalGeneration.from_pretrained
+    kw = dict(dtype=torch.float32, attn_implementation="eager")
+    row = dict(input_ids=ids[None], pixel_values=pix, image_grid_thw=grids,
+               mm_token_type_ids=(ids == v.image_token_id).int()[None])  # this char vocabulary's image token
+    with torch.no_grad():
+        with_peft = peft.PeftModel.from_pretrained(load(tmp_path / "base", **kw), final).eval()(**row).logits[0]
+        got_merged = load(merged, **kw).eval()(**row).logits[0]
+    assert rel_err(with_peft, ours) < 1e-5 and rel_err(got_merged, ours) < 1e-5
+    assert rel_err(ours, base) > 1e-3  # the trained adapter changes the logits

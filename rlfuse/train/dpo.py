@@ -182,7 +182,7 @@ class DPOStep(StreamAndGuardState):
         for pad, (mb, pi_c, pi_r, tokens) in zip(pads, batches):
             # read before the reference forward below; the micro-batch's share of the batch's pairs
             # (a data-parallel padding micro-batch: none, but its term is still consumed)
-            router = self.router.term(0.0 if pad else len(mb) / B) if self.router is not None else 0.0
+            router = self.router.term(0.0 if pad else len(mb) / B, pad=pad) if self.router is not None else 0.0
             if self.ref_cache is not None:
                 ref = self.ref_cache[torch.tensor([idx[i] for i in mb], device=self.device)]
                 ref_c, ref_r = ref[:, 0], ref[:, 1]

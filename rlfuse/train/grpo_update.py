@@ -314,7 +314,7 @@ class GRPOUpdate:
             mb_tokens = 0.0 if pad else sum(live[i] * n_loss[i] for i in mb)
             w = 0.0 if pad else accumulation_weight(g.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             if self.router is not None:  # the micro-batch's share of the step's loss tokens
-                loss_w = loss * w + self.router.term(0.0 if pad else mb_tokens / max(total_tokens, 1.0))
+                loss_w = loss * w + self.router.term(0.0 if pad else mb_tokens / max(total_tokens, 1.0), pad=pad)
             else:
                 loss_w = loss * w
             loss_w.backward()

@@ -381,7 +381,7 @@ class PPOStep:
             st.pop("kl")  # no KL in the loss: it is in the reward (logged as "kl")
             w = live * accumulation_weight(p.loss_type, len(js), mb_tokens, total_seqs, total_tokens)
             # MoE: plus the router losses' share of this micro-batch (tw: its share of the mini-batch's tokens)
-            obj = loss * w + (self.router.term(tw) if self.router is not None else 0.0)
+            obj = loss * w + (self.router.term(tw, pad=pad) if self.router is not None else 0.0)
             if ent_N is not None:
                 ent_mean = live * (ent_N * mask_N).sum() / max(total_tokens, 1.0)  # its part of the token mean
                 if p.entropy_coef > 0:

@@ -75,7 +75,7 @@ class SFTStep(StreamAndGuardState):
             loss = -(logp_N * w_N).sum() / total_targets
             if self.router is not None:  # this micro-batch's share of the step's target tokens (host lists)
                 share = 0.0 if pad else sum(sum(examples[i].mask[n_ctx[i]:]) for i in mb) / max(total_targets, 1)
-                loss = loss + self.router.term(share)
+                loss = loss + self.router.term(share, pad=pad)
             loss.backward()
             loss_sum += loss.detach()
             n_tok += 0 if pad else batch.num_tokens

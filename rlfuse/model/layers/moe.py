@@ -223,16 +223,19 @@ class RouterLoss:
         self._aux = self._z = self._share = 0.0
         self._load: list[torch.Tensor | float] = [0.0] * len(self.blocks)
 
-    def term(self, share: float = 1.0) -> torch.Tensor:
+    def term(self, share: float = 1.0, *, pad: bool = False) -> torch.Tensor:
         """The weighted router losses of the last forward (its stats are consumed: a second
-        call without a forward in between raises)."""
+        call without a forward in between raises). `pad`: the forward was a data-parallel
+        padding micro-batch (zero weight, it repeats real rows): its loads are not counted,
+        or the ranks' summed loads would count those rows twice."""
         stats = [b.last_stats for b in self.blocks]
         if any(s is None for s in stats):
             raise RuntimeError("RouterLoss.term: no router stats of a differentiable forward since the last call")
         aux = load_balancing_loss(stats, self.blocks[0].num_experts)
         z = router_z_loss(stats)
         for i, b in enumerate(self.blocks):
-            self._load[i] = self._load[i] + b.last_load.float()
+            if not pad:
+                self._load[i] = self._load[i] + b.last_load.float()
             b.last_stats = None  # the graph tensors go with the loss, not with the module
         self._aux = self._aux + share * aux.detach()
         self._z = self._z + share * z.detach()
