@@ -11,7 +11,8 @@ in a column's arithmetic. Tile shapes (BK, BV) depend on (Dk, Dv) only; exact nu
 turns FMA contraction off, so a row's rounding cannot depend on how the compiler fuses.
 
 Backward: `triton_chunk_bwd` (its docstring has the math): a state pass per (sequence,
-head, Dv block) and a per-chunk gradient kernel, deterministic (no atomics).
+head, Dv block) and per-chunk gradient kernels (split over Dk at wide heads:
+`triton_chunk_bwd_split`), deterministic (no atomics).
 """
 
 from __future__ import annotations

@@ -12,15 +12,20 @@ Given do and dS' (the gradient reaching the state after the chunk):
   dA = -T^T dT T^T (strictly lower), then through A = beta_i (k_i.k_j) D_ij, P, the
   exponentials, gc = cumsum(g) (dg = reverse cumsum of dgc), beta, and the l2 norms
   (x -> x r: dx = r dy - r^3 x (x.dy)).
-Two kernels:
+Three steps:
   1. the forward's two kernels again (`chunk_prep`, `state_pass_kernel` with STORE_H):
      each chunk's state-independent quantities and its start state H;
-     `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
+  2. `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
      backward carrying dS, storing each chunk's dS' (dH) and finally d initial_state (the
-     state's Dv columns are independent, so are their gradients).
-  2. `_chunk_bwd_kernel`, one program per (chunk, value head), all chunks in parallel:
-     recomputes the chunk, loops over Dv blocks accumulating the Dv sums, writes dq, dk
-     (per value head; summed over a q/k head's group after), dv, dg, dbeta.
+     state's Dv columns are independent, so are their gradients);
+  3. each chunk's gradients, all chunks in parallel, two forms (`gated_delta_bwd(split=)`):
+     - split over Dk (`triton_chunk_bwd_split`, the default for heads over 64 wide): three
+       kernels whose live tiles are (C, C) or (C, <= 64), so their dots keep the forward's
+       precision (tf32 for bf16 inputs) within an H100's shared memory at Dk = 128;
+     - `_chunk_bwd_kernel`, one program per (chunk, value head): recomputes the chunk,
+       loops over Dv blocks accumulating the Dv sums, writes dq, dk (per value head;
+       summed over a q/k head's group after), dv, dg, dbeta. It keeps about ten (C, Dk)
+       fp32 tiles live: at Dk = 128 only fp32 FMA dots fit (the default below 128).
 No atomics: every output element is written by one program, the group sum by torch, so
 gradients are deterministic run to run. Backward numerics do not need batch invariance.
 """
