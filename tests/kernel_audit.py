@@ -1,6 +1,7 @@
 """Compile the Triton kernels that a workload launches for an H100 (sm_90) on a machine
 without a GPU, and report each kernel's shared memory: `python tests/kernel_audit.py CASE...`
-prints one JSON line per distinct compiled variant.
+prints one JSON line per distinct compiled variant (its shared memory, and whether its PTX has
+tensor-core instructions: wgmma or mma.sync).
 
 Why: a kernel whose tiles need more shared memory than the card has (227 KB on an H100) fails
 only when it first launches on a GPU (Triton's OutOfResources), and the CPU interpreter never
@@ -55,7 +56,9 @@ def _compile_instead(self, *args, grid, warmup, **kwargs):
         _seen.add(key)
         compiled = triton.compile(ASTSource(fn=self, signature=signature, constexprs=constexprs),
                                   target=SM90, options=options)
+        ptx = compiled.asm.get("ptx", "")
         print(json.dumps({"kernel": self.fn.__name__, "shared": compiled.metadata.shared,
+                          "tensor_cores": "wgmma" in ptx or "mma.sync" in ptx,
                           "constexprs": key[1], "options": key[2]}), flush=True)
 
 
@@ -75,6 +78,11 @@ def _gated_delta(dtype: torch.dtype, Hk=16, Hv=32, D=128, T=200):
     o, _ = gd.chunk_gated_delta_rule(q, k, v, g, beta, cu, initial_state=torch.zeros(2, Hv, D, D),
                                      output_final_state=True)
     o.float().sum().backward()
+    # the one-kernel backward as well (reachable with split=False, for the A/B in bench_gated_delta.py)
+    bwd = backend.triton_ops("gated_delta.triton_chunk_bwd").gated_delta_bwd
+    with torch.no_grad():
+        bwd(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), cu, torch.zeros(2, Hv, D, D), D ** -0.5,
+            o.detach(), None, split=False)
     # the engine's decode steps on its slot pools: exact (the two kernels slot-addressed), fast (recurrent)
     B, N = 4, 6
     pool = torch.zeros(N, Hv, D, D)

@@ -250,10 +250,12 @@ def test_triton_forward_against_float64(dtype, numerics, dims, lens, state):
 @pytest.mark.parametrize("dims,lens,state,final", [((1, 2, 8, 4), [66, 4], True, True),
                                                    ((2, 4, 12, 40), [130, 64, 3], False, False),
                                                    ((1, 3, 16, 8), [64, 1], True, False),
-                                                   ((1, 2, 8, 4), [5, 0, 66], True, True)])  # an empty sequence
+                                                   ((1, 2, 8, 4), [5, 0, 66], True, True),  # an empty sequence
+                                                   ((1, 2, 80, 72), [70, 3], True, True)])  # wide: split over Dk
 def test_triton_backward_against_float64(dims, lens, state, final):
     """The Triton backward (dq, dk, dv, dg, dbeta, d initial state) against float64
-    gradients of the reference: no worse than the fp32 reference's own error."""
+    gradients of the reference: no worse than the fp32 reference's own error. Heads over 64
+    wide take the Dk-split kernels (tests/test_kernel_gated_delta_bwd.py), the others one."""
     Hk, Hv, Dk, Dv = dims
     q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=Hk, Hv=Hv, Dk=Dk, Dv=Dv, seed=6, state=state)
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta)] + ([s0.requires_grad_()] if state else [])
@@ -278,11 +280,12 @@ def test_triton_backward_against_float64(dims, lens, state, final):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
-def test_triton_backward_bf16(dtype):
+@pytest.mark.parametrize("Dk,Dv", [(16, 8), (80, 72)])  # one kernel; split over Dk (wide)
+def test_triton_backward_bf16(dtype, Dk, Dv):
     lens = [70, 9]
-    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=2, Dk=16, Dv=8, dtype=dtype, seed=8)
+    q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=2, Dk=Dk, Dv=Dv, dtype=dtype, seed=8)
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta, s0)]
-    do = torch.randn(sum(lens), 2, 8, generator=torch.Generator().manual_seed(9)).to(dtype)
+    do = torch.randn(sum(lens), 2, Dv, generator=torch.Generator().manual_seed(9)).to(dtype)
     out = {}
     for backend in ("triton", "torch"):
         with use_backend(backend):
@@ -462,10 +465,11 @@ def test_recurrent_decode_refuses_exact_numerics():
         fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=s0)
 
 
-def test_triton_strided_views_as_the_layer_passes_them():
+@pytest.mark.parametrize("Dk,Dv", [(16, 8), (80, 72)])  # the one-kernel backward; the Dk-split one
+def test_triton_strided_views_as_the_layer_passes_them(Dk, Dv):
     """q, k, v as views of one projection output (the layer splits in_proj_qkv's columns):
     the same forward bits as contiguous copies, and the same gradients."""
-    Hk, Hv, Dk, Dv, lens = 1, 2, 16, 8, [70, 3]
+    Hk, Hv, lens = 1, 2, [70, 3]
     T = sum(lens)
     gen = torch.Generator().manual_seed(13)
     mixed = torch.randn(T, 2 * Hk * Dk + Hv * Dv, generator=gen).requires_grad_()

@@ -13,6 +13,11 @@ states given. Decode: B = 1 / 32 / 256 sequences, one token each from a state:
   fla         fla.ops.gated_delta_rule.fused_recurrent_gated_delta_rule
 bound = state read + write (B Hv Dk Dv 4 bytes x 2) at the in-run copy bandwidth.
 
+Backward A/B: `gated_delta_bwd(..., split=True / False)` called directly on the same inputs,
+the Dk-split kernels (tensor-core dots, the default at 128-wide heads) against the one-kernel
+form (fp32 FMA dots there), each with the fast forward's ms added, and the max gap between
+their gradients (max abs / max |one-kernel grad|).
+
 Checks before timing (a timing of a wrong result is not a result): o of each
 implementation against our fp32 reference (`chunk_gated_delta_rule_ref`, fast
 numerics) on the same inputs, max abs error printed in the `err` column; the gradients
@@ -39,6 +44,7 @@ from _timing import median_seconds  # benchmarks/kernels/_timing.py (the script'
 
 from rlfuse.engine.benchmark import copy_bandwidth
 from rlfuse.kernels import use_backend, use_numerics
+from rlfuse.kernels.backend import triton_ops
 from rlfuse.kernels.gated_delta import (
     CHUNK,
     chunk_gated_delta_decode,
@@ -144,6 +150,30 @@ def prefill_rows(fla_chunk, totals, reps):
     return rows
 
 
+def backward_ab_rows(totals, reps):
+    """Our backward both ways (split over Dk / one kernel) on the same inputs: ms, and the
+    forward + backward ms with the fast forward's time added."""
+    bwd = triton_ops("gated_delta.triton_chunk_bwd").gated_delta_bwd
+    rows = []
+    for total in totals:
+        lens = lengths(total, 256, 2048) if DEV == "cuda" else lengths(total, 20, 150)
+        q, k, v, g, beta, cu, s0 = args = inputs(lens)
+        do = torch.randn_like(v)
+        t_fwd = timed(lambda: ours("fast")(*args), reps)
+        grads = {}
+        for split in (False, True):
+            def fn():
+                return bwd(q, k, v, g, beta, cu, s0, DK ** -0.5, do, None, split=split)
+            grads[split] = fn()
+            t = timed(fn, reps)
+            gap = max(((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12)).item()
+                      for a, b in zip(grads[split], grads[False]))
+            rows.append(dict(case=f"T={total} ({len(lens)} seqs)",
+                             impl="split over Dk (tensor cores)" if split else "one kernel (fp32 FMA at Dk 128)",
+                             bwd_ms=t * 1e3, fwd_bwd_ms=(t + t_fwd) * 1e3, gap=gap))
+    return rows
+
+
 def grad_check(fla_chunk):
     """Gradients of ours (fast, bf16) on one small batch against our fp32 torch reference
     (inputs upcast) and against FLA's: max abs difference per input, relative to the other
@@ -242,6 +272,7 @@ def main():
     bw = copy_bandwidth(torch.device(DEV), 1 << (20 if a.smoke else 30))
     quick = a.quick or a.smoke
     prefill = prefill_rows(fla_chunk, [300 if a.smoke else 4096] if quick else [4096, 16384], reps)
+    backward = backward_ab_rows([300 if a.smoke else 4096] if quick else [4096, 16384], reps)
     grads = grad_check(fla_chunk)
     decode = decode_rows(fla_recurrent, [1, 3 if a.smoke else 256] if quick else [1, 32, 256], reps, bw)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -251,6 +282,10 @@ def main():
              "| case | impl | max err vs fp32 ref | fwd ms | fwd+bwd ms |", "|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['impl']} | {r['err']:.2e} | {r['fwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} |"
               for r in prefill]
+    lines += ["", "| case | our backward | bwd ms | fwd (fast) + bwd ms | max grad gap vs one kernel |",
+              "|---|---|---|---|---|"]
+    lines += [f"| {r['case']} | {r['impl']} | {r['bwd_ms']:.3f} | {r['fwd_bwd_ms']:.3f} | {r['gap']:.1e} |"
+              for r in backward]
     lines += ["", "gradient gap of ours (max abs / max |other grad|): " +
               ", ".join(f"{k} {v:.1e}" if isinstance(v, float) else f"{k}: {v}" for k, v in grads.items()), "",
               "| case | impl | max err vs fp32 ref | us | state bound us |", "|---|---|---|---|---|"]
@@ -258,7 +293,7 @@ def main():
     table = "\n".join(lines)
     print(table)
     (out / "bench_gated_delta.md").write_text(table + "\n")
-    (out / "bench_gated_delta.json").write_text(json.dumps(dict(meta=meta, prefill=prefill, grads=grads,
+    (out / "bench_gated_delta.json").write_text(json.dumps(dict(meta=meta, prefill=prefill, backward=backward, grads=grads,
                                                                 decode=decode), indent=1))
 
 

@@ -11,7 +11,8 @@ in a column's arithmetic. Tile shapes (BK, BV) depend on (Dk, Dv) only; exact nu
 turns FMA contraction off, so a row's rounding cannot depend on how the compiler fuses.
 
 Backward: `triton_chunk_bwd` (its docstring has the math): a state pass per (sequence,
-head, Dv block) and a per-chunk gradient kernel, deterministic (no atomics).
+head, Dv block) and per-chunk gradient kernels (split over Dk at wide heads:
+`triton_chunk_bwd_split`), deterministic (no atomics).
 """
 
 from __future__ import annotations
@@ -82,13 +83,15 @@ def chunk_common(Q, K, G, BETA, t, rm, hk, h, sq_t, sq_h, sk_t, sk_h, sg_t, sg_h
 
 
 @triton.jit(do_not_specialize=["Hv", "n_rep"])
-def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL, SLOT, SLEN,
+def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL, TB, SLOT, SLEN,
                        sq_t, sq_h, sk_t, sk_h, sv_t, sv_h, sg_t, sg_h, sb_t, sb_h,
                        Hv, n_rep, scale, eps, DK: tl.constexpr, DV: tl.constexpr, BK: tl.constexpr,
-                       BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, HAS_SLOT: tl.constexpr = False):
+                       BV: tl.constexpr, C: tl.constexpr, PREC: tl.constexpr, HAS_SLOT: tl.constexpr = False,
+                       STORE_T: tl.constexpr = False):
     """Everything of a chunk that does not depend on its start state, one program per
     (chunk, value head), all chunks at once: w, u = T (beta v), q exp(gc), k exp(gL - gc)
-    (rows of the chunk, fp32), P (C, C) and exp(gL). HAS_SLOT (the engine's exact decode
+    (rows of the chunk, fp32), P (C, C) and exp(gL); with STORE_T (the split backward)
+    also T (C, C). HAS_SLOT (the engine's exact decode
     step, one C-row segment per sequence): the inputs are per-slot tails (N, C, ...), the
     segment's rows are read from slot SLOT[b], its first SLEN[b] rows (the others load as
     the zeros a shorter sequence is padded with); the outputs stay at the segment's rows."""
@@ -122,6 +125,8 @@ def _chunk_prep_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, WB, UB, QG, KD, PB, EL,
     tl.store(KD + rk, k * ekd[:, None], mask=m2)
     tl.store(PB + (ci * Hv + h).to(tl.int64) * C * C + offs_c[:, None] * C + offs_c[None, :], P)
     tl.store(EL + ci * Hv + h, tl.exp(gL))
+    if STORE_T:
+        tl.store(TB + (ci * Hv + h).to(tl.int64) * C * C + offs_c[:, None] * C + offs_c[None, :], Tm)
     for v0 in range(0, DV, BV):
         offs_v = v0 + tl.arange(0, BV)
         mv = offs_v < DV
@@ -253,11 +258,11 @@ def gated_delta_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, o
 
 
 def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg: dict, slots=None,
-               slot_lens=None) -> dict:
+               slot_lens=None, store_t: bool = False) -> dict:
     """Launch `_chunk_prep_kernel`: {"buffers": (w, u, q exp(gc), k exp(gL - gc), P,
-    exp(gL)) fp32, "coff", "cseq", "cidx", "NC"} (see `chunk_map`). With `slots`: q..beta
-    are per-slot tails (N, C, ...), segment b (C rows) reads slot slots[b]'s first
-    slot_lens[b] rows."""
+    exp(gL)) fp32, "coff", "cseq", "cidx", "NC"} (see `chunk_map`), and with `store_t`
+    "T" (NC, Hv, C, C) fp32. With `slots`: q..beta are per-slot tails (N, C, ...), segment
+    b (C rows) reads slot slots[b]'s first slot_lens[b] rows."""
     r = 0 if slots is None else 1  # the row dimension of the inputs
     Hk, Dk = q.shape[r + 1:]
     Hv, Dv = v.shape[r + 1:]
@@ -268,14 +273,15 @@ def chunk_prep(q, k, v, g, beta, cu_seqlens, scale: float, BK: int, BV: int, cfg
     ub = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
     pb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev)
     el = torch.empty(NC, Hv, dtype=torch.float32, device=dev)
+    tb = torch.empty_like(pb) if store_t else None
     _chunk_prep_kernel[(NC, Hv)](
-        q, k, v, g, beta, cu_seqlens, cseq, cidx, wb, ub, qg, kd, pb, el,
+        q, k, v, g, beta, cu_seqlens, cseq, cidx, wb, ub, qg, kd, pb, el, tb if store_t else el,
         slots if slots is not None else cu_seqlens, slot_lens if slot_lens is not None else cu_seqlens,
         q.stride(r), q.stride(r + 1), k.stride(r), k.stride(r + 1), v.stride(r), v.stride(r + 1),
         g.stride(r), g.stride(r + 1), beta.stride(r), beta.stride(r + 1),
         Hv, Hv // Hk, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, PREC=dot_precision(v),
-        HAS_SLOT=slots is not None, **cfg)
-    return dict(buffers=(wb, ub, qg, kd, pb, el), coff=coff, cseq=cseq, cidx=cidx, NC=NC)
+        HAS_SLOT=slots is not None, STORE_T=store_t, **cfg)
+    return dict(buffers=(wb, ub, qg, kd, pb, el), coff=coff, cseq=cseq, cidx=cidx, NC=NC, T=tb)
 
 
 class _ChunkGatedDelta(torch.autograd.Function):

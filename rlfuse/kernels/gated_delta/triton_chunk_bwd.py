@@ -12,15 +12,20 @@ Given do and dS' (the gradient reaching the state after the chunk):
   dA = -T^T dT T^T (strictly lower), then through A = beta_i (k_i.k_j) D_ij, P, the
   exponentials, gc = cumsum(g) (dg = reverse cumsum of dgc), beta, and the l2 norms
   (x -> x r: dx = r dy - r^3 x (x.dy)).
-Two kernels:
+Three steps:
   1. the forward's two kernels again (`chunk_prep`, `state_pass_kernel` with STORE_H):
      each chunk's state-independent quantities and its start state H;
-     `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
+  2. `_state_bwd_kernel`, one program per (Dv block, sequence x head): walks the chunks
      backward carrying dS, storing each chunk's dS' (dH) and finally d initial_state (the
-     state's Dv columns are independent, so are their gradients).
-  2. `_chunk_bwd_kernel`, one program per (chunk, value head), all chunks in parallel:
-     recomputes the chunk, loops over Dv blocks accumulating the Dv sums, writes dq, dk
-     (per value head; summed over a q/k head's group after), dv, dg, dbeta.
+     state's Dv columns are independent, so are their gradients);
+  3. each chunk's gradients, all chunks in parallel, two forms (`gated_delta_bwd(split=)`):
+     - split over Dk (`triton_chunk_bwd_split`, the default for heads over 64 wide): three
+       kernels whose live tiles are (C, C) or (C, <= 64), so their dots keep the forward's
+       precision (tf32 for bf16 inputs) within an H100's shared memory at Dk = 128;
+     - `_chunk_bwd_kernel`, one program per (chunk, value head): recomputes the chunk,
+       loops over Dv blocks accumulating the Dv sums, writes dq, dk (per value head;
+       summed over a q/k head's group after), dv, dg, dbeta. It keeps about ten (C, Dk)
+       fp32 tiles live: at Dk = 128 only fp32 FMA dots fit (the default below 128).
 No atomics: every output element is written by one program, the group sum by torch, so
 gradients are deterministic run to run. Backward numerics do not need batch invariance.
 """
@@ -33,6 +38,7 @@ import triton.language as tl
 
 from rlfuse.kernels.gated_delta.chunk import CHUNK, L2_EPS
 from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_prep, state_pass_kernel, tile_config
+from rlfuse.kernels.gated_delta.triton_chunk_bwd_split import chunk_bwd_split
 from rlfuse.kernels.triton_common import dot, dot_precision
 
 
@@ -182,9 +188,12 @@ def _chunk_bwd_kernel(Q, K, V, G, BETA, CU, CSEQ, CIDX, H, DH, DO, DQ, DK_, DV_,
     tl.store(DB + t * Hv + h, dbeta, mask=rm)
 
 
-def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, do, dsf):
+def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, do, dsf, split: bool | None = None):
     """dq, dk, dv, dg, dbeta, d initial_state (None where no initial state was given); no
-    host sync (the chunk grid is sized by the bound T // 64 + B)."""
+    host sync (the chunk grid is sized by the bound T // 64 + B). `split`: the per-chunk
+    gradients by the Dk-split kernels (`triton_chunk_bwd_split`) or by the one-kernel
+    `_chunk_bwd_kernel`; None picks the split for wide heads (Dk > 64) and one kernel for
+    narrower ones (benchmarks/kernels/bench_gated_delta.py times both)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
     B = cu_seqlens.shape[0] - 1
@@ -199,8 +208,15 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     cfg = tile_config(Dk, Dv, exact=False)
     BK, BV = cfg.pop("BK"), cfg.pop("BV")
     prec = dot_precision(v)  # the forward's
+    # The one-kernel form keeps about ten (C, BK) fp32 tiles live. At BK 128 its tensor-core
+    # (tf32) dots need 262-320 KB of shared memory for any BV / warp count, over the H100's
+    # 227 KB, so there it runs fp32 FMA dots ("ieee") with BV 16 (220 KB). The split kernels
+    # keep (C, C) and (C, <= 64) tiles only and run the forward's precision at any width
+    # (tests/kernel_audit.py compiles both for sm_90).
+    wide = BK >= 128
+    split = wide if split is None else split
     # 1. the forward's state-independent pass, then its state pass storing each chunk's start state
-    prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg)
+    prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg, store_t=split)
     coff, cseq, cidx, NC = prep["coff"], prep["cseq"], prep["cidx"], prep["NC"]
     wb, ub, qg, kd, pb, el = prep["buffers"]
     Hbuf = torch.empty(NC, Hv, Dk, Dv, dtype=torch.float32, device=dev)
@@ -214,28 +230,39 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     _state_bwd_kernel[(triton.cdiv(Dv, BV), B * Hv)](
         wb, qg, kd, pb, el, cu_seqlens, coff, do, dsf if dsf is not None else ds0, dH, ds0, do.stride(0),
         do.stride(1), Hv, DK=Dk, DV=Dv, BK=BK, BV=BV, C=CHUNK, HAS_DSF=dsf is not None, PREC=prec, **cfg)
-    del wb, ub, qg, kd, pb, el, prep
-    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), do.stride(0), do.stride(1))
-    dq = torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev)
-    dk = torch.empty_like(dq)
-    dv = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
-    dg = torch.empty(T, Hv, dtype=torch.float32, device=dev)
-    db = torch.empty_like(dg)
-    # the chunk kernel writes dv with v's strides and reads do with its own: give it both contiguous
-    vc, doc = v.contiguous(), do.contiguous()
-    sv = strides[:4] + vc.stride()[:2] + strides[6:10] + doc.stride()[:2]
-    # The chunk kernel keeps about ten (C, BK) fp32 tiles live. At BK 128 its tensor-core (tf32)
-    # dots need 262-320 KB of shared memory for any BV / warp count, over the H100's 227 KB; fp32
-    # FMA dots ("ieee") with BV 16 need 220 KB (tests/kernel_audit.py). Correct first: splitting
-    # the kernel over Dk is the way back to tensor cores at Qwen3.5's heads (docs/benchmarks.md).
-    wide = BK >= 128
-    _chunk_bwd_kernel[(NC, Hv)](
-        q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db, *sv,
-        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=16 if wide else min(32, BV), C=CHUNK,
-        PREC="ieee" if wide and prec == "tf32" else prec, num_warps=8, num_stages=1)
+    del wb, ub, qg, kd, pb, el
+    # 3. each chunk's gradients, all chunks in parallel
+    if split:
+        dq, dk, dv, dg, db = chunk_bwd_split(q, k, v, g, beta, cu_seqlens, scale, do, prep, Hbuf, dH, prec)
+    else:
+        del prep
+        dq, dk, dv, dg, db = _chunk_bwd_fused(q, k, v, g, beta, cu_seqlens, cseq, cidx, NC, scale, do, Hbuf, dH,
+                                              prec)
     rep = Hv // Hk
     dq = dq.view(T, Hk, rep, Dk).sum(2)  # a q/k head's gradient: the sum over its value heads, in order
     dk = dk.view(T, Hk, rep, Dk).sum(2)
     return (dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), db.to(beta.dtype),
             ds0 if initial_state is not None else None)
+
+
+def _chunk_bwd_fused(q, k, v, g, beta, cu_seqlens, cseq, cidx, NC, scale, do, Hbuf, dH, prec):
+    """`_chunk_bwd_kernel`'s launch: dq, dk (T, Hv, Dk) per value head, dv, dg, dbeta fp32."""
+    T, Hk, Dk = q.shape
+    Hv, Dv = v.shape[1:]
+    dev = v.device
+    BK, BV = max(16, triton.next_power_of_2(Dk)), min(32, max(16, triton.next_power_of_2(Dv)))
+    dq = torch.empty(T, Hv, Dk, dtype=torch.float32, device=dev)
+    dk = torch.empty_like(dq)
+    dv = torch.empty(T, Hv, Dv, dtype=torch.float32, device=dev)
+    dg = torch.empty(T, Hv, dtype=torch.float32, device=dev)
+    db = torch.empty_like(dg)
+    # the kernel writes dv with v's strides and reads do with its own: give it both contiguous
+    vc, doc = v.contiguous(), do.contiguous()
+    wide = BK >= 128  # fp32 FMA dots with BV 16 to fit shared memory (see gated_delta_bwd)
+    _chunk_bwd_kernel[(NC, Hv)](
+        q, k, vc, g, beta, cu_seqlens, cseq, cidx, Hbuf, dH, doc, dq, dk, dv, dg, db,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), vc.stride(0), vc.stride(1),
+        g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), doc.stride(0), doc.stride(1),
+        Hv, Hv // Hk, NC, scale, L2_EPS, DK=Dk, DV=Dv, BK=BK, BV=16 if wide else BV, C=CHUNK,
+        PREC="ieee" if wide and prec == "tf32" else prec, num_warps=8, num_stages=1)
+    return dq, dk, dv, dg, db
