@@ -25,6 +25,15 @@ from rlfuse.kernels.gated_delta import (
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
 
+@pytest.fixture
+def split_wide(monkeypatch):
+    """Wide heads through autograd take the Dk-split backward (off by default until it has run
+    on a GPU: triton_chunk_bwd.SPLIT_WIDE_HEADS); the one-kernel form is compared with it in
+    tests/test_kernel_gated_delta_bwd.py."""
+    from rlfuse.kernels.gated_delta import triton_chunk_bwd
+    monkeypatch.setattr(triton_chunk_bwd, "SPLIT_WIDE_HEADS", True)
+
+
 def _cu(lens):
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
@@ -252,7 +261,7 @@ def test_triton_forward_against_float64(dtype, numerics, dims, lens, state):
                                                    ((1, 3, 16, 8), [64, 1], True, False),
                                                    ((1, 2, 8, 4), [5, 0, 66], True, True),  # an empty sequence
                                                    ((1, 2, 80, 72), [70, 3], True, True)])  # wide: split over Dk
-def test_triton_backward_against_float64(dims, lens, state, final):
+def test_triton_backward_against_float64(dims, lens, state, final, split_wide):
     """The Triton backward (dq, dk, dv, dg, dbeta, d initial state) against float64
     gradients of the reference: no worse than the fp32 reference's own error. Heads over 64
     wide take the Dk-split kernels (tests/test_kernel_gated_delta_bwd.py), the others one."""
@@ -281,7 +290,7 @@ def test_triton_backward_against_float64(dims, lens, state, final):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16])
 @pytest.mark.parametrize("Dk,Dv", [(16, 8), (80, 72)])  # one kernel; split over Dk (wide)
-def test_triton_backward_bf16(dtype, Dk, Dv):
+def test_triton_backward_bf16(dtype, Dk, Dv, split_wide):
     lens = [70, 9]
     q, k, v, g, beta, cu, s0 = _inputs(lens, Hk=1, Hv=2, Dk=Dk, Dv=Dv, dtype=dtype, seed=8)
     leaves = [t.requires_grad_() for t in (q, k, v, g, beta, s0)]
@@ -466,7 +475,7 @@ def test_recurrent_decode_refuses_exact_numerics():
 
 
 @pytest.mark.parametrize("Dk,Dv", [(16, 8), (80, 72)])  # the one-kernel backward; the Dk-split one
-def test_triton_strided_views_as_the_layer_passes_them(Dk, Dv):
+def test_triton_strided_views_as_the_layer_passes_them(Dk, Dv, split_wide):
     """q, k, v as views of one projection output (the layer splits in_proj_qkv's columns):
     the same forward bits as contiguous copies, and the same gradients."""
     Hk, Hv, lens = 1, 2, [70, 3]

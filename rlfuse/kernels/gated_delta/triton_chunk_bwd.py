@@ -41,6 +41,11 @@ from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_prep, st
 from rlfuse.kernels.gated_delta.triton_chunk_bwd_split import chunk_bwd_split
 from rlfuse.kernels.triton_common import dot, dot_precision
 
+# The split form is correct against float64 on the CPU and fits sm_90's shared memory with
+# tensor-core dots (tests/kernel_audit.py), but has not run on a GPU: it becomes the default
+# for wide heads once `test_gpu_split_backward_qwen35` and bench_gated_delta's A/B say so.
+SPLIT_WIDE_HEADS = False
+
 
 @triton.jit(do_not_specialize=["Hv"])
 def _state_bwd_kernel(WB, QG, KD, PB, EL, CU, COFF, DO, DSF, DH, DS0, so_t, so_h, Hv,
@@ -192,8 +197,8 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     """dq, dk, dv, dg, dbeta, d initial_state (None where no initial state was given); no
     host sync (the chunk grid is sized by the bound T // 64 + B). `split`: the per-chunk
     gradients by the Dk-split kernels (`triton_chunk_bwd_split`) or by the one-kernel
-    `_chunk_bwd_kernel`; None picks the split for wide heads (Dk > 64) and one kernel for
-    narrower ones (benchmarks/kernels/bench_gated_delta.py times both)."""
+    `_chunk_bwd_kernel`; None: the split for wide heads (Dk > 64) when `SPLIT_WIDE_HEADS`, else
+    one kernel (benchmarks/kernels/bench_gated_delta.py times both)."""
     T, Hk, Dk = q.shape
     Hv, Dv = v.shape[1:]
     B = cu_seqlens.shape[0] - 1
@@ -214,7 +219,7 @@ def gated_delta_bwd(q, k, v, g, beta, cu_seqlens, initial_state, scale: float, d
     # keep (C, C) and (C, <= 64) tiles only and run the forward's precision at any width
     # (tests/kernel_audit.py compiles both for sm_90).
     wide = BK >= 128
-    split = wide if split is None else split
+    split = (wide and SPLIT_WIDE_HEADS) if split is None else split
     # 1. the forward's state-independent pass, then its state pass storing each chunk's start state
     prep = chunk_prep(q, k, v, g, beta, cu_seqlens, scale, BK, BV, cfg, store_t=split)
     coff, cseq, cidx, NC = prep["coff"], prep["cseq"], prep["cidx"], prep["NC"]
