@@ -148,14 +148,10 @@ async def session_chat(state: ServeApp, store: SessionStore, sid: str, req: Chat
     room = min(_room(store, ses, prompt, req.token_limit), state.llm.max_model_len - len(prompt))
     if room < 1:
         raise _fail(ses, "token_budget", f"the episode used its rollout.max_total_tokens={store.max_total_tokens}")
-    plain = req.model_copy(update={"tools": None, "functions": None, "tool_choice": None})
-    params = plain.sampling_params(room)
     over = dict(store.sampling or {})
     # training: the episode's seed (draws depend on the episode and its history, not the batch)
     over["seed"] = req.seed if req.seed is not None and store.sampling is None else ses.seed
-    params = SamplingParams(**{**{f: getattr(params, f) for f in ("n", "temperature", "top_p", "top_k", "min_p",
-                                                                 "max_tokens", "min_tokens", "stop", "stop_token_ids",
-                                                                 "ignore_eos", "skip_special_tokens")}, **over})
+    params = req.sampling_params(room, tools_ok=True, **over)  # the tools are the renderer's
     choices, n_out = [], 0
     for index, done in enumerate(await _generate(state, prompt, params, request)):
         c = done.completion
