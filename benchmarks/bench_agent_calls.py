@@ -43,7 +43,8 @@ SPANS = (  # (part, (file fragment, function) whose cumulative time it is), nest
     ("client call", ("openai/resources/chat/completions/completions.py", "create")),
     ("ASGI transport + app", ("httpx/_transports/asgi.py", "handle_async_request")),
     ("app (FastAPI)", ("fastapi/applications.py", "__call__")),
-    ("request validation", ("fastapi/dependencies/utils.py", "solve_dependencies")),
+    ("request validation", ("fastapi/dependencies/utils.py", "solve_dependencies")),  # a route with a body parameter
+    ("request validation", ("pydantic/main.py", "model_validate_json")),  # the session route's own
     ("rlfuse handler", ("rlfuse/serve/session.py", "session_chat")),
     ("  template rendering", ("rlfuse/rollout/agent/chat.py", "render")),
     ("  tokenizer encode / decode", ("rlfuse/model/tokenizer.py", "encode")),
@@ -165,7 +166,7 @@ def main() -> None:
         parts = spans(pstats.Stats(prof))
         total = parts[SPANS[0][0]]
         print("| part (cumulative, profiled) | share of the main thread's CPU |\n|---|---|")
-        for part, _ in SPANS:
+        for part in dict.fromkeys(part for part, _ in SPANS):
             print(f"| {part} | {100 * parts.get(part, 0.0) / total:.1f}% |")
 
 

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 import torch
-from agent_setup import chat_tokenizer
+from agent_setup import WorkerEngine, chat_tokenizer
 from engine_helpers import (
     one_thread,  # noqa: F401 (fixture)
     tiny_model,
@@ -141,6 +141,30 @@ def test_bad_requests_get_openais_errors(setup):
     assert seen["long"][:2] == (400, "context_length_exceeded")
 
 
+
+def test_a_bad_session_body_gets_openais_400(setup):
+    """The session route parses its body itself (one pydantic pass): invalid JSON, an unknown
+    field, a lone surrogate (not valid Unicode) and a missing field each answer a 400 in
+    OpenAI's shape, before any session or engine work."""
+    import httpx
+
+    from rlfuse.serve.session import serve_app
+    _, tok = setup
+    app = serve_app(WorkerEngine(tok, lambda ids, k: "hi"), MODEL_NAME)
+    bodies = {"json": b'{"model": ', "field": b'{"model": "m", "messages": [{"role": "user"}], "bogus": 1}',
+              "surrogate": b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+              "missing": b'{"model": "m"}'}
+
+    async def post_all():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as http:
+            return {k: await http.post("http://x/sessions/s/v1/chat/completions", content=b,
+                                       headers={"content-type": "application/json"}) for k, b in bodies.items()}
+    got = asyncio.run(post_all())
+    assert all(r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error" for r in got.values())
+    assert got["field"].json()["error"]["param"] == "bogus" and "unknown field" in got["field"].json()["error"]["message"]
+    assert "not valid JSON" in got["json"].json()["error"]["message"]
+    assert "not valid JSON" in got["surrogate"].json()["error"]["message"]
+    assert got["missing"].json()["error"]["param"] == "messages"
 
 def test_rlfuse_serve_mounts_sessions_with_streaming_and_n(setup):
     """`rlfuse serve`'s app (serve_app) answers the session routes: a session opens on its

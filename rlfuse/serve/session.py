@@ -34,7 +34,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from rlfuse.engine import SamplingParams
 from rlfuse.rollout.agent import AgentSession, Call, ChatRenderer, TemplateError, split_content
@@ -215,13 +217,21 @@ def add_session_routes(app: FastAPI, store: SessionStore) -> None:
     """Mount the session routes on an app from `rlfuse.serve.build_app` (its error handlers apply)."""
     state: ServeApp = app.state.serve
 
-    @app.post("/sessions/{sid}/v1/chat/completions")
-    async def chat(sid: str, req: ChatRequest, request: Request):
-        body = await session_chat(state, store, sid, req, request)
+    async def chat(request: Request):
+        # the body parsed and validated in one pydantic pass over its bytes, not by FastAPI's
+        # dependency solver (json.loads, then validation): every agent call takes this route
+        # (benchmarks/bench_agent_calls.py); a bad body is the same RequestValidationError (400)
+        try:
+            req = ChatRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        body = await session_chat(state, store, request.path_params["sid"], req, request)
         if req.stream:
             return StreamingResponse(stream_chunks(body), media_type="text/event-stream")
         # a JSONResponse as is: FastAPI's encoder walks every log-prob of a returned dict
         return JSONResponse(body)
+
+    app.router.add_route("/sessions/{sid}/v1/chat/completions", chat, methods=["POST"])
 
     @app.get("/sessions/{sid}/trajectory")
     async def get_trajectory(sid: str):
