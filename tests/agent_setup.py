@@ -84,3 +84,6 @@ class WorkerEngine(ScriptedEngine):
 
     def wake(self):
         pass
+
+    def capture_graphs(self, up_to=None):
+        pass  # a scripted engine has no decode graphs

@@ -11,7 +11,7 @@ import asyncio
 import openai
 import pytest
 import torch
-from agent_setup import chat_tokenizer
+from agent_setup import WorkerEngine, chat_tokenizer
 from engine_helpers import (
     one_thread,  # noqa: F401 (fixture)
     tiny_model,
@@ -120,6 +120,40 @@ def test_faults_fail_the_episode_with_reward_zero(setup):
     assert len(sampler.last_sessions[3].calls) == 3
 
 
+@pytest.mark.gpu
+def test_the_decode_graphs_are_captured_before_the_worker_thread_starts(setup):
+    """On a GPU the rollout captures the decode CUDA graphs on the calling thread, for the
+    batch of all its sessions, before the engine worker thread runs: none is captured inside
+    the rollout (where the worker would capture while agents wait)."""
+    import copy
+    import threading
+
+    model, tok = setup
+    llm = LLM(copy.deepcopy(model).cuda(), tok, EngineConfig(max_num_seqs=8, seed=0))
+    decode, seen = llm.runner.decode, []
+    assert decode is not None and decode.use_graphs and not decode.graphs
+    capture = llm.capture_graphs
+
+    def spy(up_to=None):
+        capture(up_to=up_to)
+        seen.append((threading.current_thread() is threading.main_thread(), up_to, len(decode.graphs)))
+    llm.capture_graphs = spy
+
+    async def agent(client, row):
+        messages = [{"role": "user", "content": row["prompt"]}]
+        for _ in range(2):
+            r = await client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=6)
+            messages.append(r.choices[0].message.model_dump(exclude_none=True))
+            messages.append({"role": "tool", "content": "408"})
+        return 1.0
+
+    cfg = RolloutConfig(max_turns=4, max_turn_tokens=12, max_total_tokens=200, agent="x")
+    sampler = AgentSampler(EngineBase(llm), tok, cfg, agent)
+    sampler.episodes(_rows("What is 12 * 34?", "hi"), n=2, temperature=1.0, seed=0)
+    assert sampler.last_metrics["rollout/agent_failed_frac"] == 0
+    assert len(seen) == 1 and seen[0][:2] == (True, 4) and seen[0][2] > 0, seen
+    assert len(decode.graphs) == seen[0][2]  # the rollout's decode batches (<= 4) used those graphs only
+
 def test_bad_requests_get_openais_errors(setup):
     seen = {}
 
@@ -141,6 +175,30 @@ def test_bad_requests_get_openais_errors(setup):
     assert seen["long"][:2] == (400, "context_length_exceeded")
 
 
+
+def test_a_bad_session_body_gets_openais_400(setup):
+    """The session route parses its body itself (one pydantic pass): invalid JSON, an unknown
+    field, a lone surrogate (not valid Unicode) and a missing field each answer a 400 in
+    OpenAI's shape, before any session or engine work."""
+    import httpx
+
+    from rlfuse.serve.session import serve_app
+    _, tok = setup
+    app = serve_app(WorkerEngine(tok, lambda ids, k: "hi"), MODEL_NAME)
+    bodies = {"json": b'{"model": ', "field": b'{"model": "m", "messages": [{"role": "user"}], "bogus": 1}',
+              "surrogate": b'{"model": "m", "messages": [{"role": "user", "content": "a\\ud800b"}]}',
+              "missing": b'{"model": "m"}'}
+
+    async def post_all():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app)) as http:
+            return {k: await http.post("http://x/sessions/s/v1/chat/completions", content=b,
+                                       headers={"content-type": "application/json"}) for k, b in bodies.items()}
+    got = asyncio.run(post_all())
+    assert all(r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error" for r in got.values())
+    assert got["field"].json()["error"]["param"] == "bogus" and "unknown field" in got["field"].json()["error"]["message"]
+    assert "not valid JSON" in got["json"].json()["error"]["message"]
+    assert "not valid JSON" in got["surrogate"].json()["error"]["message"]
+    assert got["missing"].json()["error"]["param"] == "messages"
 
 def test_rlfuse_serve_mounts_sessions_with_streaming_and_n(setup):
     """`rlfuse serve`'s app (serve_app) answers the session routes: a session opens on its

@@ -103,6 +103,10 @@ class AgentSampler:
         self.store.sessions.clear()
         self.store.sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k)
         state = self.app.state.serve
+        # the decode CUDA graphs now, on this thread, as EngineSampler.groups(capture=True): not
+        # inside the rollout, where the worker thread would capture while agents wait (a no-op on
+        # CPU / eager; after a data-parallel base's wake() the graphs are gone, so every rollout)
+        self.base.llm.capture_graphs(up_to=len(prompts) * n)
         state.worker = EngineWorker(self.base.llm).start()  # a thread runs once: a fresh worker per rollout
         t0 = time.perf_counter()
         try:

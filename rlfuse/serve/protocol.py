@@ -79,22 +79,26 @@ class _Sampling(BaseModel):
     prompt_cache_options: Any = None
     parallel_tool_calls: Any = None
 
-    def _refuse_unsupported(self) -> None:
+    def _refuse_unsupported(self, tools_ok: bool = False) -> None:
         for name in ("frequency_penalty", "presence_penalty"):
             if getattr(self, name):
                 raise APIError(400, f"{name} is not supported by rlfuse serve (only 0)", param=name)
         if self.logit_bias:
             raise APIError(400, "logit_bias is not supported by rlfuse serve", param="logit_bias")
 
-    def sampling_params(self, max_tokens: int) -> SamplingParams:
-        """The engine's SamplingParams; a value it refuses is a 400 naming the field."""
-        self._refuse_unsupported()
+    def sampling_params(self, max_tokens: int, *, tools_ok: bool = False, **override) -> SamplingParams:
+        """The engine's SamplingParams; a value it refuses is a 400 naming the field.
+        `tools_ok`: `tools` / `functions` are parsed by the caller (a recorded session), not
+        refused; `override`: SamplingParams fields that replace the request's (one
+        construction, not a second one: this runs on every agent call)."""
+        self._refuse_unsupported(tools_ok)
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        fields = dict(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                      max_tokens=max_tokens, min_tokens=self.min_tokens, stop=stop,
+                      stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos, seed=self.seed,
+                      skip_special_tokens=self.skip_special_tokens)
         try:
-            return SamplingParams(n=self.n, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  min_p=self.min_p, max_tokens=max_tokens, min_tokens=self.min_tokens,
-                                  stop=stop, stop_token_ids=tuple(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                                  seed=self.seed, skip_special_tokens=self.skip_special_tokens)
+            return SamplingParams(**{**fields, **override})
         except ValueError as e:
             field = re.match(r"SamplingParams\.(\w+)", str(e))
             raise APIError(400, str(e).replace("SamplingParams.", ""), param=field and field.group(1)) from None
@@ -111,7 +115,7 @@ class CompletionRequest(_Sampling):
     suffix: str | None = None
     best_of: int | None = None
 
-    def _refuse_unsupported(self) -> None:
+    def _refuse_unsupported(self, tools_ok: bool = False) -> None:
         super()._refuse_unsupported()
         if self.echo:
             raise APIError(400, "echo is not supported by rlfuse serve (prompt log-probs are not computed)",
@@ -170,12 +174,12 @@ class ChatRequest(_Sampling):
     response_format: ResponseFormat | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
-    def _refuse_unsupported(self) -> None:
+    def _refuse_unsupported(self, tools_ok: bool = False) -> None:
         super()._refuse_unsupported()
         if self.top_logprobs:
             raise APIError(400, "top_logprobs > 0 asks for top alternatives, which the engine does not compute; "
                                 "logprobs=true returns the sampled tokens' log-probs", param="top_logprobs")
-        for name in ("tools", "functions"):
+        for name in () if tools_ok else ("tools", "functions"):
             if getattr(self, name):
                 raise APIError(400, f"{name} are not supported by rlfuse serve yet (no tool-call parsing)",
                                param=name)

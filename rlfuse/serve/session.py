@@ -34,7 +34,9 @@ import time
 import uuid
 
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import ValidationError
 
 from rlfuse.engine import SamplingParams
 from rlfuse.rollout.agent import AgentSession, Call, ChatRenderer, TemplateError, split_content
@@ -148,14 +150,10 @@ async def session_chat(state: ServeApp, store: SessionStore, sid: str, req: Chat
     room = min(_room(store, ses, prompt, req.token_limit), state.llm.max_model_len - len(prompt))
     if room < 1:
         raise _fail(ses, "token_budget", f"the episode used its rollout.max_total_tokens={store.max_total_tokens}")
-    plain = req.model_copy(update={"tools": None, "functions": None, "tool_choice": None})
-    params = plain.sampling_params(room)
     over = dict(store.sampling or {})
     # training: the episode's seed (draws depend on the episode and its history, not the batch)
     over["seed"] = req.seed if req.seed is not None and store.sampling is None else ses.seed
-    params = SamplingParams(**{**{f: getattr(params, f) for f in ("n", "temperature", "top_p", "top_k", "min_p",
-                                                                 "max_tokens", "min_tokens", "stop", "stop_token_ids",
-                                                                 "ignore_eos", "skip_special_tokens")}, **over})
+    params = req.sampling_params(room, tools_ok=True, **over)  # the tools are the renderer's
     choices, n_out = [], 0
     for index, done in enumerate(await _generate(state, prompt, params, request)):
         c = done.completion
@@ -219,13 +217,21 @@ def add_session_routes(app: FastAPI, store: SessionStore) -> None:
     """Mount the session routes on an app from `rlfuse.serve.build_app` (its error handlers apply)."""
     state: ServeApp = app.state.serve
 
-    @app.post("/sessions/{sid}/v1/chat/completions")
-    async def chat(sid: str, req: ChatRequest, request: Request):
-        body = await session_chat(state, store, sid, req, request)
+    async def chat(request: Request):
+        # the body parsed and validated in one pydantic pass over its bytes, not by FastAPI's
+        # dependency solver (json.loads, then validation): every agent call takes this route
+        # (benchmarks/bench_agent_calls.py); a bad body is the same RequestValidationError (400)
+        try:
+            req = ChatRequest.model_validate_json(await request.body())
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        body = await session_chat(state, store, request.path_params["sid"], req, request)
         if req.stream:
             return StreamingResponse(stream_chunks(body), media_type="text/event-stream")
         # a JSONResponse as is: FastAPI's encoder walks every log-prob of a returned dict
         return JSONResponse(body)
+
+    app.router.add_route("/sessions/{sid}/v1/chat/completions", chat, methods=["POST"])
 
     @app.get("/sessions/{sid}/trajectory")
     async def get_trajectory(sid: str):

@@ -107,9 +107,10 @@ class ChatRenderer:
         text = self.render(messages, True)
         return Conversation([dict(m) for m in messages], text), self.encode(text)
 
-    def turn_end(self, conv: Conversation) -> str:
-        """What the template writes after the assistant content that ends `conv`."""
-        full = self.render(conv.messages, False)
+    def turn_end(self, conv: Conversation, full: str | None = None) -> str:
+        """What the template writes after the assistant content that ends `conv`; `full`: the
+        rendering of conv.messages without a generation prompt, if the caller has it."""
+        full = self.render(conv.messages, False) if full is None else full
         head = conv.text + self.placeholder
         if not full.startswith(head):
             i = _first_diff(full, head)
@@ -125,8 +126,8 @@ class ChatRenderer:
         or "length"): the end of the model's turn, the observation `messages`, and the next
         generation prompt. Updates `conv`."""
         conv.messages.append({"role": "assistant", "content": self.placeholder})
-        tail = self.turn_end(conv)
         closed = self.render(conv.messages, False)
+        tail = self.turn_end(conv, closed)  # the same rendering: one of the three a turn costs
         conv.messages.extend(dict(m) for m in messages)
         after = self.render(conv.messages, True)
         if not after.startswith(closed):
