@@ -149,6 +149,9 @@ def run_rlfuse(folder, tmp_path, grpo: dict):
         "model": {"path": str(folder), "dtype": "float32", "device": "cpu", "kernel_backend": "torch"},
         "data": {"train": str(folder / "train.jsonl"), "shuffle": False, "max_prompt_len": 16},
         "rewards": [{"name": f"{os.path.abspath(__file__)}:fixed_reward"}],
+        # in this process: a worker would import this file (torch, transformers, trl: ~6 s a
+        # case); the worker's own contract is tested in test_bad_inputs.py ("hung or worker")
+        "reward_timeout_s": 0,
         "optim": {"lr": LR, "eps": ADAM_EPS, "schedule": "constant", "max_grad_norm": 0.0},
         "grpo": {"steps": 1, "prompts_per_step": len(PROMPTS), "group_size": G, "max_new_tokens": MAX_LEN,
                  "adv_eps": 1e-4, "mu": 2, "sample_every": 0, "log_entropy": False, **grpo},
