@@ -8,9 +8,11 @@ reaches spawn's error reporting (the exception is raised before the exit)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -46,3 +48,22 @@ def gloo_rank(rank: int, world: int, port: int, timeout_s: float = 120):
 def spawn_ranks(job, nprocs: int, *args) -> None:
     """job(rank, *args) on nprocs processes; raises if a rank fails."""
     mp.spawn(_run_then_exit, args=(job, args), nprocs=nprocs, join=True)
+
+
+def run_ranks(job, world: int, out, label: str = "") -> None:
+    """job(rank, port, out) on `world` gloo ranks (a fresh port); prints their wall time."""
+    t0 = time.perf_counter()
+    spawn_ranks(job, world, free_port(), str(out))
+    print(f"\n{world}-rank {label + ' ' if label else ''}runs: {time.perf_counter() - t0:.1f} s")
+
+
+@contextlib.contextmanager
+def torch_threads(n: int = 1):
+    """torch's intra-op threads set to n inside, restored after: the one-process reference runs
+    use one thread as each rank does."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)

@@ -27,12 +27,11 @@ Run: python -m pytest -q -m slow tests/test_distributed_agents.py -s   (-s print
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
 from test_distributed_kinds import TIMED, _weights_diff
 from test_distributed_run import TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
@@ -104,16 +103,10 @@ def _job(rank: int, port: int, out: str) -> None:
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_agents")
     (out / "agent.py").write_text(AGENT)
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for name in (*RUNS, *TOOL_RUNS):
             _run(out, name)
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank agent runs: {time.perf_counter() - t0:.1f} s")
-    finally:
-        torch.set_num_threads(n)
+        run_ranks(_job, WORLD, out, "agent")
     return out
 
 

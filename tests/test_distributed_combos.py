@@ -30,12 +30,11 @@ Run: python -m pytest -q -m slow tests/test_distributed_combos.py -s   (-s print
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
 from test_distributed_kinds import TIMED, _weights_diff
 from test_distributed_moe_train import MOE_MODEL, ROUTER_LOSSES
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
@@ -133,16 +132,10 @@ def _job(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_combos")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for name in RUNS:
             _run(out, name)
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank combination runs: {time.perf_counter() - t0:.1f} s")
-    finally:
-        torch.set_num_threads(n)
+        run_ranks(_job, WORLD, out, "combination")
     return out
 
 

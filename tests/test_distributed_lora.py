@@ -23,12 +23,11 @@ Run: python -m pytest -q tests/test_distributed_lora.py -s   (-s prints the diff
 from __future__ import annotations
 
 import shutil
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
@@ -102,20 +101,14 @@ def _job(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_lora")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         for kind in RUNS:
             _run(out, f"{kind}1", kind)
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank LoRA runs: {time.perf_counter() - t0:.1f} s")
+        run_ranks(_job, WORLD, out, "LoRA")
         # 2 -> 1: the 2-rank step-2 checkpoint (rank 0's one-process layout) resumed in one process
         shutil.copytree(out / "grpo2" / "checkpoints" / "step_000002", out / "resume1" / "checkpoints" / "step_000002")
         shutil.copy(out / "grpo2" / "metrics.jsonl", out / "resume1" / "metrics.jsonl")
         _run(out, "resume1", "grpo", "checkpoint.resume=auto")
-    finally:
-        torch.set_num_threads(n)
     return out
 
 

@@ -38,12 +38,11 @@ Run: python -m pytest -q -m slow tests/test_distributed_moe_train.py -s   (-s pr
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import free_port, gloo_rank, run_ranks, spawn_ranks, torch_threads
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff, _resume_from
 from train_setup import TINY_MODEL, tiny_cfg
 
@@ -122,18 +121,12 @@ def _job(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("moe_fsdp")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         run_grpo(_grpo(out / "grpo1"))
         run_sft(_sft(out / "sft1"))
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank MoE runs: {time.perf_counter() - t0:.1f} s")
+        run_ranks(_job, WORLD, out, "MoE")
         _resume_from(out / "grpo2", out / "reshard1")  # 2 -> 1: the sharded experts into one process
         run_grpo(_grpo(out / "reshard1", "checkpoint.resume=auto"))
-    finally:
-        torch.set_num_threads(n)
     return out
 
 

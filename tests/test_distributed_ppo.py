@@ -27,12 +27,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
 from test_distributed_kinds import ENV, TIMED
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
@@ -81,20 +80,14 @@ def _resume_from(run: Path, new: Path) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_ppo")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         (out / "echo_env.py").write_text(ENV)
         run_ppo(_cfg(out / "ppo1"))
         run_ppo(_episodes_cfg(out, out / "episodes1"))
         _resume_from(out / "ppo1", out / "reshard2")  # 1 -> 2, resumed in _job
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank PPO runs: {time.perf_counter() - t0:.1f} s")
+        run_ranks(_job, WORLD, out, "PPO")
         _resume_from(out / "ppo2", out / "reshard1")  # 2 -> 1
         run_ppo(_cfg(out / "reshard1", "checkpoint.resume=auto"))
-    finally:
-        torch.set_num_threads(n)
     return out
 
 

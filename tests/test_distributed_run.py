@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
 from train_setup import tiny_cfg
 
 from rlfuse.cli import main
@@ -90,19 +90,13 @@ def _job(rank: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("dp_runs")
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with torch_threads(1):
         run_grpo(_grpo(out / "grpo1"))
         run_sft(_sft(out / "sft1"))
         _resume_from(out / "grpo1", out / "reshard2")  # 1 -> 2, resumed in _job
-        t0 = time.perf_counter()
-        spawn_ranks(_job, WORLD, free_port(), str(out))
-        print(f"\n2-rank runs: {time.perf_counter() - t0:.1f} s")
+        run_ranks(_job, WORLD, out, "")
         _resume_from(out / "grpo2", out / "reshard1")  # 2 -> 1
         run_grpo(_grpo(out / "reshard1", "checkpoint.resume=auto"))
-    finally:
-        torch.set_num_threads(n)
     return out
 
 
