@@ -15,10 +15,8 @@ import pytest
 import torch
 from engine_helpers import one_thread  # noqa: F401 -- an autouse fixture
 from test_vision_train import _cfg as vision_cfg
-from test_vision_train import _parity, _tower
+from test_vision_train import _parity, _tower, shared_prompt_packing_is_bitwise
 
-from rlfuse.data import build_prompts
-from rlfuse.run import PackedBatch
 from rlfuse.run.config import replace
 from rlfuse.train import open_session, run_grpo, run_sft
 
@@ -66,17 +64,7 @@ def test_sft_on_images_trains_the_tower_on_request_and_lora_the_language_model(t
 
 def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
     ses = open_session(_cfg(tmp_path / "p"), reward_functions={"parity": _parity})
-    p = build_prompts(ses.train_rows[:2], ses.tokenizer, ses.cfg.data, vision=ses.vision)
-    seqs = [(p[0].ids + [5, 6], len(p[0].ids), p[0].media), (p[0].ids + [7], len(p[0].ids), p[0].media),
-            (p[1].ids + [5, 6], len(p[1].ids), p[1].media)]
-    vis = ses.model.config.vision
-    with torch.no_grad():
-        outs = []
-        for share in (0, 1):
-            b = PackedBatch.build(seqs, "cpu", share, vision=vis)
-            outs.append(ses.model.token_logprobs(b.forward(ses.model)[b.rows], b.targets))
-            assert len(b.images) == (2 if share else 3)  # the group's image once when shared
-    assert torch.equal(outs[0], outs[1])
+    shared_prompt_packing_is_bitwise(ses)  # through the linear-attention layer too
 
 
 def test_dpo_trains_on_image_pairs(tmp_path):

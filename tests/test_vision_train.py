@@ -68,8 +68,9 @@ def test_sft_on_images_trains_the_tower_on_request_and_lora_the_language_model(t
     assert all(changed) if how == "train_vision" else not any(changed)
 
 
-def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
-    ses = open_session(_cfg(tmp_path / "p"), reward_functions={"parity": _parity})
+def shared_prompt_packing_is_bitwise(ses):
+    """Two samples of one image prompt and one of another, packed with and without reading the
+    shared prompt (and its image) once: the same log-prob bits. -> (prompts, seqs)."""
     p = build_prompts(ses.train_rows[:2], ses.tokenizer, ses.cfg.data, vision=ses.vision)
     seqs = [(p[0].ids + [5, 6], len(p[0].ids), p[0].media), (p[0].ids + [7], len(p[0].ids), p[0].media),
             (p[1].ids + [5, 6], len(p[1].ids), p[1].media)]
@@ -81,6 +82,13 @@ def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
             outs.append(ses.model.token_logprobs(b.forward(ses.model)[b.rows], b.targets))
             assert len(b.images) == (2 if share else 3)  # the group's image once when shared
     assert torch.equal(outs[0], outs[1])
+    return p, seqs
+
+
+def test_packed_shared_prompt_with_images_equals_unshared(tmp_path):
+    ses = open_session(_cfg(tmp_path / "p"), reward_functions={"parity": _parity})
+    p, seqs = shared_prompt_packing_is_bitwise(ses)
+    vis = ses.model.config.vision
     # same ids, another image: not shared (the images differ), so no image is dropped
     other = (p[0].ids + [7], len(p[0].ids), p[1].media[:1])
     b = PackedBatch.build([seqs[0], other], "cpu", 1, vision=vis)

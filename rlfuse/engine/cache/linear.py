@@ -59,7 +59,6 @@ class LinearStateCache(StateSlots):
                 dtypes[f"{i}.{name}"] = torch.float32 if kind == "fp32" else dtype
         super().__init__(num_slots + 1, shapes, dtypes, device)
         self.pad_slot = self.free_slots.pop(0)  # the highest slot: pop() hands out the lowest first
-        self.device = torch.device(device)
         self._views()
 
     def _views(self) -> None:

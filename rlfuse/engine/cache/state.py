@@ -72,7 +72,7 @@ class StateSlots:
             raise ValueError(f"StateSlots: num_slots must be >= 1, got {num_slots}")
         dt = dtype if isinstance(dtype, dict) else dict.fromkeys(shapes, dtype)
         self.spec = {k: ((num_slots, *s), dt[k]) for k, s in shapes.items()}
-        self.state_device = torch.device(device)
+        self.device = torch.device(device)
         self.tensors: dict[str, torch.Tensor] = {}
         StateSlots.allocate(self)  # not a subclass's: its views are not set up yet
         self.free_slots = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest slot first
@@ -81,7 +81,7 @@ class StateSlots:
     def allocate(self) -> None:
         """The slots' tensors, zeroed (no-op while allocated)."""
         if not self.tensors:
-            self.tensors = {k: torch.zeros(shape, dtype=dt, device=self.state_device)
+            self.tensors = {k: torch.zeros(shape, dtype=dt, device=self.device)
                             for k, (shape, dt) in self.spec.items()}
 
     def release(self) -> None:
