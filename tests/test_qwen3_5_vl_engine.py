@@ -83,3 +83,29 @@ def test_check_tiny_vision_hybrid_cli(tmp_path):
                  "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "check.json").read_text())
     assert report["settings"] and all(r["bitwise_frac"] == 1.0 for r in report["settings"])
+
+
+def test_one_token_prompt_chunk_in_a_decode_batch_runs_eager(vl, monkeypatch):
+    """Regression (the GPU check's `combined` row, 97% bitwise): preemption + chunked prefill
+    left a recomputed image prompt one prompt token to compute in a step where every other
+    sequence decoded; the all-1-token batch took the static decode path, which places a token
+    at index + delta and injects no image features (an image prompt's token before its last
+    image has its own 3-row mRoPE position). Such a step now runs eager."""
+    from rlfuse.engine import model_runner
+
+    model = vl[0]
+    prompts, media = _vision_prompts(argparse.Namespace(seed=0), model, 32)
+    seen, launch = [], model_runner.ModelRunner.launch
+
+    def spy(self, seqs, num_new, feed=None):
+        if feed is None and all(n == 1 for n in num_new):
+            seen.append(any(s.mrope is not None and s.num_computed < s.num_prompt_tokens for s in seqs))
+        return launch(self, seqs, num_new, feed)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "launch", spy)
+    s = Setting(name="pool and chunks", num_prompts=8, n=4,
+                engine=dict(num_kv_blocks=24, max_num_batched_tokens=30))
+    r = run_setting(model, prompts, s, numerics="exact", max_tokens=48, temperature=1.0, seed=0, media=media)
+    assert any(seen), "no 1-token image-prompt chunk in a decode batch: the case is not exercised"
+    assert r.engine_stats["preemptions"] > 0
+    assert r.bitwise_frac == 1.0, (r.first_diff, r.max_abs)

@@ -303,7 +303,9 @@ class ModelRunner:
             self.bank.ids[:len(per_row)].copy_(self._upload(per_row, torch.int32))
         self.routing.install(True)
         try:
-            if decode and self.static and B <= self.max_graph_bs:
+            # a 1-token chunk of an image prompt needs its 3-row position and features: eager
+            if (decode and self.static and B <= self.max_graph_bs
+                    and not any(s.mrope is not None and st < s.num_prompt_tokens for s, st in zip(seqs, starts))):
                 h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k,
                                                            seeds, offsets, feed)
             else:

@@ -41,10 +41,10 @@ from rlfuse.kernels.gated_delta.triton_chunk import chunk_common, chunk_prep, st
 from rlfuse.kernels.gated_delta.triton_chunk_bwd_split import chunk_bwd_split
 from rlfuse.kernels.triton_common import dot, dot_precision
 
-# The split form is correct against float64 on the CPU and fits sm_90's shared memory with
-# tensor-core dots (tests/kernel_audit.py), but has not run on a GPU: it becomes the default
-# for wide heads once `test_gpu_split_backward_qwen35` and bench_gated_delta's A/B say so.
-SPLIT_WIDE_HEADS = False
+# Wide heads (Dk > 64, Qwen3.5's 128) take the split form: its tensor-core dots fit sm_90's
+# shared memory where the one-kernel form falls back to fp32 FMA (5.5x slower at T = 4096 on
+# an H200; docs/benchmarks.md). The one-kernel form stays for narrow heads and as its check.
+SPLIT_WIDE_HEADS = True
 
 
 @triton.jit(do_not_specialize=["Hv"])
