@@ -132,7 +132,9 @@ def test_recurrent_gate_prologue_equals_the_gates(backend, dtype, slots):
     else:
         tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
         torch.testing.assert_close(o[real], o_ref[real], **tol)
-        torch.testing.assert_close(pool[sr], ref_pool[sr], rtol=0, atol=2e-6)
+        # bf16: a beta whose sigmoid sits at a bf16 rounding boundary may round one ulp apart
+        # (2^-8), which moves the state by 2^-8 k_i delta_j (|k_i| <= 1, |delta_j| a few: < 1e-2)
+        torch.testing.assert_close(pool[sr], ref_pool[sr], rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
     g64 = -torch.exp(A_log.double()) * torch.nn.functional.softplus(a.double() + dt_bias.double())
     beta64 = torch.sigmoid(b.double())
     o64, s64 = recurrent_gated_delta_rule_ref(q.double(), k.double(), v.double(), g64, beta64, cu,
@@ -170,7 +172,8 @@ def test_gpu_qwen35_2b_recurrent_gate_prologue(dtype):
                                                 gate_params=(A_log, dt_bias))
     tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
     torch.testing.assert_close(o, o_ref, **tol)
-    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-5)
+    # bf16: beta may round one bf16 ulp apart at a rounding boundary (see the CPU test)
+    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
     g64 = -torch.exp(A_log.double()) * torch.nn.functional.softplus(a.double() + dt_bias.double())
     o64, s64 = recurrent_gated_delta_rule_ref(q.double(), k.double(), v.double(), g64, torch.sigmoid(b.double()),
                                               cu, initial_state=before[slots].double())
