@@ -9,7 +9,8 @@ are not counted. The layer is the tiny Qwen3.5 hybrid's (the counts do not depen
 widths), B rows on out-of-order slots of the engine's state pool, Triton backend.
 
     python benchmarks/count_decode_ops.py            # fast and exact numerics, bf16 and fp32, B = 4
-Prints one table row per (numerics, dtype): the kernels a step, then per op.
+Prints one table row per (numerics, dtype): the kernels a step, then per op; then the same
+for one whole engine decode step of the tiny hybrid (`LLM.step()`, bf16).
 """
 
 from __future__ import annotations
@@ -95,15 +96,47 @@ def decode_step_kernels(numerics: str, dtype=torch.float32, batch: int = 4, seed
     return count.ops
 
 
+def engine_step_kernels(numerics: str, dtype=torch.bfloat16, seed: int = 0) -> collections.Counter[str]:
+    """The kernels of one whole engine decode step (`LLM.step()`: the static decode path's
+    forward of the tiny hybrid's 4 layers, 3 of them linear attention, then log-probs and
+    sampling) of 2 sequences in steady decode."""
+    from rlfuse.engine import LLM, EngineConfig, SamplingParams  # the engine only for this count
+
+    model = CausalLM(ModelConfig(**tiny_hybrid_fields(vocab_size=128)))
+    model.init_weights(std=0.1, generator=torch.Generator().manual_seed(seed))
+    model = model.to(dtype).eval()
+    with torch.no_grad(), use_backend("triton"):
+        llm = LLM(model, None, EngineConfig(max_model_len=256, max_num_seqs=8, numerics=numerics,
+                                            num_kv_blocks=64, block_size=16))
+        for prompt in ([5, 6, 7, 8, 9], [3, 4, 5]):
+            llm.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=40, ignore_eos=True, seed=1))
+        for _ in range(4):  # prefill, then decode steps (compiles outside the count)
+            llm.step()
+        count = KernelCount()
+        with count, count.triton_launches():
+            llm.step()
+    return count.ops
+
+
+def _row(cells) -> str:
+    return "| " + " | ".join(str(c) for c in cells) + " |"
+
+
 def main(argv=None) -> None:
     del argv
-    print("| numerics | dtype | kernels / layer / step | ops |")
-    print("|---|---|---|---|")
+    print("one linear-attention layer's decode step (forward_decode)")
+    print(_row(["numerics", "dtype", "kernels", "ops"]) + "\n" + _row(["---"] * 4))
     for numerics in ("fast", "exact"):
         for dtype in (torch.bfloat16, torch.float32):
             ops = decode_step_kernels(numerics, dtype)
             detail = ", ".join(f"{k} {v}" for k, v in sorted(ops.items()))
-            print(f"| {numerics} | {str(dtype).removeprefix('torch.')} | {sum(ops.values())} | {detail} |")
+            print(_row([numerics, str(dtype).removeprefix("torch."), sum(ops.values()), detail]))
+    print("\none engine decode step of the tiny hybrid (4 layers, 3 linear attention), bf16")
+    print(_row(["numerics", "kernels", "ops"]) + "\n" + _row(["---"] * 3))
+    for numerics in ("fast", "exact"):
+        ops = engine_step_kernels(numerics)
+        detail = ", ".join(f"{k} {v}" for k, v in sorted(ops.items(), key=lambda kv: -kv[1]))
+        print(_row([numerics, sum(ops.values()), detail]))
 
 
 if __name__ == "__main__":

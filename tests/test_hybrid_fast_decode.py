@@ -35,6 +35,7 @@ from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.gated_delta import fused_recurrent_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule_ref
 from rlfuse.model import LinearDecode, LinearSlots, Packed
+from rlfuse.model.layers import OffsetRMSNorm
 
 # fast-numerics rollout vs trainer log-probs on the tiny hybrid in fp32 (the static == eager
 # tolerance of tests/test_engine_hybrid.py; measured max 3e-6 here)
@@ -234,7 +235,9 @@ def test_fast_decode_step_launches_no_copy_or_gate_kernels():
     row: no offsets built), the gated norm; no gather / scatter of the conv state, no dtype
     round trips, no separate gate kernels (17 kernels in fp32, 19 in bf16 before: + index_select,
     index_copy_, sigmoid, exp, neg, softplus, add, mul, arange, and 2 casts in bf16). The exact
-    step keeps its arithmetic but reads the conv state in its slots too."""
+    step keeps its arithmetic but reads the conv state in its slots too. The layers' offset
+    RMSNorm is one kernel (was 6 with its residual add in bf16: the add, x.float(),
+    w.float(), 1 + w, the norm, the cast back)."""
     count = _count_decode_ops()
     for dtype in (torch.bfloat16, torch.float32):
         ops = count.decode_step_kernels("fast", dtype)
@@ -243,6 +246,15 @@ def test_fast_decode_step_launches_no_copy_or_gate_kernels():
         assert ops["aten.mm"] == 5, ops  # in_proj_qkv, _z, _b, _a, out_proj (their fusion: model/fuse.py)
     ops = count.decode_step_kernels("exact", torch.bfloat16)
     assert not {"aten.index_select", "aten.index_copy_"} & set(ops) and ops["triton._conv_update_kernel"] == 1, ops
+    # Qwen3.5's offset RMSNorm with its residual add, no gradient (every layer's two norms): one kernel
+    norm = OffsetRMSNorm(64, 1e-6).bfloat16()
+    x, h = torch.randn(2, 3, 64).bfloat16().unbind(0)
+    with torch.no_grad(), use_backend("triton"):
+        norm(x, h)  # compile outside the count
+        kernels = count.KernelCount()
+        with kernels, kernels.triton_launches():
+            norm(x, h)
+    assert dict(kernels.ops) == {"triton._rmsnorm_fwd_kernel": 1}, kernels.ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
