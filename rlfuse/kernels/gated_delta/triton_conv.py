@@ -184,7 +184,8 @@ def _conv_update_kernel(X, Wt, Bias, S, SLOT, Y, C, sx, sy, ss_b, ss_c, W: tl.co
             tl.store(S_b + c * ss_c + j - 1, sj, mask=cm)
     acc = _conv_window(acc, x.to(tl.float32), tl.load(Wt + c * W + W - 1, mask=cm, other=0.0).to(tl.float32),
                        W - 1)
-    tl.store(S_b + c * ss_c + W - 2, x.to(S.dtype.element_ty), mask=cm)
+    ST: tl.constexpr = S.dtype.element_ty  # x rounded to nearest-even if the state is narrower (exact if not)
+    tl.store(S_b + c * ss_c + W - 2, round_to(x.to(tl.float32), ST).to(ST), mask=cm)
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     y = _finish(acc, bias, HAS_BIAS, SILU)
     YT: tl.constexpr = Y.dtype.element_ty
