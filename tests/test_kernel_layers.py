@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend, use_numerics
+from rlfuse.kernels.backend import triton_ops
 from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
 from rlfuse.kernels.norm.rms import offset_rmsnorm, offset_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
@@ -105,9 +106,11 @@ def test_offset_rmsnorm_one_kernel_equals_the_composition_bitwise(numerics, dtyp
     x = (torch.randn(3, 7, D + 3, generator=g) * 2)[..., :D].to(dtype)  # non-unit row stride
     h = torch.randn(3, 7, D, generator=g).to(dtype)
     w = (0.3 * torch.randn(D, generator=g)).to(dtype)
+    one = triton_ops("norm.triton_rms").offset_rmsnorm  # the op runs it in fast numerics only (yet)
     with use_backend("triton"), use_numerics(numerics), torch.no_grad():
-        y = offset_rmsnorm(x, w, 1e-6)
-        s, y_add = offset_rmsnorm(x, w, 1e-6, residual=h)
+        y = one(x, w, 1e-6, None)
+        s, y_add = one(x, w, 1e-6, h)
+        assert torch.equal(offset_rmsnorm(x, w, 1e-6), y)  # the op: the kernel (fast) or the composition
         y_ref = offset_rmsnorm_ref(x, w, 1e-6)
         s_ref = h + x
         y_add_ref = offset_rmsnorm_ref(s_ref, w, 1e-6)
@@ -218,8 +221,9 @@ def test_cuda_offset_rmsnorm_one_kernel_equals_the_composition_bitwise(numerics,
             x = (torch.randn(N, D, device="cuda", generator=g) * 3).to(dtype)
             h = torch.randn(N, D, device="cuda", generator=g).to(dtype)
             w = (0.3 * torch.randn(D, device="cuda", generator=g)).to(dtype)
+            one = triton_ops("norm.triton_rms").offset_rmsnorm  # the kernel itself, also in exact
             with use_backend("triton"), use_numerics(numerics), torch.no_grad():
-                y, (s, y_add) = offset_rmsnorm(x, w, 1e-6), offset_rmsnorm(x, w, 1e-6, residual=h)
+                y, (s, y_add) = one(x, w, 1e-6, None), one(x, w, 1e-6, h)
                 assert torch.equal(y, offset_rmsnorm_ref(x, w, 1e-6)), (D, N)
                 assert torch.equal(s, h + x) and torch.equal(y_add, offset_rmsnorm_ref(h + x, w, 1e-6)), (D, N)
 
