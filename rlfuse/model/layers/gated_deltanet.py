@@ -47,6 +47,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rlfuse.kernels.backend import is_exact
@@ -60,13 +61,20 @@ from rlfuse.kernels.gated_delta import (
                                         chunk_gated_delta_rule,
                                         fused_recurrent_gated_delta_rule,
                                         gated_rmsnorm,
-                                        gdn_gates,
 )
+from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.packed import TAIL, LinearDecode, LinearSlots, Packed, PagedKV
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    # torch's CPU sigmoid / softplus / exp run a SIMD body and a scalar tail that disagree in
+    # the last bit, so in exact numerics an element's value would depend on T; `pointwise`
+    # sends every element through the vector body. CUDA elementwise kernels have no tail.
+    return pointwise(fn, x) if is_exact() and not x.is_cuda else fn(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -204,34 +212,31 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(self.value_dim, D, bias=False)
 
     # -- the three stages (the trainer runs them in a row; the engine wraps the middle one)
-    def project(self, x_TD, cu_seqlens, conv_state=None, rows=None, gates=True):
+    def project(self, x_TD, cu_seqlens, conv_state=None, rows=None):
         """-> (q, k, v, g, beta), z (T, Hv, Dv), conv_state (B, C, W-1): the kernel's inputs
         for the rows of x (or x re-laid by `rows`, a PrefixRows, as `cu_seqlens`), the conv
-        continuing from `conv_state` (None: zeros). gates=False: (q, k, v, a, b), the raw
-        projections in place of g and beta (the recurrent kernel's `gate_params` prologue)."""
+        continuing from `conv_state` (None: zeros)."""
         mixed, z, b, a = self.in_projections(x_TD)  # z: the output side, x's own rows
         if rows is not None:
             mixed, b, a = rows.gather(mixed), rows.gather(b), rows.gather(a)
         qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
-        return self._kernel_inputs(qkv, b, a, gates), z, conv_state
+        return self._kernel_inputs(qkv, b, a), z, conv_state
 
     def in_projections(self, x_TD):
         """x (T, D) -> mixed (T, C) = [q | k | v] (the conv's input), z (T, Hv, Dv), b, a (T, Hv)."""
         z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)
         return self.in_proj_qkv(x_TD), z, self.in_proj_b(x_TD), self.in_proj_a(x_TD)
 
-    def _kernel_inputs(self, qkv, b, a, gates=True):
-        """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs
-        (gates=False: (q, k, v, a, b)). q, k, v are views of qkv (no copies: the kernels
-        take their strides)."""
+    def _kernel_inputs(self, qkv, b, a):
+        """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.reshape(T, self.n_k, self.dk), k.reshape(T, self.n_k, self.dk), v.reshape(T, self.n_v, self.dv)
-        if not gates:
-            return q, k, v, a, b
-        # HF's order: beta in the model dtype, g (T, Hv) fp32 from A_log and a in fp32
-        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
+        beta = elementwise(torch.sigmoid, b)  # (T, Hv), in the model dtype as HF
+        # HF's order: A_log and a in fp32 (A would overflow in fp16), dt_bias promoted to fp32
+        decay = elementwise(torch.exp, self.A_log.float())
+        g = -decay * elementwise(F.softplus, a.float() + self.dt_bias)  # (T, Hv) fp32
         return q, k, v, g, beta
 
     def output(self, o_THV, z):
@@ -296,8 +301,7 @@ class GatedDeltaNet(nn.Module):
         fixed shapes, no host values). The conv continues from its state (the decode
         update, bitwise the prefill conv's window). Then:
         fast numerics: the recurrent kernel advances each row's running state in place in
-        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head,
-        computing the gates from the raw a, b in its prologue (`gate_params`);
+        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head;
         exact numerics: the same arithmetic as `forward_continue` with new_lens = 1: each
         row's chunk [tail, new token] is laid out as a full 64-row chunk whose rows past the
         new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
@@ -306,17 +310,16 @@ class GatedDeltaNet(nn.Module):
         (`chunk_gated_delta_decode`: the tails and S_c read in their slots, S_c written back
         in place)."""
         t, slots = self._engine_state(st.layers), st.slots
+        B = x_BD.shape[0]
         mixed, z, b, a = self.in_projections(x_BD)
-        # the conv shifts each row's state in its slot (no gather / scatter); the same
-        # arithmetic as on the gathered states, so exact numerics keep their bits
-        qkv = causal_conv1d_update(mixed, t["conv"], self.conv1d.weight.squeeze(1), None, activation="silu",
-                                   state_slots=slots)
-        if "recurrent" in t:  # one token a row (no offsets); the gates from the raw a, b in the kernel's prologue
-            o, _ = fused_recurrent_gated_delta_rule(*self._kernel_inputs(qkv, b, a, gates=False), None,
-                                                    initial_state=t["recurrent"], state_slots=slots,
-                                                    gate_params=(self.A_log, self.dt_bias))
-            return self.output(o, z)
+        conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
+        qkv = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu")
+        t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
         new = self._kernel_inputs(qkv, b, a)
+        if "recurrent" in t:
+            cu = torch.arange(B + 1, device=x_BD.device, dtype=torch.int32)
+            o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
+            return self.output(o, z)
         tail_len = st.index.remainder(CHUNK)                              # (B,) buffered rows before
         for n, x in zip(TAIL, new):
             # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
@@ -386,21 +389,16 @@ class GatedDeltaNet(nn.Module):
         decode's on the same rows: the same kernels, the same inputs)."""
         device = x_TD.device
         cu = _cu(new_lens, device)
-        # the recurrent kernel's rows get the raw a, b and compute the gates in its prologue,
-        # as the static decode step does (so the two stay bitwise equal on the same rows)
-        raw, z, conv_state = self.project(x_TD, cu, conv_state, gates=False)  # (q, k, v, a, b)
-        gate_params = (self.A_log, self.dt_bias)
+        inputs, z, conv_state = self.project(x_TD, cu, conv_state)
         if max(new_lens, default=0) < CHUNK:  # no whole chunk: token by token (every eager decode step)
-            o, state = fused_recurrent_gated_delta_rule(*raw, cu, initial_state=state, gate_params=gate_params)
+            o, state = fused_recurrent_gated_delta_rule(*inputs, cu, initial_state=state)
             return self.output(o, z), conv_state, state
-        g, beta = gdn_gates(raw[3], raw[4], *gate_params)
-        o, state = chunk_gated_delta_rule(*raw[:3], g, beta, cu, initial_state=state, output_final_state=True)
+        o, state = chunk_gated_delta_rule(*inputs, cu, initial_state=state, output_final_state=True)
         rest = [n % CHUNK for n in new_lens]
         if any(rest):
             idx_t = _last_rows(new_lens, rest, device)
-            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in raw),
-                                                          _cu(rest, device), initial_state=state,
-                                                          gate_params=gate_params)
+            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs),
+                                                          _cu(rest, device), initial_state=state)
             o = o.index_copy(0, idx_t, o_r)
         return self.output(o, z), conv_state, state
 
