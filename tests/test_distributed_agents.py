@@ -30,15 +30,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from spawn_ranks import gloo_rank, run_ranks, torch_threads
-from test_distributed_kinds import TIMED, _weights_diff
+from test_distributed_kinds import TIMED, _weights_diff, adapters_on_ranks, save_adapters
 from test_distributed_run import TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
-from rlfuse.model.lora import lora_parameters
 from rlfuse.run.distributed import context as D
-from rlfuse.run.distributed.replicated import check_replicas
 from rlfuse.run.metrics import read_metrics
 from rlfuse.serve import agent_sampler
 from rlfuse.train import open_session, run_grpo, run_ppo
@@ -86,10 +83,7 @@ def _run(out: Path, name: str, ctx=None) -> None:
     cfg = tiny_cfg(out / f"{name}{n}", *agent, *COMMON, *over, *lora)
     res = trainer(cfg, session=open_session(cfg, dist=ctx, sampler_factory=agent_sampler if agent else None))
     if name in ("lora", "tools_lora"):
-        if ctx is not None:  # a ValueError on every rank when the replicas are not bitwise equal
-            check_replicas(ctx, res["model"], "lora replicas")
-        rank = 0 if ctx is None else ctx.rank
-        torch.save({k: p.detach().clone() for k, p in lora_parameters(res["model"])}, out / f"{name}{n}_rank{rank}.pt")
+        save_adapters(ctx, res["model"], out, f"{name}{n}")
 
 
 def _job(rank: int, port: int, out: str) -> None:
@@ -124,11 +118,7 @@ def test_agents_on_two_ranks_match_one_process(runs, name):
     steps = [r for r in two if r["stage"] == STAGE.get(name, name)]
     assert len(steps) == 2
     d, where = _max_diff(two, one)
-    if name == "lora":
-        a1, a2 = _adapters(runs, name)
-        dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
-    else:
-        dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
+    dw = adapters_on_ranks(runs, name, WORLD)[2] if name == "lora" else _weights_diff(runs / f"{name}2", runs / f"{name}1")
     print(f"agent {name}: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
     assert d <= TOL, where
     assert dw <= WEIGHT_TOL
@@ -140,14 +130,6 @@ def test_agents_on_two_ranks_match_one_process(runs, name):
         assert r["grad_norm"] > 0, r  # it trained
 
 
-def _adapters(runs: Path, name: str) -> tuple[dict, list[dict]]:
-    """(one process's adapters, each rank's); the ranks' bitwise equal (check_replicas passed too)."""
-    a1 = torch.load(runs / f"{name}1_rank0.pt")
-    a2 = [torch.load(runs / f"{name}2_rank{r}.pt") for r in range(WORLD)]
-    assert all(torch.equal(a2[0][k], a2[1][k]) for k in a1)
-    return a1, a2
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("name", TOOL_RUNS)
 def test_tool_episodes_on_two_ranks_match_one_process(runs, name):
@@ -155,11 +137,8 @@ def test_tool_episodes_on_two_ranks_match_one_process(runs, name):
     steps = [r for r in two if r["stage"] == "grpo"]
     assert len(steps) == 2 and sum(r["rollout/tool_calls_per_episode"] for r in steps) > 0  # a tool ran
     d, where = _max_diff(two, one)
-    if name == "tools_lora":
-        a1, a2 = _adapters(runs, name)
-        dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
-    else:
-        dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
+    dw = (adapters_on_ranks(runs, name, WORLD)[2] if name == "tools_lora"
+          else _weights_diff(runs / f"{name}2", runs / f"{name}1"))
     print(f"{name}: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
     assert d <= TOL, where
     assert dw <= WEIGHT_TOL

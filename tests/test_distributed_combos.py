@@ -35,7 +35,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import gloo_rank, run_ranks, torch_threads
-from test_distributed_kinds import TIMED, _weights_diff
+from test_distributed_kinds import TIMED, _weights_diff, adapters_on_ranks, save_adapters
 from test_distributed_moe_train import MOE_MODEL, ROUTER_LOSSES
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from test_qwen3_5 import TINY_HYBRID
@@ -45,10 +45,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from train_setup import tiny_cfg
 
-from rlfuse.model.lora import lora_parameters
 from rlfuse.run.config import replace
 from rlfuse.run.distributed import context as D
-from rlfuse.run.distributed.replicated import check_replicas
 from rlfuse.run.metrics import read_metrics
 from rlfuse.train import open_session, run_grpo
 from rlfuse.train.dpo import run_dpo
@@ -105,10 +103,7 @@ def _run(out: Path, name: str, ctx=None) -> None:
         if name.startswith("vl"):
             assert any(k.startswith("visual.") for k in moved) == (name == "vl_full"), name
     if _is_lora(name):
-        if ctx is not None:
-            check_replicas(ctx, res["model"], "lora replicas")
-        rank = 0 if ctx is None else ctx.rank
-        torch.save({k: p.detach().clone() for k, p in lora_parameters(res["model"])}, out / f"{name}{n}_rank{rank}.pt")
+        save_adapters(ctx, res["model"], out, f"{name}{n}")
 
 
 def _check_sharded(model) -> None:
@@ -152,13 +147,10 @@ def test_combination_on_two_ranks_matches_one_process(runs, name):
     assert len(steps) == 2
     d, where = _max_diff(two, one)
     if _is_lora(name):
-        a1 = torch.load(runs / f"{name}1_rank0.pt")
-        a2 = [torch.load(runs / f"{name}2_rank{r}.pt") for r in range(WORLD)]
-        assert all(torch.equal(a2[0][k], a2[1][k]) for k in a1)  # the replicas bitwise equal
+        a1, a2, dw = adapters_on_ranks(runs, name, WORLD)
         assert any(float(t.abs().max()) > 0 for k, t in a2[0].items() if k.endswith("lora_B"))  # they trained
         if name == "moe_lora":
             assert any(".experts." in k for k in a1)  # per-expert adapters
-        dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
     else:
         dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
     print(f"{name}: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")

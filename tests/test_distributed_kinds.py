@@ -33,7 +33,9 @@ from train_setup import tiny_cfg
 
 from rlfuse import GRPOTrainer
 from rlfuse.model import load_model
+from rlfuse.model.lora import lora_parameters
 from rlfuse.run.distributed import context as D
+from rlfuse.run.distributed.replicated import check_replicas
 from rlfuse.run.metrics import read_metrics
 from rlfuse.train.dpo import run_dpo
 from rlfuse.train.grpo import run_grpo
@@ -131,6 +133,24 @@ def _rows(run_dir: Path) -> list[dict]:
 def _weights_diff(a: Path, b: Path) -> float:
     wa, wb = load_model(a / "final", dtype="float32"), load_model(b / "final", dtype="float32")
     return max(float((x - y).abs().max()) for x, y in zip(wa.state_dict().values(), wb.state_dict().values()))
+
+
+def save_adapters(ctx, model, out: Path, run: str) -> None:
+    """A LoRA run's final adapters into out / {run}_rank{R}.pt; on ranks, first `check_replicas`
+    (a ValueError on every rank when the replicas are not bitwise equal)."""
+    if ctx is not None:
+        check_replicas(ctx, model, "lora replicas")
+    rank = 0 if ctx is None else ctx.rank
+    torch.save({k: p.detach().clone() for k, p in lora_parameters(model)}, out / f"{run}_rank{rank}.pt")
+
+
+def adapters_on_ranks(runs: Path, name: str, world: int) -> tuple[dict, list[dict], float]:
+    """(one process's adapters, each rank's, max |rank 0's - one process's|) of the runs
+    {name}1 and {name}2 (`save_adapters`); the ranks' replicas are asserted bitwise equal."""
+    a1 = torch.load(runs / f"{name}1_rank0.pt")
+    a2 = [torch.load(runs / f"{name}2_rank{r}.pt") for r in range(world)]
+    assert all(torch.equal(a[k], a2[0][k]) for a in a2[1:] for k in a1)  # the replicas bitwise equal
+    return a1, a2, max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
 
 
 @pytest.mark.slow  # the module's 2-rank job and one-process runs: ~40 s on 2 cores

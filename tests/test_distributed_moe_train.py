@@ -43,6 +43,7 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port, gloo_rank, run_ranks, spawn_ranks, torch_threads
+from test_distributed_kinds import _weights_diff
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff, _resume_from
 from train_setup import TINY_MODEL, tiny_cfg
 
@@ -133,11 +134,6 @@ def runs(tmp_path_factory):
 def _rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith((*NOT_COMPARED, *ROUTER_LOSSES))}
             for r in read_metrics(run_dir)]
-
-
-def _weights_diff(a: Path, b: Path) -> float:
-    wa, wb = load_model(a / "final", dtype="float32"), load_model(b / "final", dtype="float32")
-    return max(float((x - y).abs().max()) for x, y in zip(wa.state_dict().values(), wb.state_dict().values()))
 
 
 @pytest.mark.slow  # the module's 2-rank job and one-process runs: ~20 s on the shared 2-core machine

@@ -25,18 +25,16 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import gloo_rank, run_ranks, torch_threads
-from test_distributed_kinds import TIMED, _weights_diff
+from test_distributed_kinds import TIMED, _weights_diff, adapters_on_ranks, save_adapters
 from test_distributed_run import TOL, WEIGHT_TOL, _max_diff
 from test_vision_dpo import _cfg as _dpo_cfg
 from test_vision_dpo import _rows as _pref_rows
 from test_vision_train import _cfg, _parity
 
 from rlfuse.data.tasks import rows_alphabet
-from rlfuse.model.lora import lora_parameters
 from rlfuse.run import build_tokenizer
 from rlfuse.run.config import replace
 from rlfuse.run.distributed import context as D
-from rlfuse.run.distributed.replicated import check_replicas
 from rlfuse.run.metrics import read_metrics
 from rlfuse.train import open_session, run_grpo, run_sft
 from rlfuse.train.dpo import run_dpo
@@ -74,10 +72,7 @@ def _run(out: Path, name: str, ctx=None) -> None:
         moved = any(not torch.equal(a, b) for a, b in zip(tower0, res["model"].visual.parameters()))
         assert moved == (name != "lora"), name
     if name == "lora":
-        if ctx is not None:  # a ValueError on every rank when the replicas are not bitwise equal
-            check_replicas(ctx, res["model"], "lora replicas")
-        rank = 0 if ctx is None else ctx.rank
-        torch.save({k: p.detach().clone() for k, p in lora_parameters(res["model"])}, out / f"lora{n}_rank{rank}.pt")
+        save_adapters(ctx, res["model"], out, f"lora{n}")
 
 
 def _job(rank: int, port: int, out: str) -> None:
@@ -109,13 +104,7 @@ def test_images_on_two_ranks_match_one_process(runs, name):
     steps = [r for r in two if r["stage"] == STAGE.get(name, name)]
     assert len(steps) == 2
     d, where = _max_diff(two, one)
-    if name == "lora":
-        a1 = torch.load(runs / "lora1_rank0.pt")
-        a2 = [torch.load(runs / f"lora2_rank{r}.pt") for r in range(WORLD)]
-        assert all(torch.equal(a2[0][k], a2[1][k]) for k in a1)
-        dw = max(float((a2[0][k] - a1[k]).abs().max()) for k in a1)
-    else:
-        dw = _weights_diff(runs / f"{name}2", runs / f"{name}1")
+    dw = adapters_on_ranks(runs, "lora", WORLD)[2] if name == "lora" else _weights_diff(runs / f"{name}2", runs / f"{name}1")
     print(f"vision {name}: 2 ranks vs 1 process, max |metric diff| {d:.2e} ({where}); final weights {dw:.2e}")
     assert d <= TOL, where
     assert dw <= WEIGHT_BOUND.get(name, WEIGHT_TOL)
