@@ -69,7 +69,7 @@ CATEGORIES = [
 ]
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LINEAR_PROJ = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "in_proj_qkvz", "in_proj_ba", "out_proj")
-FUSED = ("qkv", "gate_up")
+FUSED = ("qkv", "gate_up", "linear.in_proj")  # the fused groups (rlfuse.model.fuse), timed as one GEMM each
 HEADS = ("lm_head", "logprob")
 
 
@@ -188,7 +188,8 @@ def _groups(model) -> dict[str, list]:
             m = getattr(mixer, n, None) if layer.mixer_name == "linear_attn" else None
             if isinstance(m, torch.nn.Module) and hasattr(m, "weight"):
                 out.setdefault(f"linear.{n}", []).append(m)
-        for name, owner, attr in (("qkv", mixer, "qkv_fused"), ("gate_up", mlp, "gate_up_fused")):
+        for name, owner, attr in (("qkv", mixer, "qkv_fused"), ("gate_up", mlp, "gate_up_fused"),
+                                  ("linear.in_proj", mixer, "in_proj_fused")):
             group = getattr(owner, attr, None)
             if group is not None and group.live(owner):
                 out.setdefault(name, []).append(group)

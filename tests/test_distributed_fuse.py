@@ -1,6 +1,7 @@
 """Fused projections under FSDP2 (rlfuse.model.fuse.fuse_gathered, GatheredSampler(fuse=True)),
 CPU + gloo, 2 ranks, bf16 compute:
-  * at each wake the gathered q/k/v and gate/up weights become fused buffers (`is_fused`),
+  * at each wake the gathered q/k/v and gate/up weights (a hybrid's linear-attention input
+    projections too) become fused buffers (`is_fused`),
     FSDP's own gathered storage of those tensors is freed (no second copy), and the forward
     equals the one-process fused model's bitwise;
   * after sleep the groups are gone, the next wake fuses again with the new values (after an
@@ -14,18 +15,25 @@ from __future__ import annotations
 import copy
 from pathlib import Path
 
+import pytest
 import torch
 from spawn_ranks import free_port, spawn_ranks
 
 from rlfuse.kernels import use_backend
 from rlfuse.model import CausalLM, ModelConfig, Packed
-from rlfuse.model.fuse import fuse_projections, is_fused
+from rlfuse.model.fuse import fuse_projections, groups_of, is_fused
 from rlfuse.run.distributed import GatheredSampler
 from rlfuse.run.distributed import context as D
 from rlfuse.run.distributed.fsdp import ShardedAdamW, shard_model
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
+# layer 0 a Gated DeltaNet (its in_proj_qkv / z / b / a one group), layer 1 gated attention
+HYBRID = ModelConfig(model_type="qwen3_5_text", vocab_size=64, hidden_size=32, intermediate_size=48,
+                     num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                     max_position_embeddings=64, layer_types=("linear_attention", "full_attention"),
+                     linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+                     partial_rotary_factor=0.5)
 
 
 class _Stub:
@@ -40,7 +48,8 @@ class _Stub:
         pass
 
 
-def _job(rank: int, port: int, out: str) -> None:
+def _job(rank: int, port: int, out: str, hybrid: bool = False) -> None:
+    cfg = HYBRID if hybrid else CFG
     torch.set_num_threads(1)
     env = {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
            "MASTER_PORT": str(port)}
@@ -48,26 +57,28 @@ def _job(rank: int, port: int, out: str) -> None:
     ids = torch.tensor([3, 9, 17, 4, 60, 2, 33])
     args = (ids, torch.arange(len(ids)), Packed.from_lengths([len(ids)]))
     with use_backend("torch"), torch.no_grad():
-        plain = CausalLM(CFG)
+        plain = CausalLM(cfg)
         plain.init_weights(generator=torch.Generator().manual_seed(0))
         plain = plain.to(torch.bfloat16)
         fused_ref = copy.deepcopy(plain)
-        assert fuse_projections(fused_ref) == 2 * CFG.num_hidden_layers
+        assert fuse_projections(fused_ref) == (3 if hybrid else 4)  # the hybrid's gated attention: no group
         want_fused, want_plain = fused_ref(*args), copy.deepcopy(plain)(*args)
         model = shard_model(plain, ctx)
         sampler = GatheredSampler(model, lambda: _Stub(model), fuse=True)
         res = {}
         sampler.wake()
         assert is_fused(model)
-        q = model.model.layers[0].self_attn.q_proj.weight
-        res["buffer_is_the_weight"] = q.data_ptr() == model.model.layers[0].self_attn.qkv_fused.weight.data_ptr()
-        # FSDP2 internals (the test's only use): the all-gather outputs of the fused tensors are freed
         layer0 = model.model.layers[0]
-        fused_mods = {layer0.self_attn.q_proj, layer0.self_attn.k_proj, layer0.self_attn.v_proj,
-                      layer0.mlp.gate_proj, layer0.mlp.up_proj}
+        mixer, first, group = ((layer0.linear_attn, "in_proj_qkv", "in_proj_fused") if hybrid
+                               else (layer0.self_attn, "q_proj", "qkv_fused"))
+        w = getattr(mixer, first).weight
+        res["buffer_is_the_weight"] = w.data_ptr() == getattr(mixer, group).weight.data_ptr()
+        # FSDP2 internals (the test's only use): the all-gather outputs of the fused tensors are freed
+        fused_mods = {getattr(m, n) for m in layer0.modules() for _, names in groups_of(m) for n in names}
         sizes = [(fp._module_info.module in fused_mods, fp.all_gather_outputs[0].untyped_storage().size())
                  for fp in layer0._get_fsdp_state()._fsdp_param_group.fsdp_params]
-        res["own_storage_freed"] = (sum(f for f, _ in sizes) == 5 and all(n == 0 for f, n in sizes if f)
+        res["own_storage_freed"] = (sum(f for f, _ in sizes) == (6 if hybrid else 5)
+                                    and all(n == 0 for f, n in sizes if f)
                                     and all(n > 0 for f, n in sizes if not f))
         res["fused_equal"] = torch.equal(model(*args), want_fused)
         sampler.sleep()
@@ -89,8 +100,9 @@ def _job(rank: int, port: int, out: str) -> None:
     D.shutdown()
 
 
-def test_fused_projections_on_gathered_weights(tmp_path):
-    spawn_ranks(_job, 2, free_port(), str(tmp_path))
+@pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3", "qwen3_5"])
+def test_fused_projections_on_gathered_weights(tmp_path, hybrid):
+    spawn_ranks(_job, 2, free_port(), str(tmp_path), hybrid)
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
         assert all(res.values()), (r, res)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,8 +33,9 @@ from rlfuse.engine.cache import LinearStateCache
 from rlfuse.engine.naive import greedy_generate_naive
 from rlfuse.engine.sequence import Sequence
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.gated_delta import fused_recurrent_gated_delta_rule, recurrent_gated_delta_rule_ref
+from rlfuse.kernels.gated_delta import fused_recurrent_gated_delta_rule, gdn_gates, recurrent_gated_delta_rule_ref
 from rlfuse.model import LinearDecode, LinearSlots, Packed
+from rlfuse.model.layers import OffsetRMSNorm
 
 # fast-numerics rollout vs trainer log-probs on the tiny hybrid in fp32 (the static == eager
 # tolerance of tests/test_engine_hybrid.py; measured max 3e-6 here)
@@ -84,6 +87,102 @@ def test_recurrent_state_slots_refuse_a_wrong_pool():
                                          state_slots=torch.tensor([0, 1], dtype=torch.int32))
 
 
+def _raw_decode_inputs(B, Hk, Hv, Dk, Dv, dtype, device="cpu", seed=0):
+    """One token per row as forward_decode passes it: q, k, v views of one conv output
+    (T, 2 Hk Dk + Hv Dv), the raw projections a, b (T, Hv), A_log and dt_bias (Hv,) in the
+    model dtype; a spread wide enough that a + dt_bias crosses softplus's threshold (20)
+    and goes far below 0."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mixed = torch.randn(B, 2 * Hk * Dk + Hv * Dv, device=device, generator=gen).to(dtype)
+    q, k, v = (x.reshape(B, -1, d) for x, d in zip(mixed.split([Hk * Dk, Hk * Dk, Hv * Dv], -1), (Dk, Dk, Dv)))
+    a = (torch.randn(B, Hv, device=device, generator=gen) * 12).to(dtype)
+    b = (torch.randn(B, Hv, device=device, generator=gen) * 3).to(dtype)
+    A_log = (torch.rand(Hv, device=device, generator=gen) * 2 - 1).to(dtype)
+    dt_bias = torch.randn(Hv, device=device, generator=gen).to(dtype)
+    return q, k, v, a, b, A_log, dt_bias
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slots", [[3], [4, 0, 2, 5, 5]])  # B = 1; out of order, 2 padding rows on scratch 5
+def test_recurrent_gate_prologue_equals_the_gates(backend, dtype, slots):
+    """`gate_params`: the kernel computes beta = sigmoid(b), g = -exp(A_log) softplus(a +
+    dt_bias) from the raw projections in its prologue, on one token a row (cu_seqlens
+    None) and on the slot pool: the real rows' outputs and states against the call with
+    `gdn_gates`' gates (bitwise on the torch backend, which runs gdn_gates; within fp32
+    rounding on Triton's exp / log / sigmoid), and against the float64 oracle with float64
+    gates. The padding rows sharing the scratch slot are not compared."""
+    Hk, Hv, Dk, Dv = 1, 3, 12, 40
+    B = len(slots)
+    q, k, v, a, b, A_log, dt_bias = _raw_decode_inputs(B, Hk, Hv, Dk, Dv, dtype, seed=len(slots))
+    pool = torch.randn(6, Hv, Dk, Dv, generator=torch.Generator().manual_seed(9)) * 0.3
+    before, slot_t, cu = pool.clone(), torch.tensor(slots), torch.arange(B + 1, dtype=torch.int32)
+    real = [i for i, s in enumerate(slots) if slots.count(s) == 1]
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    assert g.dtype == torch.float32 and beta.dtype == dtype
+    ref_pool = before.clone()
+    with use_backend(backend), use_numerics("fast"):
+        o_ref, _ = fused_recurrent_gated_delta_rule(q, k, v, g, beta, cu, initial_state=ref_pool, state_slots=slot_t)
+        o, _ = fused_recurrent_gated_delta_rule(q, k, v, a, b, None, initial_state=pool, state_slots=slot_t,
+                                                gate_params=(A_log, dt_bias))
+    untouched = [s for s in range(6) if s not in slots]
+    assert torch.equal(pool[untouched], before[untouched])
+    sr = slot_t[real]
+    if backend == "torch":
+        assert torch.equal(o[real], o_ref[real]) and torch.equal(pool[sr], ref_pool[sr])
+    else:
+        tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+        torch.testing.assert_close(o[real], o_ref[real], **tol)
+        # bf16: a beta whose sigmoid sits at a bf16 rounding boundary may round one ulp apart
+        # (2^-8), which moves the state by 2^-8 k_i delta_j (|k_i| <= 1, |delta_j| a few: < 1e-2)
+        torch.testing.assert_close(pool[sr], ref_pool[sr], rtol=0, atol=2e-6 if dtype == torch.float32 else 1e-2)
+    g64 = -torch.exp(A_log.double()) * torch.nn.functional.softplus(a.double() + dt_bias.double())
+    beta64 = torch.sigmoid(b.double())
+    o64, s64 = recurrent_gated_delta_rule_ref(q.double(), k.double(), v.double(), g64, beta64, cu,
+                                              initial_state=before[slot_t].double())
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o[real].double(), o64[real], **tol)
+    torch.testing.assert_close(pool[sr].double(), s64[real], **tol)
+
+
+def test_recurrent_gate_params_refuse_wrong_shapes():
+    q = k = torch.randn(2, 1, 4)
+    v = torch.randn(2, 2, 4)
+    a, b = torch.zeros(2, 2), torch.zeros(2, 2)
+    with use_numerics("fast"), pytest.raises(ValueError, match=r"gate_params must be \(A_log, dt_bias\), each"):
+        fused_recurrent_gated_delta_rule(q, k, v, a, b, None, gate_params=(torch.zeros(3), torch.zeros(2)))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_qwen35_2b_recurrent_gate_prologue(dtype):
+    """Qwen3.5-2B widths (16 key / 16 value heads, Dk = Dv = 128), 64 rows on out-of-order
+    slots of an 80-slot fp32 pool, gates in the prologue, one token a row: against the
+    gdn_gates call within fp32 rounding and the float64 oracle."""
+    Hk, Hv, Dk, Dv, B, N = 16, 16, 128, 128, 64, 80
+    q, k, v, a, b, A_log, dt_bias = _raw_decode_inputs(B, Hk, Hv, Dk, Dv, dtype, device="cuda", seed=22)
+    gen = torch.Generator(device="cuda").manual_seed(23)
+    pool = torch.randn(N, Hv, Dk, Dv, device="cuda", generator=gen) * 0.3
+    slots = torch.randperm(N - 1, device="cuda", generator=gen)[:B]
+    before, ref_pool = pool.clone(), pool.clone()
+    cu = torch.arange(B + 1, device="cuda", dtype=torch.int32)
+    with use_backend("triton"), use_numerics("fast"):
+        o_ref, _ = fused_recurrent_gated_delta_rule(q, k, v, *gdn_gates(a, b, A_log, dt_bias), cu,
+                                                    initial_state=ref_pool, state_slots=slots)
+        o, _ = fused_recurrent_gated_delta_rule(q, k, v, a, b, None, initial_state=pool, state_slots=slots,
+                                                gate_params=(A_log, dt_bias))
+    tol = dict(rtol=0, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(o, o_ref, **tol)
+    # bf16: beta may round one bf16 ulp apart at a rounding boundary (see the CPU test)
+    torch.testing.assert_close(pool, ref_pool, rtol=0, atol=1e-5 if dtype == torch.float32 else 1e-2)
+    g64 = -torch.exp(A_log.double()) * torch.nn.functional.softplus(a.double() + dt_bias.double())
+    o64, s64 = recurrent_gated_delta_rule_ref(q.double(), k.double(), v.double(), g64, torch.sigmoid(b.double()),
+                                              cu, initial_state=before[slots].double())
+    tol = dict(rtol=0, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(o.double(), o64, **tol)
+    torch.testing.assert_close(pool[slots].double(), s64, **tol)
+
+
 # ------------------------------------------------------------------ the layer
 
 def _fast_state(layer, slots: int) -> dict[int, dict[str, torch.Tensor]]:
@@ -119,6 +218,48 @@ def test_static_decode_step_equals_the_eager_step_bitwise(backend):
             for n in states[0]:
                 assert torch.equal(states[0][n], other[0][n]), n
             pos += 1
+
+
+def _count_decode_ops():
+    path = Path(__file__).parents[1] / "benchmarks" / "count_decode_ops.py"
+    spec = importlib.util.spec_from_file_location("count_decode_ops", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fast_decode_step_launches_no_copy_or_gate_kernels():
+    """The kernels of one linear layer's fast decode step (benchmarks/count_decode_ops.py:
+    aten ops that launch a kernel, and Triton launches): the projections' GEMMs, the conv
+    update on its slots, the recurrent kernel with the gates in its prologue (one token a
+    row: no offsets built), the gated norm; no gather / scatter of the conv state, no dtype
+    round trips, no separate gate kernels (17 kernels in fp32, 19 in bf16 before: + index_select,
+    index_copy_, sigmoid, exp, neg, softplus, add, mul, arange, and 2 casts in bf16). The exact
+    step keeps its arithmetic but reads the conv state in its slots too. The layers' offset
+    RMSNorm is one kernel (was 6 with its residual add in bf16: the add, x.float(),
+    w.float(), 1 + w, the norm, the cast back)."""
+    count = _count_decode_ops()
+    for dtype in (torch.bfloat16, torch.float32):
+        ops = count.decode_step_kernels("fast", dtype)
+        assert {k: v for k, v in ops.items() if k != "aten.mm"} == {
+            "triton._conv_update_kernel": 1, "triton._recurrent_kernel": 1, "triton._gated_norm_fwd_kernel": 1}, ops
+        assert ops["aten.mm"] == 5, ops  # in_proj_qkv, _z, _b, _a, out_proj
+    # fused (model/fuse.py): the four input projections one GEMM, its z slice read by the gated norm's strides
+    fused = count.decode_step_kernels("fast", torch.bfloat16, fused=True)
+    assert {k: v for k, v in fused.items() if k != "aten.mm"} == {
+        "triton._conv_update_kernel": 1, "triton._recurrent_kernel": 1, "triton._gated_norm_fwd_kernel": 1}, fused
+    assert fused["aten.mm"] == 2, fused  # in_proj (fused), out_proj
+    ops = count.decode_step_kernels("exact", torch.bfloat16)
+    assert not {"aten.index_select", "aten.index_copy_"} & set(ops) and ops["triton._conv_update_kernel"] == 1, ops
+    # Qwen3.5's offset RMSNorm with its residual add, no gradient (every layer's two norms): one kernel
+    norm = OffsetRMSNorm(64, 1e-6).bfloat16()
+    x, h = torch.randn(2, 3, 64).bfloat16().unbind(0)
+    with torch.no_grad(), use_backend("triton"):
+        norm(x, h)  # compile outside the count
+        kernels = count.KernelCount()
+        with kernels, kernels.triton_launches():
+            norm(x, h)
+    assert dict(kernels.ops) == {"triton._rmsnorm_fwd_kernel": 1}, kernels.ops
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

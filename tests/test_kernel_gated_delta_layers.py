@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from rlfuse.kernels import use_backend, use_numerics
-from rlfuse.kernels.gated_delta import causal_conv1d, causal_conv1d_ref, causal_conv1d_update, gated_rmsnorm
+from rlfuse.kernels.gated_delta import (
+    causal_conv1d,
+    causal_conv1d_ref,
+    causal_conv1d_update,
+    causal_conv1d_update_ref,
+    gated_rmsnorm,
+)
 
 hf = pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 
@@ -134,6 +140,25 @@ def test_gated_rmsnorm_matches_transformers(backend, dtype):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_gated_rmsnorm_reads_a_strided_z_without_a_copy_bitwise(backend):
+    """z (T, H, D) as a column slice of a wider row (a fused in_proj GEMM's output): the
+    same bits as a contiguous z, forward and gradients."""
+    gen = torch.Generator().manual_seed(9)
+    T, H, D = 7, 3, 20
+    x = torch.randn(T, H, D, generator=gen).to(torch.bfloat16).requires_grad_()
+    wide = torch.randn(T, 5 + H * D + 4, generator=gen).to(torch.bfloat16).requires_grad_()
+    z_view = wide[:, 5:5 + H * D].view(T, H, D)  # row stride 5 + H D + 4, head stride D
+    z = z_view.detach().contiguous().requires_grad_()
+    w = (1 + 0.2 * torch.randn(D, generator=gen)).to(torch.bfloat16)
+    dy = torch.randn(T, H, D, generator=gen).to(torch.bfloat16)
+    with use_backend(backend), use_numerics("exact"):
+        y_view, y = gated_rmsnorm(x, z_view, w, 1e-6), gated_rmsnorm(x, z, w, 1e-6)
+        (dz_view,), (dz,) = torch.autograd.grad(y_view, [wide], dy), torch.autograd.grad(y, [z], dy)
+    assert torch.equal(y_view, y)
+    assert torch.equal(dz_view[:, 5:5 + H * D].view(T, H, D), dz) and not dz_view[:, :5].any()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_gated_rmsnorm_gradients_and_batch_invariance(backend):
     gen = torch.Generator().manual_seed(8)
     D = 20
@@ -186,3 +211,68 @@ def test_gpu_qwen35_conv_and_norm(dtype):
         m.weight.copy_(ws)
     tol = dict(rtol=1.6e-2, atol=1e-5) if dtype == torch.bfloat16 else dict(rtol=1.3e-6, atol=2e-6)  # a few fp32 ulps: HF sums the square in another order
     torch.testing.assert_close(yn.float(), m(xs, zs).float(), **tol)
+
+
+# ------------------------------------------------------------ the decode update on a slot pool
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("dtype,pool_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                              (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("slots", [[2], [4, 0, 2, 6, 6]])  # B = 1; out of order, 2 padding rows on scratch 6
+def test_conv_update_state_slots_update_the_pool_in_place(backend, numerics, dtype, pool_dtype, slots):
+    """`state_slots`: each row shifts its slot of the pool in place. The real rows' outputs
+    and slots are bitwise the update on the gathered states (the static decode step's
+    former index_select / update / index_copy_), the other slots untouched, and the outputs
+    against float64. Rows sharing the scratch slot are padding: not compared."""
+    C, W, N = 13, 4, 7
+    gen = torch.Generator().manual_seed(20 + len(slots))
+    x = torch.randn(len(slots), C, generator=gen).to(dtype)
+    w = (torch.randn(C, W, generator=gen) * 0.5).to(dtype)
+    bias = (torch.randn(C, generator=gen) * 0.1).to(dtype)
+    pool = torch.randn(N, C, W - 1, generator=gen).to(dtype).to(pool_dtype)  # values the update writes: x.dtype's
+    before = pool.clone()
+    real = [i for i, s in enumerate(slots) if slots.count(s) == 1]
+    slot_t = torch.tensor(slots)
+    with use_backend(backend), use_numerics(numerics):
+        gathered = before[slot_t].to(dtype)
+        y_ref = causal_conv1d_update(x, gathered, w, bias)
+        y = causal_conv1d_update(x, pool, w, bias, state_slots=slot_t)
+    assert y.dtype == dtype and torch.equal(y[real], y_ref[real])
+    assert torch.equal(pool[slot_t[real]], gathered[real].to(pool_dtype))
+    untouched = [s for s in range(N) if s not in slots]
+    assert torch.equal(pool[untouched], before[untouched])
+    y64 = causal_conv1d_update_ref(x.double(), before[slot_t].double(), w.double(), bias.double(), exact=False)
+    tol = dict(rtol=0, atol=1e-6) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(y[real].double(), y64[real], **tol)
+
+
+def test_conv_update_state_slots_refuse_a_wrong_pool():
+    x, w = torch.randn(2, 12), torch.randn(12, 4)
+    with pytest.raises(ValueError, match=r"a pool \(N, C, W-1\) with \(C, W-1\) = \(12, 3\)"):
+        causal_conv1d_update(x, torch.zeros(5, 12, 4), w, None, state_slots=torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match=r"state_slots must be \(B,\) = \(2,\) int64"):
+        causal_conv1d_update(x, torch.zeros(5, 12, 3), w, None, state_slots=torch.tensor([0, 1], dtype=torch.int32))
+
+
+@pytest.mark.gpu
+def test_gpu_qwen35_2b_conv_update_state_slots():
+    """Qwen3.5-2B widths (conv dim 2 * 16 * 128 + 16 * 128 = 6144, W = 4), bf16, 64 rows on
+    out-of-order slots of a 80-slot pool: bitwise the gathered update, against float64."""
+    C, W, N, B = 6144, 4, 80, 64
+    gen = torch.Generator(device="cuda").manual_seed(21)
+    x = torch.randn(B, C, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(C, W, device="cuda", generator=gen) * 0.5).bfloat16()
+    pool = torch.randn(N, C, W - 1, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(N - 1, device="cuda", generator=gen)[:B]
+    before = pool.clone()
+    with use_backend("triton"), use_numerics("fast"):
+        gathered = before[slots]
+        y_ref = causal_conv1d_update(x, gathered, w, None)
+        y = causal_conv1d_update(x, pool, w, None, state_slots=slots)
+    assert torch.equal(y, y_ref) and torch.equal(pool[slots], gathered)
+    keep = torch.ones(N, dtype=torch.bool, device="cuda")
+    keep[slots] = False
+    assert torch.equal(pool[keep], before[keep])
+    y64 = causal_conv1d_update_ref(x.double(), before[slots].double(), w.double(), None, exact=False)
+    torch.testing.assert_close(y.double(), y64, rtol=1e-2, atol=1e-2)

@@ -12,9 +12,10 @@ dtype up to a rounding or two (atol: a few ulps at the tested magnitudes).
 import pytest
 import torch
 
-from rlfuse.kernels import use_backend
+from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.activation.glu import swiglu, swiglu_ref
-from rlfuse.kernels.norm.rms import rmsnorm, rmsnorm_ref
+from rlfuse.kernels.backend import triton_ops
+from rlfuse.kernels.norm.rms import offset_rmsnorm, offset_rmsnorm_ref, rmsnorm, rmsnorm_ref
 from rlfuse.kernels.rope.rotary import rope, rope_inv_freq, rope_ref
 
 _ATOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -90,6 +91,37 @@ def test_rmsnorm_fp32_weight_bf16_input_and_exactness():
     torch.testing.assert_close(y, rmsnorm_ref(x, w, 1e-5), rtol=1e-6, atol=1e-6)
     # bf16 throughout: the same roundings as the reference; a flip needs an fp32 ulp tie
     assert (y16 != rmsnorm_ref(x, w.bfloat16(), 1e-5)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("D", [40, 100])  # a per-head width below 128 (q/k norm) and a wide tile
+def test_offset_rmsnorm_one_kernel_equals_the_composition_bitwise(numerics, dtype, D):
+    """Qwen3.5's offset RMSNorm without a gradient (the engine's step): one Triton kernel,
+    with and without the residual add, gives the composition's bits (rmsnorm kernel on
+    x.float() with weight 1 + w.float(), cast to x.dtype; h + x in x.dtype), in both
+    numerics, on strided rows; within rounding of float64. With a gradient the op takes
+    the composition (its autograd)."""
+    g = torch.Generator().manual_seed(D)
+    x = (torch.randn(3, 7, D + 3, generator=g) * 2)[..., :D].to(dtype)  # non-unit row stride
+    h = torch.randn(3, 7, D, generator=g).to(dtype)
+    w = (0.3 * torch.randn(D, generator=g)).to(dtype)
+    one = triton_ops("norm.triton_rms").offset_rmsnorm  # the op runs it in fast numerics only (yet)
+    with use_backend("triton"), use_numerics(numerics), torch.no_grad():
+        y = one(x, w, 1e-6, None)
+        s, y_add = one(x, w, 1e-6, h)
+        assert torch.equal(offset_rmsnorm(x, w, 1e-6), y)  # the op: the kernel (fast) or the composition
+        y_ref = offset_rmsnorm_ref(x, w, 1e-6)
+        s_ref = h + x
+        y_add_ref = offset_rmsnorm_ref(s_ref, w, 1e-6)
+    assert y.dtype == dtype and y.shape == x.shape and torch.equal(y, y_ref)
+    assert torch.equal(s, s_ref) and torch.equal(y_add, y_add_ref)
+    gold = offset_rmsnorm_ref(x.double(), w.double(), 1e-6)
+    torch.testing.assert_close(y.double(), gold, rtol=1e-6 if dtype == torch.float32 else 1e-2, atol=1e-6)
+    wg = w.clone().requires_grad_()
+    with use_backend("triton"), use_numerics(numerics):
+        yg = offset_rmsnorm(x, wg, 1e-6)
+        assert yg.grad_fn is not None and torch.equal(yg.detach(), y_ref)
 
 
 def test_rmsnorm_batch_invariant():
@@ -173,6 +205,27 @@ def test_swiglu_batch_invariant_and_shape_check():
         assert torch.equal(full[:13], swiglu(gate[:13], up[:13]))
         with pytest.raises(ValueError, match="shape"):
             swiglu(gate, up[:, :10])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numerics", ["exact", "fast"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_offset_rmsnorm_one_kernel_equals_the_composition_bitwise(numerics, dtype):
+    """Qwen3.5-2B widths (hidden 2048, attention head 256, linear-attention head 128), 256
+    rows (a decode batch) and 4099: the one-kernel offset RMSNorm (with and without the
+    residual add) is bitwise the composition the trainer runs (the exact engine's rollouts
+    equal the trainer's only if it is)."""
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for D in (2048, 256, 128):
+        for N in (256, 4099):
+            x = (torch.randn(N, D, device="cuda", generator=g) * 3).to(dtype)
+            h = torch.randn(N, D, device="cuda", generator=g).to(dtype)
+            w = (0.3 * torch.randn(D, device="cuda", generator=g)).to(dtype)
+            one = triton_ops("norm.triton_rms").offset_rmsnorm  # the kernel itself, also in exact
+            with use_backend("triton"), use_numerics(numerics), torch.no_grad():
+                y, (s, y_add) = one(x, w, 1e-6, None), one(x, w, 1e-6, h)
+                assert torch.equal(y, offset_rmsnorm_ref(x, w, 1e-6)), (D, N)
+                assert torch.equal(s, h + x) and torch.equal(y_add, offset_rmsnorm_ref(h + x, w, 1e-6)), (D, N)
 
 
 @pytest.mark.gpu

@@ -24,6 +24,7 @@ from rlfuse.model.lora_peft import load_peft_adapter, save_peft_adapter
 
 GOLD_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 SIZES = (24, 8, 8)  # q, k, v of a tiny GQA attention
+GDN_SIZES = (24, 8, 3, 3)  # a Gated DeltaNet's qkv, z, b, a (four parts, two of a few columns)
 
 
 def _bank(dtype, n=3, M=29, K=48, sizes=SIZES, r=4, seed=0, bias=True, device="cpu"):
@@ -77,32 +78,43 @@ def test_exact_bank_mixed_batch_equals_each_adapter_alone(backend, dtype):
     assert rel_err(mixed, _gold(x, w, b, A, B, s, ad, SIZES)) < GOLD_TOL[dtype]
 
 
+@pytest.mark.parametrize("sizes", [SIZES, GDN_SIZES])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_parts_equal_the_separate_projections_under_torch(dtype):
-    """A fused q/k/v LoRA: each part's columns are the separate projection's bits (torch
-    backend; the Triton path rounds once per element either way)."""
-    x, w, b, A, B, s, _ = _bank(dtype, n=1, seed=3)
+def test_exact_parts_equal_the_separate_projections_under_torch(dtype, sizes):
+    """A fused q/k/v (or qkv/z/b/a) LoRA: each part's columns are the separate projection's
+    bits (torch backend; the Triton path rounds once per element either way)."""
+    x, w, b, A, B, s, _ = _bank(dtype, n=1, seed=3, sizes=sizes)
     r = B.shape[2]
     with use_backend("torch"), use_numerics("exact"):
-        fused = lora_linear(x, w, b, A[0], B[0], 1.5, sizes=SIZES)
+        fused = lora_linear(x, w, b, A[0], B[0], 1.5, sizes=sizes)
         lo = 0
-        for p, n in enumerate(SIZES):
+        for p, n in enumerate(sizes):
             sep = lora_linear(x, w[lo:lo + n], b[lo:lo + n], A[0, p * r:(p + 1) * r], B[0, lo:lo + n], 1.5)
             assert torch.equal(fused[:, lo:lo + n], sep), p
             lo += n
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_lora_plans_agree_bitwise_with_parts_and_bank(dtype):
-    """fused, split and split_last: the same bits, K over several chunks with a ragged tail."""
+@pytest.mark.parametrize("dtype,sizes", [(torch.float32, SIZES), (torch.bfloat16, SIZES),
+                                         (torch.bfloat16, GDN_SIZES)])
+def test_triton_lora_plans_agree_bitwise_with_parts_and_bank(dtype, sizes):
+    """fused, split and split_last: the same bits, K over several chunks with a ragged tail;
+    each part's columns equal that part alone (4 parts: a Gated DeltaNet's in_proj group)."""
     from rlfuse.kernels.linear.triton_lora import lora_expand_triton
-    x, w, b, A, B, s, ad = _bank(dtype, n=2, M=37, K=300, seed=5)
+    x, w, b, A, B, s, ad = _bank(dtype, n=2, M=37, K=300, seed=5, sizes=sizes)
     z = (x.float() @ A.reshape(-1, A.shape[-1]).float().T).to(dtype)
     tiles = dict(CHUNK_K=128)  # 3 chunks
-    ys = {plan: lora_expand_triton(x, w, b, z, B, s, sizes=SIZES, adapter=ad, plan=plan, tiles=tiles)
+    ys = {plan: lora_expand_triton(x, w, b, z, B, s, sizes=sizes, adapter=ad, plan=plan, tiles=tiles)
           for plan in ("fused", "split", "split_last")}
     assert torch.equal(ys["split"], ys["fused"]) and torch.equal(ys["split_last"], ys["fused"])
-    assert rel_err(ys["fused"], _gold(x, w, b, A, B, s, ad, SIZES)) < GOLD_TOL[dtype]
+    assert rel_err(ys["fused"], _gold(x, w, b, A, B, s, ad, sizes)) < GOLD_TOL[dtype]
+    if sizes == GDN_SIZES:
+        r, P, lo = B.shape[2], len(sizes), 0
+        zp = z.view(z.shape[0], 2, P, r)  # (M, adapters, parts, r)
+        for p, n in enumerate(sizes):
+            alone = lora_expand_triton(x, w[lo:lo + n], b[lo:lo + n], zp[:, :, p].reshape(z.shape[0], -1),
+                                       B[:, lo:lo + n], s, adapter=ad, plan="fused", tiles=tiles)
+            assert torch.equal(ys["fused"][:, lo:lo + n], alone), p
+            lo += n
 
 
 @pytest.mark.parametrize("bank", [False, True])

@@ -96,10 +96,11 @@ class EngineConfig:
     weights changed; the trainer's forwards read K/V quantized with the same scales, so exact
     numerics stay bitwise (docs/numerics.md, "FP8 KV cache")."""
     fuse_projections: bool | None = None
-    """Run q/k/v and gate/up of each layer as one GEMM each (the engine fuses the model in
-    place when built: the parameters become views of one buffer per group, names and
-    checkpoints unchanged; the trainer's forward runs fused too). Exact numerics keep their
-    bits; LoRA-adapted projections stay separate; FSDP-sharded models fuse the gathered
+    """Run q/k/v, gate/up and a hybrid's linear-attention input projections of each layer as
+    one GEMM each (the engine fuses the model in place when built: the parameters become views
+    of one buffer per group, names and checkpoints unchanged; the trainer's forward runs fused
+    too). Exact numerics keep their bits; a group whose projections all carry adapters of one
+    rank and scale stays fused, a partly adapted one runs separate; FSDP-sharded models fuse the gathered
     weights at each rollout, and their training forwards run separate (rlfuse.model.fuse).
     None (default): on CUDA, where it speeds decode up; not on a CPU, where it would only move
     fast-mode rounding. True / False: always / never (False leaves the model as it is: one

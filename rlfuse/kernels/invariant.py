@@ -17,6 +17,8 @@ result that depends only on that element's own inputs:
                          enough that torch never splits them across threads.
   matmul_nt(a, b)        a (M, K) @ b (N, K)^T: fp32 products, pairwise_sum over K.
                          Row m of the result depends on a[m] and b only.
+  elementwise(fn, x)     `pointwise` where it matters (exact numerics on CPU), else fn(x):
+                         what the models call for sigmoid / exp / softplus gates.
 
 They are references (the readable spec and the CPU path of exact mode): O(M N K)
 memory in chunks, slow, and exact by construction. Tests:
@@ -26,6 +28,8 @@ memory in chunks, slow, and exact by construction. Tests:
 from __future__ import annotations
 
 import torch
+
+from rlfuse.kernels.backend import is_exact
 
 _SIMD_CHUNK = 64  # a multiple of every CPU vector body width torch uses (2 x 16 fp32 lanes on AVX-512)
 _PIECE = 16384  # elements per call: below torch's parallel grain (32768), so one thread does a piece
@@ -62,6 +66,12 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     out = torch.cat([fn(flat[i:i + _PIECE].contiguous()) for i in range(0, flat.numel(), _PIECE)])
     return out[:n].view(x.shape)
+
+
+def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x); in exact numerics on CPU through `pointwise` (an element's value would otherwise
+    depend on T: the SIMD body and scalar tail disagree). CUDA elementwise kernels have no tail."""
+    return pointwise(fn, x) if is_exact() and not x.is_cuda else fn(x)
 
 
 def matmul_nt(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -1,15 +1,19 @@
-"""Fused projections: q/k/v of each attention layer as one GEMM, gate/up of each MLP as one.
+"""Fused projections: q/k/v of each attention layer as one GEMM, gate/up of each MLP as one,
+a hybrid's linear-attention input projections as one.
 
     fuse_projections(model)   # in place; `LLM(model, ...)` calls it (EngineConfig.fuse_projections)
 
 A decode step is a few dozen rows against every weight matrix, so each projection's GEMM
 is a weight read plus a launch and a tile grid of its own. q, k and v read the same input
-(the attention's normed hidden state), as do gate and up (the MLP's): one GEMM each, with
-N = (Hq + 2 Hkv) Dh and N = 2 I, reads the input once, launches once and fills more SMs.
+(the attention's normed hidden state), as do gate and up (the MLP's) and a Gated DeltaNet's
+input projections (Qwen3.5: in_proj_qkv, in_proj_z, in_proj_b, in_proj_a; Qwen3-Next:
+in_proj_qkvz, in_proj_ba): one GEMM each, with N = (Hq + 2 Hkv) Dh, N = 2 I and
+N = 2 Hk Dk + 2 Hv Dv + 2 Hv, reads the input once, launches once and fills more SMs (the
+b and a projections alone, N = Hv, are a few columns: a launch and a weight pass each).
 
-Storage. Per group one contiguous buffer (rows of q, then k, then v; gate, then up; the
-biases likewise), and each projection's Parameter re-pointed at its rows (`p.data =
-buffer[rows]`). The Parameter objects stay, so do their names (`q_proj.weight`: the
+Storage. Per group one contiguous buffer (rows of q, then k, then v; gate, then up; qkv,
+z, b, a or qkvz, ba; the biases likewise), and each projection's Parameter re-pointed at
+its rows (`p.data = buffer[rows]`). The Parameter objects stay, so do their names (`q_proj.weight`: the
 state dict and HF checkpoints are unchanged), the optimizer's references and its
 in-place updates, which the fused GEMM then reads with no copy. Saving copies each view
 out (safetensors refuses tensors that share storage; `rlfuse.model.weights`).
@@ -27,15 +31,16 @@ Rules.
     and FSDP allocates and fills its storage again at the next gather. Training forwards
     (FSDP's per-layer gathers) run the separate projections.
   * LoRA (`rlfuse.model.lora`): a group whose projections all carry adapters of one rank
-    and scale stays fused, its A's and B's in two more buffers (A (P r, K): q's rows, then
-    k's, then v's; B (N, r) in the output's rows), and runs as ONE `lora_linear` over the
+    and scale stays fused (the four linear-attention projections too: `lora_linear` takes
+    up to 4 parts), its A's and B's in two more buffers (A (P r, K): q's rows, then k's,
+    then v's; B (N, r) in the output's rows), and runs as ONE `lora_linear` over the
     parts: the shrink of every part is one GEMM, the expand sits in the base GEMM's
     epilogue (`rlfuse.kernels.linear.lora`). An adapter bank (serving several adapters)
     likewise. `attach_lora` on a fused model drops the groups it adapts; the engine
     (`fuse_projections`) fuses them again with their adapters. A forward with the group's
     adapters switched differently, or drawing dropout, runs the projections separately.
-  * Not fused: a group partly adapted (e.g. lora.targets [q_proj, v_proj]), adapters of
-    different rank or scale, parameters on the meta device or of mixed device or dtype.
+  * Not fused: a group partly adapted (e.g. lora.targets [q_proj, v_proj], or
+    [in_proj_qkv] alone), adapters of different rank or scale, parameters on the meta device or of mixed device or dtype.
     Each skip is logged with its reason.
   * A group checks at every forward that its modules are still the layer's and each
     weight still lies at its rows (host-side pointer compares, no sync). After anything
@@ -49,7 +54,7 @@ log-probs still equal the trainer's (which runs the same fused forward). Fast: c
 picks its algorithm from N too, so the bits may move within bf16 rounding.
 Gradients (`rlfuse.kernels.linear.gemm.linear_fused`): each part gets its rows of dW and db;
 dx is one GEMM over the fused N, equal to the separate sum up to rounding.
-Test: python -m pytest -q tests/test_fuse.py
+Test: python -m pytest -q tests/test_fuse.py tests/test_fuse_hybrid.py
 """
 
 from __future__ import annotations
@@ -64,14 +69,25 @@ from torch.distributed.tensor import DTensor
 from rlfuse.kernels.linear.gemm import linear_fused
 from rlfuse.kernels.linear.lora import lora_linear
 from rlfuse.model.causal_lm import CausalLM
-from rlfuse.model.layers import MLP, Attention, Linear
+from rlfuse.model.layers import MLP, Attention, FusedGatedDeltaNet, GatedDeltaNet, Linear
 from rlfuse.model.lora import LoRALinear
 
 log = logging.getLogger(__name__)
 
-# (module type, attribute that holds the group, projections in buffer order)
+# (module type, attribute that holds the group, projections in buffer order); a module holds
+# the groups of its type whose projections it has (`groups_of`): Qwen3-Next's
+# FusedGatedDeltaNet is a GatedDeltaNet whose four projections gave way to two
 GROUPS = ((Attention, "qkv_fused", ("q_proj", "k_proj", "v_proj")),
-          (MLP, "gate_up_fused", ("gate_proj", "up_proj")))
+          (MLP, "gate_up_fused", ("gate_proj", "up_proj")),
+          (GatedDeltaNet, "in_proj_fused", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+          (FusedGatedDeltaNet, "in_proj_fused", ("in_proj_qkvz", "in_proj_ba")))
+
+
+def groups_of(module: nn.Module):
+    """(attribute, projection names) of each GROUPS entry that `module` holds."""
+    for kind, attr, names in GROUPS:
+        if isinstance(module, kind) and all(isinstance(getattr(module, n, None), nn.Module) for n in names):
+            yield attr, names
 
 
 def _join(tensors, dim: int = 0):
@@ -196,11 +212,12 @@ def _skip_reason(model: nn.Module) -> str | None:
 def is_fused(model: nn.Module) -> bool:
     """Whether any projection group of `model` runs fused now."""
     return any(getattr(m, attr) is not None and getattr(m, attr).live(m)
-               for m in model.modules() for kind, attr, _ in GROUPS if isinstance(m, kind))
+               for m in model.modules() for attr, _ in groups_of(m))
 
 
 def fuse_projections(model: CausalLM) -> int:
-    """Fuse q/k/v and gate/up of every decoder layer of `model` in place (module docstring).
+    """Fuse q/k/v, gate/up and the linear-attention input projections of every decoder
+    layer of `model` in place (module docstring).
     Returns the number of groups fused by this call; logs what was fused or skipped, and why."""
     reason = _skip_reason(model)
     if reason is not None:
@@ -211,9 +228,7 @@ def fuse_projections(model: CausalLM) -> int:
         return 0
     fused, already, adapted, n_lora = 0, 0, [], 0
     for layer_name, module in model.named_modules():
-        for kind, attr, names in GROUPS:
-            if not isinstance(module, kind):
-                continue
+        for attr, names in groups_of(module):
             group = getattr(module, attr)
             if group is not None and group.live(module):
                 already += 1
@@ -235,8 +250,8 @@ def fuse_projections(model: CausalLM) -> int:
                 continue
             setattr(module, attr, FusedLinear(module, names))
             fused += 1
-    grouped = {id(m) for module in model.modules() for kind, attr, _ in GROUPS if isinstance(module, kind)
-               and getattr(module, attr) is not None for m in getattr(module, attr).mods}
+    grouped = {id(m) for module in model.modules() for attr, _ in groups_of(module)
+               if getattr(module, attr) is not None for m in getattr(module, attr).mods}
     for m in model.modules():  # o_proj, down_proj: the shrink joins the base GEMM all the same
         if type(m) is LoRALinear and id(m) not in grouped and m.bank is None and not m.is_joined():
             m.join_()  # once: a second engine on the model must not move what the first one's graphs read
@@ -244,8 +259,8 @@ def fuse_projections(model: CausalLM) -> int:
         log.info("projections not fused in %d groups (each keeps its own GEMM): %s%s", len(adapted),
                  ", ".join(adapted[:3]), " ..." if len(adapted) > 3 else "")
     if fused:
-        log.info("fused projections: %d groups (q/k/v and gate/up, one GEMM each; %d with their LoRA adapters "
-                 "in the same op)%s", fused, n_lora, f"; {already} already fused" if already else "")
+        log.info("fused projections: %d groups (q/k/v, gate/up and linear attention's in_proj, one GEMM each; "
+                 "%d with their LoRA adapters in the same op)%s", fused, n_lora, f"; {already} already fused" if already else "")
     return fused
 
 
@@ -265,8 +280,8 @@ def fuse_gathered(model: CausalLM) -> list:
     groups that are not plain Linear are skipped (logged by the engine's fuse call)."""
     restore = []
     for module in model.modules():
-        for kind, attr, names in GROUPS:
-            if not isinstance(module, kind) or not _fusable(module, names):
+        for attr, names in groups_of(module):
+            if not _fusable(module, names):
                 continue
             params = [t for n in names for t in (getattr(module, n).weight, getattr(module, n).bias) if t is not None]
             own = [p.data for p in params]  # views of FSDP's all-gather outputs

@@ -58,7 +58,7 @@ LINEAR_ATTENTION_TARGETS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"
 FUSED_LINEAR_ATTENTION_TARGETS = ("in_proj_qkvz", "in_proj_ba")
 TARGETS = ATTENTION_TARGETS + MLP_TARGETS + LINEAR_ATTENTION_TARGETS[:-1] + FUSED_LINEAR_ATTENTION_TARGETS + ("out_proj",)
 ALL_LINEAR = "all-linear"
-FUSED_GROUPS = ("qkv_fused", "gate_up_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
+FUSED_GROUPS = ("qkv_fused", "gate_up_fused", "in_proj_fused")  # the layers' fused-group attributes (rlfuse.model.fuse.GROUPS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)

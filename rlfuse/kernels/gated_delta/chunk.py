@@ -253,10 +253,13 @@ def check_inputs(q, k, v, g, beta, cu_seqlens, initial_state):
     if g.shape != (T, Hv) or beta.shape != (T, Hv):
         raise ValueError(f"chunk_gated_delta_rule: g and beta must be (T, Hv) = {(T, Hv)}; got g "
                          f"{tuple(g.shape)}, beta {tuple(beta.shape)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
+    if cu_seqlens is None:  # the recurrent op's one token per sequence (its decode step), not the chunked op's
+        B = T
+    elif cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"chunk_gated_delta_rule: cu_seqlens must be a 1-D int32 tensor, got "
                          f"{tuple(cu_seqlens.shape)} {cu_seqlens.dtype}")
-    B = cu_seqlens.shape[0] - 1
+    else:
+        B = cu_seqlens.shape[0] - 1
     if initial_state is not None and initial_state.shape != (B, Hv, Dk, Dv):
         raise ValueError(f"chunk_gated_delta_rule: initial_state must be (B, Hv, Dk, Dv) = {(B, Hv, Dk, Dv)}, "
                          f"got {tuple(initial_state.shape)}")
@@ -267,6 +270,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens, *, initial_state=None, 
     """Public op (contract in the module docstring): picks the backend. Both backends
     honour the current numerics; in exact numerics the result of a row is independent of
     the rows after it, of T and of the other sequences."""
+    if cu_seqlens is None:
+        raise ValueError("chunk_gated_delta_rule: cu_seqlens is required (the (B+1,) int32 sequence offsets)")
     check_inputs(q, k, v, g, beta, cu_seqlens, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     if not math.isfinite(scale):

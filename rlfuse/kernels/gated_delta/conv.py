@@ -3,12 +3,20 @@ q, k, v), prefill and one-token decode update.
 
 Contract:
   y, conv_state = causal_conv1d(x, weight, bias, cu_seqlens, *, initial_state=None, activation="silu")
-  y = causal_conv1d_update(x, conv_state, weight, bias, activation="silu")
+  y = causal_conv1d_update(x, conv_state, weight, bias, activation="silu", state_slots=None)
 x (T, C) packed (prefill) or (B, C) (update); weight (C, W) depthwise (HF stores
 conv1d.weight as (C, 1, W)); bias (C,) or None; initial_state / conv_state (B, C, W-1) =
 the previous W-1 inputs of each sequence, oldest first (zeros if None). Prefill returns
 the last W-1 inputs of each sequence (taken from initial_state where it is shorter);
 the update shifts x into conv_state in place. y in x.dtype.
+With `state_slots` (B,) int64, the update's `conv_state` is a POOL of per-slot states
+(N, C, W-1) (the engine's, one slot per running sequence, in its storage dtype): row b
+reads and shifts conv_state[state_slots[b]] in place (no gather / scatter copies, no dtype
+round trip; fixed shapes, no host values: the static decode step). The arithmetic is the
+pool-free update's on the gathered states, so the bits are the same (the window's state
+values are the ones the update wrote, inputs of x.dtype; a state of a wider dtype holds
+them exactly). Rows sharing a slot (padding rows on the engine's scratch slot) leave its
+contents and their own outputs undefined.
 
 Math: y_t = act(sum_{j=0}^{W-1} w[j] x_{t-W+1+j} + bias), in fp32, the products added
 left to right (j = 0, 1, ..., W-1) and the bias last, then SiLU (x * sigmoid(x)), then one
@@ -70,9 +78,15 @@ def causal_conv1d_ref(x, weight, bias, cu_seqlens, *, initial_state=None, activa
     return y.to(x.dtype), buf[rows].transpose(1, 2).contiguous()  # (B, C, W-1), updated in place later
 
 
-def causal_conv1d_update_ref(x, conv_state, weight, bias, activation="silu", exact=None):
-    """Decode reference: x (B, C); conv_state (B, C, W-1) shifted in place."""
+def causal_conv1d_update_ref(x, conv_state, weight, bias, activation="silu", exact=None, state_slots=None):
+    """Decode reference: x (B, C); conv_state (B, C, W-1) shifted in place (with
+    `state_slots`: the slots' states gathered, updated, scattered back into the pool)."""
     exact = is_exact() if exact is None else exact
+    if state_slots is not None:
+        st = conv_state.index_select(0, state_slots)
+        y = causal_conv1d_update_ref(x, st, weight, bias, activation, exact)
+        conv_state.index_copy_(0, state_slots, st)
+        return y
     xw = torch.cat([conv_state.to(x.dtype), x[:, :, None]], -1)
     y = _window_conv(xw, weight, bias, activation, exact)
     conv_state.copy_(xw[..., 1:])
@@ -103,13 +117,23 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, initial_state=None, activation
     return causal_conv1d_ref(x, weight, bias, cu_seqlens, initial_state=initial_state, activation=activation)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, activation="silu"):
-    """Public decode op: y (B, C); conv_state (B, C, W-1) updated in place."""
+def causal_conv1d_update(x, conv_state, weight, bias, activation="silu", state_slots=None):
+    """Public decode op: y (B, C); conv_state (B, C, W-1) updated in place, or with
+    `state_slots` (B,) int64 a pool (N, C, W-1) whose slots are updated in place."""
     _check(weight, bias, activation, x.shape[-1], "causal_conv1d_update")
-    if conv_state.shape != (x.shape[0], x.shape[1], weight.shape[1] - 1):
+    B, C, W = x.shape[0], x.shape[1], weight.shape[1]
+    if state_slots is None and conv_state.shape != (B, C, W - 1):
         raise ValueError(f"causal_conv1d_update: conv_state must be (B, C, W-1) = "
-                         f"{(x.shape[0], x.shape[1], weight.shape[1] - 1)}, got {tuple(conv_state.shape)}")
+                         f"{(B, C, W - 1)}, got {tuple(conv_state.shape)}")
+    if state_slots is not None:
+        if conv_state.dim() != 3 or tuple(conv_state.shape[1:]) != (C, W - 1):
+            raise ValueError(f"causal_conv1d_update: with state_slots, conv_state must be a pool (N, C, W-1) with "
+                             f"(C, W-1) = {(C, W - 1)}, got {tuple(conv_state.shape)}")
+        if state_slots.shape != (B,) or state_slots.dtype != torch.int64:
+            raise ValueError(f"causal_conv1d_update: state_slots must be (B,) = ({B},) int64, got "
+                             f"{tuple(state_slots.shape)} {state_slots.dtype}")
     if resolve_backend("causal_conv1d_update", x) == "triton":
         return triton_ops("gated_delta.triton_conv").causal_conv1d_update(x, conv_state, weight, bias,
-                                                                          activation=activation)
-    return causal_conv1d_update_ref(x, conv_state, weight, bias, activation)
+                                                                          activation=activation,
+                                                                          state_slots=state_slots)
+    return causal_conv1d_update_ref(x, conv_state, weight, bias, activation, state_slots=state_slots)

@@ -183,7 +183,6 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, SLOT, SLEN
         mvr = rm[:, None] & mv[None, :]
         w = tl.load(WB + rk, mask=m2, other=0.0)
         qg = tl.load(QG + rk, mask=m2, other=0.0)
-        kd = tl.load(KD + rk, mask=m2, other=0.0)
         u = tl.load(UB + (t[:, None] * Hv + h) * DV + offs_v[None, :], mask=mvr, other=0.0)
         P = tl.load(PB + (ci * Hv + h) * C * C + offs_c[:, None] * C + offs_c[None, :])
         eL = tl.load(EL + ci * Hv + h)
@@ -193,9 +192,11 @@ def state_pass_kernel(WB, UB, QG, KD, PB, EL, CU, COFF, S0, O, SF, H, SLOT, SLEN
             o = dot(qg, S, None, PREC) + dot(P, v_new, None, PREC)
             OT: tl.constexpr = O.dtype.element_ty
             tl.store(O + t[:, None] * so_t + h * so_h + offs_v[None, :], round_to(o, OT).to(OT), mask=mvr)
-        # 5. the state after the chunk, kept only if the chunk is full (the contract's S)
-        S_new = eL * S + dot(tl.trans(kd), v_new, None, PREC)
-        S = tl.where((c + 1) * C <= n_state, S_new, S)
+        # 5. the state after the chunk, only if the chunk is full (the contract's S): a partial
+        # chunk keeps S, so its kd^T v_new dot is skipped (63 of 64 exact decode steps)
+        if (c + 1) * C <= n_state:
+            kd = tl.load(KD + rk, mask=m2, other=0.0)
+            S = eL * S + dot(tl.trans(kd), v_new, None, PREC)
     if STORE_SF:
         if HAS_SLOT:
             if n_state >= C:  # else no full chunk: the slot already holds the state

@@ -165,21 +165,27 @@ def _conv_bwd_ds0_kernel(Wt, CU, DA, DST, DS0, C, W: tl.constexpr, HAS_DST: tl.c
 
 
 @triton.jit
-def _conv_update_kernel(X, Wt, Bias, S, Y, C, sx, sy, ss_b, ss_c, W: tl.constexpr, HAS_BIAS: tl.constexpr,
-                        SILU: tl.constexpr, BC: tl.constexpr):
+def _conv_update_kernel(X, Wt, Bias, S, SLOT, Y, C, sx, sy, ss_b, ss_c, W: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        SILU: tl.constexpr, HAS_SLOT: tl.constexpr, BC: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BC + tl.arange(0, BC)
     cm = c < C
+    if HAS_SLOT:  # the state lives in a pool: row b shifts slot SLOT[b] in place
+        s_row = tl.load(SLOT + b).to(tl.int64)
+    else:
+        s_row = b
+    S_b = S + s_row * ss_b
     x = tl.load(X + b * sx + c, mask=cm, other=0.0)
     acc = tl.zeros((BC,), dtype=tl.float32)
     for j in tl.static_range(W - 1):
-        sj = tl.load(S + b * ss_b + c * ss_c + j, mask=cm, other=0.0)
+        sj = tl.load(S_b + c * ss_c + j, mask=cm, other=0.0)
         acc = _conv_window(acc, sj.to(tl.float32), tl.load(Wt + c * W + j, mask=cm, other=0.0).to(tl.float32), j)
         if j > 0:  # shift the state left by one (the oldest input leaves)
-            tl.store(S + b * ss_b + c * ss_c + j - 1, sj, mask=cm)
+            tl.store(S_b + c * ss_c + j - 1, sj, mask=cm)
     acc = _conv_window(acc, x.to(tl.float32), tl.load(Wt + c * W + W - 1, mask=cm, other=0.0).to(tl.float32),
                        W - 1)
-    tl.store(S + b * ss_b + c * ss_c + W - 2, x.to(S.dtype.element_ty), mask=cm)
+    ST: tl.constexpr = S.dtype.element_ty  # x rounded to nearest-even if the state is narrower (exact if not)
+    tl.store(S_b + c * ss_c + W - 2, round_to(x.to(tl.float32), ST).to(ST), mask=cm)
     bias = tl.load(Bias + c, mask=cm, other=0.0).to(tl.float32) if HAS_BIAS else 0.0
     y = _finish(acc, bias, HAS_BIAS, SILU)
     YT: tl.constexpr = Y.dtype.element_ty
@@ -273,9 +279,9 @@ def causal_conv1d(x, weight, bias, cu_seqlens, *, initial_state=None, activation
     return _CausalConv1d.apply(x, weight, bias, initial_state, cu_seqlens, activation)
 
 
-def causal_conv1d_update(x, conv_state, weight, bias, activation="silu"):
+def causal_conv1d_update(x, conv_state, weight, bias, activation="silu", state_slots=None):
     """The Triton path of `rlfuse.kernels.gated_delta.conv.causal_conv1d_update` (inference
-    only: no autograd). conv_state is shifted in place."""
+    only: no autograd). conv_state (or with `state_slots` its slots) is shifted in place."""
     B, C = x.shape
     W = weight.shape[1]
     if conv_state.stride(-1) != 1:
@@ -286,7 +292,8 @@ def causal_conv1d_update(x, conv_state, weight, bias, activation="silu"):
     if B:
         weight = weight.contiguous()
         _conv_update_kernel[(B, triton.cdiv(C, BLOCK_C))](
-            x, weight, bias if bias is not None else weight, conv_state, y, C, x.stride(0), y.stride(0),
+            x, weight, bias if bias is not None else weight, conv_state,
+            state_slots if state_slots is not None else conv_state, y, C, x.stride(0), y.stride(0),
             conv_state.stride(0), conv_state.stride(1), W=W, HAS_BIAS=bias is not None,
-            SILU=activation == "silu", BC=BLOCK_C, **_COMPILE)
+            SILU=activation == "silu", HAS_SLOT=state_slots is not None, BC=BLOCK_C, **_COMPILE)
     return y

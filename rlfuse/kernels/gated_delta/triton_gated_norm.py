@@ -20,14 +20,17 @@ _TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl
 
 
 @triton.jit(do_not_specialize=["N"])
-def _gated_norm_fwd_kernel(X, Z, W, Y, N, D, sx, sz, sy, eps, PT: tl.constexpr, ROWS: tl.constexpr,
+def _gated_norm_fwd_kernel(X, Z, W, Y, N, D, sx, HZ, sz, szh, sy, eps, PT: tl.constexpr, ROWS: tl.constexpr,
                            BLOCK_D: tl.constexpr):
+    """Row r of z at (r // HZ) sz + (r % HZ) szh: a (T, H, D) z read by its own strides (HZ = H)
+    or a (N, D) one (HZ = 1)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_D)
     mask = (rows < N)[:, None] & (cols < D)[None, :]
     XT: tl.constexpr = X.dtype.element_ty
     x = tl.load(X + rows[:, None] * sx + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    z = tl.load(Z + rows[:, None] * sz + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    z = tl.load(Z + ((rows // HZ) * sz + (rows % HZ) * szh)[:, None] + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cols < D, other=0.0).to(tl.float32)
     r = tl.math.rsqrt(mean_square(x, D) + eps)
     # n.to(x.dtype), then weight * n in torch's promoted dtype PT, then * silu(z) in fp32
@@ -79,15 +82,20 @@ BWD_STEPS = 16  # row tiles per backward program: dw partials of up to 256 rows
 
 def gated_norm_fwd(x, z, weight, eps: float):
     D = x.shape[-1]
-    x2, z2 = x.reshape(-1, D), z.reshape(-1, D)
+    x2 = x.reshape(-1, D)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
+    if z.dim() == 3 and z.stride(-1) == 1:  # (T, H, D) by its strides: e.g. the fused in_proj's z slice, no copy
+        z2, hz, sz, szh = z, z.shape[1], z.stride(0), z.stride(1)
+    else:
+        z2 = z.reshape(-1, D)
+        z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
+        hz, sz, szh = 1, z2.stride(0), 0
     N = x2.shape[0]
     y = torch.empty((N, D), dtype=x.dtype, device=x.device)
     if N:
         BLOCK_D, ROWS = _tile(D)
         _gated_norm_fwd_kernel[(triton.cdiv(N, ROWS),)](
-            x2, z2, weight, y, N, D, x2.stride(0), z2.stride(0), y.stride(0), eps,
+            x2, z2, weight, y, N, D, x2.stride(0), hz, sz, szh, y.stride(0), eps,
             PT=_TL[torch.promote_types(weight.dtype, x.dtype)], ROWS=ROWS, BLOCK_D=BLOCK_D)
     return y.view(x.shape)
 

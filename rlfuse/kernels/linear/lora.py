@@ -5,9 +5,9 @@ scale s a Python float (alpha / r, or alpha / sqrt(r) for rsLoRA); x_a (..., K),
 adapter branch's input, defaults to x (the model passes dropout(x) while training). One
 float dtype for all tensors; y (..., N) in x.dtype. Differentiable w.r.t. x, W, b, A, B
 (the model freezes W and b, so only A and B get gradients).
-Fused projections (`sizes`, P <= 3 parts, e.g. q/k/v as one W): A (P r, K) holds each
-part's A below the previous one, B (N, r) each part's B in its output rows; part p's
-columns get z[:, p r:(p + 1) r] B_p^T. Adapter banks (`rlfuse serve` with several
+Fused projections (`sizes`, P <= 4 parts, e.g. q/k/v or a Gated DeltaNet's qkv/z/b/a as
+one W): A (P r, K) holds each part's A below the previous one, B (N, r) each part's B in
+its output rows; part p's columns get z[:, p r:(p + 1) r] B_p^T. Adapter banks (`rlfuse serve` with several
 adapters, punica / S-LoRA style): A (n, P r, K), B (n, N, r), scale an (n,) fp32 tensor,
 `adapter` (M,) int each row's adapter (-1: none, the base's bits); inference only.
 
@@ -113,8 +113,8 @@ def _check(x, weight, lora_a, lora_b, scale, sizes, adapter):
     if not (x.dtype == weight.dtype == lora_a.dtype == lora_b.dtype):
         raise ValueError(f"lora_linear: one dtype for x, weight, A and B, got {x.dtype}, {weight.dtype}, "
                          f"{lora_a.dtype}, {lora_b.dtype}")
-    if sizes is not None and (not 1 <= P <= 3 or sum(sizes) != N):
-        raise ValueError(f"lora_linear: sizes {tuple(sizes)} must be 1 to 3 parts summing to N = {N}")
+    if sizes is not None and (not 1 <= P <= 4 or sum(sizes) != N):
+        raise ValueError(f"lora_linear: sizes {tuple(sizes)} must be 1 to 4 parts summing to N = {N}")
     if (bank or adapter is not None) != isinstance(scale, torch.Tensor) or (
             isinstance(scale, torch.Tensor) and (scale.shape != (n,) or scale.dtype != torch.float32)):
         raise ValueError(f"lora_linear: a bank of {n} adapter(s) (3-D A and B, or per-row adapters) takes scale as "

@@ -48,15 +48,15 @@ from rlfuse.kernels.triton_common import dot, dot_precision, round_to
 
 
 @triton.jit
-def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
+def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, P3, scale,
                    HAS_ADAPTER: tl.constexpr, PARTS: tl.constexpr, BLOCK_R: tl.constexpr, PREC: tl.constexpr):
     """y (BLOCK_M, BLOCK_N) fp32 plus each row's adapter term (module docstring, steps 1-3).
-    Parts end at P1, P2, N (P1 = P2 = N for one part). Each element is updated once, by its
+    Parts end at P1, P2, P3, N (the unused ends = N). Each element is updated once, by its
     own adapter and part (y + s * d); no second accumulator tile stays live (registers)."""
     rs = tl.arange(0, BLOCK_R)
     rin = rs < R
     rok = rows < M
-    part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32)
+    part = (cols >= P1).to(tl.int32) + (cols >= P2).to(tl.int32) + (cols >= P3).to(tl.int32)
     if HAS_ADAPTER:
         arow = tl.load(AD + rows, mask=rok, other=-1).to(tl.int32)
         s = tl.load(SC + arow, mask=arow >= 0, other=0.0)[:, None]
@@ -82,19 +82,19 @@ def _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1,
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
-def _lora_fused_kernel(X, W, B, Z, BW, SC, AD, Y, M, N, K, R, NA, sxm, swn, sym, szm, sba, sbn, P1, P2, CHUNK_K,
+def _lora_fused_kernel(X, W, B, Z, BW, SC, AD, Y, M, N, K, R, NA, sxm, swn, sym, szm, sba, sbn, P1, P2, P3, CHUNK_K,
                        scale, HAS_BIAS: tl.constexpr, HAS_ADAPTER: tl.constexpr, PARTS: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
                        GROUP_M: tl.constexpr, PREC: tl.constexpr):
     rows, cols = _tile_rows_cols(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     y = _tile_sum(X, W, B, rows, cols, M, N, K, sxm, swn, CHUNK_K, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, PREC)
-    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
+    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, P3, scale,
                        HAS_ADAPTER, PARTS, BLOCK_R, PREC)
     _store_tile(Y, y, rows, cols, sym, M, N)
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
-def _lora_combine_kernel(WS, B, Z, BW, SC, AD, Y, M, N, S, R, NA, sym, szm, sba, sbn, P1, P2, scale,
+def _lora_combine_kernel(WS, B, Z, BW, SC, AD, Y, M, N, S, R, NA, sym, szm, sba, sbn, P1, P2, P3, scale,
                          HAS_BIAS: tl.constexpr, HAS_ADAPTER: tl.constexpr, PARTS: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr,
                          GROUP_M: tl.constexpr, PREC: tl.constexpr):
@@ -107,14 +107,14 @@ def _lora_combine_kernel(WS, B, Z, BW, SC, AD, Y, M, N, S, R, NA, sym, szm, sba,
         y += tl.load(WS + (s * M + rows[:, None]) * N + cols[None, :], mask=ok, other=0.0)
     if HAS_BIAS:
         y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
+    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, P3, scale,
                        HAS_ADAPTER, PARTS, BLOCK_R, PREC)
     _store_tile(Y, y, rows, cols, sym, M, N)
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
 def _lora_split_last_kernel(X, W, B, Z, BW, SC, AD, Y, WS, ARRIVALS, M, N, K, S, R, NA, sxm, swn, sym, szm, sba,
-                            sbn, P1, P2, CHUNK_K, scale, HAS_BIAS: tl.constexpr, HAS_ADAPTER: tl.constexpr,
+                            sbn, P1, P2, P3, CHUNK_K, scale, HAS_BIAS: tl.constexpr, HAS_ADAPTER: tl.constexpr,
                             PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr,
                             PREC: tl.constexpr):
@@ -137,21 +137,21 @@ def _lora_split_last_kernel(X, W, B, Z, BW, SC, AD, Y, WS, ARRIVALS, M, N, K, S,
                          cache_modifier=".cg")
         if HAS_BIAS:
             y += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
-        y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
+        y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, P3, scale,
                            HAS_ADAPTER, PARTS, BLOCK_R, PREC)
         _store_tile(Y, y, rows, cols, sym, M, N)
         tl.atomic_xchg(ARRIVALS + tile, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit(do_not_specialize=['M'])  # row counts vary per step: one compile
-def _lora_add_kernel(Y, Z, BW, SC, AD, M, N, R, NA, sym, szm, sba, sbn, P1, P2, scale,
+def _lora_add_kernel(Y, Z, BW, SC, AD, M, N, R, NA, sym, szm, sba, sbn, P1, P2, P3, scale,
                      HAS_ADAPTER: tl.constexpr, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_R: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr):
     """Fast numerics: Y (the base, rounded) += the adapter epilogue, in place."""
     rows, cols = _tile_rows_cols(tl.program_id(0), M, N, BLOCK_M, BLOCK_N, GROUP_M)
     ok = (rows < M)[:, None] & (cols < N)[None, :]
     y = tl.load(Y + rows[:, None] * sym + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, scale,
+    y = _lora_epilogue(y, Z, BW, SC, AD, rows, cols, M, N, R, NA, szm, sba, sbn, P1, P2, P3, scale,
                        HAS_ADAPTER, PARTS, BLOCK_R, PREC)
     YT = Y.dtype.element_ty
     tl.store(Y + rows[:, None] * sym + cols[None, :], round_to(y, YT).to(YT), mask=ok)
@@ -165,12 +165,12 @@ def _epilogue_args(z, lora_b, scale, sizes, adapter, N: int, y) -> tuple[list, d
     z2 = z.reshape(-1, z.shape[-1])
     z2 = z2 if z2.stride(-1) == 1 else z2.contiguous()
     sizes = tuple(sizes) if sizes is not None else (N,)
-    assert 1 <= len(sizes) <= 3 and sum(sizes) == N, sizes
-    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [N, N]
+    assert 1 <= len(sizes) <= 4 and sum(sizes) == N, sizes
+    ends = [sum(sizes[:i + 1]) for i in range(len(sizes))] + [N, N, N]
     has_adapter = adapter is not None
     sc = scale if isinstance(scale, torch.Tensor) else y  # unused pointers stand in for absent tensors
     args = [z2, bw, sc, adapter if has_adapter else y]
-    ints = dict(R=R, NA=NA, szm=z2.stride(0), sba=bw.stride(0), sbn=bw.stride(1), P1=ends[0], P2=ends[1],
+    ints = dict(R=R, NA=NA, szm=z2.stride(0), sba=bw.stride(0), sbn=bw.stride(1), P1=ends[0], P2=ends[1], P3=ends[2],
                 scale=0.0 if isinstance(scale, torch.Tensor) else float(scale))
     const = dict(HAS_ADAPTER=has_adapter, PARTS=len(sizes), BLOCK_R=max(16, triton.next_power_of_2(R)))
     return args, ints, const
@@ -180,7 +180,7 @@ def lora_expand_triton(x, weight, bias, z, lora_b, scale, *, sizes=None, adapter
                        tiles: dict | None = None):
     """y = round(x W^T (+ b) + s_a z B_a^T): the base GEMM with the expand in its epilogue.
     x (..., K); z (..., NA * P * r) its shrink; lora_b (N, r) or (NA, N, r); scale a float,
-    or (NA,) fp32 with `adapter` (M,) (each row's adapter, -1 none); `sizes` the P <= 3
+    or (NA,) fp32 with `adapter` (M,) (each row's adapter, -1 none); `sizes` the P <= 4
     parts' widths; `plan` and `tiles` as `linear_exact_triton`'s."""
     K, N = x.shape[-1], weight.shape[0]
     x2, w, y = gemm_operands(x, weight)
@@ -191,7 +191,7 @@ def lora_expand_triton(x, weight, bias, z, lora_b, scale, *, sizes=None, adapter
     lp = launch_plan("lora_linear", x, M, N, K, plan, tiles, split="split_last")
     b = bias if bias is not None else y  # unused pointer when HAS_BIAS is False
     common = dict(HAS_BIAS=bias is not None, BLOCK_M=lp.bm, BLOCK_N=lp.bn, GROUP_M=8, PREC=lp.prec, **const)
-    ep = (e["P1"], e["P2"])
+    ep = (e["P1"], e["P2"], e["P3"])
     if lp.plan == "fused":
         _lora_fused_kernel[(lp.n_tiles,)](x2, w, b, z2, bw, sc, ad, y, M, N, K, e["R"], e["NA"], x2.stride(0),
                                           w.stride(0), y.stride(0), e["szm"], e["sba"], e["sbn"], *ep, lp.ck,
@@ -223,7 +223,7 @@ def lora_add_triton(base, z, lora_b, scale, *, sizes=None, adapter=None):
     bm, bn = (32, 32) if base.dtype == torch.float32 else (64, 64)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
     _lora_add_kernel[grid](y, z2, bw, sc, ad, M, N, e["R"], e["NA"], y.stride(0), e["szm"], e["sba"], e["sbn"],
-                           e["P1"], e["P2"], e["scale"], BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8,
+                           e["P1"], e["P2"], e["P3"], e["scale"], BLOCK_M=bm, BLOCK_N=bn, GROUP_M=8,
                            PREC=dot_precision(base), num_warps=4, **const)
     return base
 

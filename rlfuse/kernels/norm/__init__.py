@@ -1,5 +1,12 @@
 """Normalization: RMSNorm, alone and fused with the residual add."""
 
-from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm, rmsnorm_exact_ref, rmsnorm_ref
+from rlfuse.kernels.norm.rms import (
+                                     add_rmsnorm,
+                                     offset_rmsnorm,
+                                     offset_rmsnorm_ref,
+                                     rmsnorm,
+                                     rmsnorm_exact_ref,
+                                     rmsnorm_ref,
+)
 
-__all__ = ["add_rmsnorm", "rmsnorm", "rmsnorm_exact_ref", "rmsnorm_ref"]
+__all__ = ["add_rmsnorm", "offset_rmsnorm", "offset_rmsnorm_ref", "rmsnorm", "rmsnorm_exact_ref", "rmsnorm_ref"]

@@ -14,6 +14,14 @@ numerics (the add is the same single rounding of the same operands, the norm the
 kernel with the same tile). Backward: ds = rmsnorm's dx + the gradient reaching s from
 its other use (one add in s.dtype, as autograd accumulates them), dh = dx = ds.
 
+Offset RMSNorm (Qwen3.5's): `offset_rmsnorm(x, w, eps)` = (rmsnorm(x.float(), 1 + w.float(),
+eps)).to(x.dtype): the normalized row stays fp32, times 1 + w in fp32, ONE rounding at the
+end (HF's `Qwen3_5RMSNorm`); with `residual` h: (s, offset_rmsnorm(s)), s = h + x. Without
+a gradient to take, the Triton backend runs it as one kernel (the forward kernel's OFFSET
+flag: the same loads, reduction tree and products as the composition on x.float(), so the
+same bits: no fp32 copy of x, no 1 + w or cast kernels, no separate add); with one, the
+composition (the rmsnorm op's autograd).
+
 Triton path, rows flattened to (N, D), r = rsqrt(mean(x^2) + eps) per row:
   forward   tiles of ROWS x BLOCK_D (ROWS depends on D only, never on N, so a row's
             reduction tree is the same in any batch); stores r (N,) fp32 for backward.
@@ -65,3 +73,29 @@ def add_rmsnorm(h: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: flo
         return triton_ops("norm.triton_rms").add_rmsnorm(h, x, weight, eps)
     s = h + x
     return s, rmsnorm(s, weight, eps)
+
+
+def offset_rmsnorm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's RMSNorm as the composition of ops (the reference, and the path a gradient
+    goes through): the rmsnorm op on the fp32 row with weight 1 + w, the normed row's cast a
+    no-op, one rounding to x.dtype at the end."""
+    return rmsnorm(x.float(), 1.0 + weight.float(), eps).to(x.dtype)
+
+
+def offset_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """Public op: y = offset_rmsnorm(x), or with `residual` h: (s, offset_rmsnorm(s)), s = h + x
+    (module docstring). One Triton kernel when no gradient is needed in fast numerics, else the
+    reference."""
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"offset_rmsnorm: residual {tuple(residual.shape)} {residual.dtype} and x "
+                         f"{tuple(x.shape)} {x.dtype} must have one shape and dtype")
+    grad = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                        or (residual is not None and residual.requires_grad))
+    # exact numerics keep the composition on both sides (engine and trainer) until the one
+    # kernel's bits have been checked on a GPU (tests/test_kernel_layers.py's cuda test)
+    if not grad and not is_exact() and resolve_backend("rmsnorm", x) == "triton":
+        return triton_ops("norm.triton_rms").offset_rmsnorm(x, weight, eps, residual)
+    if residual is None:
+        return offset_rmsnorm_ref(x, weight, eps)
+    s = residual + x
+    return s, offset_rmsnorm_ref(s, weight, eps)

@@ -65,7 +65,7 @@ def norm_rows(x, r, w, XT: tl.constexpr, YT: tl.constexpr):
 @triton.jit(do_not_specialize=['N'])  # row counts vary per step: one compile
 def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, H_ptr, S_ptr, N, D, stride_x, stride_y, stride_h, stride_s,
                         eps, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, STORE_R: tl.constexpr,
-                        ADD: tl.constexpr):
+                        ADD: tl.constexpr, OFFSET: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)  # (ROWS,)
     cols = tl.arange(0, BLOCK_D)
     rmask = rows < N
@@ -80,9 +80,13 @@ def _rmsnorm_fwd_kernel(X_ptr, W_ptr, Y_ptr, R_ptr, H_ptr, S_ptr, N, D, stride_x
     # 1. fp32 mean of squares, one row per tile row (fixed tree for a given BLOCK_D)
     r = tl.math.rsqrt(mean_square(x, D) + eps)  # (ROWS,)
     # 2. normalized row rounded to x.dtype, 3. times w, one rounding to y.dtype
+    # (OFFSET, Qwen3.5's: the row stays fp32 and is multiplied by 1 + w in fp32)
     w = tl.load(W_ptr + cols, mask=cols < D, other=0.0).to(tl.float32)
     YT: tl.constexpr = Y_ptr.dtype.element_ty
-    y = norm_rows(x, r, w, XT, YT)
+    if OFFSET:
+        y = norm_rows(x, r, 1.0 + w, tl.float32, YT)
+    else:
+        y = norm_rows(x, r, w, XT, YT)
     tl.store(Y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(YT), mask=mask)
     if STORE_R:
         tl.store(R_ptr + rows, r, mask=rmask)
@@ -160,15 +164,16 @@ def _flat(t: torch.Tensor, D: int) -> torch.Tensor:
 
 
 def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_r: bool = True,
-                       residual: torch.Tensor | None = None):
+                       residual: torch.Tensor | None = None, offset: bool = False):
     """-> (y like x with dtype promote(w, x), r (N,) fp32 or None, s or None). With
-    `residual` h (like x, same dtype): the norm is of s = h + x, returned as s."""
+    `residual` h (like x, same dtype): the norm is of s = h + x, returned as s. `offset`:
+    `offset_rmsnorm`'s y (x.dtype) instead."""
     D = x.shape[-1]
     if weight.shape != (D,):
         raise ValueError(f"rmsnorm: weight shape {tuple(weight.shape)} != ({D},)")
     x2 = _flat(x, D)
     N = x2.shape[0]
-    y = torch.empty((N, D), dtype=torch.result_type(weight, x), device=x.device)
+    y = torch.empty((N, D), dtype=x.dtype if offset else torch.result_type(weight, x), device=x.device)
     r = torch.empty((N,), dtype=torch.float32, device=x.device) if store_r else y
     add = residual is not None
     h2 = _flat(residual, D) if add else x2
@@ -177,7 +182,8 @@ def rmsnorm_fwd_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, store_
     if N:
         _rmsnorm_fwd_kernel[(triton.cdiv(N, rows),)](
             x2, weight.contiguous(), y, r, h2, s, N, D, x2.stride(0), y.stride(0), h2.stride(0), s.stride(0),
-            float(eps), ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, ADD=add, num_warps=warps, **NO_FMA)
+            float(eps), ROWS=rows, BLOCK_D=block_d, STORE_R=store_r, ADD=add, OFFSET=offset, num_warps=warps,
+            **NO_FMA)
     return (y.view(*x.shape[:-1], D), (r if store_r else None),
             (s.view(*x.shape[:-1], D) if add else None))
 
@@ -257,3 +263,10 @@ def add_rmsnorm(h, x, weight, eps):
         return _AddRMSNorm.apply(h, x, weight, eps)
     y, _, s = rmsnorm_fwd_triton(x, weight, eps, store_r=False, residual=h)
     return s, y
+
+
+def offset_rmsnorm(x, weight, eps, residual=None):
+    """`rlfuse.kernels.norm.rms.offset_rmsnorm` on the Triton backend, inference only (the
+    public op sends a gradient through the reference's composition): one kernel."""
+    y, _, s = rmsnorm_fwd_triton(x, weight, eps, store_r=False, residual=residual, offset=True)
+    return y if residual is None else (s, y)

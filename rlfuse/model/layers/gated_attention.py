@@ -14,8 +14,8 @@ from torch import nn
 
 from rlfuse.kernels.attention.paged import paged_attention, store_kvcache
 from rlfuse.kernels.attention.varlen import varlen_attention
+from rlfuse.kernels.invariant import elementwise
 from rlfuse.kernels.rope.rotary import rope
-from rlfuse.model.layers.gated_deltanet import elementwise
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.norm import OffsetRMSNorm
 from rlfuse.model.layers.packed import PagedKV

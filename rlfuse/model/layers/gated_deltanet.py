@@ -47,7 +47,6 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from rlfuse.kernels.backend import is_exact
@@ -61,20 +60,13 @@ from rlfuse.kernels.gated_delta import (
                                         chunk_gated_delta_rule,
                                         fused_recurrent_gated_delta_rule,
                                         gated_rmsnorm,
+                                        gdn_gates,
 )
-from rlfuse.kernels.invariant import pointwise
 from rlfuse.model.layers.linear import Linear
 from rlfuse.model.layers.packed import TAIL, LinearDecode, LinearSlots, Packed, PagedKV
 
 if TYPE_CHECKING:
     from rlfuse.model.config import ModelConfig
-
-
-def elementwise(fn, x: torch.Tensor) -> torch.Tensor:
-    # torch's CPU sigmoid / softplus / exp run a SIMD body and a scalar tail that disagree in
-    # the last bit, so in exact numerics an element's value would depend on T; `pointwise`
-    # sends every element through the vector body. CUDA elementwise kernels have no tail.
-    return pointwise(fn, x) if is_exact() and not x.is_cuda else fn(x)
 
 
 class GatedRMSNorm(nn.Module):
@@ -210,33 +202,46 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(self.n_v))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = Linear(self.value_dim, D, bias=False)
+        self.in_proj_fused = None  # the input projections as one GEMM: set by rlfuse.model.fuse (no state)
 
     # -- the three stages (the trainer runs them in a row; the engine wraps the middle one)
-    def project(self, x_TD, cu_seqlens, conv_state=None, rows=None):
+    def project(self, x_TD, cu_seqlens, conv_state=None, rows=None, gates=True):
         """-> (q, k, v, g, beta), z (T, Hv, Dv), conv_state (B, C, W-1): the kernel's inputs
         for the rows of x (or x re-laid by `rows`, a PrefixRows, as `cu_seqlens`), the conv
-        continuing from `conv_state` (None: zeros)."""
+        continuing from `conv_state` (None: zeros). gates=False: (q, k, v, a, b), the raw
+        projections in place of g and beta (the recurrent kernel's `gate_params` prologue)."""
         mixed, z, b, a = self.in_projections(x_TD)  # z: the output side, x's own rows
         if rows is not None:
             mixed, b, a = rows.gather(mixed), rows.gather(b), rows.gather(a)
         qkv, conv_state = causal_conv1d(mixed, self.conv1d.weight.squeeze(1), None, cu_seqlens,
                                         initial_state=conv_state, activation="silu")  # (T, C)
-        return self._kernel_inputs(qkv, b, a), z, conv_state
+        return self._kernel_inputs(qkv, b, a, gates), z, conv_state
 
     def in_projections(self, x_TD):
         """x (T, D) -> mixed (T, C) = [q | k | v] (the conv's input), z (T, Hv, Dv), b, a (T, Hv)."""
-        z = self.in_proj_z(x_TD).view(x_TD.shape[0], self.n_v, self.dv)
-        return self.in_proj_qkv(x_TD), z, self.in_proj_b(x_TD), self.in_proj_a(x_TD)
+        mixed, z, b, a = self._project(x_TD, ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"))
+        return mixed, z.view(x_TD.shape[0], self.n_v, self.dv), b, a
 
-    def _kernel_inputs(self, qkv, b, a):
-        """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs."""
+    def _project(self, x_TD, names):
+        """The projections `names` of x: column slices of one GEMM while they are fused
+        (`rlfuse.model.fuse`; views, which the kernels take by stride, and backward saves
+        every part anyway), else one GEMM each."""
+        fused = self.in_proj_fused
+        if fused is not None and fused.live(self):
+            return fused(x_TD).split(fused.sizes, -1)
+        return tuple(getattr(self, n)(x_TD) for n in names)
+
+    def _kernel_inputs(self, qkv, b, a, gates=True):
+        """conv output (T, C), b, a (T, Hv) -> (q, k, v, g, beta), the kernel's inputs
+        (gates=False: (q, k, v, a, b)). q, k, v are views of qkv (no copies: the kernels
+        take their strides)."""
         T = qkv.shape[0]
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], -1)
         q, k, v = q.reshape(T, self.n_k, self.dk), k.reshape(T, self.n_k, self.dk), v.reshape(T, self.n_v, self.dv)
-        beta = elementwise(torch.sigmoid, b)  # (T, Hv), in the model dtype as HF
-        # HF's order: A_log and a in fp32 (A would overflow in fp16), dt_bias promoted to fp32
-        decay = elementwise(torch.exp, self.A_log.float())
-        g = -decay * elementwise(F.softplus, a.float() + self.dt_bias)  # (T, Hv) fp32
+        if not gates:
+            return q, k, v, a, b
+        # HF's order: beta in the model dtype, g (T, Hv) fp32 from A_log and a in fp32
+        g, beta = gdn_gates(a, b, self.A_log, self.dt_bias)
         return q, k, v, g, beta
 
     def output(self, o_THV, z):
@@ -301,7 +306,8 @@ class GatedDeltaNet(nn.Module):
         fixed shapes, no host values). The conv continues from its state (the decode
         update, bitwise the prefill conv's window). Then:
         fast numerics: the recurrent kernel advances each row's running state in place in
-        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head;
+        its slot (`fused_recurrent_gated_delta_rule(state_slots=...)`), O(Dk Dv) a head,
+        computing the gates from the raw a, b in its prologue (`gate_params`);
         exact numerics: the same arithmetic as `forward_continue` with new_lens = 1: each
         row's chunk [tail, new token] is laid out as a full 64-row chunk whose rows past the
         new token are exact zeros -- the rows the kernel pads a shorter sequence with -- so
@@ -310,16 +316,17 @@ class GatedDeltaNet(nn.Module):
         (`chunk_gated_delta_decode`: the tails and S_c read in their slots, S_c written back
         in place)."""
         t, slots = self._engine_state(st.layers), st.slots
-        B = x_BD.shape[0]
         mixed, z, b, a = self.in_projections(x_BD)
-        conv = t["conv"].index_select(0, slots).to(mixed.dtype)          # (B, C, W-1)
-        qkv = causal_conv1d_update(mixed, conv, self.conv1d.weight.squeeze(1), None, activation="silu")
-        t["conv"].index_copy_(0, slots, conv.to(t["conv"].dtype))
-        new = self._kernel_inputs(qkv, b, a)
-        if "recurrent" in t:
-            cu = torch.arange(B + 1, device=x_BD.device, dtype=torch.int32)
-            o, _ = fused_recurrent_gated_delta_rule(*new, cu, initial_state=t["recurrent"], state_slots=slots)
+        # the conv shifts each row's state in its slot (no gather / scatter); the same
+        # arithmetic as on the gathered states, so exact numerics keep their bits
+        qkv = causal_conv1d_update(mixed, t["conv"], self.conv1d.weight.squeeze(1), None, activation="silu",
+                                   state_slots=slots)
+        if "recurrent" in t:  # one token a row (no offsets); the gates from the raw a, b in the kernel's prologue
+            o, _ = fused_recurrent_gated_delta_rule(*self._kernel_inputs(qkv, b, a, gates=False), None,
+                                                    initial_state=t["recurrent"], state_slots=slots,
+                                                    gate_params=(self.A_log, self.dt_bias))
             return self.output(o, z)
+        new = self._kernel_inputs(qkv, b, a)
         tail_len = st.index.remainder(CHUNK)                              # (B,) buffered rows before
         for n, x in zip(TAIL, new):
             # the token's row joins its tail in place (the storage dtype is the row's: no rounding;
@@ -389,16 +396,21 @@ class GatedDeltaNet(nn.Module):
         decode's on the same rows: the same kernels, the same inputs)."""
         device = x_TD.device
         cu = _cu(new_lens, device)
-        inputs, z, conv_state = self.project(x_TD, cu, conv_state)
+        # the recurrent kernel's rows get the raw a, b and compute the gates in its prologue,
+        # as the static decode step does (so the two stay bitwise equal on the same rows)
+        raw, z, conv_state = self.project(x_TD, cu, conv_state, gates=False)  # (q, k, v, a, b)
+        gate_params = (self.A_log, self.dt_bias)
         if max(new_lens, default=0) < CHUNK:  # no whole chunk: token by token (every eager decode step)
-            o, state = fused_recurrent_gated_delta_rule(*inputs, cu, initial_state=state)
+            o, state = fused_recurrent_gated_delta_rule(*raw, cu, initial_state=state, gate_params=gate_params)
             return self.output(o, z), conv_state, state
-        o, state = chunk_gated_delta_rule(*inputs, cu, initial_state=state, output_final_state=True)
+        g, beta = gdn_gates(raw[3], raw[4], *gate_params)
+        o, state = chunk_gated_delta_rule(*raw[:3], g, beta, cu, initial_state=state, output_final_state=True)
         rest = [n % CHUNK for n in new_lens]
         if any(rest):
             idx_t = _last_rows(new_lens, rest, device)
-            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in inputs),
-                                                          _cu(rest, device), initial_state=state)
+            o_r, state = fused_recurrent_gated_delta_rule(*(x.index_select(0, idx_t) for x in raw),
+                                                          _cu(rest, device), initial_state=state,
+                                                          gate_params=gate_params)
             o = o.index_copy(0, idx_t, o_r)
         return self.output(o, z), conv_state, state
 
@@ -410,7 +422,7 @@ class FusedGatedDeltaNet(GatedDeltaNet):
     Their output rows are interleaved per key head h:
         qkvz[h] = [q_h (Dk) | k_h (Dk) | v of value heads h r .. h r + r-1 (r Dv) | z of the same (r Dv)]
         ba[h]   = [b of value heads h r .. (r) | a of the same (r)]
-    `in_projections` runs the two fused GEMMs and de-interleaves their outputs into
+    `in_projections` runs the two GEMMs (one where `rlfuse.model.fuse` joined them) and de-interleaves them into
     GatedDeltaNet's [q | k | v], z, b, a by views and one concatenation (a permutation of
     the GEMM's outputs: no arithmetic), so every later step is GatedDeltaNet's."""
 
@@ -423,8 +435,8 @@ class FusedGatedDeltaNet(GatedDeltaNet):
 
     def in_projections(self, x_TD):
         T, r = x_TD.shape[0], self.n_v // self.n_k
-        qkvz = self.in_proj_qkvz(x_TD).view(T, self.n_k, 2 * self.dk + 2 * r * self.dv)
-        q, k, v, z = qkvz.split([self.dk, self.dk, r * self.dv, r * self.dv], -1)  # each (T, Hk, .)
+        qkvz, ba = self._project(x_TD, ("in_proj_qkvz", "in_proj_ba"))
+        q, k, v, z = qkvz.view(T, self.n_k, -1).split([self.dk, self.dk, r * self.dv, r * self.dv], -1)  # (T, Hk, .)
         mixed = torch.cat((q.reshape(T, self.key_dim), k.reshape(T, self.key_dim), v.reshape(T, self.value_dim)), -1)
-        b, a = self.in_proj_ba(x_TD).view(T, self.n_k, 2 * r).split([r, r], -1)  # each (T, Hk, r)
+        b, a = ba.view(T, self.n_k, 2 * r).split([r, r], -1)  # each (T, Hk, r)
         return mixed, z.reshape(T, self.n_v, self.dv), b.reshape(T, self.n_v), a.reshape(T, self.n_v)

@@ -47,9 +47,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from rlfuse.kernels.invariant import elementwise
 from rlfuse.kernels.linear.gemm import linear
 from rlfuse.kernels.moe import experts_mlp, route
-from rlfuse.model.layers.gated_deltanet import elementwise
 from rlfuse.model.layers.linear import Linear
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rlfuse.kernels.norm.rms import add_rmsnorm, rmsnorm
+from rlfuse.kernels.norm.rms import add_rmsnorm, offset_rmsnorm, rmsnorm
 
 
 class RMSNorm(nn.Module):
@@ -22,10 +22,10 @@ class RMSNorm(nn.Module):
 
 
 class OffsetRMSNorm(nn.Module):
-    """Qwen3.5's RMSNorm: (rmsnorm(x.float()) * (1 + w.float())).to(x.dtype), w init 0.
-    Through the rmsnorm kernel on the fp32 row with weight 1 + w: the kernel's cast of the
-    normed row to x.dtype is then a no-op, which gives HF's single rounding at the end
-    (Llama's RMSNorm rounds x before the multiply)."""
+    """Qwen3.5's RMSNorm: (rmsnorm(x.float()) * (1 + w.float())).to(x.dtype), w init 0:
+    HF's single rounding at the end (Llama's RMSNorm rounds x before the multiply). The
+    `offset_rmsnorm` op: one kernel with the residual add when no gradient is taken (the
+    engine's steps), the composition through the rmsnorm op's autograd otherwise."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -34,7 +34,4 @@ class OffsetRMSNorm(nn.Module):
 
     def forward(self, x, residual=None):
         """rmsnorm(x); with `residual` h: (h + x, rmsnorm(h + x)) as `RMSNorm`."""
-        if residual is not None:
-            s = residual + x
-            return s, self(s)
-        return rmsnorm(x.float(), 1.0 + self.weight.float(), self.eps).to(x.dtype)
+        return offset_rmsnorm(x, self.weight, self.eps, residual)
