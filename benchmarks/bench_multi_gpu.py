@@ -21,8 +21,8 @@ Phases (several may be given; they run in order):
           numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed: per-step
           metric and final-weight (LoRA: adapter) differences, exact mismatch
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
-  faults  a rank that raises, a rank SIGKILLed mid-step, --resume on 2 GPUs vs the
-          uninterrupted run, the 2-GPU checkpoint resumed on 1 GPU
+  faults  on --fault-gpus N (2 or 4): a rank that raises, a rank SIGKILLed mid-step, the
+          N-GPU step-2 checkpoint resumed on N, N/2, ..., 1 GPUs vs the uninterrupted run
   moe     full fine-tuning GRPO (bf16, numerics exact) of a Qwen3-MoE shape (--moe-shape,
           default moe-3b: 2.9 B parameters, 64 experts top-8), experts FSDP2-sharded, on each
           of --moe-gpus (1 2 4), 3 steps, same global batch and seed: per-step
@@ -280,21 +280,25 @@ def phase_faults(out: Path, work: Path, args) -> dict:
     J = Jobs(work, out, "faults")
     res = {}
     try:
-        # resume: 4 steps uninterrupted (checkpoint at step 2), then from its step-2 checkpoint
-        # --resume on 2 GPUs (same N: bitwise expected) and on 1 GPU (2 -> 1 resharding)
+        # resume: 4 steps uninterrupted on N GPUs (checkpoint at step 2), then from its step-2
+        # checkpoint --resume on N GPUs (same N: bitwise expected) and on each smaller power of two
+        # down to 1 (N -> M resharding: within the documented tolerance)
+        n = args.fault_gpus
         full = recipe(work, "res_full", "grpo", numerics="exact", steps=4, prompts=8, group=4, new=64, ckpt_every=2)
-        J.run("resume_full_2gpu", J.argv("grpo", full, work / "res_full", 2))
-        resume_from(work / "res_full", work / "res_2to2", 2)
-        resume_from(work / "res_full", work / "res_2to1", 2)
-        J.run("resume_2to2", J.argv("grpo", full, work / "res_2to2", 2, "--resume"))
-        J.run("resume_2to1", J.argv("grpo", full, work / "res_2to1", 1, "--resume"), gpu="0")
-        for k in ("res_2to2", "res_2to1"):
+        J.run(f"resume_full_{n}gpu", J.argv("grpo", full, work / "res_full", n))
+        targets = [n]
+        while targets[-1] > 1:
+            targets.append(targets[-1] // 2)
+        for m in targets:
+            k = f"res_{n}to{m}"
+            resume_from(work / "res_full", work / k, 2)
+            J.run(f"resume_{n}to{m}", J.argv("grpo", full, work / k, m, "--resume"), gpu="0" if m == 1 else None)
             res[k] = {**metric_diff(metrics(work / k, "grpo"), metrics(work / "res_full", "grpo")),
                       "weights": weight_diff(work / k / "final", work / "res_full" / "final")}
         for mode in () if args.resume_only else ("raise", "kill"):
-            rw = [{"name": f"{work}/reward.py:faulty", "kwargs": {"mode": mode, "rank": 1, "call": 2}}]
+            rw = [{"name": f"{work}/reward.py:faulty", "kwargs": {"mode": mode, "rank": n - 1, "call": 2}}]
             cfg = recipe(work, f"fault_{mode}", "grpo", rewards=rw, steps=4, prompts=8, group=4, new=64)
-            r = J.run(f"fault_{mode}", J.argv("grpo", cfg, work / f"fault_{mode}", 2, "--dist-timeout", "60"),
+            r = J.run(f"fault_{mode}", J.argv("grpo", cfg, work / f"fault_{mode}", n, "--dist-timeout", "60"),
                       timeout=240)
             res[mode] = {"rc": r["rc"], "wall_s": r["wall_s"], "error_lines": r["errors"]}
     finally:
@@ -305,7 +309,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
     for k in ("raise", "kill"):
         if k in res:
             print(f"fault {k}: {res[k]}")
-    for k in ("res_2to2", "res_2to1"):
+    for k in [k for k in res if k.startswith("res_")]:
         if k in res:
             print(f"{k}: weights {res[k]['weights']}; steps " +
                   "; ".join(f"{s['step']}: {s['max_rel_diff']:.1e} ({s['where']})" for s in res[k]["steps"]))
@@ -326,7 +330,9 @@ def main() -> int:
     ap.add_argument("--moe-shape", default="moe-3b", help=f"moe: the MoE shape, one of {sorted(MOE_SHAPES)}")
     ap.add_argument("--moe-gpus", type=int, nargs="+", default=[1, 2],
                     help="moe: the GPU counts to run (1 is the reference; e.g. 1 2, then 4 in a second call)")
-    ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs (2 -> 2, 2 -> 1)")
+    ap.add_argument("--fault-gpus", type=int, default=2, choices=(2, 4),
+                    help="faults: GPUs of the uninterrupted and faulty runs (resumed on N, N/2, ..., 1)")
+    ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
     SMALL[0] = args.small
