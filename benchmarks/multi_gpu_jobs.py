@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tarfile
@@ -148,8 +149,14 @@ class Jobs:
             try:
                 rc = p.wait(timeout=max(1.0, t0 + timeout - time.perf_counter()))
             except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                rc = p.wait()
+                # torchrun's workers run in their own sessions: a SIGKILL of the agent's group
+                # orphans them (seen on 4 GPUs); SIGTERM lets the agent stop its workers first
+                os.killpg(p.pid, signal.SIGTERM)
+                try:
+                    p.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
                 rc = f"timeout {timeout}s"
             log.close()
             text = (self.logs / f"{name}.log").read_text(errors="replace")
