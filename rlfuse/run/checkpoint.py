@@ -53,6 +53,7 @@ import random
 import re
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -284,10 +285,11 @@ def export_model(folder: str | Path, model, tokenizer=None, *, dist: DistContext
         return final
     check_finite(model, str(final), dist)
     if dist is not None:
+        t0 = time.perf_counter()
         with tempfile.TemporaryDirectory() as tmp:
             tok_dir = tokenizer.save(Path(tmp) / "tokenizer") if tokenizer is not None and dist.is_main else None
             save_hf_export(dist, model, final, dtype=dtype, tokenizer_dir=tok_dir)
-        log.info("weights -> %s (gathered on rank 0)", final)
+        log.info("weights -> %s (gathered on rank 0, %.1f s)", final, time.perf_counter() - t0)
         return final
     try:
         with tempfile.TemporaryDirectory() as tmp:
