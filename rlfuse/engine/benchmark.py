@@ -70,13 +70,16 @@ def _qwen3(hidden: int, inter: int, layers: int, heads: int, tied: bool) -> dict
                 qk_norm=True, tie_word_embeddings=tied, rope_theta=1e6, max_position_embeddings=40960)
 
 
-# the published config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B}: the shapes every benchmark uses
-# (with random weights); one definition, benchmarks override max_position_embeddings if needed
+# the published config.json of Qwen/Qwen3-{0.6B,1.7B,4B,8B,14B,32B}: the shapes every benchmark
+# uses (with random weights); one definition, benchmarks override max_position_embeddings if needed.
+# 14B and 32B: issue 39's largest shapes (14B full fine-tune on 4 GPUs, 32B LoRA on one H200)
 QWEN3_SHAPES = {
     "0.6b": _qwen3(1024, 3072, 28, 16, tied=True),
     "1.7b": _qwen3(2048, 6144, 28, 16, tied=True),
     "4b": _qwen3(2560, 9728, 36, 32, tied=True),
     "8b": _qwen3(4096, 12288, 36, 32, tied=False),
+    "14b": _qwen3(5120, 17408, 40, 40, tied=False),
+    "32b": _qwen3(5120, 25600, 64, 64, tied=False),
 }
 QWEN3_06B = QWEN3_SHAPES["0.6b"]
 # MoE shapes of issue 36's targets (random weights): Qwen/Qwen3-30B-A3B's published config,
