@@ -37,7 +37,6 @@ from rlfuse.engine.cache.blocks import BlockManager
 from rlfuse.engine.cache.parked import Parked
 from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.media import FeatureCache, admit
-from rlfuse.engine.model_runner import ModelRunner, param_version
 from rlfuse.engine.scheduler import Batch, Launched, Scheduler
 from rlfuse.engine.sequence import (
     Completion,
@@ -51,6 +50,7 @@ from rlfuse.engine.sequence import (
     validate_request,
 )
 from rlfuse.engine.stats import EngineStats
+from rlfuse.engine.step import ModelRunner, param_version
 from rlfuse.model import CausalLM
 from rlfuse.model.fuse import fuse_projections
 from rlfuse.model.lora import adapter_switches
