@@ -358,7 +358,7 @@ def test_runner_passes_16_byte_aligned_tensors_to_kernels(model, monkeypatch):
     tensor the runner hands to the sampler, the log-prob and the attention kernels must
     start on a 16-byte boundary, whatever the batch: odd batch sizes, B = 1, chunked
     prefill, mixed steps, min_tokens masks, several temperatures."""
-    import rlfuse.engine.model_runner as mr
+    import rlfuse.engine.step.sampler as mr
     import rlfuse.model.layers.attention as tr
 
     bad = []

@@ -14,7 +14,7 @@ Run: python -m pytest -q tests/test_kernel_kv_fp8.py
 import pytest
 import torch
 
-from rlfuse.engine.shared_prefix import plan_shared_prefix
+from rlfuse.engine.step.shared_prefix import plan_shared_prefix
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.attention.paged import (
     SharedPrefixDecode,

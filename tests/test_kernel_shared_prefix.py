@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlfuse.engine.shared_prefix import plan_shared_prefix
+from rlfuse.engine.step.shared_prefix import plan_shared_prefix
 from rlfuse.kernels.attention.paged import SharedPrefixDecode, paged_attention_ref, shared_prefix_members
 from rlfuse.kernels.attention.triton_paged import paged_attention_triton
 
@@ -152,7 +152,7 @@ def test_cuda_qwen3_decode_shape(exact):
 def test_sharing_pays_when_it_fills_the_gpu_or_outgrows_l2(monkeypatch):
     import types
 
-    import rlfuse.engine.shared_prefix as pa
+    import rlfuse.engine.step.shared_prefix as pa
     monkeypatch.setattr(pa, "num_sms", lambda d: 132)  # an H100's
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(L2_cache_size=50 << 20))
     cuda, kv = torch.device("cuda"), 2 * 8 * 128 * 2  # Qwen3-0.6B: one layer's K/V of a key

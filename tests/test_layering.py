@@ -62,7 +62,8 @@ def test_every_package_is_a_known_layer():
 
 SUB_ROOMS = {
     "model": {"arch", "layers", "vision"},  # the architecture registry; the shared blocks it assembles; the vision tower
-    "engine": {"cache"},  # per-sequence cache state: KV blocks, KV pool, state slots
+    # per-sequence cache state (KV blocks, KV pool, state slots); one step on the model; the generation benchmark
+    "engine": {"cache", "step", "benchmark"},
     "run": {"config", "distributed"},
     "rollout": {"agent"},  # multi-turn: chat, tools, sandbox, environments, episodes
 }

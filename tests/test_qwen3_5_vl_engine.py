@@ -91,18 +91,18 @@ def test_one_token_prompt_chunk_in_a_decode_batch_runs_eager(vl, monkeypatch):
     sequence decoded; the all-1-token batch took the static decode path, which places a token
     at index + delta and injects no image features (an image prompt's token before its last
     image has its own 3-row mRoPE position). Such a step now runs eager."""
-    from rlfuse.engine import model_runner
+    from rlfuse.engine.step import ModelRunner
 
     model = vl[0]
     prompts, media = _vision_prompts(argparse.Namespace(seed=0), model, 32)
-    seen, launch = [], model_runner.ModelRunner.launch
+    seen, launch = [], ModelRunner.launch
 
     def spy(self, seqs, num_new, feed=None):
         if feed is None and all(n == 1 for n in num_new):
             seen.append(any(s.mrope is not None and s.num_computed < s.num_prompt_tokens for s in seqs))
         return launch(self, seqs, num_new, feed)
 
-    monkeypatch.setattr(model_runner.ModelRunner, "launch", spy)
+    monkeypatch.setattr(ModelRunner, "launch", spy)
     s = Setting(name="pool and chunks", num_prompts=8, n=4,
                 engine=dict(num_kv_blocks=24, max_num_batched_tokens=30))
     r = run_setting(model, prompts, s, numerics="exact", max_tokens=48, temperature=1.0, seed=0, media=media)

@@ -145,7 +145,7 @@ def test_vision_ids_are_never_sampled():
     params = SamplingParams(n=8, max_tokens=24, temperature=1.5, seed=0)
     free = [t for c in llm.generate([[1, 2, 3, 4]], params) for t in c.output_token_ids]
     banned = sorted(set(free))[:12]  # the ids this model samples most freely
-    llm.runner.never_sample = torch.tensor(banned)
+    llm.runner.sampler.never_sample = torch.tensor(banned)
     got = llm.generate([[1, 2, 3, 4]], params)
     assert not {t for c in got for t in c.output_token_ids} & set(banned)
     # the reported log-prob is the unfiltered policy's (the trainer's): finite, <= 0

@@ -41,7 +41,7 @@ from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
-    from rlfuse.engine.model_runner import Pending
+    from rlfuse.engine.step.pending import Pending
 
 
 @dataclasses.dataclass(slots=True)

@@ -37,7 +37,7 @@ no host syncs, CUDA-graph capturable. Rows outside every sequence are left unwri
 (unsplit) or zero (split).
 Shared prefixes (decode, Triton path): sequences whose first keys live in the same cache
 blocks (a GRPO group's prompt, through the prefix cache) can read that K/V once for the
-group: `SharedPrefixDecode` (planned on the host by `rlfuse.engine.shared_prefix`) lists chunks of up to `shared_prefix_members(...)` such
+group: `SharedPrefixDecode` (planned on the host by `rlfuse.engine.step.shared_prefix`) lists chunks of up to `shared_prefix_members(...)` such
 sequences and the length they share (whole KV_BLOCKs). One program per (chunk x split,
 kv head) attends all members' query rows to the prefix; `_paged_attn_kernel` then walks each
 sequence's keys from share_len on. When the suffix runs unsplit (always in exact

@@ -11,23 +11,25 @@ Per step (B sequences, T = sum of their new tokens, S of them sampled):
      offsets, and one fp32 array (temperature, top-p, min-p). No per-step allocation of
      block tables on the host.
   2. forward. Decode-shaped batches (every sequence computes one token) up to the largest
-     graph bucket run on the static decode path (`rlfuse.engine.static_decode`: static
+     graph bucket run on the static decode path (`rlfuse.engine.step.static_decode`: static
      buffers, a CUDA graph per bucket, the shared-prefix plan); everything else (prefill
-     chunks, mixed batches) runs eagerly.
+     chunks, mixed batches) runs eagerly (`rlfuse.engine.step.eager`).
   3. sample: fp32 logits = h_last @ W^T, `rlfuse.kernels.sampling.draw.sample` with per-row
      seeds and offset = the sampled token's position (no host sync), then the reported
      log-prob from `rlfuse.kernels.loss.logprob.token_logprobs(h_last, W, ids, T)` -- the
      trainer's function, per distinct temperature (T = 1 for greedy rows). Vision models'
-     image-pad / vision start / end ids are -inf before sampling (never sampled).
+     image-pad / vision start / end ids are -inf before sampling (never sampled). The
+     sampling glue is `rlfuse.engine.step.sampler`.
   4. read-back: ids and log-probs are copied together into pinned host memory behind an
      event; `collect` waits for it (the step's one host sync). `launch` returns before
      that, so the engine can enqueue the next decode step first (`launch(feed=...)`,
-     look-ahead: see `LLM.step`) and do its bookkeeping while the device works.
+     look-ahead: see `LLM.step`) and do its bookkeeping while the device works
+     (`rlfuse.engine.step.pending`).
+Test: python -m pytest -q tests/test_engine.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import time
@@ -39,15 +41,17 @@ from rlfuse.engine.cache.kv import KVCache, cache_dtype, plan_num_blocks
 from rlfuse.engine.cache.kv_scales import calibrate_kv_scales
 from rlfuse.engine.cache.linear import LinearStateCache, linear_layers
 from rlfuse.engine.config import EngineConfig
-from rlfuse.engine.media import FeatureCache, MediaItem, encode_images, never_sampled_ids
-from rlfuse.engine.routing import RoutingRecord
+from rlfuse.engine.media import FeatureCache, MediaItem, encode_images
 from rlfuse.engine.sequence import Sequence
-from rlfuse.engine.static_decode import StaticDecode, upload
+from rlfuse.engine.step.eager import EagerStep
+from rlfuse.engine.step.pending import Pending, collect, read_back
+from rlfuse.engine.step.routing import RoutingRecord
+from rlfuse.engine.step.sampler import Sampler
+from rlfuse.engine.step.static_decode import StaticDecode
+from rlfuse.engine.step.upload import upload
 from rlfuse.kernels.attention import check_exact_attention
 from rlfuse.kernels.backend import current_backend, num_sms, use_numerics
 from rlfuse.kernels.kv_quant import FP8_DTYPE, KVQuant
-from rlfuse.kernels.loss.logprob import token_logprobs
-from rlfuse.kernels.sampling.draw import sample
 from rlfuse.model import CausalLM, Packed, PagedKV
 from rlfuse.model.lora_bank import adapter_bank
 from rlfuse.model.vision import ImageFeatures
@@ -68,18 +72,6 @@ def _in_numerics(method):
         with use_numerics(self.cfg.numerics):
             return method(self, *args, **kwargs)
     return wrapped
-
-
-@dataclasses.dataclass(slots=True)
-class Pending:
-    """A launched step: `ids` (S,) device tensor of its samples (the next look-ahead step's
-    inputs), `out` (2, S) ids and log-probs (pinned host copy on CUDA, valid once `done`),
-    `routing` (S, MoE layers, k) int16 expert ids of the sampled rows (recording on), idem."""
-    sampled: list[int]
-    ids: torch.Tensor | None
-    out: torch.Tensor | None
-    done: "torch.cuda.Event | None"
-    routing: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -124,7 +116,7 @@ class ModelRunner:
         if self.kv_quant is not None:
             log.info("KV cache in fp8 (e4m3, per-layer per-KV-head power-of-two scales, calibrated on the prompts "
                      "after each weight update): EngineConfig.kv_cache_dtype")
-        self.out_dtype_mm = self._probe_out_dtype_mm()
+        self.sampler = Sampler(model)  # logits, sampling, log-probs; vision models: never-sampled ids
         self.routing = RoutingRecord(model, cfg, self.device)  # MoE: experts of each sampled token
         # an adapter bank (rlfuse.model.lora_bank): each row's slot, written before every step
         # into one buffer the adapted projections (and the decode graphs) read
@@ -132,11 +124,9 @@ class ModelRunner:
         if self.bank is not None:
             rows = max(cfg.max_num_batched_tokens, 2 * cfg.max_num_seqs)  # the warm-up's steps too
             self.bank.ids = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
-        # vision models: the image-pad / vision start / end ids are never sampled (rlfuse.engine.media)
-        banned = never_sampled_ids(model.config)
-        self.never_sample = torch.tensor(banned, dtype=torch.int64, device=self.device) if banned else None
         self.vision = model.config.vision
         self.features = FeatureCache(self._encode) if self.vision is not None else None
+        self.eager = EagerStep(model, self.bt, self.block_size, self.linear)  # every other step
 
     # the static decode path's state, as the engine and tests read it
     @property
@@ -216,19 +206,12 @@ class ModelRunner:
         ids = torch.zeros(T, dtype=torch.long, device=self.device)
         pos = torch.cat([torch.arange(n, device=self.device) for n in lens])
         self.model(ids, pos, Packed.from_lengths(lens, self.device))
-        S = c.max_num_seqs
-        h = torch.randn(S, self.mcfg.hidden_size, device=self.device).to(self.dtype)
-        logits = self._logits(h)
-        f = lambda v: torch.full((S,), v, device=self.device)  # noqa: E731
-        z = torch.zeros(S, dtype=torch.long, device=self.device)
-        ids, _ = sample(logits, f(1.0), z + 50, f(0.9), f(0.05), z, z)
-        token_logprobs(h, self.model.lm_head_weight, ids, 1.0)
+        self.sampler.warmup(c.max_num_seqs)
 
     def kv_len_cap(self) -> int:
         return self.max_blocks * self.block_size
 
-    # ------------------------------------------------------------------ rows
-    # ------------------------------------------------------------------ images
+    # ------------------------------------------------------------------ rows, images
     def _encode(self, items: list[MediaItem]) -> ImageFeatures:
         return encode_images(self.model, items)  # the trainer's encode
 
@@ -270,7 +253,7 @@ class ModelRunner:
 
     @torch.no_grad()
     @_in_numerics
-    def launch(self, seqs: list[Sequence], num_new: list[int], feed: torch.Tensor | None = None) -> "Pending":
+    def launch(self, seqs: list[Sequence], num_new: list[int], feed: torch.Tensor | None = None) -> Pending:
         """Enqueue one step on the device and return without waiting for it: compute the
         scheduled tokens; sample every sequence whose chunk reaches its last token. A
         sequence with fewer than min_tokens outputs has its stop ids (EOS included) masked
@@ -309,91 +292,17 @@ class ModelRunner:
                 h, (k_t, seed_t, off_t) = self.decode.step(self.kv.kv_caches, seqs, starts, rows, sampled, top_k,
                                                            seeds, offsets, feed)
             else:
-                h, (k_t, seed_t, off_t) = self._run_eager(seqs, num_new, starts, rows, sampled, top_k, seeds,
-                                                          offsets)
+                h, (k_t, seed_t, off_t) = self.eager.step(self.kv.kv_caches, self.features, seqs, num_new, starts,
+                                                          rows, sampled, top_k, seeds, offsets)
         finally:
             self.routing.install(False)
         if S == 0:
             return Pending(sampled, None, None, None)
         routing = self.routing.sampled(num_new, sampled, self._upload) if self.routing.blocks else None
-        pad = [0.0] * (-S % 4)  # rows of fl start 16-byte aligned (see static_decode._field_stride)
-        fl = self._upload([[p.temperature for p, _ in samp] + pad, [p.top_p for p, _ in samp] + pad,
-                           [p.min_p for p, _ in samp] + pad], torch.float32)[:, :S]
-        logits = self._logits(h)
-        masks = [(i, t) for i, (p, s) in enumerate(samp) if s.num_output_tokens + ahead < p.min_tokens
-                 for t in s.stop_ids]
-        if masks:
-            idx = self._upload(masks, torch.int64)
-            logits[idx[:, 0], idx[:, 1]] = float("-inf")
-        if self.never_sample is not None:
-            logits[:, self.never_sample] = float("-inf")
-        ids, _ = sample(logits, fl[0], k_t, fl[1], fl[2], seed_t, off_t)
-        lps = self._logprobs(h, ids, [s.temperature_lp for _, s in samp])
-        out = torch.stack((ids.double(), lps.double()))
-        if self.device.type == "cuda":
-            host_out = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-            host_out.copy_(out, non_blocking=True)
-            if routing is not None:
-                host_routing = torch.empty(routing.shape, dtype=routing.dtype, pin_memory=True)
-                routing = host_routing.copy_(routing, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-            return Pending(sampled, ids, host_out, done, routing)
-        return Pending(sampled, ids, out, None, routing)
+        ids, lps = self.sampler.draw(h, samp, k_t, seed_t, off_t, ahead)
+        return read_back(sampled, ids, lps, routing)
 
-    @staticmethod
-    def collect(p: "Pending") -> tuple[list[int], list[int], list[float], torch.Tensor | None]:
-        """Wait for a launched step; (batch indices sampled, token ids, log-probs, routing
-        (S, layers, k) on the host or None)."""
-        if p.ids is None:
-            return [], [], [], None
-        if p.done is not None:
-            p.done.synchronize()  # host sync: the step's one read-back
-        out = p.out.tolist()
-        return p.sampled, [int(t) for t in out[0]], out[1], p.routing
-
-    def _run_eager(self, seqs, num_new, starts, rows, sampled, top_k, seeds, offsets):
-        B, bs = len(seqs), self.block_size
-        T, S = sum(num_new), len(sampled)
-        # one upload; every section starts on a 16-byte boundary: Triton specializes kernels
-        # on pointer alignment, so a section at an odd int64 offset (it moves with T, B, S)
-        # would compile a second variant of the sampler mid-run (seconds on a GPU)
-        lens = dict(ids=T, pos=T, slots=T, rows=B, seq_lens=B, cu=B + 1, samp=S, top_k=S, seeds=S, offsets=S)
-        at, o = {}, 0
-        for k, n in lens.items():
-            at[k], o = o, o + n + (n & 1)
-        host = np.zeros(o, dtype=np.int64)
-        sec = {k: host[at[k]:at[k] + n] for k, n in lens.items()}
-        ids, pos, slots = sec["ids"], sec["pos"], sec["slots"]
-        o = 0
-        for seq, st, n in zip(seqs, starts, num_new):
-            d = seq.rope_delta  # 0 for text: the token's index is its position
-            if n == 1:
-                ids[o], pos[o] = seq.token_ids[st], st + d
-                slots[o] = seq.block_table[st // bs] * bs + st % bs
-            else:
-                p = np.arange(st, st + n)
-                ids[o:o + n] = seq.token_ids[st:st + n]
-                pos[o:o + n] = p + d
-                slots[o:o + n] = np.asarray(seq.block_table, dtype=np.int64)[p // bs] * bs + p % bs
-            o += n
-        sec["rows"][:] = rows
-        sec["seq_lens"][:] = [st + n for st, n in zip(starts, num_new)]
-        sec["cu"][1:] = np.cumsum(num_new)
-        sec["samp"][:] = [sec["cu"][j + 1] - 1 for j in sampled]
-        sec["top_k"][:], sec["seeds"][:], sec["offsets"][:] = top_k, seeds, offsets
-        dev = self._upload(host, torch.int64)
-        d = {k: dev[at[k]:at[k] + n] for k, n in lens.items()}
-        w = -(-max(st + n for st, n in zip(starts, num_new)) // bs)
-        attn = PagedKV(self.kv.kv_caches, d["slots"], d["cu"].to(torch.int32), d["seq_lens"].to(torch.int32),
-                       self.bt[d["rows"], :w], max(num_new),
-                       linear=None if self.linear is None else self.linear.step(seqs, starts, num_new))
-        pos, feats = d["pos"], None
-        if any(s.mrope is not None and st < s.num_prompt_tokens for s, st in zip(seqs, starts)):
-            pos, feats = self.features.chunk_inputs(seqs, starts, num_new, pos)
-        h = self.model(d["ids"], pos, attn, feats)
-        h = h if S == T else h[d["samp"]]
-        return h, (d["top_k"], d["seeds"], d["offsets"])
+    collect = staticmethod(collect)
 
     # ------------------------------------------------------------------ decode graphs
     @torch.no_grad()
@@ -410,41 +319,3 @@ class ModelRunner:
     def drop_graphs(self) -> None:
         if self.decode is not None:
             self.decode.drop_graphs()
-
-    # ------------------------------------------------------------------ sampling helpers
-    def _probe_out_dtype_mm(self) -> bool:
-        """fp32 logits straight from a half-precision matmul (torch.mm(..., out_dtype=float32),
-        CUDA only): exact fp32 accumulation without a fp32 copy of the LM head."""
-        if self.dtype == torch.float32:
-            return False
-        if self.device.type == "cuda":
-            a = torch.zeros(2, 8, dtype=self.dtype, device=self.device)
-            try:
-                ok = torch.mm(a, a.t(), out_dtype=torch.float32).dtype == torch.float32
-            except (RuntimeError, TypeError) as e:  # older torch: no out_dtype overload
-                ok, why = False, str(e).splitlines()[0]
-            if ok:
-                log.info("logits: fp32 output of the %s LM-head matmul (torch.mm out_dtype)", self.dtype)
-                return True
-            log.warning("logits: torch.mm(out_dtype=float32) unavailable (%s); sampling from %s logits cast "
-                        "to fp32", why, self.dtype)
-        else:
-            log.info("logits on %s in %s, cast to fp32 for sampling", self.device, self.dtype)
-        return False
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        W = self.model.lm_head_weight
-        if self.out_dtype_mm:
-            return torch.mm(h, W.t(), out_dtype=torch.float32)
-        return torch.mm(h, W.t()).float()
-
-    def _logprobs(self, h: torch.Tensor, ids: torch.Tensor, temps: list[float]) -> torch.Tensor:
-        W = self.model.lm_head_weight
-        distinct = sorted(set(temps))
-        if len(distinct) == 1:
-            return token_logprobs(h, W, ids, distinct[0])
-        out = torch.empty(len(temps), dtype=torch.float32, device=h.device)
-        for t in distinct:  # one call per temperature: bitwise what the trainer computes per row
-            idx = self._upload([i for i, x in enumerate(temps) if x == t], torch.int64)
-            out[idx] = token_logprobs(h[idx], W, ids[idx], t)
-        return out

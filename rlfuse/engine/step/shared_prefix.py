@@ -6,7 +6,7 @@ blocks once, as a `rlfuse.kernels.attention.SharedPrefixDecode` the paged-attent
 `plan_shared_prefix` groups sequences by the cache blocks their prompts start with (the
 block ids, not the tokens: the prefix cache already made equal prompts share blocks);
 `shared_prefix_pays` says whether a plan is worth its extra programs on this device. The
-static decode path (`rlfuse.engine.static_decode`) calls both once per change of the running set.
+static decode path (`rlfuse.engine.step.static_decode`) calls both once per change of the running set.
 Test: python -m pytest -q tests/test_kernel_shared_prefix.py
 """
 

@@ -19,10 +19,10 @@ scratch slot.
 On CUDA each (bucket, shared-prefix plan or not) is captured as a CUDA graph on first
 use (or all at once by `capture`, largest first so one memory pool fits all) and
 replayed; on CPU the same buffers run without capture. The shared-prefix plan
-(`rlfuse.engine.shared_prefix`): sequences whose prompts sit in the same cache blocks
+(`rlfuse.engine.step.shared_prefix`): sequences whose prompts sit in the same cache blocks
 read them once; it is planned on the host when the running set changes.
 
-The runner (`rlfuse.engine.model_runner`) owns the block tables and the KV cache and
+The runner (`rlfuse.engine.step.runner`) owns the block tables and the KV cache and
 calls `step`; this module owns the buffers, the graphs and the plan.
 Test: python -m pytest -q tests/test_engine.py tests/test_kernel_shared_prefix.py
 """
@@ -39,7 +39,8 @@ from rlfuse.engine.cache.kv import cache_dtype
 from rlfuse.engine.cache.linear import LinearStateCache
 from rlfuse.engine.config import EngineConfig
 from rlfuse.engine.sequence import Sequence
-from rlfuse.engine.shared_prefix import plan_shared_prefix, shared_prefix_pays
+from rlfuse.engine.step.shared_prefix import plan_shared_prefix, shared_prefix_pays
+from rlfuse.engine.step.upload import upload
 from rlfuse.kernels.attention.paged import SharedPrefixDecode, shared_prefix_members
 from rlfuse.kernels.backend import resolve_backend
 from rlfuse.model import CausalLM, LinearDecode, PagedKV
@@ -58,17 +59,6 @@ def _field_stride(nb: int) -> int:
     16-byte boundary (Triton specializes kernels on pointer alignment: an odd bucket would
     give the sampler a second compiled variant)."""
     return nb + (nb & 1)
-
-
-def upload(x, dtype, device: torch.device) -> torch.Tensor:
-    """Host list / array -> device, without waiting for the stream: pinned staging on
-    CUDA (a pageable copy would block the host until the device reached it, which
-    defeats launching a step ahead); the caching host allocator keeps the staging
-    buffer alive until its copy ran."""
-    t = torch.as_tensor(x, dtype=dtype)
-    if device.type == "cuda":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 class StaticDecode:
