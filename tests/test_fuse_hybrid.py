@@ -18,6 +18,7 @@ import logging
 import pytest
 import torch
 from engine_helpers import one_thread, random_prompts  # noqa: F401  (fixture)
+from test_fuse import _inputs  # the same packed batch of 3 sequences
 
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.model import CausalLM, ModelConfig, Packed
@@ -42,13 +43,6 @@ def _model(kind="qwen3_5", dtype=torch.float32, seed=0, **over):
 
 def _gdn(m, i=0):
     return m.model.layers[i].linear_attn
-
-
-def _inputs(lengths=(5, 9, 1), seed=3):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, 96, (sum(lengths),), generator=g)
-    pos = torch.cat([torch.arange(n) for n in lengths])
-    return ids, pos, Packed.from_lengths(list(lengths))
 
 
 def _pair(kind="qwen3_5", dtype=torch.float32):
