@@ -18,6 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
+import rlfuse.model.fuse as fuse_mod
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
 from rlfuse.kernels.linear.gemm import linear, linear_fused
@@ -49,6 +50,18 @@ def _inputs(lengths=(5, 9, 1), seed=3):
     ids = torch.randint(0, 96, (sum(lengths),), generator=g)
     pos = torch.cat([torch.arange(n) for n in lengths])
     return ids, pos, Packed.from_lengths(list(lengths))
+
+
+def _forward_backward(models, ids, pos, attn):
+    """Each model's output and trainable gradients under one fixed loss (the same W for all)."""
+    W = torch.randn(models[0].config.hidden_size, generator=torch.Generator().manual_seed(5))
+    outs, grads = [], []
+    for m in models:
+        h = m(ids, pos, attn)
+        (h @ W).square().sum().backward()
+        outs.append(h.detach())
+        grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+    return outs, grads
 
 
 def _pair(model_type="qwen3", dtype=torch.float32):
@@ -161,7 +174,8 @@ def test_save_load_round_trip_keeps_hf_names(tmp_path):
         assert torch.equal(back(ids, pos, attn), m(ids, pos, attn))
 
 
-def test_moving_the_model_after_fusing_falls_back_to_separate_gemms(caplog):
+def test_moving_the_model_after_fusing_falls_back_to_separate_gemms(caplog, monkeypatch):
+    monkeypatch.setattr(fuse_mod, "_stale_warned", [False])  # the process's first stale group warns
     sep, fused = _pair()
     sep, fused = sep.double(), fused.double()
     ids, pos, attn = _inputs()
@@ -229,14 +243,8 @@ def test_lora_groups_fused_equal_separate_bitwise_in_exact_numerics(backend, mod
 def test_lora_fused_gradients_reach_each_adapter_and_updates_are_seen(numerics):
     sep, fused = _lora_pair()
     ids, pos, attn = _inputs()
-    W = torch.randn(64, generator=torch.Generator().manual_seed(5))
-    outs, grads = [], []
     with use_numerics(numerics):
-        for m in (sep, fused):
-            h = m(ids, pos, attn)
-            (h @ W).square().sum().backward()
-            outs.append(h.detach())
-            grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+        outs, grads = _forward_backward((sep, fused), ids, pos, attn)
         if numerics == "exact":
             assert torch.equal(outs[0], outs[1])
             with torch.no_grad():

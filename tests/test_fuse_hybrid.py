@@ -18,7 +18,7 @@ import logging
 import pytest
 import torch
 from engine_helpers import one_thread, random_prompts  # noqa: F401  (fixture)
-from test_fuse import _inputs  # the same packed batch of 3 sequences
+from test_fuse import _forward_backward, _inputs  # the same packed batch and loss
 
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.model import CausalLM, ModelConfig, Packed
@@ -157,14 +157,8 @@ def test_lora_on_all_four_stays_fused_bitwise_and_gradients_reach_each_adapter(k
     g = _gdn(fused)
     assert g.in_proj_fused.adapted and g.in_proj_fused.live(g)
     ids, pos, attn = _inputs()
-    W = torch.randn(64, generator=torch.Generator().manual_seed(5))
-    outs, grads = [], []
     with use_numerics(numerics):
-        for m in (sep, fused):
-            h = m(ids, pos, attn)
-            (h @ W).square().sum().backward()
-            outs.append(h.detach())
-            grads.append({n: p.grad for n, p in m.named_parameters() if p.requires_grad})
+        outs, grads = _forward_backward((sep, fused), ids, pos, attn)
         with torch.no_grad():
             nograd = fused(ids, pos, attn)
             base = _model(kind)(ids, pos, attn)
