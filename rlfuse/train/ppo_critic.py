@@ -24,6 +24,7 @@ from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     DistContext,
     ShardedAdamW,
+    configure_fsdp,
     full_adamw_state,
     full_copy,
     is_sharded,
@@ -60,6 +61,7 @@ def build_critic(cfg: RunConfig, policy, dist: DistContext | None = None) -> Sca
     critic.kernels = policy.kernels
     if dist is not None:
         critic = shard_model(critic, dist)
+        configure_fsdp(critic, cfg.distributed)
     return critic
 
 
