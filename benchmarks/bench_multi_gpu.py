@@ -358,6 +358,10 @@ def phase_scale(out: Path, work: Path, args) -> dict:
              "kv_gib": kv_pool_gib(shape, blocks), "profile": read_profile(work / name, prof_step) if prof_step else {}}
         table.append(s)
         print(json.dumps({k: v for k, v in s.items() if k != "profile"}), flush=True)
+        if s["profile"]:  # now, not only in the final table: a call cut short keeps what ran
+            print("profile " + json.dumps({"name": name, "max": s["profile"]["max"], "rank0": {
+                k: v for k, v in s["profile"]["rank0"].items() if k in (*PROFILE_COLS, "counts", "top_host_ops")}}),
+                flush=True)
     for s in table:
         ones = [t for t in table if t["shape"] == s["shape"] and t["gpus"] == 1 and t["rc"] == 0]
         one = next((t for t in ones if t["settings"] == "default"), ones[0] if ones else None)
