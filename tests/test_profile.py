@@ -102,3 +102,23 @@ def test_a_profiled_phase_writes_its_files_and_others_do_not(tmp_path):
     with gzip.open(tmp_path / "profile" / "step2_rank3.trace.json.gz") as f:
         assert any(e.get("name") == "aten::tanh" for e in json.load(f)["traceEvents"])
     assert sorted(p.name for p in (tmp_path / "profile").iterdir()) == ["step2_rank3.json", "step2_rank3.trace.json.gz"]
+
+
+@pytest.mark.gpu
+def test_a_profiled_cuda_phase_counts_kernels_as_device_time(tmp_path):
+    """On a GPU: kernels are the device events, the host launches are host ops; a forced host
+    sync shows in host_sync_s."""
+    prof = step_profiler(1, "train", tmp_path, device="cuda")
+    x = torch.randn(2048, 2048, device="cuda")
+    timer = PhaseTimer("cuda", profile=prof.at(0))
+    with timer("train"):
+        for _ in range(8):
+            x = torch.tanh(x @ x)
+        torch.cuda.synchronize()  # a host sync inside the phase
+        for _ in range(8):
+            x = torch.tanh(x @ x)
+    s = json.loads((tmp_path / "profile" / "step1_rank0.json").read_text())
+    assert s["device"] == "cuda" and s["n_collectives"] == 0 and s["comm_s"] == 0
+    assert 0 < s["compute_s"] == pytest.approx(s["busy_s"]) and s["busy_s"] <= s["wall_s"] * 1.01
+    assert s["host_sync_s"] > 0
+    assert any("launch" in op["name"].lower() for op in s["top_host_ops"])
