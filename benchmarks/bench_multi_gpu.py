@@ -331,7 +331,8 @@ def pack_traces(out: Path, table: list[dict], work: Path, step: int, *, tar_limi
 
 
 def _settings_text(sections: dict[str, dict]) -> str:
-    return ",".join(f"{k}={json.dumps(v)}" if sec == "distributed" else f"{sec}.{k}={json.dumps(v)}"
+    val = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731  (YAML spellings: false, 2, last)
+    return ",".join(f"{k}={val(v)}" if sec == "distributed" else f"{sec}.{k}={val(v)}"
                     for sec, kv in sections.items() for k, v in kv.items()) or "default"
 
 
@@ -389,7 +390,8 @@ def print_profiles(table: list[dict], step: int) -> None:
     """The profiled train phase side by side: each cell max over ranks / rank 0, seconds."""
     cols = ("wall", "all-gather", "reduce-scatter", "all-reduce", "other coll.", "compute", "exposed comm",
             "idle", "host sync")
-    print(f"\nprofiled train phase of step {step} (s; max over ranks / rank 0; counts AG/RS/AR/other, max)")
+    print(f"\nprofiled phase of step {step} (train unless the settings set logging.profile_phase; s; max over "
+          f"ranks / rank 0; collectives: counts AG/RS/AR/other, max over ranks)")
     print("| shape | GPUs | settings | " + " | ".join(cols) + " | collectives | slowest rank | top host ops, rank 0 (self s) |")
     print("|" + "---|" * (len(cols) + 6))
     for s in table:
