@@ -70,6 +70,8 @@ from multi_gpu_jobs import (  # noqa: E402  (benchmarks/multi_gpu_jobs.py)
     weight_diff,
 )
 
+from rlfuse.run.config import load_config  # noqa: E402
+
 
 # ------------------------------------------------------------------ phases
 def phase_env(out: Path, work: Path) -> dict:
@@ -340,17 +342,24 @@ def phase_scale(out: Path, work: Path, args) -> dict:
     J = Jobs(work, out, "scale")
     table = []
     prof_step = args.profile_train
-    for spec in args.scale_runs:
+    # 64 sequences x (128 + 1024) tokens = 4608 blocks; a fixed pool makes the KV bytes known
+    blocks = 4800
+    jobs = []
+    for spec in args.scale_runs:  # every recipe written and checked before the first job starts
         shape, gpus, sections = parse_scale_run(spec)
         settings = _settings_text(sections)
         slug = "".join(c if c.isalnum() else "_" for c in settings) if sections else ""
         name = f"grpo_{shape}_{gpus}gpu" + (f"_{slug}" if slug else "")
-        # 64 sequences x (128 + 1024) tokens = 4608 blocks; a fixed pool makes the KV bytes known
-        blocks = 4800
         if prof_step:
             sections = {**sections, "logging": {**sections.get("logging", {}), "profile_step": prof_step}}
         cfg = recipe(work, name, "grpo", shape=shape, steps=args.scale_steps, prompts=8 * gpus, group=8, new=1024,
                      max_seqs=64, kv_blocks=blocks, **sections)
+        try:
+            load_config(cfg)
+        except ValueError as e:
+            raise SystemExit(f"--scale-runs {spec!r}: {e}") from None
+        jobs.append((shape, gpus, settings, name, cfg))
+    for shape, gpus, settings, name, cfg in jobs:
         r = J.run(name, J.argv("grpo", cfg, work / name, gpus, "--overwrite"), gpu=None if gpus > 1 else "0",
                   timeout=args.job_timeout)
         s = {"name": name, "shape": shape, "settings": settings, "rc": r["rc"], "wall_s": r["wall_s"],
