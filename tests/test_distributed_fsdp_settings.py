@@ -4,10 +4,11 @@ ranks (CPU), through `run_grpo` on a tiny 3-layer fp32 model with gradient check
 
 One spawned 2-rank job runs the default settings and the alternatives, every run profiling
 the train phase of step 2 on both ranks; then this process checks:
-  * reshard_after_forward false, reshard_after_backward false and prefetch 2 together (each
-    alone: -m slow, a second job): final weights bitwise equal to the default's (the same
-    gathered values, only the gathers move), with fewer all-gathers in the profile where
-    fewer are expected;
+  * reshard_after_forward false, reshard_after_backward false, prefetch 2 and
+    optimizer_foreach together (each alone: -m slow, a second job): final weights bitwise
+    equal to the default's (the same gathered values, only the gathers move; the foreach
+    AdamW does the single-tensor path's elementwise math), with fewer all-gathers in the
+    profile where fewer are expected;
   * grad_sync last: fewer reduce-scatters, final weights within fp32 rounding of the
     default's (each rank's micro-batches summed first, then the ranks: another order);
   * the profile: a trace and a summary per rank, collectives classified (gloo's are host ops).
@@ -43,8 +44,9 @@ VARIANTS = {
     "keep_fwd": ("distributed.reshard_after_forward=false",),
     "keep_bwd": ("distributed.reshard_after_backward=false",),
     "prefetch": ("distributed.prefetch=2",),
+    "foreach": ("distributed.optimizer_foreach=true",),
     "all": ("distributed.reshard_after_forward=false", "distributed.reshard_after_backward=false",
-            "distributed.prefetch=2"),
+            "distributed.prefetch=2", "distributed.optimizer_foreach=true"),
     "sync_last": ("distributed.grad_sync=last",),
 }
 # grad_sync last vs every: fp32 gradient sums in another order. The sharp check is step 1's
@@ -59,7 +61,7 @@ NORM_TOL = 1e-6
 
 
 FAST = ("default", "all", "sync_last")  # the default suite; each knob alone: -m slow
-EACH = ("keep_fwd", "keep_bwd", "prefetch")
+EACH = ("keep_fwd", "keep_bwd", "prefetch", "foreach")
 
 
 def _job(rank: int, port: int, out: str, names: tuple[str, ...]) -> None:
@@ -126,16 +128,16 @@ def _gathers_less(runs: Path, name: str) -> None:
         assert mine["reduce_scatter"] == base["reduce_scatter"]
 
 
-def test_all_gather_settings_together_train_bitwise_the_same_with_fewer_gathers(runs):
+def test_the_bitwise_settings_together_train_the_same_with_fewer_gathers(runs):
     _bitwise_same(runs, "all")
     _gathers_less(runs, "all")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EACH)
-def test_each_gather_setting_trains_bitwise_the_same(runs_each, name):
+def test_each_bitwise_setting_alone_trains_the_same(runs_each, name):
     _bitwise_same(runs_each, name)
-    if name != "prefetch":  # prefetch issues the same all-gathers earlier
+    if name not in ("prefetch", "foreach"):  # prefetch issues the same all-gathers earlier
         _gathers_less(runs_each, name)
 
 
@@ -167,3 +169,23 @@ def test_profile_writes_a_trace_and_a_summary_per_rank(runs):
     rows = {r["step"]: r for r in _rows(runs / "default")}
     assert sorted(rows) == [1, 2] and rows[2]["time/train"] > 0  # the profiled step is logged as any other
     assert not (runs / "default" / "profile" / "step1_rank0.json").exists()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_foreach_adamw_is_the_single_tensor_path_bitwise(device):
+    """distributed.optimizer_foreach: torch's multi-tensor AdamW against its single-tensor path
+    (the default, elementwise MasterAdamW's math) on plain fp32 tensors, 5 steps, odd sizes."""
+    g = torch.Generator().manual_seed(0)
+    init = [torch.randn(n, generator=g).to(device) for n in (1000, 37, 4099, 1)]
+
+    def run(foreach: bool):
+        ps = [p.clone().requires_grad_() for p in init]
+        opt = torch.optim.AdamW(ps, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=foreach, fused=False)
+        gg = torch.Generator().manual_seed(1)
+        for _ in range(5):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gg).to(device) * 1e-3
+            opt.step()
+        return [p.detach() for p in ps]
+    for a, b in zip(run(True), run(False)):
+        assert torch.equal(a, b), (a - b).abs().max()

@@ -70,7 +70,8 @@ def make_critic_optimizer(critic: ScalarHeadModel, cfg: RunConfig) -> MasterAdam
     o = cfg.optim
     kw = dict(lr=cfg.ppo.critic_lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if is_sharded(critic):
-        return ShardedAdamW(critic, **kw, compute_dtype=parse_dtype(cfg.model.dtype))
+        return ShardedAdamW(critic, **kw, compute_dtype=parse_dtype(cfg.model.dtype),
+                            foreach=cfg.distributed.optimizer_foreach)
     return MasterAdamW(critic.parameters(), **kw)
 
 
