@@ -234,6 +234,8 @@ def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: in
             "rollout_tok_s_total": new_tokens / max(mean("time/generate"), 1e-9),
             "rollout_tok_s_per_gpu": new_tokens / max(mean("time/generate"), 1e-9) / gpus,
             "peak_mib": max((r.get("memory/peak_mb", 0.0) for r in rows), default=0.0),
+            # every step's phases: a profiled step's slowdown, and whether later steps still pay for it
+            "per_step": [{k: r.get(k) for k in ("step", "time/generate", "time/train", "time/step")} for r in rows],
             **({k: rows[-1][k] for k in rows[-1] if k.startswith("memory/")} if rows else {})}
 
 
