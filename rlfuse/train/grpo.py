@@ -248,6 +248,9 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     # (a replicated LoRA model's reference is its base: the adapters switched off, no copy)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if is_sharded(ses.model) and cfg.grpo.kl_coef > 0 else None
     lg = cfg.logging
+    if lg.profile_step > cfg.grpo.steps:
+        log.warning("logging.profile_step=%d is past the run's last step (grpo.steps=%d): nothing is profiled",
+                    lg.profile_step, cfg.grpo.steps)
     profiler = step_profiler(lg.profile_step, lg.profile_phase, ses.run_dir, rank=0 if ses.dist is None else ses.dist.rank,
                              device=ses.model.lm_head_weight.device)
     trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg, ses.dist),
