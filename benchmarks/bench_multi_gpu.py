@@ -314,6 +314,9 @@ def pack_traces(out: Path, table: list[dict], work: Path, step: int, *, tar_limi
         f = work / name / "profile" / f"step{step}_rank{rank}.trace.json.gz"
         if not f.exists():
             continue
+        if len(sizes) == tars and min(sizes) > tar_limit - 2**20:  # full: skip the reading (and trimming)
+            left.append(f.name)
+            continue
         data, arc = f.read_bytes(), f"{name}_rank{rank}.trace.json.gz"
         if len(data) > tar_limit - 2**16:
             data, arc = trimmed_trace(f), f"{name}_rank{rank}.trimmed.trace.json.gz"
