@@ -315,7 +315,7 @@ def pack_traces(out: Path, table: list[dict], work: Path, step: int, *, tar_limi
         if not f.exists():
             continue
         if len(sizes) == tars and min(sizes) > tar_limit - 2**20:  # full: skip the reading (and trimming)
-            left.append(f.name)
+            left.append(f"{name}_rank{rank}.trace.json.gz")
             continue
         data, arc = f.read_bytes(), f"{name}_rank{rank}.trace.json.gz"
         if len(data) > tar_limit - 2**16:
