@@ -122,3 +122,11 @@ def test_a_profiled_cuda_phase_counts_kernels_as_device_time(tmp_path):
     assert 0 < s["compute_s"] == pytest.approx(s["busy_s"]) and s["busy_s"] <= s["wall_s"] * 1.01
     assert s["host_sync_s"] > 0
     assert any("launch" in op["name"].lower() for op in s["top_host_ops"])
+
+
+def test_a_phase_that_raises_writes_no_profile(tmp_path):
+    prof = step_profiler(1, "train", tmp_path)
+    timer = PhaseTimer("cpu", profile=prof.at(0))
+    with pytest.raises(RuntimeError, match="boom"), timer("train"):
+        raise RuntimeError("boom")
+    assert not (tmp_path / "profile").exists() and "train" in timer.times

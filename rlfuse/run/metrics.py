@@ -66,8 +66,10 @@ class PhaseTimer:
                 device_sync(timer.device)
                 dt = time.perf_counter() - self.t0
                 timer.times[name] = timer.times.get(name, 0.0) + dt
-                if self.prof is not None:
+                if self.prof is not None and exc[0] is None:
                     self.prof.finish(dt)
+                elif self.prof is not None:  # the phase raised: the profiler stops, nothing is written
+                    self.prof.stop()
 
         return _Ctx()
 

@@ -161,6 +161,9 @@ class _Running:
         self.prof = torch.profiler.profile(activities=acts, record_shapes=False, with_stack=False)
         self.prof.start()
 
+    def stop(self) -> None:
+        self.prof.stop()
+
     def finish(self, wall_s: float) -> dict:
         self.prof.stop()
         o = self.owner
