@@ -20,7 +20,12 @@ Phases (several may be given; they run in order):
           two chat calls an episode, each rank its own server and engine), bf16, exact
           numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed: per-step
           metric and final-weight (LoRA: adapter) differences, exact mismatch
-  scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, 1 and 2 GPUs, --shapes
+  scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, per --scale-runs
+          SHAPE:GPUS[:SETTINGS] (settings: distributed.* FSDP2 knobs, or any recipe key); with
+          --profile-train, the train phase of one step profiled on every rank (rlfuse.run.profile):
+          a second table (all-gather / reduce-scatter / all-reduce / compute / exposed
+          communication / idle / host-sync seconds, max over ranks and rank 0, collective counts,
+          top host ops) and $OUT/profile_traces_<i>.tar (rank 0's and the slowest rank's traces)
   faults  on --fault-gpus N (2 or 4): a rank that raises, a rank SIGKILLed mid-step, the
           N-GPU step-2 checkpoint resumed on N, N/2, ..., 1 GPUs vs the uninterrupted run
   moe     full fine-tuning GRPO (bf16, numerics exact) of a Qwen3-MoE shape (--moe-shape,
@@ -32,6 +37,8 @@ Phases (several may be given; they run in order):
 
     OUT=out python3 benchmarks/bench_multi_gpu.py env run
     OUT=out python3 benchmarks/bench_multi_gpu.py scale --scale-runs 0.6b:1 0.6b:2 4b:2
+    OUT=out python3 benchmarks/bench_multi_gpu.py scale --profile-train --scale-runs 0.6b:1 0.6b:2 0.6b:4 \
+        0.6b:4:reshard_after_forward=false 0.6b:4:prefetch=2,reshard_after_backward=false
     OUT=out python3 benchmarks/bench_multi_gpu.py kinds
     OUT=out python3 benchmarks/bench_multi_gpu.py moe --moe-gpus 1 2 4 --job-timeout 900
 The subprocesses inherit this environment unchanged (the machine's NCCL settings included).
@@ -62,6 +69,8 @@ from multi_gpu_jobs import (  # noqa: E402  (benchmarks/multi_gpu_jobs.py)
     setup,
     weight_diff,
 )
+
+from rlfuse.run.config import load_config  # noqa: E402
 
 
 # ------------------------------------------------------------------ phases
@@ -213,8 +222,10 @@ def phase_moe(out: Path, work: Path, args) -> dict:
     return res
 
 
-def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: int) -> dict:
-    timed = [r for r in rows if r.get("step", 0) > 1] or rows[1:]  # step 1 captures graphs and compiles
+def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: int, skip: tuple[int, ...] = ()) -> dict:
+    """Means over the timed steps: after step 1 (CUDA graphs, compiles) and without `skip`
+    (the profiled step, slowed by the profiler)."""
+    timed = [r for r in rows if r.get("step", 0) > 1 and r.get("step") not in skip] or rows[1:]
     mean = lambda k: sum(r.get(k, 0.0) for r in timed) / max(len(timed), 1)  # noqa: E731
     seqs = per_gpu_prompts * group * gpus
     new_tokens = mean("completion_len/mean") * seqs
@@ -223,6 +234,8 @@ def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: in
             "rollout_tok_s_total": new_tokens / max(mean("time/generate"), 1e-9),
             "rollout_tok_s_per_gpu": new_tokens / max(mean("time/generate"), 1e-9) / gpus,
             "peak_mib": max((r.get("memory/peak_mb", 0.0) for r in rows), default=0.0),
+            # every step's phases: a profiled step's slowdown, and whether later steps still pay for it
+            "per_step": [{k: r.get(k) for k in ("step", "time/generate", "time/train", "time/step")} for r in rows],
             **({k: rows[-1][k] for k in rows[-1] if k.startswith("memory/")} if rows else {})}
 
 
@@ -232,39 +245,183 @@ def kv_pool_gib(shape: str, blocks: int) -> float:
     return blocks * 16 * sh["num_hidden_layers"] * 2 * sh["num_key_value_heads"] * sh["head_dim"] * 2 / 2**30
 
 
+def parse_scale_run(spec: str) -> tuple[str, int, dict[str, dict]]:
+    """SHAPE:GPUS[:KEY=VALUE,...] -> (shape, gpus, recipe sections). A bare KEY is a
+    distributed.* field (reshard_after_forward, reshard_after_backward, prefetch, grad_sync);
+    a dotted one any recipe key (grpo.micro_batch_tokens=32768). Values are YAML."""
+    import yaml
+
+    parts = spec.split(":", 2)
+    if len(parts) < 2 or parts[0] not in SHAPES or not parts[1].isdigit():
+        raise SystemExit(f"--scale-runs {spec!r}: expected SHAPE:GPUS[:KEY=VALUE,...], SHAPE one of {sorted(SHAPES)}")
+    sections: dict[str, dict] = {}
+    for kv in (parts[2].split(",") if len(parts) == 3 and parts[2] else []):
+        key, eq, val = kv.partition("=")
+        if not eq:
+            raise SystemExit(f"--scale-runs {spec!r}: {kv!r} is not KEY=VALUE")
+        sec, _, field = key.rpartition(".")
+        sections.setdefault(sec or "distributed", {})[field] = yaml.safe_load(val)
+    return parts[0], int(parts[1]), sections
+
+
+PROFILE_COLS = ("wall_s", "all_gather_s", "reduce_scatter_s", "all_reduce_s", "other_s", "compute_s",
+                "exposed_comm_s", "idle_s", "host_sync_s")
+
+
+def read_profile(run_dir: Path, step: int) -> dict:
+    """The per-rank profile summaries of `step` (rlfuse.run.profile) -> {"ranks": [...], "max": {...},
+    "rank0": {...}, "slowest_rank"}; {} when the run wrote none."""
+    ranks = [json.loads(p.read_text()) for p in sorted((run_dir / "profile").glob(f"step{step}_rank*.json"),
+                                                       key=lambda p: int(p.stem.rsplit("rank", 1)[1]))]
+    if not ranks:
+        return {}
+    mx = {k: max(r[k] for r in ranks) for k in PROFILE_COLS}
+    mx["counts"] = {k: max(r["counts"][k] for r in ranks) for k in ranks[0]["counts"]}
+    slowest = max(ranks, key=lambda r: r["wall_s"])
+    return {"ranks": ranks, "max": mx, "rank0": ranks[0], "slowest_rank": slowest["rank"]}
+
+
+def trimmed_trace(path: Path, min_host_us: float = 20.0) -> bytes:
+    """A profile trace cut for the trip back: metadata, device events (kernels, copies), annotations
+    (FSDP's ranges, gloo's work), collectives and host events of at least `min_host_us`."""
+    import gzip
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from rlfuse.run.profile import collective_kind
+
+    t = json.loads(gzip.decompress(path.read_bytes()))
+    keep = ("kernel", "gpu_memcpy", "gpu_memset", "user_annotation", "gpu_user_annotation")
+    t["traceEvents"] = [e for e in t.get("traceEvents", []) if e.get("ph") == "M" or e.get("cat") in keep
+                        or collective_kind(e.get("name", "")) or e.get("dur", 0) >= min_host_us]
+    t["rlfuse_trimmed"] = f"host events under {min_host_us} us dropped (the run folder keeps the whole trace)"
+    return gzip.compress(json.dumps(t).encode(), compresslevel=3)
+
+
+def pack_traces(out: Path, table: list[dict], work: Path, step: int, *, tar_limit: int = 15 * 2**20,
+                tars: int = 3) -> list[str]:
+    """$OUT/profile_traces_<i>.tar (at most `tars`, each under `tar_limit` bytes: the device call
+    returns at most 8 files of 16 MiB): rank 0's trace of every profiled run, then the slowest
+    rank's; a trace too large for a whole tar goes trimmed (`trimmed_trace`). Returns what
+    was left out."""
+    import io
+    import tarfile
+
+    want = [(s["name"], 0) for s in table if s.get("profile")]
+    want += [(s["name"], s["profile"]["slowest_rank"]) for s in table
+             if s.get("profile") and s["profile"]["slowest_rank"] != 0]
+    left, files, sizes = [], [], []
+    for name, rank in want:
+        f = work / name / "profile" / f"step{step}_rank{rank}.trace.json.gz"
+        if not f.exists():
+            continue
+        if len(sizes) == tars and min(sizes) > tar_limit - 2**20:  # full: skip the reading (and trimming)
+            left.append(f"{name}_rank{rank}.trace.json.gz")
+            continue
+        data, arc = f.read_bytes(), f"{name}_rank{rank}.trace.json.gz"
+        if len(data) > tar_limit - 2**16:
+            data, arc = trimmed_trace(f), f"{name}_rank{rank}.trimmed.trace.json.gz"
+        i = next((i for i, n in enumerate(sizes) if n + len(data) + 2**12 <= tar_limit), None)
+        if i is None and len(sizes) < tars and len(data) + 2**12 <= tar_limit:
+            i = len(sizes)
+            sizes.append(0)
+            files.append(tarfile.open(out / f"profile_traces_{i}.tar", "w"))
+        if i is None:
+            left.append(arc)
+            continue
+        info = tarfile.TarInfo(arc)
+        info.size = len(data)
+        files[i].addfile(info, io.BytesIO(data))
+        sizes[i] += len(data) + 2**10
+    for tf in files:
+        tf.close()
+    return left
+
+
+def _settings_text(sections: dict[str, dict]) -> str:
+    val = lambda v: v if isinstance(v, str) else json.dumps(v)  # noqa: E731  (YAML spellings: false, 2, last)
+    return ",".join(f"{k}={val(v)}" if sec == "distributed" else f"{sec}.{k}={val(v)}"
+                    for sec, kv in sections.items() for k, v in kv.items()) or "default"
+
+
 def phase_scale(out: Path, work: Path, args) -> dict:
     J = Jobs(work, out, "scale")
     table = []
-    for run in args.scale_runs:
-        shape, gpus = run.split(":")
-        gpus = int(gpus)
-        name = f"grpo_{shape}_{gpus}gpu"
-        # 64 sequences x (128 + 1024) tokens = 4608 blocks; a fixed pool makes the KV bytes known
-        blocks = 4800
-        # model.init keyed: each rank draws only its rows (the 8B's build: ~10 s instead of 113 s
-        # with the whole-model stream draw); other weights than stream's, same timings otherwise
+    prof_step = args.profile_train
+    # 64 sequences x (128 + 1024) tokens = 4608 blocks; a fixed pool makes the KV bytes known
+    blocks = 4800
+    jobs = []
+    for spec in args.scale_runs:  # every recipe written and checked before the first job starts
+        shape, gpus, sections = parse_scale_run(spec)
+        settings = _settings_text(sections)
+        slug = "".join(c if c.isalnum() else "_" for c in settings) if sections else ""
+        name = f"grpo_{shape}_{gpus}gpu" + (f"_{slug}" if slug else "")
+        if prof_step:
+            sections = {**sections, "logging": {**sections.get("logging", {}), "profile_step": prof_step}}
+        # model.init keyed unless a run says otherwise: each rank draws only its rows (the 8B's build
+        # ~10 s instead of 113 s with the whole-model stream draw); other weights, same timings
+        sections = {**sections, "model": {"init": "keyed", **sections.get("model", {})}}
         cfg = recipe(work, name, "grpo", shape=shape, steps=args.scale_steps, prompts=8 * gpus, group=8, new=1024,
-                     max_seqs=64, kv_blocks=blocks, model={"init": "keyed"})
-        r = J.run(name, J.argv("grpo", cfg, work / name, gpus), gpu=None if gpus > 1 else "0",
+                     max_seqs=64, kv_blocks=blocks, **sections)
+        try:
+            load_config(cfg)
+        except ValueError as e:
+            raise SystemExit(f"--scale-runs {spec!r}: {e}") from None
+        jobs.append((shape, gpus, settings, name, cfg))
+    for shape, gpus, settings, name, cfg in jobs:
+        r = J.run(name, J.argv("grpo", cfg, work / name, gpus, "--overwrite"), gpu=None if gpus > 1 else "0",
                   timeout=args.job_timeout)
-        s = {"shape": shape, "rc": r["rc"], "wall_s": r["wall_s"], "errors": r["errors"],
-             **summarize_scale(metrics(work / name, "grpo"), gpus, 8, 8), "kv_gib": kv_pool_gib(shape, blocks)}
+        s = {"name": name, "shape": shape, "settings": settings, "rc": r["rc"], "wall_s": r["wall_s"],
+             "errors": r["errors"], **summarize_scale(metrics(work / name, "grpo"), gpus, 8, 8,
+                                                       skip=(prof_step,) if prof_step else ()),
+             "kv_gib": kv_pool_gib(shape, blocks), "profile": read_profile(work / name, prof_step) if prof_step else {}}
         table.append(s)
-        print(json.dumps(s), flush=True)
+        print(json.dumps({k: v for k, v in s.items() if k != "profile"}), flush=True)
+        if s["profile"]:  # now, not only in the final table: a call cut short keeps what ran
+            print("profile " + json.dumps({"name": name, "max": s["profile"]["max"], "rank0": {
+                k: v for k, v in s["profile"]["rank0"].items() if k in (*PROFILE_COLS, "counts", "top_host_ops")}}),
+                flush=True)
     for s in table:
-        one = next((t for t in table if t["shape"] == s["shape"] and t["gpus"] == 1 and t["rc"] == 0), None)
+        ones = [t for t in table if t["shape"] == s["shape"] and t["gpus"] == 1 and t["rc"] == 0]
+        one = next((t for t in ones if t["settings"] == "default"), ones[0] if ones else None)
         s["efficiency"] = (one["step_s"] / s["step_s"]) if one and s["rc"] == 0 and s["step_s"] else None
-    J.finish({"table": table})
-    print("\n| shape | GPUs | rc | generate s | train s | step s | rollout tok/s total | per GPU | efficiency | "
-          "peak MiB | KV GiB | params/grads/optim/gathered MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        s["train_efficiency"] = (one["train_s"] / s["train_s"]) if one and s["rc"] == 0 and s["train_s"] else None
+    left = pack_traces(out, table, work, prof_step) if prof_step else []
+    J.finish({"table": table, "profile_step": prof_step, "traces_left_out": left})
+    print("\n| shape | GPUs | settings | rc | generate s | train s | step s | rollout tok/s total | per GPU | "
+          "efficiency (train) | peak MiB | KV GiB | params/grads/optim/gathered MiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for s in table:
         mem = "/".join(f"{s.get(f'memory/{k}_mib', float('nan')):.0f}" for k in ("params", "grads", "optimizer", "gathered"))
-        eff = f"{s['efficiency']:.3f}" if s.get("efficiency") else "-"
-        print(f"| {s['shape']} | {s['gpus']} | {s['rc']} | {s['generate_s']:.2f} | {s['train_s']:.2f} | "
-              f"{s['step_s']:.2f} | {s['rollout_tok_s_total']:.0f} | {s['rollout_tok_s_per_gpu']:.0f} | {eff} | "
-              f"{s['peak_mib']:.0f} | {s['kv_gib']:.2f} | {mem} |")
+        eff = f"{s['efficiency']:.3f} ({s['train_efficiency']:.3f})" if s.get("efficiency") else "-"
+        print(f"| {s['shape']} | {s['gpus']} | {s['settings']} | {s['rc']} | {s['generate_s']:.2f} | "
+              f"{s['train_s']:.2f} | {s['step_s']:.2f} | {s['rollout_tok_s_total']:.0f} | "
+              f"{s['rollout_tok_s_per_gpu']:.0f} | {eff} | {s['peak_mib']:.0f} | {s['kv_gib']:.2f} | {mem} |")
+    if prof_step:
+        print_profiles(table, prof_step)
+    if left:
+        print(f"traces left out of profile_traces_*.tar (size): {left}")
     return {"table": table}
+
+
+def print_profiles(table: list[dict], step: int) -> None:
+    """The profiled train phase side by side: each cell max over ranks / rank 0, seconds."""
+    cols = ("wall", "all-gather", "reduce-scatter", "all-reduce", "other coll.", "compute", "exposed comm",
+            "idle", "host sync")
+    print(f"\nprofiled phase of step {step} (train unless the settings set logging.profile_phase; s; max over "
+          f"ranks / rank 0; collectives: counts AG/RS/AR/other, max over ranks)")
+    print("| shape | GPUs | settings | " + " | ".join(cols) + " | collectives | slowest rank | top host ops, rank 0 (self s) |")
+    print("|" + "---|" * (len(cols) + 6))
+    for s in table:
+        p = s.get("profile")
+        if not p:
+            print(f"| {s['shape']} | {s['gpus']} | {s['settings']} | " + " | ".join("-" * 1 for _ in cols) +
+                  " | - | - | no profile |")
+            continue
+        cells = [f"{p['max'][k]:.3f} / {p['rank0'][k]:.3f}" for k in PROFILE_COLS]
+        c = p["max"]["counts"]
+        top = ", ".join(f"{o['name'][:40]} {o['self_s']:.3f}" for o in p["rank0"]["top_host_ops"][:4])
+        print(f"| {s['shape']} | {s['gpus']} | {s['settings']} | " + " | ".join(cells) +
+              f" | {c['all_gather']}/{c['reduce_scatter']}/{c['all_reduce']}/{c['other']} | {p['slowest_rank']} | {top} |")
 
 
 def resume_from(src: Path, dst: Path, step: int) -> None:
@@ -322,9 +479,13 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds", "moe"))
     ap.add_argument("--work", default="/tmp/mgpu", help="run folders and logs (large: final weights)")
-    ap.add_argument("--scale-runs", nargs="+", default=["0.6b:1", "0.6b:2"], metavar="SHAPE:GPUS",
-                    help=f"GRPO scaling runs, shape one of {sorted(SHAPES)}")
+    ap.add_argument("--scale-runs", nargs="+", default=["0.6b:1", "0.6b:2"], metavar="SHAPE:GPUS[:KEY=VALUE,...]",
+                    help=f"GRPO scaling runs, shape one of {sorted(SHAPES)}; optional settings: distributed.* "
+                         f"fields by bare name (0.6b:4:reshard_after_forward=false,prefetch=2) or dotted recipe keys")
     ap.add_argument("--scale-steps", type=int, default=4, help="GRPO steps per scaling run (step 1 is warm-up)")
+    ap.add_argument("--profile-train", type=int, nargs="?", const=3, default=0, metavar="STEP",
+                    help="scale: profile the train phase of step STEP (default 3) on every rank "
+                         "(logging.profile_step; left out of the means); a second table and profile_traces_<i>.tar")
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")

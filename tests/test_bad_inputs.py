@@ -1236,6 +1236,8 @@ RANGE_CASES = [
     ("data.train_size=-3", r"data\.train_size must be an integer > 0, got -3"),
     ("logging.log_every=0", r"logging\.log_every must be an integer >= 1, got 0"),
     ("logging.num_samples=-1", r"logging\.num_samples must be an integer >= 0, got -1"),
+    ("logging.profile_step=-1", r"logging\.profile_step must be an integer >= 0, got -1"),
+    ("distributed.prefetch=-2", r"distributed\.prefetch must be an integer >= 0, got -2"),
     ("checkpoint.every=-1", r"checkpoint\.every must be an integer >= 0, got -1"),
     ("checkpoint.keep_last=-1", r"checkpoint\.keep_last must be an integer >= 0, got -1"),
     ("seed=-1", r"seed must be an integer >= 0, got -1"),
@@ -1244,6 +1246,9 @@ RANGE_CASES = [
     ("on_reward_error=ignore", r"on_reward_error must be one of \['raise', 'zero'\], got 'ignore'"),
     ("model.dtype=float8", r"model\.dtype must be one of \['float32', 'bfloat16', 'float16'\], got 'float8'"),
     ("grpo.loss_type=ppo", r"grpo\.loss_type must be one of \['grpo', 'dapo', .*\], got 'ppo'"),
+    ("logging.profile_phase=backward", r"logging\.profile_phase must be one of \['train', 'generate', 'score'\], "
+                                       r"got 'backward'"),
+    ("distributed.grad_sync=never", r"distributed\.grad_sync must be one of \['every', 'last'\], got 'never'"),
     # engine parameters (EngineConfig checks its own fields; the section is named)
     ("engine.block_size=12", r"engine\.block_size must be a power of two, got 12"),
     ("engine.max_num_seqs=0", r"engine\.max_num_seqs must be a positive integer, got 0"),

@@ -45,21 +45,31 @@ class PhaseTimer:
     """Wall time of named phases; `with timer("generate"): ...` (syncs the device at the
     boundaries so GPU work is attributed to its phase)."""
 
-    def __init__(self, device="cpu"):
+    def __init__(self, device="cpu", profile=None):
         self.device = device
         self.times: dict[str, float] = {}
+        self.profile = profile
+        """This step's rlfuse.run.profile.StepProfiler (logging.profile_step), or None: not profiled."""
 
     def __call__(self, name: str):
         timer = self
 
         class _Ctx:
             def __enter__(self):
+                # the profiler starts outside the timed span and stops after it: its own start,
+                # stop and trace export are not in the phase's time
+                self.prof = timer.profile.start(name) if timer.profile is not None else None
                 device_sync(timer.device)
                 self.t0 = time.perf_counter()
 
             def __exit__(self, *exc):
                 device_sync(timer.device)
-                timer.times[name] = timer.times.get(name, 0.0) + time.perf_counter() - self.t0
+                dt = time.perf_counter() - self.t0
+                timer.times[name] = timer.times.get(name, 0.0) + dt
+                if self.prof is not None and exc[0] is None:
+                    self.prof.finish(dt)
+                elif self.prof is not None:  # the phase raised: the profiler stops, nothing is written
+                    self.prof.stop()
 
         return _Ctx()
 

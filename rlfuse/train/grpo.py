@@ -37,7 +37,7 @@ import torch
 from rlfuse.data import Prompt, PromptStream, build_prompts
 from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import RewardSet, Sample, Sampler, media_kwargs, score_samples
-from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, peak_memory_mb
+from rlfuse.run import MasterAdamW, NonFiniteGuard, PhaseTimer, StepProfiler, peak_memory_mb, step_profiler
 from rlfuse.run.config import RunConfig
 from rlfuse.run.distributed import (
     DistContext,
@@ -68,9 +68,11 @@ class GRPOStep(StreamAndGuardState):
     stage = "grpo"
 
     def __init__(self, cfg: RunConfig, model, sampler: Sampler, rewards: RewardSet, stream: PromptStream,
-                 optimizer: MasterAdamW, ref_model=None, dist: DistContext | None = None):
+                 optimizer: MasterAdamW, ref_model=None, dist: DistContext | None = None,
+                 profiler: StepProfiler | None = None):
         self.cfg, self.g = cfg, cfg.grpo
         self.dist = dist
+        self.profiler = profiler  # logging.profile_step: one phase of one step under torch.profiler
         self.model, self.sampler, self.rewards, self.stream = model, sampler, rewards, stream
         self.optimizer = optimizer
         self.guard = NonFiniteGuard(cfg.optim.max_nonfinite_steps, dist=dist)
@@ -110,7 +112,7 @@ class GRPOStep(StreamAndGuardState):
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
         g = self.g
-        timer = PhaseTimer(self.device)
+        timer = PhaseTimer(self.device, profile=self.profiler.at(step) if self.profiler is not None else None)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
         trained = None
         if self.streamer is not None:  # grpo.overlap stream: each group trained as it finishes
@@ -245,8 +247,14 @@ def run_grpo(cfg: RunConfig, *, session: Session | None = None, stop_after: int 
     # data-parallel KL reference: a full frozen copy in the run's dtype on every rank (2 P bytes)
     # (a replicated LoRA model's reference is its base: the adapters switched off, no copy)
     ref = full_copy(ses.model, parse_dtype(cfg.model.dtype)) if is_sharded(ses.model) and cfg.grpo.kl_coef > 0 else None
+    lg = cfg.logging
+    if lg.profile_step > cfg.grpo.steps:
+        log.warning("logging.profile_step=%d is past the run's last step (grpo.steps=%d): nothing is profiled",
+                    lg.profile_step, cfg.grpo.steps)
+    profiler = step_profiler(lg.profile_step, lg.profile_phase, ses.run_dir, rank=0 if ses.dist is None else ses.dist.rank,
+                             device=ses.model.lm_head_weight.device)
     trainer = GRPOStep(cfg, ses.model, ses.sampler, rewards, stream, make_optimizer(ses.model, cfg, ses.dist),
-                          ref_model=ref, dist=ses.dist)
+                          ref_model=ref, dist=ses.dist, profiler=profiler)
     eval_prompts = ses.eval_prompts()
     # the trainer's RewardSet: its error counts (logged per step) include the evaluations'
     evaluation = Evaluation(prompts=eval_prompts, rewards=rewards,

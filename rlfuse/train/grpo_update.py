@@ -55,6 +55,7 @@ from rlfuse.run.distributed import (
     reduce_metrics,
     reduce_mismatch,
     reduce_routing_mismatch,
+    sync_on_last,
 )
 from rlfuse.train.advantages import KL_IN_REWARD
 from rlfuse.train.warm import KernelWarmup, compile_left, policy_head
@@ -287,7 +288,9 @@ class GRPOUpdate:
                      for x in old[j].split([len(p.token_ids) for p in self.pieces(samples[j])])]
         sums: dict[str, torch.Tensor] = {}
         n_tok = 0
-        for mb, pad in micro_batches if micro_batches is not None else self.micro_batches(units, seqs):
+        # distributed.grad_sync last: FSDP2 reduce-scatters in the last micro-batch's backward only
+        for mb, pad in sync_on_last(self.model, micro_batches if micro_batches is not None
+                                    else self.micro_batches(units, seqs)):
             us = [units[i] for i in mb]
             js = [j for j, _ in us]
             batch = self.build(units, seqs, mb)

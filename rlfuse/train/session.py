@@ -47,7 +47,7 @@ from rlfuse.run import (
     seed_everything,
 )
 from rlfuse.run.config import RunConfig, save_config
-from rlfuse.run.distributed import DistContext, GatheredSampler, is_sharded, shard_model
+from rlfuse.run.distributed import DistContext, GatheredSampler, configure_fsdp, is_sharded, shard_model
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,8 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
     check_prompt_len(cfg.data, context_len)
     if dist is not None and not sharded and not has_lora(model):
         model = shard_model(model, dist)  # with LoRA the model stays whole on every rank (replicated)
+    if is_sharded(model):
+        configure_fsdp(model, cfg.distributed)
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")

@@ -13,6 +13,7 @@
       rewards     list[RewardSpec] + on_reward_error
       logging     LoggingConfig   run folder, metrics, TensorBoard, samples
       checkpoint  CheckpointConfig
+      distributed DistributedConfig FSDP2 settings of data-parallel runs (reshard, prefetch, gradient sync)
 
 `load_config(path_or_dict, overrides=["grpo.clip_high=0.28", ...])` reads YAML, applies
 `a.b=value` overrides and rejects unknown keys with the list of valid ones (the generic
@@ -48,12 +49,15 @@ from rlfuse.run.config.algorithms import (
 )
 from rlfuse.run.config.sections import (
     _DC,
+    GRAD_SYNC,
     OBS_TRUNCATION,
     ON_REWARD_ERROR,
+    PROFILE_PHASES,
     TOOL_CALL_FORMATS,
     WANDB_MODES,
     CheckpointConfig,
     DataConfig,
+    DistributedConfig,
     LoggingConfig,
     ModelSpec,
     OptimConfig,
@@ -99,6 +103,8 @@ class RunConfig:
     """Run folder and metrics."""
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
     """Checkpoint cadence, rotation and resume."""
+    distributed: DistributedConfig = dataclasses.field(default_factory=DistributedConfig)
+    """FSDP2 settings of data-parallel (torchrun) runs; ignored in one process."""
     seed: int = 0
     """Seeds model init, data order and torch's RNG."""
 
@@ -141,6 +147,8 @@ class RunConfig:
                              f"grpo.mini_batches ({g.mini_batches})")
         check_stream(g, multi_turn=self.rollout.multi_turn)
         _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
+        _check_choice("logging.profile_phase", self.logging.profile_phase, PROFILE_PHASES)
+        _check_choice("distributed.grad_sync", self.distributed.grad_sync, GRAD_SYNC)
         bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
         if bad:
             raise ValueError(f"data.columns must map dataset column names to rlfuse column names (strings), "
@@ -184,7 +192,8 @@ RANGES: dict[str, str] = {
     "grpo.sample_every": ">= 0", "grpo.eval_every": ">= 0", "grpo.seed": ">= 0", "grpo.check_every": ">= 0",
     "data.eval_size": "> 0", "data.train_size": "> 0", "data.max_prompt_len": "> 0", "data.seed": ">= 0",
     "rewards[].weight": "any", "reward_timeout_s": ">= 0",
-    "logging.log_every": ">= 1", "logging.num_samples": ">= 0",
+    "logging.log_every": ">= 1", "logging.num_samples": ">= 0", "logging.profile_step": ">= 0",
+    "distributed.prefetch": ">= 0",
     "checkpoint.every": ">= 0", "checkpoint.keep_last": ">= 0",
     "ppo.steps": "> 0", "ppo.prompts_per_step": "> 0", "ppo.samples_per_prompt": "> 0",
     "ppo.max_new_tokens": "> 0", "ppo.temperature": ">= 0", "ppo.top_p": "(0, 1]", "ppo.top_k": ">= 0",

@@ -187,6 +187,50 @@ class LoggingConfig:
     """Weights & Biases: the resolved config, the same metrics as TensorBoard, the report's plots."""
     mlflow: MlflowConfig = dataclasses.field(default_factory=MlflowConfig)
     """MLflow: the resolved config as params, the same metrics as TensorBoard, the report's plots as artifacts."""
+    profile_step: int = 0
+    """Profile one step (its number as logged, 1-based; 0 = off) on every rank with torch.profiler:
+    the `profile_phase` of that step only. Writes RUN_DIR/profile/step<N>_rank<R>.trace.json.gz (a
+    Chrome / Perfetto trace) and step<N>_rank<R>.json (wall, collective / compute / idle device
+    time, collective counts, top host ops; rlfuse.run.profile). GRPO only; the profiled step runs
+    slower (benchmarks leave it out of their means)."""
+    profile_phase: str = "train"
+    """The phase `profile_step` profiles: train | generate | score (GRPO's timed phases)."""
+
+
+PROFILE_PHASES = ("train", "generate", "score")
+"""Values of logging.profile_phase (GRPO's timed phases)."""
+GRAD_SYNC = ("every", "last")
+"""Values of distributed.grad_sync."""
+
+
+@dataclasses.dataclass(**_DC)
+class DistributedConfig:
+    """FSDP2 settings of a data-parallel (torchrun) run's sharded models. Defaults are the
+    measured baseline; each alternative trades memory for communication (docs/distributed.md)."""
+    reshard_after_forward: bool = True
+    """Decoder layers free their gathered weights after forward and gather them again for
+    backward. false: they stay gathered from forward to backward (one layer's bf16 weights
+    more per layer: the whole model's gathered bytes at the peak), saving the backward
+    all-gathers. Same values, bitwise the same training."""
+    reshard_after_backward: bool = True
+    """Free the gathered weights after each backward. false: they stay gathered until the
+    optimizer step (which always reshards first), so the next micro-batch gathers nothing.
+    Bitwise the same training."""
+    prefetch: int = 0
+    """0: FSDP2's implicit prefetch (the next layer's all-gather is issued when its forward
+    starts; backward prefetches one layer). k >= 1: each layer explicitly prefetches the next
+    k layers in forward and the previous k in backward (more gathered layers in memory).
+    Bitwise the same training."""
+    grad_sync: str = "every"
+    """every: reduce-scatter the gradients after every micro-batch's backward | last: only
+    after the last micro-batch of an optimizer step (earlier ones accumulate full-size fp32
+    gradients on each rank, 4 bytes per parameter more; fewer reduce-scatters). `last`
+    changes the fp32 summation order (each rank's micro-batches first, then the ranks), so
+    the training equals `every`'s within fp32 rounding, not bitwise. GRPO only."""
+    optimizer_foreach: bool = False
+    """AdamW on the fp32 shards by torch's multi-tensor (foreach) path instead of one parameter at
+    a time: far fewer DTensor ops on the host per optimizer step. The same elementwise math
+    (bitwise equal to the default on CPU, tested; on CUDA unchecked: the GPU test compares)."""
 
 
 @dataclasses.dataclass(**_DC)

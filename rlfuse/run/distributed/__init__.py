@@ -35,12 +35,21 @@ from rlfuse.run.distributed.data_parallel import (
                                             step_metrics,
 )
 from rlfuse.run.distributed.dcp import full_adamw_state, load_full_adamw_state
-from rlfuse.run.distributed.fsdp import ShardedAdamW, full_copy, gathered_weights, is_sharded, log_memory, shard_model
+from rlfuse.run.distributed.fsdp import (
+                                            ShardedAdamW,
+                                            configure_fsdp,
+                                            full_copy,
+                                            gathered_weights,
+                                            is_sharded,
+                                            log_memory,
+                                            shard_model,
+                                            sync_on_last,
+)
 
-__all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "ShardedAdamW", "SilentLog", "episode_metrics_on_ranks",
+__all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "ShardedAdamW", "SilentLog", "configure_fsdp", "episode_metrics_on_ranks",
            "evaluate_on_ranks",
            "fail_together", "full_adamw_state", "full_copy", "gather_results", "gathered_weights", "global_sums", "init_distributed",
            "is_sharded", "launch_env", "load_full_adamw_state", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
            "mean_across_ranks", "on_any_rank", "on_main", "quiet_non_main", "reduce_metrics", "reduce_mismatch",
            "reduce_routing_mismatch", "rollout_on_ranks",
-           "shard_model", "shutdown", "step_metrics"]
+           "shard_model", "shutdown", "step_metrics", "sync_on_last"]

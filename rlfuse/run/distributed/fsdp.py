@@ -1,7 +1,8 @@
 """FSDP2 sharding of the policy: `shard_model` (fp32 master shards, bf16 all-gathers),
 the sharded AdamW and gradient clipping, per-rank memory accounting, and
 `gathered_weights`, the block in which the engine reads the gathered weights (no second
-copy). The rounding and loss contracts are in rlfuse/run/distributed/context.py.
+copy); `configure_fsdp` / `sync_on_last`: the distributed.* settings (reshard, prefetch,
+gradient sync). The rounding and loss contracts are in rlfuse/run/distributed/context.py.
 Test: python -m pytest -q tests/test_distributed.py
 """
 
@@ -27,11 +28,63 @@ def _fsdp_modules(model: torch.nn.Module) -> list[FSDPModule]:
 
 
 def _apply_reshard_policy(model: torch.nn.Module) -> None:
-    # layers free their gathered weights after forward (re-gathered for backward); the root
-    # (embedding, final norm, LM head) keeps them: the trainer reads `model.lm_head_weight`
-    # after forward for the log-probs, and that must be the gathered tensor, not the shard
+    # layers free their gathered weights after forward (re-gathered for backward) unless
+    # distributed.reshard_after_forward is false; the root (embedding, final norm, LM head)
+    # keeps them: the trainer reads `model.lm_head_weight` after forward for the log-probs,
+    # and that must be the gathered tensor, not the shard
+    settings = getattr(model, "fsdp_settings", None)
+    after = settings is None or settings.reshard_after_forward
     for m in _fsdp_modules(model):
-        m.set_reshard_after_forward(m is not model, recurse=False)
+        m.set_reshard_after_forward(after and m is not model, recurse=False)
+
+
+def configure_fsdp(model: CausalLM, settings) -> None:
+    """Apply the FSDP2 settings `settings` (rlfuse.run.config.DistributedConfig: reshard_after_forward,
+    reshard_after_backward, prefetch, grad_sync) to sharded `model`, and keep them on it as
+    `model.fsdp_settings` (`gathered_weights` restores the reshard policy from them; `sync_on_last`
+    reads grad_sync). The defaults leave FSDP2 as `shard_model` set it. Whatever the settings, the
+    values the layers compute with are the same all-gathered weights: only when the gathers and
+    frees happen changes (grad_sync apart: see `sync_on_last`)."""
+    model.fsdp_settings = settings
+    _apply_reshard_policy(model)
+    for m in _fsdp_modules(model):
+        m.set_reshard_after_backward(settings.reshard_after_backward, recurse=False)
+    k = settings.prefetch
+    trunk = getattr(model, "model", None)  # CausalLM and PPO's ScalarHeadModel: the decoder stack
+    layers = [m for m in getattr(trunk, "layers", []) if isinstance(m, FSDPModule)]  # forward order
+    if k and layers:
+        # the root runs first in forward (embedding) and first in backward (LM head, norm)
+        model.set_modules_to_forward_prefetch(layers[:k])
+        model.set_modules_to_backward_prefetch(layers[::-1][:k])
+        for i, m in enumerate(layers):
+            if nxt := layers[i + 1:i + 1 + k]:
+                m.set_modules_to_forward_prefetch(nxt)
+            if prev := layers[max(0, i - k):i][::-1]:  # nearest first, as backward reaches them
+                m.set_modules_to_backward_prefetch(prev)
+    if k or not settings.reshard_after_forward or not settings.reshard_after_backward or settings.grad_sync != "every":
+        log.info("FSDP2 settings: reshard_after_forward %s, reshard_after_backward %s, prefetch %d, grad_sync %s",
+                 settings.reshard_after_forward, settings.reshard_after_backward, k, settings.grad_sync)
+
+
+def sync_on_last(model: torch.nn.Module, micro_batches):
+    """Iterate `micro_batches` (the caller runs one backward per item). With
+    `distributed.grad_sync: last` on a sharded model, FSDP2 reduce-scatters only in the last
+    item's backward: earlier backwards accumulate this rank's unsharded fp32 gradients
+    (4 bytes per parameter). Every rank must iterate the same number of items (the trainers
+    pad to equal micro-batch counts). The sum is then (rank's micro-batches) across ranks
+    instead of (ranks) across micro-batches: equal within fp32 rounding, not bitwise.
+    Otherwise (the default, one process, a replicated model) the items pass through untouched."""
+    settings = getattr(model, "fsdp_settings", None)
+    if settings is None or settings.grad_sync == "every" or not isinstance(model, FSDPModule):
+        yield from micro_batches
+        return
+    items = list(micro_batches)
+    try:
+        for i, item in enumerate(items):
+            model.set_requires_gradient_sync(i == len(items) - 1)
+            yield item
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def shard_model(model: CausalLM, ctx: DistContext) -> CausalLM:
@@ -122,12 +175,15 @@ def log_bytes(ctx: DistContext, nbytes: dict[str, int]) -> dict[str, float]:
 
 # ---------------------------------------------------------------------- optimizer
 def sharded_adamw(model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                  weight_decay: float = 0.0) -> torch.optim.AdamW:
+                  weight_decay: float = 0.0, foreach: bool = False) -> torch.optim.AdamW:
     """torch's AdamW on the fp32 shards: moments are DTensors with the params' sharding.
     The single-tensor path (foreach=False): elementwise the same op order as MasterAdamW,
-    so equal gradients give bitwise equal updates. Set the step's lr with `set_lr`."""
+    so equal gradients give bitwise equal updates. foreach=True (distributed.optimizer_foreach):
+    the multi-tensor path, a few ops over all shards instead of ~12 DTensor ops per parameter
+    (host time); the same elementwise math (bitwise equal on CPU: tests/test_distributed_fsdp_settings.py;
+    on CUDA not checked yet). Set the step's lr with `set_lr`."""
     return torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay,
-                             foreach=False, fused=False)
+                             foreach=foreach, fused=False)
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
@@ -164,9 +220,10 @@ class ShardedAdamW:
     fp32 gradient shards (MasterAdamW's hooks must never see FSDP parameters)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, compute_dtype: torch.dtype):
+                 weight_decay: float = 0.0, compute_dtype: torch.dtype, foreach: bool = False):
         self.params = list(model.parameters())
-        self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        self.groups = _fsdp_modules(model)
+        self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         self.compute_dtype = compute_dtype
         """The dtype the gathered weights have (what `log_memory` counts for rollouts)."""
 
@@ -176,6 +233,11 @@ class ShardedAdamW:
     def step(self, lr: float | None = None) -> None:
         if lr is not None:
             set_lr(self.opt, lr)
+        # gathered weights left by a forward or backward (distributed.reshard_after_forward /
+        # reshard_after_backward false) would go stale: free them, so the next forward gathers
+        # the updated shards (a no-op for groups already resharded, the default)
+        for m in self.groups:
+            m.reshard()
         self.opt.step()
 
     def zero_grad(self) -> None:
