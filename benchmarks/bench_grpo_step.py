@@ -111,7 +111,7 @@ def allocated(device: torch.device) -> int:
 def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.6b", lora: int = 0,
              lora_experts: bool = False, steps: int = 3, micro_batch_tokens: int = 16384, checkpointing: bool = True,
              fuse: bool = True, warm: bool = False, share: bool | None = None, log_compiles: bool = False,
-             kv: str = "auto") -> dict:
+             kv: str = "auto", init: str = "stream") -> dict:
     """One GRPO case in this process: {case, memory by component (bytes), step rows}."""
     from rlfuse.data.prompts import Prompt, PromptStream
     from rlfuse.engine import EngineConfig
@@ -143,7 +143,8 @@ def run_case(out: Path, *, small: bool, numerics: str = "fast", shape: str = "0.
     (out / "reward_even.py").write_text(REWARD)
     block = EngineConfig().block_size
     cfg = load_config({
-        "model": {"random_init": sh, "dtype": str(dtype).removeprefix("torch."), "gradient_checkpointing": checkpointing,
+        "model": {"random_init": sh, "init": init, "dtype": str(dtype).removeprefix("torch."),
+                  "gradient_checkpointing": checkpointing,
                   **({"lora": {"rank": lora, "alpha": 2.0 * lora, "experts": lora_experts}} if lora else {})},
         "engine": {"numerics": numerics, "fuse_projections": fuse, "share_prefix_decode": share, "kv_cache_dtype": kv,
                    "max_num_seqs": P * G, "max_model_len": plen + new,
@@ -358,6 +359,9 @@ def main() -> int:
                          "TRITON_CACHE_DIR)")
     ap.add_argument("--kv-cache-dtype", choices=("auto", "fp8_e4m3", "both"), default="auto",
                     help="engine.kv_cache_dtype; both: the model dtype's cache, then fp8 (side by side)")
+    ap.add_argument("--init", choices=("stream", "keyed"), default="stream",
+                    help="model.init of the random weights: keyed draws them on the GPU (a 32B shape in seconds, "
+                         "not minutes on the CPU); other values than stream's, same timings")
     ap.add_argument("--numerics", choices=("fast", "exact", "both"), default="fast",
                     help="engine.numerics of the step; both: fast then exact in one process (side by side)")
     args = ap.parse_args()
@@ -387,7 +391,7 @@ def main() -> int:
     cases = [run_case(out, small=args.small, numerics=n, shape=args.shape, lora=args.lora,
                       lora_experts=args.lora_experts, steps=args.steps,
                       micro_batch_tokens=args.micro_batch_tokens, checkpointing=not args.no_checkpointing, fuse=f,
-                      warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles, kv=kv)
+                      warm=args.warm_kernels, share=sh, log_compiles=args.log_compiles, kv=kv, init=args.init)
              for kv in (("auto", "fp8_e4m3") if args.kv_cache_dtype == "both" else (args.kv_cache_dtype,))
              for n in (("fast", "exact") if args.numerics == "both" else (args.numerics,))
              for f in ((False, True) if args.fuse == "both" else (args.fuse == "on",))
