@@ -230,12 +230,14 @@ def summarize_scale(rows: list[dict], gpus: int, per_gpu_prompts: int, group: in
     seqs = per_gpu_prompts * group * gpus
     new_tokens = mean("completion_len/mean") * seqs
     return {"gpus": gpus, "steps_timed": [r.get("step") for r in timed], "generate_s": mean("time/generate"),
-            "train_s": mean("time/train"), "step_s": mean("time/step"), "completion_len": mean("completion_len/mean"),
+            "train_s": mean("time/train"),
+            # the step's wall (time/step_wall: the rollout gather's wait included); older runs: the phases' sum
+            "step_s": mean("time/step_wall" if timed and "time/step_wall" in timed[0] else "time/step"), "completion_len": mean("completion_len/mean"),
             "rollout_tok_s_total": new_tokens / max(mean("time/generate"), 1e-9),
             "rollout_tok_s_per_gpu": new_tokens / max(mean("time/generate"), 1e-9) / gpus,
             "peak_mib": max((r.get("memory/peak_mb", 0.0) for r in rows), default=0.0),
             # every step's phases: a profiled step's slowdown, and whether later steps still pay for it
-            "per_step": [{k: r.get(k) for k in ("step", "time/generate", "time/train", "time/step")} for r in rows],
+            "per_step": [{k: r.get(k) for k in ("step", "time/generate", "time/train", "time/step", "time/step_wall")} for r in rows],
             **({k: rows[-1][k] for k in rows[-1] if k.startswith("memory/")} if rows else {})}
 
 

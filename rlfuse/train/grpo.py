@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
@@ -112,6 +113,7 @@ class GRPOStep(StreamAndGuardState):
     # ------------------------------------------------------------------ one step
     def step(self, step: int) -> dict:
         g = self.g
+        t_start = time.perf_counter()
         timer = PhaseTimer(self.device, profile=self.profiler.at(step) if self.profiler is not None else None)
         prompts: list[Prompt] = self.stream.take(g.prompts_per_step)
         trained = None
@@ -166,6 +168,9 @@ class GRPOStep(StreamAndGuardState):
         n_gen = sum(lens)
         m["time/generate"], m["time/score"], m["time/train"] = t["generate"], t["score"], t["train"]
         m["time/step"] = sum(t.values())
+        # the step's wall (the train phase ends on a device sync): also what no phase holds, e.g. a
+        # data-parallel rank's wait for the slowest rank's rollout in the gather (max over ranks when logged)
+        m["time/step_wall"] = time.perf_counter() - t_start
         m["tokens_per_s/rollout"] = n_gen / max(t["generate"], 1e-9)
         m["tokens_per_s/train"] = m.pop("_train_tokens") / max(t["train"], 1e-9)
         m["memory/peak_mb"] = peak_memory_mb(self.device)
