@@ -1,0 +1,198 @@
+"""`grpo.overlap: stream` on an FSDP2-sharded model (full fine-tune) on CPU (gloo, 2 processes).
+
+Each rank streams its block of the prompts and trains its groups as they finish with
+gradient sync off (FSDP2 accumulates its unsharded gradients locally); one zero-weight
+pass with sync on reduce-scatters them after the rollout (rlfuse/train/grpo_stream.py).
+The groups add in their finishing order, so the contract is "sync mode to fp32 rounding":
+
+  * stream on 2 ranks vs sync on 2 ranks and vs stream in one process, dapo and grpo loss
+    types, dynamic sampling on (a group of every 4 has no reward variance and is dropped),
+    exact numerics checked every step: every logged metric within TOL, final weights within
+    WEIGHT_TOL (tests/test_distributed_run.py's bounds), the rollout (rewards, lengths,
+    kept groups) equal, the trainer-vs-rollout mismatch 0 on every rank;
+  * the threaded runner (`StreamStep.threaded = True`: FSDP2's hooks on the worker thread
+    beside the engine's) gives the interleaved runner's weights bitwise;
+  * `reduce_local_gradients` adds exactly nothing: its reduce-scatter equals FSDP2's own
+    accumulate-then-sync, bitwise.
+Run: python -m pytest -q -m slow tests/test_distributed_stream.py -s   (-s prints the differences)
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from spawn_ranks import gloo_rank, run_ranks, torch_threads
+from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
+from train_setup import tiny_cfg
+
+from rlfuse.data.prompts import PromptStream, build_prompts
+from rlfuse.model import Packed
+from rlfuse.rollout import LengthsSampler
+from rlfuse.run.distributed import GatheredSampler, full_copy, is_sharded, local_gradients, reduce_local_gradients
+from rlfuse.run.distributed import context as D
+from rlfuse.run.metrics import read_metrics
+from rlfuse.train.grpo import GRPOStep, run_grpo
+from rlfuse.train.loop import make_optimizer
+from rlfuse.train.session import open_session
+
+WORLD = 2
+STEPS = 3
+# fused projections off: see tests/test_distributed_run.py (sharded training forwards are unfused)
+BASE = ("grpo.prompts_per_step=8", "grpo.dynamic_sampling=true", "grpo.max_new_tokens=6", f"grpo.steps={STEPS}",
+        "engine.numerics=exact", "grpo.check_every=1", "model.kernel_backend=auto", "engine.fuse_projections=false")
+LOSSES = ("dapo", "grpo")
+ROLLOUT = ("reward/mean", "reward/std", "completion_len/mean", "completion_len/max", "groups/kept",
+           "groups/zero_variance_frac", "truncated_frac")
+
+
+def _length(i: int, k: int) -> int:
+    """Completion k of the i-th prompt of a generate call (rank r's prompt i is the global
+    prompt 4 r + i: the same lengths on 1 process and on each of 2 ranks): prompt 0 of
+    every 4 has one long completion, so its group finishes after the next ones; prompt 2's
+    are all 2 (equal rewards: dynamic sampling drops the group); the others 2 and 4, around
+    the length penalty's 3."""
+    if i % 4 == 2:
+        return 2
+    return 6 if i % 4 == 0 and k == 0 else 2 + 2 * (k % 2)
+
+
+def _session(cfg, dist):
+    ses = open_session(cfg, dist=dist)
+    make = lambda: LengthsSampler(ses._engine_sampler().llm, ses.tokenizer, _length)  # noqa: E731
+    # sharded: the engine is built at the first wake, inside the gathered block
+    ses._sampler = GatheredSampler(ses.model, make) if is_sharded(ses.model) else make()
+    return ses
+
+
+def _cfg(out: Path, name: str, overlap: str, loss: str):
+    return tiny_cfg(out / name, *BASE, f"grpo.overlap={overlap}", f"grpo.loss_type={loss}")
+
+
+def _weights(model, name: str, out: Path, rank: int) -> None:
+    full = full_copy(model, torch.float32) if is_sharded(model) else model  # collective when sharded
+    if rank == 0:
+        torch.save({n: p.detach().clone() for n, p in full.state_dict().items()}, out / f"{name}.pt")
+
+
+def _run(out: Path, name: str, overlap: str, loss: str, ctx=None) -> None:
+    cfg = _cfg(out, name, overlap, loss)
+    res = run_grpo(cfg, session=_session(cfg, ctx), dist=ctx)
+    _weights(res["model"], name, out, 0 if ctx is None else ctx.rank)
+
+
+def _threaded(out: Path, ctx, threaded: bool) -> None:
+    """STEPS stream steps (dapo) driven directly, on the worker thread or interleaved."""
+    name = f"steps_{'threaded' if threaded else 'interleaved'}"
+    cfg = _cfg(out, name, "stream", "dapo")
+    ses = _session(cfg, ctx)
+    prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
+                  make_optimizer(ses.model, cfg, ses.dist), dist=ses.dist)
+    tr.streamer.threaded = threaded
+    ms = [tr.step(s) for s in range(STEPS)]
+    assert all(float(m["mismatch/max_abs"]) == 0.0 for m in ms)
+    _weights(ses.model, name, out, ctx.rank)
+
+
+def _reduce_adds_nothing(out: Path, ctx) -> None:
+    """Three local passes, then (a) `reduce_local_gradients` or (b) the third pass run with
+    sync on (FSDP2's own accumulate-then-reduce-scatter): the same gradient shards bitwise."""
+    cfg = tiny_cfg(out / "reduce", "engine.fuse_projections=false")
+    ses = open_session(cfg, dist=ctx)
+    model = ses.model
+    ids = [torch.arange(3 + ctx.rank + k, dtype=torch.long) % 20 + 1 for k in range(3)]  # other data per rank
+
+    def pass_(x):
+        h = model(x, torch.arange(len(x)), Packed.from_lengths([len(x)], x.device))
+        model.token_logprobs(h[:-1], x[1:], 1.0).sum().backward()
+
+    shards = []
+    for last_synced in (False, True):
+        ses.sampler.wake()  # every group gathered, as while the engine decodes
+        with local_gradients(model):
+            for k, x in enumerate(ids):
+                if last_synced and k == len(ids) - 1:
+                    model.set_requires_gradient_sync(True)
+                pass_(x)
+            if not last_synced:
+                reduce_local_gradients(model)
+        ses.sampler.sleep()
+        shards.append([p.grad.to_local().clone() for p in model.parameters()])
+        for p in model.parameters():
+            p.grad = None
+    torch.save(shards, out / f"reduce_shards{ctx.rank}.pt")
+
+
+def _reduce_job(rank: int, port: int, out: str) -> None:
+    ctx = gloo_rank(rank, WORLD, port)
+    _reduce_adds_nothing(Path(out), ctx)
+    D.shutdown()
+
+
+def _job(rank: int, port: int, out: str) -> None:
+    ctx = gloo_rank(rank, WORLD, port)
+    out = Path(out)
+    for loss in LOSSES:
+        for overlap in ("stream", "sync"):
+            _run(out, f"{overlap}_{loss}2", overlap, loss, ctx)
+    for threaded in (False, True):
+        _threaded(out, ctx, threaded)
+    D.shutdown()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dp_stream")
+    with torch_threads(1):
+        for loss in LOSSES:
+            _run(out, f"stream_{loss}1", "stream", loss)
+        run_ranks(_job, WORLD, out, "FSDP stream")
+    return out
+
+
+def _rows(run_dir: Path) -> list[dict]:
+    """The training steps' metrics. stream/*: times and slots, per rank by nature. The eval
+    rows are left out: LengthsSampler's lengths follow a prompt's place in its rank's part."""
+    return [{k: v for k, v in r.items() if not k.startswith((*NOT_COMPARED, "stream/"))} for r in read_metrics(run_dir)
+            if r["stage"] == "grpo"]
+
+
+def _dw(out: Path, a: str, b: str) -> float:
+    x, y = torch.load(out / f"{a}.pt"), torch.load(out / f"{b}.pt")
+    return max(float((x[n] - y[n]).abs().max()) for n in x)
+
+
+@pytest.mark.slow  # one 2-rank job (4 runs and 2 driven ones) and 2 one-process runs: ~20 s on 2 cores
+@pytest.mark.parametrize("loss", LOSSES)
+@pytest.mark.parametrize("against", ["sync on 2 ranks", "stream in one process"])
+def test_fsdp_stream_matches_sync_and_one_process(runs, loss, against):
+    name = f"sync_{loss}2" if against.startswith("sync") else f"stream_{loss}1"
+    two, other = _rows(runs / f"stream_{loss}2"), _rows(runs / name)
+    assert len(two) == STEPS
+    d, where = _max_diff(two, other)
+    dw = _dw(runs, f"stream_{loss}2", name)
+    print(f"FSDP stream {loss} 2 ranks vs {against}: max |metric diff| {d:.2e} ({where}); weights {dw:.2e}")
+    assert d <= TOL, where
+    assert dw <= WEIGHT_TOL
+    for a, b in zip(two, other):
+        assert {k: a[k] for k in ROLLOUT} == {k: b[k] for k in ROLLOUT}  # the same rollout
+    assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in two)  # max over ranks
+    assert any(r["groups/kept"] < 8 for r in two)  # dynamic sampling dropped a group
+    assert all(r["grad_norm"] > 0 and "skipped_update" not in r for r in two)  # every step trained
+
+
+@pytest.mark.slow
+def test_fsdp_stream_threaded_equals_interleaved(runs):
+    assert _dw(runs, "steps_threaded", "steps_interleaved") == 0.0
+    assert _dw(runs, "steps_threaded", "stream_dapo1") <= WEIGHT_TOL
+
+
+def test_reduce_local_gradients_adds_nothing(tmp_path):
+    with torch_threads(1):
+        run_ranks(_reduce_job, WORLD, tmp_path, "reduce_local_gradients")
+    for rank in range(WORLD):
+        reduced, synced = torch.load(tmp_path / f"reduce_shards{rank}.pt")
+        assert all(torch.equal(a, b) for a, b in zip(reduced, synced))
+        assert all(float(g.abs().max()) > 0 for g in reduced)  # every shard got a gradient
