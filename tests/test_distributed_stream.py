@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from spawn_ranks import gloo_rank, run_ranks, torch_threads
+from spawn_ranks import free_port, gloo_rank, run_ranks, spawn_ranks, torch_threads
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
 from train_setup import tiny_cfg
 
@@ -42,7 +42,10 @@ STEPS = 3
 # fused projections off: see tests/test_distributed_run.py (sharded training forwards are unfused)
 BASE = ("grpo.prompts_per_step=8", "grpo.dynamic_sampling=true", "grpo.max_new_tokens=6", f"grpo.steps={STEPS}",
         "engine.numerics=exact", "grpo.check_every=1", "model.kernel_backend=auto", "engine.fuse_projections=false")
-LOSSES = ("dapo", "grpo")
+LOSSES = {"dapo": (), "grpo": ("grpo.kl_coef=0.05",)}  # grpo: with a KL reference (sharded: a full copy)
+# the distributed.* FSDP2 settings change when gathers and frees happen, not the values: bitwise
+SETTINGS = ("distributed.grad_sync=last", "distributed.reshard_after_forward=false",
+            "distributed.reshard_after_backward=false", "distributed.prefetch=1")
 ROLLOUT = ("reward/mean", "reward/std", "completion_len/mean", "completion_len/max", "groups/kept",
            "groups/zero_variance_frac", "truncated_frac")
 
@@ -66,8 +69,10 @@ def _session(cfg, dist):
     return ses
 
 
-def _cfg(out: Path, name: str, overlap: str, loss: str):
-    return tiny_cfg(out / name, *BASE, f"grpo.overlap={overlap}", f"grpo.loss_type={loss}")
+def _cfg(out: Path, name: str, overlap: str, loss: str, *over: str):
+    sections = {"model": {"random_init": GPU_MODEL}} if "model.device=cuda" in over else {}
+    return tiny_cfg(out / name, *BASE, f"grpo.overlap={overlap}", f"grpo.loss_type={loss}", *LOSSES[loss], *over,
+                    **sections)
 
 
 def _weights(model, name: str, out: Path, rank: int) -> None:
@@ -76,16 +81,16 @@ def _weights(model, name: str, out: Path, rank: int) -> None:
         torch.save({n: p.detach().clone() for n, p in full.state_dict().items()}, out / f"{name}.pt")
 
 
-def _run(out: Path, name: str, overlap: str, loss: str, ctx=None) -> None:
-    cfg = _cfg(out, name, overlap, loss)
+def _run(out: Path, name: str, overlap: str, loss: str, *over: str, ctx=None) -> None:
+    cfg = _cfg(out, name, overlap, loss, *over)
     res = run_grpo(cfg, session=_session(cfg, ctx), dist=ctx)
     _weights(res["model"], name, out, 0 if ctx is None else ctx.rank)
 
 
-def _threaded(out: Path, ctx, threaded: bool) -> None:
+def _threaded(out: Path, ctx, threaded: bool, *over: str) -> None:
     """STEPS stream steps (dapo) driven directly, on the worker thread or interleaved."""
     name = f"steps_{'threaded' if threaded else 'interleaved'}"
-    cfg = _cfg(out, name, "stream", "dapo")
+    cfg = _cfg(out, name, "stream", "dapo", *over)
     ses = _session(cfg, ctx)
     prompts = build_prompts(ses.train_rows, ses.tokenizer, cfg.data)
     tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(prompts, seed=0),
@@ -136,7 +141,8 @@ def _job(rank: int, port: int, out: str) -> None:
     out = Path(out)
     for loss in LOSSES:
         for overlap in ("stream", "sync"):
-            _run(out, f"{overlap}_{loss}2", overlap, loss, ctx)
+            _run(out, f"{overlap}_{loss}2", overlap, loss, ctx=ctx)
+    _run(out, "settings_dapo2", "stream", "dapo", *SETTINGS, ctx=ctx)
     for threaded in (False, True):
         _threaded(out, ctx, threaded)
     D.shutdown()
@@ -181,6 +187,14 @@ def test_fsdp_stream_matches_sync_and_one_process(runs, loss, against):
     assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in two)  # max over ranks
     assert any(r["groups/kept"] < 8 for r in two)  # dynamic sampling dropped a group
     assert all(r["grad_norm"] > 0 and "skipped_update" not in r for r in two)  # every step trained
+    if loss == "grpo":
+        assert all(abs(r["kl"]) > 0 for r in two[1:])  # the reference was used (0 before the first update)
+
+
+@pytest.mark.slow
+def test_fsdp_stream_under_other_fsdp2_settings_is_bitwise_the_same(runs):
+    assert _rows(runs / "settings_dapo2") == _rows(runs / "stream_dapo2")
+    assert _dw(runs, "settings_dapo2", "stream_dapo2") == 0.0
 
 
 @pytest.mark.slow
@@ -196,3 +210,44 @@ def test_reduce_local_gradients_adds_nothing(tmp_path):
         reduced, synced = torch.load(tmp_path / f"reduce_shards{rank}.pt")
         assert all(torch.equal(a, b) for a, b in zip(reduced, synced))
         assert all(float(g.abs().max()) > 0 for g in reduced)  # every shard got a gradient
+
+
+# ---------------------------------------------------------------------- 2 GPUs (NCCL)
+# big enough for every GEMM to hold a full Triton tile (tests/test_grpo_gpu.py's shape)
+GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
+GPU = ("model.device=cuda", "model.dtype=bfloat16", "engine.gpu_memory_fraction=0.3", "engine.max_num_seqs=64")
+
+
+def _gpu_job(rank: int, port: int, out: str) -> None:
+    env = {"WORLD_SIZE": str(WORLD), "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(port)}
+    ctx = D.init_distributed(D.launch_env(env), device_type="cuda", timeout_s=300)
+    D.quiet_non_main(ctx)
+    out = Path(out)
+    for overlap in ("stream", "sync"):
+        _run(out, f"{overlap}_dapo2", overlap, "dapo", *GPU, ctx=ctx)
+    for threaded in (False, True):  # the default on CUDA (interleaved) and the forced worker thread
+        _threaded(out, ctx, threaded, *GPU)
+    D.shutdown()
+
+
+@pytest.mark.gpu
+def test_fsdp_stream_on_two_gpus_bf16_exact(tmp_path):
+    """2 GPUs (FSDP2, NCCL), bf16 exact numerics: stream vs sync and the worker thread (its side
+    stream, engine steps serialized against its jobs) vs the interleaved runner. Mismatch 0 on
+    every step and rank; step 1 samples from the same weights, so its rollout is sync's and
+    its loss and gradient norm agree to fp32 rounding (later steps' bf16 weights may round
+    apart and sample otherwise); the threaded run is the interleaved one bitwise."""
+    if torch.cuda.device_count() < WORLD:
+        pytest.skip(f"needs {WORLD} CUDA GPUs")
+    spawn_ranks(_gpu_job, WORLD, free_port(), str(tmp_path))
+    stream, sync = _rows(tmp_path / "stream_dapo2"), _rows(tmp_path / "sync_dapo2")
+    assert len(stream) == len(sync) == STEPS
+    assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in stream + sync)
+    assert {k: stream[0][k] for k in ROLLOUT} == {k: sync[0][k] for k in ROLLOUT}
+    for k in ("loss", "grad_norm"):
+        print(f"FSDP stream vs sync on 2 GPUs, step 1 {k}: {stream[0][k]} vs {sync[0][k]}")
+        assert abs(stream[0][k] - sync[0][k]) <= 1e-5 * max(1.0, abs(sync[0][k])), k
+    print(f"weights after {STEPS} steps: stream vs sync max |diff| {_dw(tmp_path, 'stream_dapo2', 'sync_dapo2'):.2e}")
+    assert _dw(tmp_path, "steps_threaded", "steps_interleaved") == 0.0
