@@ -10,6 +10,9 @@ The groups add in their finishing order, so the contract is "sync mode to fp32 r
     exact numerics checked every step: every logged metric within TOL, final weights within
     WEIGHT_TOL (tests/test_distributed_run.py's bounds), the rollout (rewards, lengths,
     kept groups) equal, the trainer-vs-rollout mismatch 0 on every rank;
+  * Qwen3-MoE (experts sharded) stream vs sync on 2 ranks, and image rows with the vision
+    tower trained (its own FSDP2 group) on 2 ranks vs one process: the same bounds,
+    mismatch and routing mismatch 0;
   * the threaded runner (`StreamStep.threaded = True`: FSDP2's hooks on the worker thread
     beside the engine's) gives the interleaved runner's weights bitwise;
   * `reduce_local_gradients` adds exactly nothing: its reduce-scatter equals FSDP2's own
@@ -24,12 +27,16 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port, gloo_rank, run_ranks, spawn_ranks, torch_threads
+from test_distributed_moe_train import MOE_MODEL, ROUTER_LOSSES
 from test_distributed_run import NOT_COMPARED, TOL, WEIGHT_TOL, _max_diff
+from test_vision_train import _cfg as _vision_cfg
+from test_vision_train import _parity
 from train_setup import tiny_cfg
 
 from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.model import Packed
 from rlfuse.rollout import LengthsSampler
+from rlfuse.run.config import replace
 from rlfuse.run.distributed import GatheredSampler, full_copy, is_sharded, local_gradients, reduce_local_gradients
 from rlfuse.run.distributed import context as D
 from rlfuse.run.metrics import read_metrics
@@ -85,6 +92,19 @@ def _run(out: Path, name: str, overlap: str, loss: str, *over: str, ctx=None) ->
     cfg = _cfg(out, name, overlap, loss, *over)
     res = run_grpo(cfg, session=_session(cfg, ctx), dist=ctx)
     _weights(res["model"], name, out, 0 if ctx is None else ctx.rank)
+
+
+def _moe(out: Path, name: str, overlap: str, ctx=None) -> None:
+    cfg = tiny_cfg(out / name, *BASE, f"grpo.overlap={overlap}", "grpo.loss_type=dapo", model={"random_init": MOE_MODEL})
+    _weights(run_grpo(cfg, session=_session(cfg, ctx), dist=ctx)["model"], name, out, 0 if ctx is None else ctx.rank)
+
+
+def _vision(out: Path, name: str, ctx=None) -> None:
+    """tests/test_vision_train.py's tiny VLM on image rows, the tower trained (the engine's own lengths)."""
+    cfg = replace(_vision_cfg(out / name), **{"data.eval_size": 4, "grpo.eval_every": 0, "model.train_vision": True,
+                                              "grpo.overlap": "stream", "grpo.dynamic_sampling": True})
+    ses = open_session(cfg, dist=ctx, reward_functions={"parity": _parity})
+    _weights(run_grpo(cfg, session=ses)["model"], name, out, 0 if ctx is None else ctx.rank)
 
 
 def _threaded(out: Path, ctx, threaded: bool, *over: str) -> None:
@@ -145,6 +165,9 @@ def _job(rank: int, port: int, out: str) -> None:
     _run(out, "settings_dapo2", "stream", "dapo", *SETTINGS, ctx=ctx)
     for threaded in (False, True):
         _threaded(out, ctx, threaded)
+    for overlap in ("stream", "sync"):
+        _moe(out, f"moe_{overlap}2", overlap, ctx)
+    _vision(out, "vision_stream2", ctx)
     D.shutdown()
 
 
@@ -154,6 +177,7 @@ def runs(tmp_path_factory):
     with torch_threads(1):
         for loss in LOSSES:
             _run(out, f"stream_{loss}1", "stream", loss)
+        _vision(out, "vision_stream1")
         run_ranks(_job, WORLD, out, "FSDP stream")
     return out
 
@@ -189,6 +213,23 @@ def test_fsdp_stream_matches_sync_and_one_process(runs, loss, against):
     assert all(r["grad_norm"] > 0 and "skipped_update" not in r for r in two)  # every step trained
     if loss == "grpo":
         assert all(abs(r["kl"]) > 0 for r in two[1:])  # the reference was used (0 before the first update)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["moe", "vision"])
+def test_fsdp_stream_moe_and_vision(runs, kind):
+    two, name = (f"{kind}_stream2", "moe_sync2" if kind == "moe" else "vision_stream1")
+    drop = lambda rows: [{k: v for k, v in r.items() if k not in ROUTER_LOSSES} for r in rows]  # noqa: E731
+    a, b = drop(_rows(runs / two)), drop(_rows(runs / name))  # router losses: split-dependent by design
+    d, where = _max_diff(a, b)
+    dw = _dw(runs, two, name)
+    print(f"FSDP stream {kind} 2 ranks vs {name}: max |metric diff| {d:.2e} ({where}); weights {dw:.2e}")
+    assert d <= TOL, where
+    assert dw <= WEIGHT_TOL
+    assert all(r["mismatch/max_abs"] == 0.0 and r.get("moe/routing_mismatch", 0.0) == 0.0 for r in a)
+    assert all(r["grad_norm"] > 0 for r in a)
+    if kind == "vision":
+        assert all(r["vision/encodes"] > 0 for r in a)
 
 
 @pytest.mark.slow
