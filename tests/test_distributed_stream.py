@@ -15,6 +15,8 @@ The groups add in their finishing order, so the contract is "sync mode to fp32 r
     mismatch and routing mismatch 0;
   * the threaded runner (`StreamStep.threaded = True`: FSDP2's hooks on the worker thread
     beside the engine's) gives the interleaved runner's weights bitwise;
+  * a rank that raises mid-rollout stops both ranks with its message (no hang in the
+    reduce-scatter the other rank reaches);
   * `reduce_local_gradients` adds exactly nothing: its reduce-scatter equals FSDP2's own
     accumulate-then-sync, bitwise.
 Run: python -m pytest -q -m slow tests/test_distributed_stream.py -s   (-s prints the differences)
@@ -37,7 +39,14 @@ from rlfuse.data.prompts import PromptStream, build_prompts
 from rlfuse.model import Packed
 from rlfuse.rollout import LengthsSampler
 from rlfuse.run.config import replace
-from rlfuse.run.distributed import GatheredSampler, full_copy, is_sharded, local_gradients, reduce_local_gradients
+from rlfuse.run.distributed import (
+    GatheredSampler,
+    RankFailed,
+    full_copy,
+    is_sharded,
+    local_gradients,
+    reduce_local_gradients,
+)
 from rlfuse.run.distributed import context as D
 from rlfuse.run.metrics import read_metrics
 from rlfuse.train.grpo import GRPOStep, run_grpo
@@ -107,6 +116,28 @@ def _vision(out: Path, name: str, ctx=None) -> None:
     _weights(run_grpo(cfg, session=ses)["model"], name, out, 0 if ctx is None else ctx.rank)
 
 
+class _Raising(LengthsSampler):
+    """Raises after its first finished group."""
+
+    def groups(self, *args, **kw):
+        it = super().groups(*args, **kw)
+        yield next(it)
+        raise RuntimeError("this rank's engine failed")
+
+
+def _raises(out: Path, ctx) -> None:
+    cfg = _cfg(out, "raises", "stream", "dapo")
+    ses = open_session(cfg, dist=ctx)
+    kind = _Raising if ctx.rank == 1 else LengthsSampler
+    ses._sampler = GatheredSampler(ses.model, lambda: kind(ses._engine_sampler().llm, ses.tokenizer, _length))
+    tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(build_prompts(ses.train_rows, ses.tokenizer,
+                  cfg.data), seed=0), make_optimizer(ses.model, cfg, ses.dist), dist=ses.dist)
+    try:
+        tr.step(0)
+    except RankFailed as e:
+        (out / f"raised{ctx.rank}.txt").write_text(str(e))
+
+
 def _threaded(out: Path, ctx, threaded: bool, *over: str) -> None:
     """STEPS stream steps (dapo) driven directly, on the worker thread or interleaved."""
     name = f"steps_{'threaded' if threaded else 'interleaved'}"
@@ -168,6 +199,7 @@ def _job(rank: int, port: int, out: str) -> None:
     for overlap in ("stream", "sync"):
         _moe(out, f"moe_{overlap}2", overlap, ctx)
     _vision(out, "vision_stream2", ctx)
+    _raises(out, ctx)  # last: the failed step leaves its engine awake
     D.shutdown()
 
 
@@ -236,6 +268,13 @@ def test_fsdp_stream_moe_and_vision(runs, kind):
 def test_fsdp_stream_under_other_fsdp2_settings_is_bitwise_the_same(runs):
     assert _rows(runs / "settings_dapo2") == _rows(runs / "stream_dapo2")
     assert _dw(runs, "settings_dapo2", "stream_dapo2") == 0.0
+
+
+@pytest.mark.slow
+def test_fsdp_stream_a_raising_rank_stops_every_rank(runs):
+    for rank in range(WORLD):
+        msg = (runs / f"raised{rank}.txt").read_text()
+        assert msg == "stream rollout: rank 1 raised RuntimeError: this rank's engine failed", msg
 
 
 @pytest.mark.slow

@@ -62,14 +62,14 @@ streams its block of the prompts and trains its groups locally (no collective wh
 engine decodes); after its last group, one sum of (kept sequences, loss tokens) over ranks
 gives the global normalizers of the rescale, ReplicatedAdamW sums the gradients, and one
 all-gather gives every rank the whole rollout (its metrics as in one process).
-FSDP2-sharded (full fine-tune): the engine decodes from the gathered groups; inside
-`local_gradients` a training pass is no collective (gradient sync and reshard-after-backward
+FSDP2-sharded (full fine-tune): the engine decodes from the gathered groups; in
+`local_gradients` a training pass is no collective (gradient sync, reshard-after-backward
 off): each rank trains its groups as they finish, FSDP2 summing its unsharded fp32 gradients
-locally (4 bytes per parameter per rank; no slots). After the rollout one zero-weight pass
-with sync on (`reduce_local_gradients`) reduce-scatters them on every rank; then the engine
-sleeps and the rescale and step follow. OrderedGradients cannot reorder FSDP2's (private)
-buffers, so groups add in finishing order: sync mode's parameters to fp32 rounding, not
-bitwise (rollouts and exact-numerics mismatch 0 unchanged). On CUDA the interleaved runner
+locally (4 bytes per parameter per rank; no slots). After the rollout (`fail_together`: a
+rank that raised stops all) one zero-weight pass with sync on (`reduce_local_gradients`)
+reduce-scatters them; the engine sleeps, the rescale and step follow. OrderedGradients
+cannot reorder FSDP2's (private) buffers, so groups add in finishing order: sync's result to
+fp32 rounding, not bitwise (same rollouts, exact mismatch 0). On CUDA the interleaved runner
 (FSDP2 hooks on a worker thread beside the engine's never ran on GPUs; `threaded` forces it).
 Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
 """
@@ -91,6 +91,7 @@ from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import media_kwargs, score_samples
 from rlfuse.run import pack_by_tokens
 from rlfuse.run.distributed import (
+    fail_together,
     gather_results,
     global_sums,
     is_sharded,
@@ -159,8 +160,7 @@ class _Interleaved:
         job()
         self.spans.append((t0, time.perf_counter()))
 
-    def decoding(self):
-        return contextlib.nullcontext()
+    decoding = staticmethod(contextlib.nullcontext)  # the engine steps in the caller's context
 
     def finish(self) -> None:  # as close and decoded: nothing is pending
         pass
@@ -311,7 +311,7 @@ class StreamStep:
         capture = [([], [], []) for _ in range(P)]
         cuda = tr.device.type == "cuda"
         threaded = cuda and not self.sharded if self.threaded is None else self.threaded
-        lock = threading.Lock() if threaded and self.sharded else None
+        lock = threading.Lock() if threaded and self.sharded else None  # `serialized`
         runner = _Worker(tr.device, lock) if threaded else _Interleaved()
         local = contextlib.ExitStack()  # sharded: the stream's passes accumulate locally (module docstring)
 
@@ -349,26 +349,28 @@ class StreamStep:
                                  for s in group)
             runner.submit(lambda: train_group(i, seqs))
 
+        fail = fail_together(tr.dist, "stream rollout") if self.sharded else contextlib.nullcontext()
         try:
-            with timer("generate"):
-                tr.sampler.wake()
-                if self.sharded:
-                    local.enter_context(local_gradients(tr.model))
-                kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
-                gen_start = time.perf_counter()
-                with runner.decoding():
-                    for i, group in serialized(tr.sampler.groups(
-                            [p.ids for p in prompts], n=G, temperature=g.temperature, top_p=g.top_p, top_k=g.top_k,
-                            max_tokens=g.max_new_tokens, seed=g.seed + step, capture=cuda,
-                            **media_kwargs(prompts)), lock):
-                        take_group(i, group)
-                runner.decoded()
-                gen_end = time.perf_counter()
-                if not self.sharded:
-                    tr.sampler.sleep()
-            if self.sharded:  # the weights stay gathered until every local pass ran and was reduced
+            with fail:
+                with timer("generate"):
+                    tr.sampler.wake()
+                    local.enter_context(local_gradients(tr.model) if self.sharded else contextlib.nullcontext())
+                    kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
+                    gen_start = time.perf_counter()
+                    with runner.decoding():
+                        for i, group in serialized(tr.sampler.groups(
+                                [p.ids for p in prompts], n=G, temperature=g.temperature, top_p=g.top_p,
+                                top_k=g.top_k, max_tokens=g.max_new_tokens, seed=g.seed + step, capture=cuda,
+                                **media_kwargs(prompts)), lock):
+                            take_group(i, group)
+                    runner.decoded()
+                    gen_end = time.perf_counter()
+                    if not self.sharded:
+                        tr.sampler.sleep()
                 with timer("train"):
                     runner.finish()
+            if self.sharded:  # the weights stay gathered until every local pass ran and was reduced
+                with timer("train"):
                     short = min(range(P * G), key=lambda j: len(samples[j].token_ids))  # the zero pass: padding's
                     reduce_local_gradients(tr.model, lambda: up.accumulate_gradients(
                         prompts, samples, adv, [short], micro_batches=[([0], True)], totals=totals))
@@ -379,7 +381,6 @@ class StreamStep:
             local.close()
             raise
         with timer("train"):
-            runner.finish()
             n_kept, n_loss = float(len(kept) * G), sum(loss_tokens)
             if tr.dist is not None:  # the step's normalizers over every rank's groups
                 n_kept, n_loss = global_sums(tr.dist, [n_kept, n_loss])
