@@ -307,6 +307,8 @@ def _gpu_job(rank: int, port: int, out: str) -> None:
     out = Path(out)
     for overlap in ("stream", "sync"):
         _run(out, f"{overlap}_dapo2", overlap, "dapo", *GPU, ctx=ctx)
+    # CUDA's default: the engine's gathered weights fused, so the stream's training passes take the fused GEMMs
+    _run(out, "fused_dapo2", "stream", "dapo", *GPU, "engine.fuse_projections=true", ctx=ctx)
     for threaded in (False, True):  # the default on CUDA (interleaved) and the forced worker thread
         _threaded(out, ctx, threaded, *GPU)
     D.shutdown()
@@ -318,7 +320,9 @@ def test_fsdp_stream_on_two_gpus_bf16_exact(tmp_path):
     stream, engine steps serialized against its jobs) vs the interleaved runner. Mismatch 0 on
     every step and rank; step 1 samples from the same weights, so its rollout is sync's and
     its loss and gradient norm agree to fp32 rounding (later steps' bf16 weights may round
-    apart and sample otherwise); the threaded run is the interleaved one bitwise."""
+    apart and sample otherwise); the threaded run is the interleaved one bitwise. With fused
+    projections (CUDA's default) mismatch 0 and step 1's rollout too; its loss and gradient
+    norm are printed (dx of the fused GEMMs rounds apart from the separate ones)."""
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
     spawn_ranks(_gpu_job, WORLD, free_port(), str(tmp_path))
@@ -331,3 +335,8 @@ def test_fsdp_stream_on_two_gpus_bf16_exact(tmp_path):
         assert abs(stream[0][k] - sync[0][k]) <= 1e-5 * max(1.0, abs(sync[0][k])), k
     print(f"weights after {STEPS} steps: stream vs sync max |diff| {_dw(tmp_path, 'stream_dapo2', 'sync_dapo2'):.2e}")
     assert _dw(tmp_path, "steps_threaded", "steps_interleaved") == 0.0
+    fused = _rows(tmp_path / "fused_dapo2")
+    assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in fused)
+    assert {k: fused[0][k] for k in ROLLOUT} == {k: sync[0][k] for k in ROLLOUT}
+    print(f"fused stream vs sync, step 1: loss {fused[0]['loss']} vs {sync[0]['loss']}, grad norm "
+          f"{fused[0]['grad_norm']} vs {sync[0]['grad_norm']}")
