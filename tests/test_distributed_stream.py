@@ -81,7 +81,8 @@ def _session(cfg, dist):
     ses = open_session(cfg, dist=dist)
     make = lambda: LengthsSampler(ses._engine_sampler().llm, ses.tokenizer, _length)  # noqa: E731
     # sharded: the engine is built at the first wake, inside the gathered block
-    ses._sampler = GatheredSampler(ses.model, make) if is_sharded(ses.model) else make()
+    fuse = bool(cfg.engine.fuse_projections)  # as Session.base_sampler (BASE: off; the GPU test's fused run: on)
+    ses._sampler = GatheredSampler(ses.model, make, fuse=fuse) if is_sharded(ses.model) else make()
     return ses
 
 
@@ -194,6 +195,7 @@ def _job(rank: int, port: int, out: str) -> None:
         for overlap in ("stream", "sync"):
             _run(out, f"{overlap}_{loss}2", overlap, loss, ctx=ctx)
     _run(out, "settings_dapo2", "stream", "dapo", *SETTINGS, ctx=ctx)
+    _run(out, "fused_dapo2", "stream", "dapo", "engine.fuse_projections=true", ctx=ctx)
     for threaded in (False, True):
         _threaded(out, ctx, threaded)
     for overlap in ("stream", "sync"):
@@ -268,6 +270,17 @@ def test_fsdp_stream_moe_and_vision(runs, kind):
 def test_fsdp_stream_under_other_fsdp2_settings_is_bitwise_the_same(runs):
     assert _rows(runs / "settings_dapo2") == _rows(runs / "stream_dapo2")
     assert _dw(runs, "settings_dapo2", "stream_dapo2") == 0.0
+
+
+@pytest.mark.slow
+def test_fsdp_stream_with_fused_projections(runs):
+    """The engine's gathered weights fused (CUDA's default): the stream's training passes run
+    inside that block, so they take the fused GEMMs; same bounds against the unfused run."""
+    fused, plain = _rows(runs / "fused_dapo2"), _rows(runs / "stream_dapo2")
+    d, where = _max_diff(fused, plain)
+    assert d <= TOL, where
+    assert _dw(runs, "fused_dapo2", "stream_dapo2") <= WEIGHT_TOL
+    assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in fused)
 
 
 @pytest.mark.slow
