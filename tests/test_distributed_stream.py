@@ -10,6 +10,8 @@ The groups add in their finishing order, so the contract is "sync mode to fp32 r
     exact numerics checked every step: every logged metric within TOL, final weights within
     WEIGHT_TOL (tests/test_distributed_run.py's bounds), the rollout (rewards, lengths,
     kept groups) equal, the trainer-vs-rollout mismatch 0 on every rank;
+  * other distributed.* FSDP2 settings give the default's result bitwise; fused projections
+    (the engine's gathered weights fused, CUDA's default) stay within the bounds;
   * Qwen3-MoE (experts sharded) stream vs sync on 2 ranks, and image rows with the vision
     tower trained (its own FSDP2 group) on 2 ranks vs one process: the same bounds,
     mismatch and routing mismatch 0;
