@@ -16,7 +16,9 @@ Phases (several may be given; they run in order):
           mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake);
           DPO under torchrun on the SFT rows (expected: one error line, no preference pairs)
   kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated),
-          LoRA GRPO in stream mode and GRPO through a server-recorded agent (rollout.agent:
+          LoRA GRPO in stream mode, full fine-tune GRPO in stream mode (FSDP2-sharded: groups
+          sum in finishing order, so 1 vs N agree to rounding, not bitwise) and GRPO through a
+          server-recorded agent (rollout.agent:
           two chat calls an episode, each rank its own server and engine), bf16, exact
           numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed: per-step
           metric and final-weight (LoRA: adapter) differences, exact mismatch
@@ -133,13 +135,17 @@ def phase_run(out: Path, work: Path, args) -> dict:
 
 
 def phase_kinds(out: Path, work: Path, args) -> dict:
-    """PPO, LoRA GRPO, LoRA stream mode and an agent: 1 GPU vs 2 GPUs (the module docstring's `kinds`)."""
+    """PPO, LoRA GRPO, LoRA and full fine-tune stream mode and an agent: 1 GPU vs 2 GPUs (the
+    module docstring's `kinds`)."""
     J = Jobs(work, out, "kinds")
     ppo = recipe(work, "ppo_exact", "ppo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
     lora = recipe(work, "lora_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                   model={"lora": {"rank": 16}}, optim={"lr": 1e-4})
     stream = recipe(work, "lora_stream", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                     model={"lora": {"rank": 16}}, optim={"lr": 1e-4}, grpo={"overlap": "stream"})
+    # the KV pool stays allocated while groups train (full fine-tune: masters, moments, gradients beside it)
+    fsdp_stream = recipe(work, "fsdp_stream", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
+                         gpu_frac=0.5, grpo={"overlap": "stream"})
     agent = recipe(work, "agent_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True,
                    model={"tokenizer": str(work / "tok_chat")},
                    rollout={"agent": f"{work}/agent.py:twice", "max_turn_tokens": 64, "max_total_tokens": 512})
@@ -148,14 +154,18 @@ def phase_kinds(out: Path, work: Path, args) -> dict:
            J.start("lora_1gpu", J.argv("grpo", lora, work / "lora1", 1, fresh), gpu="1", timeout=args.job_timeout))
     J.wait(J.start("stream_1gpu", J.argv("grpo", stream, work / "stream1", 1, fresh), gpu="0", timeout=args.job_timeout),
            J.start("agent_1gpu", J.argv("grpo", agent, work / "agent1", 1, fresh), gpu="1", timeout=args.job_timeout))
+    J.wait(J.start("fsdp_stream_1gpu", J.argv("grpo", fsdp_stream, work / "fsdp_stream1", 1, fresh), gpu="0",
+                   timeout=args.job_timeout))
     n = args.kinds_gpus  # the "2gpu" jobs and folders keep their names at any N
     for run, cmd, cfg in (("ppo", "ppo", ppo), ("lora", "grpo", lora), ("stream", "grpo", stream),
-                          ("agent", "grpo", agent)):
+                          ("fsdp_stream", "grpo", fsdp_stream), ("agent", "grpo", agent)):
         J.run(f"{run}_2gpu", J.argv(cmd, cfg, work / f"{run}2", n, fresh), timeout=args.job_timeout)
     eq = {name: {**metric_diff(metrics(work / f"{run}2", stage), metrics(work / f"{run}1", stage)),
                  "weights": weight_diff(work / f"{run}2" / "final", work / f"{run}1" / "final")}
           for name, run, stage in (("ppo_exact_bf16", "ppo", "ppo"), ("lora_grpo_exact_bf16", "lora", "grpo"),
-                                   ("lora_stream_exact_bf16", "stream", "grpo"), ("agent_grpo_exact_bf16", "agent", "grpo"))}
+                                   ("lora_stream_exact_bf16", "stream", "grpo"),
+                                   ("fsdp_stream_exact_bf16", "fsdp_stream", "grpo"),
+                                   ("agent_grpo_exact_bf16", "agent", "grpo"))}
     J.finish({"equivalence": eq, "gpus": n})
     print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
     for r in J.results.values():

@@ -9,8 +9,8 @@ Equal to sync mode, and how:
     runs (`LLM.stream` is `LLM.generate`'s loop), from the same, untouched weights.
   - Same advantages: the estimators allowed here (group with adv_scale group | none, rloo)
     use their group's rewards only; those needing the whole batch (adv_scale batch,
-    reinforce_pp*) are refused by `check_stream`, as are mu > 1, mini_batches > 1,
-    multi-turn episodes and FSDP-sharded data-parallel runs.
+    reinforce_pp*) are refused by `check_stream`, as are mu > 1, mini_batches > 1
+    and multi-turn episodes.
   - Same micro-batches: packed within each group (`pack_by_tokens` over its G sequences),
     each weighted by its share of the step's normalizer (`accumulation_weight`). For
     grpo / gspo / dr_grpo that is the sequence count P*G, known before the rollout.
@@ -61,11 +61,16 @@ Data-parallel with a replicated model (LoRA, rlfuse.run.distributed.replicated):
 streams its block of the prompts and trains its groups locally (no collective while the
 engine decodes); after its last group, one sum of (kept sequences, loss tokens) over ranks
 gives the global normalizers of the rescale, ReplicatedAdamW sums the gradients, and one
-all-gather gives every rank the whole rollout (its metrics as in one process). An
-FSDP-sharded model is refused: every forward and backward there is a collective, which
-the ranks' groups, finishing at different times on different ranks, would have to meet
-in lockstep, and a backward's reshard would free the gathered weights the engine decodes
-from (docs/distributed.md).
+all-gather gives every rank the whole rollout (its metrics as in one process).
+FSDP2-sharded (full fine-tune): the engine decodes from the gathered groups; in
+`local_gradients` a training pass is no collective (gradient sync, reshard-after-backward
+off): each rank trains its groups as they finish, FSDP2 summing its unsharded fp32 gradients
+locally (4 bytes per parameter per rank; no slots). After the rollout (`fail_together`: a
+rank that raised stops all) one zero-weight pass with sync on (`reduce_local_gradients`)
+reduce-scatters them; the engine sleeps, the rescale and step follow. OrderedGradients
+cannot reorder FSDP2's (private) buffers, so groups add in finishing order: sync's result to
+fp32 rounding, not bitwise (same rollouts, exact mismatch 0). On CUDA the interleaved runner
+(FSDP2 hooks on a worker thread beside the engine's never ran on GPUs; `threaded` forces it).
 Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
 """
 
@@ -85,7 +90,15 @@ from rlfuse.kernels.loss.policy import TOKEN_MEAN_TYPES
 from rlfuse.model.lora import BaseModelView
 from rlfuse.rollout import media_kwargs, score_samples
 from rlfuse.run import pack_by_tokens
-from rlfuse.run.distributed import gather_results, global_sums, is_sharded, local_slice
+from rlfuse.run.distributed import (
+    fail_together,
+    gather_results,
+    global_sums,
+    is_sharded,
+    local_gradients,
+    local_slice,
+    reduce_local_gradients,
+)
 from rlfuse.train.advantages import token_advantages, zero_variance_groups
 
 log = logging.getLogger(__name__)
@@ -93,17 +106,18 @@ log = logging.getLogger(__name__)
 
 class OrderedGradients:
     """Sums per-micro-batch gradients into the optimizer's accumulators in (group,
-    micro-batch) order, whatever order the groups are trained in (module docstring)."""
+    micro-batch) order, whatever order the groups are trained in (module docstring).
+    `ordered` False (an FSDP2-sharded model): straight into the sum, in finishing order."""
 
-    def __init__(self, optimizer, num_groups: int):
-        self.opt = optimizer
+    def __init__(self, optimizer, num_groups: int, ordered: bool = True):
+        self.opt, self.ordered = optimizer, ordered
         self.done: list[list | None] = [None] * num_groups  # per group, once trained: its held slots
         self.next = 0  # every group before it is in the sum
         self.held_bytes = self.peak_bytes = self.held = self.peak_held = 0
 
     def run_group(self, i: int, micro_batches: list) -> None:
         """Run group i's micro-batch backwards (callables, in order) into the sum or slots."""
-        if i == self.next:
+        if i == self.next or not self.ordered:
             for backward in micro_batches:
                 backward()
             self.done[i] = []
@@ -136,7 +150,7 @@ class OrderedGradients:
 
 
 class _Interleaved:
-    """Runs each job at once, between engine steps (CPU)."""
+    """Runs each job at once, between engine steps (CPU; an FSDP2-sharded model on CUDA)."""
 
     def __init__(self):
         self.spans: list[tuple[float, float]] = []
@@ -146,17 +160,12 @@ class _Interleaved:
         job()
         self.spans.append((t0, time.perf_counter()))
 
-    def finish(self) -> None:
+    decoding = staticmethod(contextlib.nullcontext)  # the engine steps in the caller's context
+
+    def finish(self) -> None:  # as close and decoded: nothing is pending
         pass
 
-    def close(self) -> None:
-        pass
-
-    def decoding(self):
-        return contextlib.nullcontext()
-
-    def decoded(self) -> None:
-        pass
+    close = decoded = finish
 
 
 class _Worker:
@@ -165,8 +174,9 @@ class _Worker:
     inherits the caller's context (kernel backend and numerics settings); its first error
     is raised by `finish`. (CPU: tests of the threaded path, `StreamStep.threaded`.)"""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, lock: threading.Lock | None = None):
         self.device, self.cuda = device, device.type == "cuda"
+        self.lock = lock  # held by each job's host side (`serialized`)
         if self.cuda:
             self.stream = torch.cuda.Stream(device)
             # the engine decodes on a stream of the highest priority: the decode kernels'
@@ -192,7 +202,8 @@ class _Worker:
                     continue
                 t0 = time.perf_counter()
                 try:
-                    job()
+                    with self.lock or contextlib.nullcontext():
+                        job()
                     if self.cuda:
                         self.stream.synchronize()  # host sync (worker only): the span covers the GPU work
                 except BaseException as e:  # noqa: BLE001 -- re-raised on the main thread by finish()
@@ -227,6 +238,17 @@ class _Worker:
             main.wait_stream(self.stream)
 
 
+def serialized(groups, lock: threading.Lock | None):
+    """`groups`, each engine step taken under `lock` (held by the worker's jobs): FSDP2's hooks,
+    which the engine's layer calls fire too, are not thread-safe (a concurrent step resharded a layer mid-forward)."""
+    while True:
+        with lock or contextlib.nullcontext():
+            item = next(groups, None)
+        if item is None:
+            return
+        yield item
+
+
 def overlap_fraction(spans: list[tuple[float, float]], gen_start: float, gen_end: float) -> float:
     """Share of the spans' total time that lies inside [gen_start, gen_end]."""
     total = sum(b - a for a, b in spans)
@@ -241,10 +263,9 @@ class StreamStep:
         self.tr = trainer
         self.logged = False  # the memory split, once
         self.threaded: bool | None = None
-        """Train on a worker thread (None: on CUDA; True on CPU tests the threaded path)."""
-        why = {"an FSDP-sharded data-parallel run (torchrun without LoRA: every forward and backward is a "
-               "collective the ranks' streamed groups cannot meet in lockstep)": is_sharded(trainer.model),
-               f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
+        """Train on a worker thread (None: on CUDA unless sharded; True on CPU tests the threaded path)."""
+        self.sharded = is_sharded(trainer.model)
+        why = {f"a sampler that does not stream groups ({type(trainer.sampler).__name__})":
                    not hasattr(trainer.sampler, "groups"),
                "LoRA with grpo.kl_coef > 0 (its reference switches the adapters the engine decodes with)":
                    isinstance(trainer.ref_model, BaseModelView)}
@@ -255,7 +276,7 @@ class StreamStep:
     def run(self, prompts, step: int, timer):
         """-> (samples, total rewards, per-function rewards, reward error counts, per-token
         advantages, training metrics), as the sync path has them after its `_train`.
-        Data-parallel (replicated model): this rank streams its block of `prompts`, then one
+        Data-parallel (replicated or sharded): this rank streams its block of `prompts`, then one
         all-gather gives every rank the whole rollout in the one-process order."""
         ctx = self.tr.dist
         if ctx is None:
@@ -277,25 +298,25 @@ class StreamStep:
         """`run` on this process's `prompts` (of the step's `num_prompts` over all ranks)."""
         tr, up, g = self.tr, self.tr.update, self.tr.g
         P, G = len(prompts), g.group_size
-        samples: list = [None] * (P * G)
-        total: list = [None] * (P * G)
+        samples, total, adv = ([None] * (P * G) for _ in range(3))  # in sequence order, filled as groups finish
         per: dict[str, list] = {}
-        adv: list = [None] * (P * G)
         # provisional normalizers (module docstring): all sequences of the step; tokens unnormalized
         totals = (num_prompts * G, 1.0)
         check = up.numerics == "exact" and g.check_every > 0 and step % g.check_every == 0
-        grads = OrderedGradients(tr.optimizer, P)
+        grads = OrderedGradients(tr.optimizer, P, ordered=not self.sharded)
         mb_sums: list[list[dict]] = [[] for _ in range(P)]  # per group, per micro-batch: summed in order at the end
-        n_tok = [0]
-        kept: list[int] = []
+        n_tok, kept = [0], []  # tokens trained; the kept groups, in finishing order
         loss_tokens = [0.0] * P
         old: dict = {}
         capture = [([], [], []) for _ in range(P)]
         cuda = tr.device.type == "cuda"
-        runner = _Worker(tr.device) if (cuda if self.threaded is None else self.threaded) else _Interleaved()
+        threaded = cuda and not self.sharded if self.threaded is None else self.threaded
+        lock = threading.Lock() if threaded and self.sharded else None  # `serialized`
+        runner = _Worker(tr.device, lock) if threaded else _Interleaved()
+        local = contextlib.ExitStack()  # sharded: the stream's passes accumulate locally (module docstring)
 
         def train_group(i: int, seqs: list[int]) -> None:
-            if up.recompute_old or check:  # this rank's group: no collective (a replicated model)
+            if up.recompute_old or check:  # this rank's group: no collective (replicated, or in local_gradients)
                 old.update(up.trainer_logprobs(prompts, samples, seqs, local=True))
             lengths = [len(up.prompt_ids(prompts, samples[j])) + len(samples[j].token_ids) for j in seqs]
 
@@ -328,28 +349,43 @@ class StreamStep:
                                  for s in group)
             runner.submit(lambda: train_group(i, seqs))
 
+        fail = fail_together(tr.dist, "stream rollout") if self.sharded else contextlib.nullcontext()
         try:
-            with timer("generate"):
-                tr.sampler.wake()
-                kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
-                gen_start = time.perf_counter()
-                with runner.decoding():
-                    for i, group in tr.sampler.groups([p.ids for p in prompts], n=G, temperature=g.temperature,
-                                                      top_p=g.top_p, top_k=g.top_k, max_tokens=g.max_new_tokens,
-                                                      seed=g.seed + step, capture=cuda, **media_kwargs(prompts)):
-                        take_group(i, group)
-                runner.decoded()
-                gen_end = time.perf_counter()
-                tr.sampler.sleep()
+            with fail:
+                with timer("generate"):
+                    tr.sampler.wake()
+                    local.enter_context(local_gradients(tr.model) if self.sharded else contextlib.nullcontext())
+                    kv_bytes, headroom = tr.sampler.kv_pool_bytes(), self._headroom(step, P)
+                    gen_start = time.perf_counter()
+                    with runner.decoding():
+                        for i, group in serialized(tr.sampler.groups(
+                                [p.ids for p in prompts], n=G, temperature=g.temperature, top_p=g.top_p,
+                                top_k=g.top_k, max_tokens=g.max_new_tokens, seed=g.seed + step, capture=cuda,
+                                **media_kwargs(prompts)), lock):
+                            take_group(i, group)
+                    runner.decoded()
+                    gen_end = time.perf_counter()
+                    if not self.sharded:
+                        tr.sampler.sleep()
+                with timer("train"):
+                    runner.finish()
+            if self.sharded:  # the weights stay gathered until every local pass ran and was reduced
+                with timer("train"):
+                    short = min(range(P * G), key=lambda j: len(samples[j].token_ids))  # the zero pass: padding's
+                    reduce_local_gradients(tr.model, lambda: up.accumulate_gradients(
+                        prompts, samples, adv, [short], micro_batches=[([0], True)], totals=totals))
+                    local.close()
+                    tr.sampler.sleep()
         except BaseException:  # the worker must not outlive a failed rollout
             runner.close()
+            local.close()
             raise
         with timer("train"):
-            runner.finish()
             n_kept, n_loss = float(len(kept) * G), sum(loss_tokens)
             if tr.dist is not None:  # the step's normalizers over every rank's groups
                 n_kept, n_loss = global_sums(tr.dist, [n_kept, n_loss])
             if not n_kept:
+                tr.optimizer.zero_grad()  # sharded: the zero pass left zero gradients
                 out = {"_train_tokens": 0.0, "skipped_update": 1.0}
             else:
                 kept.sort()  # finishing order -> group order
@@ -383,11 +419,13 @@ class StreamStep:
             - torch.cuda.memory_allocated(tr.device)
         if not self.logged:
             self.logged = True
-            slot = sum(p.numel() * 4 for p in tr.optimizer.params)  # an fp32 gradient per held micro-batch
-            log.info("grpo.overlap stream: KV pool %.2f GiB; beside it %.2f GiB for training activations and "
-                     "gradient slots (%.2f GiB each, at most %d held if all but the last group finish early); "
+            slot = sum(p.numel() * 4 for p in tr.optimizer.params) / 2**30  # fp32: per held slot, or the local sum
+            slots = (f"the locally summed unsharded fp32 gradients ({slot:.2f} GiB on every rank: FSDP2-sharded)"
+                     if self.sharded else f"gradient slots ({slot:.2f} GiB each, at most {num_groups - 1} held if "
+                                          "all but the last group finish early)")
+            log.info("grpo.overlap stream: KV pool %.2f GiB; beside it %.2f GiB for training activations and %s; "
                      "engine.gpu_memory_fraction / engine.num_kv_blocks move the split",
-                     tr.sampler.kv_pool_bytes() / 2**30, free / 2**30, slot / 2**30, num_groups - 1)
+                     tr.sampler.kv_pool_bytes() / 2**30, free / 2**30, slots)
         return free
 
     def _update(self, step: int, sums: dict, n_tok: int, seqs: list[int], loss_tokens: float, kept: float,

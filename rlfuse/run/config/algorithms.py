@@ -165,7 +165,9 @@ class GRPOConfig(_Section):
     advantages and forward+backward run as soon as its G completions finish, while the
     engine decodes the rest; on CUDA on a side stream; one optimizer step after the last
     group, so training stays exactly on-policy). Same parameters as sync (docs/algorithms.md,
-    "Streaming GRPO"); needs mu 1, mini_batches 1, a per-group advantage, single-turn, one process."""
+    "Streaming GRPO"); needs mu 1, mini_batches 1, a per-group advantage, single-turn. Under
+    torchrun each rank streams its groups (LoRA, or FSDP2-sharded: then equal to sync to fp32
+    rounding, not bitwise; docs/distributed.md)."""
 
 
 DPO_LOSSES = ("sigmoid", "ipo", "conservative")

@@ -41,7 +41,9 @@ from rlfuse.run.distributed.fsdp import (
                                             full_copy,
                                             gathered_weights,
                                             is_sharded,
+                                            local_gradients,
                                             log_memory,
+                                            reduce_local_gradients,
                                             shard_model,
                                             sync_on_last,
 )
@@ -49,7 +51,7 @@ from rlfuse.run.distributed.fsdp import (
 __all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "ShardedAdamW", "SilentLog", "configure_fsdp", "episode_metrics_on_ranks",
            "evaluate_on_ranks",
            "fail_together", "full_adamw_state", "full_copy", "gather_results", "gathered_weights", "global_sums", "init_distributed",
-           "is_sharded", "launch_env", "load_full_adamw_state", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
-           "mean_across_ranks", "on_any_rank", "on_main", "quiet_non_main", "reduce_metrics", "reduce_mismatch",
+           "is_sharded", "launch_env", "load_full_adamw_state", "local_gradients", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
+           "mean_across_ranks", "on_any_rank", "on_main", "quiet_non_main", "reduce_local_gradients", "reduce_metrics", "reduce_mismatch",
            "reduce_routing_mismatch", "rollout_on_ranks",
            "shard_model", "shutdown", "step_metrics", "sync_on_last"]

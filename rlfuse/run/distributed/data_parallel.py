@@ -89,6 +89,16 @@ class GatheredSampler:
             raise RuntimeError("GatheredSampler.generate: call wake() first (it gathers the weights on every rank)")
         return self.inner.generate(prompt_ids, **kw)
 
+    def groups(self, prompt_ids, **kw):
+        """The engine's groups as they finish (grpo.overlap stream: `EngineSampler.groups`),
+        inside one wake (the weights stay gathered while the caller trains between engine steps)."""
+        if self._gathered is None:
+            raise RuntimeError("GatheredSampler.groups: call wake() first (it gathers the weights on every rank)")
+        return self.inner.groups(prompt_ids, **kw)
+
+    def kv_pool_bytes(self) -> int:
+        return 0 if self.inner is None else self.inner.kv_pool_bytes()
+
 
 def rollout_on_ranks(ctx: DistContext, prompts: list, rollout: Callable, *, group_size: int,
                      what: str = "grpo.prompts_per_step"):

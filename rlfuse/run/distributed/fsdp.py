@@ -9,6 +9,7 @@ Test: python -m pytest -q tests/test_distributed.py
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 
 import torch
@@ -291,3 +292,64 @@ def gathered_weights(model: CausalLM):
             m.reshard()
 
 
+
+
+# ---------------------------------------------------------------------- local accumulation (stream mode)
+@contextlib.contextmanager
+def local_gradients(model: torch.nn.Module):
+    """Inside `gathered_weights`: training passes on sharded `model` that are not collectives.
+    Gradient sync and reshard-after-backward are off, so a forward finds every group gathered
+    (no all-gather), a backward leaves it gathered (the engine still reads those tensors) and
+    FSDP2 accumulates this rank's UNSHARDED gradients locally instead of reduce-scattering
+    them: 4 bytes per parameter per rank (fp32, the reduce dtype), beside the shards. Each
+    rank may then run any number of passes, at any time (grpo.overlap stream: its groups as
+    they finish). `reduce_local_gradients` must run on every rank before the block ends;
+    on exit reshard-after-backward is set back to distributed.reshard_after_backward and
+    gradient sync back on. `distributed.grad_sync: last` is held at `every` inside (its
+    `sync_on_last` would turn the sync on at a group's last micro-batch)."""
+    settings = getattr(model, "fsdp_settings", None)
+    groups = _fsdp_modules(model)
+    if settings is not None and settings.grad_sync != "every":
+        model.fsdp_settings = dataclasses.replace(settings, grad_sync="every")
+    model.set_requires_gradient_sync(False)
+    for m in groups:
+        m.set_reshard_after_backward(False, recurse=False)
+    try:
+        yield model
+    finally:
+        model.set_requires_gradient_sync(True)
+        for m in groups:
+            m.set_reshard_after_backward(True if settings is None else settings.reshard_after_backward, recurse=False)
+        if settings is not None:
+            model.fsdp_settings = settings
+
+
+def reduce_local_gradients(model: CausalLM, zero_pass=None) -> None:
+    """Inside `local_gradients`, on every rank (a collective): reduce-scatter the unsharded
+    gradients accumulated so far into the sharded `.grad`s the optimizer steps on.
+
+    FSDP2 (public API) reduce-scatters only in a backward with gradient sync on, so this is
+    one: sync on, then `zero_pass()`, a forward/backward whose loss has weight 0 (default:
+    one token, `loss * 0`; GRPO stream mode passes its own zero-weight micro-batch, which
+    also runs a vision tower or MoE router the way a training pass does). It adds nothing:
+    every trainable parameter without a gradient first gets a zero one (the ranks must
+    reduce-scatter the same parameters: a rank that trained no group, an LM head or a vision
+    tower the zero pass does not reach), the backward adds +-0 to each, and x + 0 == x (up
+    to the sign of a zero). Groups the backward does not reach reduce at its end too
+    (FSDP2's root post-backward callback finishes every group). Sync is off again on return."""
+    with torch.no_grad():
+        for p in model.parameters():  # the gathered (unsharded) parameters
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    model.set_requires_gradient_sync(True)
+    try:
+        (zero_pass or (lambda: _one_token_pass(model)))()
+    finally:
+        model.set_requires_gradient_sync(False)
+
+
+def _one_token_pass(model: CausalLM) -> None:
+    device = model.lm_head_weight.device
+    one = torch.zeros(1, dtype=torch.long, device=device)
+    h = model(one, one, Packed.from_lengths([1], device))
+    (h.sum() * 0.0).backward()
