@@ -50,6 +50,7 @@ from rlfuse.engine.config import EngineConfig, SamplingParams
 from rlfuse.engine.llm import LLM
 from rlfuse.kernels.backend import use_numerics
 from rlfuse.kernels.loss.logprob import token_logprobs
+from rlfuse.run.profile import union_length
 
 # (category, pattern on the kernel name); first match wins, order matters. Our Triton kernels
 # are named after their op (`_logprob_fwd_kernel`, `_attn_fwd_kernel`, `_paged_attn_combine_kernel`:
@@ -155,17 +156,7 @@ def profile_steps(llm: LLM, n: int, dev) -> dict:
         by_cat[category(e.name)] += d
         spans.append((t.start, t.end))
     spans.sort()
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
-    busy /= 1e6
+    busy = union_length(spans) / 1e6
     window = (spans[-1][1] - spans[0][0]) / 1e6 if spans else 0.0
     return dict(profiled_wall_s_per_step=wall / n, kernel_window_s_per_step=window / n,
                 gpu_busy_s_per_step=busy / n, kernels_per_step=len(kernels) / n,

@@ -59,7 +59,7 @@ def collective_kind(name: str) -> str | None:
     return next((kind for kind, subs in KINDS if any(s in n for s in subs)), "other")
 
 
-def _union(intervals: list[tuple[float, float]]) -> float:
+def union_length(intervals: list[tuple[float, float]]) -> float:
     """Total length of the union of [start, end) intervals."""
     total, cur_s, cur_e = 0.0, None, None
     for s, e in sorted(intervals):
@@ -128,14 +128,14 @@ def summarize_trace(trace: dict, wall_s: float) -> dict:
     for e in busy_evs:
         kind = collective_kind(e.get("name", ""))
         (kinds[kind] if kind else rest).append(span(e))
-    busy = _union([span(e) for e in busy_evs])
-    comm = _union([iv for ivs in kinds.values() for iv in ivs])
-    compute = _union(rest) if on_gpu else busy - comm
+    busy = union_length([span(e) for e in busy_evs])
+    comm = union_length([iv for ivs in kinds.values() for iv in ivs])
+    compute = union_length(rest) if on_gpu else busy - comm
     out = {"device": "cuda" if on_gpu else "cpu", "wall_s": wall_s, "busy_s": busy * 1e-6,
            "idle_s": max(wall_s - busy * 1e-6, 0.0), "compute_s": compute * 1e-6, "comm_s": comm * 1e-6,
            "exposed_comm_s": (busy - compute) * 1e-6}
     for k, ivs in kinds.items():
-        out[f"{k}_s"] = _union(ivs) * 1e-6
+        out[f"{k}_s"] = union_length(ivs) * 1e-6
     calls = [e for e in busy_evs if collective_kind(e.get("name", ""))]
     if not on_gpu and any("c10d::" in e["name"].lower() for e in calls):
         # gloo: count the c10d calls, not also their work on gloo's threads (where a reduce-scatter
