@@ -128,17 +128,19 @@ class _Raising(LengthsSampler):
         raise RuntimeError("this rank's engine failed")
 
 
-def _raises(out: Path, ctx) -> None:
-    cfg = _cfg(out, "raises", "stream", "dapo")
+def _raises(out: Path, ctx, lora: bool = False) -> None:
+    name = "raises_lora" if lora else "raises"
+    cfg = _cfg(out, name, "stream", "dapo", *(("model.lora={rank: 4, alpha: 8}",) if lora else ()))
     ses = open_session(cfg, dist=ctx)
     kind = _Raising if ctx.rank == 1 else LengthsSampler
-    ses._sampler = GatheredSampler(ses.model, lambda: kind(ses._engine_sampler().llm, ses.tokenizer, _length))
+    make = lambda: kind(ses._engine_sampler().llm, ses.tokenizer, _length)  # noqa: E731
+    ses._sampler = make() if lora else GatheredSampler(ses.model, make)  # LoRA: a replica, its own engine
     tr = GRPOStep(cfg, ses.model, ses.sampler, ses.rewards(), PromptStream(build_prompts(ses.train_rows, ses.tokenizer,
                   cfg.data), seed=0), make_optimizer(ses.model, cfg, ses.dist), dist=ses.dist)
     try:
         tr.step(0)
     except RankFailed as e:
-        (out / f"raised{ctx.rank}.txt").write_text(str(e))
+        (out / f"{name}{ctx.rank}.txt").write_text(str(e))
 
 
 def _threaded(out: Path, ctx, threaded: bool, *over: str) -> None:
@@ -204,6 +206,7 @@ def _job(rank: int, port: int, out: str) -> None:
         _moe(out, f"moe_{overlap}2", overlap, ctx)
     _vision(out, "vision_stream2", ctx)
     _raises(out, ctx)  # last: the failed step leaves its engine awake
+    _raises(out, ctx, lora=True)
     D.shutdown()
 
 
@@ -286,9 +289,10 @@ def test_fsdp_stream_with_fused_projections(runs):
 
 
 @pytest.mark.slow
-def test_fsdp_stream_a_raising_rank_stops_every_rank(runs):
+@pytest.mark.parametrize("name", ["raises", "raises_lora"])  # sharded, and the LoRA replicas
+def test_stream_a_raising_rank_stops_every_rank(runs, name):
     for rank in range(WORLD):
-        msg = (runs / f"raised{rank}.txt").read_text()
+        msg = (runs / f"{name}{rank}.txt").read_text()
         assert msg == "stream rollout: rank 1 raised RuntimeError: this rank's engine failed", msg
 
 

@@ -61,12 +61,12 @@ Data-parallel with a replicated model (LoRA, rlfuse.run.distributed.replicated):
 streams its block of the prompts and trains its groups locally (no collective while the
 engine decodes); after its last group, one sum of (kept sequences, loss tokens) over ranks
 gives the global normalizers of the rescale, ReplicatedAdamW sums the gradients, and one
-all-gather gives every rank the whole rollout (its metrics as in one process).
+all-gather gives every rank the whole rollout (its metrics as in one process). Both kinds
+run the rollout and its training in `fail_together`: a rank that raises stops every rank.
 FSDP2-sharded (full fine-tune): the engine decodes from the gathered groups; in
 `local_gradients` a training pass is no collective (gradient sync, reshard-after-backward
 off): each rank trains its groups as they finish, FSDP2 summing its unsharded fp32 gradients
-locally (4 bytes per parameter per rank; no slots). After the rollout (`fail_together`: a
-rank that raised stops all) one zero-weight pass with sync on (`reduce_local_gradients`)
+locally (4 bytes per parameter per rank; no slots). After the rollout one zero-weight pass with sync on (`reduce_local_gradients`)
 reduce-scatters them; the engine sleeps, the rescale and step follow. OrderedGradients
 cannot reorder FSDP2's (private) buffers, so groups add in finishing order: sync's result to
 fp32 rounding, not bitwise (same rollouts, exact mismatch 0). On CUDA the interleaved runner
@@ -349,7 +349,7 @@ class StreamStep:
                                  for s in group)
             runner.submit(lambda: train_group(i, seqs))
 
-        fail = fail_together(tr.dist, "stream rollout") if self.sharded else contextlib.nullcontext()
+        fail = fail_together(tr.dist, "stream rollout") if tr.dist is not None else contextlib.nullcontext()
         try:
             with fail:
                 with timer("generate"):
