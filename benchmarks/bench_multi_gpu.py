@@ -28,8 +28,9 @@ Phases (several may be given; they run in order):
           a second table (all-gather / reduce-scatter / all-reduce / compute / exposed
           communication / idle / host-sync seconds, max over ranks and rank 0, collective counts,
           top host ops) and $OUT/profile_traces_<i>.tar (rank 0's and the slowest rank's traces)
-  faults  on --fault-gpus N (2 or 4): a rank that raises, a rank SIGKILLed mid-step, the
-          N-GPU step-2 checkpoint resumed on N, N/2, ..., 1 GPUs vs the uninterrupted run
+  faults  on --fault-gpus N (2 or 4): a reward raising on the last rank, its reward worker
+          SIGKILLed, the rank itself SIGKILLed mid-step (kill_rank), the N-GPU step-2
+          checkpoint resumed on N, N/2, ..., 1 GPUs vs the uninterrupted run
   moe     full fine-tuning GRPO (bf16, numerics exact) of a Qwen3-MoE shape (--moe-shape,
           default moe-3b: 2.9 B parameters, 64 experts top-8), experts FSDP2-sharded, on each
           of --moe-gpus (1 2 4), 3 steps, same global batch and seed: per-step
@@ -466,7 +467,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
             J.run(f"resume_{n}to{m}", J.argv("grpo", full, work / k, m, "--resume"), gpu="0" if m == 1 else None)
             res[k] = {**metric_diff(metrics(work / k, "grpo"), metrics(work / "res_full", "grpo")),
                       "weights": weight_diff(work / k / "final", work / "res_full" / "final")}
-        for mode in () if args.resume_only else ("raise", "kill"):
+        for mode in () if args.resume_only else ("raise", "kill", "kill_rank"):
             rw = [{"name": f"{work}/reward.py:faulty", "kwargs": {"mode": mode, "rank": n - 1, "call": 2}}]
             cfg = recipe(work, f"fault_{mode}", "grpo", rewards=rw, steps=4, prompts=8, group=4, new=64)
             r = J.run(f"fault_{mode}", J.argv("grpo", cfg, work / f"fault_{mode}", n, "--dist-timeout", "60"),
@@ -477,7 +478,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
     print("\n| job | rc | wall s |\n|---|---|---|")
     for r in J.results.values():
         print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
-    for k in ("raise", "kill"):
+    for k in ("raise", "kill", "kill_rank"):
         if k in res:
             print(f"fault {k}: {res[k]}")
     for k in [k for k in res if k.startswith("res_")]:

@@ -37,8 +37,10 @@ REWARD = ("import os, signal\n"
           "def faulty(prompts, completions, completion_ids, *, mode='raise', rank=1, call=2, **kw):\n"
           "    CALLS[0] += 1\n"
           "    if os.environ.get('RANK') == str(rank) and CALLS[0] >= call:\n"
-          "        if mode == 'kill':\n"
+          "        if mode == 'kill':  # the reward's worker process (user rewards run in one)\n"
           "            os.kill(os.getpid(), signal.SIGKILL)\n"
+          "        if mode == 'kill_rank':  # the rank itself: the worker's parent\n"
+          "            os.kill(os.getppid(), signal.SIGKILL)\n"
           "        raise RuntimeError(f'injected fault on rank {rank} at reward call {call}')\n"
           "    return even(prompts, completions, completion_ids)\n")
 AGENT = ("async def twice(client, row):\n"  # kinds: the second call extends the first (one merged sample)
