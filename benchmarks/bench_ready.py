@@ -18,7 +18,6 @@ import argparse
 import dataclasses
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -62,19 +61,16 @@ def worker(cfg_path: str, folder: str, t_launch: float, export: bool) -> None:
     shutdown()
 
 
-def launch(gpus: int, cfg: Path, folder: Path, export: bool, timeout: float) -> dict:
-    argv = ["torchrun", "--standalone", "--nproc_per_node", str(gpus), __file__, "--worker", str(cfg),
+def launch(J, name: str, gpus: int, cfg: Path, folder: Path, export: bool, timeout: float) -> dict:
+    """One torchrun job through bench_multi_gpu.py's job runner (its log, time limit and the
+    stop of a timed-out job's workers): its rc, wall and the READY line's times."""
+    argv = ["torchrun", "--standalone", "--nproc_per_node", str(gpus), str(Path(__file__).resolve()), "--worker", str(cfg),
             "--folder", str(folder), "--t-launch", str(time.time())] + (["--export"] if export else [])
-    t = time.time()
-    try:
-        p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        out, rc = p.stdout + p.stderr, p.returncode
-    except subprocess.TimeoutExpired as e:
-        out, rc = (e.stdout or b"").decode() + (e.stderr or b"").decode() if isinstance(e.stdout, bytes) else "", "timeout"
-    lines = [ln for ln in out.splitlines() if ln.startswith("READY ")]
-    res = json.loads(lines[-1][6:]) if lines else {}
-    errs = [ln for ln in out.splitlines() if "Error" in ln or "rlfuse: error" in ln][-4:]
-    return {"rc": rc, "wall_s": round(time.time() - t, 1), **res, **({"errors": errs} if rc else {})}
+    r = J.run(name, argv, timeout=timeout)
+    log = (J.logs / f"{name}.log").read_text(errors="replace").splitlines()
+    ready = [ln for ln in log if ln.startswith("READY ")]
+    return {"rc": r["rc"], "wall_s": r["wall_s"], **(json.loads(ready[-1][6:]) if ready else {}),
+            **({"errors": r["errors"]} if r["rc"] else {})}
 
 
 def main() -> int:
@@ -99,14 +95,15 @@ def main() -> int:
     M.setup(work)
     cfg = M.recipe(work, f"ready_{args.shape}", "grpo", shape=args.shape, model={"init": "keyed"})
     folder = work / f"folder_{args.shape}"
-    rows = {"random": launch(args.gpus, cfg, folder, True, args.job_timeout)}
-    print(json.dumps(rows["random"]), flush=True)
-    if rows["random"]["rc"] == 0:
-        rows["folder"] = launch(args.gpus, cfg, folder, False, args.job_timeout)
-        print(json.dumps(rows["folder"]), flush=True)
     out = Path(os.environ.get("OUT", "."))
     out.mkdir(parents=True, exist_ok=True)
-    (out / "bench_ready.json").write_text(json.dumps({"shape": args.shape, "gpus": args.gpus, **rows}, indent=1))
+    J = M.Jobs(work, out, "ready")
+    rows = {"random": launch(J, "random", args.gpus, cfg, folder, True, args.job_timeout)}
+    print(json.dumps(rows["random"]), flush=True)
+    if rows["random"]["rc"] == 0:
+        rows["folder"] = launch(J, "folder", args.gpus, cfg, folder, False, args.job_timeout)
+        print(json.dumps(rows["folder"]), flush=True)
+    J.finish({"shape": args.shape, "gpus": args.gpus, **rows})  # $OUT/bench_multi_gpu_ready.json + the logs
     print(f"\n| {args.shape} on {args.gpus} | rc | build s | launch-to-ready s | export s | peak MiB |\n|---|---|---|---|---|---|")
     for k, r in rows.items():
         print(f"| {k} | {r['rc']} | {r.get('build_s', float('nan')):.1f} | {r.get('ready_wall_s', float('nan')):.1f} | "
