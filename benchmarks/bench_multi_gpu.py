@@ -481,10 +481,9 @@ def phase_faults(out: Path, work: Path, args) -> dict:
     for k in ("raise", "kill", "kill_rank"):
         if k in res:
             print(f"fault {k}: {res[k]}")
-    for k in [k for k in res if k.startswith("res_")]:
-        if k in res:
-            print(f"{k}: weights {res[k]['weights']}; steps " +
-                  "; ".join(f"{s['step']}: {s['max_rel_diff']:.1e} ({s['where']})" for s in res[k]["steps"]))
+    for k in (k for k in res if k.startswith("res_")):
+        print(f"{k}: weights {res[k]['weights']}; steps " +
+              "; ".join(f"{s['step']}: {s['max_rel_diff']:.1e} ({s['where']})" for s in res[k]["steps"]))
     return res
 
 

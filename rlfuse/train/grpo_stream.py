@@ -66,11 +66,11 @@ run the rollout and its training in `fail_together`: a rank that raises stops ev
 FSDP2-sharded (full fine-tune): the engine decodes from the gathered groups; in
 `local_gradients` a training pass is no collective (gradient sync, reshard-after-backward
 off): each rank trains its groups as they finish, FSDP2 summing its unsharded fp32 gradients
-locally (4 bytes per parameter per rank; no slots). After the rollout one zero-weight pass with sync on (`reduce_local_gradients`)
-reduce-scatters them; the engine sleeps, the rescale and step follow. OrderedGradients
-cannot reorder FSDP2's (private) buffers, so groups add in finishing order: sync's result to
-fp32 rounding, not bitwise (same rollouts, exact mismatch 0). On CUDA the interleaved runner
-(FSDP2 hooks on a worker thread beside the engine's never ran on GPUs; `threaded` forces it).
+locally (4 bytes per parameter per rank; no slots). After the rollout one zero-weight pass
+with sync on (`reduce_local_gradients`) reduce-scatters them; the engine sleeps, the rescale
+and step follow. OrderedGradients cannot reorder FSDP2's (private) buffers, so groups add in
+finishing order: sync's result to fp32 rounding, not bitwise (same rollouts, mismatch 0). On
+CUDA the interleaved runner (FSDP2 hooks on a worker thread never ran on GPUs; `threaded`).
 Test: python -m pytest -q tests/test_grpo_stream.py   Bench: python benchmarks/bench_stream.py
 """
 
