@@ -315,7 +315,10 @@ def test_reduce_local_gradients_adds_nothing(tmp_path):
 # big enough for every GEMM to hold a full Triton tile (tests/test_grpo_gpu.py's shape)
 GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
-GPU = ("model.device=cuda", "model.dtype=bfloat16", "engine.gpu_memory_fraction=0.3", "engine.max_num_seqs=64")
+# one sequence per micro-batch: sync's packed micro-batches would round their bf16 weight
+# gradients apart from stream's per-group passes (seen: 7e-4 of step 1's gradient norm on 2 H200s)
+GPU = ("model.device=cuda", "model.dtype=bfloat16", "engine.gpu_memory_fraction=0.3", "engine.max_num_seqs=64",
+       "grpo.micro_batch_tokens=1")
 
 
 def _gpu_job(rank: int, port: int, out: str) -> None:
@@ -337,9 +340,9 @@ def _gpu_job(rank: int, port: int, out: str) -> None:
 def test_fsdp_stream_on_two_gpus_bf16_exact(tmp_path):
     """2 GPUs (FSDP2, NCCL), bf16 exact numerics: stream vs sync and the worker thread (its side
     stream, engine steps serialized against its jobs) vs the interleaved runner. Mismatch 0 on
-    every step and rank; step 1 samples from the same weights, so its rollout is sync's and
-    its loss and gradient norm agree to fp32 rounding (later steps' bf16 weights may round
-    apart and sample otherwise); the threaded run is the interleaved one bitwise. With fused
+    every step and rank; step 1 samples from the same weights, so its rollout is sync's and,
+    one sequence per micro-batch, its loss and gradient norm agree to fp32 rounding (later
+    steps' bf16 weights may round apart and sample otherwise); the threaded run is the interleaved one bitwise. With fused
     projections (CUDA's default) mismatch 0 and step 1's rollout too; its loss and gradient
     norm are printed (dx of the fused GEMMs rounds apart from the separate ones)."""
     if torch.cuda.device_count() < WORLD:

@@ -106,8 +106,7 @@ def make_optimizer(model: torch.nn.Module, cfg: RunConfig, dist: DistContext | N
     o = cfg.optim
     kw = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if is_sharded(model):
-        return ShardedAdamW(model, **kw, compute_dtype=parse_dtype(cfg.model.dtype),
-                            foreach=cfg.distributed.optimizer_foreach)
+        return ShardedAdamW(model, **kw, compute_dtype=parse_dtype(cfg.model.dtype))
     if dist is not None:
         return ReplicatedAdamW(model.parameters(), dist, **kw)
     return MasterAdamW(model.parameters(), **kw)

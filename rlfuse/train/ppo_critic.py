@@ -61,7 +61,7 @@ def build_critic(cfg: RunConfig, policy, dist: DistContext | None = None) -> Sca
     critic.kernels = policy.kernels
     if dist is not None:
         critic = shard_model(critic, dist)
-        configure_fsdp(critic, cfg.distributed)
+        configure_fsdp(critic, cfg.distributed, parse_dtype(cfg.model.dtype))
     return critic
 
 
@@ -70,8 +70,7 @@ def make_critic_optimizer(critic: ScalarHeadModel, cfg: RunConfig) -> MasterAdam
     o = cfg.optim
     kw = dict(lr=cfg.ppo.critic_lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay)
     if is_sharded(critic):
-        return ShardedAdamW(critic, **kw, compute_dtype=parse_dtype(cfg.model.dtype),
-                            foreach=cfg.distributed.optimizer_foreach)
+        return ShardedAdamW(critic, **kw, compute_dtype=parse_dtype(cfg.model.dtype))
     return MasterAdamW(critic.parameters(), **kw)
 
 

@@ -35,6 +35,7 @@ from rlfuse.data import (
 from rlfuse.kernels.backend import KernelSettings
 from rlfuse.model.config import read_json
 from rlfuse.model.lora import BaseModelView, has_lora
+from rlfuse.model.weights import parse_dtype
 from rlfuse.rollout import EngineSampler, MultiTurnSampler, RewardSet, char_chat_tokenizer, load_tools
 from rlfuse.run import (
     apply_lora,
@@ -199,7 +200,7 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
     if dist is not None and not sharded and not has_lora(model):
         model = shard_model(model, dist)  # with LoRA the model stays whole on every rank (replicated)
     if is_sharded(model):
-        configure_fsdp(model, cfg.distributed)
+        configure_fsdp(model, cfg.distributed, parse_dtype(cfg.model.dtype))
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")

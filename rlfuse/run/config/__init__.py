@@ -11,6 +11,7 @@ from rlfuse.run.config.sections import (
                                           WANDB_MODES,
                                           CheckpointConfig,
                                           DataConfig,
+                                          DistributedConfig,
                                           LoggingConfig,
                                           MlflowConfig,
                                           ModelSpec,
@@ -21,6 +22,6 @@ from rlfuse.run.config.sections import (
 )
 
 __all__ = ["ADV_SCALES", "DPO_LOSSES", "ESTIMATORS", "OBS_TRUNCATION", "ON_REWARD_ERROR", "TOOL_CALL_FORMATS",
-           "WANDB_MODES", "CheckpointConfig", "DPOConfig", "DataConfig", "GRPOConfig", "LoggingConfig", "MlflowConfig",
+           "WANDB_MODES", "CheckpointConfig", "DPOConfig", "DataConfig", "DistributedConfig", "GRPOConfig", "LoggingConfig", "MlflowConfig",
            "ModelSpec", "OptimConfig", "PPOConfig", "RewardSpec", "RolloutConfig", "RunConfig", "SFTConfig",
            "WandbConfig", "describe", "load_config", "replace", "save_config", "to_dict"]

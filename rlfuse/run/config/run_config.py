@@ -49,6 +49,7 @@ from rlfuse.run.config.algorithms import (
 )
 from rlfuse.run.config.sections import (
     _DC,
+    FSDP_TRADES,
     GRAD_SYNC,
     OBS_TRUNCATION,
     ON_REWARD_ERROR,
@@ -148,7 +149,9 @@ class RunConfig:
         check_stream(g, multi_turn=self.rollout.multi_turn)
         _check_choice("logging.wandb.mode", self.logging.wandb.mode, WANDB_MODES)
         _check_choice("logging.profile_phase", self.logging.profile_phase, PROFILE_PHASES)
-        _check_choice("distributed.grad_sync", self.distributed.grad_sync, GRAD_SYNC)
+        if self.distributed.grad_sync is not None:
+            _check_choice("distributed.grad_sync", self.distributed.grad_sync, GRAD_SYNC)
+        _check_choice("distributed.trade", self.distributed.trade, FSDP_TRADES)
         bad = {k: v for k, v in self.data.columns.items() if not (isinstance(k, str) and isinstance(v, str) and v)}
         if bad:
             raise ValueError(f"data.columns must map dataset column names to rlfuse column names (strings), "

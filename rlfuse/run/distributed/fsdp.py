@@ -39,13 +39,51 @@ def _apply_reshard_policy(model: torch.nn.Module) -> None:
         m.set_reshard_after_forward(after and m is not model, recurse=False)
 
 
-def configure_fsdp(model: CausalLM, settings) -> None:
-    """Apply the FSDP2 settings `settings` (rlfuse.run.config.DistributedConfig: reshard_after_forward,
-    reshard_after_backward, prefetch, grad_sync) to sharded `model`, and keep them on it as
-    `model.fsdp_settings` (`gathered_weights` restores the reshard policy from them; `sync_on_last`
-    reads grad_sync). The defaults leave FSDP2 as `shard_model` set it. Whatever the settings, the
-    values the layers compute with are the same all-gathered weights: only when the gathers and
-    frees happen changes (grad_sync apart: see `sync_on_last`)."""
+TRADES = {
+    "memory": dict(reshard_after_forward=True, reshard_after_backward=True, prefetch=0, grad_sync="every",
+                   optimizer_foreach=False),
+    "communication": dict(reshard_after_forward=False, reshard_after_backward=False, prefetch=2, grad_sync="last",
+                          optimizer_foreach=True),
+}
+"""The values distributed.trade gives the settings left unset (the communication row is the
+set measured fastest on 4 H200s: benchmarks/bench_multi_gpu.py scale, docs/distributed.md)."""
+AUTO_SHARE = 0.10
+"""distributed.trade auto: the communication trade's extra bytes (gathered weights + unsharded
+fp32 gradients) may take this share of the GPU's memory; the engine's KV pool and the
+activations are sized from the rest (engine.gpu_memory_fraction)."""
+
+
+def resolve_settings(settings, n_params: int, compute_bytes: int, device_bytes: int | None):
+    """`settings` (DistributedConfig) with every unset (None) field filled from its trade;
+    auto picks communication when (compute_bytes + 4) * n_params <= AUTO_SHARE * device_bytes
+    (device_bytes None, a CPU: memory). Returns (resolved settings, one line saying why)."""
+    trade, why = settings.trade, "as set"
+    if trade == "auto":
+        extra = (compute_bytes + 4) * n_params
+        if device_bytes is None:
+            trade, why = "memory", "auto on CPU"
+        else:
+            fits = extra <= AUTO_SHARE * device_bytes
+            trade = "communication" if fits else "memory"
+            why = (f"auto: the gathered model and its fp32 gradients ({extra / 2**30:.1f} GiB, "
+                   f"{compute_bytes + 4} bytes x {n_params / 1e9:.2f} B parameters) {'fit in' if fits else 'exceed'} "
+                   f"{AUTO_SHARE:.0%} of the GPU's {device_bytes / 2**30:.1f} GiB")
+    unset = {k: v for k, v in TRADES[trade].items() if getattr(settings, k) is None}
+    return dataclasses.replace(settings, trade=trade, **unset), why
+
+
+def configure_fsdp(model: CausalLM, settings, compute_dtype: torch.dtype) -> None:
+    """Apply the FSDP2 settings `settings` (rlfuse.run.config.DistributedConfig: its trade,
+    reshard_after_forward, reshard_after_backward, prefetch, grad_sync, optimizer_foreach) to
+    sharded `model` (gathering in `compute_dtype`), and keep them, resolved
+    (`resolve_settings`), on it as `model.fsdp_settings` (`gathered_weights` restores the
+    reshard policy from them; `sync_on_last` reads grad_sync, ShardedAdamW optimizer_foreach).
+    Whatever the settings, the values the layers compute with are the same all-gathered
+    weights: only when the gathers and frees happen changes (grad_sync apart: see `sync_on_last`)."""
+    device = next(model.parameters()).device
+    total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    n_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
+    settings, why = resolve_settings(settings, n_params, compute_dtype.itemsize, total)
     model.fsdp_settings = settings
     _apply_reshard_policy(model)
     for m in _fsdp_modules(model):
@@ -62,9 +100,9 @@ def configure_fsdp(model: CausalLM, settings) -> None:
                 m.set_modules_to_forward_prefetch(nxt)
             if prev := layers[max(0, i - k):i][::-1]:  # nearest first, as backward reaches them
                 m.set_modules_to_backward_prefetch(prev)
-    if k or not settings.reshard_after_forward or not settings.reshard_after_backward or settings.grad_sync != "every":
-        log.info("FSDP2 settings: reshard_after_forward %s, reshard_after_backward %s, prefetch %d, grad_sync %s",
-                 settings.reshard_after_forward, settings.reshard_after_backward, k, settings.grad_sync)
+    log.info("FSDP2 trade %s (%s): reshard_after_forward %s, reshard_after_backward %s, prefetch %d, grad_sync %s, "
+             "optimizer_foreach %s", settings.trade, why, settings.reshard_after_forward,
+             settings.reshard_after_backward, k, settings.grad_sync, settings.optimizer_foreach)
 
 
 def sync_on_last(model: torch.nn.Module, micro_batches):
@@ -221,7 +259,9 @@ class ShardedAdamW:
     fp32 gradient shards (MasterAdamW's hooks must never see FSDP parameters)."""
 
     def __init__(self, model: torch.nn.Module, *, lr: float, betas=(0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, compute_dtype: torch.dtype, foreach: bool = False):
+                 weight_decay: float = 0.0, compute_dtype: torch.dtype, foreach: bool | None = None):
+        if foreach is None:  # the run's resolved distributed.optimizer_foreach (configure_fsdp)
+            foreach = bool(getattr(getattr(model, "fsdp_settings", None), "optimizer_foreach", False))
         self.params = list(model.parameters())
         self.groups = _fsdp_modules(model)
         self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
