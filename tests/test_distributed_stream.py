@@ -311,14 +311,38 @@ def test_reduce_local_gradients_adds_nothing(tmp_path):
         assert all(float(g.abs().max()) > 0 for g in reduced)  # every shard got a gradient
 
 
+def _bf16_job(rank: int, port: int, out: str) -> None:
+    ctx = gloo_rank(rank, WORLD, port)
+    for overlap in ("stream", "sync"):
+        _run(Path(out), f"{overlap}_bf16", overlap, "grpo", "model.dtype=bfloat16", *SAME_SCALE, ctx=ctx)
+    D.shutdown()
+
+
+@pytest.mark.slow  # ~25 s on 2 cores
+def test_fsdp_stream_in_bf16_matches_sync_where_the_scale_is_known(tmp_path):
+    """The GPU test's comparison on 2 gloo ranks in bf16: with grpo's known normalizer and one
+    sequence per micro-batch, step 1's loss and gradient norm equal sync's to fp32 rounding."""
+    with torch_threads(1):
+        spawn_ranks(_bf16_job, WORLD, free_port(), str(tmp_path))
+    stream, sync = _rows(tmp_path / "stream_bf16"), _rows(tmp_path / "sync_bf16")
+    assert {k: stream[0][k] for k in ROLLOUT} == {k: sync[0][k] for k in ROLLOUT}
+    assert sync[0]["grad_norm"] > 0
+    for k in ("loss", "grad_norm"):
+        assert abs(stream[0][k] - sync[0][k]) <= 1e-5 * max(1.0, abs(sync[0][k])), (k, stream[0][k], sync[0][k])
+
+
 # ---------------------------------------------------------------------- 2 GPUs (NCCL)
 # big enough for every GEMM to hold a full Triton tile (tests/test_grpo_gpu.py's shape)
 GPU_MODEL = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, max_position_embeddings=128)
-# one sequence per micro-batch: sync's packed micro-batches would round their bf16 weight
-# gradients apart from stream's per-group passes (seen: 7e-4 of step 1's gradient norm on 2 H200s)
-GPU = ("model.device=cuda", "model.dtype=bfloat16", "engine.gpu_memory_fraction=0.3", "engine.max_num_seqs=64",
-       "grpo.micro_batch_tokens=1")
+# stream equals sync to fp32 rounding in bf16 only where the backward runs at sync's scale:
+# grpo's sequence-count normalizer is known before the rollout, and one sequence per
+# micro-batch cuts sync's micro-batches at group boundaries as stream's are. dapo's token-level
+# mean (and dynamic sampling's kept count) is known only at the end: stream backpropagates
+# unnormalized sums and rescales, so its bf16 weight gradients round apart from sync's at
+# bf16, not fp32 (seen: 7e-4 of step 1's gradient norm on 2 H200s, 5.7e-4 on 2 gloo ranks)
+SAME_SCALE = ("grpo.kl_coef=0", "grpo.dynamic_sampling=false", "grpo.micro_batch_tokens=1")
+GPU = ("model.device=cuda", "model.dtype=bfloat16", "engine.gpu_memory_fraction=0.3", "engine.max_num_seqs=64")
 
 
 def _gpu_job(rank: int, port: int, out: str) -> None:
@@ -328,9 +352,9 @@ def _gpu_job(rank: int, port: int, out: str) -> None:
     D.quiet_non_main(ctx)
     out = Path(out)
     for overlap in ("stream", "sync"):
-        _run(out, f"{overlap}_dapo2", overlap, "dapo", *GPU, ctx=ctx)
+        _run(out, f"{overlap}_grpo2", overlap, "grpo", *GPU, *SAME_SCALE, ctx=ctx)
     # CUDA's default: the engine's gathered weights fused, so the stream's training passes take the fused GEMMs
-    _run(out, "fused_dapo2", "stream", "dapo", *GPU, "engine.fuse_projections=true", ctx=ctx)
+    _run(out, "fused_grpo2", "stream", "grpo", *GPU, *SAME_SCALE, "engine.fuse_projections=true", ctx=ctx)
     for threaded in (False, True):  # the default on CUDA (interleaved) and the forced worker thread
         _threaded(out, ctx, threaded, *GPU)
     D.shutdown()
@@ -340,24 +364,25 @@ def _gpu_job(rank: int, port: int, out: str) -> None:
 def test_fsdp_stream_on_two_gpus_bf16_exact(tmp_path):
     """2 GPUs (FSDP2, NCCL), bf16 exact numerics: stream vs sync and the worker thread (its side
     stream, engine steps serialized against its jobs) vs the interleaved runner. Mismatch 0 on
-    every step and rank; step 1 samples from the same weights, so its rollout is sync's and,
-    one sequence per micro-batch, its loss and gradient norm agree to fp32 rounding (later
-    steps' bf16 weights may round apart and sample otherwise); the threaded run is the interleaved one bitwise. With fused
-    projections (CUDA's default) mismatch 0 and step 1's rollout too; its loss and gradient
-    norm are printed (dx of the fused GEMMs rounds apart from the separate ones)."""
+    every step and rank; step 1 samples from the same weights, so its rollout is sync's and
+    (grpo's known normalizer, one sequence per micro-batch) its loss and gradient norm agree
+    to fp32 rounding (later steps' bf16 weights may round apart and sample otherwise); the
+    threaded run (dapo) is the interleaved one bitwise. With fused projections (CUDA's
+    default) mismatch 0 and step 1's rollout too; its loss and gradient norm are printed
+    (dx of the fused GEMMs rounds apart from the separate ones)."""
     if torch.cuda.device_count() < WORLD:
         pytest.skip(f"needs {WORLD} CUDA GPUs")
     spawn_ranks(_gpu_job, WORLD, free_port(), str(tmp_path))
-    stream, sync = _rows(tmp_path / "stream_dapo2"), _rows(tmp_path / "sync_dapo2")
+    stream, sync = _rows(tmp_path / "stream_grpo2"), _rows(tmp_path / "sync_grpo2")
     assert len(stream) == len(sync) == STEPS
     assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in stream + sync)
     assert {k: stream[0][k] for k in ROLLOUT} == {k: sync[0][k] for k in ROLLOUT}
     for k in ("loss", "grad_norm"):
         print(f"FSDP stream vs sync on 2 GPUs, step 1 {k}: {stream[0][k]} vs {sync[0][k]}")
         assert abs(stream[0][k] - sync[0][k]) <= 1e-5 * max(1.0, abs(sync[0][k])), k
-    print(f"weights after {STEPS} steps: stream vs sync max |diff| {_dw(tmp_path, 'stream_dapo2', 'sync_dapo2'):.2e}")
+    print(f"weights after {STEPS} steps: stream vs sync max |diff| {_dw(tmp_path, 'stream_grpo2', 'sync_grpo2'):.2e}")
     assert _dw(tmp_path, "steps_threaded", "steps_interleaved") == 0.0
-    fused = _rows(tmp_path / "fused_dapo2")
+    fused = _rows(tmp_path / "fused_grpo2")
     assert all(r["mismatch/max_abs"] == 0.0 and r["mismatch/full_max_abs"] == 0.0 for r in fused)
     assert {k: fused[0][k] for k in ROLLOUT} == {k: sync[0][k] for k in ROLLOUT}
     print(f"fused stream vs sync, step 1: loss {fused[0]['loss']} vs {sync[0]['loss']}, grad norm "
