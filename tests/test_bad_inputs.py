@@ -1249,6 +1249,7 @@ RANGE_CASES = [
     ("logging.profile_phase=backward", r"logging\.profile_phase must be one of \['train', 'generate', 'score'\], "
                                        r"got 'backward'"),
     ("distributed.grad_sync=never", r"distributed\.grad_sync must be one of \['every', 'last'\], got 'never'"),
+    ("distributed.trade=fast", r"distributed\.trade must be one of \['auto', 'memory', 'communication'\], got 'fast'"),
     # engine parameters (EngineConfig checks its own fields; the section is named)
     ("engine.block_size=12", r"engine\.block_size must be a power of two, got 12"),
     ("engine.max_num_seqs=0", r"engine\.max_num_seqs must be a positive integer, got 0"),
