@@ -5,8 +5,9 @@ Three torchrun jobs on --gpus GPUs, a Qwen3 shape (bench_multi_gpu.py's random r
            then the final export: the weights gathered on rank 0 and written as an HF folder
   folder   that folder read back shard by shard (model.path, build_sharded)
 Reported per job: the build (from the barrier after init_distributed to the last rank's model,
-synchronized), the export where there is one, and the launch-to-ready wall (torchrun start to
-ready: imports, CUDA and NCCL set-up included). Targets: 8B on 4 GPUs ready in <= 20 s random,
+synchronized), the export where there is one, the launch-to-ready wall (torchrun start to
+ready: imports, CUDA and NCCL set-up included) and when each stage before the build ended
+(process start, imports, init_distributed, the first barrier). Targets: 8B on 4 GPUs ready in <= 20 s random,
 <= 40 s from a folder.
 
     OUT=out python3 benchmarks/bench_ready.py --shape 8b --gpus 4 --work /tmp/ready
@@ -28,6 +29,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def worker(cfg_path: str, folder: str, t_launch: float, export: bool) -> None:
+    stages = {"start": time.time()}  # the seconds from launch at which each stage ended (rank 0's)
     import torch
     import torch.distributed as dist
 
@@ -36,20 +38,23 @@ def worker(cfg_path: str, folder: str, t_launch: float, export: bool) -> None:
     from rlfuse.run.config.run_config import load_config
     from rlfuse.run.distributed.context import init_distributed, launch_env, shutdown
 
+    stages["imports"] = time.time()
     cfg = load_config(cfg_path)
     env = launch_env(os.environ)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     ctx = init_distributed(env, device_type=device_type)
+    stages["init_distributed"] = time.time()
     tok = build_tokenizer(cfg.model)
     spec = cfg.model if export else dataclasses.replace(cfg.model, path=folder, random_init=None)
     sync = torch.cuda.synchronize if device_type == "cuda" else (lambda: None)
-    dist.barrier()
-    t0 = time.time()
+    dist.barrier()  # the first collective: NCCL builds its communicator here
+    t0 = stages["first_barrier"] = time.time()
     model = build_sharded(spec, tok, ctx, seed=cfg.seed)
     sync()
     dist.barrier()
     t1 = time.time()
-    res = {"build_s": t1 - t0, "ready_wall_s": t1 - t_launch}
+    res = {"build_s": t1 - t0, "ready_wall_s": t1 - t_launch,
+           "stages_s": {k: round(v - t_launch, 2) for k, v in stages.items()}}
     if device_type == "cuda":
         res["peak_mib"] = torch.cuda.max_memory_allocated() / 2**20
     if export:
@@ -104,10 +109,12 @@ def main() -> int:
         rows["folder"] = launch(J, "folder", args.gpus, cfg, folder, False, args.job_timeout)
         print(json.dumps(rows["folder"]), flush=True)
     J.finish({"shape": args.shape, "gpus": args.gpus, **rows})  # $OUT/bench_multi_gpu_ready.json + the logs
-    print(f"\n| {args.shape} on {args.gpus} | rc | build s | launch-to-ready s | export s | peak MiB |\n|---|---|---|---|---|---|")
+    print(f"\n| {args.shape} on {args.gpus} | rc | build s | launch-to-ready s | export s | peak MiB | "
+          f"stages ended at (s from launch) |\n|---|---|---|---|---|---|---|")
     for k, r in rows.items():
+        stages = ", ".join(f"{n} {t:.1f}" for n, t in r.get("stages_s", {}).items())
         print(f"| {k} | {r['rc']} | {r.get('build_s', float('nan')):.1f} | {r.get('ready_wall_s', float('nan')):.1f} | "
-              f"{r.get('export_s', float('nan')):.1f} | {r.get('peak_mib', float('nan')):.0f} |")
+              f"{r.get('export_s', float('nan')):.1f} | {r.get('peak_mib', float('nan')):.0f} | {stages} |")
     return 0 if all(r["rc"] == 0 for r in rows.values()) else 1
 
 
