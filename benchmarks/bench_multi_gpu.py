@@ -456,17 +456,19 @@ def phase_faults(out: Path, work: Path, args) -> dict:
         # checkpoint --resume on N GPUs (same N: bitwise expected) and on each smaller power of two
         # down to 1 (N -> M resharding: within the documented tolerance)
         n = args.fault_gpus
-        full = recipe(work, "res_full", "grpo", numerics="exact", steps=4, prompts=8, group=4, new=64, ckpt_every=2)
-        J.run(f"resume_full_{n}gpu", J.argv("grpo", full, work / "res_full", n))
-        targets = [n]
-        while targets[-1] > 1:
-            targets.append(targets[-1] // 2)
-        for m in targets:
-            k = f"res_{n}to{m}"
-            resume_from(work / "res_full", work / k, 2)
-            J.run(f"resume_{n}to{m}", J.argv("grpo", full, work / k, m, "--resume"), gpu="0" if m == 1 else None)
-            res[k] = {**metric_diff(metrics(work / k, "grpo"), metrics(work / "res_full", "grpo")),
-                      "weights": weight_diff(work / k / "final", work / "res_full" / "final")}
+        if not args.faults_only:
+            full = recipe(work, "res_full", "grpo", numerics="exact", steps=4, prompts=8, group=4, new=64,
+                          ckpt_every=2)
+            J.run(f"resume_full_{n}gpu", J.argv("grpo", full, work / "res_full", n))
+            targets = [n]
+            while targets[-1] > 1:
+                targets.append(targets[-1] // 2)
+            for m in targets:
+                k = f"res_{n}to{m}"
+                resume_from(work / "res_full", work / k, 2)
+                J.run(f"resume_{n}to{m}", J.argv("grpo", full, work / k, m, "--resume"), gpu="0" if m == 1 else None)
+                res[k] = {**metric_diff(metrics(work / k, "grpo"), metrics(work / "res_full", "grpo")),
+                          "weights": weight_diff(work / k / "final", work / "res_full" / "final")}
         for mode in () if args.resume_only else ("raise", "kill", "kill_rank"):
             rw = [{"name": f"{work}/reward.py:faulty", "kwargs": {"mode": mode, "rank": n - 1, "call": 2}}]
             cfg = recipe(work, f"fault_{mode}", "grpo", rewards=rw, steps=4, prompts=8, group=4, new=64)
@@ -508,6 +510,7 @@ def main() -> int:
     ap.add_argument("--fault-gpus", type=int, default=2, choices=(2, 4),
                     help="faults: GPUs of the uninterrupted and faulty runs (resumed on N, N/2, ..., 1)")
     ap.add_argument("--resume-only", action="store_true", help="faults: only the resume jobs")
+    ap.add_argument("--faults-only", action="store_true", help="faults: only the raise / kill jobs, no resume")
     ap.add_argument("--small", action="store_true", help="tiny fp32 model on CPU (gloo): a smoke test of this script")
     args = ap.parse_args()
     SMALL[0] = args.small

@@ -12,7 +12,9 @@ the train phase of step 2 on both ranks; then this process checks:
     profile where fewer are expected;
   * grad_sync last: fewer reduce-scatters, final weights within fp32 rounding of the
     default's (each rank's micro-batches summed first, then the ranks: another order);
-  * the profile: a trace and a summary per rank, collectives classified (gloo's are host ops).
+  * the profile: a trace and a summary per rank, collectives classified (gloo's are host ops);
+  * distributed.trade: how auto resolves, and (a second job) SFT, DPO, PPO and MoE GRPO under
+    the communication trade against the memory trade.
 Run: python -m pytest -q tests/test_distributed_fsdp_settings.py -s   (each knob alone: add -m slow)
 """
 
@@ -27,12 +29,20 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from spawn_ranks import free_port, gloo_rank, spawn_ranks
+from test_distributed_kinds import _dpo_cfg
+from test_distributed_moe_train import _grpo as _moe_grpo
+from test_distributed_ppo import _cfg as _ppo_cfg
+from test_distributed_run import _sft
 from train_setup import TINY_MODEL, tiny_cfg
 
-from rlfuse.run.config import DistributedConfig
+from rlfuse.run.config import DistributedConfig, replace
 from rlfuse.run.distributed import context as D
 from rlfuse.run.distributed.fsdp import AUTO_SHARE, TRADES, resolve_settings
+from rlfuse.run.metrics import read_metrics
+from rlfuse.train.dpo import run_dpo
 from rlfuse.train.grpo import run_grpo
+from rlfuse.train.ppo import run_ppo
+from rlfuse.train.sft import run_sft
 
 WORLD = 2
 MODEL = {"random_init": dict(TINY_MODEL, num_hidden_layers=3), "gradient_checkpointing": True}
@@ -215,3 +225,43 @@ def test_trade_fills_only_the_unset_settings():
     assert (mixed.grad_sync, mixed.prefetch, mixed.reshard_after_forward, mixed.optimizer_foreach) == \
         ("every", 1, False, True)
     assert resolve_settings(DistributedConfig(trade="memory"), n, 2, gpu)[0].reshard_after_forward is True
+
+
+# ---------------------------------------------------------------------- the trades on every trainer
+def _trade_cfgs(out: Path, trade: str) -> dict:
+    """SFT, DPO, PPO (policy and critic sharded) and MoE GRPO (experts sharded), each as its own
+    2-rank test file configures it, under distributed.trade `trade`."""
+    cfgs = {"sft": _sft(out / f"sft_{trade}"), "dpo": _dpo_cfg(out / f"dpo_{trade}", "precompute"),
+            "ppo": _ppo_cfg(out / f"ppo_{trade}"), "moe_grpo": _moe_grpo(out / f"moe_grpo_{trade}")}
+    return {k: replace(c, **{"distributed.trade": trade}) for k, c in cfgs.items()}
+
+
+def _trades_job(rank: int, port: int, out: str) -> None:
+    ctx = gloo_rank(rank, WORLD, port)
+    runners = {"sft": run_sft, "dpo": run_dpo, "ppo": run_ppo, "moe_grpo": run_grpo}
+    for trade in ("memory", "communication"):
+        for kind, cfg in _trade_cfgs(Path(out), trade).items():
+            runners[kind](cfg, dist=ctx)
+    D.shutdown()
+
+
+def test_the_communication_trade_trains_every_trainer_as_the_memory_trade(tmp_path):
+    """On GPUs `trade: auto` gives small models the communication trade: SFT, DPO and PPO
+    (which reduce every micro-batch whatever grad_sync says) train bitwise as under the
+    memory trade; GRPO (grad_sync last) within fp32 rounding, here on the MoE model. One
+    2-rank job of 8 runs, ~16 s on 2 cores. (DPO's reference precompute, a forward-only
+    pass, left the weights gathered under reshard_after_forward false, and the run loop
+    kept those soon-freed tensors: a segfault, until `reshard`.)"""
+    spawn_ranks(_trades_job, WORLD, free_port(), str(tmp_path))
+    for kind in ("sft", "dpo", "ppo", "moe_grpo"):
+        a, b = _weights(tmp_path / f"{kind}_communication"), _weights(tmp_path / f"{kind}_memory")
+        assert sorted(a) == sorted(b) and a, kind
+        worst = max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
+        print(f"{kind}: communication vs memory trade, max |final weight diff| {worst:.2e}")
+        if kind == "moe_grpo":
+            assert worst <= WEIGHT_TOL
+        else:
+            assert worst == 0.0, kind
+        ma = [r for r in read_metrics(tmp_path / f"{kind}_communication") if "loss" in r]
+        mb = [r for r in read_metrics(tmp_path / f"{kind}_memory") if "loss" in r]
+        assert len(ma) == len(mb) > 0 and (kind == "moe_grpo" or [r["loss"] for r in ma] == [r["loss"] for r in mb])

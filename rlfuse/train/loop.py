@@ -72,6 +72,7 @@ from rlfuse.run.distributed import (
     is_sharded,
     log_memory,
     on_main,
+    reshard,
     step_metrics,
 )
 from rlfuse.train.session import Session
@@ -191,7 +192,9 @@ def run_loop(trainer: Trainer, session: Session, *, evaluation: Evaluation | Non
     else:
         runlog = SilentLog()
     history, evals = [], []
-    watch = WeightNormWatch(trainer.model.parameters(), dist=sharded)  # a replica's norm is the whole norm
+    # sharded: the shards (a reference pass, e.g. DPO's precompute, may have left weights gathered)
+    params = (reshard(trainer.model) if sharded is not None else trainer.model).parameters()
+    watch = WeightNormWatch(params, dist=sharded)  # a replica's norm is the whole norm
     if start == 0 and session.data_stats:  # once per run: a resumed run keeps the row of its start
         runlog.log(0, session.data_stats, stage=DATA_STAGE)
     # LoRA: parameter counts and the training state the frozen base does not need, in every row

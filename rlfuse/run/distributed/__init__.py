@@ -44,6 +44,7 @@ from rlfuse.run.distributed.fsdp import (
                                             local_gradients,
                                             log_memory,
                                             reduce_local_gradients,
+                                            reshard,
                                             shard_model,
                                             sync_on_last,
 )
@@ -53,5 +54,5 @@ __all__ = ["DistContext", "GatheredSampler", "LaunchEnv", "RankFailed", "Sharded
            "fail_together", "full_adamw_state", "full_copy", "gather_results", "gathered_weights", "global_sums", "init_distributed",
            "is_sharded", "launch_env", "load_full_adamw_state", "local_gradients", "local_micro_batches", "local_slice", "log_memory", "max_across_ranks",
            "mean_across_ranks", "on_any_rank", "on_main", "quiet_non_main", "reduce_local_gradients", "reduce_metrics", "reduce_mismatch",
-           "reduce_routing_mismatch", "rollout_on_ranks",
+           "reduce_routing_mismatch", "reshard", "rollout_on_ranks",
            "shard_model", "shutdown", "step_metrics", "sync_on_last"]

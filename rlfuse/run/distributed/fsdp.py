@@ -262,7 +262,7 @@ class ShardedAdamW:
                  weight_decay: float = 0.0, compute_dtype: torch.dtype, foreach: bool | None = None):
         if foreach is None:  # the run's resolved distributed.optimizer_foreach (configure_fsdp)
             foreach = bool(getattr(getattr(model, "fsdp_settings", None), "optimizer_foreach", False))
-        self.params = list(model.parameters())
+        self.params = list(reshard(model).parameters())  # the shards, whatever a forward left gathered
         self.groups = _fsdp_modules(model)
         self.opt = sharded_adamw(model, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         self.compute_dtype = compute_dtype
@@ -303,6 +303,17 @@ def full_copy(model: CausalLM, dtype: torch.dtype) -> CausalLM:
     ref.load_state_dict({k: v.to(dtype) for k, v in full.items()})
     ref.kernels = model.kernels
     return ref.requires_grad_(False).eval()
+
+
+def reshard(model: torch.nn.Module) -> torch.nn.Module:
+    """Free the gathered weights every FSDP2 group of `model` holds, so `model.parameters()`
+    are the sharded DTensors again. A forward-only pass (no backward follows: a reference
+    or evaluation pass) leaves them gathered under reshard_after_forward false, and the
+    gathered tensors are freed at the next reshard: code that keeps the parameter objects
+    (the optimizer, the weight-norm watch) must take them after this."""
+    for m in _fsdp_modules(model):
+        m.reshard()
+    return model
 
 
 # ---------------------------------------------------------------------- the engine's weights
