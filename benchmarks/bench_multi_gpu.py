@@ -52,6 +52,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -383,6 +384,9 @@ def phase_scale(out: Path, work: Path, args) -> dict:
     for shape, gpus, settings, name, cfg in jobs:
         r = J.run(name, J.argv("grpo", cfg, work / name, gpus, "--overwrite"), gpu=None if gpus > 1 else "0",
                   timeout=args.job_timeout)
+        # the FSDP2 trade the run resolved (distributed.trade auto picks by memory; rlfuse logs it)
+        trade = re.search(r"FSDP2 trade (\w+)", (J.logs / f"{name}.log").read_text(errors="replace"))
+        settings = f"{settings} ({trade.group(1)} trade)" if trade else settings
         s = {"name": name, "shape": shape, "settings": settings, "rc": r["rc"], "wall_s": r["wall_s"],
              "errors": r["errors"], **summarize_scale(metrics(work / name, "grpo"), gpus, 8, 8,
                                                        skip=(prof_step,) if prof_step else ()),
@@ -395,7 +399,7 @@ def phase_scale(out: Path, work: Path, args) -> dict:
                 flush=True)
     for s in table:
         ones = [t for t in table if t["shape"] == s["shape"] and t["gpus"] == 1 and t["rc"] == 0]
-        one = next((t for t in ones if t["settings"] == "default"), ones[0] if ones else None)
+        one = next((t for t in ones if t["settings"].startswith("default")), ones[0] if ones else None)
         s["efficiency"] = (one["step_s"] / s["step_s"]) if one and s["rc"] == 0 and s["step_s"] else None
         s["train_efficiency"] = (one["train_s"] / s["train_s"]) if one and s["rc"] == 0 and s["train_s"] else None
     left = pack_traces(out, table, work, prof_step) if prof_step else []
