@@ -18,6 +18,7 @@ from engine_helpers import (
 
 from rlfuse.engine import LLM, EngineConfig, SamplingParams
 from rlfuse.engine.naive import greedy_generate_naive, teacher_forced_logprobs
+from rlfuse.kernels import use_backend
 
 LENGTHS = [1, 5, 16, 17, 33, 40]
 MAX_NEW = 24
@@ -272,6 +273,21 @@ def test_gpu_cuda_graphs_equal_eager_and_naive():
 
 
 @pytest.mark.gpu
+def test_gpu_torch_backend_decodes_eagerly():
+    """kernel_backend torch on CUDA: its reference KV store selects rows with a boolean mask
+    (a host sync), which a CUDA graph capture cannot hold; the engine decodes eagerly instead
+    of failing the capture, and equals the naive loop."""
+    model = tiny_model(device="cuda")
+    prompts = random_prompts([1, 5, 16, 33])
+    p = SamplingParams(temperature=0.0, max_tokens=20)
+    with use_backend("torch"):
+        llm = LLM(model, None, EngineConfig(max_model_len=128, max_num_seqs=8, num_kv_blocks=64))
+        out = [o.output_token_ids for o in llm.generate(prompts, p)]
+        assert llm.runner.decode is None and llm.stats.graph_steps == 0
+        assert out == greedy_generate_naive(model, prompts, 20)
+
+
+@pytest.mark.gpu
 def test_gpu_sleep_frees_at_least_the_pool_and_budget_is_respected():
     model = tiny_model(device="cuda", dtype=torch.bfloat16)
     frac = 0.5
@@ -295,8 +311,6 @@ def test_triton_kernels_drive_the_engine_on_cpu(model):
     rows): with backend "triton" (Triton's interpreter here) greedy equals the oracle and
     seeded sampling equals the reference backend's, on the static decode path with
     chunked prefill."""
-    from rlfuse.kernels import use_backend
-
     prompts = random_prompts([1, 5, 17, 33])
     kw = dict(max_num_batched_tokens=24)
     sampled = SamplingParams(temperature=0.9, top_p=0.8, top_k=30, max_tokens=5, seed=1)

@@ -98,8 +98,14 @@ class ModelRunner:
         # sequence (allocated before the KV pool is planned, so the plan sees it)
         self.linear = (LinearStateCache(model, self.num_rows, self.dtype, self.device, exact=cfg.numerics == "exact")
                        if linear_layers(model) else None)
-        # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only)
-        self.decode = None if cfg.enforce_eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows,
+        # decode steps up to the largest graph bucket: static buffers and CUDA graphs (None: eager only).
+        # The torch reference kernels select rows with boolean masks (the KV store's padding
+        # slots), a host sync no graph capture can hold, so on CUDA they decode eagerly.
+        eager = cfg.enforce_eager or (backend == "torch" and W.is_cuda)
+        if eager and not cfg.enforce_eager:
+            log.info("decode CUDA graphs off: kernel_backend torch on CUDA (its reference ops sync with the "
+                     "host while decoding); decode steps run eagerly")
+        self.decode = None if eager else StaticDecode(model, cfg, self.bt, pad_row=self.num_rows,
                                                                  linear=self.linear)
         if self.linear is not None:
             log.info("hybrid model: %d linear-attention layers, state %.1f MiB for %d sequences (+1 scratch slot)",
