@@ -6,7 +6,11 @@ CPU + gloo, 2 ranks, bf16 compute:
     equals the one-process fused model's bitwise;
   * after sleep the groups are gone, the next wake fuses again with the new values (after an
     optimizer step), and the training forward (separate projections) equals the unsharded
-    model's bitwise.
+    model's bitwise;
+  * with `fuse_sharded` (rlfuse.model.fuse_sharded: what configure_fsdp(fuse=True) installs)
+    the training forward runs each group joined from FSDP's gathered parts: live inside the
+    layer's forward, not outside; fewer GEMMs forward and backward (counted); its output equals
+    the one-process FUSED model's bitwise; the engine's wake/sleep puts the joined group back.
 Run: python -m pytest -q tests/test_distributed_fuse.py
 """
 
@@ -18,10 +22,12 @@ from pathlib import Path
 import pytest
 import torch
 from spawn_ranks import free_port, spawn_ranks
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlfuse.kernels import use_backend
 from rlfuse.model import CausalLM, ModelConfig, Packed
 from rlfuse.model.fuse import fuse_projections, groups_of, is_fused
+from rlfuse.model.fuse_sharded import JoinedLinear, fuse_sharded
 from rlfuse.run.distributed import GatheredSampler
 from rlfuse.run.distributed import context as D
 from rlfuse.run.distributed.fsdp import ShardedAdamW, shard_model
@@ -48,7 +54,27 @@ class _Stub:
         pass
 
 
-def _job(rank: int, port: int, out: str, hybrid: bool = False) -> None:
+class _CountGemms(TorchDispatchMode):
+    """Counts the GEMMs (aten mm / addmm) dispatched inside the block, forward and backward."""
+    GEMMS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func in self.GEMMS
+        return func(*args, **(kwargs or {}))
+
+
+def _gemms_of_a_train_step(model, args) -> int:
+    with _CountGemms() as count:
+        model(*args).float().square().mean().backward()
+    model.zero_grad(set_to_none=True)
+    return count.n
+
+
+def _job(rank: int, port: int, out: str, hybrid: bool = False, joined: bool = False) -> None:
     cfg = HYBRID if hybrid else CFG
     torch.set_num_threads(1)
     env = {"WORLD_SIZE": "2", "RANK": str(rank), "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1",
@@ -64,8 +90,30 @@ def _job(rank: int, port: int, out: str, hybrid: bool = False) -> None:
         assert fuse_projections(fused_ref) == (3 if hybrid else 4)  # the hybrid's gated attention: no group
         want_fused, want_plain = fused_ref(*args), copy.deepcopy(plain)(*args)
         model = shard_model(plain, ctx)
-        sampler = GatheredSampler(model, lambda: _Stub(model), fuse=True)
         res = {}
+        if joined:
+            # GEMMs of one sharded training step, separate then joined (fuse_sharded installs the groups)
+            with torch.enable_grad():
+                sep_gemms = _gemms_of_a_train_step(model, args)
+                res["joined_all_groups"] = fuse_sharded(model) == (3 if hybrid else 4)
+                joined_gemms = _gemms_of_a_train_step(model, args)
+            # a group of P projections: one GEMM forward and two backward (dx, dW) instead of P and
+            # 2 P (qwen3: 2 layers x (q/k/v, gate/up) saves 2 x 3 x (2 + 1) = 18; the hybrid's
+            # linear-attention group (4 parts) and 2 MLPs save 3 x (3 + 1 + 1) = 15)
+            saved = 3 * sum(len(names) - 1 for m in model.modules() for _, names in groups_of(m))
+            res["fewer_gemms"] = saved == (15 if hybrid else 18) and sep_gemms - joined_gemms == saved
+            if rank == 0:
+                print(f"GEMMs of a sharded training step ({'qwen3_5' if hybrid else 'qwen3'}): "
+                      f"{sep_gemms} separate, {joined_gemms} joined")
+            seen = []
+            mixer0 = model.model.layers[0].linear_attn if hybrid else model.model.layers[0].self_attn
+            group0 = "in_proj_fused" if hybrid else "qkv_fused"
+            hook = mixer0.register_forward_pre_hook(
+                lambda m, _: seen.append(isinstance(getattr(m, group0), JoinedLinear) and getattr(m, group0).live(m)))
+            res["joined_forward_equals_fused"] = torch.equal(model(*args), want_fused)
+            hook.remove()
+            res["live_inside_forward_only"] = seen == [True] and not getattr(mixer0, group0).live(mixer0)
+        sampler = GatheredSampler(model, lambda: _Stub(model), fuse=True)
         sampler.wake()
         assert is_fused(model)
         layer0 = model.model.layers[0]
@@ -83,7 +131,10 @@ def _job(rank: int, port: int, out: str, hybrid: bool = False) -> None:
         res["fused_equal"] = torch.equal(model(*args), want_fused)
         sampler.sleep()
         res["unfused_after_sleep"] = not is_fused(model)
-        res["train_forward_equal"] = torch.equal(model(*args), want_plain)
+        res["train_forward_equal"] = torch.equal(model(*args), want_fused if joined else want_plain)
+        res["group_back_after_sleep"] = all(
+            isinstance(getattr(m, attr), JoinedLinear) if joined else getattr(m, attr) is None
+            for m in model.modules() for attr, _ in groups_of(m))
     with use_backend("torch"):  # one optimizer step, then the next wake fuses the new weights
         opt = ShardedAdamW(model, lr=1e-2, compute_dtype=torch.bfloat16)
         model(*args).float().square().mean().backward()
@@ -100,9 +151,10 @@ def _job(rank: int, port: int, out: str, hybrid: bool = False) -> None:
     D.shutdown()
 
 
+@pytest.mark.parametrize("joined", [False, True], ids=["separate_train", "joined_train"])
 @pytest.mark.parametrize("hybrid", [False, True], ids=["qwen3", "qwen3_5"])
-def test_fused_projections_on_gathered_weights(tmp_path, hybrid):
-    spawn_ranks(_job, 2, free_port(), str(tmp_path), hybrid)
+def test_fused_projections_on_gathered_weights(tmp_path, hybrid, joined):
+    spawn_ranks(_job, 2, free_port(), str(tmp_path), hybrid, joined)
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
         assert all(res.values()), (r, res)

@@ -21,9 +21,10 @@ from safetensors import safe_open
 import rlfuse.model.fuse as fuse_mod
 from rlfuse.kernels import use_backend, use_numerics
 from rlfuse.kernels.activation.glu import swiglu, swiglu_packed
-from rlfuse.kernels.linear.gemm import linear, linear_fused
+from rlfuse.kernels.linear.gemm import linear, linear_fused, linear_fused_parts
 from rlfuse.model import CausalLM, ModelConfig, Packed, load_model, save_model
-from rlfuse.model.fuse import fuse_projections
+from rlfuse.model.fuse import fuse_projections, groups_of
+from rlfuse.model.fuse_sharded import JoinedLinear
 from rlfuse.model.lora import LoRAConfig, attach_lora
 
 BACKENDS = ("torch", "triton")
@@ -143,6 +144,73 @@ def test_linear_fused_gradients_equal_separate_linears():
             assert torch.equal(y, torch.cat(ys, -1))
         for a, r in zip(got, ref):
             torch.testing.assert_close(a, r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "exact"])
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_joined_parts_equal_linear_fused_over_a_buffer_bitwise(numerics, bias, dtype):
+    """linear_fused_parts (parts held apart, joined per call: an FSDP-gathered model) vs
+    linear_fused over a buffer the parts are views of: forward and every gradient bitwise;
+    both within rounding of a float64 reference. Odd sizes, a non-contiguous 3-d input."""
+    g = torch.Generator().manual_seed(11)
+    sizes, K = [13, 5, 7], 19
+    buf, bbuf = torch.randn(sum(sizes), K, generator=g), torch.randn(sum(sizes), generator=g)
+    x0 = torch.randn(5, 3, K, generator=g).to(dtype).transpose(0, 1)  # (3, 5, K), non-contiguous
+    dy = torch.randn(3, 5, sum(sizes), generator=g).to(dtype)
+    buf, bbuf = buf.to(dtype), bbuf.to(dtype)
+    views = [torch.nn.Parameter(w) for w in buf.split(sizes)]
+    for p, v in zip(views, buf.split(sizes)):
+        p.data = v  # views of the buffer, as rlfuse.model.fuse makes them
+    bviews = [torch.nn.Parameter(b) for b in bbuf.split(sizes)] if bias else None
+    for p, v in zip(bviews or [], bbuf.split(sizes)):
+        p.data = v
+    apart = [torch.nn.Parameter(w.clone()) for w in buf.split(sizes)]  # own storage each
+    bapart = [torch.nn.Parameter(b.clone()) for b in bbuf.split(sizes)] if bias else None
+    bt = (lambda ps: tuple(ps)) if bias else (lambda ps: None)
+    cases = ((views, bviews, lambda x: linear_fused(x, buf, bbuf if bias else None, tuple(views), bt(bviews))),
+             (apart, bapart, lambda x: linear_fused_parts(x, tuple(apart), bt(bapart))))
+    res = []
+    with use_numerics(numerics):
+        for ws, bs, y_fn in cases:
+            x = x0.detach().requires_grad_(True)
+            y = y_fn(x)
+            res.append((y.detach(), torch.autograd.grad(y, [x, *ws, *(bs or [])], dy)))
+            with torch.no_grad():
+                assert torch.equal(y_fn(x), y)  # the no-grad path: the same GEMM
+    (y_f, g_f), (y_p, g_p) = res
+    assert torch.equal(y_p, y_f)
+    assert len(g_p) == len(g_f) == 1 + len(sizes) * (1 + bias)
+    for a, b in zip(g_p, g_f):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    # float64 gold: y = x W^T + b, dx = dy W, dW = dy^T x, db = sum dy
+    x64, dy64, w64 = x0.double().reshape(-1, K), dy.double().reshape(-1, sum(sizes)), buf.double()
+    y64 = x64 @ w64.T + (bbuf.double() if bias else 0)
+    gold = [(dy64 @ w64).view(x0.shape), *(dy64.T @ x64).split(sizes), *(dy64.sum(0).split(sizes) if bias else [])]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=5e-2)
+    torch.testing.assert_close(y_p.double(), y64.view(3, 5, -1), **tol)
+    for a, r in zip(g_p, gold):
+        torch.testing.assert_close(a.double(), r, **tol)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
+def test_joined_groups_on_a_plain_model_equal_the_fused_model_bitwise(model_type):
+    """JoinedLinear (rlfuse.model.fuse_sharded: FSDP's gathered parts) is live on plain
+    tensors; on a one-process model it must give fuse_projections' forward and gradients."""
+    joined, fused = _pair(model_type)
+    for m in joined.modules():
+        for attr, names in groups_of(m):
+            setattr(m, attr, JoinedLinear(m, names))
+    attn0 = joined.model.layers[0].self_attn
+    assert attn0.qkv_fused.live(attn0)
+    for numerics in ("fast", "exact"):
+        with use_numerics(numerics):
+            for m in (joined, fused):
+                m.zero_grad(set_to_none=True)
+            outs, grads = _forward_backward([joined, fused], *_inputs())
+        assert torch.equal(outs[0], outs[1])
+        for n, gr in grads[1].items():
+            assert (gr is None and grads[0][n] is None) or torch.equal(grads[0][n], gr), (numerics, n)
 
 
 def test_in_place_updates_of_a_part_reach_the_fused_gemm():

@@ -29,7 +29,9 @@ Rules.
     the fused buffers replace the gathered weights instead of adding to them (peak: one
     group more); `unfuse_gathered` points the parameters back before FSDP frees them,
     and FSDP allocates and fills its storage again at the next gather. Training forwards
-    (FSDP's per-layer gathers) run the separate projections.
+    (FSDP's per-layer gathers) join each group's gathered parts at call time
+    (`rlfuse.model.fuse_sharded`, set by `fuse_sharded`): `fuse_gathered` replaces that
+    group while the engine runs and `unfuse_gathered` puts it back.
   * LoRA (`rlfuse.model.lora`): a group whose projections all carry adapters of one rank
     and scale stays fused (the four linear-attention projections too: `lora_linear` takes
     up to 4 parts), its A's and B's in two more buffers (A (P r, K): q's rows, then k's,
@@ -284,18 +286,19 @@ def fuse_gathered(model: CausalLM) -> list:
             if not _fusable(module, names):
                 continue
             params = [t for n in names for t in (getattr(module, n).weight, getattr(module, n).bias) if t is not None]
+            prev = getattr(module, attr)  # a training forward's JoinedLinear (rlfuse.model.fuse_sharded), or None
             own = [p.data for p in params]  # views of FSDP's all-gather outputs
             setattr(module, attr, FusedLinear(module, names))  # copies into the buffer, re-points .data
             for t in own:
                 t.untyped_storage().resize_(0)  # the buffer replaces them; FSDP re-allocates at the next gather
-            restore.append((module, attr, list(zip(params, own))))
+            restore.append((module, attr, prev, list(zip(params, own))))
     return restore
 
 
 def unfuse_gathered(restore: list) -> None:
     """Undo `fuse_gathered` before FSDP reshards: the parameters point at FSDP's (freed)
-    storage again and the fused buffers go."""
-    for module, attr, pairs in restore:
+    storage again, the fused buffers go and each group attribute gets back what it held."""
+    for module, attr, prev, pairs in restore:
         for p, own in pairs:
             p.data = own
-        setattr(module, attr, None)
+        setattr(module, attr, prev)

@@ -31,6 +31,7 @@ from rlfuse.run.distributed import (
     load_full_adamw_state,
     shard_model,
 )
+from rlfuse.train.session import fuse_projections_on
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,10 @@ def build_critic(cfg: RunConfig, policy, dist: DistContext | None = None) -> Sca
     critic.kernels = policy.kernels
     if dist is not None:
         critic = shard_model(critic, dist)
-        configure_fsdp(critic, cfg.distributed, parse_dtype(cfg.model.dtype))
+        # training forwards fused as the policy's (a one-process critic is never fused, no engine
+        # runs it: in fast numerics the two differ by the fused GEMMs' rounding; exact forwards agree)
+        configure_fsdp(critic, cfg.distributed, parse_dtype(cfg.model.dtype),
+                       fuse=fuse_projections_on(cfg, dist.device))
     return critic
 
 

@@ -107,9 +107,7 @@ class Session:
         if self.dist is None or not is_sharded(self.model):
             return self._engine_sampler()
         # fused projections on the gathered weights where the engine would fuse (CUDA by default)
-        fuse = self.cfg.engine.fuse_projections
-        fuse = self.dist.device.type == "cuda" if fuse is None else fuse
-        return GatheredSampler(self.model, self._engine_sampler, fuse=fuse)
+        return GatheredSampler(self.model, self._engine_sampler, fuse=fuse_projections_on(self.cfg, self.dist.device))
 
     def _engine_sampler(self) -> EngineSampler:
         return EngineSampler(build_engine(self.model, self.tokenizer, self.cfg.engine), self.tokenizer)
@@ -139,6 +137,13 @@ def vision_data(spec, vcfg, tokenizer) -> VisionData:
     proc = ImageProcessor.from_dict({**base, **spec.processor}, src)
     proc.check_model(vcfg, src)
     return VisionData.for_tokenizer(proc, tokenizer)
+
+
+def fuse_projections_on(cfg: RunConfig, device: torch.device) -> bool:
+    """engine.fuse_projections resolved: as set, or on for CUDA (the engine's own default).
+    A sharded model then fuses both its engine's gathered weights and its training forwards."""
+    fuse = cfg.engine.fuse_projections
+    return device.type == "cuda" if fuse is None else fuse
 
 
 def kernel_settings(cfg: RunConfig, *models) -> None:
@@ -200,7 +205,7 @@ def open_session(cfg: RunConfig, *, model=None, tokenizer=None, sampler=None, sa
     if dist is not None and not sharded and not has_lora(model):
         model = shard_model(model, dist)  # with LoRA the model stays whole on every rank (replicated)
     if is_sharded(model):
-        configure_fsdp(model, cfg.distributed, parse_dtype(cfg.model.dtype))
+        configure_fsdp(model, cfg.distributed, parse_dtype(cfg.model.dtype), fuse=fuse_projections_on(cfg, device))
     if write_config and (dist is None or dist.is_main):
         # last: a start that fails on its data, model or settings leaves the run's config.yaml as it was
         save_config(cfg, run_dir / "config.yaml")

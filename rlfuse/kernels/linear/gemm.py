@@ -89,6 +89,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return linear_exact(x, weight, bias) if is_exact() else F.linear(x, weight, bias)
 
 
+def _fused_grads(ctx, dy, x, weight, needs_x, needs_w, needs_b):
+    """The gradients of y = x W^T + b where W (and b) join the parts of sizes ctx.sizes:
+    dx = dy W over the whole N (one GEMM), each part its rows of dW = dy^T x and db = sum dy."""
+    dy2 = dy.reshape(-1, dy.shape[-1])
+    dx = (dy2 @ weight).view(x.shape) if needs_x else None
+    dws = list((dy2.t() @ x.reshape(-1, x.shape[-1])).split(ctx.sizes)) if needs_w else [None] * ctx.n_parts
+    dbs = []
+    if ctx.has_bias:
+        dbs = list(dy2.sum(0).split(ctx.sizes)) if needs_b else [None] * ctx.n_parts
+    return dx, dws, dbs
+
+
 class _FusedLinear(torch.autograd.Function):
     """One GEMM over `weight`, the row-concatenation of `parts` (which are views of it):
     the gradient of each part is its rows of dW (and of db)."""
@@ -102,16 +114,9 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        x = ctx.saved_tensors[0]
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        needs = ctx.needs_input_grad
-        dx = (dy2 @ ctx.weight).view(x.shape) if needs[0] else None
-        dws = [None] * ctx.n_parts
-        if any(needs[4:4 + ctx.n_parts]):
-            dws = list((dy2.t() @ x.reshape(-1, x.shape[-1])).split(ctx.sizes))
-        dbs = []
-        if ctx.has_bias:
-            dbs = list(dy2.sum(0).split(ctx.sizes)) if any(needs[4 + ctx.n_parts:]) else [None] * ctx.n_parts
+        needs, n = ctx.needs_input_grad, ctx.n_parts
+        dx, dws, dbs = _fused_grads(ctx, dy, ctx.saved_tensors[0], ctx.weight, needs[0], any(needs[4:4 + n]),
+                                    any(needs[4 + n:]))
         return dx, None, None, None, *dws, *dbs
 
 
@@ -128,3 +133,37 @@ def linear_fused(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parts)):
         return _FusedLinear.apply(x, weight, bias, len(weights), *parts)
     return linear(x, weight, bias)
+
+
+class _JoinedLinear(torch.autograd.Function):
+    """`_FusedLinear` over parts that share no buffer: the forward joins them for its one
+    GEMM and drops the joined copy; the backward joins the weights again for dx. Only the
+    parts are saved, so no second copy of the weights lives from forward to backward."""
+
+    @staticmethod
+    def forward(ctx, x, n_parts, has_bias, *parts):
+        weights, biases = parts[:n_parts], parts[n_parts:]
+        ctx.save_for_backward(x, *weights)
+        ctx.has_bias, ctx.n_parts, ctx.sizes = has_bias, n_parts, [w.shape[0] for w in weights]
+        return linear(x, torch.cat(weights), torch.cat(biases) if has_bias else None)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, *weights = ctx.saved_tensors
+        needs, n = ctx.needs_input_grad, ctx.n_parts
+        weight = torch.cat(weights) if needs[0] else None  # transient: freed when backward returns
+        dx, dws, dbs = _fused_grads(ctx, dy, x, weight, needs[0], any(needs[3:3 + n]), any(needs[3 + n:]))
+        return dx, None, None, *dws, *dbs
+
+
+def linear_fused_parts(x: torch.Tensor, weights: tuple[torch.Tensor, ...],
+                       biases: tuple[torch.Tensor, ...] | None = None) -> torch.Tensor:
+    """`linear_fused` for parts held apart (an FSDP2-sharded model's gathered weights,
+    `rlfuse.model.fuse_sharded`): y = linear(x, cat(weights), cat(biases)), one GEMM; the
+    same math as `linear_fused` over a buffer holding those rows (bitwise: same forward
+    GEMM, same dx and dW GEMMs), at the price of a copy of the weights per forward and
+    per backward, neither kept between them."""
+    parts = tuple(weights) + (tuple(biases) if biases is not None else ())
+    if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in parts)):
+        return _JoinedLinear.apply(x, len(weights), biases is not None, *parts)
+    return linear(x, torch.cat(weights), None if biases is None else torch.cat(biases))

@@ -18,6 +18,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from rlfuse.model import CausalLM, Packed
+from rlfuse.model.fuse_sharded import fuse_sharded
 from rlfuse.run.distributed.context import DistContext, reduce_metrics
 
 log = logging.getLogger(__name__)
@@ -72,14 +73,16 @@ def resolve_settings(settings, n_params: int, compute_bytes: int, device_bytes: 
     return dataclasses.replace(settings, trade=trade, **unset), why
 
 
-def configure_fsdp(model: CausalLM, settings, compute_dtype: torch.dtype) -> None:
+def configure_fsdp(model: CausalLM, settings, compute_dtype: torch.dtype, *, fuse: bool = False) -> None:
     """Apply the FSDP2 settings `settings` (rlfuse.run.config.DistributedConfig: its trade,
     reshard_after_forward, reshard_after_backward, prefetch, grad_sync, optimizer_foreach) to
     sharded `model` (gathering in `compute_dtype`), and keep them, resolved
     (`resolve_settings`), on it as `model.fsdp_settings` (`gathered_weights` restores the
     reshard policy from them; `sync_on_last` reads grad_sync, ShardedAdamW optimizer_foreach).
     Whatever the settings, the values the layers compute with are the same all-gathered
-    weights: only when the gathers and frees happen changes (grad_sync apart: see `sync_on_last`)."""
+    weights: only when the gathers and frees happen changes (grad_sync apart: see `sync_on_last`).
+    `fuse` (engine.fuse_projections, resolved): the training forwards run each q/k/v, gate/up
+    and linear-attention input group as one GEMM over its gathered parts (`fuse_sharded`)."""
     device = next(model.parameters()).device
     total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     n_params = sum(p.numel() for p in model.parameters())  # DTensor: the global count
@@ -103,6 +106,8 @@ def configure_fsdp(model: CausalLM, settings, compute_dtype: torch.dtype) -> Non
     log.info("FSDP2 trade %s (%s): reshard_after_forward %s, reshard_after_backward %s, prefetch %d, grad_sync %s, "
              "optimizer_foreach %s", settings.trade, why, settings.reshard_after_forward,
              settings.reshard_after_backward, k, settings.grad_sync, settings.optimizer_foreach)
+    if fuse:
+        fuse_sharded(model)
 
 
 def sync_on_last(model: torch.nn.Module, micro_batches):
