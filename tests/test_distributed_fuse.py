@@ -18,19 +18,24 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
-from spawn_ranks import free_port, spawn_ranks
+from spawn_ranks import free_port, gloo_rank, run_ranks, spawn_ranks, torch_threads
+from test_distributed_run import TOL, WEIGHT_TOL, _max_diff, _rows
 from torch.utils._python_dispatch import TorchDispatchMode
+from train_setup import tiny_cfg
 
 from rlfuse.kernels import use_backend
-from rlfuse.model import CausalLM, ModelConfig, Packed
+from rlfuse.model import CausalLM, ModelConfig, Packed, load_model
 from rlfuse.model.fuse import fuse_projections, groups_of, is_fused
 from rlfuse.model.fuse_sharded import JoinedLinear, fuse_sharded
 from rlfuse.run.distributed import GatheredSampler
 from rlfuse.run.distributed import context as D
+from rlfuse.run.distributed import fsdp as fsdp_mod
 from rlfuse.run.distributed.fsdp import ShardedAdamW, shard_model
+from rlfuse.train.grpo import run_grpo
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -158,3 +163,59 @@ def test_fused_projections_on_gathered_weights(tmp_path, hybrid, joined):
     for r in range(2):
         res = torch.load(tmp_path / f"rank{r}.pt")
         assert all(res.values()), (r, res)
+
+
+# GRPO, exact numerics, fused projections: a one-process run (its engine fuses the model in
+# place, so its training forwards are fused too) against 2 gloo ranks, whose training
+# forwards join FSDP's gathered parts (`fuse_sharded`, installed by the session), and the
+# same 2-rank run with the training forwards left separate (what ran before fuse_sharded).
+GRPO_FUSED = ("grpo.kl_coef=0.05", "grpo.mu=2", "grpo.mini_batches=2", "checkpoint.save_final=true",
+              "engine.fuse_projections=true", "engine.numerics=exact")
+
+
+def _grpo_job(rank: int, port: int, out: str) -> None:
+    ctx = gloo_rank(rank, 2, port)
+    out = Path(out)
+    installed = []
+
+    def spy(model):  # the session's configure_fsdp(fuse=True) call
+        installed.append(fuse_sharded(model))
+        return installed[-1]
+
+    with mock.patch.object(fsdp_mod, "fuse_sharded", spy):
+        run_grpo(tiny_cfg(out / "joined2", *GRPO_FUSED), dist=ctx)
+    torch.save(installed, out / f"installed{rank}.pt")
+    with mock.patch.object(fsdp_mod, "fuse_sharded", lambda model: 0):  # the training forwards left separate
+        run_grpo(tiny_cfg(out / "separate2", *GRPO_FUSED), dist=ctx)
+    D.shutdown()
+
+
+def _final_weights_diff(a: Path, b: Path) -> float:
+    wa, wb = load_model(a / "final", dtype="float32"), load_model(b / "final", dtype="float32")
+    return max(float((x - y).abs().max()) for x, y in zip(wa.state_dict().values(), wb.state_dict().values()))
+
+
+@pytest.mark.slow  # one 2-rank job (2 runs) and a one-process run: ~11 s on 2 cores
+def test_grpo_two_ranks_joined_training_matches_one_fused_process(tmp_path):
+    with torch_threads(1):
+        run_grpo(tiny_cfg(tmp_path / "fused1", *GRPO_FUSED))
+        run_ranks(_grpo_job, 2, tmp_path, "GRPO (joined, separate)")
+    for r in range(2):  # the session joined the policy's groups (the tiny model's q/k/v and gate/up), once
+        installed = torch.load(tmp_path / f"installed{r}.pt")
+        assert len(installed) == 1 and installed[0] > 0 and installed[0] % 2 == 0, installed
+    one = _rows(tmp_path / "fused1")
+    # the training path did change: the two 2-rank runs differ (by fp32 gradient rounding)
+    assert _max_diff(_rows(tmp_path / "joined2"), _rows(tmp_path / "separate2"))[0] > 0
+    for run in ("joined2", "separate2"):
+        rows = _rows(tmp_path / run)
+        grpo = [r for r in rows if r["stage"] == "grpo"]
+        assert len(grpo) == 4
+        # exact: rollout log-probs equal the trainer's bitwise on every step (ratio max 1)
+        mismatch = [(r["mismatch/max_abs"], r["mismatch/kl_k3"], r["mismatch/ratio_max"]) for r in grpo]
+        assert mismatch == [(0.0, 0.0, 1.0)] * 4, (run, mismatch)
+        d, where = _max_diff(rows, one)
+        dw = _final_weights_diff(tmp_path / run, tmp_path / "fused1")
+        print(f"{run} vs one fused process: max |metric diff| {d:.2e} ({where}); final weights max |diff| {dw:.2e}")
+        if run == "joined2":
+            assert d <= TOL, where
+            assert dw <= WEIGHT_TOL
