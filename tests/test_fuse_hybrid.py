@@ -238,13 +238,13 @@ def test_adapter_bank_stays_fused_and_equals_separate_bitwise(tmp_path):
 def test_fuse_gathered_covers_the_linear_attention_groups():
     """FSDP's wake / sleep (`GatheredSampler`), on stand-in gathered tensors: each group's
     tensors move into the fused buffer (their own storage freed), the forward keeps its
-    bits; `unfuse_gathered` points the parameters back and drops the groups."""
+    bits; `unfuse_gathered` points the parameters back and puts back what the groups held (none here)."""
     sep, m = _model(), _model()
     params = {n: p for n, p in m.named_parameters()}
     own = {n: p.data for n, p in params.items()}  # what FSDP's all-gather would hand over
     restore = fuse_gathered(m)
     # (not `len(restore)` inside the assert: pytest's report would print tensors whose storage is freed)
-    groups = sorted(attr for _, attr, _ in restore)
+    groups = sorted(attr for _, attr, _, _ in restore)
     assert groups == ["gate_up_fused"] * 3 + ["in_proj_fused"] * 2  # (GatedAttention is not a fused kind)
     g = _gdn(m)
     assert g.in_proj_fused.live(g) and g.in_proj_qkv.weight.data_ptr() == g.in_proj_fused.weight.data_ptr()
