@@ -36,6 +36,7 @@ from rlfuse.run.distributed import context as D
 from rlfuse.run.distributed import fsdp as fsdp_mod
 from rlfuse.run.distributed.fsdp import ShardedAdamW, shard_model
 from rlfuse.train.grpo import run_grpo
+from rlfuse.train.ppo_critic import build_critic
 
 CFG = ModelConfig(model_type="qwen3", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                   num_attention_heads=2, num_key_value_heads=1, head_dim=16, max_position_embeddings=64)
@@ -152,6 +153,10 @@ def _job(rank: int, port: int, out: str, hybrid: bool = False, joined: bool = Fa
         res["rewake_fused"] = sampler.inner.seen == [True, True]
         res["rewake_values_moved"] = not torch.equal(fused_now, want_fused)
         res["rewake_matches_separate"] = bool((fused_now.float() - sep_now.float()).abs().max() < 0.05)
+    if joined:  # PPO's critic (sharded beside the policy) joins its groups too when the run fuses
+        critic = build_critic(tiny_cfg(Path(out) / "ppo", "engine.fuse_projections=true"), model, dist=ctx)
+        groups = [getattr(m, attr) for m in critic.modules() for attr, _ in groups_of(m)]
+        res["critic_joined"] = len(groups) == (3 if hybrid else 4) and all(isinstance(g, JoinedLinear) for g in groups)
     torch.save(res, Path(out) / f"rank{rank}.pt")
     D.shutdown()
 
