@@ -193,6 +193,21 @@ def test_joined_parts_equal_linear_fused_over_a_buffer_bitwise(numerics, bias, d
         torch.testing.assert_close(a.double(), r, **tol)
 
 
+def test_joined_parts_keep_no_joined_copy_for_backward():
+    """What linear_fused_parts saves for backward is x and the parts themselves (FSDP's
+    gathered tensors), never the joined (sum N_i, K) weight: no second copy of the model's
+    projection weights between forward and backward."""
+    ws = tuple(torch.nn.Parameter(torch.randn(n, 8)) for n in (5, 3, 3))
+    bs = tuple(torch.nn.Parameter(torch.randn(n)) for n in (5, 3, 3))
+    x = torch.randn(4, 8, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        y = linear_fused_parts(x, ws, bs)
+    assert len(saved) == 1 + len(ws) and saved[0] is x and all(a is b for a, b in zip(saved[1:], ws))
+    y.sum().backward()
+    assert all(w.grad is not None and b.grad is not None for w, b in zip(ws, bs))
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen2"])
 def test_joined_groups_on_a_plain_model_equal_the_fused_model_bitwise(model_type):
     """JoinedLinear (rlfuse.model.fuse_sharded: FSDP's gathered parts) is live on plain
