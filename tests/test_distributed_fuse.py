@@ -181,7 +181,7 @@ GRPO_FUSED = ("grpo.kl_coef=0.05", "grpo.mu=2", "grpo.mini_batches=2", "checkpoi
 
 def _grpo_cfg(run_dir: Path, gpu: bool):
     if gpu:  # bf16 on CUDA, Triton's exact GEMMs at full tiles (tests/test_distributed_stream.py's GPU shape)
-        return tiny_cfg(run_dir, *GRPO_FUSED, *GPU, model={"random_init": GPU_MODEL})
+        return tiny_cfg(run_dir, *GRPO_FUSED, *GPU, "model.kernel_backend=auto", model={"random_init": GPU_MODEL})
     return tiny_cfg(run_dir, *GRPO_FUSED)
 
 
