@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -55,6 +56,13 @@ def main() -> int:
         (Path(args.run_dir) / "generated.json").write_text(json.dumps({"before": before, "after": after}))
     if ctx is not None:
         shutdown()
+        # as rlfuse.cli.common.as_rank: torch's C++ teardown of a finished gloo job can abort at
+        # interpreter exit ("terminate called without an active exception", seen here on 2 CPU
+        # ranks after every file was written), which torchrun reports as a failed rank
+        sys.stdout.flush()
+        sys.stderr.flush()
+        logging.shutdown()
+        os._exit(0)
     return 0
 
 

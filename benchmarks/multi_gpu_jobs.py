@@ -105,7 +105,7 @@ def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", 
         "data": {"train": str(work / "prompts.jsonl"), "max_prompt_len": 256},
         "rewards": rewards or [{"name": f"{work}/reward.py:even"}],
         "optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
-        "engine": {"max_num_seqs": 32} if SMALL[0] else {"gpu_memory_fraction": gpu_frac, "numerics": numerics,
+        "engine": {"max_num_seqs": 32, "numerics": numerics} if SMALL[0] else {"gpu_memory_fraction": gpu_frac, "numerics": numerics,
                                                               "max_num_seqs": max_seqs}
         | ({"num_kv_blocks": kv_blocks, "max_model_len": 1280} if kv_blocks else {}),
         "logging": {"tensorboard": False, "progress": False},

@@ -40,6 +40,11 @@ MULTI_TURN_SKIP = ("rollout/engine_idle_frac", "rollout/continuation_cached_frac
                    "rollout/env_workers")
 
 
+# per kind, a metric showing the kind did its thing (printed per step, 1 GPU / N GPUs)
+EVIDENCE = {"dpo_precompute": "rewards/margin", "dpo_live": "rewards/margin", "env": "rollout/turns_mean",
+            "tools": "rollout/tool_calls_per_episode", "vision": "vision/encodes", "api": "reward/mean"}
+
+
 def kinds2_recipes(work: Path) -> dict[str, tuple[str, Path, tuple[str, ...]]]:
     """name -> (stage, recipe, metric prefixes not compared)."""
     common = dict(numerics="exact", save_final=True)
@@ -104,11 +109,14 @@ def phase_kinds2(out: Path, work: Path, args) -> dict:
         one, many = work / f"k2_{k}1", work / f"k2_{k}{n}"
         eq[k] = {**metric_diff(metrics(many, stage), metrics(one, stage), skip=skip),
                  "weights": weight_diff(many / "final", one / "final")}
+        key = EVIDENCE[k]
+        vals = [[r.get(key) for r in metrics(d, stage)] for d in (one, many)]
+        extra[k] = f"{key} per step {vals[0]} / {vals[1]}"
     a, b = _texts(work / "k2_api1"), _texts(work / f"k2_api{n}")
     gen = {when: f"{sum(x == y for x, y in zip(a.get(when, []), b.get(when, [])))}/{len(a.get(when, []))} equal"
            for when in ("before", "after")}
     eq["api"]["generated"] = {**gen, "texts_1gpu": a, f"texts_{n}gpu": b}
-    extra["api"] = f"trainer.generate texts (greedy), 1 vs {n} GPUs: before training {gen['before']}, " \
+    extra["api"] += f"; trainer.generate texts (greedy), 1 vs {n} GPUs: before training {gen['before']}, " \
                    f"after {gen['after']}"
     J.finish({"equivalence": eq, "gpus": n, "slots": slots})
     print_equivalence(J, eq, n, extra)
