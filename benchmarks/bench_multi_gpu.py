@@ -24,7 +24,7 @@ Phases (several may be given; they run in order):
   kinds2  DPO (reference precompute and live), GRPO with an environment (rollout.env), with tools
           (rollout.tools), on image rows (a tiny Qwen3-VL) and through the Python API (rows in
           memory, trainer.generate), the same comparison plus the generated texts
-          (benchmarks/multi_gpu_kinds.py), in waves on --kinds-slots GPUs
+          (benchmarks/multi_gpu_kinds.py), on a pool of --kinds-slots GPUs
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, per --scale-runs
           SHAPE:GPUS[:SETTINGS] (settings: distributed.* FSDP2 knobs, or any recipe key); with
           --profile-train, the train phase of one step profiled on every rank (rlfuse.run.profile):
@@ -503,7 +503,7 @@ def main() -> int:
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
     ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds, kinds2: GPUs of the data-parallel jobs (2 or 4)")
     ap.add_argument("--kinds-slots", type=int, default=0,
-                    help="kinds2: GPUs its jobs share, in waves (0: every visible GPU; --small: --kinds-gpus)")
+                    help="kinds2: GPUs its jobs share (0: every visible GPU; --small: --kinds-gpus)")
     ap.add_argument("--moe-shape", default="moe-3b", help=f"moe: the MoE shape, one of {sorted(MOE_SHAPES)}")
     ap.add_argument("--moe-gpus", type=int, nargs="+", default=[1, 2],
                     help="moe: the GPU counts to run (1 is the reference; e.g. 1 2, then 4 in a second call)")

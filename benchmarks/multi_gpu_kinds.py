@@ -14,10 +14,10 @@ global batch and seed, bf16, engine.numerics exact, 3 steps, final save.
 The multi-turn kinds leave out of the comparison what is per rank by design (MULTI_TURN_SKIP).
 The run phase's former `dpo_2gpu` job (DPO refused under torchrun) is replaced by these.
 
-Jobs run in waves on --kinds-slots GPUs (default: every visible GPU; --small: N): the
-1-GPU references first, side by side, then the N-GPU runs (two at once when N is half the
-slots, each on its own GPUs via CUDA_VISIBLE_DEVICES). 12 jobs: at N = 2 on 4 GPUs five
-waves, at N = 4 eight.
+Jobs share a pool of --kinds-slots GPUs (default: every visible GPU; --small: N), each on
+its own GPUs (CUDA_VISIBLE_DEVICES): the 1-GPU references first, side by side, then the
+N-GPU runs as GPUs free up (two at once when N is half the pool). 12 jobs: on 4 GPUs
+18 GPU-jobs at N = 2 (about 5 job-lengths of wall), 30 at N = 4 (about 8).
 
     OUT=out python3 benchmarks/bench_multi_gpu.py kinds2 --kinds-gpus 2
     OUT=/tmp/k2out python3 benchmarks/bench_multi_gpu.py kinds2 --small --kinds-gpus 2 --work /tmp/k2work
@@ -26,6 +26,7 @@ waves, at N = 4 eight.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 from multi_gpu_jobs import SMALL, Jobs, metric_diff, metrics, print_equivalence, recipe, weight_diff
@@ -75,20 +76,27 @@ def _argv(J: Jobs, work: Path, name: str, stage: str, cfg: Path, run_dir: Path, 
     return J.argv(stage, cfg, run_dir, gpus, "--overwrite")  # a rerun in the same --work replaces its folder
 
 
-def run_waves(J: Jobs, jobs: list[tuple[str, list[str], int]], slots: int, timeout: float) -> None:
-    """Start (name, argv, gpus) jobs in order, as many at once as fit `slots` GPUs (each its
-    own GPU indices), and wait for the whole wave before the next."""
-    todo = list(jobs)
-    while todo:
-        wave, free = [], list(range(slots))
+def run_pool(J: Jobs, jobs: list[tuple[str, list[str], int]], slots: int, timeout: float) -> None:
+    """Run (name, argv, gpus) jobs on a pool of `slots` GPUs: whenever GPUs are free, start the
+    first waiting jobs that fit (each on its own GPU indices); a job past `timeout` is stopped
+    by `Jobs.wait`, which also records every result."""
+    todo, running, free = list(jobs), [], list(range(slots))
+    if any(g > slots for _, _, g in todo):
+        raise SystemExit(f"kinds2: a job needs {max(g for _, _, g in todo)} GPUs, --kinds-slots is {slots}")
+    while todo or running:
         for job in list(todo):
             if job[2] <= len(free):
                 ids, free = free[:job[2]], free[job[2]:]
-                wave.append(J.start(job[0], job[1], gpu=",".join(map(str, ids)), timeout=timeout))
+                running.append((J.start(job[0], job[1], gpu=",".join(map(str, ids)), timeout=timeout), ids))
                 todo.remove(job)
-        if not wave:
-            raise SystemExit(f"kinds2: a job needs {todo[0][2]} GPUs, --kinds-slots is {slots}")
-        J.wait(*wave)
+        done = [(h, ids) for h, ids in running  # h: Jobs.start's (name, argv, process, log, t0, timeout)
+                if h[2] is None or h[2].poll() is not None or time.perf_counter() > h[4] + h[5]]
+        for h, ids in done:
+            J.wait(h)
+            running.remove((h, ids))
+            free += ids
+        if not done:
+            time.sleep(0.5)
 
 
 def _texts(run_dir: Path) -> dict:
@@ -103,7 +111,7 @@ def phase_kinds2(out: Path, work: Path, args) -> dict:
     kinds = kinds2_recipes(work)
     jobs = [(f"{k}_{g}gpu", _argv(J, work, k, stage, cfg, work / f"k2_{k}{g}", g), g)
             for g in (1, n) for k, (stage, cfg, _) in kinds.items()]
-    run_waves(J, jobs, slots, args.job_timeout)
+    run_pool(J, jobs, slots, args.job_timeout)
     eq, extra = {}, {}
     for k, (stage, _, skip) in kinds.items():
         one, many = work / f"k2_{k}1", work / f"k2_{k}{n}"

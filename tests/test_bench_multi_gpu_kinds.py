@@ -1,6 +1,6 @@
 """benchmarks/bench_multi_gpu.py's `kinds2` phase (benchmarks/multi_gpu_kinds.py: DPO, GRPO with an
 environment, tools, image rows and the Python API, 1 vs N GPUs): its recipes load (fast: a bad
-key would otherwise surface only on the GPUs), its waves pack jobs onto the GPUs (fast), and its
+key would otherwise surface only on the GPUs), its GPU pool runs jobs on free GPUs (fast), and its
 CPU smoke run (`--small`, 2 gloo ranks; slow: ~70-130 s on 2 cores): every job exits 0, exact
 mismatch 0 on 1 and 2 processes, metrics and final weights within fp32 rounding, the generated
 texts equal.
@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -40,29 +41,48 @@ def test_kinds2_recipes_load(tmp_path, small, monkeypatch):
     assert load_config(str(kinds["dpo_live"][1])).dpo.reference == "live"
 
 
-class _Jobs:
-    """Records the waves run_waves starts (each job's GPU indices) instead of starting processes."""
+class _Proc:
+    """A job that ends after `polls` polls."""
 
-    def __init__(self):
-        self.waves, self.current = [], []
+    def __init__(self, polls):
+        self.polls = polls
+
+    def poll(self):
+        self.polls -= 1
+        return 0 if self.polls < 0 else None
+
+
+class _Jobs:
+    """Jobs.start / wait without processes: records which GPUs each job got and checks that
+    running jobs never share a GPU or exceed the pool."""
+
+    def __init__(self, slots, polls):
+        self.slots, self.polls, self.busy, self.gpus, self.done = slots, polls, set(), {}, []
 
     def start(self, name, argv, *, gpu=None, timeout=0):
-        self.current.append((name, gpu))
-        return name
+        ids = {int(i) for i in gpu.split(",")}
+        assert not ids & self.busy and ids <= set(range(self.slots)), (name, ids, self.busy)
+        self.busy |= ids
+        self.gpus[name] = ids
+        return (name, argv, _Proc(self.polls[name]), None, time.perf_counter(), 60)
 
-    def wait(self, *handles):
-        assert len(handles) == len(self.current)
-        self.waves.append(self.current)
-        self.current = []
+    def wait(self, handle):
+        self.busy -= self.gpus[handle[0]]
+        self.done.append(handle[0])
 
 
-def test_run_waves_packs_jobs_onto_the_gpus():
-    J = _Jobs()
-    jobs = [(f"a{i}", [], 1) for i in range(3)] + [(f"b{i}", [], 2) for i in range(3)]
-    K.run_waves(J, jobs, 4, 60)
-    assert J.waves == [[("a0", "0"), ("a1", "1"), ("a2", "2")], [("b0", "0,1"), ("b1", "2,3")], [("b2", "0,1")]]
+def test_run_pool_fills_free_gpus(monkeypatch):
+    monkeypatch.setattr(K.time, "sleep", lambda s: None)
+    # a long 1-GPU job, short ones: the 2-GPU jobs start as soon as two GPUs are free
+    polls = {"long": 20, "a1": 1, "a2": 1, "a3": 1, "b1": 2, "b2": 2, "b3": 2}
+    jobs = [("long", [], 1), ("a1", [], 1), ("a2", [], 1), ("a3", [], 1), ("b1", [], 2), ("b2", [], 2),
+            ("b3", [], 2)]
+    J = _Jobs(4, polls)
+    K.run_pool(J, jobs, 4, 60)
+    assert sorted(J.done) == sorted(polls) and J.done[-1] == "long"  # the 2-GPU jobs did not wait for it
+    assert all(len(J.gpus[f"b{i}"]) == 2 for i in (1, 2, 3)) and not J.busy
     with pytest.raises(SystemExit, match="needs 4 GPUs"):
-        K.run_waves(_Jobs(), [("c", [], 4)], 2, 60)
+        K.run_pool(_Jobs(2, {"c": 0}), [("c", [], 4)], 2, 60)
 
 
 @pytest.mark.slow
