@@ -7,6 +7,7 @@ global batch and seed, bf16, engine.numerics exact, 3 steps, final save.
   env     `rlfuse grpo` with rollout.env (work/env.py: Echo, three turns, letter observations)
   tools   `rlfuse grpo` with rollout.tools [calculator] (the random model's calls are mostly
           malformed: a tool error is an observation too)
+  (env and tools: the character chat tokenizer's vocabulary, not the shape's)
   vision  `rlfuse grpo` on image rows (builtin:count_squares; the tiny Qwen3-VL of
           rlfuse.recipes.vision_demo, tower trained: its own FSDP2 group)
   api     benchmarks/multi_gpu_api_job.py: `GRPOTrainer` with the rows in memory,
@@ -29,7 +30,18 @@ import json
 import time
 from pathlib import Path
 
-from multi_gpu_jobs import SMALL, Jobs, metric_diff, metrics, print_equivalence, recipe, weight_diff
+from multi_gpu_jobs import (
+    COMMON_SHAPE,
+    SHAPES,
+    SMALL,
+    TINY,
+    Jobs,
+    metric_diff,
+    metrics,
+    print_equivalence,
+    recipe,
+    weight_diff,
+)
 
 from rlfuse.recipes.vision_demo import VLM
 
@@ -51,13 +63,17 @@ def kinds2_recipes(work: Path) -> dict[str, tuple[str, Path, tuple[str, ...]]]:
     common = dict(numerics="exact", save_final=True)
     grpo = dict(common, prompts=8, group=4, new=64)
     turns = dict(max_turn_tokens=8 if SMALL[0] else 32, max_total_tokens=512)
-    # tokenizer char: the rows' letters, and for episodes the compact chat template (rlfuse.train.session)
+    # tokenizer char: the rows' letters, and for episodes the compact chat template (rlfuse.train.session);
+    # the vocabulary the tokenizer's (not the shape's 151936): a random model then samples the tool-call
+    # scaffolding tokens, so the calculator gets calls (mostly malformed: the observation says so)
+    chat = {"tokenizer": "char", "random_init": {k: v for k, v in (TINY if SMALL[0] else SHAPES["0.6b"] | COMMON_SHAPE)
+                                                 .items() if k != "vocab_size"}}
     return {
         **{f"dpo_{ref}": ("dpo", recipe(work, f"k2_dpo_{ref}", "dpo", prompts=8, dpo={"reference": ref}, **common), ())
            for ref in ("precompute", "live")},
-        "env": ("grpo", recipe(work, "k2_env", "grpo", model={"tokenizer": "char"}, grpo={"check_every": 1},
+        "env": ("grpo", recipe(work, "k2_env", "grpo", model=chat, grpo={"check_every": 1},
                                rollout={"env": f"{work}/env.py:Echo", **turns}, **grpo), MULTI_TURN_SKIP),
-        "tools": ("grpo", recipe(work, "k2_tools", "grpo", model={"tokenizer": "char"}, grpo={"check_every": 1},
+        "tools": ("grpo", recipe(work, "k2_tools", "grpo", model=chat, grpo={"check_every": 1},
                                  rollout={"tools": ["calculator"], "max_turns": 3, **turns}, **grpo), MULTI_TURN_SKIP),
         # 40-token prompts (16 image tokens) + 8 new: inside the tiny VLM's 64 positions
         "vision": ("grpo", recipe(work, "k2_vision", "grpo", **dict(grpo, new=8), grpo={"check_every": 1},
