@@ -13,8 +13,7 @@ Phases (several may be given; they run in order):
   env     nvidia-smi, device count, NCCL / PyTorch multicast variables, versions
   run     SFT (fp32) and GRPO (bf16, numerics exact) on 1 GPU and on 2 GPUs, 3 steps, same
           global batch and seed: per-step metric and final-weight differences, exact
-          mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake);
-          DPO under torchrun on the SFT rows (expected: one error line, no preference pairs)
+          mismatch; GRPO fast numerics on 2 GPUs (CUDA graphs after each wake); DPO 1 vs N: kinds2
   kinds   PPO (policy and critic sharded), LoRA GRPO (base and adapters replicated),
           LoRA GRPO in stream mode, full fine-tune GRPO in stream mode (FSDP2-sharded: groups
           sum in finishing order, so 1 vs N agree to rounding, not bitwise) and GRPO through a
@@ -22,6 +21,10 @@ Phases (several may be given; they run in order):
           two chat calls an episode, each rank its own server and engine), bf16, exact
           numerics, on 1 GPU and on 2 GPUs, 3 steps, same global batch and seed: per-step
           metric and final-weight (LoRA: adapter) differences, exact mismatch
+  kinds2  DPO (reference precompute and live), GRPO with an environment (rollout.env), with tools
+          (rollout.tools), on image rows (a tiny Qwen3-VL) and through the Python API (rows in
+          memory, trainer.generate), the same comparison plus the generated texts
+          (benchmarks/multi_gpu_kinds.py), on a pool of --kinds-slots GPUs
   scale   GRPO 8 prompts x 8 completions per GPU, <=1024 new tokens, per --scale-runs
           SHAPE:GPUS[:SETTINGS] (settings: distributed.* FSDP2 knobs, or any recipe key); with
           --profile-train, the train phase of one step profiled on every rank (rlfuse.run.profile):
@@ -43,6 +46,7 @@ Phases (several may be given; they run in order):
     OUT=out python3 benchmarks/bench_multi_gpu.py scale --profile-train --scale-runs 0.6b:1 0.6b:2 0.6b:4 \
         0.6b:4:reshard_after_forward=false 0.6b:4:prefetch=2,reshard_after_backward=false
     OUT=out python3 benchmarks/bench_multi_gpu.py kinds
+    OUT=out python3 benchmarks/bench_multi_gpu.py kinds2 --kinds-gpus 2
     OUT=out python3 benchmarks/bench_multi_gpu.py moe --moe-gpus 1 2 4 --job-timeout 900
 The subprocesses inherit this environment unchanged (the machine's NCCL settings included).
 """
@@ -69,10 +73,12 @@ from multi_gpu_jobs import (  # noqa: E402  (benchmarks/multi_gpu_jobs.py)
     Jobs,
     metric_diff,
     metrics,
+    print_equivalence,
     recipe,
     setup,
     weight_diff,
 )
+from multi_gpu_kinds import phase_kinds2  # noqa: E402  (benchmarks/multi_gpu_kinds.py)
 
 from rlfuse.run.config import load_config  # noqa: E402
 
@@ -106,7 +112,6 @@ def phase_run(out: Path, work: Path, args) -> dict:
     sft = recipe(work, "sft", "sft", dtype="float32", save_final=True)
     grpo_x = recipe(work, "grpo_exact", "grpo", numerics="exact", prompts=8, group=4, new=64, save_final=True)
     grpo_f = recipe(work, "grpo_fast", "grpo", numerics="fast", prompts=8, group=4, new=64)
-    J.run("dpo_2gpu", J.argv("dpo", sft, work / "dpo2", 2), timeout=120)
     # one-GPU references side by side (one per GPU), then the 2-GPU runs
     J.wait(J.start("sft_1gpu", J.argv("sft", sft, work / "sft1", 1), gpu="0"),
            J.start("grpo_exact_1gpu", J.argv("grpo", grpo_x, work / "grpox1", 1), gpu="1"))
@@ -131,8 +136,6 @@ def phase_run(out: Path, work: Path, args) -> dict:
         for s in eq[k]["steps"]:
             print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['loss_abs_diff']:.2e} | "
                   f"{s['max_rel_diff']:.2e} ({s['where']}) | {s['mismatch_max_abs_1gpu']} / {s['mismatch_max_abs_2gpu']} |")
-    for k in ("dpo_2gpu",):
-        print(f"{k}: rc {J.results[k]['rc']}: {J.results[k]['errors'][:1]}")
     return eq
 
 
@@ -169,16 +172,7 @@ def phase_kinds(out: Path, work: Path, args) -> dict:
                                    ("fsdp_stream_exact_bf16", "fsdp_stream", "grpo"),
                                    ("agent_grpo_exact_bf16", "agent", "grpo"))}
     J.finish({"equivalence": eq, "gpus": n})
-    print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
-    for r in J.results.values():
-        print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
-    for k, e in eq.items():
-        print(f"\n{k}: final weights {e['weights']}")
-        print(f"| step | loss 1 GPU | loss {n} GPUs | max rel metric diff (which) | mismatch max 1 / {n} |")
-        print("|---|---|---|---|---|")
-        for s in e["steps"]:
-            print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['max_rel_diff']:.2e} ({s['where']}) | "
-                  f"{s['mismatch_max_abs_1gpu']} / {s['mismatch_max_abs_2gpu']} |")
+    print_equivalence(J, eq, n)
     return eq
 
 
@@ -495,7 +489,7 @@ def phase_faults(out: Path, work: Path, args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds", "moe"))
+    ap.add_argument("phases", nargs="+", choices=("env", "run", "scale", "faults", "kinds", "kinds2", "moe"))
     ap.add_argument("--work", default="/tmp/mgpu", help="run folders and logs (large: final weights)")
     ap.add_argument("--scale-runs", nargs="+", default=["0.6b:1", "0.6b:2"], metavar="SHAPE:GPUS[:KEY=VALUE,...]",
                     help=f"GRPO scaling runs, shape one of {sorted(SHAPES)}; optional settings: distributed.* "
@@ -507,7 +501,9 @@ def main() -> int:
     ap.add_argument("--job-timeout", type=float, default=300)
     ap.add_argument("--budget-s", type=float, default=float("inf"),
                     help="start no job later than this many seconds minus 60 after the start (fit a device call)")
-    ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds: GPUs of the data-parallel jobs (2 or 4)")
+    ap.add_argument("--kinds-gpus", type=int, default=2, help="kinds, kinds2: GPUs of the data-parallel jobs (2 or 4)")
+    ap.add_argument("--kinds-slots", type=int, default=0,
+                    help="kinds2: GPUs its jobs share (0: every visible GPU; --small: --kinds-gpus)")
     ap.add_argument("--moe-shape", default="moe-3b", help=f"moe: the MoE shape, one of {sorted(MOE_SHAPES)}")
     ap.add_argument("--moe-gpus", type=int, nargs="+", default=[1, 2],
                     help="moe: the GPU counts to run (1 is the reference; e.g. 1 2, then 4 in a second call)")
@@ -527,7 +523,8 @@ def main() -> int:
         t0 = time.perf_counter()
         {"env": lambda: phase_env(out, work), "run": lambda: phase_run(out, work, args),
          "scale": lambda: phase_scale(out, work, args), "faults": lambda: phase_faults(out, work, args),
-         "kinds": lambda: phase_kinds(out, work, args), "moe": lambda: phase_moe(out, work, args)}[ph]()
+         "kinds": lambda: phase_kinds(out, work, args), "kinds2": lambda: phase_kinds2(out, work, args),
+         "moe": lambda: phase_moe(out, work, args)}[ph]()
         print(f"=== phase {ph}: {time.perf_counter() - t0:.0f} s", flush=True)
     return 0
 

@@ -50,13 +50,25 @@ AGENT = ("async def twice(client, row):\n"  # kinds: the second call extends the
          "             {'role': 'user', 'content': row['prompt'][:16]}]\n"
          "    await client.chat.completions.create(model='rlfuse-policy', messages=msgs)\n"
          "    return None  # the recipe's reward scores the last call's completion\n")
+ECHO_ENV = ("from rlfuse.rollout import Step\n"  # kinds2: rollout.env, three turns, letter observations
+            "class Echo:\n"
+            "    def reset(self, row, *, seed):\n"
+            "        self.n = 0\n"
+            "        return [{'role': 'user', 'content': row['prompt']}]\n"
+            "    def step(self, turn):\n"
+            "        self.n += 1\n"
+            "        self.last = len(turn.token_ids)\n"
+            "        return Step(messages=[{'role': 'tool', 'content': 'abc'[:self.n] * 4}], done=self.n >= 3)\n"
+            "    def reward(self):\n"
+            "        return self.last / 64\n")
 # stream/*: times and gradient slots, per rank by nature (each rank's groups finish in their own order)
 NOT_COMPARED = ("time/", "tokens_per_s", "memory/", "stream/", "rollout/agent_wall_s")
 
 
 # ------------------------------------------------------------------ set-up
 def setup(work: Path) -> None:
-    """The tokenizer folder, the prompt file and the reward file (same seed every time)."""
+    """The tokenizer folders, the prompt and preference-pair files, the reward, agent and
+    environment files (same seed every time)."""
     sys.path.insert(0, str(ROOT))
     from rlfuse.rollout import char_chat_tokenizer
     from rlfuse.run.build import char_tokenizer
@@ -70,8 +82,14 @@ def setup(work: Path) -> None:
         for _ in range(512):
             f.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(128)),
                                 "completion": "".join(rng.choice(letters) for _ in range(64)), "answer": ""}) + "\n")
+    with open(work / "pairs.jsonl", "w") as f:  # kinds2: DPO (random letters: a random model prefers neither)
+        for _ in range(128):
+            f.write(json.dumps({"prompt": "".join(rng.choice(letters) for _ in range(128)),
+                                "chosen": "".join(rng.choice(letters) for _ in range(64)),
+                                "rejected": "".join(rng.choice(letters) for _ in range(64))}) + "\n")
     (work / "reward.py").write_text(REWARD)
     (work / "agent.py").write_text(AGENT)
+    (work / "env.py").write_text(ECHO_ENV)
 
 
 def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", numerics="fast", steps=3,
@@ -87,7 +105,7 @@ def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", 
         "data": {"train": str(work / "prompts.jsonl"), "max_prompt_len": 256},
         "rewards": rewards or [{"name": f"{work}/reward.py:even"}],
         "optim": {"lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
-        "engine": {"max_num_seqs": 32} if SMALL[0] else {"gpu_memory_fraction": gpu_frac, "numerics": numerics,
+        "engine": {"max_num_seqs": 32, "numerics": numerics} if SMALL[0] else {"gpu_memory_fraction": gpu_frac, "numerics": numerics,
                                                               "max_num_seqs": max_seqs}
         | ({"num_kv_blocks": kv_blocks, "max_model_len": 1280} if kv_blocks else {}),
         "logging": {"tensorboard": False, "progress": False},
@@ -95,6 +113,9 @@ def recipe(work: Path, name: str, kind: str, *, shape="0.6b", dtype="bfloat16", 
     }
     if kind == "sft":
         cfg["sft"] = {"steps": steps, "batch_size": 8, "micro_batch_tokens": 512}
+    elif kind == "dpo":  # pairs.jsonl; `prompts`: the pairs of a step
+        cfg["data"]["train"] = str(work / "pairs.jsonl")
+        cfg["dpo"] = {"steps": steps, "batch_size": prompts, "micro_batch_tokens": 4096, "beta": 0.1}
     elif kind == "ppo":
         cfg["ppo"] = {"steps": steps, "prompts_per_step": prompts, "samples_per_prompt": group, "max_new_tokens": new,
                       "temperature": 1.0, "micro_batch_tokens": 16384, "sample_every": 0, "mu": 2,
@@ -122,6 +143,11 @@ class Jobs:
             [sys.executable, "-m", "rlfuse"]
         return base + [cmd, str(cfg), "--run-dir", str(run_dir), *more]
 
+    def script_argv(self, script: Path, gpus: int, *args: str) -> list[str]:
+        """A Python script (not the CLI) on `gpus` processes: torchrun above 1."""
+        base = ["torchrun", "--standalone", "--nproc_per_node", str(gpus)] if gpus > 1 else [sys.executable]
+        return base + [str(script), *args]
+
     def start(self, name: str, argv: list[str], *, gpu: str | None = None, timeout: float = 300):
         left = DEADLINE[0] - time.time()
         if left < 60:  # --budget-s: record the job as not run rather than be killed mid-job
@@ -130,9 +156,10 @@ class Jobs:
         env = dict(os.environ)  # the machine's NCCL / multicast settings pass through unchanged
         env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(ROOT)
         env["PYTHONUNBUFFERED"] = "1"
-        if gpu is not None:  # an index among the GPUs this script was given, not a physical id
+        if gpu is not None:  # indices ("0" or "2,3") among the GPUs this script was given, not physical ids
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[int(gpu)] if visible else gpu
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(visible.split(",")[int(i)] for i in gpu.split(",")) \
+                if visible else gpu
         log = open(self.logs / f"{name}.log", "w")
         log.write(" ".join(argv) + "\n")
         log.flush()
@@ -229,3 +256,19 @@ def weight_diff(a: Path, b: Path) -> dict:
         n_diff += int((d > 0).sum())
         n += d.numel()
     return {"max_abs": mx, "elements_differing": n_diff, "elements": n, "dtype": str(next(iter(x.values())).dtype)}
+
+
+def print_equivalence(J: Jobs, eq: dict, n: int, extra: dict | None = None) -> None:
+    """The 1-vs-N tables of the kinds phases: every job's rc and wall, then per run its final
+    weight difference (and `extra[name]`, a line), per step the losses, the largest relative
+    metric difference (which metric) and the exact mismatch on 1 and N GPUs."""
+    print(f"\n1 GPU vs {n} GPUs\n| job | rc | wall s |\n|---|---|---|")
+    for r in J.results.values():
+        print(f"| {r['name']} | {r['rc']} | {r['wall_s']} |")
+    for k, e in eq.items():
+        print(f"\n{k}: final weights {e['weights']}" + (f"; {extra[k]}" if extra and k in extra else ""))
+        print(f"| step | loss 1 GPU | loss {n} GPUs | max rel metric diff (which) | mismatch max 1 / {n} |")
+        print("|---|---|---|---|---|")
+        for s in e["steps"]:
+            print(f"| {s['step']} | {s['loss_1gpu']} | {s['loss_2gpu']} | {s['max_rel_diff']:.2e} ({s['where']}) | "
+                  f"{s['mismatch_max_abs_1gpu']} / {s['mismatch_max_abs_2gpu']} |")
