@@ -13,6 +13,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import torch
+
 from rlfuse.kernels.backend import NUMERICS
 from rlfuse.kernels.kv_quant import KV_CACHE_DTYPES
 
@@ -101,7 +103,7 @@ class EngineConfig:
     of one buffer per group, names and checkpoints unchanged; the trainer's forward runs fused
     too). Exact numerics keep their bits; a group whose projections all carry adapters of one
     rank and scale stays fused, a partly adapted one runs separate; FSDP-sharded models fuse the gathered
-    weights at each rollout, and their training forwards run separate (rlfuse.model.fuse).
+    weights at each rollout and join the gathered parts in their training forwards (rlfuse.model.fuse).
     None (default): on CUDA, where it speeds decode up; not on a CPU, where it would only move
     fast-mode rounding. True / False: always / never (False leaves the model as it is: one
     fused earlier by another engine stays fused)."""
@@ -137,6 +139,10 @@ class EngineConfig:
             raise ValueError(f"{o}.kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"{o}.seed must be an int >= 0, got {self.seed!r}")
+
+    def fuses_on(self, device: torch.device) -> bool:
+        """fuse_projections resolved for a model on `device`: as set, else on CUDA only."""
+        return device.type == "cuda" if self.fuse_projections is None else self.fuse_projections
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         if self.cuda_graph_batch_sizes is not None:

@@ -63,8 +63,7 @@ class LLM(EngineLoop):
         self.model, self.tokenizer = model, tokenizer
         self.config = cfg = config or EngineConfig()
         mcfg = model.config
-        fuse = cfg.fuse_projections
-        if fuse or (fuse is None and model.lm_head_weight.device.type == "cuda"):
+        if cfg.fuses_on(model.lm_head_weight.device):
             fuse_projections(model)  # moves the parameters' storage: before any graph records a pointer
         self.max_model_len = cfg.max_model_len or mcfg.max_position_embeddings
         if self.max_model_len > mcfg.max_position_embeddings:

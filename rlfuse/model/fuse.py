@@ -266,13 +266,21 @@ def fuse_projections(model: CausalLM) -> int:
     return fused
 
 
-def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
+def group_params(module: nn.Module, names: tuple[str, ...]) -> list | None:
+    """The parameters of `module`'s projections `names` if they can run as one GEMM: plain
+    `Linear`s of one device and dtype, one input size, all with or all without bias; else None."""
     mods = [getattr(module, n) for n in names]
     if any(type(m) is not Linear for m in mods):
-        return False
+        return None
     ps = [p for m in mods for p in m.parameters()]
-    return (len({(p.device, p.dtype) for p in ps}) == 1 and len({m.in_features for m in mods}) == 1
-            and len({m.bias is None for m in mods}) == 1 and not any(isinstance(p, DTensor) for p in ps))
+    ok = (len({(p.device, p.dtype) for p in ps}) == 1 and len({m.in_features for m in mods}) == 1
+          and len({m.bias is None for m in mods}) == 1)
+    return ps if ok else None
+
+
+def _fusable(module: nn.Module, names: tuple[str, ...]) -> bool:
+    ps = group_params(module, names)
+    return ps is not None and not any(isinstance(p, DTensor) for p in ps)
 
 
 def fuse_gathered(model: CausalLM) -> list:

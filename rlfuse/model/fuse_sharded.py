@@ -40,8 +40,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from rlfuse.kernels.linear.gemm import linear_fused_parts
-from rlfuse.model.fuse import groups_of
-from rlfuse.model.layers import Linear
+from rlfuse.model.fuse import group_params, groups_of
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +71,9 @@ class JoinedLinear:
 
 
 def _joinable(module: nn.Module, names: tuple[str, ...]) -> bool:
-    """`rlfuse.model.fuse._fusable`'s rules for parameters that are FSDP's DTensor shards."""
-    mods = [getattr(module, n) for n in names]
-    if any(type(m) is not Linear for m in mods):
-        return False
-    ps = [p for m in mods for p in m.parameters()]
-    return (all(isinstance(p, DTensor) for p in ps) and len({(p.device, p.dtype) for p in ps}) == 1
-            and len({m.in_features for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1)
+    """`rlfuse.model.fuse.group_params`' rules, for parameters that are FSDP's DTensor shards."""
+    ps = group_params(module, names)
+    return ps is not None and all(isinstance(p, DTensor) for p in ps)
 
 
 def fuse_sharded(model: nn.Module) -> int:

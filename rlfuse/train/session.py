@@ -140,10 +140,9 @@ def vision_data(spec, vcfg, tokenizer) -> VisionData:
 
 
 def fuse_projections_on(cfg: RunConfig, device: torch.device) -> bool:
-    """engine.fuse_projections resolved: as set, or on for CUDA (the engine's own default).
+    """engine.fuse_projections resolved as the engine resolves it (`EngineConfig.fuses_on`).
     A sharded model then fuses both its engine's gathered weights and its training forwards."""
-    fuse = cfg.engine.fuse_projections
-    return device.type == "cuda" if fuse is None else fuse
+    return cfg.engine.fuses_on(device)
 
 
 def kernel_settings(cfg: RunConfig, *models) -> None:
